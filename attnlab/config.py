@@ -1,0 +1,406 @@
+"""Typed, validated configuration dataclasses.
+
+A typo must never silently become a default: ``from_dict`` rejects unknown keys and
+values of the wrong type, and ``validate`` rejects inconsistent values, each with a
+message naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or inconsistent."""
+
+
+def _fail(path: str, message: str) -> typing.NoReturn:
+    raise ConfigError(f"{path}: {message}" if path else message)
+
+
+def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(path, f"unknown value {value!r}; choose one of {', '.join(choices)}")
+
+
+def _positive(path: str, value: int | float | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        _fail(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(path, value, arg)
+            except ConfigError:
+                pass
+        _fail(path, f"expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            _fail(path, f"expected a mapping for {tp.__name__}, got {value!r}")
+        return _from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            _fail(path, f"expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        items = [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        _fail(path, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        _fail(path, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        _fail(path, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        _fail(path, f"expected a string, got {value!r}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+            _fail(where, f"unknown key{hint}")
+        kwargs[key] = _coerce(where, value, hints[key])
+    return cls(**kwargs)
+
+
+class _Config:
+    """Shared behaviour: dict/JSON round trip, dotted overrides, validation."""
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        cfg = _from_dict(cls, data)
+        cfg.validate()  # type: ignore[attr-defined]
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        return cls.from_dict(json.loads(text))  # type: ignore[attr-defined]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls: type[T], path: str | Path) -> T:
+        return cls.from_json(Path(path).read_text())  # type: ignore[attr-defined]
+
+    def override(self: T, assignments: dict[str, Any]) -> T:
+        """Return a copy with dotted keys replaced: ``{"attention.n_heads": 8}``."""
+        data = self.to_dict()  # type: ignore[attr-defined]
+        for dotted, value in assignments.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for i, part in enumerate(parents):
+                if not isinstance(node.get(part), dict):
+                    _fail(".".join(parents[: i + 1]), "unknown section")
+                node = node[part]
+            if leaf not in node:
+                close = difflib.get_close_matches(leaf, list(node), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                _fail(dotted, f"unknown key{hint}")
+            node[leaf] = value
+        return type(self).from_dict(data)  # type: ignore[attr-defined]
+
+    def validate(self) -> None:
+        pass
+
+
+ATTENTION_KINDS = ("mha",)
+ATTENTION_BACKENDS = ("sdpa", "eager")
+POSITION_KINDS = ("learned", "sinusoidal", "rope", "none")
+ROPE_LAYOUTS = ("split", "interleaved")
+FFN_KINDS = ("mlp", "glu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")
+NORM_KINDS = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("pre", "post")
+
+
+@dataclass
+class AttentionConfig(_Config):
+    """Self-attention. MHA: n_kv_heads == n_heads; GQA: divides n_heads; MQA: 1."""
+
+    kind: str = "mha"
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None means n_heads (MHA)
+    head_dim: int | None = None  # None means d_model // n_heads
+    qkv_bias: bool = False
+    out_bias: bool = False
+    dropout: float = 0.0  # on the attention weights
+    sliding_window: int | None = None  # keys older than this many positions are masked
+    backend: str = "sdpa"
+
+    def validate(self, path: str = "attention") -> None:
+        _choice(f"{path}.kind", self.kind, ATTENTION_KINDS)
+        _choice(f"{path}.backend", self.backend, ATTENTION_BACKENDS)
+        _positive(f"{path}.n_heads", self.n_heads)
+        _positive(f"{path}.n_kv_heads", self.n_kv_heads)
+        _positive(f"{path}.head_dim", self.head_dim)
+        _positive(f"{path}.sliding_window", self.sliding_window)
+        if not 0.0 <= self.dropout < 1.0:
+            _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.n_heads % self.kv_heads:
+            _fail(
+                f"{path}.n_kv_heads",
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                "use a divisor of n_heads (n_heads for MHA, 1 for MQA)",
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+@dataclass
+class PositionConfig(_Config):
+    kind: str = "learned"
+    rope_theta: float = 10000.0
+    rope_layout: str = "split"  # "split" halves (LLaMA/HF) or "interleaved" pairs (RoFormer)
+
+    def validate(self, path: str = "position") -> None:
+        _choice(f"{path}.kind", self.kind, POSITION_KINDS)
+        _choice(f"{path}.rope_layout", self.rope_layout, ROPE_LAYOUTS)
+        _positive(f"{path}.rope_theta", self.rope_theta)
+
+
+@dataclass
+class FFNConfig(_Config):
+    """``mlp``: act(x W1) W2. ``glu``: (act(x W_gate) * x W_up) W_down — GLU with sigmoid,
+    GeGLU with gelu, SwiGLU with silu."""
+
+    kind: str = "mlp"
+    activation: str = "gelu"
+    hidden_dim: int | None = None  # None: 4 d (mlp) or 2/3 * 4 d rounded up (glu)
+    multiple_of: int = 256  # glu hidden size is rounded up to a multiple of this
+    bias: bool = True
+
+    def validate(self, path: str = "ffn") -> None:
+        _choice(f"{path}.kind", self.kind, FFN_KINDS)
+        _choice(f"{path}.activation", self.activation, ACTIVATIONS)
+        _positive(f"{path}.hidden_dim", self.hidden_dim)
+        _positive(f"{path}.multiple_of", self.multiple_of)
+
+    def hidden_size(self, d_model: int) -> int:
+        if self.hidden_dim is not None:
+            return self.hidden_dim
+        if self.kind == "mlp":
+            return 4 * d_model
+        hidden = int(2 * 4 * d_model / 3)  # LLaMA: keep parameter count of a 4d MLP
+        return self.multiple_of * -(-hidden // self.multiple_of)
+
+
+@dataclass
+class NormConfig(_Config):
+    kind: str = "layernorm"
+    eps: float = 1e-5
+    bias: bool = True  # LayerNorm only
+    placement: str = "pre"  # "pre" (GPT-2, LLaMA) or "post" (original Transformer)
+
+    def validate(self, path: str = "norm") -> None:
+        _choice(f"{path}.kind", self.kind, NORM_KINDS)
+        _choice(f"{path}.placement", self.placement, NORM_PLACEMENTS)
+        _positive(f"{path}.eps", self.eps)
+
+
+@dataclass
+class ModelConfig(_Config):
+    """A decoder-only language model. GPT-2 and LLaMA are presets of this one config."""
+
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    position: PositionConfig = field(default_factory=PositionConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
+    tie_embeddings: bool = True
+    dropout: float = 0.0  # embedding and residual dropout
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers"):
+            _positive(name, getattr(self, name))
+        _positive("init_std", self.init_std)
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("dropout", f"must be in [0, 1), got {self.dropout}")
+        self.attention.validate()
+        self.position.validate()
+        self.ffn.validate()
+        self.norm.validate()
+        if self.attention.head_dim is None and self.d_model % self.attention.n_heads:
+            _fail(
+                "d_model",
+                f"d_model={self.d_model} is not divisible by attention.n_heads="
+                f"{self.attention.n_heads}; change one, or set attention.head_dim",
+            )
+        if self.position.kind == "rope" and self.head_dim % 2:
+            _fail(
+                "attention.head_dim",
+                f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}",
+            )
+        if self.position.kind == "sinusoidal" and self.d_model % 2:
+            _fail("d_model", f"sinusoidal positions need an even d_model, got {self.d_model}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+    @property
+    def n_heads(self) -> int:
+        return self.attention.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.attention.kv_heads
+
+
+def load_config(cls: type[T], path: str | Path) -> T:
+    """Read a JSON config file, naming the file in any error."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return cls.from_dict(data)  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class DataConfig(_Config):
+    path: str | None = None  # a .txt file or a folder of them; None: the embedded corpus
+    tokenizer: str = "char"  # "char" or "bpe" (byte-level BPE trained on the corpus)
+    bpe_vocab_size: int = 4096
+    val_fraction: float = 0.1
+    errors: str = "strict"  # undecodable bytes: "strict" (error) or "replace"
+
+    def validate(self, path: str = "data") -> None:
+        _choice(f"{path}.tokenizer", self.tokenizer, ("char", "bpe"))
+        _choice(f"{path}.errors", self.errors, ("strict", "replace"))
+        if not 0.0 < self.val_fraction < 1.0:
+            _fail(f"{path}.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        if self.bpe_vocab_size < 257:
+            _fail(
+                f"{path}.bpe_vocab_size",
+                f"must be > 256 (the byte alphabet), got {self.bpe_vocab_size}",
+            )
+
+
+@dataclass
+class TrainConfig(_Config):
+    batch_size: int = 12  # sequences per optimizer step, per process, before accumulation
+    block_size: int | None = None  # None: model.max_seq_len
+    grad_accum: int = 1
+    max_steps: int = 2000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    dtype: str = "float32"  # "float32" or "bfloat16" (autocast)
+    eval_every: int = 250
+    eval_batches: int = 20
+    log_every: int = 10
+    save_every: int = 0  # 0: save at evaluations and at the end only
+    seed: int = 1337
+    time_budget: float | None = None  # seconds; fits the schedule to the steps that fit
+    tensorboard: bool = False
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    compile: bool = False
+
+    def validate(self, path: str = "train") -> None:
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_batches", "log_every"):
+            _positive(f"{path}.{name}", getattr(self, name))
+        for name in (
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "save_every",
+            "eval_every",
+            "min_lr",
+        ):
+            _positive(f"{path}.{name}", getattr(self, name), allow_zero=True)
+        _positive(f"{path}.lr", self.lr)
+        _positive(f"{path}.block_size", self.block_size)
+        _positive(f"{path}.time_budget", self.time_budget)
+        _choice(f"{path}.dtype", self.dtype, ("float32", "bfloat16"))
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(f"{path}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass
+class RunConfig(_Config):
+    """Everything a training run needs; saved as config.json beside each checkpoint."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.train.validate()
+        self.data.validate()
+        if self.train.block_size is not None and self.train.block_size > self.model.max_seq_len:
+            _fail(
+                "train.block_size",
+                f"{self.train.block_size} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}; lower it or raise model.max_seq_len",
+            )

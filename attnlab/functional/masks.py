@@ -1,0 +1,57 @@
+"""Attention masks. Convention: boolean True = may attend (as in
+``F.scaled_dot_product_attention``); additive masks hold 0 or -inf.
+
+Shapes: t query length, s key length, b batch. Masks broadcast to (b, h, t, s).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def causal_mask(t: int, s: int | None = None, *, device=None) -> Tensor:
+    """(t, s) bool. Query i sits at key position s - t + i (bottom-right aligned), so the
+    last t of s keys are the queries themselves: right for a KV cache and chunked prefill.
+    (``is_causal=True`` in torch aligns top-left when t != s, which is wrong there.)"""
+    s = t if s is None else s
+    if s < t:
+        raise ValueError(f"causal_mask: key length s={s} is shorter than query length t={t}")
+    q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
+    k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
+    return k_pos <= q_pos
+
+
+def sliding_window_mask(t: int, s: int, window: int, *, device=None) -> Tensor:
+    """(t, s) bool: causal, and only the last ``window`` keys (the query's own included)."""
+    q_pos = torch.arange(s - t, s, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def padding_mask(key_valid: Tensor) -> Tensor:
+    """(b, s) bool or 0/1 -> (b, 1, 1, s) bool: which keys are real tokens."""
+    return key_valid.bool()[:, None, None, :]
+
+
+def combine_masks(*masks: Tensor | None) -> Tensor | None:
+    """AND of boolean masks / sum of additive masks; ``None`` entries are skipped."""
+    out = None
+    for m in masks:
+        if m is None:
+            continue
+        if out is None:
+            out = m
+        elif out.dtype == torch.bool and m.dtype == torch.bool:
+            out = out & m
+        else:
+            out = to_additive(out) + to_additive(m)
+    return out
+
+
+def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Boolean mask -> 0 / -inf additive mask (additive masks pass through)."""
+    if mask.dtype != torch.bool:
+        return mask
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.tensor(float("-inf"), dtype=dtype, device=mask.device))

@@ -1,0 +1,21 @@
+"""Parameterised building blocks (torch.nn-style modules)."""
+
+from attnlab.nn.attention import MultiHeadAttention
+from attnlab.nn.block import TransformerBlock
+from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from attnlab.nn.feedforward import MLP, GatedFFN, build_ffn
+from attnlab.nn.norm import RMSNorm, build_norm
+from attnlab.nn.rope import RotaryEmbedding
+
+__all__ = [
+    "MLP",
+    "GatedFFN",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEmbedding",
+    "TransformerBlock",
+    "build_ffn",
+    "build_norm",
+]

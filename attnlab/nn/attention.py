@@ -1,0 +1,101 @@
+"""Multi-head attention with n_kv_heads: MHA (n_kv_heads = n_heads), GQA (a divisor of
+n_heads, Ainslie et al. 2023) and MQA (1, Shazeer 2019) are one class.
+
+Shapes: b batch, t query length, s key length, d d_model, h heads, h_kv key/value heads,
+d_h head dim.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from attnlab.config import AttentionConfig
+from attnlab.functional.attention import attend
+from attnlab.functional.masks import combine_masks, sliding_window_mask
+from attnlab.nn.rope import RotaryEmbedding
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention (``context=None``) or cross-attention (keys/values from ``context``).
+
+    Self-attention projects q, k, v with one fused matmul; cross-attention projects q from x
+    and k, v from the context. ``causal`` applies to self-attention only.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        cfg: AttentionConfig,
+        *,
+        causal: bool = True,
+        cross: bool = False,
+        context_dim: int | None = None,
+        rope: RotaryEmbedding | None = None,
+        resid_dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.head_dim = cfg.head_dim or d_model // cfg.n_heads
+        self.causal, self.cross = causal and not cross, cross
+        self.window = cfg.sliding_window
+        self.backend, self.attn_dropout = cfg.backend, cfg.dropout
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+        if cross:
+            self.q = nn.Linear(d_model, q_dim, bias=cfg.qkv_bias)
+            self.kv = nn.Linear(context_dim or d_model, 2 * kv_dim, bias=cfg.qkv_bias)
+        else:
+            self.qkv = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # [q; k; v]
+        self.out = nn.Linear(q_dim, d_model, bias=cfg.out_bias)
+        self.rope = rope
+        self.resid_dropout = nn.Dropout(resid_dropout)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (b, n, t, d_h)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor | None = None,
+        cache=None,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        """x (b, t, d); positions (b, t) absolute positions (for RoPE); cache: this layer's
+        entry of a KV cache; mask: extra mask broadcastable to (b, h, t, s), e.g. key
+        padding; context (b, s, d_c) for cross-attention."""
+        b, t, _ = x.shape
+        if self.cross:
+            if context is None:
+                raise ValueError("cross-attention needs a context tensor")
+            q = self._heads(self.q(x), self.n_heads)
+            k, v = self.kv(context).split(self.kv_dim, dim=-1)
+            k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        else:
+            q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
+            q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
+            k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if self.rope is not None:
+                if positions is None:
+                    raise ValueError("RoPE attention needs positions")
+                q, k = self.rope(q, k, positions)
+            if cache is not None:
+                k, v = cache.update(k, v)  # (b, h_kv, s, d_h): all keys so far
+        s = k.shape[-2]
+        causal = self.causal
+        if causal and self.window is not None and s > self.window:
+            mask = combine_masks(mask, sliding_window_mask(t, s, self.window, device=x.device))
+            causal = False
+        y = attend(
+            q,
+            k,
+            v,
+            mask,
+            causal=causal,
+            backend=self.backend,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+        )  # (b, h, t, d_h)
+        y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
+        return self.resid_dropout(self.out(y))

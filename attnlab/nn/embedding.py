@@ -1,0 +1,39 @@
+"""Position embeddings added to token embeddings. Shapes: b batch, t length, d d_model."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """One trained vector per absolute position (GPT-2, BERT)."""
+
+    def __init__(self, max_seq_len: int, d_model: int):
+        super().__init__(max_seq_len, d_model)
+
+    def forward(self, positions: Tensor) -> Tensor:  # (b, t) -> (b, t, d)
+        return super().forward(positions)
+
+
+def sinusoidal_table(positions: Tensor, d_model: int) -> Tensor:
+    """p[i, 2j] = sin(i / 10000^(2j/d)), p[i, 2j+1] = cos(i / 10000^(2j/d)) (Vaswani et al.).
+
+    positions (...,) -> (..., d) float32."""
+    j2 = torch.arange(0, d_model, 2, dtype=torch.float32, device=positions.device)  # 2j
+    inv = torch.exp(-math.log(10000.0) * j2 / d_model)  # 10000^(-2j/d)
+    angles = positions.to(torch.float32)[..., None] * inv  # (..., d/2)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # sin, cos interleaved
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """Fixed sinusoids, computed for the requested positions (no length limit, no weights)."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+
+    def forward(self, positions: Tensor) -> Tensor:  # (b, t) -> (b, t, d)
+        return sinusoidal_table(positions, self.d_model)

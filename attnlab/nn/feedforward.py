@@ -1,0 +1,68 @@
+"""Position-wise feed-forward networks. Shapes: (b, t, d) -> (b, t, d).
+
+MLP:   W2 act(W1 x)                       (ReLU in Vaswani et al., GELU in GPT-2)
+Gated: W_down (act(W_gate x) * W_up x)    (Shazeer 2020: GLU = sigmoid, GeGLU = gelu,
+                                           SwiGLU = silu as in LLaMA)
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.config import FFNConfig
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "sigmoid": F.sigmoid,
+}
+
+
+class MLP(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden, bias=bias)
+        self.down = nn.Linear(hidden, d_model, bias=bias)
+        self.act = ACTIVATIONS[activation]
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down(self.act(self.up(x))))
+
+
+class GatedFFN(nn.Module):
+    """Gate and up projections are one matmul (one weight read) split in two."""
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: str = "silu",
+        bias: bool = False,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.hidden = hidden
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=bias)  # rows: [gate; up]
+        self.down = nn.Linear(hidden, d_model, bias=bias)
+        self.act = ACTIVATIONS[activation]
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (b, t, hidden) each
+        return self.dropout(self.down(self.act(gate) * up))
+
+
+def build_ffn(cfg: FFNConfig, d_model: int, dropout: float = 0.0) -> nn.Module:
+    cls = GatedFFN if cfg.kind == "glu" else MLP
+    return cls(d_model, cfg.hidden_size(d_model), cfg.activation, cfg.bias, dropout)

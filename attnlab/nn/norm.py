@@ -1,0 +1,28 @@
+"""Normalisation layers. LayerNorm comes from torch; RMSNorm (Zhang & Sennrich 2019):
+y = x / sqrt(mean(x^2) + eps) * g, with no centring and no bias."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.config import NormConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 (bf16 sums of squares lose precision), scale in x's dtype.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def build_norm(cfg: NormConfig, dim: int) -> nn.Module:
+    if cfg.kind == "rmsnorm":
+        return RMSNorm(dim, eps=cfg.eps)
+    return nn.LayerNorm(dim, eps=cfg.eps, bias=cfg.bias)

@@ -1,0 +1,216 @@
+"""Named model configurations: plain functions returning a fresh config.
+
+Tiny presets build in milliseconds for tests; published sizes (GPT-2, LLaMA, Mistral,
+Qwen2) are there for the calculators and for checkpoint import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from attnlab.config import (
+    AttentionConfig,
+    ConfigError,
+    FFNConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
+)
+
+
+def gpt2_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    dropout: float = 0.0,
+) -> ModelConfig:
+    """GPT-2: learned positions, LayerNorm with bias, pre-norm, GELU (tanh) MLP of 4d, MHA
+    with biases, tied embeddings."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="learned"),
+        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="pre"),
+        tie_embeddings=True,
+        dropout=dropout,
+    )
+
+
+def llama_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    multiple_of: int = 256,
+    rope_theta: float = 10000.0,
+    norm_eps: float = 1e-5,
+    tie_embeddings: bool = False,
+    qkv_bias: bool = False,
+) -> ModelConfig:
+    """LLaMA: RoPE (split halves), RMSNorm, pre-norm, SwiGLU, GQA, no biases, untied head."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, qkv_bias=qkv_bias),
+        position=PositionConfig(kind="rope", rope_theta=rope_theta, rope_layout="split"),
+        ffn=FFNConfig(
+            kind="glu",
+            activation="silu",
+            hidden_dim=ffn_hidden,
+            multiple_of=multiple_of,
+            bias=False,
+        ),
+        norm=NormConfig(kind="rmsnorm", eps=norm_eps, placement="pre"),
+        tie_embeddings=tie_embeddings,
+    )
+
+
+def gpt2_tiny() -> ModelConfig:
+    return gpt2_style(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4)
+
+
+def llama_tiny() -> ModelConfig:
+    return llama_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        multiple_of=32,
+    )
+
+
+def vaswani_tiny() -> ModelConfig:
+    """The original Transformer's choices in a decoder-only model: sinusoidal positions,
+    post-norm, ReLU MLP."""
+    return ModelConfig(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="sinusoidal"),
+        ffn=FFNConfig(kind="mlp", activation="relu"),
+        norm=NormConfig(kind="layernorm", placement="post"),
+    )
+
+
+def gpt2() -> ModelConfig:  # 124M
+    return gpt2_style(vocab_size=50257, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12)
+
+
+def gpt2_medium() -> ModelConfig:  # 350M
+    return gpt2_style(vocab_size=50257, max_seq_len=1024, d_model=1024, n_layers=24, n_heads=16)
+
+
+def gpt2_large() -> ModelConfig:  # 774M
+    return gpt2_style(vocab_size=50257, max_seq_len=1024, d_model=1280, n_layers=36, n_heads=20)
+
+
+def gpt2_xl() -> ModelConfig:  # 1.5B
+    return gpt2_style(vocab_size=50257, max_seq_len=1024, d_model=1600, n_layers=48, n_heads=25)
+
+
+def llama_2_7b() -> ModelConfig:
+    return llama_style(
+        vocab_size=32000, max_seq_len=4096, d_model=4096, n_layers=32, n_heads=32, ffn_hidden=11008
+    )
+
+
+def llama_3_8b() -> ModelConfig:
+    return llama_style(
+        vocab_size=128256,
+        max_seq_len=8192,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        rope_theta=500000.0,
+    )
+
+
+def mistral_7b() -> ModelConfig:
+    return llama_style(
+        vocab_size=32000,
+        max_seq_len=32768,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        rope_theta=1e6,
+    )
+
+
+def qwen2_0_5b() -> ModelConfig:
+    return llama_style(
+        vocab_size=151936,
+        max_seq_len=32768,
+        d_model=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        ffn_hidden=4864,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        qkv_bias=True,
+    )
+
+
+def llama_30m() -> ModelConfig:
+    """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
+    return llama_style(
+        vocab_size=8192,
+        max_seq_len=2048,
+        d_model=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=2,
+        ffn_hidden=1408,
+    )
+
+
+PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
+    "gpt2-tiny": (gpt2_tiny, "GPT-2 architecture, 2 layers, d_model 64 (tests)"),
+    "llama-tiny": (llama_tiny, "LLaMA architecture with GQA, 2 layers, d_model 64 (tests)"),
+    "vaswani-tiny": (vaswani_tiny, "sinusoidal positions, post-norm, ReLU; 2 layers (tests)"),
+    "llama-30m": (llama_30m, "LLaMA-style, d_model 512, 8 layers, 8 heads, 2 KV heads"),
+    "gpt2": (gpt2, "GPT-2 small, 124M parameters"),
+    "gpt2-medium": (gpt2_medium, "GPT-2 medium, 355M parameters"),
+    "gpt2-large": (gpt2_large, "GPT-2 large, 774M parameters"),
+    "gpt2-xl": (gpt2_xl, "GPT-2 XL, 1.5B parameters"),
+    "llama-2-7b": (llama_2_7b, "LLaMA 2 7B (MHA, 4k context)"),
+    "llama-3-8b": (llama_3_8b, "LLaMA 3 8B (GQA 32/8, 128k vocabulary, 8k context)"),
+    "mistral-7b": (mistral_7b, "Mistral 7B v0.2 (GQA 32/8, 32k context)"),
+    "qwen2-0.5b": (qwen2_0_5b, "Qwen2 0.5B (GQA 14/2, q/k/v biases, tied embeddings)"),
+}
+
+
+def register_preset(name: str, fn: Callable[[], ModelConfig], description: str) -> None:
+    PRESETS[name] = (fn, description)
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name][0]()
+
+
+def list_presets() -> dict[str, str]:
+    return {name: desc for name, (_, desc) in PRESETS.items()}
