@@ -1,0 +1,96 @@
+"""Text corpora: the embedded default (CPython's Language Reference topics), a .txt file,
+or a folder of .txt files read recursively in sorted order."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+EMBEDDED_NAME = "<embedded: pydoc_data.topics>"
+DOCUMENT_SEPARATOR = "\n\n"  # between documents when a corpus becomes one token stream
+
+
+class DataError(ValueError):
+    """The data cannot be used: missing or empty, undecodable, or too short."""
+
+
+def default_corpus() -> str:
+    """The Python Language Reference topics that ship with CPython (``pydoc_data``), about
+    0.5 MB of English prose and code, joined in sorted topic order so it is deterministic
+    for a given Python version."""
+    from pydoc_data.topics import topics
+
+    return DOCUMENT_SEPARATOR.join(topics[name].strip("\n") for name in sorted(topics))
+
+
+@dataclass(frozen=True)
+class RawSource:
+    """One document before decoding: a display name, a stable key and its bytes."""
+
+    name: str  # shown to users (the file path)
+    key: str  # what identifies it in the cache: the path relative to the corpus root
+    data: bytes
+
+
+def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
+    """Read the raw bytes of every document of a corpus (see ``read_corpus``)."""
+    if path is None:
+        return [RawSource(EMBEDDED_NAME, EMBEDDED_NAME, default_corpus().encode("utf-8"))]
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(
+            f"data.path: {root} does not exist; give a .txt file or a folder of .txt files "
+            "(or leave data.path unset for the embedded corpus)"
+        )
+    if root.is_file():
+        data = root.read_bytes()
+        if not data.strip():
+            raise DataError(f"data.path: {root} is empty; give a file with text in it")
+        return [RawSource(str(root), root.name, data)]
+    files = sorted(
+        (f for f in root.rglob("*") if f.suffix.lower() == ".txt" and f.is_file()),
+        key=lambda f: f.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise DataError(f"data.path: no .txt files under the folder {root}")
+    sources = [RawSource(str(f), f.relative_to(root).as_posix(), f.read_bytes()) for f in files]
+    # Empty files add nothing to the stream; keep the others.
+    sources = [source for source in sources if source.data.strip()]
+    if not sources:
+        raise DataError(f"data.path: all {len(files)} .txt files under {root} are empty")
+    return sources
+
+
+def decode_source(source: RawSource, errors: str = "strict") -> str:
+    """UTF-8 bytes -> text. ``errors="replace"`` substitutes U+FFFD for bad bytes."""
+    if errors not in ("strict", "replace"):
+        raise DataError(f"data.errors: unknown value {errors!r}; choose strict or replace")
+    try:
+        text = source.data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{source.name}: byte offset {e.start} is not valid UTF-8 ({e.reason}: "
+            f"{source.data[e.start : e.start + 4]!r}); fix the file or set "
+            "data.errors=replace to substitute U+FFFD"
+        ) from None
+    return text.removeprefix("\ufeff")  # a UTF-8 byte order mark is not text
+
+
+def sources_digest(sources: list[RawSource]) -> str:
+    """A hash of the corpus content and the order of its documents (the cache key)."""
+    digest = hashlib.sha256()
+    for source in sources:
+        for part in (source.key.encode("utf-8"), source.data):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+    return digest.hexdigest()
+
+
+def read_corpus(
+    path: str | os.PathLike[str] | None, *, errors: str = "strict"
+) -> list[tuple[str, str]]:
+    """(source name, text) per document. ``path``: a text file, or a folder searched
+    recursively for ``*.txt`` (sorted by relative path); ``None``: the embedded corpus."""
+    return [(source.name, decode_source(source, errors)) for source in load_sources(path)]

@@ -1,0 +1,279 @@
+"""Language-modelling data: a corpus tokenised once into a cached token stream, split into
+train and validation, and sampled as (x, y) blocks where y is x shifted by one token.
+
+Shapes: n sequences in a batch, t = block_size tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnlab.config import DataConfig
+from attnlab.data.corpus import (
+    DOCUMENT_SEPARATOR,
+    DataError,
+    RawSource,
+    decode_source,
+    load_sources,
+    sources_digest,
+)
+from attnlab.tokenizers import (
+    Tokenizer,
+    TokenizerError,
+    atomic_write_text,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+CACHE_ENV = "ATTNLAB_CACHE"
+CACHE_DIRNAME = ".attnlab_cache"
+_CACHE_VERSION = "1"  # bump when the cached stream's format or meaning changes
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned type that holds every id: uint16 below 65536 tokens."""
+    return np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.cwd() / CACHE_DIRNAME)
+
+
+@dataclass
+class TokenDataset:
+    """A token stream split into ``train`` and ``val`` (1-D arrays, possibly memory maps)."""
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+    sources: list[str] = field(default_factory=list)  # document names, in stream order
+    n_chars: int | None = None  # characters in the joined corpus
+    from_cache: bool = False  # True when the token stream was read from the cache
+    cache_file: Path | None = None
+
+    def split(self, split: str) -> np.ndarray:
+        if split == "train":
+            return self.train
+        if split == "val":
+            return self.val
+        raise DataError(f"unknown split {split!r}; choose train or val")
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.train) + len(self.val)
+
+    def check_block(self, block_size: int) -> None:
+        """Fail clearly when a split cannot hold one (x, y) pair of ``block_size`` tokens."""
+        if block_size < 1:
+            raise DataError(f"block_size must be >= 1, got {block_size}")
+        for name in SPLITS:
+            length = len(self.split(name))
+            if length < block_size + 1:
+                fix = "raise data.val_fraction" if name == "val" else "lower data.val_fraction"
+                raise DataError(
+                    f"the {name} split has {length} tokens but block_size={block_size} needs "
+                    f"at least {block_size + 1}; use a longer corpus, a smaller "
+                    f"train.block_size, or {fix}"
+                )
+
+    def sample_starts(
+        self, split: str, n: int, block_size: int, generator: torch.Generator | None
+    ) -> Tensor:
+        """(n,) int64 block starts drawn uniformly from [0, len(split) - block_size - 1]."""
+        self.check_block(block_size)
+        high = len(self.split(split)) - block_size  # exclusive: the last start still has a y
+        return torch.randint(0, high, (n,), generator=generator, dtype=torch.int64)
+
+    def batch(
+        self,
+        split: str,
+        starts: Tensor,
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Blocks at ``starts`` -> x, y (n, t) int64: x = tokens[s : s + t] and
+        y = tokens[s + 1 : s + t + 1], the next token at every position."""
+        tokens = self.split(split)
+        starts_np = starts.detach().cpu().numpy().astype(np.int64).reshape(-1)
+        if starts_np.size and (
+            starts_np.min() < 0 or starts_np.max() > len(tokens) - block_size - 1
+        ):
+            raise DataError(
+                f"block starts must lie in [0, {len(tokens) - block_size - 1}] for the {split} "
+                f"split ({len(tokens)} tokens, block_size={block_size})"
+            )
+        offsets = np.arange(block_size + 1, dtype=np.int64)
+        windows = tokens[starts_np[:, None] + offsets]  # (n, t + 1): one gather, no loop
+        windows = torch.from_numpy(windows.astype(np.int64))
+        x = windows[:, :-1].contiguous()  # (n, t)
+        y = windows[:, 1:].contiguous()  # (n, t)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        return x, y
+
+    def n_eval_blocks(self, split: str, block_size: int) -> int:
+        """How many non-overlapping blocks ``iter_eval`` walks over."""
+        return max(0, (len(self.split(split)) - 1) // block_size)
+
+    def iter_eval(
+        self,
+        split: str,
+        batch_size: int,
+        block_size: int,
+        max_batches: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """Deterministic (x, y) batches of consecutive, non-overlapping blocks from the
+        start of ``split``: block j covers x = tokens[j t : (j + 1) t]. The last batch
+        may be smaller; ``max_batches`` stops early."""
+        self.check_block(block_size)
+        if batch_size < 1:
+            raise DataError(f"batch_size must be >= 1, got {batch_size}")
+        n_blocks = self.n_eval_blocks(split, block_size)
+        all_starts = torch.arange(n_blocks, dtype=torch.int64) * block_size  # (n_blocks,)
+        for i, starts in enumerate(all_starts.split(batch_size)):
+            if max_batches is not None and i >= max_batches:
+                return
+            yield self.batch(split, starts, block_size, device)
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:20]
+
+
+def _encode_corpus(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """Tokenise the whole corpus (the one expensive step the cache saves)."""
+    return tokenizer.encode_array(text)
+
+
+def _save_array_atomic(target: Path, array: np.ndarray) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            np.save(file, array)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_cached_tokens(file: Path, dtype: np.dtype) -> np.ndarray | None:
+    if not file.is_file():
+        return None
+    try:
+        tokens = np.load(file, mmap_mode="r")
+    except (OSError, ValueError):
+        return None  # unreadable (e.g. truncated by a crash before atomic writes): rebuild
+    if tokens.ndim != 1 or tokens.dtype != dtype:
+        return None
+    return tokens
+
+
+class _Corpus:
+    """Corpus bytes, decoded and joined only when something needs the text."""
+
+    def __init__(self, sources: list[RawSource], errors: str) -> None:
+        self.sources = sources
+        self.errors = errors
+        self.digest = sources_digest(sources)
+        self._text: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            texts = [decode_source(source, self.errors) for source in self.sources]
+            self._text = DOCUMENT_SEPARATOR.join(texts)
+        return self._text
+
+
+def _warn_no_cache(file: Path, error: OSError) -> None:
+    message = f"could not write the data cache {file} ({error}); continuing without it"
+    warnings.warn(message, stacklevel=3)
+
+
+def _cached_tokenizer(cfg: DataConfig, corpus: _Corpus, cache: Path) -> Tokenizer:
+    """Train the tokenizer on the corpus, or reuse the one trained on the same corpus."""
+    size = str(cfg.bpe_vocab_size) if cfg.tokenizer == "bpe" else "-"
+    key = _digest(_CACHE_VERSION, corpus.digest, cfg.errors, cfg.tokenizer, size)
+    file = cache / f"tokenizer-{cfg.tokenizer}-{key}.json"
+    if file.is_file():
+        try:
+            return load_tokenizer(file)
+        except TokenizerError:
+            pass  # corrupt cache entry: retrain and overwrite
+    tokenizer = train_tokenizer(cfg.tokenizer, [corpus.text], cfg.bpe_vocab_size)
+    try:
+        atomic_write_text(file, tokenizer.to_json())
+    except OSError as e:
+        _warn_no_cache(file, e)
+    return tokenizer
+
+
+def prepare_data(
+    cfg: DataConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> TokenDataset:
+    """Read the corpus, train a tokenizer unless one is given, tokenise once (cached by
+    corpus content and tokenizer JSON), and split: the last ``cfg.val_fraction`` of the
+    token stream is validation."""
+    corpus = _Corpus(load_sources(cfg.path), cfg.errors)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if tokenizer is None:
+        tokenizer = _cached_tokenizer(cfg, corpus, cache)
+
+    tokenizer_digest = hashlib.sha256(tokenizer.to_json().encode("utf-8")).hexdigest()
+    key = _digest(_CACHE_VERSION, corpus.digest, cfg.errors, tokenizer_digest)
+    tokens_file = cache / f"tokens-{tokenizer.kind}-{key}.npy"
+    meta_file = tokens_file.with_suffix(".json")
+    dtype = token_dtype(tokenizer.vocab_size)
+
+    tokens = _load_cached_tokens(tokens_file, dtype)
+    from_cache = tokens is not None
+    n_chars: int | None = None
+    if from_cache and meta_file.is_file():
+        try:
+            n_chars = json.loads(meta_file.read_text())["n_chars"]
+        except (OSError, ValueError, KeyError):
+            n_chars = None
+    if tokens is None:
+        try:
+            ids = _encode_corpus(tokenizer, corpus.text)
+        except TokenizerError as e:
+            raise DataError(f"the corpus cannot be encoded with this tokenizer: {e}") from None
+        tokens = ids.astype(dtype)
+        n_chars = len(corpus.text)
+        try:
+            # The meta file first: a token file present means its meta file was written.
+            meta = {"sources": [s.name for s in corpus.sources], "n_chars": n_chars}
+            atomic_write_text(meta_file, json.dumps(meta, indent=1) + "\n")
+            _save_array_atomic(tokens_file, tokens)
+        except OSError as e:
+            _warn_no_cache(tokens_file, e)
+
+    # Deterministic split: the validation set is the tail of the stream.
+    n_val = int(round(len(tokens) * cfg.val_fraction))
+    n_train = len(tokens) - n_val
+    return TokenDataset(
+        tokenizer=tokenizer,
+        train=tokens[:n_train],
+        val=tokens[n_train:],
+        sources=[source.name for source in corpus.sources],
+        n_chars=n_chars,
+        from_cache=from_cache,
+        cache_file=tokens_file,
+    )

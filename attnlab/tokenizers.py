@@ -1,0 +1,243 @@
+"""Tokenizers: a character tokenizer and byte-level BPE, both stored as a standard
+Hugging Face ``tokenizer.json``.
+
+Both kinds wrap a ``tokenizers.Tokenizer`` so that one file format saves and reloads
+them (and other tools can read it). The hot paths avoid per-token Python work:
+
+* ``char``: a WordLevel model over single characters (one id per code point, ids in
+  sorted character order). Encoding maps code points to ids with numpy
+  (``searchsorted``); the HF pipeline (split every character, ``Fuse`` decoder) gives the
+  same ids and is the oracle in the tests.
+* ``bpe``: byte-level BPE (GPT-2 style: ByteLevel pre-tokenizer and decoder), so any
+  unicode text round-trips exactly. Long texts are cut at safe line breaks and encoded
+  with ``encode_batch``, which runs the pieces in parallel and yields the same ids as
+  encoding the whole text at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+TOKENIZER_KINDS = ("char", "bpe")
+TOKENIZER_FILE = "tokenizer.json"
+
+# Target size of the pieces a long text is cut into for ``encode_batch``.
+_CHUNK_CHARS = 1 << 16
+# A cut here cannot change byte-level pre-tokenization: a "\n" between two visible
+# ASCII characters is always a pre-token of its own (the GPT-2 pattern has no
+# look-behind, and its only look-ahead, ``\s+(?!\S)``, sees the same next character),
+# so the text after it is split exactly as it would be in the whole string. (ASCII only,
+# so that Python's and the Rust regex engine's idea of whitespace cannot differ.)
+_SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+_MAX_LISTED = 10  # unknown characters named in an error message
+
+
+class TokenizerError(ValueError):
+    """Text a tokenizer cannot encode, ids it cannot decode, or a bad tokenizer file."""
+
+
+def _describe_char(char: str) -> str:
+    return f"{char!r} (U+{ord(char):04X})"
+
+
+def _code_points(text: str) -> np.ndarray:
+    """Text -> (n,) uint32 code points, without a Python loop over characters."""
+    # surrogatepass keeps lone surrogates (which str may hold) as their own code points.
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+
+
+def _from_code_points(points: np.ndarray) -> str:
+    return points.astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+
+
+def split_for_encoding(text: str, chunk_chars: int | None = None) -> list[str]:
+    """Cut ``text`` into pieces of about ``chunk_chars`` at cuts that leave byte-level
+    pre-tokenization unchanged, so encoding the pieces equals encoding the whole."""
+    chunk_chars = chunk_chars or _CHUNK_CHARS
+    if len(text) <= chunk_chars:
+        return [text]
+    pieces = []
+    start = 0
+    while len(text) - start > chunk_chars:
+        cut = _SAFE_CUT.search(text, start + chunk_chars)
+        if cut is None:
+            break
+        pieces.append(text[start : cut.start()])
+        start = cut.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+class Tokenizer:
+    """A trained tokenizer: ``kind`` is "char" or "bpe"; ids are in ``[0, vocab_size)``."""
+
+    def __init__(self, hf: HFTokenizer) -> None:
+        self.hf = hf
+        model_type = json.loads(hf.to_str())["model"]["type"]
+        if model_type == "WordLevel":
+            self.kind = "char"
+            self._init_char_tables()
+        elif model_type == "BPE":
+            self.kind = "bpe"
+        else:
+            raise TokenizerError(
+                f"unsupported tokenizer model {model_type!r}; attnlab uses WordLevel "
+                "(char) or BPE (bpe) tokenizers"
+            )
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+
+    def _init_char_tables(self) -> None:
+        vocab = self.hf.get_vocab(with_added_tokens=True)  # token -> id
+        bad = [token for token in vocab if len(token) != 1]
+        if bad:
+            raise TokenizerError(
+                f"a char tokenizer's vocabulary must hold single characters, found {bad[:3]}"
+            )
+        points = np.array([ord(token) for token in vocab], dtype=np.uint32)
+        ids = np.array(list(vocab.values()), dtype=np.int64)
+        order = np.argsort(points)
+        self._sorted_points = points[order]  # (V,) ascending code points
+        self._sorted_ids = ids[order]  # (V,) the id of each of them
+        self._id_to_point = np.zeros(int(ids.max()) + 1, dtype=np.uint32)
+        self._id_to_point[ids] = points
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})"
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Text -> (n,) int64 ids, fast on long texts (the path the data pipeline uses)."""
+        if self.kind == "char":
+            return self._encode_char(text)
+        pieces = split_for_encoding(text)
+        encodings = self.hf.encode_batch(pieces, add_special_tokens=False)
+        arrays = [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+    def _encode_char(self, text: str) -> np.ndarray:
+        points = _code_points(text)
+        where = np.searchsorted(self._sorted_points, points)
+        where = np.minimum(where, len(self._sorted_points) - 1)
+        known = self._sorted_points[where] == points
+        if not known.all():
+            unknown, counts = np.unique(points[~known], return_counts=True)
+            listed = ", ".join(_describe_char(chr(p)) for p in unknown[:_MAX_LISTED].tolist())
+            more = f" and {len(unknown) - _MAX_LISTED} more" if len(unknown) > _MAX_LISTED else ""
+            raise TokenizerError(
+                f"{int(counts.sum())} characters not in the vocabulary: {listed}{more}; the "
+                "char tokenizer knows only the characters of the corpus it was trained on "
+                "(train it on text that has them, or use the bpe tokenizer)"
+            )
+        return self._sorted_ids[where]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
+            raise TokenizerError(f"token id {int(bad)} is outside [0, {self.vocab_size})")
+        if self.kind == "char":
+            return _from_code_points(self._id_to_point[ids])
+        return self.hf.decode(ids.tolist(), skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ files
+
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (deterministic: also used as a cache key)."""
+        return self.hf.to_str()
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write ``tokenizer.json``; ``path`` is a ``.json`` file or a directory. Atomic."""
+        path = Path(path)
+        target = path if path.suffix == ".json" else path / TOKENIZER_FILE
+        atomic_write_text(target, self.to_json())
+        return target
+
+
+def atomic_write_text(target: Path, text: str) -> None:
+    """Write to a temporary file beside ``target`` and rename it into place, so a reader
+    never sees a half-written file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _char_tokenizer(chars: Iterable[str]) -> Tokenizer:
+    vocab = {char: i for i, char in enumerate(sorted(set(chars)))}
+    if not vocab:
+        raise TokenizerError("cannot train a char tokenizer on empty text")
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    # Every code point is its own pre-token; Fuse joins tokens back without spaces.
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    return Tokenizer(hf)
+
+
+def _bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet):
+        raise TokenizerError(
+            f"bpe vocab_size must be at least {len(alphabet)} (the byte alphabet), got {vocab_size}"
+        )
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=alphabet,  # all 256 bytes, so no text is ever unknown
+        special_tokens=[],
+        show_progress=False,
+    )
+    hf.train_from_iterator(
+        (piece for text in texts for piece in split_for_encoding(text)), trainer=trainer
+    )
+    return Tokenizer(hf)
+
+
+def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
+    """Train a tokenizer on ``texts``. ``char``: the vocabulary is the sorted set of
+    characters (``vocab_size`` is ignored). ``bpe``: byte-level BPE with at most
+    ``vocab_size`` tokens (fewer when the text has too few distinct merges)."""
+    if kind == "char":
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        return _char_tokenizer(chars)
+    if kind == "bpe":
+        return _bpe_tokenizer(texts, vocab_size)
+    raise TokenizerError(f"unknown tokenizer kind {kind!r}; choose one of {TOKENIZER_KINDS}")
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Load a ``tokenizer.json`` file, or the one inside the directory ``path``."""
+    path = Path(path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise TokenizerError(f"{file}: tokenizer file not found; save one with Tokenizer.save")
+    try:
+        hf = HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises plain Exception for bad JSON
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerError(f"{file}: not a valid tokenizer.json ({first_line})") from None
+    try:
+        return Tokenizer(hf)
+    except TokenizerError as e:
+        raise TokenizerError(f"{file}: {e}") from None

@@ -1,0 +1,312 @@
+"""Data pipeline: corpora, cached tokenisation, deterministic splits, batches, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab.data.lm as lm
+from attnlab.config import DataConfig
+from attnlab.data import (
+    EMBEDDED_NAME,
+    DataError,
+    TokenDataset,
+    default_corpus,
+    prepare_data,
+    read_corpus,
+)
+from attnlab.tokenizers import train_tokenizer
+
+DOC_A = "The first document.\nIt has two lines.\n"
+DOC_B = "Second one: naïve café, 漢字 🙂\ttabs  and  spaces.\n"
+
+
+def char_ids(text: str) -> np.ndarray:
+    """Independent reference for the char tokenizer: id = rank of the character."""
+    alphabet = {char: i for i, char in enumerate(sorted(set(text)))}
+    return np.array([alphabet[char] for char in text], dtype=np.int64)
+
+
+@pytest.fixture
+def corpus_dir(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / "b.txt").write_text(DOC_B, encoding="utf-8")
+    (root / "sub" / "a.txt").write_text(DOC_A * 40, encoding="utf-8")
+    (root / "notes.md").write_text("not a .txt file")
+    (root / "empty.txt").write_text("")
+    return root
+
+
+def expected_text(root) -> str:
+    # Sorted by relative path: "b.txt" < "sub/a.txt"; the empty file adds nothing.
+    return DOC_B + "\n\n" + DOC_A * 40
+
+
+def make_dataset(tokens: np.ndarray, val_fraction: float = 0.25) -> TokenDataset:
+    tok = train_tokenizer("char", ["".join(chr(65 + i) for i in range(int(tokens.max()) + 1))])
+    n_val = round(len(tokens) * val_fraction)
+    return TokenDataset(tok, tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :])
+
+
+# ---------------------------------------------------------------------- corpora
+
+
+def test_default_corpus_is_the_pydoc_topics():
+    from pydoc_data.topics import topics
+
+    text = default_corpus()
+    assert text == default_corpus()  # deterministic
+    assert 200_000 < len(text) < 2_000_000
+    for name in ("if", "class", "lambda"):
+        assert topics[name].strip("\n") in text
+    assert read_corpus(None) == [(EMBEDDED_NAME, text)]
+
+
+def test_read_corpus_folder_is_recursive_sorted_and_txt_only(corpus_dir):
+    docs = read_corpus(corpus_dir)
+    assert [name for name, _ in docs] == [
+        str(corpus_dir / "b.txt"),
+        str(corpus_dir / "sub" / "a.txt"),
+    ]
+    assert [text for _, text in docs] == [DOC_B, DOC_A * 40]
+    assert read_corpus(corpus_dir / "b.txt") == [(str(corpus_dir / "b.txt"), DOC_B)]
+
+
+def test_read_corpus_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_corpus(tmp_path / "nope.txt")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(DataError, match="is empty"):
+        read_corpus(tmp_path / "empty.txt")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "x.md").write_text("markdown")
+    with pytest.raises(DataError, match="no .txt files"):
+        read_corpus(folder)
+    (folder / "y.txt").write_text("")
+    with pytest.raises(DataError, match="are empty"):
+        read_corpus(folder)
+
+
+def test_undecodable_bytes(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("héllo ".encode() + b"\xff\xfe" + b" world")
+    with pytest.raises(DataError) as info:
+        read_corpus(bad)
+    message = str(info.value)
+    offset = len("héllo ".encode())  # 7: é takes two bytes
+    assert str(bad) in message and f"byte offset {offset}" in message
+    assert "data.errors=replace" in message and "\n" not in message
+    [(_, text)] = read_corpus(bad, errors="replace")
+    assert text == "héllo \ufffd\ufffd world"
+    # prepare_data goes through the same reader.
+    with pytest.raises(DataError, match="byte offset"):
+        prepare_data(DataConfig(path=str(bad)), cache_dir=tmp_path / "cache")
+
+
+def test_utf8_byte_order_mark_is_dropped(tmp_path):
+    file = tmp_path / "bom.txt"
+    file.write_bytes(b"\xef\xbb\xbfhello")
+    assert read_corpus(file) == [(str(file), "hello")]
+
+
+# ---------------------------------------------------------------------- prepare_data
+
+
+def test_prepare_char_tokens_and_split(corpus_dir, tmp_path):
+    cfg = DataConfig(path=str(corpus_dir), tokenizer="char", val_fraction=0.2)
+    ds = prepare_data(cfg, cache_dir=tmp_path / "cache")
+    text = expected_text(corpus_dir)
+    reference = char_ids(text)
+    assert ds.tokenizer.kind == "char"
+    assert ds.tokenizer.vocab_size == len(set(text))
+    assert ds.train.dtype == np.uint16 and ds.val.dtype == np.uint16
+    assert ds.n_tokens == len(reference) == len(text)
+    n_val = round(0.2 * len(reference))
+    np.testing.assert_array_equal(ds.train, reference[:-n_val])
+    np.testing.assert_array_equal(ds.val, reference[-n_val:])
+    assert ds.tokenizer.decode(np.concatenate([ds.train, ds.val])) == text
+    assert ds.n_chars == len(text) and len(ds.sources) == 2
+
+
+def test_prepare_bpe_round_trips_the_corpus(corpus_dir, tmp_path):
+    cfg = DataConfig(path=str(corpus_dir), tokenizer="bpe", bpe_vocab_size=300)
+    ds = prepare_data(cfg, cache_dir=tmp_path / "cache")
+    assert ds.tokenizer.kind == "bpe" and 256 <= ds.tokenizer.vocab_size <= 300
+    stream = np.concatenate([ds.train, ds.val])
+    assert stream.max() < ds.tokenizer.vocab_size
+    assert ds.tokenizer.decode(stream) == expected_text(corpus_dir)
+    assert stream.tolist() == ds.tokenizer.hf.encode(expected_text(corpus_dir)).ids
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.1, 0.5])
+def test_split_sizes_are_deterministic(corpus_dir, tmp_path, fraction):
+    cfg = DataConfig(path=str(corpus_dir), val_fraction=fraction)
+    first = prepare_data(cfg, cache_dir=tmp_path / "c1")
+    second = prepare_data(cfg, cache_dir=tmp_path / "c2")  # no shared cache
+    n = first.n_tokens
+    assert abs(len(first.val) - fraction * n) <= 0.5
+    np.testing.assert_array_equal(first.train, second.train)
+    np.testing.assert_array_equal(first.val, second.val)
+
+
+def test_large_vocabulary_uses_uint32(tmp_path):
+    # 70 000 distinct code points (skipping surrogates) -> a char vocabulary above 65535.
+    points = [p for p in range(0x100, 0x100 + 72_100) if not 0xD800 <= p < 0xE000][:70_000]
+    text = "".join(map(chr, points))
+    (tmp_path / "wide.txt").write_text(text, encoding="utf-8")
+    ds = prepare_data(DataConfig(path=str(tmp_path / "wide.txt")), cache_dir=tmp_path / "cache")
+    assert ds.tokenizer.vocab_size == 70_000
+    assert ds.train.dtype == np.uint32
+    np.testing.assert_array_equal(np.concatenate([ds.train, ds.val]), char_ids(text))
+
+
+def test_cache_is_reused_and_invalidated(corpus_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cfg = DataConfig(path=str(corpus_dir))
+    calls = []
+    real_encode = lm._encode_corpus
+    monkeypatch.setattr(lm, "_encode_corpus", lambda *a: calls.append(1) or real_encode(*a))
+
+    first = prepare_data(cfg, cache_dir=cache)
+    assert len(calls) == 1 and not first.from_cache
+    second = prepare_data(cfg, cache_dir=cache)
+    assert len(calls) == 1 and second.from_cache  # not tokenised again
+    assert isinstance(second.train, np.memmap)
+    np.testing.assert_array_equal(first.train, second.train)
+    np.testing.assert_array_equal(first.val, second.val)
+    assert second.tokenizer.to_json() == first.tokenizer.to_json()
+    assert second.n_chars == first.n_chars
+    assert not list(cache.glob("*.tmp")) and not list(cache.glob(".*"))  # atomic writes
+
+    # Changing a source file invalidates the cache.
+    (corpus_dir / "b.txt").write_text(DOC_B + "more text\n", encoding="utf-8")
+    third = prepare_data(cfg, cache_dir=cache)
+    assert len(calls) == 2 and not third.from_cache
+    assert third.n_tokens == first.n_tokens + len("more text\n")
+
+    # So does a different tokenizer for the same corpus.
+    other = train_tokenizer("char", [expected_text(corpus_dir) + "more text\n~"])
+    fourth = prepare_data(cfg, tokenizer=other, cache_dir=cache)
+    assert len(calls) == 3 and not fourth.from_cache
+    assert fourth.tokenizer is other
+
+
+def test_corrupt_cache_is_rebuilt(corpus_dir, tmp_path):
+    cache = tmp_path / "cache"
+    cfg = DataConfig(path=str(corpus_dir))
+    first = prepare_data(cfg, cache_dir=cache)
+    first.cache_file.write_bytes(b"garbage")
+    second = prepare_data(cfg, cache_dir=cache)
+    assert not second.from_cache
+    np.testing.assert_array_equal(second.train, first.train)
+
+
+def test_cache_location_from_env_and_cwd(corpus_dir, tmp_path, monkeypatch):
+    cfg = DataConfig(path=str(corpus_dir))
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "env_cache"))
+    ds = prepare_data(cfg)
+    assert ds.cache_file.parent == tmp_path / "env_cache" and ds.cache_file.is_file()
+    monkeypatch.delenv("ATTNLAB_CACHE")
+    monkeypatch.chdir(tmp_path)
+    ds = prepare_data(cfg)
+    assert ds.cache_file.parent == tmp_path / ".attnlab_cache" and ds.cache_file.is_file()
+
+
+def test_unwritable_cache_warns_and_still_works(corpus_dir, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("a file where the cache folder should be")
+    with pytest.warns(UserWarning, match="could not write the data cache"):
+        ds = prepare_data(DataConfig(path=str(corpus_dir)), cache_dir=not_a_dir)
+    text = expected_text(corpus_dir)
+    assert ds.tokenizer.decode(np.concatenate([ds.train, ds.val])) == text
+
+
+def test_given_tokenizer_missing_characters_is_a_data_error(corpus_dir, tmp_path):
+    ascii_only = train_tokenizer("char", ["abcdefghijklmnopqrstuvwxyz .\n"])
+    with pytest.raises(DataError, match="characters not in the vocabulary"):
+        prepare_data(DataConfig(path=str(corpus_dir)), tokenizer=ascii_only, cache_dir=tmp_path)
+
+
+def test_embedded_corpus_prepares(tmp_path):
+    ds = prepare_data(DataConfig(), cache_dir=tmp_path)
+    assert ds.sources == [EMBEDDED_NAME]
+    assert ds.n_tokens == len(default_corpus())  # char: one token per character
+
+
+# ---------------------------------------------------------------------- blocks
+
+
+def test_check_block(tmp_path):
+    (tmp_path / "tiny.txt").write_text("abcdefghijklmnopqrst")  # 20 tokens: 18 train, 2 val
+    ds = prepare_data(
+        DataConfig(path=str(tmp_path / "tiny.txt"), val_fraction=0.1), cache_dir=tmp_path
+    )
+    ds.check_block(1)
+    with pytest.raises(DataError) as info:
+        ds.check_block(2)
+    message = str(info.value)
+    assert "val split has 2 tokens" in message and "at least 3" in message
+    assert "val_fraction" in message
+    with pytest.raises(DataError, match="train split has 10 tokens") as info:
+        make_dataset(np.arange(20, dtype=np.uint16), val_fraction=0.5).check_block(10)
+    assert "lower data.val_fraction" in str(info.value)
+
+
+def test_sample_starts_cover_the_valid_range():
+    tokens = np.arange(40, dtype=np.uint16) % 7
+    ds = make_dataset(tokens)  # 30 train, 10 val
+    block = 5
+    starts = ds.sample_starts("train", 4000, block, torch.Generator().manual_seed(1))
+    assert starts.dtype == torch.int64 and starts.shape == (4000,)
+    # Every start from 0 to len - block - 1 (the last one with a full target) occurs.
+    assert set(starts.tolist()) == set(range(len(ds.train) - block))
+    again = ds.sample_starts("train", 4000, block, torch.Generator().manual_seed(1))
+    assert torch.equal(starts, again)
+    with pytest.raises(DataError, match="val split has 10 tokens"):
+        ds.sample_starts("val", 1, 10, torch.Generator())
+    with pytest.raises(DataError, match="unknown split 'test'"):
+        ds.sample_starts("test", 1, 2, torch.Generator())
+
+
+def test_batch_matches_direct_slicing():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=500).astype(np.uint16)
+    ds = make_dataset(tokens)
+    block = 16
+    for split, array in (("train", ds.train), ("val", ds.val)):
+        starts = ds.sample_starts(split, 8, block, torch.Generator().manual_seed(3))
+        x, y = ds.batch(split, starts, block)
+        assert x.shape == y.shape == (8, block) and x.dtype == y.dtype == torch.int64
+        assert x.is_contiguous() and y.is_contiguous()
+        for row, start in enumerate(starts.tolist()):
+            assert x[row].tolist() == array[start : start + block].tolist()
+            assert y[row].tolist() == array[start + 1 : start + block + 1].tolist()
+        assert torch.equal(y[:, :-1], x[:, 1:])  # y is x shifted by one token
+    last = torch.tensor([len(ds.train) - block - 1])
+    ds.batch("train", last, block)  # the last valid start
+    with pytest.raises(DataError, match="block starts must lie"):
+        ds.batch("train", last + 1, block)
+
+
+def test_iter_eval_walks_non_overlapping_blocks():
+    tokens = (np.arange(203, dtype=np.uint16) * 7) % 31
+    ds = make_dataset(tokens, val_fraction=0.5)  # 102 train, 101 val
+    block, batch_size = 8, 3
+    batches = list(ds.iter_eval("val", batch_size, block))
+    n_blocks = (len(ds.val) - 1) // block  # 12 full (x, y) blocks fit
+    assert [len(x) for x, _ in batches] == [3, 3, 3, 3]
+    xs = torch.cat([x for x, _ in batches])
+    ys = torch.cat([y for _, y in batches])
+    assert xs.shape == (n_blocks, block)
+    assert xs.reshape(-1).tolist() == ds.val[: n_blocks * block].tolist()
+    assert ys.reshape(-1).tolist() == ds.val[1 : n_blocks * block + 1].tolist()
+    # Deterministic, and max_batches stops early.
+    again = list(ds.iter_eval("val", batch_size, block))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again))
+    assert len(list(ds.iter_eval("val", batch_size, block, max_batches=2))) == 2
+    # A ragged last batch: 12 train blocks of 8 in 102 tokens, batches of 5.
+    sizes = [len(x) for x, _ in ds.iter_eval("train", 5, block)]
+    assert sizes == [5, 5, 2]

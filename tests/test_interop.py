@@ -1,0 +1,400 @@
+"""Hugging Face import/export: transformers models built from tiny random configs are the
+independent reference (no downloads). Shapes: b batch, t length, V vocabulary size."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from attnlab.config import ModelConfig  # noqa: E402
+from attnlab.interop import (  # noqa: E402
+    HFCheckpointError,
+    config_from_hf,
+    hf_model_type,
+    load_hf,
+    save_hf,
+)
+from attnlab.models.decoder import DecoderLM  # noqa: E402
+from attnlab.presets import gpt2_style, llama_style, vaswani_tiny  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+VOCAB = 97
+TOL = 1e-4  # float32; observed differences are ~1e-6 (different op order in each library)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from the tiny default init so that a wrong mapping changes logits a lot."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def _hf_config(kind: str):
+    small = dict(
+        vocab_size=VOCAB,
+        bos_token_id=None,
+        eos_token_id=None,  # keep generation running for max_new_tokens
+        pad_token_id=None,
+        attn_implementation="eager",
+    )
+    llama_like = dict(
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        rms_norm_eps=1e-5,
+    )
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            n_positions=48, n_embd=32, n_layer=2, n_head=4, n_inner=48, **small
+        )
+    if kind == "gpt2_untied":
+        return transformers.GPT2Config(
+            n_positions=48, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=False, **small
+        )
+    if kind == "llama":  # GQA, untied
+        return transformers.LlamaConfig(**llama_like, **small)
+    if kind == "llama_bias":  # biases everywhere, head_dim != hidden / heads, tied
+        return transformers.LlamaConfig(
+            **{**llama_like, "num_key_value_heads": 4},
+            head_dim=12,
+            attention_bias=True,
+            mlp_bias=True,
+            hidden_act="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            **small,
+        )
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**llama_like, tie_word_embeddings=False, **small)
+    if kind == "qwen2_tied":
+        return transformers.Qwen2Config(**llama_like, tie_word_embeddings=True, **small)
+    if kind == "mistral":  # window shorter than the test sequences, so it matters
+        return transformers.MistralConfig(**llama_like, sliding_window=5, **small)
+    raise ValueError(kind)
+
+
+HF_CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+KINDS = ["gpt2", "gpt2_untied", "llama", "llama_bias", "qwen2", "qwen2_tied", "mistral"]
+
+
+def _hf_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cls = getattr(transformers, HF_CLASSES[kind.split("_")[0]])
+    model = cls(_hf_config(kind))
+    _randomize(model, seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def imported(request, tmp_path_factory):
+    """(transformers model, attnlab model loaded from its save_pretrained directory)."""
+    kind = request.param
+    ref = _hf_model(kind, seed=KINDS.index(kind))
+    path = tmp_path_factory.mktemp(kind)
+    ref.save_pretrained(path)
+    return kind, ref, load_hf(path)
+
+
+def _hf_logits(ref, idx, attention_mask=None) -> torch.Tensor:
+    kwargs = {}
+    if attention_mask is not None:  # positions count real tokens, as attnlab's do
+        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        kwargs["attention_mask"] = attention_mask
+    with torch.no_grad():
+        return ref(idx, **kwargs).logits
+
+
+def test_import_config(imported):
+    kind, ref, model = imported
+    cfg, hf = model.cfg, ref.config
+    assert cfg.vocab_size == VOCAB and cfg.tie_embeddings == hf.tie_word_embeddings
+    assert model.num_parameters() == ref.num_parameters()
+    assert config_from_hf(hf.to_dict()) == cfg  # in-memory config, not only config.json
+    if kind == "mistral":
+        assert cfg.attention.sliding_window == 5
+    if kind.startswith("qwen2"):
+        assert cfg.attention.sliding_window is None  # use_sliding_window is false
+        assert cfg.attention.qkv_bias and not cfg.attention.out_bias
+    if kind == "llama_bias":
+        assert cfg.head_dim == 12 and cfg.ffn.activation == "gelu_tanh"
+
+
+def test_import_logits(imported):
+    kind, ref, model = imported
+    torch.manual_seed(1)
+    idx = torch.randint(0, VOCAB, (3, 16))
+    with torch.no_grad():
+        ours = model(idx).logits
+    theirs = _hf_logits(ref, idx)
+    assert theirs.abs().max() > 1.0  # the comparison is not between near-zero logits
+    assert (ours - theirs).abs().max() <= TOL
+
+
+def test_import_logits_left_padding(imported):
+    kind, ref, model = imported
+    torch.manual_seed(2)
+    idx = torch.randint(0, VOCAB, (3, 16))
+    mask = torch.ones_like(idx)
+    mask[0, :5] = 0
+    mask[2, :9] = 0
+    idx = idx.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        ours = model(idx, attention_mask=mask).logits
+    theirs = _hf_logits(ref, idx, mask)
+    real = mask.bool()
+    assert (ours[real] - theirs[real]).abs().max() <= TOL
+
+
+def test_import_greedy_generation(imported):
+    kind, ref, model = imported
+    torch.manual_seed(3)
+    n = 12
+    prompt = torch.randint(0, VOCAB, (1, 7))
+    theirs = ref.generate(prompt, do_sample=False, max_new_tokens=n, pad_token_id=0)
+    assert model.generate(prompt[0].tolist(), n) == theirs[0, prompt.shape[1] :].tolist()
+    # A left-padded batch: transformers pads with the mask; attnlab takes ragged prompts.
+    rows = [torch.randint(1, VOCAB, (4,)).tolist(), torch.randint(1, VOCAB, (9,)).tolist()]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 9 - len(r) :], mask[i, 9 - len(r) :] = torch.tensor(r), 1
+    theirs = ref.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0
+    )
+    assert model.generate(rows, n) == theirs[:, 9:].tolist()
+
+
+def test_sharded_checkpoint(tmp_path):
+    ref = _hf_model("llama", seed=11)
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    model = load_hf(tmp_path)
+    idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(idx).logits - _hf_logits(ref, idx)).abs().max() <= TOL
+
+
+def test_legacy_gpt2_layout(tmp_path):
+    """Older GPT-2 files: no ``transformer.`` prefix, causal-mask buffers, a stored copy of
+    the tied head. All load; the buffers are ignored."""
+    ref = _hf_model("gpt2", seed=13)
+    ref.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    legacy = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    legacy["h.0.attn.bias"] = torch.ones(1, 1, 48, 48).tril()
+    legacy["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    legacy["lm_head.weight"] = legacy["wte.weight"].clone()
+    save_file(legacy, tmp_path / "model.safetensors")
+    idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (load_hf(tmp_path)(idx).logits - _hf_logits(ref, idx)).abs().max() <= TOL
+    legacy["lm_head.weight"] = legacy["lm_head.weight"] + 1.0
+    save_file(legacy, tmp_path / "model.safetensors")
+    with pytest.raises(HFCheckpointError, match="lm_head.weight differs"):
+        load_hf(tmp_path)
+
+
+def test_load_dtype(tmp_path):
+    _hf_model("qwen2", seed=12).save_pretrained(tmp_path)
+    model = load_hf(tmp_path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.blocks[0].attn.rope.inv_freq.dtype == torch.float32  # not rounded
+    assert not model.training
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _llama(**kw) -> ModelConfig:
+    args = dict(vocab_size=VOCAB, max_seq_len=64, d_model=32, n_layers=2, n_heads=4)
+    args.update(n_kv_heads=2, ffn_hidden=40, rope_theta=300.0)
+    return llama_style(**{**args, **kw})
+
+
+def _with(cfg: ModelConfig, **changes) -> ModelConfig:
+    return cfg.override(changes)
+
+
+EXPORTS = {
+    "gpt2": (
+        "gpt2",
+        gpt2_style(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4),
+    ),
+    "gpt2_nobias_untied": (
+        "gpt2",
+        _with(
+            gpt2_style(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4),
+            **{"attention.qkv_bias": False, "attention.out_bias": False, "ffn.bias": False},
+            **{"norm.bias": False, "tie_embeddings": False, "ffn.activation": "relu"},
+        ),
+    ),
+    "llama": ("llama", _llama()),
+    "llama_interleaved": ("llama", _with(_llama(), **{"position.rope_layout": "interleaved"})),
+    "llama_out_bias": ("llama", _with(_llama(), **{"attention.out_bias": True, "ffn.bias": True})),
+    "qwen2_interleaved_tied": (
+        "qwen2",
+        _with(
+            _llama(qkv_bias=True, tie_embeddings=True), **{"position.rope_layout": "interleaved"}
+        ),
+    ),
+    "mistral": ("mistral", _with(_llama(), **{"attention.sliding_window": 6})),
+    "qwen2_window": ("qwen2", _with(_llama(qkv_bias=True), **{"attention.sliding_window": 6})),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_export_round_trip(name, tmp_path):
+    model_type, cfg = EXPORTS[name]
+    torch.manual_seed(20)
+    model = DecoderLM(cfg).eval()
+    _randomize(model, seed=len(name))
+    assert hf_model_type(cfg) == model_type
+    save_hf(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
+    stored = load_file(tmp_path / "model.safetensors")
+    assert ("lm_head.weight" in stored) == (not cfg.tie_embeddings)
+
+    idx = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(idx)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        ours = model(idx, attention_mask=mask).logits
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    theirs = _hf_logits(ref.eval(), idx, mask)
+    real = mask.bool()
+    assert ours.abs().max() > 1.0
+    assert (ours[real] - theirs[real]).abs().max() <= TOL
+
+    back = load_hf(tmp_path)
+    assert back.cfg.position.rope_layout in ("split", cfg.position.rope_layout)
+    with torch.no_grad():
+        again = back(idx, attention_mask=mask).logits
+    assert (ours[real] - again[real]).abs().max() <= TOL
+
+
+def test_export_unrepresentable(tmp_path):
+    with pytest.raises(HFCheckpointError, match="post-norm"):
+        save_hf(DecoderLM(vaswani_tiny()), tmp_path)
+    mqa_gpt2 = _with(EXPORTS["gpt2"][1], **{"attention.n_kv_heads": 1})
+    with pytest.raises(HFCheckpointError, match="n_kv_heads"):
+        save_hf(DecoderLM(mqa_gpt2), tmp_path)
+    with pytest.raises(HFCheckpointError, match="sliding window"):
+        hf_model_type(_with(_llama(), **{"attention.sliding_window": 4, "ffn.bias": True}))
+    assert not (tmp_path / "config.json").exists()
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_rope_forms():
+    """transformers 4.x writes rope_theta/rope_scaling, 5.x writes rope_parameters."""
+    base = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 32,
+    }
+    v4 = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": None})
+    v5 = config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    assert v4 == v5 and v4.position.rope_theta == 5e5
+    assert config_from_hf(base).position.rope_theta == 10000.0
+    for scaling in (
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+    ):
+        with pytest.raises(HFCheckpointError, match="RoPE scaling"):
+            config_from_hf({**base, **scaling})
+    qwen = {**base, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4}
+    assert config_from_hf(qwen).attention.sliding_window is None
+    mixed = {**qwen, "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 2}
+    with pytest.raises(HFCheckpointError, match="some layers"):
+        config_from_hf(mixed)
+
+
+def test_config_errors():
+    with pytest.raises(HFCheckpointError, match="model_type 'bert'.*gpt2, llama, mistral, qwen2"):
+        config_from_hf({"model_type": "bert"})
+    with pytest.raises(HFCheckpointError, match="LlamaForSequenceClassification"):
+        config_from_hf({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]})
+    gpt2 = {"model_type": "gpt2", "vocab_size": 10, "n_positions": 8, "n_embd": 8}
+    gpt2 |= {"n_layer": 1, "n_head": 2}
+    assert config_from_hf(gpt2).ffn.activation == "gelu_tanh"  # gelu_new
+    with pytest.raises(HFCheckpointError, match="scale_attn_by_inverse_layer_idx"):
+        config_from_hf({**gpt2, "scale_attn_by_inverse_layer_idx": True})
+    with pytest.raises(HFCheckpointError, match="n_embd"):
+        config_from_hf({k: v for k, v in gpt2.items() if k != "n_embd"})
+
+
+# --------------------------------------------------------------------------- file errors
+
+
+@pytest.fixture
+def saved_llama(tmp_path):
+    _hf_model("llama", seed=30).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_missing_tensor(saved_llama):
+    tensors = load_file(saved_llama / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, saved_llama / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn"):
+        load_hf(saved_llama)
+
+
+def test_unexpected_and_misshaped_tensor(saved_llama):
+    tensors = load_file(saved_llama / "model.safetensors")
+    save_file({**tensors, "model.extra.weight": torch.zeros(3)}, saved_llama / "model.safetensors")
+    with pytest.raises(HFCheckpointError, match=r"unexpected tensors: model\.extra\.weight"):
+        load_hf(saved_llama)
+    tensors["model.norm.weight"] = torch.ones(31)
+    save_file(tensors, saved_llama / "model.safetensors")
+    with pytest.raises(HFCheckpointError, match=r"model\.norm\.weight has shape \(31,\)"):
+        load_hf(saved_llama)
+
+
+def test_missing_files(saved_llama, tmp_path_factory):
+    empty = tmp_path_factory.mktemp("empty")
+    with pytest.raises(HFCheckpointError, match="no config.json"):
+        load_hf(empty)
+    with pytest.raises(HFCheckpointError, match="not a directory"):
+        load_hf(empty / "nowhere")
+    (saved_llama / "model.safetensors").rename(saved_llama / "pytorch_model.bin")
+    with pytest.raises(HFCheckpointError, match="safetensors only"):
+        load_hf(saved_llama)
+    (saved_llama / "pytorch_model.bin").unlink()
+    with pytest.raises(HFCheckpointError, match="no model.safetensors"):
+        load_hf(saved_llama)
+
+
+def test_unsupported_model_type_dir(saved_llama):
+    config = json.loads((saved_llama / "config.json").read_text())
+    config["model_type"] = "falcon"
+    (saved_llama / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="model_type 'falcon' is not supported"):
+        load_hf(saved_llama)

@@ -1,0 +1,191 @@
+"""Tokenizers: exact round trips, ids against independent references, save/load, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+import attnlab.tokenizers as tokenizers_module
+from attnlab.data import default_corpus
+from attnlab.tokenizers import (
+    TokenizerError,
+    load_tokenizer,
+    split_for_encoding,
+    train_tokenizer,
+)
+
+# Tabs, runs of spaces, CRLF, leading/trailing whitespace, accents (precomposed and
+# combining), CJK, an emoji outside the BMP, a zero-width joiner sequence, a NUL byte.
+TRICKY = (
+    "  Leading spaces\tand\ttabs\r\nCRLF line\n\n\nthree newlines   trailing  \n"
+    "café cafe\u0301 naïve — “quotes” 漢字かな 🙂 👩\u200d💻 \x00 end "
+)
+
+
+@pytest.fixture(scope="module")
+def small_corpus() -> str:
+    return default_corpus()[:20_000]
+
+
+@pytest.fixture(scope="module")
+def bpe(small_corpus):
+    return train_tokenizer("bpe", [small_corpus], vocab_size=320)
+
+
+# ---------------------------------------------------------------------- char
+
+
+def test_char_ids_match_sorted_vocabulary_and_hf_pipeline():
+    tok = train_tokenizer("char", [TRICKY])
+    alphabet = sorted(set(TRICKY))  # independent reference: id = rank of the character
+    expected = [alphabet.index(char) for char in TRICKY]
+    assert tok.kind == "char"
+    assert tok.vocab_size == len(alphabet)
+    assert tok.encode(TRICKY) == expected
+    # The stored HF pipeline (what other tools use) gives the same ids and text.
+    assert tok.hf.encode(TRICKY).ids == expected
+    assert tok.hf.decode(expected) == TRICKY
+
+
+def test_char_round_trip_is_exact():
+    texts = [TRICKY, "", " ", "\n", TRICKY[::-1], TRICKY * 3]
+    tok = train_tokenizer("char", texts)
+    for text in texts:
+        ids = tok.encode(text)
+        assert len(ids) == len(text)  # one id per code point
+        assert tok.decode(ids) == text
+    assert tok.decode(np.array(tok.encode(TRICKY), dtype=np.uint16)) == TRICKY
+
+
+def test_char_vocabulary_spans_all_texts():
+    tok = train_tokenizer("char", ["abc", "cde", "\n"])
+    assert tok.vocab_size == 6
+    assert tok.encode("a\ne") == [1, 0, 5]  # sorted: "\n" a b c d e
+
+
+def test_char_unknown_characters_are_named():
+    tok = train_tokenizer("char", ["plain ascii text"])
+    with pytest.raises(TokenizerError) as info:
+        tok.encode("plain é text 🙂 é")
+    message = str(info.value)
+    assert "'é' (U+00E9)" in message
+    assert "U+1F642" in message
+    assert "3 characters not in the vocabulary" in message
+
+
+def test_char_rejects_empty_training_text():
+    with pytest.raises(TokenizerError, match="empty"):
+        train_tokenizer("char", [""])
+
+
+# ---------------------------------------------------------------------- bpe
+
+
+def test_bpe_round_trip_of_unseen_unicode(bpe):
+    assert bpe.kind == "bpe"
+    for text in [TRICKY, "", " ", "\n\n", "日本語のテキスト🙂" * 5, "\u0301\u200d\x7f\x00"]:
+        ids = bpe.encode(text)
+        assert all(0 <= i < bpe.vocab_size for i in ids)
+        assert bpe.decode(ids) == text
+
+
+def test_bpe_vocab_size_and_compression(bpe, small_corpus):
+    assert bpe.vocab_size == 320  # 256 bytes + 64 merges learnt from a rich enough text
+    ids = bpe.encode(small_corpus)
+    assert len(ids) < 0.7 * len(small_corpus.encode("utf-8"))  # merges do compress
+    assert bpe.decode(ids) == small_corpus
+
+
+def test_bpe_vocab_smaller_than_bytes_is_rejected():
+    with pytest.raises(TokenizerError, match="at least 256"):
+        train_tokenizer("bpe", ["some text"], vocab_size=100)
+
+
+def test_bpe_training_is_deterministic(small_corpus):
+    first = train_tokenizer("bpe", [small_corpus[:5000]], vocab_size=300)
+    second = train_tokenizer("bpe", [small_corpus[:5000]], vocab_size=300)
+    assert first.to_json() == second.to_json()
+
+
+def test_bpe_chunked_encoding_equals_whole_text(bpe, monkeypatch):
+    text = default_corpus()[:30_000] + "\n" + TRICKY
+    monkeypatch.setattr(tokenizers_module, "_CHUNK_CHARS", 500)
+    pieces = split_for_encoding(text)
+    assert len(pieces) > 20 and "".join(pieces) == text
+    # One HF encode of the whole string is the reference for the batched pieces.
+    assert bpe.encode(text) == bpe.hf.encode(text).ids
+
+
+def test_split_for_encoding_only_cuts_between_visible_ascii():
+    text = "a\nb c\n d\n\ne\nf" * 50
+    pieces = split_for_encoding(text, chunk_chars=7)
+    assert "".join(pieces) == text and len(pieces) > 1
+    for left, right in zip(pieces, pieces[1:]):
+        assert left.endswith("\n") and left[-2] not in " \n" and right[0] not in " \n"
+
+
+# ---------------------------------------------------------------------- save / load
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+@pytest.mark.parametrize("as_directory", [True, False])
+def test_save_load_gives_same_ids(kind, as_directory, tmp_path, bpe):
+    tok = bpe if kind == "bpe" else train_tokenizer("char", [TRICKY])
+    target = tmp_path / "tok" if as_directory else tmp_path / "my_tokenizer.json"
+    tok.save(target)
+    file = target / "tokenizer.json" if as_directory else target
+    assert file.is_file()
+    assert not [p for p in file.parent.iterdir() if p.suffix == ".tmp"]  # atomic write
+    json.loads(file.read_text())  # plain JSON that other tools can read
+    loaded = load_tokenizer(target)
+    assert (loaded.kind, loaded.vocab_size) == (tok.kind, tok.vocab_size)
+    assert loaded.encode(TRICKY) == tok.encode(TRICKY)
+    assert loaded.decode(tok.encode(TRICKY)) == TRICKY
+    assert loaded.to_json() == tok.to_json()
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_saved_file_works_in_transformers(kind, tmp_path, bpe, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    tok = bpe if kind == "bpe" else train_tokenizer("char", [TRICKY])
+    file = tok.save(tmp_path)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(file))
+    ids = fast.encode(TRICKY, add_special_tokens=False)
+    assert ids == tok.encode(TRICKY)
+    assert fast.decode(ids, clean_up_tokenization_spaces=False) == TRICKY
+    # And a plain HF tokenizers load of the same file.
+    assert HFTokenizer.from_file(str(file)).encode(TRICKY).ids == tok.encode(TRICKY)
+
+
+def test_load_errors_name_the_file(tmp_path):
+    with pytest.raises(TokenizerError, match="not found"):
+        load_tokenizer(tmp_path / "missing.json")
+    with pytest.raises(TokenizerError, match="not found") as info:
+        load_tokenizer(tmp_path)  # a directory without tokenizer.json
+    assert str(tmp_path) in str(info.value)
+    corrupt = tmp_path / "tokenizer.json"
+    corrupt.write_text('{"model": {"type": "BPE", "vocab": ')
+    with pytest.raises(TokenizerError, match="not a valid tokenizer.json") as info:
+        load_tokenizer(tmp_path)
+    assert str(corrupt) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_kind_and_out_of_range_ids(bpe):
+    with pytest.raises(TokenizerError, match="unknown tokenizer kind 'word'"):
+        train_tokenizer("word", ["text"])
+    tok = train_tokenizer("char", ["abc"])
+    with pytest.raises(TokenizerError, match="outside"):
+        tok.decode([0, 3])
+    with pytest.raises(TokenizerError, match="outside"):
+        bpe.decode([-1])
+
+
+def test_save_accepts_str_paths(tmp_path):
+    tok = train_tokenizer("char", ["xyz"])
+    tok.save(os.fspath(tmp_path / "dir"))
+    assert load_tokenizer(os.fspath(tmp_path / "dir")).encode("zyx") == [2, 1, 0]
