@@ -93,10 +93,12 @@ class KVCache:
         self.next_position = last
 
     def reset(self) -> None:
+        # Fresh tensors, not in-place fills: these may have been made under inference_mode
+        # (by a forward pass) and this may run outside it (a stream being iterated).
         self.length = 0
-        self.key_valid.fill_(True)
+        self.key_valid = torch.ones_like(self.key_valid)
         self.has_padding = False
-        self.next_position.zero_()
+        self.next_position = torch.zeros_like(self.next_position)
 
     @property
     def nbytes(self) -> int:

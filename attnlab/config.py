@@ -97,6 +97,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+    if not isinstance(data, dict):
+        _fail(path, f"expected a mapping for {cls.__name__}, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}

@@ -80,6 +80,7 @@ def sdpa_attention(
     and zeros (not NaN) for query rows that may attend to nothing."""
     n_rep = _check(q, k, v)
     t, s = q.shape[-2], k.shape[-2]
+    causal = causal and t > 1  # one query is the newest position: it may see every key
     is_causal = causal and mask is None and t == s
     if causal and not is_causal:
         mask = combine_masks(mask, causal_mask(t, s, device=q.device))
@@ -88,8 +89,12 @@ def sdpa_attention(
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         keep = allowed.any(dim=-1, keepdim=True)  # (.., t, 1): rows with some key
         if not bool(keep.all()):
-            # Let empty rows attend everywhere (finite), then zero their output.
-            mask = allowed | ~keep
+            # Let empty rows attend everywhere (finite), then zero their output. An additive
+            # mask keeps its finite values (e.g. a bias) on the other rows.
+            if mask.dtype == torch.bool:
+                mask = allowed | ~keep
+            else:
+                mask = torch.where(keep, mask, mask.new_zeros(()))
         else:
             keep = None
         if mask.dtype != torch.bool:

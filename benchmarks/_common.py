@@ -1,0 +1,42 @@
+"""Shared helpers for the benchmark scripts: thread setup, timing, memory bandwidth."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def setup_threads(threads: int | None) -> int:
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write), best of ``repeats``: the practical
+    memory-bandwidth limit of this machine."""
+    a = torch.ones(mbytes * 2**20 // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)  # touch the pages
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.nbytes / best
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

@@ -1,0 +1,103 @@
+"""attnlab vs Hugging Face transformers: greedy decoding on the same LLaMA-style model.
+
+Both run the identical ~30M-parameter model (d_model 512, 8 layers, 8 heads, 2 KV heads;
+transformers' weights copied into attnlab through attnlab.interop), float32, CPU, batch 1,
+a 32-token prompt, 256 new tokens, the same thread count. The tokens must be identical.
+Also prints the fraction of the memory-bandwidth limit reached: bytes of weights and KV
+cache read per token x tokens/s / bandwidth of a large tensor copy measured in this run.
+
+    python benchmarks/vs_transformers.py [--new-tokens 256] [--repeats 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from _common import copy_bandwidth, machine, setup_threads, table  # noqa: E402
+from attnlab.interop import load_hf  # noqa: E402
+
+
+def bytes_per_token(model, prompt_len: int, new_tokens: int) -> float:
+    """Weights read per decoding step (every matrix once; one row of the input embedding)
+    plus the KV cache read, averaged over the steps."""
+    cfg = model.cfg
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_embeddings:  # the input embedding is a lookup of one row
+        weights -= model.tok_emb.weight.numel() * 4 - cfg.d_model * 4
+    per_slot = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # k and v, float32
+    mean_len = prompt_len + (new_tokens - 1) / 2
+    return weights + per_slot * mean_len
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    threads = setup_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    )
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        ours = load_hf(tmp).eval()
+    n_params = ours.num_parameters()
+    prompt = torch.randint(0, hf_cfg.vocab_size, (1, args.prompt))
+    n = args.new_tokens
+
+    def run_hf(cache: str | None):
+        kw = {"cache_implementation": cache} if cache else {}
+        with torch.inference_mode():
+            out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0, **kw)
+        return out[0, args.prompt :].tolist()
+
+    def run_ours():
+        return ours.generate(prompt[0], n)
+
+    runners = {"attnlab": run_ours, "transformers": lambda: run_hf(None),
+               "transformers (static cache)": lambda: run_hf("static")}
+    tokens, best = {}, {}
+    for name, fn in runners.items():  # warm up, and check the tokens
+        tokens[name] = fn()
+    for _ in range(args.repeats):  # interleaved, best of repeats
+        for name, fn in runners.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    bandwidth = copy_bandwidth()
+    per_token = bytes_per_token(ours, args.prompt, n)
+    print(f"model: LLaMA-style, {n_params / 1e6:.1f}M parameters, float32, batch 1, "
+          f"{args.prompt}-token prompt, {n} new tokens, greedy")
+    print(f"machine: {machine()}; threads: {threads}")
+    print(f"memory bandwidth (large tensor copy): {bandwidth / 1e9:.1f} GB/s; "
+          f"bytes read per token: {per_token / 1e6:.1f} MB")
+    rows = []
+    for name in runners:
+        tps = n / best[name]
+        same = "yes" if tokens[name] == tokens["attnlab"] else "NO"
+        rows.append([name, f"{tps:.1f}", f"{best['transformers'] / best[name]:.2f}x",
+                     f"{per_token * tps / bandwidth:.0%}", same])
+    print(table(["implementation", "tokens/s", "speed vs transformers",
+                 "of bandwidth limit", "same tokens"], rows))
+
+
+if __name__ == "__main__":
+    main()

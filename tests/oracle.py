@@ -1,0 +1,114 @@
+"""Slow, readable references that the fast code is tested against.
+
+Everything here is written as directly from the equations as possible: Python loops over
+queries and positions, complex numbers for rotations. Nothing here imports attnlab, so a
+bug in the library cannot leak into its own reference.
+
+Shapes: b batch, h query heads, h_kv key/value heads, t query length, s key length,
+d_h head dim, d d_model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def naive_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """One query at a time: out_i = sum_j softmax_j(q_i . k_j * scale + bias_ij) v_j over the
+    keys j with ``allowed[i, j]``. Query head j reads key/value head j // (h / h_kv).
+
+    q (b, h, t, d_h); k, v (b, h_kv, s, d_h); ``allowed`` bool and ``bias`` float, both
+    broadcastable to (b, h, t, s). A query with no allowed key gives zeros."""
+    q, k, v = q.detach(), k.detach(), v.detach()  # a reference value, never differentiated
+    b, h, t, d_h = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    group = h // h_kv
+    scale = 1.0 / math.sqrt(d_h) if scale is None else scale
+    if allowed is None:
+        allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    allowed = allowed.expand(b, h, t, s)
+    bias = torch.zeros(b, h, t, s) if bias is None else bias.expand(b, h, t, s)
+    out = torch.zeros(b, h, t, d_h, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            kv = hi // group
+            for i in range(t):
+                scores = []
+                for j in range(s):
+                    if allowed[bi, hi, i, j] and bias[bi, hi, i, j] > float("-inf"):
+                        dot = float(q[bi, hi, i].double() @ k[bi, kv, j].double())
+                        scores.append((j, dot * scale + float(bias[bi, hi, i, j])))
+                if not scores:
+                    continue
+                top = max(x for _, x in scores)
+                z = sum(math.exp(x - top) for _, x in scores)
+                for j, x in scores:
+                    out[bi, hi, i] += (math.exp(x - top) / z) * v[bi, kv, j].double()
+    return out.to(q.dtype)
+
+
+def causal_allowed(t: int, s: int) -> Tensor:
+    """(t, s) bool: query i is the token at position s - t + i and sees keys up to it."""
+    allowed = torch.zeros(t, s, dtype=torch.bool)
+    for i in range(t):
+        for j in range(s):
+            allowed[i, j] = j <= s - t + i
+    return allowed
+
+
+def sliding_window_allowed(t: int, s: int, window: int) -> Tensor:
+    """(t, s) bool: causal, and the key is one of the last ``window`` positions (self included)."""
+    allowed = torch.zeros(t, s, dtype=torch.bool)
+    for i in range(t):
+        pos = s - t + i
+        for j in range(s):
+            allowed[i, j] = pos - window < j <= pos
+    return allowed
+
+
+def sinusoid_table(n_positions: int, d: int) -> Tensor:
+    """(n_positions, d): p[i, 2j] = sin(i / 10000^(2j/d)), p[i, 2j+1] = cos(i / 10000^(2j/d))."""
+    table = torch.zeros(n_positions, d, dtype=torch.float64)
+    for i in range(n_positions):
+        for j in range(d // 2):
+            angle = i / 10000 ** (2 * j / d)
+            table[i, 2 * j] = math.sin(angle)
+            table[i, 2 * j + 1] = math.cos(angle)
+    return table
+
+
+def rope_complex_interleaved(x: Tensor, positions: Tensor, theta: float = 10000.0) -> Tensor:
+    """RoPE as complex multiplication (RoFormer eq. 34): pair (x_2i, x_2i+1) is the complex
+    number x_2i + i x_2i+1, multiplied by e^{i m theta^(-2i/d)} at position m.
+
+    x (..., t, d_h), positions (t,) -> (..., t, d_h), computed in float64."""
+    d_h = x.shape[-1]
+    freqs = torch.tensor([theta ** (-2 * i / d_h) for i in range(d_h // 2)], dtype=torch.float64)
+    angles = positions.double()[:, None] * freqs[None, :]  # (t, d_h/2)
+    rot = torch.polar(torch.ones_like(angles), angles)  # e^{i angle}
+    z = torch.view_as_complex(x.double().reshape(*x.shape[:-1], d_h // 2, 2).contiguous())
+    return torch.view_as_real(z * rot).reshape(x.shape)
+
+
+def greedy_no_cache(model, prompt: list[int], n_new: int) -> list[int]:
+    """Greedy decoding by re-running the whole sequence each step and taking the argmax."""
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            nxt = int(logits.argmax())
+            out.append(nxt)
+            ids.append(nxt)
+    return out

@@ -1,0 +1,212 @@
+"""MultiHeadAttention (MHA / GQA / MQA, self and cross) against torch.nn.MultiheadAttention
+with copied weights, GQA against MHA with repeated key/value heads, sliding windows against
+the naive loop, and dropout in train vs eval mode.
+
+Shapes: b batch, t query length, s key length, d d_model, h heads, h_kv key/value heads,
+d_h head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import naive_attention, sliding_window_allowed
+from torch import nn
+
+from attnlab.config import AttentionConfig
+from attnlab.nn.attention import MultiHeadAttention
+
+BACKENDS = ["eager", "sdpa"]
+D, H = 32, 4
+D_H = D // H
+
+
+def _torch_mha(kdim: int | None = None) -> nn.MultiheadAttention:
+    ref = nn.MultiheadAttention(D, H, bias=True, batch_first=True, kdim=kdim, vdim=kdim)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(std=0.3)  # random biases too (torch initialises them to zero)
+    return ref.eval()
+
+
+def _ours(backend: str, **kw) -> MultiHeadAttention:
+    cfg = AttentionConfig(n_heads=H, qkv_bias=True, out_bias=True, backend=backend)
+    return MultiHeadAttention(D, cfg, **kw).eval()
+
+
+def _copy_self(ours: MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
+    with torch.no_grad():
+        ours.qkv.weight.copy_(ref.in_proj_weight)  # rows [q; k; v], like in_proj_weight
+        ours.qkv.bias.copy_(ref.in_proj_bias)
+        ours.out.weight.copy_(ref.out_proj.weight)
+        ours.out.bias.copy_(ref.out_proj.bias)
+
+
+def _valid(b: int, s: int) -> torch.Tensor:
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :2] = False  # left padding on row 1
+    valid[2, -3:] = False  # right padding on row 2
+    return valid
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_self_attention_matches_torch(backend, causal, padding):
+    b, t = 3, 7
+    ref, ours = _torch_mha(), _ours(backend, causal=causal)
+    _copy_self(ours, ref)
+    x = torch.randn(b, t, D)
+    valid = _valid(b, t)
+    attn_mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1) if causal else None  # True=block
+    expected = ref(x, x, x, key_padding_mask=~valid if padding else None, attn_mask=attn_mask)[0]
+    mask = valid[:, None, None, :] if padding else None
+    out = ours(x, mask=mask)
+    if padding and causal:
+        # Row 1's first query sees only padding: torch gives NaN there, we give zeros.
+        empty = ~(valid[:, None, :] & ~attn_mask).any(-1)  # (b, t)
+        assert torch.isnan(expected[empty]).all() or empty.sum() == 0
+        assert (out[empty] == ours.out.bias).all()
+        expected, out = expected[~empty], out[~empty]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("context_dim", [D, 24])
+def test_cross_attention_matches_torch(backend, context_dim):
+    b, t, s = 3, 5, 9
+    kdim = None if context_dim == D else context_dim
+    ref = _torch_mha(kdim=kdim)
+    ours = _ours(backend, cross=True, context_dim=context_dim)
+    with torch.no_grad():
+        if kdim is None:  # one fused in_proj_weight of rows [q; k; v]
+            ours.q.weight.copy_(ref.in_proj_weight[:D])
+            ours.kv.weight.copy_(ref.in_proj_weight[D:])
+        else:  # separate projections when key/value dims differ
+            ours.q.weight.copy_(ref.q_proj_weight)
+            ours.kv.weight.copy_(torch.cat((ref.k_proj_weight, ref.v_proj_weight)))
+        ours.q.bias.copy_(ref.in_proj_bias[:D])
+        ours.kv.bias.copy_(ref.in_proj_bias[D:])
+        ours.out.weight.copy_(ref.out_proj.weight)
+        ours.out.bias.copy_(ref.out_proj.bias)
+    x, ctx = torch.randn(b, t, D), torch.randn(b, s, context_dim)
+    valid = _valid(b, s)
+    expected = ref(x, ctx, ctx, key_padding_mask=~valid)[0]
+    out = ours(x, context=ctx, mask=valid[:, None, None, :])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # Cross-attention is never causal: with no mask it matches torch without a mask.
+    torch.testing.assert_close(ours(x, context=ctx), ref(x, ctx, ctx)[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs a context"):
+        ours(x)
+
+
+def _gqa(n_kv_heads: int, backend: str, **kw) -> MultiHeadAttention:
+    cfg = AttentionConfig(n_heads=H, n_kv_heads=n_kv_heads, qkv_bias=True, backend=backend)
+    m = MultiHeadAttention(D, cfg, **kw).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(std=0.3)
+    return m
+
+
+def _repeated_as_mha(gqa: MultiHeadAttention, backend: str) -> MultiHeadAttention:
+    """An MHA module whose key/value heads are the GQA heads repeated: query head j reads
+    kv head j // (h / h_kv), i.e. repeat_interleave over heads."""
+    h_kv = gqa.n_kv_heads
+    group = H // h_kv
+    mha = _gqa(H, backend, causal=gqa.causal)
+    q_w, k_w, v_w = gqa.qkv.weight.split((D, h_kv * D_H, h_kv * D_H))
+    q_b, k_b, v_b = gqa.qkv.bias.split((D, h_kv * D_H, h_kv * D_H))
+
+    def rep(w: torch.Tensor) -> torch.Tensor:  # (h_kv * d_h, ...) -> (h * d_h, ...)
+        return w.reshape(h_kv, D_H, *w.shape[1:]).repeat_interleave(group, 0).flatten(0, 1)
+
+    with torch.no_grad():
+        mha.qkv.weight.copy_(torch.cat((q_w, rep(k_w), rep(v_w))))
+        mha.qkv.bias.copy_(torch.cat((q_b, rep(k_b), rep(v_b))))
+        mha.out.load_state_dict(gqa.out.state_dict())
+    return mha
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_kv_heads", [2, 1])
+def test_gqa_and_mqa_equal_mha_with_repeated_heads(backend, n_kv_heads):
+    gqa = _gqa(n_kv_heads, backend, causal=True)
+    assert gqa.qkv.weight.shape == (D + 2 * n_kv_heads * D_H, D)
+    mha = _repeated_as_mha(gqa, backend)
+    x = torch.randn(3, 6, D)
+    valid = _valid(3, 6)
+    for mask in (None, valid[:, None, None, :]):
+        torch.testing.assert_close(gqa(x, mask=mask), mha(x, mask=mask), atol=1e-5, rtol=1e-5)
+    # The pairing matters: tiling heads (repeat instead of repeat_interleave) differs.
+    if n_kv_heads == 2:
+        tiled = _gqa(H, backend, causal=True)
+        k_w = gqa.qkv.weight[D : D + 2 * D_H]
+        v_w = gqa.qkv.weight[D + 2 * D_H :]
+        with torch.no_grad():
+            tiled.load_state_dict(mha.state_dict())
+            tiled.qkv.weight[D : 2 * D].copy_(k_w.repeat(2, 1))
+            tiled.qkv.weight[2 * D :].copy_(v_w.repeat(2, 1))
+        assert not torch.allclose(tiled(x), gqa(x), atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gqa_with_all_kv_heads_is_mha(backend):
+    mha = _gqa(H, backend)
+    explicit = MultiHeadAttention(
+        D, AttentionConfig(n_heads=H, n_kv_heads=None, qkv_bias=True, backend=backend)
+    ).eval()
+    explicit.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(mha(x), explicit(x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [1, 3, 20])
+def test_sliding_window_matches_naive_loop(backend, window):
+    cfg = AttentionConfig(n_heads=H, n_kv_heads=2, sliding_window=window, backend=backend)
+    m = MultiHeadAttention(D, cfg).eval()
+    x = torch.randn(2, 8, D)
+    q, k, v = m.qkv(x).split((D, 2 * D_H, 2 * D_H), dim=-1)
+    q = q.view(2, 8, H, D_H).transpose(1, 2)  # (b, h, t, d_h)
+    k, v = (z.view(2, 8, 2, D_H).transpose(1, 2) for z in (k, v))  # (b, h_kv, t, d_h)
+    y = naive_attention(q, k, v, sliding_window_allowed(8, 8, window))
+    expected = m.out(y.transpose(1, 2).reshape(2, 8, D))
+    torch.testing.assert_close(m(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_dropout_train_vs_eval(backend):
+    cfg = AttentionConfig(n_heads=H, dropout=0.5, backend=backend)
+    m = MultiHeadAttention(D, cfg)
+    plain = MultiHeadAttention(D, AttentionConfig(n_heads=H, backend=backend))
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(2, 6, D)
+    m.train()
+    a, b = m(x), m(x)
+    assert not torch.allclose(a, b)  # fresh dropout masks each call
+    assert not torch.allclose(a, plain(x))
+    m.eval()
+    torch.testing.assert_close(m(x), plain.eval()(x))
+    torch.testing.assert_close(m(x), m(x))
+
+
+def test_residual_dropout_train_vs_eval():
+    m = MultiHeadAttention(D, AttentionConfig(n_heads=H), resid_dropout=0.5)
+    x = torch.randn(2, 6, D)
+    m.train()
+    y = m(x)
+    zeros = (y == 0).float().mean()
+    assert 0.3 < zeros < 0.7  # about half the outputs dropped
+    m.eval()
+    clean = m(x)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], 2 * clean[kept])  # survivors scaled by 1 / (1 - p)
+
+
+def test_rope_attention_needs_positions():
+    from attnlab.nn.rope import RotaryEmbedding
+
+    m = MultiHeadAttention(D, AttentionConfig(n_heads=H), rope=RotaryEmbedding(D_H))
+    with pytest.raises(ValueError, match="needs positions"):
+        m(torch.randn(1, 3, D))

@@ -1,0 +1,237 @@
+"""Feed-forward networks, norms, position embeddings and the transformer block, against
+manual formulas, torch built-ins (nn.RMSNorm, nn.TransformerEncoderLayer /
+TransformerDecoderLayer) and the oracle sinusoid loop.
+
+Shapes: b batch, t length, d d_model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracle import sinusoid_table
+from torch import nn
+
+from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.nn import (
+    MLP,
+    GatedFFN,
+    LearnedPositionalEmbedding,
+    RMSNorm,
+    SinusoidalPositionalEmbedding,
+    TransformerBlock,
+    build_ffn,
+    build_norm,
+)
+from attnlab.nn.embedding import sinusoidal_table
+
+D = 16
+
+
+def _randomise(module: nn.Module, std: float = 0.3) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=std)
+
+
+# Activations written from their definitions, not via torch.nn.functional.
+MANUAL_ACT = {
+    "relu": lambda x: torch.where(x > 0, x, torch.zeros_like(x)),
+    "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+    "gelu_tanh": lambda x: (
+        0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    ),
+    "silu": lambda x: x / (1 + torch.exp(-x)),
+    "sigmoid": lambda x: 1 / (1 + torch.exp(-x)),
+}
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_matches_manual(activation, bias):
+    m = MLP(D, 3 * D, activation, bias=bias)
+    _randomise(m)
+    x = torch.randn(2, 5, D)
+    h = x @ m.up.weight.T + (m.up.bias if bias else 0)
+    expected = MANUAL_ACT[activation](h) @ m.down.weight.T + (m.down.bias if bias else 0)
+    torch.testing.assert_close(m(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "gelu", "silu"])  # GLU, GeGLU, SwiGLU
+@pytest.mark.parametrize("bias", [True, False])
+def test_gated_ffn_matches_manual(activation, bias):
+    hidden = 24
+    m = GatedFFN(D, hidden, activation, bias=bias)
+    _randomise(m)
+    x = torch.randn(2, 5, D)
+    w_gate, w_up = m.gate_up.weight[:hidden], m.gate_up.weight[hidden:]  # rows [gate; up]
+    b_gate, b_up = (m.gate_up.bias[:hidden], m.gate_up.bias[hidden:]) if bias else (0, 0)
+    gated = MANUAL_ACT[activation](x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)
+    expected = gated @ m.down.weight.T + (m.down.bias if bias else 0)
+    torch.testing.assert_close(m(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_build_ffn_picks_class_and_size():
+    mlp = build_ffn(FFNConfig(kind="mlp", activation="relu"), D)
+    assert isinstance(mlp, MLP) and mlp.up.out_features == 4 * D
+    glu = build_ffn(FFNConfig(kind="glu", activation="silu", multiple_of=32, bias=False), 96)
+    hidden = FFNConfig(kind="glu", multiple_of=32).hidden_size(96)
+    assert isinstance(glu, GatedFFN) and glu.hidden == hidden and hidden % 32 == 0
+    assert glu.gate_up.weight.shape == (2 * hidden, 96) and glu.gate_up.bias is None
+
+
+def test_ffn_dropout_train_only():
+    m = MLP(D, 4 * D, dropout=0.5)
+    x = torch.randn(4, 8, D)
+    m.train()
+    assert ((m(x) == 0).float().mean() - 0.5).abs() < 0.15
+    m.eval()
+    assert (m(x) != 0).all()
+
+
+# --------------------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+def test_rmsnorm_matches_formula_and_torch(eps):
+    norm = RMSNorm(D, eps=eps)
+    _randomise(norm)
+    x = torch.randn(3, 4, D) * 3
+    rms = torch.sqrt((x * x).sum(-1, keepdim=True) / D + eps)
+    torch.testing.assert_close(norm(x), x / rms * norm.weight)
+    if hasattr(nn, "RMSNorm"):
+        ref = nn.RMSNorm(D, eps=eps)
+        with torch.no_grad():
+            ref.weight.copy_(norm.weight)
+        torch.testing.assert_close(norm(x), ref(x))
+
+
+def test_rmsnorm_bf16_keeps_dtype():
+    norm = RMSNorm(D)
+    x = torch.randn(2, D) * 100
+    y = norm.bfloat16()(x.bfloat16())  # a model cast to bf16
+    assert y.dtype == torch.bfloat16
+    # Output rounding to bf16 only (~2^-8 relative).
+    torch.testing.assert_close(y.float(), RMSNorm(D)(x), atol=2e-2, rtol=2e-2)
+
+
+def test_build_norm():
+    ln = build_norm(NormConfig(kind="layernorm", eps=1e-3, bias=False), D)
+    assert isinstance(ln, nn.LayerNorm) and ln.eps == 1e-3 and ln.bias is None
+    rms = build_norm(NormConfig(kind="rmsnorm", eps=1e-4), D)
+    assert isinstance(rms, RMSNorm) and rms.eps == 1e-4
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+def test_sinusoidal_table_matches_loop():
+    for d in (8, 64):
+        expected = sinusoid_table(50, d).float()
+        torch.testing.assert_close(sinusoidal_table(torch.arange(50), d), expected)
+    emb = SinusoidalPositionalEmbedding(8)
+    pos = torch.tensor([[0, 3, 7], [10, 11, 12]])
+    torch.testing.assert_close(emb(pos), sinusoid_table(13, 8).float()[pos])
+
+
+def test_learned_positional_embedding_is_a_lookup():
+    emb = LearnedPositionalEmbedding(10, D)
+    pos = torch.tensor([[0, 4, 9]])
+    assert torch.equal(emb(pos), emb.weight[pos])
+    assert emb.weight.shape == (10, D)
+
+
+# --------------------------------------------------------------------------- block
+
+
+def _cfg(placement: str, **kw) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=32,
+        max_seq_len=16,
+        d_model=D,
+        n_layers=1,
+        attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="none"),
+        ffn=FFNConfig(kind="mlp", activation="relu", bias=True, hidden_dim=3 * D),
+        norm=NormConfig(kind="layernorm", placement=placement),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_block_is_the_composition_of_its_submodules(placement):
+    blk = TransformerBlock(_cfg(placement)).eval()
+    _randomise(blk)
+    x = torch.randn(2, 6, D)
+    a, f = blk.attn, blk.ffn
+    if placement == "pre":  # x + f(norm(x))
+        h = x + a(blk.attn_norm(x))
+        expected = h + f(blk.ffn_norm(h))
+    else:  # norm(x + f(x))
+        h = blk.attn_norm(x + a(x))
+        expected = blk.ffn_norm(h + f(h))
+    torch.testing.assert_close(blk(x), expected)
+    other = TransformerBlock(_cfg("post" if placement == "pre" else "pre")).eval()
+    other.load_state_dict(blk.state_dict())
+    assert not torch.allclose(other(x), expected, atol=1e-3)
+
+
+def _copy_encoder_layer(blk: TransformerBlock, ref: nn.Module) -> None:
+    with torch.no_grad():
+        blk.attn.qkv.weight.copy_(ref.self_attn.in_proj_weight)
+        blk.attn.qkv.bias.copy_(ref.self_attn.in_proj_bias)
+        blk.attn.out.load_state_dict(ref.self_attn.out_proj.state_dict())
+        blk.ffn.up.load_state_dict(ref.linear1.state_dict())
+        blk.ffn.down.load_state_dict(ref.linear2.state_dict())
+        blk.attn_norm.load_state_dict(ref.norm1.state_dict())
+        blk.ffn_norm.load_state_dict(ref.norm2.state_dict())
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_block_matches_torch_encoder_layer(placement):
+    ref = nn.TransformerEncoderLayer(
+        D, 4, dim_feedforward=3 * D, dropout=0.0, batch_first=True, norm_first=placement == "pre"
+    ).eval()
+    _randomise(ref)
+    blk = TransformerBlock(_cfg(placement)).eval()
+    _copy_encoder_layer(blk, ref)
+    x = torch.randn(2, 6, D)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    torch.testing.assert_close(blk(x), ref(x, src_mask=causal), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_cross_attention_block_matches_torch_decoder_layer(placement):
+    ref = nn.TransformerDecoderLayer(
+        D, 4, dim_feedforward=3 * D, dropout=0.0, batch_first=True, norm_first=placement == "pre"
+    ).eval()
+    _randomise(ref)
+    blk = TransformerBlock(_cfg(placement), cross_attention=True).eval()
+    _copy_encoder_layer(blk, ref)
+    with torch.no_grad():
+        w, b = ref.multihead_attn.in_proj_weight, ref.multihead_attn.in_proj_bias
+        blk.cross_attn.q.weight.copy_(w[:D])
+        blk.cross_attn.q.bias.copy_(b[:D])
+        blk.cross_attn.kv.weight.copy_(w[D:])
+        blk.cross_attn.kv.bias.copy_(b[D:])
+        blk.cross_attn.out.load_state_dict(ref.multihead_attn.out_proj.state_dict())
+        blk.cross_norm.load_state_dict(ref.norm2.state_dict())
+        blk.ffn_norm.load_state_dict(ref.norm3.state_dict())
+    x, memory = torch.randn(2, 6, D), torch.randn(2, 9, D)
+    memory_valid = torch.ones(2, 9, dtype=torch.bool)
+    memory_valid[1, 6:] = False
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    expected = ref(x, memory, tgt_mask=causal, memory_key_padding_mask=~memory_valid)
+    out = blk(x, context=memory, context_mask=memory_valid[:, None, None, :])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_block_dropout_train_vs_eval():
+    blk = TransformerBlock(_cfg("pre", dropout=0.5))
+    x = torch.randn(2, 6, D)
+    blk.train()
+    assert not torch.allclose(blk(x), blk(x))
+    blk.eval()
+    torch.testing.assert_close(blk(x), blk(x))

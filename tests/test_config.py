@@ -1,0 +1,171 @@
+"""Typed configs: unknown keys, wrong types, inconsistent values, JSON round trips, dotted
+overrides, and preset parameter counts (built on the meta device: no memory allocated)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.config import ConfigError, FFNConfig, ModelConfig, RunConfig
+from attnlab.models import DecoderLM
+from attnlab.presets import PRESETS, get_preset
+
+
+def test_unknown_key_names_key_and_suggests_close_match():
+    with pytest.raises(
+        ConfigError, match=r"attention\.n_head: unknown key; did you mean 'n_heads'"
+    ):
+        ModelConfig.from_dict({"attention": {"n_head": 4}})
+    with pytest.raises(ConfigError, match=r"d_modle: unknown key; did you mean 'd_model'"):
+        ModelConfig.from_dict({"d_modle": 64})
+    with pytest.raises(ConfigError, match="zzz: unknown key; known keys"):
+        ModelConfig.from_dict({"zzz": 1})
+
+
+@pytest.mark.parametrize(
+    "data,where",
+    [
+        ({"d_model": "64"}, "d_model"),
+        ({"d_model": 64.5}, "d_model"),
+        ({"n_layers": True}, "n_layers"),
+        ({"tie_embeddings": 1}, "tie_embeddings"),
+        ({"dropout": "0.1"}, "dropout"),
+        ({"attention": {"n_kv_heads": "2"}}, "attention.n_kv_heads"),
+        ({"attention": 4}, "attention"),
+        ({"position": {"kind": 3}}, "position.kind"),
+    ],
+)
+def test_wrong_types_rejected(data, where):
+    with pytest.raises(ConfigError, match=rf"^{where}: expected"):
+        ModelConfig.from_dict(data)
+
+
+def test_top_level_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="expected a mapping for ModelConfig"):
+        ModelConfig.from_dict([1, 2])
+    with pytest.raises(ConfigError, match="expected a mapping for ModelConfig"):
+        ModelConfig.from_json("[1, 2]")
+
+
+def test_integral_float_accepted_as_int():
+    cfg = ModelConfig.from_dict({"d_model": 64.0, "dropout": 0})
+    assert cfg.d_model == 64 and isinstance(cfg.d_model, int)
+    assert isinstance(cfg.dropout, float)
+
+
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        ({"d_model": 100, "attention": {"n_heads": 3}}, r"d_model=100 is not divisible"),
+        ({"attention": {"n_heads": 4, "n_kv_heads": 3}}, r"n_heads=4 is not divisible"),
+        (
+            {"d_model": 12, "attention": {"n_heads": 4}, "position": {"kind": "rope"}},
+            r"head_dim must be even, got 3",
+        ),
+        ({"d_model": -64}, r"d_model: must be > 0, got -64"),
+        ({"n_layers": 0}, r"n_layers: must be > 0"),
+        ({"vocab_size": -1}, r"vocab_size: must be > 0"),
+        ({"attention": {"n_heads": -4}}, r"attention.n_heads: must be > 0"),
+        ({"attention": {"n_kv_heads": 0}}, r"attention.n_kv_heads: must be > 0"),
+        ({"ffn": {"hidden_dim": -8}}, r"ffn.hidden_dim: must be > 0"),
+        ({"attention": {"sliding_window": 0}}, r"attention.sliding_window: must be > 0"),
+        ({"dropout": 1.0}, r"dropout: must be in \[0, 1\)"),
+        ({"attention": {"backend": "flashy"}}, r"attention.backend: unknown value 'flashy'"),
+        ({"norm": {"placement": "middle"}}, r"norm.placement: unknown value"),
+        ({"position": {"rope_layout": "pairs"}}, r"position.rope_layout: unknown value"),
+    ],
+)
+def test_inconsistent_values_rejected(data, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict(data)
+
+
+def test_head_dim_override_allows_indivisible_d_model():
+    cfg = ModelConfig.from_dict({"d_model": 100, "attention": {"n_heads": 3, "head_dim": 32}})
+    assert cfg.head_dim == 32
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_json_round_trip_every_preset(name, tmp_path):
+    cfg = get_preset(name)
+    again = ModelConfig.from_json(cfg.to_json())
+    assert again == cfg
+    assert again.to_dict() == cfg.to_dict()
+    path = tmp_path / "config.json"
+    cfg.save(path)
+    assert ModelConfig.load(path) == cfg
+    run = RunConfig(model=cfg)
+    assert RunConfig.from_json(run.to_json()) == run
+
+
+def test_round_trip_detects_change():
+    cfg = get_preset("gpt2-tiny")
+    other = ModelConfig.from_json(cfg.to_json().replace('"n_layers": 2', '"n_layers": 3'))
+    assert other != cfg and other.n_layers == 3
+
+
+def test_override_dotted_keys():
+    cfg = get_preset("llama-tiny")
+    new = cfg.override({"attention.n_kv_heads": 1, "d_model": 128, "position.rope_theta": 1e6})
+    assert new.n_kv_heads == 1 and new.d_model == 128 and new.position.rope_theta == 1e6
+    assert cfg.n_kv_heads == 2 and cfg.d_model == 64  # the original is untouched
+    with pytest.raises(ConfigError, match=r"attention.n_kv_head: unknown key; did you mean"):
+        cfg.override({"attention.n_kv_head": 1})
+    with pytest.raises(ConfigError, match=r"atention: unknown section"):
+        cfg.override({"atention.n_heads": 2})
+    with pytest.raises(ConfigError, match=r"n_heads=4 is not divisible"):
+        cfg.override({"attention.n_kv_heads": 3})
+    with pytest.raises(ConfigError, match=r"d_model: expected an integer"):
+        cfg.override({"d_model": "wide"})
+
+
+def test_glu_default_hidden_size():
+    def llama_rule(d: int, multiple_of: int) -> int:
+        hidden = int(2 * (4 * d) / 3)  # 2/3 of a 4d MLP keeps the parameter count
+        return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+    assert FFNConfig(kind="glu", multiple_of=256).hidden_size(4096) == llama_rule(4096, 256)
+    assert llama_rule(4096, 256) == 11008  # LLaMA 7B's published FFN size
+    for d, m in [(64, 32), (96, 1), (100, 64), (768, 256)]:
+        assert FFNConfig(kind="glu", multiple_of=m).hidden_size(d) == llama_rule(d, m)
+    assert FFNConfig(kind="mlp").hidden_size(96) == 4 * 96
+    assert FFNConfig(kind="glu", hidden_dim=40).hidden_size(96) == 40
+
+
+def expected_parameters(cfg: ModelConfig) -> int:
+    """Parameter count written from the architecture, independent of the module code."""
+    d, h, h_kv, d_h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    a, f, nrm = cfg.attention, cfg.ffn, cfg.norm
+    norm = d * (2 if nrm.kind == "layernorm" and nrm.bias else 1)
+    attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
+    attn += h * d_h * d + d * a.out_bias
+    hidden = f.hidden_size(d)
+    if f.kind == "mlp":
+        ffn = 2 * d * hidden + (hidden + d) * f.bias
+    else:
+        ffn = 3 * d * hidden + (2 * hidden + d) * f.bias
+    total = cfg.vocab_size * d  # token embedding
+    total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0
+    total += cfg.n_layers * (attn + ffn + 2 * norm)
+    total += norm if nrm.placement == "pre" else 0  # final norm
+    total += 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return total
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parameter_counts_on_meta_device(name):
+    cfg = get_preset(name)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    assert model.tok_emb.weight.is_meta
+    assert model.num_parameters() == expected_parameters(cfg)
+
+
+def test_gpt2_is_124m():
+    cfg = get_preset("gpt2")
+    with torch.device("meta"):
+        n = DecoderLM(cfg).num_parameters()
+    d, n_layers = 768, 12
+    # 50257 x 768 tokens + 1024 x 768 positions + 12 layers x (12 d^2 + 13 d) + final LayerNorm.
+    assert n == 50257 * d + 1024 * d + n_layers * (12 * d * d + 13 * d) + 2 * d
+    assert round(n / 1e6) == 124

@@ -1,0 +1,248 @@
+"""DecoderLM: presets build, loss, tied embeddings, gradients; the KV cache against the full
+forward pass for every attention kind, position scheme and norm placement; sliding windows;
+left-padded batches.
+
+Shapes: b batch, t length, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.models import DecoderLM, build_model
+from attnlab.presets import get_preset
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+V = 50
+KV_HEADS = {"mha": None, "gqa": 2, "mqa": 1}
+POSITIONS = ["learned", "sinusoidal", "rope-split", "rope-interleaved", "none"]
+
+
+def tiny(
+    kv: str = "gqa",
+    position: str = "rope-split",
+    placement: str = "pre",
+    *,
+    window: int | None = None,
+    backend: str = "sdpa",
+    n_layers: int = 2,
+    max_seq_len: int = 24,
+) -> DecoderLM:
+    kind, _, layout = position.partition("-")
+    cfg = ModelConfig(
+        vocab_size=V,
+        max_seq_len=max_seq_len,
+        d_model=32,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=4, n_kv_heads=KV_HEADS[kv], sliding_window=window, backend=backend
+        ),
+        position=PositionConfig(kind=kind, rope_layout=layout or "split"),
+        ffn=FFNConfig(kind="glu" if placement == "pre" else "mlp", multiple_of=16),
+        norm=NormConfig(kind="rmsnorm" if placement == "pre" else "layernorm", placement=placement),
+        init_std=0.1,  # larger than usual so that layers visibly change the logits
+    )
+    return DecoderLM(cfg).eval()
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "vaswani-tiny"])
+def test_preset_loss_matches_cross_entropy_with_ignore_index(name):
+    model = build_model(get_preset(name))
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 10))
+    targets = torch.randint(0, model.cfg.vocab_size, (2, 10))
+    targets[0, :4] = -100
+    targets[1, 7] = -100
+    out = model(idx, targets=targets)
+    assert out.logits.shape == (2, 10, model.cfg.vocab_size)
+    logits = out.logits.reshape(-1, model.cfg.vocab_size)
+    expected = F.cross_entropy(logits, targets.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+    # Written out: mean over kept positions of -log p(target).
+    keep = targets.reshape(-1) != -100
+    logp = logits.log_softmax(-1)[keep, targets.reshape(-1)[keep]]
+    torch.testing.assert_close(out.loss, -logp.mean())
+    unmasked = F.cross_entropy(logits, targets.reshape(-1).clamp(min=0))
+    assert not torch.allclose(out.loss, unmasked)  # ignoring really changed something
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "vaswani-tiny"])
+def test_gradient_reaches_every_parameter(name):
+    model = build_model(get_preset(name)).train()
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    model(idx, targets=torch.roll(idx, -1, dims=1)).loss.backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, pname
+        assert p.grad.isfinite().all(), pname
+        assert p.grad.abs().sum() > 0, pname
+
+
+def test_tied_embeddings_share_storage():
+    tied = build_model(get_preset("gpt2-tiny"))
+    assert tied.cfg.tie_embeddings
+    assert tied.lm_head.weight is tied.tok_emb.weight
+    assert tied.lm_head.weight.data_ptr() == tied.tok_emb.weight.data_ptr()
+    with torch.no_grad():
+        tied.tok_emb.weight[3].fill_(1.5)
+    assert (tied.lm_head.weight[3] == 1.5).all()
+    n_unique = sum(p.numel() for p in {id(p): p for p in tied.parameters()}.values())
+    assert tied.num_parameters() == n_unique
+
+    untied = build_model(get_preset("llama-tiny"))
+    assert not untied.cfg.tie_embeddings
+    assert untied.lm_head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()
+    before = untied.lm_head.weight.clone()
+    with torch.no_grad():
+        untied.tok_emb.weight.add_(1.0)
+    assert torch.equal(untied.lm_head.weight, before)
+    tied_cfg = get_preset("llama-tiny").override({"tie_embeddings": True})
+    d, vocab = tied_cfg.d_model, tied_cfg.vocab_size
+    assert untied.num_parameters() - build_model(tied_cfg).num_parameters() == d * vocab
+
+
+def test_learned_positions_beyond_max_seq_len_raise():
+    model = tiny(position="learned", max_seq_len=8)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+def _decode_one_by_one(model: DecoderLM, idx: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache(idx.shape[0], idx.shape[1])
+    steps = [model(idx[:, i : i + 1], cache=cache).logits for i in range(idx.shape[1])]
+    assert len(cache) == idx.shape[1]
+    return torch.cat(steps, dim=1)
+
+
+def _prefill_in_chunks(model: DecoderLM, idx: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    cache = model.new_cache(idx.shape[0], idx.shape[1] + 4)
+    out, start = [], 0
+    for size in sizes:
+        out.append(model(idx[:, start : start + size], cache=cache).logits)
+        start += size
+    assert start == idx.shape[1]
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("kv", list(KV_HEADS))
+@torch.no_grad()
+def test_cache_equals_full_forward(kv, position, placement):
+    model = tiny(kv, position, placement)
+    idx = torch.randint(0, V, (2, 11))
+    full = model(idx).logits
+    torch.testing.assert_close(_decode_one_by_one(model, idx), full, **TOL)
+    torch.testing.assert_close(_prefill_in_chunks(model, idx, [4, 1, 5, 1]), full, **TOL)
+    torch.testing.assert_close(_prefill_in_chunks(model, idx, [11]), full, **TOL)
+
+
+@pytest.mark.parametrize("position", ["rope-split", "learned"])
+@torch.no_grad()
+def test_cache_equals_full_forward_eager_backend(position):
+    model = tiny("gqa", position, backend="eager")
+    idx = torch.randint(0, V, (2, 9))
+    full = model(idx).logits
+    torch.testing.assert_close(_decode_one_by_one(model, idx), full, **TOL)
+    torch.testing.assert_close(_prefill_in_chunks(model, idx, [2, 5, 2]), full, **TOL)
+    sdpa = tiny("gqa", position)
+    sdpa.load_state_dict(model.state_dict())
+    torch.testing.assert_close(sdpa(idx).logits, full, **TOL)
+
+
+@pytest.mark.parametrize("kv", list(KV_HEADS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_nbytes(kv, dtype):
+    model = tiny(kv)
+    b, max_len = 3, 17
+    cache = model.new_cache(b, max_len, dtype=dtype)
+    cfg = model.cfg
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = 2 * cfg.n_layers * b * cfg.n_kv_heads * max_len * cfg.head_dim * itemsize
+    assert cache.nbytes == expected
+    assert model.new_cache(1).max_len == cfg.max_seq_len
+    assert model.new_cache(1).layers[0].k.dtype == model.tok_emb.weight.dtype
+    with torch.no_grad():
+        model(torch.zeros(b, 5, dtype=torch.long), cache=model.new_cache(b, max_len))
+
+
+@torch.no_grad()
+def test_cache_overflow_raises_clear_error():
+    model = tiny()
+    cache = model.new_cache(1, 6)
+    model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"KV cache is full: 4 \+ 3 tokens > capacity 6"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    assert len(cache) == 4  # the failed call wrote nothing
+    model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+    assert len(cache) == 6
+
+
+# --------------------------------------------------------------------------- sliding window
+
+
+@pytest.mark.parametrize("position", ["rope-split", "rope-interleaved", "none"])
+@torch.no_grad()
+def test_sliding_window_sees_only_the_last_window_tokens(position):
+    """One layer with a window of w: the output at position i depends on tokens i-w+1..i
+    only, and RoPE / no positions are shift invariant, so it equals running that slice
+    alone."""
+    w = 3
+    model = tiny(position=position, window=w, n_layers=1)
+    idx = torch.randint(0, V, (2, 10))
+    full = model(idx).logits
+    for i in range(10):
+        alone = model(idx[:, max(0, i - w + 1) : i + 1]).logits[:, -1]
+        torch.testing.assert_close(full[:, i], alone, **TOL)
+    unwindowed = tiny(position=position, n_layers=1)
+    unwindowed.load_state_dict(model.state_dict())
+    reference = unwindowed(idx).logits
+    torch.testing.assert_close(full[:, :w], reference[:, :w], **TOL)
+    assert not torch.allclose(full[:, w:], reference[:, w:], atol=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["mha", "mqa"])
+@pytest.mark.parametrize("position", ["rope-split", "learned"])
+@torch.no_grad()
+def test_sliding_window_with_cache(kv, position):
+    model = tiny(kv, position, window=4)
+    idx = torch.randint(0, V, (2, 13))
+    full = model(idx).logits
+    torch.testing.assert_close(_decode_one_by_one(model, idx), full, **TOL)
+    torch.testing.assert_close(_prefill_in_chunks(model, idx, [3, 6, 1, 3]), full, **TOL)
+
+
+# --------------------------------------------------------------------------- left padding
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@torch.no_grad()
+def test_left_padding_matches_unpadded_rows(position, backend):
+    model = tiny("gqa", position, backend=backend)
+    short, long = torch.randint(0, V, (5,)), torch.randint(0, V, (8,))
+    pad = 3
+    idx = torch.stack((torch.cat((torch.zeros(pad, dtype=torch.long), short)), long))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :pad] = 0
+    batch = model(idx, attention_mask=mask).logits
+    torch.testing.assert_close(batch[0, pad:], model(short[None]).logits[0], **TOL)
+    torch.testing.assert_close(batch[1], model(long[None]).logits[0], **TOL)
+
+    # The same with a KV cache: prefill the padded batch, then decode three more tokens.
+    cache = model.new_cache(2, 11)
+    prefill = model(idx, attention_mask=mask, cache=cache).logits
+    torch.testing.assert_close(prefill, batch, **TOL)
+    new = torch.randint(0, V, (2, 3))
+    steps = torch.cat([model(new[:, i : i + 1], cache=cache).logits for i in range(3)], dim=1)
+    alone_short = model(torch.cat((short, new[0]))[None]).logits[0, -3:]
+    alone_long = model(torch.cat((long, new[1]))[None]).logits[0, -3:]
+    torch.testing.assert_close(steps[0], alone_short, **TOL)
+    torch.testing.assert_close(steps[1], alone_long, **TOL)

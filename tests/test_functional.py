@@ -1,0 +1,255 @@
+"""Softmax, masks and the attention backends against torch built-ins and the naive loop.
+
+Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import causal_allowed, naive_attention, sliding_window_allowed
+
+from attnlab.functional import (
+    attend,
+    causal_mask,
+    combine_masks,
+    masked_softmax,
+    padding_mask,
+    stable_softmax,
+    to_additive,
+)
+from attnlab.functional.masks import sliding_window_mask
+
+BACKENDS = ["eager", "sdpa"]
+ATOL = 1e-5
+
+
+# --------------------------------------------------------------------------- softmax
+
+
+def test_stable_softmax_matches_torch():
+    x = torch.randn(3, 5, 11) * 4
+    for dim in (-1, 1, 0):
+        torch.testing.assert_close(stable_softmax(x, dim=dim), torch.softmax(x, dim=dim))
+
+
+def test_stable_softmax_huge_logits_do_not_overflow():
+    x = torch.tensor([[1e4, 1e4 - 1.0, -1e4], [3e4, 0.0, 3e4]])
+    assert torch.exp(x).isinf().any()  # the naive formula would overflow here
+    y = stable_softmax(x)
+    assert y.isfinite().all()
+    # Shifting by a constant does not change softmax: the reference is computed near zero.
+    torch.testing.assert_close(y, torch.softmax(x - x.amax(-1, keepdim=True), dim=-1))
+    torch.testing.assert_close(y, torch.softmax(x, dim=-1))
+
+
+def test_masked_softmax_all_masked_row_gives_zeros():
+    x = torch.randn(3, 4)
+    mask = torch.tensor(
+        [[True, False, True, True], [False, False, False, False], [True] * 4], dtype=torch.bool
+    )
+    y = masked_softmax(x, mask)
+    assert y.isfinite().all()
+    assert torch.equal(y[1], torch.zeros(4))
+    torch.testing.assert_close(y[0], torch.softmax(x[0].masked_fill(~mask[0], -1e9), -1))
+    torch.testing.assert_close(y[2], torch.softmax(x[2], -1))
+    # Additive form of the same mask, and a row that is -inf in the logits themselves.
+    torch.testing.assert_close(masked_softmax(x, to_additive(mask)), y)
+    z = stable_softmax(torch.full((2, 3), float("-inf")))
+    assert torch.equal(z, torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("t,s", [(4, 4), (3, 7), (1, 5)])
+def test_causal_mask_bottom_right(t, s):
+    assert torch.equal(causal_mask(t, s), causal_allowed(t, s))
+
+
+def test_causal_mask_rejects_fewer_keys_than_queries():
+    with pytest.raises(ValueError, match="shorter than query length"):
+        causal_mask(5, 3)
+
+
+@pytest.mark.parametrize("t,s,w", [(6, 6, 2), (3, 8, 3), (1, 9, 4), (5, 5, 10)])
+def test_sliding_window_mask(t, s, w):
+    assert torch.equal(sliding_window_mask(t, s, w), sliding_window_allowed(t, s, w))
+
+
+def test_combine_masks_bool_and_additive():
+    a = torch.rand(3, 4) > 0.3
+    c = torch.rand(3, 4) > 0.3
+    assert torch.equal(combine_masks(a, None, c), a & c)
+    assert combine_masks(None, None) is None
+    bias = torch.randn(3, 4)
+    mixed = combine_masks(bias, a)  # additive + bool -> additive
+    assert mixed.dtype == torch.float32
+    expected = torch.where(a, bias, torch.tensor(float("-inf")))
+    assert torch.equal(mixed, expected)
+    pad = padding_mask(torch.tensor([[1, 0, 1]]))
+    assert pad.shape == (1, 1, 1, 3) and pad.dtype == torch.bool
+    assert pad.flatten().tolist() == [True, False, True]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _qkv(b=2, h=4, h_kv=4, t=5, s=5, d_h=8, dtype=torch.float32):
+    q = torch.randn(b, h, t, d_h, dtype=dtype)
+    k = torch.randn(b, h_kv, s, d_h, dtype=dtype)
+    v = torch.randn(b, h_kv, s, d_h, dtype=dtype)
+    return q, k, v
+
+
+def _key_valid(b, s):
+    """(b, s) bool: row 0 keeps every key, later rows lose their first keys (left padding)."""
+    valid = torch.ones(b, s, dtype=torch.bool)
+    for i in range(1, b):
+        valid[i, : min(i + 1, s - 1)] = False
+    return valid
+
+
+CASES = {
+    # name: (t, s, causal, padding, h_kv)
+    "plain": (5, 5, False, False, 4),
+    "causal": (5, 5, True, False, 4),
+    "padding": (5, 6, False, True, 4),
+    "causal+padding": (6, 6, True, True, 4),
+    "causal t<s": (3, 7, True, False, 4),
+    "causal+padding t<s": (3, 7, True, True, 4),
+    "gqa causal+padding": (4, 6, True, True, 2),
+    "mqa causal+padding": (4, 6, True, True, 1),
+    "mqa plain": (5, 5, False, False, 1),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_attend_matches_naive_loop(backend, case):
+    t, s, causal, padding, h_kv = CASES[case]
+    b = 3
+    q, k, v = _qkv(b=b, h_kv=h_kv, t=t, s=s)
+    mask = padding_mask(_key_valid(b, s)) if padding else None
+    allowed = torch.ones(b, 1, t, s, dtype=torch.bool)
+    if causal:
+        allowed = allowed & causal_allowed(t, s)
+    if padding:
+        allowed = allowed & _key_valid(b, s)[:, None, None, :]
+    expected = naive_attention(q, k, v, allowed)
+    out = attend(q, k, v, mask, causal=causal, backend=backend)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("h_kv", [4, 2, 1])
+def test_attend_boolean_and_additive_masks(backend, h_kv):
+    b, t, s = 2, 4, 6
+    q, k, v = _qkv(b=b, h_kv=h_kv, t=t, s=s)
+    allowed = torch.rand(b, 1, t, s) > 0.4
+    allowed[..., 0] = True  # every query keeps a key (fully masked rows are tested below)
+    expected = naive_attention(q, k, v, allowed)
+    torch.testing.assert_close(attend(q, k, v, allowed, backend=backend), expected)
+    torch.testing.assert_close(attend(q, k, v, to_additive(allowed), backend=backend), expected)
+    # A finite additive bias (as ALiBi or relative positions would add) on top of the mask.
+    bias = torch.randn(b, 4, t, s)
+    additive = bias + to_additive(allowed)
+    expected = naive_attention(q, k, v, allowed, bias)
+    torch.testing.assert_close(attend(q, k, v, additive, backend=backend), expected)
+    # Custom scale.
+    expected = naive_attention(q, k, v, allowed, scale=0.3)
+    torch.testing.assert_close(attend(q, k, v, allowed, scale=0.3, backend=backend), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["bool", "additive", "additive+bias", "causal+padding"])
+def test_fully_masked_rows_give_zeros_and_finite_grads(backend, kind):
+    b, h, t, s = 2, 4, 4, 5
+    q, k, v = _qkv(b=b, h=h, h_kv=2, t=t, s=s)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    causal = False
+    allowed = torch.rand(b, 1, t, s) > 0.3
+    allowed[..., 0] = True
+    allowed[0, 0, 1] = False  # query 1 of batch row 0 may attend to nothing
+    allowed[1, 0, 3] = False
+    bias = None
+    if kind == "bool":
+        mask = allowed
+    elif kind == "additive":
+        mask = to_additive(allowed)
+    elif kind == "additive+bias":
+        bias = torch.randn(b, h, t, s)
+        mask = bias + to_additive(allowed)
+    else:  # left padding of 3 keys: the first queries of row 1 see only padding
+        causal = True
+        valid = torch.ones(b, s, dtype=torch.bool)
+        valid[1, :3] = False
+        mask = padding_mask(valid)
+        allowed = valid[:, None, None, :] & causal_allowed(t, s)
+    empty = ~allowed.any(-1)  # (b, 1, t)
+    assert empty.any()
+    out = attend(q, k, v, mask, causal=causal, backend=backend)
+    assert out.isfinite().all()
+    assert (out.masked_select(empty[..., None].expand_as(out)) == 0).all()
+    torch.testing.assert_close(
+        out.detach(), naive_attention(q.detach(), k.detach(), v.detach(), allowed, bias)
+    )
+    out.square().sum().backward()
+    for x in (q, k, v):
+        assert x.grad.isfinite().all()
+    # The zero rows have no dependence on the queries.
+    assert (q.grad.masked_select(empty.expand(b, h, t)[..., None].expand_as(q)) == 0).all()
+
+
+def test_backends_agree_on_gradients():
+    q, k, v = _qkv(h_kv=2, t=4, s=6)
+    mask = padding_mask(_key_valid(2, 6))
+    grads = []
+    for backend in BACKENDS:
+        qs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        attend(*qs, mask, causal=True, backend=backend).sin().sum().backward()
+        grads.append([x.grad for x in qs])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+
+
+def test_eager_weights_rows_sum_to_one_or_zero():
+    b, t, s = 2, 4, 6
+    q, k, v = _qkv(b=b, h_kv=2, t=t, s=s)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :4] = False  # row 1: first two queries see only padding under causality
+    out, weights = attend(
+        q, k, v, padding_mask(valid), causal=True, backend="eager", return_weights=True
+    )
+    assert weights.shape == (b, 4, t, s)
+    allowed = valid[:, None, None, :] & causal_allowed(t, s)
+    expected_sums = allowed.any(-1).float().expand(b, 4, t)
+    torch.testing.assert_close(weights.sum(-1), expected_sums)
+    assert (weights.masked_select(~allowed.expand_as(weights)) == 0).all()
+    # out = weights @ v with query head j reading kv head j // 2.
+    torch.testing.assert_close(out, weights @ v.repeat_interleave(2, dim=1))
+
+
+def test_attend_argument_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attend(q, k, v, backend="nope")
+    with pytest.raises(ValueError, match="needs backend='eager'"):
+        attend(q, k, v, backend="sdpa", return_weights=True)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attend(q, k[:, :3], v[:, :3])
+    with pytest.raises(ValueError, match=r"\(b, h, t, d_h\)"):
+        attend(q[0], k[0], v[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attend_bf16_close_to_float32(backend):
+    q, k, v = _qkv(h_kv=2, t=4, s=6)
+    mask = padding_mask(_key_valid(2, 6))
+    ref = attend(q, k, v, mask, causal=True, backend=backend)
+    out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, causal=True, backend=backend)
+    assert out.dtype == torch.bfloat16
+    # bf16 keeps 8 bits of mantissa: inputs and outputs round at ~4e-3 relative.
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

@@ -1,0 +1,200 @@
+"""Generation: greedy against an argmax loop, cache against no cache, seeded sampling,
+top-k / top-p, stop tokens, streaming, left-padded batches, and context cropping.
+
+Shapes: b batch, T tokens so far, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from oracle import greedy_no_cache
+
+from attnlab.generation import sample_next
+from attnlab.models import DecoderLM, build_model
+from attnlab.presets import get_preset
+
+
+def model_for(name: str, **overrides) -> DecoderLM:
+    # A larger init than training uses, so that argmax decisions are far from ties.
+    cfg = get_preset(name).override({"init_std": 0.2, **overrides})
+    return build_model(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["gpt2-tiny", "llama-tiny"])
+def model(request):
+    torch.manual_seed(1)
+    return model_for(request.param)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_greedy_equals_argmax_loop(model):
+    prompt = _prompt(7, 0)
+    expected = greedy_no_cache(model, prompt, 12)
+    assert model.generate(prompt, 12) == expected
+    assert model.generate(prompt, 12, use_cache=False) == expected
+    assert model.generate(torch.tensor(prompt), 12) == expected  # 1-D tensor prompt
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(model):
+    prompt = _prompt(5, 1)
+    greedy = model.generate(prompt, 10)
+    assert model.generate(prompt, 10, temperature=1.0, top_k=1, seed=3) == greedy
+    assert model.generate(prompt, 10, temperature=1.0, top_p=1e-6, seed=3) == greedy
+
+
+def test_seeded_sampling_is_reproducible():
+    torch.manual_seed(2)
+    m = model_for("gpt2-tiny", init_std=0.02)  # near-uniform next-token distributions
+    prompt = _prompt(4, 2)
+    a = m.generate(prompt, 20, temperature=2.0, seed=123)
+    b = m.generate(prompt, 20, temperature=2.0, seed=123)
+    c = m.generate(prompt, 20, temperature=2.0, seed=124)
+    assert a == b
+    assert a != c
+    g = torch.Generator().manual_seed(123)
+    assert m.generate(prompt, 20, temperature=2.0, generator=g) == a
+    # Sampling with a cache draws the same tokens as without one.
+    assert m.generate(prompt, 20, temperature=2.0, seed=123, use_cache=False) == a
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
+        ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be >= 0"),
+    ],
+)
+def test_sampling_argument_errors(kwargs, match):
+    m = model_for("gpt2-tiny")
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        m.generate([1, 2], **kwargs)
+    with pytest.raises(ValueError, match=match):
+        m.stream([1, 2], **kwargs)  # raised at the call, not at the first next()
+
+
+def test_prompt_errors():
+    m = model_for("gpt2-tiny")
+    with pytest.raises(ValueError, match="at least one token"):
+        m.generate([[1, 2], []], 2)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+        m.generate([1, 256], 2)
+
+
+def _nucleus(probs: torch.Tensor, p: float) -> set[int]:
+    """Smallest set of most likely tokens whose total probability reaches p."""
+    chosen, total = set(), 0.0
+    for i in probs.argsort(descending=True).tolist():
+        chosen.add(i)
+        total += float(probs[i])
+        if total >= p:
+            break
+    return chosen
+
+
+def test_sample_next_respects_top_k_and_top_p():
+    logits = torch.randn(1, 20) * 2
+    g = torch.Generator().manual_seed(0)
+    topk = set(logits[0].topk(4).indices.tolist())
+    seen = {int(sample_next(logits, temperature=1.0, top_k=4, generator=g)) for _ in range(300)}
+    assert seen == topk
+    for p in (0.3, 0.7, 0.95):
+        allowed = _nucleus(logits[0].softmax(-1), p)
+        seen = {int(sample_next(logits, temperature=1.0, top_p=p, generator=g)) for _ in range(400)}
+        assert seen <= allowed
+        assert len(seen) >= min(len(allowed), 2)
+    assert int(sample_next(logits)) == int(logits.argmax())  # temperature 0 is greedy
+
+
+def test_stop_tokens_stop_each_row(model):
+    prompts = [_prompt(6, 3), _prompt(3, 4)]
+    free = model.generate(prompts, 10)
+    row = free[0]
+    # A stop token that row 0 emits after a few tokens (not earlier).
+    stop = next(tok for i, tok in enumerate(row) if i >= 2 and tok not in row[:i])
+    stopped = model.generate(prompts, 10, stop_tokens=[stop])
+    for got, full in zip(stopped, free):
+        expected = full[: full.index(stop)] if stop in full else full
+        assert got == expected
+    assert stop not in stopped[0]
+    assert model.generate(prompts[0], 10, stop_tokens=[stop]) == stopped[0]
+
+
+def test_stream_yields_what_generate_returns(model):
+    prompt = _prompt(5, 5)
+    assert list(model.stream(prompt, 8)) == model.generate(prompt, 8)
+    prompts = [_prompt(5, 5), _prompt(2, 6)]
+    steps = list(model.stream(prompts, 8))
+    assert all(isinstance(s, list) and len(s) == 2 for s in steps)
+    rows = [[s[i] for s in steps if s[i] is not None] for i in range(2)]
+    assert rows == model.generate(prompts, 8)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_batched_left_padded_prompts_equal_each_prompt_alone(model, use_cache):
+    prompts = [_prompt(n, 10 + n) for n in (3, 9, 6, 1)]
+    batch = model.generate(prompts, 8, use_cache=use_cache)
+    for prompt, got in zip(prompts, batch):
+        assert got == greedy_no_cache(model, prompt, 8)
+
+
+def test_max_new_tokens_zero():
+    m = model_for("gpt2-tiny")
+    assert m.generate([1, 2, 3], 0) == []
+    assert m.generate([[1, 2], [3]], 0) == [[], []]
+
+
+# --------------------------------------------------------------------------- long contexts
+
+
+def _greedy_cropped(model: DecoderLM, prompt: list[int], n_new: int) -> list[int]:
+    """The argmax loop on the last max_seq_len tokens, re-run from scratch every step."""
+    limit = model.cfg.max_seq_len
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n_new):
+            nxt = int(model(torch.tensor([ids[-limit:]])).logits[0, -1].argmax())
+            out.append(nxt)
+            ids.append(nxt)
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_long_prompt_is_cropped_with_warning(name):
+    m = model_for(name, max_seq_len=16)
+    prompt = _prompt(21, 7)
+    with pytest.warns(UserWarning) as record:
+        got = m.generate(prompt, 4)
+    messages = [str(w.message) for w in record]
+    assert any("prompt longer than max_seq_len=16: keeping its last 16" in t for t in messages)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert got == m.generate(prompt[-16:], 4)
+    assert got == _greedy_cropped(m, prompt, 4)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_generation_beyond_max_seq_len_cache_equals_no_cache(name):
+    m = model_for(name, max_seq_len=16)
+    prompts = [_prompt(6, 8), _prompt(11, 9)]
+    with pytest.warns(UserWarning, match="exceeds max_seq_len=16"):
+        cached = m.generate(prompts, 25)
+    with pytest.warns(UserWarning, match="exceeds max_seq_len=16"):
+        uncached = m.generate(prompts, 25, use_cache=False)
+    assert cached == uncached
+    assert all(len(r) == 25 for r in cached)
+    assert cached[0] == _greedy_cropped(m, prompts[0], 25)
+    # A single prompt too, and through the stream interface.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        single = list(m.stream(prompts[1], 25))
+    assert single == cached[1] == _greedy_cropped(m, prompts[1], 25)

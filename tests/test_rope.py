@@ -1,0 +1,152 @@
+"""Rotary position embedding: relative-position property, norms, both pair layouts, the
+complex-number oracle, position offsets and bf16.
+
+Shapes: b batch, h heads, t length, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import rope_complex_interleaved
+
+from attnlab.functional.rope import apply_rope, interleaved_to_split, rope_angles, rope_inv_freq
+from attnlab.nn.rope import RotaryEmbedding
+
+D_H = 16
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, layout: str, theta: float = 10000.0):
+    cos, sin = rope_angles(positions, rope_inv_freq(x.shape[-1], theta))
+    return apply_rope(x, cos, sin, layout)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_inv_freq(theta):
+    expected = torch.tensor([theta ** (-2 * i / D_H) for i in range(D_H // 2)], dtype=torch.float64)
+    torch.testing.assert_close(rope_inv_freq(D_H, theta).double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 100.0])
+def test_interleaved_matches_complex_oracle(theta):
+    x = torch.randn(2, 3, 7, D_H)
+    positions = torch.tensor([0, 1, 2, 5, 17, 100, 1000])
+    out = _rope(x, positions, "interleaved", theta)
+    expected = rope_complex_interleaved(x, positions, theta).float()
+    # Angles up to 1000 rad in float32 carry ~1e-4 absolute error (ulp of 1000 is 6e-5).
+    torch.testing.assert_close(out, expected, atol=3e-4, rtol=1e-5)
+    small = positions < 20  # small angles: float32 is exact to ~1e-6
+    torch.testing.assert_close(out[..., small, :], expected[..., small, :], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_dot_product_depends_only_on_offset(layout):
+    q = torch.randn(1, 1, 1, D_H)
+    k = torch.randn(1, 1, 1, D_H)
+
+    def dot(m: int, n: int) -> torch.Tensor:
+        qm = _rope(q, torch.tensor([m]), layout)
+        kn = _rope(k, torch.tensor([n]), layout)
+        return (qm * kn).sum()
+
+    for m, n in [(3, 1), (7, 7), (2, 9), (0, 4)]:
+        for shift in (1, 5, 40):
+            torch.testing.assert_close(dot(m + shift, n + shift), dot(m, n), atol=1e-5, rtol=1e-5)
+    # ... and really changes with the offset (the test could fail).
+    assert not torch.allclose(dot(3, 1), dot(3, 2), atol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_rotation_preserves_norms(layout):
+    x = torch.randn(2, 2, 9, D_H)
+    out = _rope(x, torch.arange(9) * 13, layout)
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(_rope(x, torch.zeros(9, dtype=torch.long), layout), x)
+
+
+def test_split_and_interleaved_agree_under_permutation():
+    perm = interleaved_to_split(D_H)
+    assert sorted(perm.tolist()) == list(range(D_H))
+    q, k = torch.randn(2, 2, 6, D_H), torch.randn(2, 2, 6, D_H)
+    pos = torch.tensor([0, 3, 4, 10, 11, 50])
+    q_i, k_i = _rope(q, pos, "interleaved"), _rope(k, pos, "interleaved")
+    q_s, k_s = _rope(q[..., perm], pos, "split"), _rope(k[..., perm], pos, "split")
+    torch.testing.assert_close(q_s, q_i[..., perm])
+    torch.testing.assert_close(k_s, k_i[..., perm])
+    torch.testing.assert_close(q_s @ k_s.transpose(-1, -2), q_i @ k_i.transpose(-1, -2))
+    # Without the permutation the layouts differ.
+    assert not torch.allclose(_rope(q, pos, "split"), q_i, atol=1e-3)
+
+
+def test_split_layout_matches_complex_oracle_after_permutation():
+    perm = interleaved_to_split(D_H)
+    x = torch.randn(1, 2, 5, D_H)  # split layout
+    pos = torch.arange(5) * 7
+    inverse = torch.argsort(perm)  # split -> interleaved
+    expected = rope_complex_interleaved(x[..., inverse], pos).float()[..., perm]
+    torch.testing.assert_close(_rope(x, pos, "split"), expected)
+
+
+def test_unknown_layout_raises():
+    with pytest.raises(ValueError, match="unknown RoPE layout"):
+        _rope(torch.randn(1, 1, 2, D_H), torch.arange(2), "halves")
+    with pytest.raises(ValueError, match="even head_dim"):
+        RotaryEmbedding(7)
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_module_positions_offset_and_per_row(layout):
+    rope = RotaryEmbedding(D_H, layout=layout)
+    q, k = torch.randn(2, 4, 9, D_H), torch.randn(2, 2, 9, D_H)
+    full_q, full_k = rope(q, k, torch.arange(9))
+    # The last 4 tokens alone, at positions 5..8 (as in a KV cache), rotate the same way.
+    part_q, part_k = rope(q[:, :, 5:], k[:, :, 5:], torch.arange(5, 9))
+    torch.testing.assert_close(part_q, full_q[:, :, 5:])
+    torch.testing.assert_close(part_k, full_k[:, :, 5:])
+    # Per-row positions (b, t): row 1 shifted by 3 equals the single-row result at those slots.
+    pos = torch.stack((torch.arange(6), torch.arange(6) + 3))
+    rows_q, rows_k = rope(q[:, :, :6], k[:, :, :6], pos)
+    torch.testing.assert_close(rows_q[1], _rope(q[1:, :, :6], torch.arange(3, 9), layout)[0])
+    torch.testing.assert_close(rows_k[1], _rope(k[1:, :, :6], torch.arange(3, 9), layout)[0])
+    torch.testing.assert_close(rows_q[0], full_q[0, :, :6])
+
+
+def test_module_reused_between_inference_and_training():
+    rope = RotaryEmbedding(D_H)
+    q, k = torch.randn(1, 2, 4, D_H), torch.randn(1, 2, 4, D_H)
+    pos = torch.arange(4)
+    with torch.inference_mode():
+        rope(q, k, pos)
+    q.requires_grad_(True)
+    rq, rk = rope(q, k, pos)  # same positions after an inference-mode call
+    rq.sum().backward()
+    assert q.grad is not None and q.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_bf16_input_uses_float32_angles(layout):
+    x = torch.randn(1, 2, 4, D_H)
+    pos = torch.tensor([300, 1001, 4097, 8191])  # not representable in bf16
+    assert not torch.equal(pos.bfloat16().long(), pos)
+    ref = _rope(x, pos, layout)  # float32 throughout
+    out = _rope(x.bfloat16(), pos, layout)
+    assert out.dtype == torch.bfloat16
+    # Only the input and output round to bf16 (~2^-8 relative), so the error stays at that level.
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    # The same rotation with angles computed in bf16 is off by whole radians at these positions.
+    angles = pos.bfloat16()[:, None] * rope_inv_freq(D_H).bfloat16()
+    bad = apply_rope(x, angles.float().cos(), angles.float().sin(), layout)
+    assert (bad - ref).abs().max() > 0.1
+    # rope_angles always returns float32, even from a bf16 frequency table.
+    assert rope_angles(pos, rope_inv_freq(D_H).bfloat16())[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_module_cast_to_bf16_keeps_float32_frequencies(layout):
+    rope = RotaryEmbedding(D_H, layout=layout).to(torch.bfloat16)  # as model.to(bf16) does
+    q, k = torch.randn(1, 2, 4, D_H), torch.randn(1, 2, 4, D_H)
+    pos = torch.tensor([300, 1001, 4097, 8191])
+    out_q, out_k = rope(q.bfloat16(), k.bfloat16(), pos)
+    # Only input/output rounding to bf16 (~2^-8 relative) is allowed.
+    torch.testing.assert_close(out_q.float(), _rope(q, pos, layout), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out_k.float(), _rope(k, pos, layout), atol=2e-2, rtol=2e-2)
