@@ -27,12 +27,21 @@ def main() -> None:
     setup_threads(args.threads)
     torch.manual_seed(0)
     # A small LLaMA-style model: the uncached run at 1024 tokens stays within minutes.
-    cfg = llama_style(vocab_size=4096, max_seq_len=2048, d_model=256, n_layers=4, n_heads=4,
-                      n_kv_heads=2, ffn_hidden=704)
+    cfg = llama_style(
+        vocab_size=4096,
+        max_seq_len=2048,
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=704,
+    )
     model = build_model(cfg).eval()
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,))
-    print(f"model: LLaMA-style d_model 256, 4 layers, {model.num_parameters() / 1e6:.1f}M "
-          f"parameters, float32, batch 1, {args.prompt}-token prompt, greedy")
+    print(
+        f"model: LLaMA-style d_model 256, 4 layers, {model.num_parameters() / 1e6:.1f}M "
+        f"parameters, float32, batch 1, {args.prompt}-token prompt, greedy"
+    )
     print(f"machine: {machine()}")
     model.generate(prompt, 8)  # warm up
     rows = []
@@ -43,10 +52,10 @@ def main() -> None:
             outs[use_cache] = model.generate(prompt, n, use_cache=use_cache)
             speed[use_cache] = n / (time.perf_counter() - t)
         assert outs[True] == outs[False], "cached and uncached decoding disagree"
-        rows.append([n, f"{speed[True]:.1f}", f"{speed[False]:.1f}",
-                     f"{speed[True] / speed[False]:.1f}x"])
-    print(table(["new tokens", "with cache tok/s", "without cache tok/s", "cache speed-up"],
-                rows))
+        rows.append(
+            [n, f"{speed[True]:.1f}", f"{speed[False]:.1f}", f"{speed[True] / speed[False]:.1f}x"]
+        )
+    print(table(["new tokens", "with cache tok/s", "without cache tok/s", "cache speed-up"], rows))
     print("(tokens identical with and without the cache)")
 
 

@@ -49,9 +49,17 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
         pad_token_id=None,
     )
     hf = LlamaForCausalLM(hf_cfg).eval()
@@ -65,15 +73,19 @@ def main() -> None:
     def run_hf(cache: str | None):
         kw = {"cache_implementation": cache} if cache else {}
         with torch.inference_mode():
-            out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0, **kw)
+            out = hf.generate(
+                prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw
+            )
         return out[0, args.prompt :].tolist()
 
     def run_ours():
         return ours.generate(prompt[0], n)
 
-    runners = {"attnlab": run_ours, "transformers": lambda: run_hf(None),
-               "transformers (static cache)": lambda: run_hf("static")}
+    runners = {
+        "attnlab": run_ours,
+        "transformers": lambda: run_hf(None),
+        "transformers (static cache)": lambda: run_hf("static"),
+    }
     tokens, best = {}, {}
     for name, fn in runners.items():  # warm up, and check the tokens
         tokens[name] = fn()
@@ -84,19 +96,40 @@ def main() -> None:
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
     bandwidth = copy_bandwidth()
     per_token = bytes_per_token(ours, args.prompt, n)
-    print(f"model: LLaMA-style, {n_params / 1e6:.1f}M parameters, float32, batch 1, "
-          f"{args.prompt}-token prompt, {n} new tokens, greedy")
+    print(
+        f"model: LLaMA-style, {n_params / 1e6:.1f}M parameters, float32, batch 1, "
+        f"{args.prompt}-token prompt, {n} new tokens, greedy"
+    )
     print(f"machine: {machine()}; threads: {threads}")
-    print(f"memory bandwidth (large tensor copy): {bandwidth / 1e9:.1f} GB/s; "
-          f"bytes read per token: {per_token / 1e6:.1f} MB")
+    print(
+        f"memory bandwidth (large tensor copy): {bandwidth / 1e9:.1f} GB/s; "
+        f"bytes read per token: {per_token / 1e6:.1f} MB"
+    )
     rows = []
     for name in runners:
         tps = n / best[name]
         same = "yes" if tokens[name] == tokens["attnlab"] else "NO"
-        rows.append([name, f"{tps:.1f}", f"{best['transformers'] / best[name]:.2f}x",
-                     f"{per_token * tps / bandwidth:.0%}", same])
-    print(table(["implementation", "tokens/s", "speed vs transformers",
-                 "of bandwidth limit", "same tokens"], rows))
+        rows.append(
+            [
+                name,
+                f"{tps:.1f}",
+                f"{best['transformers'] / best[name]:.2f}x",
+                f"{per_token * tps / bandwidth:.0%}",
+                same,
+            ]
+        )
+    print(
+        table(
+            [
+                "implementation",
+                "tokens/s",
+                "speed vs transformers",
+                "of bandwidth limit",
+                "same tokens",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":
