@@ -31,7 +31,8 @@ def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {threads} threads"
 
 
 def table(headers: list[str], rows: list[list]) -> str:
