@@ -163,6 +163,7 @@ ATTENTION_KINDS = ("mha",)
 ATTENTION_BACKENDS = ("sdpa", "eager")
 POSITION_KINDS = ("learned", "sinusoidal", "rope", "none")
 ROPE_LAYOUTS = ("split", "interleaved")
+ROPE_SCALINGS = ("linear", "llama3")
 FFN_KINDS = ("mlp", "glu")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -209,11 +210,29 @@ class PositionConfig(_Config):
     kind: str = "learned"
     rope_theta: float = 10000.0
     rope_layout: str = "split"  # "split" halves (LLaMA/HF) or "interleaved" pairs (RoFormer)
+    # Context extension by rescaling frequencies: None, "linear" (position interpolation,
+    # Chen et al. 2023: every frequency / factor) or "llama3" (low frequencies / factor,
+    # high ones kept, a smooth ramp between, as in LLaMA 3.1).
+    rope_scaling: str | None = None
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_seq_len: int = 8192  # llama3 only: the context length before scaling
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
         _choice(f"{path}.rope_layout", self.rope_layout, ROPE_LAYOUTS)
         _positive(f"{path}.rope_theta", self.rope_theta)
+        if self.rope_scaling is not None:
+            _choice(f"{path}.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        _positive(f"{path}.rope_factor", self.rope_factor)
+        _positive(f"{path}.rope_low_freq_factor", self.rope_low_freq_factor)
+        _positive(f"{path}.rope_original_max_seq_len", self.rope_original_max_seq_len)
+        if (
+            self.rope_scaling == "llama3"
+            and self.rope_high_freq_factor <= self.rope_low_freq_factor
+        ):
+            _fail(f"{path}.rope_high_freq_factor", "must be larger than rope_low_freq_factor")
 
 
 @dataclass

@@ -112,22 +112,23 @@ def _check_architecture(hf: dict[str, Any], model_type: str) -> None:
             )
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """RoPE base from transformers 4.x (``rope_theta`` + ``rope_scaling``) or 5.x
-    (``rope_parameters``) configs; any scaling other than the default is refused."""
+def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    """PositionConfig fields from transformers 4.x (``rope_theta`` + ``rope_scaling``) or 5.x
+    (``rope_parameters``) configs. Scaling "linear" and "llama3" are supported."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise HFCheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in _ROPE_KEYS:
         raise HFCheckpointError(
-            f"RoPE scaling {rope_type!r} is not supported (attnlab implements plain RoPE); "
-            "only rope_scaling null / rope_type 'default' can be loaded"
+            f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
+            f"{', '.join(repr(k) for k in _ROPE_KEYS)}"
         )
     extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    extra -= set(_ROPE_KEYS[rope_type])
     if extra:
         raise HFCheckpointError(
-            f"RoPE parameters {sorted(extra)} are not supported (attnlab implements plain RoPE)"
+            f"RoPE parameters {sorted(extra)} are not supported for rope_type {rope_type!r}"
         )
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
@@ -135,7 +136,35 @@ def _rope_theta(hf: dict[str, Any]) -> float:
             f"partial_rotary_factor={factor} is not supported; attnlab rotates whole heads"
         )
     theta = params.get("rope_theta", hf.get("rope_theta"))
-    return float(theta if theta is not None else 10000.0)
+    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
+    if rope_type != "default":
+        out["rope_scaling"] = rope_type
+        for hf_key, ours in _ROPE_KEYS[rope_type].items():
+            if hf_key in params:
+                out[ours] = params[hf_key]
+    return out
+
+
+# rope_type -> {HF key: PositionConfig field}
+_ROPE_KEYS: dict[str, dict[str, str]] = {
+    "default": {},
+    "linear": {"factor": "rope_factor"},
+    "llama3": {
+        "factor": "rope_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_seq_len",
+    },
+}
+
+
+def _rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
+    """The ``rope_parameters`` (5.x) / ``rope_scaling`` (4.x) dict for a PositionConfig."""
+    kind = pos.rope_scaling or "default"
+    params: dict[str, Any] = {"rope_type": kind, "rope_theta": pos.rope_theta}
+    for hf_key, ours in _ROPE_KEYS[kind].items():
+        params[hf_key] = getattr(pos, ours)
+    return params
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
@@ -243,7 +272,7 @@ def _llama_config(hf: dict[str, Any], model_type: str) -> ModelConfig:
             dropout=hf.get("attention_dropout", 0.0),
             sliding_window=_sliding_window(hf, model_type),
         ),
-        position=PositionConfig(kind="rope", rope_theta=_rope_theta(hf), rope_layout="split"),
+        position=PositionConfig(kind="rope", rope_layout="split", **_rope_settings(hf)),
         ffn=FFNConfig(
             kind="glu",
             activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"),
@@ -332,6 +361,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
             "add_cross_attention": False,
         }
     theta = cfg.position.rope_theta
+    rope = _rope_to_hf(cfg.position)
     hf = {
         **common,
         "hidden_size": cfg.d_model,
@@ -345,8 +375,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "rms_norm_eps": cfg.norm.eps,
         "attention_dropout": att.dropout,
         "rope_theta": theta,  # transformers 4.x
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},  # transformers 5.x
+        "rope_scaling": None if cfg.position.rope_scaling is None else rope,
+        "rope_parameters": rope,  # transformers 5.x
     }
     if model_type == "llama":
         hf["attention_bias"] = att.qkv_bias or att.out_bias

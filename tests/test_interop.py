@@ -86,6 +86,15 @@ def _hf_config(kind: str):
         return transformers.Qwen2Config(**llama_like, tie_word_embeddings=True, **small)
     if kind == "mistral":  # window shorter than the test sequences, so it matters
         return transformers.MistralConfig(**llama_like, sliding_window=5, **small)
+    if kind == "llama_rope3":  # LLaMA 3.1 scaling; head_dim 8, theta 500: wavelengths 6,
+        # 30, 140, 664 fall in the kept, ramp and scaled bands of original_max 64
+        rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}
+        rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        rope |= {"original_max_position_embeddings": 64}
+        return transformers.LlamaConfig(**{**llama_like, "rope_parameters": rope}, **small)
+    if kind == "llama_linear":
+        rope = {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0}
+        return transformers.LlamaConfig(**{**llama_like, "rope_parameters": rope}, **small)
     raise ValueError(kind)
 
 
@@ -96,6 +105,7 @@ HF_CLASSES = {
     "mistral": "MistralForCausalLM",
 }
 KINDS = ["gpt2", "gpt2_untied", "llama", "llama_bias", "qwen2", "qwen2_tied", "mistral"]
+KINDS += ["llama_rope3", "llama_linear"]
 
 
 def _hf_model(kind: str, seed: int = 0):
@@ -138,6 +148,15 @@ def test_import_config(imported):
         assert cfg.attention.qkv_bias and not cfg.attention.out_bias
     if kind == "llama_bias":
         assert cfg.head_dim == 12 and cfg.ffn.activation == "gelu_tanh"
+    if kind == "llama_rope3":
+        pos = cfg.position
+        assert (pos.rope_scaling, pos.rope_factor, pos.rope_original_max_seq_len) == (
+            "llama3",
+            8.0,
+            64,
+        )
+    if kind == "llama_linear":
+        assert (cfg.position.rope_scaling, cfg.position.rope_factor) == ("linear", 3.0)
 
 
 def test_import_logits(imported):
@@ -260,6 +279,14 @@ EXPORTS = {
         ),
     ),
     "mistral": ("mistral", _with(_llama(), **{"attention.sliding_window": 6})),
+    "llama_rope3": (
+        "llama",
+        _with(
+            _llama(),
+            **{"position.rope_scaling": "llama3", "position.rope_factor": 4.0},
+            **{"position.rope_original_max_seq_len": 16},
+        ),
+    ),
     "qwen2_window": ("qwen2", _with(_llama(qkv_bias=True), **{"attention.sliding_window": 6})),
 }
 
@@ -323,9 +350,11 @@ def test_config_rope_forms():
     v5 = config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
     assert v4 == v5 and v4.position.rope_theta == 5e5
     assert config_from_hf(base).position.rope_theta == 10000.0
+    v4_linear = config_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (v4_linear.position.rope_scaling, v4_linear.position.rope_factor) == ("linear", 2.0)
     for scaling in (
-        {"rope_scaling": {"type": "linear", "factor": 2.0}},
-        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+        {"rope_scaling": {"type": "yarn", "factor": 2.0}},
+        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}},
     ):
         with pytest.raises(HFCheckpointError, match="RoPE scaling"):
             config_from_hf({**base, **scaling})

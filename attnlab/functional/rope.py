@@ -10,6 +10,8 @@ Shapes: b batch, h heads, t length, d_h head dim.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -18,6 +20,30 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, device=None) -> Tensor:
     """(d_h/2,) float32 frequencies theta^(-2i/d_h)."""
     i = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
     return 1.0 / (theta ** (i / head_dim))
+
+
+def scale_inv_freq(
+    inv_freq: Tensor,
+    kind: str | None,
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_seq_len: int = 8192,
+) -> Tensor:
+    """Stretch RoPE to longer contexts. ``linear``: every frequency / factor (position
+    interpolation). ``llama3``: wavelengths longer than original_max_seq_len / low_freq_factor
+    are divided by factor, shorter than original_max_seq_len / high_freq_factor are kept, and
+    those between are interpolated linearly in original_max_seq_len / wavelength."""
+    if kind is None:
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"unknown RoPE scaling {kind!r}; use 'linear' or 'llama3'")
+    ratio = original_max_seq_len * inv_freq / (2 * math.pi)  # context length / wavelength
+    # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear in between.
+    keep = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - keep) * inv_freq / factor + keep * inv_freq
 
 
 def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:

@@ -44,7 +44,7 @@ class DecoderLM(nn.Module):
         # One RoPE module shared by every layer (it holds no weights).
         rope = None
         if cfg.position.kind == "rope":
-            rope = RotaryEmbedding(cfg.head_dim, cfg.position.rope_theta, cfg.position.rope_layout)
+            rope = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, rope=rope) for _ in range(cfg.n_layers))
         # Post-norm blocks already end in a norm; pre-norm stacks need a final one.

@@ -8,17 +8,43 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional.rope import apply_rope, rope_angles, rope_inv_freq
+from attnlab.config import PositionConfig
+from attnlab.functional.rope import apply_rope, rope_angles, rope_inv_freq, scale_inv_freq
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float = 10000.0, layout: str = "split"):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float = 10000.0,
+        layout: str = "split",
+        scaling: dict | None = None,
+    ):
+        """``scaling``: keyword arguments of :func:`scale_inv_freq` (kind, factor, ...)."""
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.layout, self.head_dim, self.theta = layout, head_dim, theta
+        self.scaling = dict(scaling or {})
         self._memo: tuple | None = None
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    @classmethod
+    def from_config(cls, head_dim: int, cfg: PositionConfig) -> RotaryEmbedding:
+        scaling = None
+        if cfg.rope_scaling is not None:
+            scaling = dict(
+                kind=cfg.rope_scaling,
+                factor=cfg.rope_factor,
+                low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_seq_len=cfg.rope_original_max_seq_len,
+            )
+        return cls(head_dim, cfg.rope_theta, cfg.rope_layout, scaling)
+
+    def _inv_freq(self, device=None) -> Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
+        return scale_inv_freq(inv_freq, **self.scaling) if self.scaling else inv_freq
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """q (b, h, t, d_h), k (b, h_kv, t, d_h), positions (b, t) or (t,)."""
@@ -38,7 +64,7 @@ class RotaryEmbedding(nn.Module):
         ):
             inv_freq = self.inv_freq
             if inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: rebuild exactly
-                inv_freq = rope_inv_freq(self.head_dim, self.theta, device=inv_freq.device)
+                inv_freq = self._inv_freq(device=inv_freq.device)
             cos, sin = rope_angles(positions, inv_freq)  # (b, t, d_h/2)
             if cos.dim() == 3:
                 cos, sin = cos[:, None], sin[:, None]  # (b, 1, t, d_h/2)
