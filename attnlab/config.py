@@ -290,29 +290,30 @@ class ModelConfig(_Config):
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
 
-    def validate(self) -> None:
+    def validate(self, path: str = "") -> None:
+        at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers"):
-            _positive(name, getattr(self, name))
-        _positive("init_std", self.init_std)
+            _positive(at(name), getattr(self, name))
+        _positive(at("init_std"), self.init_std)
         if not 0.0 <= self.dropout < 1.0:
-            _fail("dropout", f"must be in [0, 1), got {self.dropout}")
-        self.attention.validate()
-        self.position.validate()
-        self.ffn.validate()
-        self.norm.validate()
+            _fail(at("dropout"), f"must be in [0, 1), got {self.dropout}")
+        self.attention.validate(at("attention"))
+        self.position.validate(at("position"))
+        self.ffn.validate(at("ffn"))
+        self.norm.validate(at("norm"))
         if self.attention.head_dim is None and self.d_model % self.attention.n_heads:
             _fail(
-                "d_model",
+                at("d_model"),
                 f"d_model={self.d_model} is not divisible by attention.n_heads="
                 f"{self.attention.n_heads}; change one, or set attention.head_dim",
             )
         if self.position.kind == "rope" and self.head_dim % 2:
             _fail(
-                "attention.head_dim",
+                at("attention.head_dim"),
                 f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}",
             )
         if self.position.kind == "sinusoidal" and self.d_model % 2:
-            _fail("d_model", f"sinusoidal positions need an even d_model, got {self.d_model}")
+            _fail(at("d_model"), f"sinusoidal positions need an even d_model, got {self.d_model}")
 
     @property
     def head_dim(self) -> int:
@@ -416,7 +417,7 @@ class RunConfig(_Config):
     data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self) -> None:
-        self.model.validate()
+        self.model.validate("model")
         self.train.validate()
         self.data.validate()
         if self.train.block_size is not None and self.train.block_size > self.model.max_seq_len:

@@ -1,0 +1,159 @@
+"""Back-of-the-envelope calculators: parameters, FLOPs and KV-cache memory of a
+:class:`~attnlab.config.ModelConfig`, from formulas (no model is built).
+
+Symbols: V vocabulary, T sequence length (context), d d_model, L layers, h query heads,
+h_kv key/value heads, d_h head dim, H feed-forward hidden size.
+
+FLOP convention (Kaplan et al. 2020, Table 1; PaLM, Chowdhery et al. 2022, Appendix B):
+one multiply-add is 2 FLOPs, and only matrix multiplications are counted (norms,
+activations, softmax, RoPE and embedding lookups are O(d) per token and left out).
+
+* dense:     2 N_matmul per token, N_matmul = the weights of every Linear layer, including
+             the output projection d x V even when it is tied to the token embedding (the
+             tied matrix is still multiplied; it is just stored once).
+* attention: 2 * 2 * L * T * h * d_h per token: Q K^T and (weights) V, each 2 h d_h FLOPs
+             per key, with T keys per query. This counts the full T x T score matrix, as
+             dense kernels compute it; a causal mask makes half of it dead work (so exact
+             causal accounting would be T/2). PaLM counts it the same way; Kaplan's Table 1
+             counts only one of the two matmuls.
+* training:  3 x forward (backward = 2 x forward: gradients for inputs and for weights),
+             i.e. 6 N_matmul + 12 L T h d_h per token.
+
+Attention kinds other than the formulas below are measured instead, on a model built on
+the ``meta`` device (no memory, no arithmetic), so the calculators keep working as new
+variants are added to the library.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.config import ModelConfig, NormConfig
+
+_FORMULA_KINDS = ("mha",)  # attention kinds whose structure the formulas below describe
+
+
+def _norm_params(norm: NormConfig, d: int) -> int:
+    if norm.kind == "layernorm" and norm.bias:
+        return 2 * d  # weight and bias
+    return d  # RMSNorm, or LayerNorm without bias: weight only
+
+
+def _linear(d_in: int, d_out: int, bias: bool) -> tuple[int, int]:
+    """(parameters, weight entries) of one Linear layer."""
+    weights = d_in * d_out
+    return weights + (d_out if bias else 0), weights
+
+
+def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, matmul weights) of one transformer block."""
+    d, att, ffn = cfg.d_model, cfg.attention, cfg.ffn
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    hidden = ffn.hidden_size(d)
+    up_width = 2 * hidden if ffn.kind == "glu" else hidden  # glu fuses gate and up
+    linears = [
+        _linear(d, q_dim + 2 * kv_dim, att.qkv_bias),  # fused q, k, v
+        _linear(q_dim, d, att.out_bias),
+        _linear(d, up_width, ffn.bias),
+        _linear(hidden, d, ffn.bias),
+    ]
+    params = sum(p for p, _ in linears) + 2 * _norm_params(cfg.norm, d)  # attn + ffn norms
+    return params, sum(w for _, w in linears)
+
+
+def _meta_model(cfg: ModelConfig):
+    from attnlab.models import build_model
+
+    with torch.device("meta"):  # shapes only: no memory, no initialisation work
+        return build_model(cfg)
+
+
+def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts, tied weights counted once (as ``model.num_parameters()``).
+
+    ``embedding`` is the token embedding plus learned position embeddings; everything else,
+    including an untied output head, is ``non_embedding`` (Kaplan et al.'s N excludes the
+    embeddings). ``lm_head`` is the untied head's share of that (0 when tied)."""
+    cfg.validate()
+    d, V = cfg.d_model, cfg.vocab_size
+    head = 0 if cfg.tie_embeddings else d * V
+    if cfg.attention.kind not in _FORMULA_KINDS:
+        model = _meta_model(cfg)
+        total = model.num_parameters()
+        non_embedding = model.num_parameters(exclude_embeddings=True)
+        return {
+            "total": total,
+            "embedding": total - non_embedding,
+            "non_embedding": non_embedding,
+            "lm_head": head,
+        }
+    embedding = V * d + (cfg.max_seq_len * d if cfg.position.kind == "learned" else 0)
+    block, _ = _block_counts(cfg)
+    final_norm = _norm_params(cfg.norm, d) if cfg.norm.placement == "pre" else 0
+    non_embedding = cfg.n_layers * block + final_norm + head
+    return {
+        "total": embedding + non_embedding,
+        "embedding": embedding,
+        "non_embedding": non_embedding,
+        "lm_head": head,
+    }
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """N_matmul: weight entries multiplied once per token in a forward pass (biases and
+    norms excluded, the output projection included even when tied)."""
+    if cfg.attention.kind not in _FORMULA_KINDS:
+        model = _meta_model(cfg)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        return sum(m.weight.numel() for m in linears)
+    _, block_weights = _block_counts(cfg)
+    return cfg.n_layers * block_weights + cfg.d_model * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, int]:
+    """FLOPs per token for a forward pass over ``seq_len`` tokens (default max_seq_len),
+    and for training; see the module docstring for the convention."""
+    cfg.validate()
+    T = cfg.max_seq_len if seq_len is None else seq_len
+    if T < 1:
+        raise ValueError(f"seq_len must be >= 1, got {T}")
+    dense = 2 * matmul_parameters(cfg)
+    attention = 2 * 2 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
+    forward = dense + attention
+    return {
+        "dense": dense,
+        "attention": attention,
+        "forward": forward,
+        "training": 3 * forward,
+    }
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of keys and values stored per token per sequence: 2 L h_kv d_h x itemsize."""
+    cfg.validate()
+    if cfg.attention.kind not in _FORMULA_KINDS:
+        return kv_cache_bytes(cfg, 1, 1, dtype)
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
+
+
+def kv_cache_bytes(
+    cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of a KV cache holding ``batch`` sequences of ``seq_len`` tokens (the keys and
+    values of ``model.new_cache(batch, seq_len, dtype)``)."""
+    cfg.validate()
+    if seq_len < 1 or batch < 1:
+        raise ValueError(f"seq_len and batch must be >= 1, got {seq_len} and {batch}")
+    if cfg.attention.kind not in _FORMULA_KINDS:
+        cache = _meta_model(cfg).new_cache(batch, seq_len, dtype, device="meta")
+        return int(cache.nbytes)
+    return batch * seq_len * kv_cache_bytes_per_token(cfg, dtype)
+
+
+def weights_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes to hold the parameters in ``dtype`` (tied weights stored once)."""
+    return count_parameters(cfg)["total"] * _itemsize(dtype)

@@ -1,0 +1,1 @@
+"""The ``attnlab`` command-line tool: one small module per subcommand (see main.py)."""

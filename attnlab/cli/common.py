@@ -1,0 +1,208 @@
+"""Helpers shared by the subcommands: argument types, config assembly, loading models.
+
+The heavy modules (training, data, interop) are imported inside the functions that need
+them, so ``attnlab presets`` or ``attnlab info`` stay quick to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.config import ConfigError, ModelConfig, RunConfig
+
+HF_CONFIG_KEYS = ("model_type", "architectures")  # what tells an HF config.json apart
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CLIError(Exception):
+    """A bad command line: printed as one ``attnlab: error: ...`` line."""
+
+
+# ------------------------------------------------------------------ argument types
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _number(text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+# ------------------------------------------------------------------ configs
+
+
+def parse_assignments(items: list[str] | None) -> dict[str, Any]:
+    """``["train.lr=3e-4", "model.position.kind=rope"]`` -> dotted-key dict. Values are
+    read as JSON when they parse (numbers, true/false, null, lists, quoted strings) and
+    kept as plain strings otherwise."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise CLIError(f"--set expects key=value (e.g. train.lr=3e-4), got {item!r}")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def read_json_file(path: str | Path, what: str = "config") -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CLIError(f"{path}: {what} file not found") from None
+    except IsADirectoryError:
+        raise CLIError(f"{path}: is a folder; give a JSON {what} file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CLIError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CLIError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``, recursing into sections present in both."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def run_preset(name: str) -> RunConfig:
+    """A run preset (model + training + data) by name; a model preset name gives that
+    model with the default training and data settings."""
+    from attnlab.presets import get_run_preset
+
+    return get_run_preset(name)
+
+
+def is_run_config(data: dict[str, Any]) -> bool:
+    return bool(data) and set(data) <= {"model", "train", "data"}
+
+
+def model_config_from_file(path: str | Path) -> ModelConfig:
+    """A JSON file holding a RunConfig (e.g. a checkpoint's config.json), a ModelConfig,
+    or a Hugging Face config.json."""
+    data = read_json_file(path)
+    try:
+        if any(key in data for key in HF_CONFIG_KEYS):
+            from attnlab.interop import config_from_hf
+
+            return config_from_hf(data)
+        if is_run_config(data):
+            return RunConfig.from_dict(data).model
+        return ModelConfig.from_dict(data)
+    except ConfigError as e:
+        raise CLIError(f"{path}: {e}") from None
+
+
+# ------------------------------------------------------------------ models
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {name}: CUDA is not available on this machine; use cpu")
+    return name
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face model folder: config.json with model_type, and safetensors weights."""
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        data = json.loads(config.read_text())
+    except (ValueError, OSError):
+        return False
+    return isinstance(data, dict) and any(key in data for key in HF_CONFIG_KEYS)
+
+
+def check_dir(path: str | Path, what: str) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CLIError(f"{path}: {what} not found")
+    if not path.is_dir():
+        raise CLIError(f"{path}: {what} must be a folder")
+    return path
+
+
+def load_for_inference(path: str | Path, device: str = "cpu"):
+    """(model in eval mode, RunConfig, tokenizer or None) from an attnlab checkpoint
+    folder, or from a Hugging Face model folder (weights via attnlab.interop, tokenizer
+    from its tokenizer.json when there is one)."""
+    path = check_dir(path, "checkpoint folder")
+    if is_hf_dir(path):
+        from attnlab.interop import load_hf
+
+        model = load_hf(path, device=device)
+        tokenizer = None
+        if (path / "tokenizer.json").is_file():
+            from attnlab.tokenizers import load_tokenizer
+
+            tokenizer = load_tokenizer(path / "tokenizer.json")
+        return model.eval(), RunConfig(model=model.cfg), tokenizer
+    from attnlab.training.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(path, device=device)
+    return ckpt.model.eval(), ckpt.config, ckpt.tokenizer
+
+
+def require_tokenizer(tokenizer, path: str | Path):
+    if tokenizer is None:
+        raise CLIError(
+            f"{path}: has no tokenizer.json, so text cannot be encoded; copy the tokenizer "
+            "the model was trained with into that folder"
+        )
+    return tokenizer
+
+
+# ------------------------------------------------------------------ formatting
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:g}"
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,93 @@
+"""``attnlab import-hf`` and ``attnlab export-hf``: convert between attnlab checkpoint
+folders and Hugging Face model folders (GPT-2, LLaMA, Mistral, Qwen2 layouts).
+
+An attnlab checkpoint always holds a tokenizer (``eval`` and ``generate`` need one), so
+``import-hf`` takes the source folder's ``tokenizer.json`` or one given with
+``--tokenizer``, and refuses to write a checkpoint without one. ``export-hf`` copies the
+checkpoint's ``tokenizer.json`` (Hugging Face ``tokenizers`` format) beside the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from attnlab.cli.common import CLIError, check_dir, is_hf_dir
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "import-hf",
+        help="Hugging Face model folder -> attnlab checkpoint",
+        description="Convert a Hugging Face model folder (config.json + safetensors) into an "
+        "attnlab checkpoint folder for generate, eval and info. The tokenizer comes from "
+        "SRC/tokenizer.json or --tokenizer.",
+    )
+    p.add_argument("src", metavar="SRC", help="Hugging Face model folder")
+    p.add_argument("out", metavar="OUT", help="attnlab checkpoint folder to write")
+    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: SRC's)")
+    p.set_defaults(handler=run_import)
+
+    p = subparsers.add_parser(
+        "export-hf",
+        help="attnlab checkpoint -> Hugging Face model folder",
+        description="Write an attnlab checkpoint as a Hugging Face model folder (config.json, "
+        "model.safetensors, tokenizer.json) that transformers can load.",
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="attnlab checkpoint folder")
+    p.add_argument("out", metavar="OUT", help="folder to write")
+    p.set_defaults(handler=run_export)
+
+
+def _refuse_same(src: Path, out: Path) -> None:
+    if out.exists() and out.resolve() == src.resolve():
+        raise CLIError(f"{out}: the output folder must differ from the input folder")
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from attnlab.config import RunConfig
+    from attnlab.interop import load_hf
+    from attnlab.tokenizers import load_tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    src, out = check_dir(args.src, "Hugging Face model folder"), Path(args.out)
+    _refuse_same(src, out)
+    if not is_hf_dir(src):
+        raise CLIError(
+            f"{src}: not a Hugging Face model folder (needs a config.json with model_type)"
+        )
+    tokenizer_file = Path(args.tokenizer) if args.tokenizer else src / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        raise CLIError(
+            f"{tokenizer_file}: tokenizer not found; an attnlab checkpoint needs one, give "
+            "--tokenizer FILE (a Hugging Face tokenizer.json)"
+        )
+    tokenizer = load_tokenizer(tokenizer_file)
+    model = load_hf(src)
+    if tokenizer.vocab_size != model.cfg.vocab_size:
+        raise CLIError(
+            f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has "
+            f"vocab_size={model.cfg.vocab_size}; attnlab checkpoints need them equal"
+        )
+    save_checkpoint(out, model, RunConfig(model=model.cfg), tokenizer)
+    n = model.num_parameters()
+    print(f"imported {src} ({n:,} parameters) -> attnlab checkpoint {out}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from attnlab.interop import save_hf
+    from attnlab.training.checkpoint import load_checkpoint
+
+    ckpt_dir, out = check_dir(args.ckpt, "checkpoint folder"), Path(args.out)
+    _refuse_same(ckpt_dir, out)
+    ckpt = load_checkpoint(ckpt_dir)
+    save_hf(ckpt.model, out)
+    ckpt.tokenizer.save(out / TOKENIZER_FILE)
+    print(
+        f"exported {ckpt_dir} -> Hugging Face folder {out} (config.json, model.safetensors, "
+        f"{TOKENIZER_FILE})"
+    )
+    return 0

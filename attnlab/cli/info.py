@@ -1,0 +1,120 @@
+"""``attnlab info``: parameters, FLOPs per token, KV-cache and weight memory of a model,
+from its config alone (see attnlab.analysis for the conventions)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from attnlab.cli.common import (
+    DTYPES,
+    CLIError,
+    check_dir,
+    human_bytes,
+    human_count,
+    is_hf_dir,
+    model_config_from_file,
+    parse_assignments,
+    positive_int,
+    run_preset,
+)
+from attnlab.config import ModelConfig, RunConfig
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "info",
+        help="parameter, FLOP and memory counts of a model",
+        description="Parameter count, FLOPs per token (forward and training), KV-cache and "
+        "weight memory of a preset, a checkpoint or a config file.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", metavar="NAME", help="a model or run preset (see presets)")
+    source.add_argument("--ckpt", metavar="DIR", help="an attnlab or Hugging Face model folder")
+    source.add_argument(
+        "--config", metavar="FILE", help="JSON: a run config, a model config or an HF config"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a field, e.g. model.n_layers=24 (repeatable)",
+    )
+    p.add_argument("--seq-len", type=positive_int, help="context length (default max_seq_len)")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences in the KV cache")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="storage dtype")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run)
+
+
+def model_config(args: argparse.Namespace) -> tuple[ModelConfig, str]:
+    if args.preset is not None:
+        cfg, source = run_preset(args.preset).model, f"preset {args.preset}"
+    elif args.config is not None:
+        cfg, source = model_config_from_file(args.config), args.config
+    else:
+        path = check_dir(args.ckpt, "checkpoint folder")
+        if is_hf_dir(path):
+            cfg = model_config_from_file(path / "config.json")
+        else:  # the config only: no need to read (possibly many GB of) weights
+            from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
+
+            cfg = model_config_from_file(checkpoint_files(path)[CONFIG_FILE])
+        source = str(path)
+    overrides = parse_assignments(args.set)
+    if overrides:
+        bad = [key for key in overrides if not key.startswith("model.")]
+        if bad:
+            raise CLIError(f"--set {bad[0]}: info only uses model.* fields")
+        cfg = RunConfig(model=cfg).override(overrides).model
+    return cfg, source
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnlab import analysis
+
+    cfg, source = model_config(args)
+    seq_len = args.seq_len or cfg.max_seq_len
+    dtype = DTYPES[args.dtype]
+    params = analysis.count_parameters(cfg)
+    flops = analysis.flops_per_token(cfg, seq_len)
+    kv_token = analysis.kv_cache_bytes_per_token(cfg, dtype)
+    kv_total = analysis.kv_cache_bytes(cfg, seq_len, args.batch, dtype)
+    weights = analysis.weights_bytes(cfg, dtype)
+    if args.json:
+        report = {
+            "source": source,
+            "seq_len": seq_len,
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "parameters": params,
+            "flops_per_token": flops,
+            "kv_cache_bytes_per_token": kv_token,
+            "kv_cache_bytes": kv_total,
+            "weights_bytes": weights,
+            "config": cfg.to_dict(),
+        }
+        print(json.dumps(report))
+        return 0
+    att = cfg.attention
+    print(f"model         {source}")
+    print(
+        f"shape         {cfg.n_layers} layers, d_model {cfg.d_model}, {att.n_heads} heads "
+        f"({cfg.n_kv_heads} kv) x {cfg.head_dim}, vocab {cfg.vocab_size}, "
+        f"max_seq_len {cfg.max_seq_len}"
+    )
+    print(
+        f"parameters    {params['total']:,} total ({human_count(params['total'])}), "
+        f"{params['non_embedding']:,} non-embedding, {params['embedding']:,} embedding"
+    )
+    print(f"weights       {human_bytes(weights)} in {args.dtype}")
+    print(
+        f"FLOPs/token   forward {human_count(flops['forward'])} "
+        f"(dense {human_count(flops['dense'])} + attention {human_count(flops['attention'])} "
+        f"at seq_len {seq_len}), training {human_count(flops['training'])} (3x forward)"
+    )
+    print(
+        f"KV cache      {human_bytes(kv_token)} per token; {human_bytes(kv_total)} for "
+        f"batch {args.batch} x {seq_len} tokens in {args.dtype}"
+    )
+    return 0

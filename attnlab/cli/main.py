@@ -1,0 +1,78 @@
+"""``attnlab`` entry point: builds the parser from the subcommand modules and turns
+every user error into one ``attnlab: error: ...`` line on stderr and a non-zero exit.
+
+Each subcommand module has ``add_parser(subparsers)`` (registering ``run`` as the
+handler) and ``run(args) -> int``. Library errors for bad input all derive from
+ValueError (ConfigError, DataError, TokenizerError, CheckpointError), OSError or, for a
+corrupt weights file, SafetensorError; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from safetensors import SafetensorError
+
+from attnlab.cli import evaluate, generate, hf, info, presets, train
+from attnlab.cli.common import CLIError
+
+SUBCOMMANDS = (train, generate, evaluate, info, presets, hf)
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2  # argparse's code for a malformed command line
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell convention
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (with a pointer to --help), not two."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="attnlab",
+        description="Train, sample from, evaluate and inspect attnlab language models.",
+    )
+    from attnlab import __version__
+
+    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=Parser
+    )
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
+    return parser
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"attnlab: warning: {message}", file=sys.stderr if file is None else file)
+
+
+def _error_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        text = f"{error.filename}: {error.strerror}"
+    return " ".join(text.split())  # one line, whatever the message held
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warnings.showwarning = _one_line_warning
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print("attnlab: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `attnlab generate ... | head` closed our stdout
+        # Point stdout at devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
+    except (CLIError, ValueError, OSError, SafetensorError) as error:
+        print(f"attnlab: error: {_error_line(error)}", file=sys.stderr)
+        return EXIT_ERROR

@@ -1,0 +1,132 @@
+"""The calculators in attnlab.analysis against models that are actually built, and against
+torch's own FLOP counter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from attnlab import analysis
+from attnlab.analysis import (
+    count_parameters,
+    flops_per_token,
+    kv_cache_bytes,
+    kv_cache_bytes_per_token,
+    weights_bytes,
+)
+from attnlab.models import build_model
+from attnlab.presets import get_preset
+
+# Tiny presets plus overrides that switch on every structural choice the formula handles:
+# tied/untied head, biases on/off, MLP/GLU, each position kind, norms, GQA/MQA, head_dim.
+VARIANTS = [
+    ("gpt2-tiny", {}),
+    ("llama-tiny", {}),
+    ("vaswani-tiny", {}),
+    ("gpt2-tiny", {"tie_embeddings": False, "position.kind": "rope"}),
+    ("gpt2-tiny", {"attention.qkv_bias": False, "ffn.bias": False, "norm.bias": False}),
+    ("gpt2-tiny", {"attention.out_bias": False, "position.kind": "none"}),
+    ("llama-tiny", {"tie_embeddings": True, "attention.n_kv_heads": 1, "ffn.hidden_dim": 40}),
+    ("llama-tiny", {"attention.qkv_bias": True, "ffn.kind": "mlp", "ffn.activation": "relu"}),
+    ("llama-tiny", {"attention.head_dim": 8, "position.kind": "learned"}),
+    ("vaswani-tiny", {"ffn.kind": "glu", "ffn.multiple_of": 24, "norm.kind": "rmsnorm"}),
+]
+IDS = [f"{name}{'+' + ','.join(o) if o else ''}" for name, o in VARIANTS]
+
+
+def _cfg(name: str, overrides: dict):
+    return get_preset(name).override(overrides)
+
+
+@pytest.mark.parametrize("name,overrides", VARIANTS, ids=IDS)
+def test_parameter_count_matches_built_model(name, overrides):
+    cfg = _cfg(name, overrides)
+    model = build_model(cfg)
+    counts = count_parameters(cfg)
+    assert counts["total"] == model.num_parameters()
+    assert counts["non_embedding"] == model.num_parameters(exclude_embeddings=True)
+    assert counts["embedding"] + counts["non_embedding"] == counts["total"]
+    head = 0 if cfg.tie_embeddings else model.lm_head.weight.numel()
+    assert counts["lm_head"] == head
+    assert weights_bytes(cfg, torch.bfloat16) == 2 * counts["total"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-3-8b", "qwen2-0.5b", "mistral-7b"])
+def test_parameter_count_of_published_sizes(name):
+    # Built on the meta device: real shapes, no memory; the formula never builds anything.
+    cfg = get_preset(name)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert count_parameters(cfg)["total"] == model.num_parameters()
+
+
+@pytest.mark.parametrize("name,overrides", VARIANTS[:3] + VARIANTS[6:9], ids=IDS[:3] + IDS[6:9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_bytes_match_allocated_cache(name, overrides, dtype):
+    cfg = _cfg(name, overrides)
+    model = build_model(cfg)
+    for batch, seq_len in [(1, 1), (3, 17)]:
+        cache = model.new_cache(batch, seq_len, dtype)
+        assert kv_cache_bytes(cfg, seq_len, batch, dtype) == cache.nbytes
+    per_token = model.new_cache(1, 1, dtype).nbytes
+    assert kv_cache_bytes_per_token(cfg, dtype) == per_token
+
+
+def _counted_flops(model, idx, *, backward: bool) -> int:
+    with FlopCounterMode(display=False) as counter:
+        out = model(idx, targets=idx if backward else None)
+        if backward:
+            out.loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name,overrides", VARIANTS[:3] + VARIANTS[6:8], ids=IDS[:3] + IDS[6:8])
+def test_flops_match_torch_flop_counter(name, overrides):
+    # The eager backend forms Q K^T and weights V with explicit matmuls, which the counter
+    # sees (torch's CPU sdpa kernel is not registered with it). The counter, like our
+    # convention, counts matmuls only (2 per multiply-add), so the match is exact: every
+    # Linear runs on all b*T tokens, attention scores are the full T x T, and backward is
+    # two matmuls per forward matmul (input and weight gradients).
+    cfg = _cfg(name, {**overrides, "attention.backend": "eager"})
+    model = build_model(cfg)
+    batch, seq_len = 2, 23
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    expected = flops_per_token(cfg, seq_len)
+    assert expected["forward"] == expected["dense"] + expected["attention"]
+    with torch.no_grad():
+        forward = _counted_flops(model.eval(), idx, backward=False)
+    assert forward == batch * seq_len * expected["forward"]
+    training = _counted_flops(model.train(), idx, backward=True)
+    assert training == batch * seq_len * expected["training"]
+
+
+def test_flops_attention_term_grows_with_context():
+    cfg = get_preset("llama-tiny")
+    short, long = flops_per_token(cfg, 16), flops_per_token(cfg, 32)
+    assert long["dense"] == short["dense"]
+    assert long["attention"] == 2 * short["attention"]
+    assert flops_per_token(cfg)["attention"] == flops_per_token(cfg, cfg.max_seq_len)["attention"]
+    with pytest.raises(ValueError, match="seq_len"):
+        flops_per_token(cfg, 0)
+
+
+@pytest.mark.parametrize("name,overrides", [VARIANTS[1], VARIANTS[3]], ids=[IDS[1], IDS[3]])
+def test_measured_fallback_agrees_with_formulas(name, overrides, monkeypatch):
+    # Attention kinds without a formula are measured on a meta-device model; both paths
+    # must agree where both apply.
+    cfg = _cfg(name, overrides)
+    expected = (
+        count_parameters(cfg),
+        analysis.matmul_parameters(cfg),
+        kv_cache_bytes(cfg, 9, 2, torch.float16),
+        kv_cache_bytes_per_token(cfg),
+    )
+    monkeypatch.setattr(analysis, "_FORMULA_KINDS", ())
+    measured = (
+        count_parameters(cfg),
+        analysis.matmul_parameters(cfg),
+        kv_cache_bytes(cfg, 9, 2, torch.float16),
+        kv_cache_bytes_per_token(cfg),
+    )
+    assert measured == expected

@@ -1,0 +1,344 @@
+"""The ``attnlab`` command line: every subcommand end to end in a subprocess on a tiny
+model, outputs checked against the library computed independently here, and every bad
+input answered with one ``attnlab...: error:`` line and a non-zero exit.
+
+Subprocesses cost ~2 s of torch start-up each, so the many bad-input cases run through
+``main(argv)`` in this process (the same code path minus the interpreter start); a few
+of them also run as real subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.cli.main import main
+from attnlab.presets import list_presets
+from attnlab.training.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat and dog ran far away from home while birds sang in trees".split()
+TINY = [  # a 2-layer GPT-2 with a 64-token context, trained for 5 steps
+    "--preset", "gpt2-tiny",
+    "--set", "model.max_seq_len=64",
+    "--set", "train.batch_size=4",
+    "--set", "train.block_size=32",
+    "--set", "train.eval_every=5",
+    "--set", "train.eval_batches=2",
+    "--set", "train.log_every=5",
+    "--max-steps", "5",
+]  # fmt: skip
+
+
+def _corpus() -> str:
+    g = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(WORDS), (200, 10), generator=g).tolist()
+    return "\n".join(" ".join(WORDS[i] for i in row).capitalize() + "." for row in picks) + "\n"
+
+
+def run_cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ATTNLAB_CACHE": str(cwd / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnlab", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse usage errors and --help
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err: str, needle: str) -> None:
+    assert code not in (0, None), err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("attnlab") and ": error: " in lines[0], lines[0]
+    assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(autouse=True)
+def _restore_warning_hook(monkeypatch):
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # main() replaces it
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A folder with corpus.txt and run/ (a checkpoint trained by `attnlab train`)."""
+    work = tmp_path_factory.mktemp("cli")
+    (work / "corpus.txt").write_text(_corpus())
+    proc = run_cli("train", *TINY, "--data", "corpus.txt", "--out", "run", "--quiet", cwd=work)
+    (work / "train_stdout.txt").write_text(proc.stdout)
+    return work
+
+
+# ------------------------------------------------------------------ the happy paths
+
+
+def test_train_applies_overrides_and_reports_files(work):
+    stdout = (work / "train_stdout.txt").read_text()
+    ckpt = load_checkpoint(work / "run")
+    assert ckpt.config.model.max_seq_len == 64
+    assert (ckpt.config.train.batch_size, ckpt.config.train.block_size) == (4, 32)
+    assert ckpt.config.data.path == "corpus.txt"
+    assert "finished at step 5" in stdout
+    for name in ("metrics.jsonl", "loss.png"):
+        assert (work / "run" / name).is_file()
+        assert str(Path("run") / name) in stdout
+
+
+def test_train_config_layering(tmp_path):
+    # preset < --config (partial, merged per section) < --set < --data/--seed shortcuts
+    from attnlab.cli import train as train_cmd
+    from attnlab.cli.main import build_parser
+    from attnlab.presets import get_run_preset
+
+    (tmp_path / "partial.json").write_text(json.dumps({"train": {"lr": 0.005, "seed": 1}}))
+    argv = ["train", "--preset", "llama-tiny", "--config", str(tmp_path / "partial.json")]
+    argv += ["--set", "model.n_layers=1", "--set", "train.lr=0.002", "--set", "data.path=x"]
+    argv += ["--seed", "7", "--data", "corpus.txt"]
+    cfg, name = train_cmd.run_config(build_parser().parse_args(argv))
+    expected = get_run_preset("llama-tiny").to_dict()
+    expected["model"]["n_layers"] = 1
+    expected["train"].update(lr=0.002, seed=7)
+    expected["data"]["path"] = "corpus.txt"
+    assert cfg.to_dict() == expected
+    assert name == "llama-tiny"
+
+
+def test_train_resume_continues_the_run(work, tmp_path, capsys, monkeypatch):
+    shutil.copytree(work / "run", tmp_path / "run")
+    monkeypatch.chdir(work)  # data.path is relative to where the run started
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    argv = ["train", "--resume", str(tmp_path / "run"), "--max-steps", "7", "--quiet"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert "finished at step 7" in out
+    assert load_checkpoint(tmp_path / "run", with_state=True).state["step"] == 7
+
+
+def test_train_sigint_saves_and_exits_130(work, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ATTNLAB_CACHE": str(work / "cache")}
+    argv = [sys.executable, "-m", "attnlab", "train", *TINY, "--max-steps", "100000"]
+    argv += ["--data", "corpus.txt", "--out", str(tmp_path / "run"), "--quiet"]
+    proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    # The step-0 evaluation is logged once the loop, and its signal handler, has started.
+    started = lambda: metrics.is_file() and metrics.read_text().strip()
+    while not started() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stdout
+    assert "stopped by SIGINT" in stdout
+    step = load_checkpoint(tmp_path / "run", with_state=True).state["step"]
+    assert 1 <= step < 100000
+
+
+def test_generate_stream_matches_library_sampling(work):
+    ckpt = load_checkpoint(work / "run")
+    prompt = "The cat"
+    expected_ids = ckpt.model.generate(
+        ckpt.tokenizer.encode(prompt), 30, temperature=0.9, top_k=10, seed=3
+    )
+    proc = run_cli(
+        "generate", "--ckpt", "run", "--prompt", prompt, "--max-new-tokens", "30",
+        "--temperature", "0.9", "--top-k", "10", "--seed", "3", "--stream",
+        cwd=work,
+    )  # fmt: skip
+    assert proc.stdout == prompt + ckpt.tokenizer.decode(expected_ids) + "\n"
+
+
+def test_generate_greedy_without_cache_and_default_prompt(work, capsys):
+    ckpt = load_checkpoint(work / "run")
+    argv = ["generate", "--ckpt", str(work / "run"), "--temperature", "0", "--no-cache"]
+    code, out, err = run_main([*argv, "--max-new-tokens", "12"], capsys)
+    assert code == 0, err
+    start = ckpt.tokenizer.encode("\n")  # the default prompt: a newline
+    greedy = ckpt.model.generate(start, 12, temperature=0.0)
+    assert out == "\n" + ckpt.tokenizer.decode(greedy) + "\n"
+
+
+def _direct_loss(model, ids: list[int], block: int, n_blocks: int) -> float:
+    """Mean cross-entropy over consecutive blocks, written out here."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for j in range(n_blocks):
+            x = torch.tensor(ids[j * block : (j + 1) * block])[None]  # (1, t)
+            y = torch.tensor(ids[j * block + 1 : (j + 1) * block + 1])
+            logits = model(x).logits[0]  # (t, V)
+            total += float(F.cross_entropy(logits, y, reduction="sum"))
+            count += len(y)
+    return total / count
+
+
+def test_eval_json_matches_direct_loss(work):
+    ckpt = load_checkpoint(work / "run")
+    args = ["--batch-size", "4", "--block-size", "32", "--max-batches", "2"]
+    proc = run_cli("eval", "--ckpt", "run", "--data", "corpus.txt", "--json", *args, cwd=work)
+    (line,) = proc.stdout.strip().splitlines()  # exactly one JSON object
+    report = json.loads(line)
+    ids = ckpt.tokenizer.encode((work / "corpus.txt").read_text())
+    loss = _direct_loss(ckpt.model, ids, 32, 8)  # 2 batches of 4 blocks
+    assert report["tokens"] == 8 * 32
+    assert report["loss"] == pytest.approx(loss, rel=1e-5)
+    assert report["perplexity"] == pytest.approx(torch.tensor(loss).exp().item(), rel=1e-5)
+    bits = loss / torch.tensor(2.0).log().item()
+    assert report["bits_per_token"] == pytest.approx(bits, rel=1e-5)
+    # A char tokenizer predicts one character per token.
+    assert report["characters"] == report["tokens"]
+    assert report["bits_per_char"] == pytest.approx(bits, rel=1e-5)
+
+
+def test_eval_validation_split_prints_summary(work, capsys, monkeypatch):
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(work / "cache"))
+    code, out, err = run_main(["eval", "--ckpt", "run", "--max-batches", "1"], capsys)
+    assert code == 0, err
+    for label in ("loss", "perplexity", "bits/token", "bits/character"):
+        assert any(line.startswith(label) for line in out.splitlines()), out
+
+
+def test_info_json_matches_built_model(work):
+    ckpt = load_checkpoint(work / "run")
+    proc = run_cli(
+        "info", "--ckpt", "run", "--seq-len", "50", "--batch", "3", "--dtype", "bfloat16",
+        "--json",
+        cwd=work,
+    )  # fmt: skip
+    report = json.loads(proc.stdout)
+    model = ckpt.model
+    assert report["parameters"]["total"] == model.num_parameters()
+    assert report["parameters"]["non_embedding"] == model.num_parameters(exclude_embeddings=True)
+    assert report["kv_cache_bytes"] == model.new_cache(3, 50, torch.bfloat16).nbytes
+    assert report["weights_bytes"] == 2 * model.num_parameters()
+    assert report["flops_per_token"]["training"] == 3 * report["flops_per_token"]["forward"]
+
+
+def test_info_from_preset_and_config_file(work, capsys):
+    code, out, err = run_main(["info", "--config", str(work / "run" / "config.json")], capsys)
+    assert code == 0, err
+    total = load_checkpoint(work / "run").model.num_parameters()
+    assert f"{total:,} total" in out
+    argv = ["info", "--preset", "llama-tiny", "--set", "model.n_layers=3", "--json"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["config"]["n_layers"] == 3
+
+
+def test_presets_one_line_each(tmp_path):
+    proc = run_cli("presets", cwd=tmp_path)
+    names = [line.split()[0] for line in proc.stdout.splitlines()]
+    assert len(names) == len(set(names))
+    assert set(list_presets()) <= set(names)
+    assert all(len(line.split(maxsplit=1)) == 2 for line in proc.stdout.splitlines())
+
+
+def test_export_and_import_hf_round_trip(work, tmp_path, capsys):
+    run_cli("export-hf", str(work / "run"), str(tmp_path / "hf"), cwd=work)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "hf" / name).is_file()
+    run_cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "back"), cwd=work)
+    original, back = load_checkpoint(work / "run"), load_checkpoint(tmp_path / "back")
+    idx = torch.randint(0, original.config.model.vocab_size, (2, 20))
+    torch.testing.assert_close(back.model(idx).logits, original.model(idx).logits)
+    assert back.tokenizer.to_json() == original.tokenizer.to_json()
+    # An HF folder works directly as --ckpt too.
+    argv = ["generate", "--ckpt", str(tmp_path / "hf"), "--prompt", "The", "--temperature", "0"]
+    code, out, err = run_main([*argv, "--max-new-tokens", "5"], capsys)
+    assert code == 0, err
+    expected = original.model.generate(original.tokenizer.encode("The"), 5, temperature=0.0)
+    assert out == "The" + original.tokenizer.decode(expected) + "\n"
+
+
+# ------------------------------------------------------------------ bad input
+
+BAD_INPUTS = [
+    # (argv with {work}/{tmp} placeholders, text the error line must contain)
+    (["generate", "--ckpt", "{tmp}/missing"], "not found"),
+    (["eval", "--ckpt", "{tmp}/corrupt"], "model.safetensors"),
+    (["info", "--ckpt", "{tmp}/empty"], "is missing"),
+    (["export-hf", "{tmp}/missing", "{tmp}/out"], "not found"),
+    (["train", "--preset", "no-such-preset"], "no-such-preset"),
+    (["info", "--preset", "no-such-preset"], "no-such-preset"),
+    (["train", "--preset", "gpt2-tiny", "--set", "train.lrr=0.1"], "did you mean 'lr'"),
+    (["train", "--preset", "gpt2-tiny", "--set", "train.lr=fast"], "train.lr"),
+    (["train", "--preset", "gpt2-tiny", "--set", "model.n_layers"], "key=value"),
+    (["train", "--preset", "gpt2-tiny", "--set", "model.n_layers=0"], "n_layers"),
+    (["train", "--preset", "gpt2-tiny", "--data", "{tmp}/missing.txt"], "missing.txt"),
+    (["train", "--preset", "gpt2-tiny", "--config", "{tmp}/missing.json"], "not found"),
+    (["train", "--preset", "gpt2-tiny", "--config", "{tmp}/bad.json"], "not valid JSON"),
+    (["train", "--preset", "gpt2-tiny", "--config", "{tmp}/typo.json"], "did you mean"),
+    (["train", "--resume", "{tmp}/missing"], "not found"),
+    (["train", "--preset", "gpt2-tiny", "--out", "{work}/run"], "--overwrite"),
+    (["train", "--resume", "{work}/run", "--preset", "gpt2-tiny"], "--preset"),
+    (["train", "--preset", "gpt2-tiny", "--max-steps", "0"], "--max-steps"),
+    (["generate", "--ckpt", "{work}/run", "--prompt", "caf\u00e9"], "U+00E9"),
+    (["generate", "--ckpt", "{work}/run", "--temperature", "-1"], "--temperature"),
+    (["generate", "--ckpt", "{work}/run", "--top-p", "0"], "--top-p"),
+    (["generate", "--ckpt", "{work}/run", "--top-k", "0"], "--top-k"),
+    (["generate", "--ckpt", "{work}/run", "--max-new-tokens", "-3"], "--max-new-tokens"),
+    (["eval", "--ckpt", "{work}/run", "--data", "{tmp}/missing.txt"], "missing.txt"),
+    (["eval", "--ckpt", "{work}/run", "--data", "{tmp}/euro.txt"], "U+20AC"),
+    (["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/out"], "tokenizer"),
+    (["info", "--config", "{tmp}/bad.json"], "not valid JSON"),
+    (["no-such-command"], "no-such-command"),
+]
+
+
+@pytest.fixture
+def bad_files(work, tmp_path) -> Path:
+    shutil.copytree(work / "run", tmp_path / "corrupt")
+    weights = tmp_path / "corrupt" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "typo.json").write_text(json.dumps({"train": {"batch_sise": 4}}))
+    (tmp_path / "euro.txt").write_text("The cat costs 5 \u20ac.\n")
+    (tmp_path / "hf_no_tokenizer").mkdir()
+    (tmp_path / "hf_no_tokenizer" / "config.json").write_text('{"model_type": "gpt2"}')
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv,needle", BAD_INPUTS, ids=[" ".join(a[:3]) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_error_line(argv, needle, work, bad_files, capsys, monkeypatch):
+    monkeypatch.chdir(bad_files)
+    argv = [a.format(work=work, tmp=bad_files) for a in argv]
+    code, out, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, needle)
+    assert not (bad_files / "runs").exists()  # nothing started
+
+
+def test_bad_input_in_a_real_process(work, tmp_path):
+    # The same promise from the installed entry point: no traceback, one line, exit != 0.
+    for args, needle in [
+        (["generate", "--ckpt", "run", "--prompt", "\u20ac"], "U+20AC"),
+        (["train", "--preset", "gpt2-tiny", "--set", "model.d_model=abc"], "model.d_model"),
+    ]:
+        proc = run_cli(*args, cwd=work, check=False)
+        assert_one_line_error(proc.returncode, proc.stderr, needle)
