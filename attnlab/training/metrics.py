@@ -1,0 +1,99 @@
+"""Run records: metrics.jsonl (one JSON object per line), loss.png, optional TensorBoard.
+
+Each record has ``step`` and ``kind``: "train" (train_loss, lr, grad_norm, tokens_per_second,
+elapsed) or "val" (val_loss, val_perplexity, best_val_loss).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
+    """The records of a metrics.jsonl file ([] if there is none); a torn last line (a
+    kill mid-write) is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsLogger:
+    """Appends records to ``out_dir/metrics.jsonl``; draws ``loss.png``; mirrors scalars
+    to TensorBoard when asked. ``history`` seeds it with the records of a resumed run."""
+
+    def __init__(
+        self, out_dir: str | os.PathLike[str], *, tensorboard: bool = False, history=()
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / METRICS_FILE
+        self.records: list[dict] = list(history)
+        # Rewrite the file so it holds exactly the resumed history (drops steps logged
+        # after the checkpoint we resume from).
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, self.path)
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError(
+                    "train.tensorboard=true needs the tensorboard package; "
+                    "pip install tensorboard (or set train.tensorboard=false)"
+                ) from None
+            self.writer = SummaryWriter(str(self.out_dir / TENSORBOARD_DIR))
+
+    def log(self, kind: str, step: int, **values: Any) -> None:
+        record = {"kind": kind, "step": step, **values}
+        self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"{kind}/{name}", value, step)
+
+    def plot(self) -> None:
+        """Train and validation loss against step, written atomically to loss.png."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        train = [(r["step"], r["train_loss"]) for r in self.records if r["kind"] == "train"]
+        val = [(r["step"], r["val_loss"]) for r in self.records if r["kind"] == "val"]
+        fig = Figure(figsize=(6, 4), dpi=100)
+        FigureCanvasAgg(fig)  # no pyplot: no global state, no display needed
+        ax = fig.add_subplot()
+        if train:
+            ax.plot(*zip(*train), label="train", linewidth=1)
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation", markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats / token)")
+        ax.grid(alpha=0.3)
+        if train or val:
+            ax.legend()
+        fig.tight_layout()
+        tmp = self.out_dir / f".{PLOT_FILE}.tmp"
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, self.out_dir / PLOT_FILE)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

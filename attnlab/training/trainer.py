@@ -1,0 +1,629 @@
+"""The training loop: AdamW, warm-up + cosine schedule, gradient accumulation and clipping,
+bf16 autocast, periodic validation, crash-safe checkpoints, exact resume, time budgets and
+data-parallel training under torchrun.
+
+Batches. ``train.batch_size`` sequences per process per micro-step, so one optimizer step
+sees a global batch of ``batch_size * grad_accum * world_size`` sequences. Every process
+draws the same global block starts from one shared generator, laid out as
+``(grad_accum, world_size, batch_size)``, and takes its own column: a 2-process run with
+``batch_size=b`` equals a 1-process run with ``batch_size=2b``, and ``grad_accum=k`` with
+``b`` equals ``grad_accum=1`` with ``k*b`` (to float rounding).
+
+Steps. ``step`` counts completed optimizer steps; the step that is running is
+``step + 1``; metrics, checkpoints and errors name that 1-based number.
+
+Stopping. SIGINT/SIGTERM finish the running step, save a checkpoint and return normally
+with ``TrainResult.interrupted`` set to "SIGINT" or "SIGTERM" (a second signal aborts
+at once with KeyboardInterrupt); ``attnlab train`` then exits with 128 + the signal number
+(130, 143). A non-finite loss or gradient raises TrainingError naming the step, before the
+optimizer touches the weights and without saving.
+
+Time budget (seconds of the training loop, evaluations and saves included, setup not):
+after a few timed steps the schedule's length becomes the number of steps that fit (never
+more than ``max_steps``), refitted at each evaluation; the run stops when the time is used.
+The fitted length is saved, so a resumed run keeps its schedule.
+
+Shapes: b batch per process, t block size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from attnlab.config import RunConfig
+from attnlab.models import build_model
+from attnlab.training.checkpoint import (
+    CHECKPOINT_FILES,
+    load_checkpoint,
+    save_checkpoint,
+)
+from attnlab.training.evaluate import autocast_context, loss_sums
+from attnlab.training.metrics import METRICS_FILE, MetricsLogger, read_metrics
+from attnlab.training.optim import build_optimizer, lr_at, set_lr
+
+BEST_DIR = "best"
+FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
+FIT_STEPS = 5  # steps timed before the first fit to a time budget
+FIT_WINDOW = 50  # refits use the mean time of the last this many steps
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on: a non-finite loss, or a run set up inconsistently."""
+
+
+@dataclass
+class TrainResult:
+    step: int  # completed optimizer steps
+    train_loss: float | None  # loss of the last step
+    val_loss: float | None  # the last validation loss
+    best_val_loss: float | None
+    out_dir: Path
+    tokens_per_second: float  # training throughput of this call (all processes)
+    max_steps: int = 0  # the schedule's length (fitted to a time budget if one was given)
+    elapsed: float = 0.0  # seconds, including earlier calls of a resumed run
+    interrupted: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped the run
+    stop_reason: str = "max_steps"  # "max_steps", "time_budget" or "signal"
+    losses: list[float] = field(default_factory=list)  # per-step train loss, this call
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingError(
+                f"train.device={name!r} but CUDA is not available; use train.device=cpu"
+            )
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _setup_distributed(device_name: str) -> tuple[_Dist, torch.device]:
+    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return _Dist(), _resolve_device(device_name, 0)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _resolve_device(device_name, local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return _Dist(dist.get_rank(), dist.get_world_size(), local_rank), device
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM set a flag the loop checks after each step; a second one aborts."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():  # signal() needs it
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _copy_config(cfg: RunConfig) -> RunConfig:
+    return RunConfig.from_dict(cfg.to_dict())
+
+
+def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None:
+    """The model and data of a resumed run must be the checkpoint's."""
+    for section in ("model", "data"):
+        mine, theirs = getattr(cfg, section).to_dict(), getattr(saved, section).to_dict()
+        if section == "model":
+            mine["vocab_size"] = theirs["vocab_size"]  # set from the tokenizer anyway
+        if mine != theirs:
+            changed = sorted(k for k in theirs if mine.get(k) != theirs[k])
+            raise TrainingError(
+                f"resume: the {section} config differs from the checkpoint's in "
+                f"{', '.join(changed)}; resume with the saved config ({resume}/config.json)"
+            )
+
+
+def _rng_state(device: torch.device) -> dict[str, Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    """One training run; see :func:`train`."""
+
+    def __init__(
+        self,
+        cfg: RunConfig | None,
+        out_dir: str | os.PathLike[str],
+        *,
+        resume: str | os.PathLike[str] | None = None,
+        max_steps: int | None = None,
+        time_budget: float | None = None,
+        save_every: int | None = None,
+        progress: bool = True,
+        dataset=None,
+        overwrite: bool = False,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.progress = progress
+        ckpt = None
+        if resume is not None:
+            resume = Path(resume)
+            ckpt = load_checkpoint(resume, device="cpu", with_state=True)
+            if ckpt.state is None:
+                raise TrainingError(f"resume: {resume} has no trainer state to resume from")
+            if cfg is None:
+                cfg = ckpt.config
+            _check_resume_config(cfg, ckpt.config, resume)
+        elif cfg is None:
+            raise TrainingError("train() needs a RunConfig unless it resumes a checkpoint")
+        elif not overwrite and any((self.out_dir / n).exists() for n in CHECKPOINT_FILES):
+            raise TrainingError(
+                f"{self.out_dir} already holds a checkpoint; resume from it, or choose "
+                "another output folder (or pass overwrite=True)"
+            )
+        self.dist, self.device = _setup_distributed(cfg.train.device)
+
+        cfg = _copy_config(cfg)
+        if max_steps is not None:
+            cfg.train.max_steps = max_steps
+        if time_budget is not None:
+            cfg.train.time_budget = time_budget
+        if save_every is not None:
+            cfg.train.save_every = save_every
+        cfg.validate()
+        tc = cfg.train
+
+        # Data: rank 0 first, so a tokenizer / token cache it writes is reused, not raced.
+        if dataset is None:
+            from attnlab.data import prepare_data
+
+            tokenizer = ckpt.tokenizer if ckpt is not None else None
+            if self.dist.is_main:
+                dataset = prepare_data(cfg.data, tokenizer=tokenizer)
+            self._barrier()
+            if not self.dist.is_main:
+                dataset = prepare_data(cfg.data, tokenizer=tokenizer)
+        self.dataset = dataset
+        self.tokenizer = dataset.tokenizer
+        if ckpt is not None and self.tokenizer.to_json() != ckpt.tokenizer.to_json():
+            raise TrainingError(
+                "resume: the dataset's tokenizer differs from the checkpoint's; build the "
+                "dataset with the checkpoint's tokenizer"
+            )
+        cfg.model.vocab_size = self.tokenizer.vocab_size
+        cfg.validate()
+        self.block_size = tc.block_size or cfg.model.max_seq_len
+        dataset.check_block(self.block_size)
+        self.cfg, self.tc = cfg, tc
+
+        # Model and optimizer. Same seed on every process; DDP also broadcasts rank 0's.
+        torch.manual_seed(tc.seed)
+        if ckpt is not None:
+            model = ckpt.model
+        else:
+            model = build_model(cfg.model)
+        self.model = model.to(self.device).train()
+        self.optimizer = build_optimizer(self.model, tc, self.device.type)
+        self.autocast_dtype = torch.bfloat16 if tc.dtype == "bfloat16" else None
+        self.train_model: nn.Module = self.model
+        if self.dist.enabled:
+            self.train_model = nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        if tc.compile:
+            self.train_model = torch.compile(self.train_model)
+
+        # Randomness: the shared data stream, and each process's own dropout stream.
+        self.data_generator = torch.Generator()
+        self.data_generator.manual_seed(tc.seed)
+        torch.manual_seed(tc.seed + self.dist.rank)
+
+        # Progress counters (restored below on resume).
+        self.step = 0
+        self.schedule_steps = tc.max_steps
+        self.budget_fitted = False
+        self.elapsed_before = 0.0
+        self.best_val_loss: float | None = None
+        self.last_val_loss: float | None = None
+        self.last_train_loss: float | None = None
+        history: list[dict] = []
+        if ckpt is not None:
+            self._restore(ckpt.state, max_steps)
+            history = [
+                r for r in read_metrics(resume / METRICS_FILE) if r.get("step", 0) <= self.step
+            ]
+        self.logger = (
+            MetricsLogger(self.out_dir, tensorboard=tc.tensorboard, history=history)
+            if self.dist.is_main
+            else None
+        )
+        self.resumed = ckpt is not None
+
+    # ------------------------------------------------------------------ state
+
+    def _restore(self, state: dict, max_steps_override: int | None) -> None:
+        self.step = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.data_generator.set_state(state["data_rng"])
+        rng = state["rng"]
+        if len(rng) != self.dist.world_size:
+            # Another number of processes: dropout streams cannot continue exactly.
+            rng = [rng[0]] * self.dist.world_size
+        _set_rng_state(rng[self.dist.rank], self.device)
+        self.elapsed_before = float(state["elapsed"])
+        self.best_val_loss = state["best_val_loss"]
+        self.last_val_loss = state["val_loss"]
+        self.last_train_loss = state["train_loss"]
+        if max_steps_override is not None:
+            self.schedule_steps = max_steps_override
+        elif state["budget_fitted"]:
+            self.schedule_steps = int(state["schedule_steps"])
+            self.budget_fitted = True
+
+    def _trainer_state(self, elapsed: float) -> dict:
+        rng = _rng_state(self.device)
+        if self.dist.enabled:
+            gathered: list = [None] * self.dist.world_size
+            dist.all_gather_object(gathered, rng)
+        else:
+            gathered = [rng]
+        return {
+            "step": self.step,
+            "schedule_steps": self.schedule_steps,
+            "budget_fitted": self.budget_fitted,
+            "elapsed": elapsed,
+            "optimizer": self.optimizer.state_dict(),
+            "data_rng": self.data_generator.get_state(),
+            "rng": gathered,  # one {"cpu", "cuda"?} per process
+            "world_size": self.dist.world_size,
+            "best_val_loss": self.best_val_loss,
+            "val_loss": self.last_val_loss,
+            "train_loss": self.last_train_loss,
+        }
+
+    def _save(self, directory: Path, elapsed: float) -> None:
+        state = self._trainer_state(elapsed)  # collective under DDP: every process calls it
+        if self.dist.is_main:
+            save_checkpoint(directory, self.model, self.cfg, self.tokenizer, state)
+        self._barrier()
+
+    # ------------------------------------------------------------------ collectives
+
+    def _barrier(self) -> None:
+        if self.dist.enabled:
+            dist.barrier()
+
+    def _all_reduce(self, values: list[float], op=None) -> list[float]:
+        if not self.dist.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ pieces
+
+    def _train_step(self, stop: _StopRequest, time_up) -> tuple[float, float, bool, bool]:
+        """One optimizer step. Returns (loss, grad norm, whether any process was signalled,
+        whether the time budget is used up); ``time_up()`` tells the latter locally."""
+        tc, ws = self.tc, self.dist.world_size
+        lr = lr_at(self.step, tc, self.schedule_steps)
+        set_lr(self.optimizer, lr)
+        # Global starts (accum, world, b) from the shared generator; this process's column.
+        starts = self.dataset.sample_starts(
+            "train", tc.grad_accum * ws * tc.batch_size, self.block_size, self.data_generator
+        ).view(tc.grad_accum, ws, tc.batch_size)[:, self.dist.rank]  # (accum, b)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(tc.grad_accum):
+            x, y = self.dataset.batch("train", starts[micro], self.block_size, self.device)
+            last = micro == tc.grad_accum - 1
+            # DDP averages gradients across processes only on the last micro-step.
+            sync = (
+                self.train_model.no_sync()
+                if self.dist.enabled and not last and hasattr(self.train_model, "no_sync")
+                else contextlib.nullcontext()
+            )
+            with sync:
+                with autocast_context(self.device, self.autocast_dtype):
+                    loss = self.train_model(x, targets=y).loss
+                (loss / tc.grad_accum).backward()
+            loss_sum += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if tc.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # One collective per step: the mean loss, and whether any process must stop.
+        loss_total, signalled, out_of_time = self._all_reduce(
+            [
+                float(loss_sum) / tc.grad_accum,
+                float(stop.signal_name is not None),
+                float(time_up()),
+            ]
+        )
+        step_loss = loss_total / ws
+        grad_norm = float(grad_norm)  # DDP gradients are identical on every process
+        if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            what = "loss" if not math.isfinite(step_loss) else "gradient norm"
+            value = step_loss if what == "loss" else grad_norm
+            raise TrainingError(
+                f"{what} is {value} at step {self.step + 1}; stopped without updating the "
+                f"weights, the last good checkpoint in {self.out_dir} is kept (lower "
+                "train.lr, enable train.grad_clip, or use train.dtype=float32)"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return step_loss, grad_norm, signalled > 0, out_of_time > 0
+
+    def _evaluate(self) -> float:
+        """Validation loss over ``eval_batches`` batches of ``batch_size * world_size``
+        rows; each process evaluates its slice of rows and the sums are all-reduced."""
+        tc, ws, rank = self.tc, self.dist.world_size, self.dist.rank
+        batches = self.dataset.iter_eval(
+            "val", tc.batch_size * ws, self.block_size, max_batches=tc.eval_batches
+        )
+        mine = ((x[rank::ws], y[rank::ws]) for x, y in batches)  # (<= b, t) each
+        total, count = loss_sums(
+            self.model, mine, device=self.device, autocast_dtype=self.autocast_dtype
+        )
+        total, count = self._all_reduce([total, float(count)])
+        return total / count
+
+    def _fit_budget(self, step_time: float, eval_time: float | None, now: float) -> None:
+        """Fit the schedule to the steps that fit in the time left (never past max_steps).
+        Called after the first timed steps, and again at each evaluation with the mean
+        step time so far (a shared CPU's speed drifts)."""
+        tc = self.tc
+        if eval_time is None:  # no evaluation timed yet: forward only, ~1/3 of a step
+            eval_time = step_time * tc.eval_batches / (3 * tc.grad_accum)
+        per_step = step_time + (eval_time / tc.eval_every if tc.eval_every else 0.0)
+        left = tc.time_budget - now - eval_time  # keep room for the final evaluation
+        fitted = self.step + max(0, int(left / per_step))
+        fitted = min(tc.max_steps, max(self.step, fitted))
+        (fitted,) = self._all_reduce([float(fitted)], dist.ReduceOp.MIN)
+        self.schedule_steps = int(fitted)
+        self.budget_fitted = True
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> TrainResult:
+        tc, main = self.tc, self.dist.is_main
+        tokens_per_step = tc.batch_size * tc.grad_accum * self.dist.world_size * self.block_size
+        t_start = time.perf_counter()
+        elapsed = lambda: self.elapsed_before + time.perf_counter() - t_start
+        time_up = lambda: tc.time_budget is not None and elapsed() >= tc.time_budget
+        bar = tqdm(
+            total=self.schedule_steps,
+            initial=self.step,
+            disable=not (self.progress and main),
+            dynamic_ncols=True,
+            desc="train",
+        )
+        losses: list[float] = []
+        step_times: list[float] = []  # this call's step durations, evaluation excluded
+        eval_time: float | None = None
+        interval_losses: list[float] = []
+        interval_time = 0.0
+        last_saved = self.step if self.resumed else -1
+        stop_reason = "max_steps"
+        stop = _StopRequest()
+
+        def fit_budget() -> None:
+            timed = (step_times[FIT_SKIP_STEPS:] or step_times)[-FIT_WINDOW:]  # recent speed
+            self._fit_budget(sum(timed) / len(timed), eval_time, elapsed())
+            bar.total = self.schedule_steps
+            bar.refresh()
+
+        def evaluate_and_save(save: bool) -> None:
+            nonlocal eval_time, last_saved
+            t0 = time.perf_counter()
+            val = self._evaluate()
+            eval_time = time.perf_counter() - t0
+            if self.budget_fitted and 0 < self.step < self.schedule_steps:
+                fit_budget()  # refit with more timings (before saving: resume sees it)
+            self.last_val_loss = val
+            improved = self.best_val_loss is None or val < self.best_val_loss
+            if improved and self.step > 0:
+                self.best_val_loss = val
+            if main:
+                self.logger.log(
+                    "val",
+                    self.step,
+                    val_loss=val,
+                    val_perplexity=math.exp(min(val, 700.0)),
+                    best_val_loss=self.best_val_loss,
+                )
+                self.logger.plot()
+                if self.progress:
+                    bar.write(f"step {self.step}: val loss {val:.4f}")
+            if save:
+                if improved and self.step > 0:
+                    self._save(self.out_dir / BEST_DIR, elapsed())
+                self._save(self.out_dir, elapsed())
+                last_saved = self.step
+
+        try:
+            with stop:
+                if not self.resumed and tc.eval_every:
+                    evaluate_and_save(save=False)  # the untrained baseline on the curve
+                while self.step < self.schedule_steps:
+                    t0 = time.perf_counter()
+                    loss, grad_norm, signalled, out_of_time = self._train_step(stop, time_up)
+                    dt = time.perf_counter() - t0
+                    losses.append(loss)
+                    step_times.append(dt)
+                    self.last_train_loss = loss
+                    interval_losses.append(loss)
+                    interval_time += dt
+                    bar.update(1)
+
+                    n_timed = len(step_times) - FIT_SKIP_STEPS
+                    if (
+                        tc.time_budget is not None
+                        and not self.budget_fitted
+                        and (n_timed >= FIT_STEPS or self.step >= self.schedule_steps)
+                    ):
+                        fit_budget()
+
+                    if self.step % tc.log_every == 0 or self.step >= self.schedule_steps:
+                        rate = tokens_per_step * len(interval_losses) / max(interval_time, 1e-9)
+                        lr = self.optimizer.param_groups[0]["lr"]
+                        mean_loss = sum(interval_losses) / len(interval_losses)
+                        if main:
+                            self.logger.log(
+                                "train",
+                                self.step,
+                                train_loss=mean_loss,
+                                lr=lr,
+                                grad_norm=grad_norm,
+                                tokens_per_second=rate,
+                                elapsed=elapsed(),
+                            )
+                        bar.set_postfix(
+                            loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}"
+                        )
+                        interval_losses, interval_time = [], 0.0
+
+                    if signalled:
+                        stop_reason = "signal"
+                        break
+                    if out_of_time:
+                        stop_reason = "time_budget"
+                        evaluate_and_save(save=True)
+                        break
+                    if tc.eval_every and self.step % tc.eval_every == 0:
+                        evaluate_and_save(save=True)
+                    elif tc.save_every and self.step % tc.save_every == 0:
+                        self._save(self.out_dir, elapsed())
+                        last_saved = self.step
+
+                if stop_reason == "max_steps" and last_saved != self.step:
+                    evaluate_and_save(save=True)
+                elif last_saved != self.step:
+                    self._save(self.out_dir, elapsed())
+                    last_saved = self.step
+        finally:
+            bar.close()
+            if main:
+                if self.logger.records:
+                    self.logger.plot()
+                self.logger.close()
+
+        total_time = sum(step_times)
+        interrupted = stop.signal_name if stop_reason == "signal" else None
+        if stop_reason == "signal" and interrupted is None:
+            interrupted = "SIGTERM"  # another process was signalled
+        return TrainResult(
+            step=self.step,
+            train_loss=self.last_train_loss,
+            val_loss=self.last_val_loss,
+            best_val_loss=self.best_val_loss,
+            out_dir=self.out_dir,
+            tokens_per_second=tokens_per_step * len(step_times) / max(total_time, 1e-9),
+            max_steps=self.schedule_steps,
+            elapsed=elapsed(),
+            interrupted=interrupted,
+            stop_reason=stop_reason,
+            losses=losses,
+        )
+
+
+def train(
+    cfg: RunConfig | None,
+    out_dir: str | os.PathLike[str],
+    *,
+    resume: str | os.PathLike[str] | None = None,
+    max_steps: int | None = None,
+    time_budget: float | None = None,
+    save_every: int | None = None,
+    progress: bool = True,
+    dataset=None,
+    overwrite: bool = False,
+) -> TrainResult:
+    """Train ``cfg`` and write checkpoints, metrics.jsonl and loss.png into ``out_dir``.
+
+    ``resume``: a checkpoint directory to continue from (usually ``out_dir``); the steps
+    that follow equal those of an uninterrupted run. ``cfg`` may then be None (use the
+    saved config); if given, its model and data sections must match the checkpoint's and
+    its train section applies. ``max_steps``, ``time_budget`` and ``save_every`` override
+    the train config. ``dataset``: a prepared TokenDataset (else built from ``cfg.data``).
+    ``overwrite``: allow starting a fresh run in a folder that holds a checkpoint.
+    Under torchrun (WORLD_SIZE > 1) every process calls this; rank 0 writes the files.
+    """
+    group_existed = dist.is_available() and dist.is_initialized()
+    try:
+        trainer = Trainer(
+            cfg,
+            out_dir,
+            resume=resume,
+            max_steps=max_steps,
+            time_budget=time_budget,
+            save_every=save_every,
+            progress=progress,
+            dataset=dataset,
+            overwrite=overwrite,
+        )
+        return trainer.run()
+    finally:
+        if not group_existed and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # we joined torchrun's group: leave it

@@ -1,0 +1,205 @@
+"""Checkpoint io: round trip, crash safety, no unpickling, clear errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnlab.training.checkpoint as ckpt_module
+from attnlab.config import DataConfig, RunConfig, TrainConfig
+from attnlab.models import build_model
+from attnlab.presets import gpt2_style, llama_style
+from attnlab.tokenizers import train_tokenizer
+from attnlab.training import CheckpointError, load_checkpoint, save_checkpoint
+
+TEXT = "the quick brown fox jumps over the lazy dog. THE END!\n"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared CPU
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_run(tie: bool = True, seed: int = 0):
+    tokenizer = train_tokenizer("char", [TEXT])
+    if tie:
+        model_cfg = gpt2_style(
+            vocab_size=tokenizer.vocab_size, max_seq_len=16, d_model=16, n_layers=1, n_heads=2
+        )
+    else:
+        model_cfg = llama_style(
+            vocab_size=tokenizer.vocab_size,
+            max_seq_len=16,
+            d_model=16,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            multiple_of=8,
+        )
+    cfg = RunConfig(model=model_cfg, train=TrainConfig(batch_size=3), data=DataConfig())
+    torch.manual_seed(seed)
+    return build_model(cfg.model), cfg, tokenizer
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_round_trip(tmp_path, tie):
+    model, cfg, tokenizer = make_run(tie)
+    state = {"step": 7, "rng": torch.get_rng_state(), "nested": [{"a": 1.5, "b": None}]}
+    save_checkpoint(tmp_path, model, cfg, tokenizer, state)
+    loaded = load_checkpoint(tmp_path, with_state=True)
+    assert loaded.config == cfg
+    assert loaded.tokenizer.to_json() == tokenizer.to_json()
+    assert_same_weights(weights(loaded.model), weights(model))
+    assert not loaded.model.training
+    if tie:  # tied weights are stored once and tied again on load
+        assert loaded.model.lm_head.weight is loaded.model.tok_emb.weight
+    x = torch.randint(0, tokenizer.vocab_size, (2, 9))
+    model.eval()
+    torch.testing.assert_close(loaded.model(x).logits, model(x).logits, rtol=0, atol=0)
+    assert loaded.state["step"] == 7 and loaded.state["nested"] == [{"a": 1.5, "b": None}]
+    assert torch.equal(loaded.state["rng"], state["rng"])
+    assert load_checkpoint(tmp_path).state is None  # with_state=False
+    # No trainer state given: loads with state None, and is still complete.
+    save_checkpoint(tmp_path / "bare", model, cfg, tokenizer)
+    assert load_checkpoint(tmp_path / "bare", with_state=True).state is None
+
+
+def test_failure_before_commit_keeps_previous(tmp_path, monkeypatch):
+    """A save that dies while writing its files leaves the previous checkpoint intact."""
+    model_a, cfg, tokenizer = make_run(seed=0)
+    save_checkpoint(tmp_path, model_a, cfg, tokenizer, {"step": 1})
+    model_b, _, _ = make_run(seed=1)
+
+    real_save = ckpt_module.save_model
+
+    def half_written(model, filename, metadata=None):
+        real_save(model, filename, metadata=metadata)
+        with open(filename, "r+b") as f:  # torn file, then the "kill"
+            f.truncate(100)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_module, "save_model", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, model_b, cfg, tokenizer, {"step": 2})
+    loaded = load_checkpoint(tmp_path, with_state=True)
+    assert loaded.state["step"] == 1
+    assert_same_weights(weights(loaded.model), weights(model_a))
+    assert not list(tmp_path.glob(".tmp-*"))  # the failed save cleaned up after itself
+
+
+def test_kill_during_move_loads_new_checkpoint(tmp_path, monkeypatch):
+    """Killed after the commit point, half the files moved: readers see the new
+    checkpoint whole, and the next save finishes the move."""
+    model_a, cfg, tokenizer = make_run(seed=0)
+    save_checkpoint(tmp_path, model_a, cfg, tokenizer, {"step": 1})
+    model_b, _, _ = make_run(seed=1)
+
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def dies_after_two(src, dst):
+        calls["n"] += 1
+        if calls["n"] > 2:  # config and tokenizer moved, weights and state not yet
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt_module.os, "replace", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, model_b, cfg, tokenizer, {"step": 2})
+    monkeypatch.setattr(ckpt_module.os, "replace", real_replace)
+    assert (tmp_path / ckpt_module.PENDING_DIR).is_dir()
+    loaded = load_checkpoint(tmp_path, with_state=True)
+    assert loaded.state["step"] == 2
+    assert_same_weights(weights(loaded.model), weights(model_b))
+    # A stale temp folder from a save killed before its commit is ignored, then removed.
+    (tmp_path / ".tmp-stale").mkdir()
+    (tmp_path / ".tmp-stale" / "model.safetensors").write_bytes(b"junk")
+    assert load_checkpoint(tmp_path, with_state=True).state["step"] == 2
+    save_checkpoint(tmp_path, model_a, cfg, tokenizer, {"step": 3})
+    assert not (tmp_path / ckpt_module.PENDING_DIR).exists()
+    assert not (tmp_path / ".tmp-stale").exists()
+    loaded = load_checkpoint(tmp_path, with_state=True)
+    assert loaded.state["step"] == 3
+    assert_same_weights(weights(loaded.model), weights(model_a))
+
+
+class _Payload:
+    """Unpickling this would create a file: the test checks that never happens."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_trainer_state_is_never_unpickled(tmp_path):
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    state_file = tmp_path / ckpt_module.STATE_FILE
+    state = torch.load(state_file, weights_only=True)
+    marker = tmp_path / "pwned"
+    state["trainer"]["evil"] = _Payload(marker)
+    torch.save(state, state_file)
+    with pytest.raises(CheckpointError, match="trainer state"):
+        load_checkpoint(tmp_path, with_state=True)
+    assert not marker.exists()
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "nope")
+    model, cfg, tokenizer = make_run()
+    good = tmp_path / "good"
+    save_checkpoint(good, model, cfg, tokenizer, {"step": 1})
+
+    def broken(name: str) -> Path:
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        return d
+
+    d = broken("missing")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors is missing"):
+        load_checkpoint(d)
+
+    d = broken("torn")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(50)
+    with pytest.raises(CheckpointError, match="cannot read weights"):
+        load_checkpoint(d)
+
+    d = broken("config")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="invalid run config"):
+        load_checkpoint(d)
+
+    d = broken("state")
+    (d / "trainer_state.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot read trainer state"):
+        load_checkpoint(d)
+
+    # Weights from one save beside the state of another: caught, not silently mixed.
+    other = tmp_path / "other"
+    save_checkpoint(other, model, cfg, tokenizer, {"step": 2})
+    d = broken("mixed")
+    shutil.copy(other / "model.safetensors", d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="different saves"):
+        load_checkpoint(d)

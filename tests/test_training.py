@@ -1,0 +1,453 @@
+"""The training loop: schedule, parameter groups, learning, accumulation, exact resume
+(in process and after a real SIGTERM), NaN handling, time budgets, metrics, and 2-process
+data parallelism."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnlab.training.trainer as trainer_module
+from attnlab.config import ConfigError, DataConfig, RunConfig, TrainConfig
+from attnlab.data import prepare_data
+from attnlab.models import LMOutput, build_model
+from attnlab.presets import (
+    get_preset,
+    get_run_preset,
+    gpt2_style,
+    list_presets,
+    list_run_presets,
+)
+from attnlab.training import (
+    TrainingError,
+    build_optimizer,
+    evaluate,
+    load_checkpoint,
+    lr_at,
+    parameter_groups,
+    train,
+)
+from attnlab.training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared CPU
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="module")
+def dataset(cache_dir):
+    return prepare_data(DataConfig(), cache_dir=cache_dir)  # the embedded corpus, char level
+
+
+def tiny_run(*, dropout: float = 0.0, **train_kw) -> RunConfig:
+    model = gpt2_style(
+        vocab_size=256, max_seq_len=32, d_model=32, n_layers=2, n_heads=2, dropout=dropout
+    )
+    train_cfg = dict(
+        batch_size=4,
+        max_steps=12,
+        warmup_steps=3,
+        lr=3e-3,
+        min_lr=3e-4,
+        eval_every=0,
+        eval_batches=2,
+        log_every=1,
+        seed=0,
+    )
+    train_cfg.update(train_kw)
+    return RunConfig(model=model, train=TrainConfig(**train_cfg))
+
+
+def final_weights(out_dir) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out_dir).model.state_dict()
+
+
+def grad_norms(out_dir) -> list[float]:
+    return [r["grad_norm"] for r in read_metrics(out_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def assert_weights_close(a: dict, b: dict, *, tol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=tol, atol=tol, msg=name)
+
+
+class InterruptingDataset:
+    """Wraps a dataset; sends ``sig`` to this process while the ``at``-th training
+    micro-batch is being fetched, i.e. in the middle of an optimizer step."""
+
+    def __init__(self, inner, at: int, sig=signal.SIGTERM):
+        self.inner, self.at, self.sig, self.calls = inner, at, sig, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def batch(self, split, starts, block_size, device=None):
+        if split == "train":
+            self.calls += 1
+            if self.calls == self.at:
+                os.kill(os.getpid(), self.sig)
+        return self.inner.batch(split, starts, block_size, device)
+
+
+# --------------------------------------------------------------------------- optimiser
+
+
+def test_schedule_matches_formula():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    for step in range(10):  # linear warm-up reaching lr * 10/11 at the last warm-up step
+        assert lr_at(step, cfg) == pytest.approx(1e-3 * (step + 1) / 11, rel=1e-12)
+    for step in range(10, 111):
+        r = (step - 10) / 100
+        # Independent form of the cosine: (1 + cos(pi r)) / 2 == cos(pi r / 2)^2.
+        expected = 1e-4 + (1e-3 - 1e-4) * math.cos(math.pi * r / 2) ** 2
+        assert lr_at(step, cfg) == pytest.approx(expected, rel=1e-12)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(5.5e-4)  # half way: the mean of lr and min_lr
+    assert lr_at(500, cfg) == 1e-4
+    assert lr_at(60, cfg, total_steps=210) == pytest.approx(
+        1e-4 + 9e-4 * math.cos(math.pi * 0.25 / 2) ** 2
+    )
+
+
+def test_parameter_groups_follow_nanogpt():
+    model = build_model(tiny_run().model)  # tied embeddings, biases, LayerNorms
+    decay, no_decay = parameter_groups(model, 0.1)
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    decay_names = {by_id[id(p)] for p in decay["params"]}
+    no_decay_names = {by_id[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay_names | no_decay_names == set(by_id.values()) and not decay_names & no_decay_names
+    assert "tok_emb.weight" in decay_names  # tied with lm_head: listed once
+    assert "blocks.0.attn.qkv.weight" in decay_names
+    assert "blocks.0.attn.qkv.bias" in no_decay_names
+    assert "blocks.0.attn_norm.weight" in no_decay_names
+    for name, p in model.named_parameters():
+        assert (name in decay_names) == (p.dim() >= 2)
+    optimizer = build_optimizer(model, tiny_run().train, "cpu")
+    assert optimizer.defaults["fused"] is True  # torch >= 2.4 has fused AdamW on CPU
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+def test_evaluate_is_token_weighted(dataset):
+    torch.manual_seed(0)
+    model = build_model(tiny_run().model.override({"vocab_size": dataset.tokenizer.vocab_size}))
+    batches = list(dataset.iter_eval("val", 3, 16, max_batches=3))
+    batches.append(dataset.batch("val", torch.tensor([5]), 16))  # a smaller batch
+    result = evaluate(model, batches)
+    with torch.no_grad():
+        total = sum(
+            F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), reduction="sum")
+            for x, y in batches
+        )
+    count = sum(y.numel() for _, y in batches)
+    assert result["tokens"] == count
+    assert result["loss"] == pytest.approx(float(total) / count, rel=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
+    assert result["bits_per_token"] == pytest.approx(result["loss"] / math.log(2), rel=1e-9)
+    assert model.training  # evaluate restores the mode it found
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_loss_drops_and_records_are_written(tmp_path, dataset):
+    cfg = tiny_run(max_steps=150, batch_size=8, warmup_steps=10, eval_every=75, log_every=10)
+    cfg.train.tensorboard = True
+    result = train(cfg, tmp_path, dataset=dataset, progress=False)
+    counts = np.bincount(dataset.train, minlength=dataset.tokenizer.vocab_size)
+    p = counts[counts > 0] / counts.sum()
+    unigram_entropy = float(-(p * np.log(p)).sum())  # best loss without using context
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    val = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in val] == [0, 75, 150]
+    assert result.val_loss == val[-1]["val_loss"] < val[0]["val_loss"] - 1.0
+    assert result.val_loss < unigram_entropy - 0.1
+    assert result.best_val_loss == min(r["val_loss"] for r in val[1:])
+    assert np.mean(result.losses[-20:]) < np.mean(result.losses[:5]) - 1.0
+    trains = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == list(range(10, 151, 10))
+    for r in trains:  # the lr logged at step s is the one step s used
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.train), rel=1e-12)
+        assert r["tokens_per_second"] > 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    best = load_checkpoint(tmp_path / "best", with_state=True)
+    assert best.state["val_loss"] == result.best_val_loss
+    assert load_checkpoint(tmp_path).config.model.vocab_size == dataset.tokenizer.vocab_size
+    with pytest.raises(TrainingError, match="already holds a checkpoint"):
+        train(cfg, tmp_path, dataset=dataset, progress=False)
+
+
+def test_grad_accumulation_equals_big_batch(tmp_path, dataset):
+    big = train(
+        tiny_run(max_steps=3, batch_size=8), tmp_path / "big", dataset=dataset, progress=False
+    )
+    acc = train(
+        tiny_run(max_steps=3, batch_size=4, grad_accum=2),
+        tmp_path / "acc",
+        dataset=dataset,
+        progress=False,
+    )
+    # Same tokens, summed in another order: equal to float32 rounding.
+    np.testing.assert_allclose(acc.losses, big.losses, rtol=1e-5)
+    # Adam hides a gradient scale error from losses and weights; the norms show it.
+    np.testing.assert_allclose(
+        grad_norms(tmp_path / "acc"), grad_norms(tmp_path / "big"), rtol=1e-5
+    )
+    assert_weights_close(final_weights(tmp_path / "acc"), final_weights(tmp_path / "big"), tol=1e-5)
+
+
+def test_bfloat16_autocast_trains(tmp_path, dataset):
+    fp32 = train(tiny_run(max_steps=3), tmp_path / "fp32", dataset=dataset, progress=False)
+    bf16 = train(
+        tiny_run(max_steps=3, dtype="bfloat16"),
+        tmp_path / "bf16",
+        dataset=dataset,
+        progress=False,
+    )
+    assert all(math.isfinite(v) for v in bf16.losses)
+    assert bf16.losses != fp32.losses  # autocast really ran the matmuls in bf16 ...
+    np.testing.assert_allclose(bf16.losses, fp32.losses, atol=0.05)  # ... to bf16 accuracy
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_equals_uninterrupted(tmp_path, dataset):
+    """Stop by SIGTERM in the middle of step 5 (with dropout and accumulation, so every
+    RNG matters), resume, and match the uninterrupted run bit for bit."""
+    cfg = tiny_run(dropout=0.1, grad_accum=2, eval_every=4, max_steps=10)
+    straight = train(cfg, tmp_path / "straight", dataset=dataset, progress=False)
+
+    stopping = InterruptingDataset(dataset, at=9)  # first micro-batch of step 5
+    first = train(cfg, tmp_path / "run", dataset=stopping, progress=False)
+    assert first.interrupted == "SIGTERM" and first.stop_reason == "signal"
+    assert first.step == 5
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+    second = train(cfg, tmp_path / "run", resume=tmp_path / "run", dataset=dataset, progress=False)
+    assert second.step == 10 and second.interrupted is None
+    assert first.losses + second.losses == straight.losses
+    assert_weights_close(
+        final_weights(tmp_path / "run"), final_weights(tmp_path / "straight"), tol=0
+    )
+    assert second.best_val_loss == straight.best_val_loss
+    # metrics.jsonl continues without duplicates across the interruption.
+    steps = [
+        r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"
+    ]
+    assert steps == list(range(1, 11))
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    torch.set_num_threads(1)
+    from attnlab.config import RunConfig
+    from attnlab.data import prepare_data
+    from attnlab.training import train
+
+    cfg = RunConfig.from_json(open(sys.argv[1]).read())
+    data = prepare_data(cfg.data, cache_dir=sys.argv[2])
+
+    class Slow:  # slow enough for the parent to signal mid-run
+        def __getattr__(self, name):
+            return getattr(data, name)
+
+        def batch(self, *args, **kwargs):
+            time.sleep(0.05)
+            return data.batch(*args, **kwargs)
+
+    result = train(cfg, sys.argv[3], dataset=Slow(), progress=False)
+    print("RESULT", result.step, result.interrupted, flush=True)
+    """
+)
+
+
+def test_sigterm_in_subprocess_then_resume(tmp_path, dataset, cache_dir):
+    cfg = tiny_run(dropout=0.1, max_steps=20, eval_every=7)
+    (tmp_path / "cfg.json").write_text(cfg.to_json())
+    (tmp_path / "child.py").write_text(CHILD)
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(tmp_path / "child.py"),
+            str(tmp_path / "cfg.json"),
+            str(cache_dir),
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and child.poll() is None:
+        steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+        if steps and steps[-1] >= 3:
+            break
+        time.sleep(0.02)
+    child.send_signal(signal.SIGTERM)
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 0, stderr
+    _, stopped, how = stdout.split()
+    assert how == "SIGTERM" and 3 <= int(stopped) < 20
+
+    straight = train(cfg, tmp_path / "straight", dataset=dataset, progress=False)
+    child_losses = [
+        r["train_loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"
+    ]
+    resumed = train(cfg, out, resume=out, dataset=dataset, progress=False)
+    assert resumed.step == 20
+    np.testing.assert_allclose(
+        child_losses[: int(stopped)] + resumed.losses, straight.losses, rtol=1e-6, atol=0
+    )
+    assert_weights_close(final_weights(out), final_weights(tmp_path / "straight"), tol=1e-6)
+
+
+# --------------------------------------------------------------------------- failures, budgets
+
+
+def test_nan_loss_names_step_and_keeps_last_checkpoint(tmp_path, dataset, monkeypatch):
+    def poisoned_build(model_cfg):
+        model = build_model(model_cfg)
+        forward, calls = model.forward, {"n": 0}
+
+        def nan_at_step_5(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            if model.training:
+                calls["n"] += 1
+                if calls["n"] == 5:
+                    return LMOutput(out.logits, out.loss * float("nan"))
+            return out
+
+        model.forward = nan_at_step_5
+        return model
+
+    monkeypatch.setattr(trainer_module, "build_model", poisoned_build)
+    with pytest.raises(TrainingError, match="loss is nan at step 5"):
+        train(tiny_run(save_every=2), tmp_path, dataset=dataset, progress=False)
+    saved = load_checkpoint(tmp_path, with_state=True)
+    assert saved.state["step"] == 4
+    assert all(torch.isfinite(p).all() for p in saved.model.parameters())
+
+
+def test_time_budget_fits_the_schedule(tmp_path, dataset):
+    result = train(
+        tiny_run(max_steps=100_000, time_budget=1.5), tmp_path, dataset=dataset, progress=False
+    )
+    assert 1 < result.max_steps < 100_000  # fitted to the budget
+    assert result.step == result.max_steps or result.stop_reason == "time_budget"
+    assert result.elapsed < 1.5 + 5.0  # generous: the CPU is shared
+    state = load_checkpoint(tmp_path, with_state=True).state
+    assert state["budget_fitted"] and state["schedule_steps"] == result.max_steps
+    resumed = train(None, tmp_path, resume=tmp_path, dataset=dataset, progress=False)
+    assert resumed.max_steps == result.max_steps  # the fitted length is kept on resume
+
+
+# --------------------------------------------------------------------------- data parallel
+
+
+DDP_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    torch.set_num_threads(1)
+    from attnlab.config import RunConfig
+    from attnlab.data import prepare_data
+    from attnlab.training import train
+
+    cfg = RunConfig.from_json(open(sys.argv[1]).read())
+    data = prepare_data(cfg.data, cache_dir=sys.argv[2])
+    result = train(cfg, sys.argv[3], dataset=data, progress=False)
+    if os.environ["RANK"] == "0":
+        with open(sys.argv[4], "w") as f:
+            json.dump({"losses": result.losses, "val_loss": result.val_loss}, f)
+    """
+)
+
+
+def test_two_processes_equal_one_with_double_batch(tmp_path, dataset, cache_dir):
+    per_process = tiny_run(max_steps=4, batch_size=3, grad_accum=2)
+    (tmp_path / "cfg.json").write_text(per_process.to_json())
+    (tmp_path / "child.py").write_text(DDP_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(tmp_path / "child.py"),
+            str(tmp_path / "cfg.json"),
+            str(cache_dir),
+            str(tmp_path / "ddp"),
+            str(tmp_path / "ddp.json"),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    ddp = json.loads((tmp_path / "ddp.json").read_text())
+    single = train(
+        tiny_run(max_steps=4, batch_size=6, grad_accum=2),
+        tmp_path / "single",
+        dataset=dataset,
+        progress=False,
+    )
+    np.testing.assert_allclose(ddp["losses"], single.losses, rtol=1e-5)
+    np.testing.assert_allclose(
+        grad_norms(tmp_path / "ddp"), grad_norms(tmp_path / "single"), rtol=1e-5
+    )
+    assert ddp["val_loss"] == pytest.approx(single.val_loss, rel=1e-5)
+    assert_weights_close(
+        final_weights(tmp_path / "ddp"), final_weights(tmp_path / "single"), tol=1e-5
+    )
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name", ["demo", "nanogpt-cpu"])
+def test_run_presets_train(tmp_path, dataset, name):
+    cfg = get_run_preset(name)
+    cfg.train.eval_batches = 1  # keep the test quick
+    assert name in list_presets() and name in list_run_presets()
+    assert get_preset(name) == cfg.model  # the model preset of the same name
+    result = train(cfg, tmp_path, max_steps=2, dataset=dataset, progress=False)
+    assert result.step == 2 and math.isfinite(result.val_loss)
+    saved = load_checkpoint(tmp_path).config
+    assert saved.train.max_steps == 2 and saved.model.vocab_size == dataset.tokenizer.vocab_size
+
+
+def test_get_run_preset_wraps_model_presets():
+    cfg = get_run_preset("gpt2-tiny")
+    assert cfg.model == get_preset("gpt2-tiny") and cfg.train == TrainConfig()
+    with pytest.raises(ConfigError, match="unknown preset 'nope'.*demo"):
+        get_run_preset("nope")
