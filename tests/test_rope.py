@@ -150,3 +150,16 @@ def test_module_cast_to_bf16_keeps_float32_frequencies(layout):
     # Only input/output rounding to bf16 (~2^-8 relative) is allowed.
     torch.testing.assert_close(out_q.float(), _rope(q, pos, layout), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out_k.float(), _rope(k, pos, layout), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_module_fast_rotation_equals_apply_rope(layout):
+    """RotaryEmbedding's fused rotation (x cos + swap(x) sin) equals the readable apply_rope."""
+    rope = RotaryEmbedding(D_H, theta=500.0, layout=layout)
+    q, k = torch.randn(3, 4, 7, D_H), torch.randn(3, 2, 7, D_H)
+    pos = torch.randint(0, 1000, (3, 7))
+    fast_q, fast_k = rope(q, k, pos)
+    cos, sin = rope_angles(pos, rope_inv_freq(D_H, 500.0))
+    cos, sin = cos[:, None], sin[:, None]
+    torch.testing.assert_close(fast_q, apply_rope(q, cos, sin, layout), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_k, apply_rope(k, cos, sin, layout), rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ from attnlab.cache import KVCache
 from attnlab.config import ModelConfig
 from attnlab.nn.block import TransformerBlock
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from attnlab.nn.linear import store_input_major
 from attnlab.nn.norm import build_norm
 from attnlab.nn.rope import RotaryEmbedding
 
@@ -57,6 +58,7 @@ class DecoderLM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.out.weight", "ffn.down.weight")):
                 nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        store_input_major(self, skip=(self.tok_emb.weight,))
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import PositionConfig
-from attnlab.functional.rope import apply_rope, rope_angles, rope_inv_freq, scale_inv_freq
+from attnlab.functional.rope import rope_angles, rope_inv_freq, scale_inv_freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -49,7 +49,18 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """q (b, h, t, d_h), k (b, h_kv, t, d_h), positions (b, t) or (t,)."""
         cos, sin = self._angles(positions)
-        return apply_rope(q, cos, sin, self.layout), apply_rope(k, cos, sin, self.layout)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The rotation of :func:`apply_rope` (its readable twin; tests compare the two)
+        in fewer operations: x * cos + swap(x) * sin, with cos/sin already spread over the
+        full head dim and sin signed, where swap exchanges the two members of every pair."""
+        xf = x.float()
+        if self.layout == "split":  # pairs (i, i + d/2): swap the halves
+            swapped = xf.roll(self.head_dim // 2, dims=-1)
+        else:  # pairs (2i, 2i + 1): swap neighbours
+            swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (xf * cos + swapped * sin).to(x.dtype)
 
     def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         # Every layer of a forward pass gets the same positions: compute the angles once.
@@ -68,6 +79,11 @@ class RotaryEmbedding(nn.Module):
             cos, sin = rope_angles(positions, inv_freq)  # (b, t, d_h/2)
             if cos.dim() == 3:
                 cos, sin = cos[:, None], sin[:, None]  # (b, 1, t, d_h/2)
+            if self.layout == "split":  # (b, 1, t, d_h): [cos, cos], [-sin, sin]
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+            else:  # (b, 1, t, d_h): [c0, c0, c1, c1, ...], [-s0, s0, -s1, s1, ...]
+                cos = cos.repeat_interleave(2, dim=-1)
+                sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
             memo = self._memo = (positions.clone(), self.inv_freq, cos, sin)
         return memo[2], memo[3]
 
