@@ -235,3 +235,32 @@ def test_block_dropout_train_vs_eval():
     assert not torch.allclose(blk(x), blk(x))
     blk.eval()
     torch.testing.assert_close(blk(x), blk(x))
+
+
+# --------------------------------------------------------------------------- Linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1), (1,), (3, 5), (1, 1, 1)])
+def test_linear_fast_path_equals_f_linear(bias, shape):
+    """attnlab's Linear (input-major weight, split vector product for one vector) equals
+    F.linear on the same weights, for one vector and for batches."""
+    from attnlab.nn.linear import Linear
+
+    lin = Linear(64, 48, bias=bias)
+    assert lin.weight.shape == (48, 64) and lin.weight.stride() == (1, 48)
+    x = torch.randn(*shape, 64, requires_grad=True)
+    y = lin(x)
+    ref = torch.nn.functional.linear(x, lin.weight.detach().contiguous(), lin.bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    y.sum().backward()  # the fast path is differentiable too
+    assert lin.weight.grad.shape == (48, 64)
+
+
+def test_linear_state_dict_is_plain():
+    from attnlab.nn.linear import Linear
+
+    lin = Linear(8, 4)
+    plain = torch.nn.Linear(8, 4)
+    plain.load_state_dict(lin.state_dict())
+    torch.testing.assert_close(plain.weight, lin.weight)

@@ -20,7 +20,7 @@ from attnlab.cache import KVCache
 from attnlab.config import ModelConfig
 from attnlab.nn.block import TransformerBlock
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
-from attnlab.nn.linear import store_input_major
+from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
 from attnlab.nn.rope import RotaryEmbedding
 
@@ -50,7 +50,7 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(cfg, rope=rope) for _ in range(cfg.n_layers))
         # Post-norm blocks already end in a norm; pre-norm stacks need a final one.
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
@@ -58,7 +58,6 @@ class DecoderLM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.out.weight", "ffn.down.weight")):
                 nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        store_input_major(self, skip=(self.tok_emb.weight,))
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import combine_masks, sliding_window_mask
+from attnlab.nn.linear import Linear
 from attnlab.nn.rope import RotaryEmbedding
 
 
@@ -42,11 +43,11 @@ class MultiHeadAttention(nn.Module):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         if cross:
-            self.q = nn.Linear(d_model, q_dim, bias=cfg.qkv_bias)
-            self.kv = nn.Linear(context_dim or d_model, 2 * kv_dim, bias=cfg.qkv_bias)
+            self.q = Linear(d_model, q_dim, bias=cfg.qkv_bias)
+            self.kv = Linear(context_dim or d_model, 2 * kv_dim, bias=cfg.qkv_bias)
         else:
-            self.qkv = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # [q; k; v]
-        self.out = nn.Linear(q_dim, d_model, bias=cfg.out_bias)
+            self.qkv = Linear(d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # [q; k; v]
+        self.out = Linear(q_dim, d_model, bias=cfg.out_bias)
         self.rope = rope
         self.resid_dropout = nn.Dropout(resid_dropout)
 

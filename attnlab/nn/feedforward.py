@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import FFNConfig
+from attnlab.nn.linear import Linear
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -31,8 +32,8 @@ class MLP(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        self.up = nn.Linear(d_model, hidden, bias=bias)
-        self.down = nn.Linear(hidden, d_model, bias=bias)
+        self.up = Linear(d_model, hidden, bias=bias)
+        self.down = Linear(hidden, d_model, bias=bias)
         self.act = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 
@@ -53,8 +54,8 @@ class GatedFFN(nn.Module):
     ):
         super().__init__()
         self.hidden = hidden
-        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=bias)  # rows: [gate; up]
-        self.down = nn.Linear(hidden, d_model, bias=bias)
+        self.gate_up = Linear(d_model, 2 * hidden, bias=bias)  # rows: [gate; up]
+        self.down = Linear(hidden, d_model, bias=bias)
         self.act = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 
