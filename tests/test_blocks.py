@@ -242,15 +242,22 @@ def test_block_dropout_train_vs_eval():
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1), (1,), (3, 5), (1, 1, 1)])
-def test_linear_fast_path_equals_f_linear(bias, shape):
+def test_linear_fast_path_equals_f_linear(bias, shape, monkeypatch):
     """attnlab's Linear (input-major weight, split vector product for one vector) equals
     F.linear on the same weights, for one vector and for batches."""
     from attnlab.nn.linear import Linear
 
+    import attnlab.nn.linear as linear_module
+
     lin = Linear(64, 48, bias=bias)
     assert lin.weight.shape == (48, 64) and lin.weight.stride() == (1, 48)
     x = torch.randn(*shape, 64, requires_grad=True)
+    calls = []
+    split = linear_module.split_vecmat
+    monkeypatch.setattr(linear_module, "split_vecmat", lambda *a: calls.append(1) or split(*a))
+    monkeypatch.setattr(linear_module, "SPLIT_MIN_NUMEL", 0)  # also take it for small weights
     y = lin(x)
+    assert len(calls) == (1 if x.numel() == 64 else 0)  # the fast path ran for one vector
     ref = torch.nn.functional.linear(x, lin.weight.detach().contiguous(), lin.bias)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
     y.sum().backward()  # the fast path is differentiable too

@@ -21,6 +21,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+# Below about half a million weights (2 MB in float32) a second thread's start-up costs more
+# than it saves (measured with benchmarks/linear_layout.py on a 2-core CPU).
+SPLIT_MIN_NUMEL = 1 << 19
+
+
 def input_major(weight: Tensor) -> Tensor:
     """The same (out, in) values, stored in (in, out) order: strides (1, out)."""
     return weight.detach().t().contiguous().t()
@@ -48,6 +53,7 @@ class Linear(nn.Linear):
         w = self.weight
         if (
             x.numel() == self.in_features  # one vector: decoding a single token
+            and w.numel() >= SPLIT_MIN_NUMEL
             and x.device.type == "cpu"
             and self.in_features % 2 == 0
             and w.stride() == (1, self.out_features)  # input-major (not e.g. a tied embedding)
