@@ -245,9 +245,8 @@ def test_block_dropout_train_vs_eval():
 def test_linear_fast_path_equals_f_linear(bias, shape, monkeypatch):
     """attnlab's Linear (input-major weight, split vector product for one vector) equals
     F.linear on the same weights, for one vector and for batches."""
-    from attnlab.nn.linear import Linear
-
     import attnlab.nn.linear as linear_module
+    from attnlab.nn.linear import Linear
 
     lin = Linear(64, 48, bias=bias)
     assert lin.weight.shape == (48, 64) and lin.weight.stride() == (1, 48)
