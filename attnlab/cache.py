@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab.functional.masks import padding_mask
+
 
 class LayerKV:
     """One layer's view of a :class:`KVCache`."""
@@ -83,7 +85,7 @@ class KVCache:
             self.has_padding = self.has_padding or not bool(valid.all())
         if not self.has_padding:
             return None
-        return self.key_valid[:, None, None, : self.length + t]
+        return padding_mask(self.key_valid[:, : self.length + t])  # (b, 1, 1, s)
 
     def advance(self, t: int, positions: Tensor, attention_mask: Tensor | None) -> None:
         self.length += t

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from attnlab.fileio import atomic_write_text
+
 T = TypeVar("T")
 
 
@@ -35,7 +37,7 @@ def _choice(path: str, value: str, choices: tuple[str, ...]) -> None:
 def _positive(path: str, value: int | float | None, *, allow_zero: bool = False) -> None:
     if value is None:
         return
-    if value < 0 or (value == 0 and not allow_zero):
+    if not (value >= 0 if allow_zero else value > 0):  # written so that NaN fails too
         _fail(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
@@ -132,11 +134,19 @@ class _Config:
         return cls.from_dict(json.loads(text))  # type: ignore[attr-defined]
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        atomic_write_text(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls: type[T], path: str | Path) -> T:
-        return cls.from_json(Path(path).read_text())  # type: ignore[attr-defined]
+        """Read a JSON config file, naming the file in any error."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(data)  # type: ignore[attr-defined]
 
     def override(self: T, assignments: dict[str, Any]) -> T:
         """Return a copy with dotted keys replaced: ``{"attention.n_heads": 8}``."""
@@ -326,18 +336,6 @@ class ModelConfig(_Config):
     @property
     def n_kv_heads(self) -> int:
         return self.attention.kv_heads
-
-
-def load_config(cls: type[T], path: str | Path) -> T:
-    """Read a JSON config file, naming the file in any error."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    return cls.from_dict(data)  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- training

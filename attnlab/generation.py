@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from attnlab.models.decoder import DecoderLM
+
+# One prompt (token ids) or a batch of them (rows may differ in length).
+Prompts = Tensor | Sequence[int] | Sequence[Sequence[int] | Tensor]
+
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
+    if not temperature >= 0:  # also rejects NaN
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -49,7 +56,7 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _as_batch(prompts) -> tuple[list[list[int]], bool]:
+def _as_batch(prompts: Prompts) -> tuple[list[list[int]], bool]:
     if isinstance(prompts, Tensor):
         if prompts.dim() == 1:
             return [prompts.tolist()], True
@@ -64,8 +71,8 @@ def _as_batch(prompts) -> tuple[list[list[int]], bool]:
 
 
 def stream(
-    model,
-    prompts,
+    model: DecoderLM,
+    prompts: Prompts,
     max_new_tokens: int = 32,
     *,
     temperature: float = 0.0,
@@ -76,7 +83,7 @@ def stream(
     stop_tokens: Sequence[int] | None = None,
     use_cache: bool = True,
     pad_id: int = 0,
-) -> Iterator:
+) -> Iterator[int] | Iterator[list[int | None]]:
     """Yield tokens as they are produced: an int per step for a single prompt, a list with
     one int (or None once that row has stopped) per step for a batch. A row stops at a stop
     token (not yielded) or after ``max_new_tokens``.
@@ -180,7 +187,9 @@ def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampl
             logits = forward(ids, mask, cache)
 
 
-def generate(model, prompts, max_new_tokens: int = 32, **kwargs) -> list[int] | list[list[int]]:
+def generate(
+    model: DecoderLM, prompts: Prompts, max_new_tokens: int = 32, **kwargs
+) -> list[int] | list[list[int]]:
     """The new tokens: a list for one prompt, a list of lists for a batch (each row stops at
     its first stop token, which is not included). Options as in :func:`stream`."""
     it = stream(model, prompts, max_new_tokens, **kwargs)

@@ -38,6 +38,7 @@ from attnlab.config import (
     NormConfig,
     PositionConfig,
 )
+from attnlab.fileio import atomic_path, atomic_write_text
 from attnlab.functional.rope import interleaved_to_split
 from attnlab.models.decoder import DecoderLM
 
@@ -738,5 +739,7 @@ def save_hf(model: DecoderLM, path: str | Path) -> None:
     tensors = {k: v.to("cpu").contiguous().clone() for k, v in tensors.items()}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+    # Each file replaces its old version whole: a crash never leaves a truncated one.
+    with atomic_path(path / WEIGHTS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(path / CONFIG_NAME, json.dumps(hf_config, indent=2) + "\n")

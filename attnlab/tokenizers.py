@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
+
+from attnlab.fileio import atomic_write_text
 
 TOKENIZER_KINDS = ("char", "bpe")
 TOKENIZER_FILE = "tokenizer.json"
@@ -164,20 +165,6 @@ class Tokenizer:
         target = path if path.suffix == ".json" else path / TOKENIZER_FILE
         atomic_write_text(target, self.to_json())
         return target
-
-
-def atomic_write_text(target: Path, text: str) -> None:
-    """Write to a temporary file beside ``target`` and rename it into place, so a reader
-    never sees a half-written file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _char_tokenizer(chars: Iterable[str]) -> Tokenizer:

@@ -19,14 +19,6 @@ from attnlab.training import CheckpointError, load_checkpoint, save_checkpoint
 TEXT = "the quick brown fox jumps over the lazy dog. THE END!\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared CPU
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_run(tie: bool = True, seed: int = 0):
     tokenizer = train_tokenizer("char", [TEXT])
     if tie:

@@ -70,6 +70,8 @@ def test_integral_float_accepted_as_int():
         ({"ffn": {"hidden_dim": -8}}, r"ffn.hidden_dim: must be > 0"),
         ({"attention": {"sliding_window": 0}}, r"attention.sliding_window: must be > 0"),
         ({"dropout": 1.0}, r"dropout: must be in \[0, 1\)"),
+        ({"init_std": float("nan")}, r"init_std: must be > 0, got nan"),
+        ({"norm": {"eps": float("nan")}}, r"norm.eps: must be > 0, got nan"),
         ({"attention": {"backend": "flashy"}}, r"attention.backend: unknown value 'flashy'"),
         ({"norm": {"placement": "middle"}}, r"norm.placement: unknown value"),
         ({"position": {"rope_layout": "pairs"}}, r"position.rope_layout: unknown value"),
@@ -96,6 +98,22 @@ def test_json_round_trip_every_preset(name, tmp_path):
     assert ModelConfig.load(path) == cfg
     run = RunConfig(model=cfg)
     assert RunConfig.from_json(run.to_json()) == run
+
+
+def test_load_names_the_file_in_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing\.json: config file not found"):
+        ModelConfig.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON"):
+        ModelConfig.load(bad)
+
+
+def test_train_config_rejects_nan():
+    with pytest.raises(ConfigError, match=r"train.lr: must be > 0, got nan"):
+        RunConfig.from_dict({"train": {"lr": float("nan")}})
+    with pytest.raises(ConfigError, match=r"train.weight_decay: must be >= 0, got nan"):
+        RunConfig.from_dict({"train": {"weight_decay": float("nan")}})
 
 
 def test_round_trip_detects_change():

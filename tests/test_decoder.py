@@ -111,6 +111,17 @@ def test_learned_positions_beyond_max_seq_len_raise():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
+def test_last_only_equals_last_row_of_full_logits():
+    model = tiny()
+    idx = torch.randint(0, V, (2, 7))
+    full = model(idx).logits  # (b, t, V)
+    last = model(idx, last_only=True).logits  # (b, 1, V)
+    assert last.shape == (2, 1, V)
+    torch.testing.assert_close(last, full[:, -1:], **TOL)
+    with pytest.raises(ValueError, match="last_only=True"):
+        model(idx, targets=idx, last_only=True)
+
+
 # --------------------------------------------------------------------------- KV cache
 
 

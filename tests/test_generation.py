@@ -67,6 +67,7 @@ def test_seeded_sampling_is_reproducible():
     "kwargs,match",
     [
         ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be >= 0"),
         ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
         ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),

@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attnlab.config import ConfigError, ModelConfig, RunConfig
+
+if TYPE_CHECKING:  # heavy imports, kept out of the CLI's start-up
+    from attnlab.models.decoder import DecoderLM
+    from attnlab.tokenizers import Tokenizer
 
 HF_CONFIG_KEYS = ("model_type", "architectures")  # what tells an HF config.json apart
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -161,7 +165,9 @@ def check_dir(path: str | Path, what: str) -> Path:
     return path
 
 
-def load_for_inference(path: str | Path, device: str = "cpu"):
+def load_for_inference(
+    path: str | Path, device: str = "cpu"
+) -> tuple[DecoderLM, RunConfig, Tokenizer | None]:
     """(model in eval mode, RunConfig, tokenizer or None) from an attnlab checkpoint
     folder, or from a Hugging Face model folder (weights via attnlab.interop, tokenizer
     from its tokenizer.json when there is one)."""
@@ -182,7 +188,7 @@ def load_for_inference(path: str | Path, device: str = "cpu"):
     return ckpt.model.eval(), ckpt.config, ckpt.tokenizer
 
 
-def require_tokenizer(tokenizer, path: str | Path):
+def require_tokenizer(tokenizer: Tokenizer | None, path: str | Path) -> Tokenizer:
     if tokenizer is None:
         raise CLIError(
             f"{path}: has no tokenizer.json, so text cannot be encoded; copy the tokenizer "

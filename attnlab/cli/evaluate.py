@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,8 +18,11 @@ from attnlab.cli.common import (
     resolve_device,
 )
 
+if TYPE_CHECKING:
+    from attnlab.tokenizers import Tokenizer
 
-def add_parser(subparsers) -> None:
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "eval",
         help="loss and perplexity of a checkpoint",
@@ -37,13 +41,13 @@ def add_parser(subparsers) -> None:
     p.set_defaults(handler=run)
 
 
-def _tokens_of_file(path: str, tokenizer, errors: str) -> tuple[np.ndarray, str]:
+def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> np.ndarray:
     from attnlab.data import DOCUMENT_SEPARATOR, read_corpus
     from attnlab.tokenizers import TokenizerError
 
     text = DOCUMENT_SEPARATOR.join(doc for _, doc in read_corpus(path, errors=errors))
     try:
-        return tokenizer.encode_array(text), text
+        return tokenizer.encode_array(text)
     except TokenizerError as e:
         raise CLIError(f"--data {path}: {e}") from None
 
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None:
         if not Path(args.data).exists():
             raise CLIError(f"--data {args.data}: no such file or folder")
-        tokens, _ = _tokens_of_file(args.data, tokenizer, cfg.data.errors)
+        tokens = _tokens_of_file(args.data, tokenizer, cfg.data.errors)
         if len(tokens) < 2:
             raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
         block_size = min(block_size, len(tokens) - 1)  # short texts: one shorter block

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,10 +16,13 @@ from attnlab.cli.common import (
     resolve_device,
 )
 
+if TYPE_CHECKING:
+    from attnlab.tokenizers import Tokenizer
+
 DEFAULT_PROMPT = "\n"  # a fresh line: the most neutral start a char-level model knows
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
         help="sample text from a checkpoint",
@@ -43,7 +47,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(handler=run)
 
 
-def encode_prompt(tokenizer, prompt: str | None) -> tuple[str, list[int]]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str | None) -> tuple[str, list[int]]:
     """(shown prompt, ids). An empty or missing prompt starts from a newline if the
     vocabulary has one, else from token 0 (generation needs at least one token)."""
     from attnlab.tokenizers import TokenizerError

@@ -17,7 +17,7 @@ from attnlab.cli.common import CLIError, check_dir, is_hf_dir
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "import-hf",
         help="Hugging Face model folder -> attnlab checkpoint",

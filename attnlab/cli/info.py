@@ -21,7 +21,7 @@ from attnlab.cli.common import (
 from attnlab.config import ModelConfig, RunConfig
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "info",
         help="parameter, FLOP and memory counts of a model",

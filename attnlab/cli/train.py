@@ -29,7 +29,7 @@ from attnlab.config import ConfigError, RunConfig
 DEFAULT_PRESET = "demo"
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a model",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,13 +27,8 @@ from attnlab.data.corpus import (
     load_sources,
     sources_digest,
 )
-from attnlab.tokenizers import (
-    Tokenizer,
-    TokenizerError,
-    atomic_write_text,
-    load_tokenizer,
-    train_tokenizer,
-)
+from attnlab.fileio import atomic_path, atomic_write_text
+from attnlab.tokenizers import Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
 
 CACHE_ENV = "ATTNLAB_CACHE"
 CACHE_DIRNAME = ".attnlab_cache"
@@ -159,15 +153,8 @@ def _encode_corpus(tokenizer: Tokenizer, text: str) -> np.ndarray:
 
 
 def _save_array_atomic(target: Path, array: np.ndarray) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            np.save(file, array)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(target) as tmp, open(tmp, "wb") as file:  # np.save(path) adds ".npy"
+        np.save(file, array)
 
 
 def _load_cached_tokens(file: Path, dtype: np.dtype) -> np.ndarray | None:

@@ -10,7 +10,9 @@ import torch
 from torch import Tensor
 
 
-def causal_mask(t: int, s: int | None = None, *, device=None) -> Tensor:
+def causal_mask(
+    t: int, s: int | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
     """(t, s) bool. Query i sits at key position s - t + i (bottom-right aligned), so the
     last t of s keys are the queries themselves: right for a KV cache and chunked prefill.
     (``is_causal=True`` in torch aligns top-left when t != s, which is wrong there.)"""
@@ -22,10 +24,12 @@ def causal_mask(t: int, s: int | None = None, *, device=None) -> Tensor:
     return k_pos <= q_pos
 
 
-def sliding_window_mask(t: int, s: int, window: int, *, device=None) -> Tensor:
+def sliding_window_mask(
+    t: int, s: int, window: int, *, device: torch.device | str | None = None
+) -> Tensor:
     """(t, s) bool: causal, and only the last ``window`` keys (the query's own included)."""
-    q_pos = torch.arange(s - t, s, device=device)[:, None]
-    k_pos = torch.arange(s, device=device)[None, :]
+    q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
+    k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 

@@ -16,7 +16,9 @@ import torch
 from torch import Tensor
 
 
-def rope_inv_freq(head_dim: int, theta: float = 10000.0, device=None) -> Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float = 10000.0, device: torch.device | str | None = None
+) -> Tensor:
     """(d_h/2,) float32 frequencies theta^(-2i/d_h)."""
     i = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
     return 1.0 / (theta ** (i / head_dim))

@@ -10,7 +10,8 @@ Shapes: b batch, t new tokens, d d_model, V vocabulary size.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +19,15 @@ from torch import Tensor, nn
 
 from attnlab.cache import KVCache
 from attnlab.config import ModelConfig
+from attnlab.functional.masks import padding_mask
 from attnlab.nn.block import TransformerBlock
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
 from attnlab.nn.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from attnlab.generation import Prompts
 
 
 class LMOutput(NamedTuple):
@@ -107,6 +112,8 @@ class DecoderLM(nn.Module):
         cache. ``targets`` (b, t): the next token at each position (-100 = ignore).
         ``last_only`` computes logits for the last position only (decoding)."""
         b, t = idx.shape
+        if last_only and targets is not None:
+            raise ValueError("last_only=True keeps one position's logits; the loss needs all")
         if cache is not None:
             cache.reserve(t)
             if positions is None:
@@ -120,7 +127,7 @@ class DecoderLM(nn.Module):
                     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             mask = None
             if attention_mask is not None and not bool(attention_mask.bool().all()):
-                mask = attention_mask.bool()[:, None, None, :]  # (b, 1, 1, t)
+                mask = padding_mask(attention_mask)  # (b, 1, 1, t)
         if isinstance(self.pos_emb, LearnedPositionalEmbedding):
             limit = (cache.length if cache is not None else 0) + t
             if limit > self.cfg.max_seq_len:
@@ -147,14 +154,18 @@ class DecoderLM(nn.Module):
         return LMOutput(logits, loss)
 
     @torch.inference_mode()
-    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
+    def generate(
+        self, prompts: Prompts, max_new_tokens: int = 32, **kwargs
+    ) -> list[int] | list[list[int]]:
         """Generate from one prompt (list of ids / 1-D tensor) or a batch (list of lists /
         2-D tensor). See :func:`attnlab.generation.generate` for the options."""
         from attnlab.generation import generate
 
         return generate(self, prompts, max_new_tokens, **kwargs)
 
-    def stream(self, prompts, max_new_tokens: int = 32, **kwargs):
+    def stream(
+        self, prompts: Prompts, max_new_tokens: int = 32, **kwargs
+    ) -> Iterator[int] | Iterator[list[int | None]]:
         """Like :meth:`generate` but an iterator yielding tokens as they are produced."""
         from attnlab.generation import stream
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from attnlab.cache import LayerKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import combine_masks, sliding_window_mask
@@ -60,7 +61,7 @@ class MultiHeadAttention(nn.Module):
         x: Tensor,
         *,
         positions: Tensor | None = None,
-        cache=None,
+        cache: LayerKV | None = None,
         mask: Tensor | None = None,
         context: Tensor | None = None,
     ) -> Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from attnlab.cache import LayerKV
 from attnlab.config import ModelConfig
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.feedforward import build_ffn
@@ -48,7 +49,7 @@ class TransformerBlock(nn.Module):
         x: Tensor,
         *,
         positions: Tensor | None = None,
-        cache=None,
+        cache: LayerKV | None = None,
         mask: Tensor | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,

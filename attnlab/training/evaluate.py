@@ -14,7 +14,7 @@ from torch import Tensor, nn
 IGNORE_INDEX = -100
 
 
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
+def autocast_context(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
     """bf16 autocast on CPU or CUDA when ``dtype`` is given, else a no-op context."""
     if dtype is None or dtype == torch.float32:
         return torch.autocast(device.type, enabled=False)

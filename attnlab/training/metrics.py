@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from attnlab.fileio import atomic_path, atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 TENSORBOARD_DIR = "tensorboard"
@@ -45,9 +47,7 @@ class MetricsLogger:
         self.records: list[dict] = list(history)
         # Rewrite the file so it holds exactly the resumed history (drops steps logged
         # after the checkpoint we resume from).
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self.writer = None
         if tensorboard:
             try:
@@ -89,9 +89,8 @@ class MetricsLogger:
         if train or val:
             ax.legend()
         fig.tight_layout()
-        tmp = self.out_dir / f".{PLOT_FILE}.tmp"
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, self.out_dir / PLOT_FILE)
+        with atomic_path(self.out_dir / PLOT_FILE) as tmp:
+            fig.savefig(tmp, format="png")
 
     def close(self) -> None:
         if self.writer is not None:

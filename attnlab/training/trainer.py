@@ -282,6 +282,7 @@ class Trainer:
         self.schedule_steps = tc.max_steps
         self.budget_fitted = False
         self.elapsed_before = 0.0
+        self.train_time = 0.0  # seconds in optimizer steps (no evaluations, no saves)
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.last_train_loss: float | None = None
@@ -310,6 +311,7 @@ class Trainer:
             rng = [rng[0]] * self.dist.world_size
         _set_rng_state(rng[self.dist.rank], self.device)
         self.elapsed_before = float(state["elapsed"])
+        self.train_time = float(state.get("train_time", 0.0))
         self.best_val_loss = state["best_val_loss"]
         self.last_val_loss = state["val_loss"]
         self.last_train_loss = state["train_loss"]
@@ -331,6 +333,7 @@ class Trainer:
             "schedule_steps": self.schedule_steps,
             "budget_fitted": self.budget_fitted,
             "elapsed": elapsed,
+            "train_time": self.train_time,
             "optimizer": self.optimizer.state_dict(),
             "data_rng": self.data_generator.get_state(),
             "rng": gathered,  # one {"cpu", "cuda"?} per process
@@ -492,6 +495,7 @@ class Trainer:
                     val_loss=val,
                     val_perplexity=math.exp(min(val, 700.0)),
                     best_val_loss=self.best_val_loss,
+                    train_time=self.train_time,
                 )
                 self.logger.plot()
                 if self.progress:
@@ -512,6 +516,7 @@ class Trainer:
                     dt = time.perf_counter() - t0
                     losses.append(loss)
                     step_times.append(dt)
+                    self.train_time += dt
                     self.last_train_loss = loss
                     interval_losses.append(loss)
                     interval_time += dt

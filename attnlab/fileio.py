@@ -1,0 +1,38 @@
+"""Atomic file writes: a reader (or a crash) never sees a half-written file.
+
+Write to a temporary file beside the target, then ``os.replace`` it into place: the
+rename is atomic on POSIX and Windows when both paths are on one file system, which a
+sibling temporary file guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an unused temporary path beside ``target`` (parent folders are created); when
+    the block ends without an error, the file written there replaces ``target``, else it is
+    removed and ``target`` is left as it was."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # A unique name the caller creates: the file gets the usual permissions (mkstemp's
+    # would be owner-only) and concurrent writers never share a temporary file.
+    tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``target`` atomically."""
+    with atomic_path(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")

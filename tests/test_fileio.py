@@ -1,0 +1,36 @@
+"""Atomic writes: the target is replaced whole on success and left untouched on failure,
+with no temporary file left behind either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnlab.fileio import atomic_path, atomic_write_text
+
+
+def test_atomic_write_text_replaces_target(tmp_path):
+    target = tmp_path / "sub" / "file.txt"  # parent folders are created
+    atomic_write_text(target, "first")
+    atomic_write_text(target, "second é")
+    assert target.read_text(encoding="utf-8") == "second é"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["file.txt"]
+
+
+def test_failed_write_keeps_old_file_and_cleans_up(tmp_path):
+    target = tmp_path / "file.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_path(target) as tmp:
+            assert tmp.parent == tmp_path and tmp != target
+            tmp.write_bytes(b"half")
+            raise RuntimeError("boom")
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.bin"]
+
+
+def test_writer_that_creates_nothing_leaves_target_absent(tmp_path):
+    target = tmp_path / "never.txt"
+    with pytest.raises(OSError):
+        with atomic_path(target):
+            raise OSError("disk full")
+    assert list(tmp_path.iterdir()) == []
