@@ -226,13 +226,15 @@ def list_presets() -> dict[str, str]:
 
 def demo_run() -> RunConfig:
     """Character-level LLaMA-style model (RoPE, RMSNorm, SwiGLU; 4 layers, d_model 128,
-    block 128) on the embedded corpus: about 3 minutes on a 2-core CPU.
+    block 128) on the embedded corpus: a 150-second training budget on a 2-core CPU, the
+    cosine schedule fitted to the steps that fit in it (at most 1500).
 
     LLaMA-style because at equal steps it reached a far lower loss than the GPT-2 layout
-    here (val 1.54 vs 2.09 after 400 steps), for ~12% more time per step. float32: bf16
-    autocast was ~10x slower on the AVX2-only CPU it was tuned on (no AVX-512 BF16/AMX);
-    use --set train.dtype=bfloat16 where the CPU has those. The time budget fits the
-    cosine schedule to slower machines."""
+    here (val 1.54 vs 2.09 after 400 steps), for ~12% more time per step. Batch 12 and lr
+    4e-3 reached nanogpt-cpu's final loss sooner than batch 16 or lr 5e-3 / 6e-3
+    (benchmarks/time_to_quality.py). float32: bf16 autocast was ~10x slower on the
+    AVX2-only CPU it was tuned on (no AVX-512 BF16/AMX); use --set train.dtype=bfloat16
+    where the CPU has those."""
     model = llama_style(
         vocab_size=256,
         max_seq_len=128,
@@ -245,9 +247,9 @@ def demo_run() -> RunConfig:
     return RunConfig(
         model=model,
         train=TrainConfig(
-            batch_size=16,
+            batch_size=12,
             block_size=128,
-            max_steps=1000,
+            max_steps=1500,
             lr=4e-3,
             min_lr=4e-4,
             warmup_steps=50,
@@ -257,7 +259,7 @@ def demo_run() -> RunConfig:
             eval_every=100,
             eval_batches=10,
             log_every=10,
-            time_budget=200.0,
+            time_budget=150.0,
         ),
         data=DataConfig(tokenizer="char"),
     )
@@ -297,7 +299,7 @@ def nanogpt_cpu_run() -> RunConfig:
 RUN_PRESETS: dict[str, tuple[Callable[[], RunConfig], str]] = {
     "demo": (
         demo_run,
-        "char-level LLaMA-style, 4 layers, d_model 128, block 128, embedded corpus; ~3 min CPU",
+        "char-level LLaMA-style, 4 layers, d_model 128, block 128, embedded corpus; 150 s CPU",
     ),
     "nanogpt-cpu": (
         nanogpt_cpu_run,

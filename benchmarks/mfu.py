@@ -1,0 +1,109 @@
+"""Model FLOP utilisation of training: achieved FLOP/s / the matmul FLOP/s of this machine,
+both measured in this run.
+
+Achieved FLOP/s = training FLOPs per token (6 x matmul parameters + 12 x layers x context x
+heads x head dim: attnlab.analysis.flops_per_token) x tokens/s of attnlab's trainer (the
+`train` records of metrics.jsonl, first interval skipped as warm-up). Peak = the best
+float32 (and, where the run uses it, bfloat16) square matmul.
+
+    python benchmarks/mfu.py [--steps 60] [--presets nanogpt-cpu demo llama-30m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from _common import machine, setup_threads, table
+from attnlab.analysis import flops_per_token
+from attnlab.presets import get_run_preset
+from attnlab.training import train
+
+# A larger model than the CPU presets, to show utilisation where matmuls dominate.
+EXTRA = {"llama-30m": {"train.batch_size": 4, "train.block_size": 256, "train.lr": 3e-4}}
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--presets", nargs="+", default=["nanogpt-cpu", "demo", "llama-30m"])
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    setup_threads(args.threads)
+    peak = {torch.float32: matmul_flops(torch.float32)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.presets:
+            cfg = get_run_preset(name).override(
+                {
+                    "train.eval_every": 0,
+                    "train.log_every": 10,
+                    "train.time_budget": None,
+                    "train.max_steps": args.steps,
+                    **EXTRA.get(name, {}),
+                }
+            )
+            out = Path(tmp) / name
+            train(cfg, out, progress=False)
+            records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            rates = [r["tokens_per_second"] for r in records if r["kind"] == "train"][1:]
+            tok_s = statistics.median(rates)
+            saved = json.loads((out / "config.json").read_text())  # vocab set by the tokenizer
+            model_cfg = cfg.model.override({"vocab_size": saved["model"]["vocab_size"]})
+            block = cfg.train.block_size or cfg.model.max_seq_len
+            per_token = flops_per_token(model_cfg, block)["training"]
+            dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+            if dtype not in peak:
+                peak[dtype] = matmul_flops(dtype)
+            achieved = per_token * tok_s
+            rows.append(
+                [
+                    name,
+                    f"{per_token / 6 / 1e6:.2f}M",
+                    block,
+                    cfg.train.batch_size,
+                    cfg.train.dtype,
+                    f"{tok_s:,.0f}",
+                    f"{achieved / 1e9:.1f}",
+                    f"{peak[dtype] / 1e9:.1f}",
+                    f"{achieved / peak[dtype]:.0%}",
+                ]
+            )
+    print(f"machine: {machine()}")
+    print(
+        table(
+            [
+                "preset",
+                "FLOPs/token/6",
+                "block",
+                "batch",
+                "dtype",
+                "tokens/s",
+                "achieved GFLOP/s",
+                "matmul GFLOP/s",
+                "MFU",
+            ],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
