@@ -227,14 +227,14 @@ def list_presets() -> dict[str, str]:
 def demo_run() -> RunConfig:
     """Character-level LLaMA-style model (RoPE, RMSNorm, SwiGLU; 4 layers, d_model 128,
     block 128) on the embedded corpus: a 150-second training budget on a 2-core CPU, the
-    cosine schedule fitted to the steps that fit in it (at most 1500).
+    cosine schedule fitted to the steps that fit in it (at most 2500).
 
     LLaMA-style because at equal steps it reached a far lower loss than the GPT-2 layout
-    here (val 1.54 vs 2.09 after 400 steps), for ~12% more time per step. Batch 12 and lr
-    4e-3 reached nanogpt-cpu's final loss sooner than batch 16 or lr 5e-3 / 6e-3
-    (benchmarks/time_to_quality.py). float32: bf16 autocast was ~10x slower on the
-    AVX2-only CPU it was tuned on (no AVX-512 BF16/AMX); use --set train.dtype=bfloat16
-    where the CPU has those."""
+    here (val 1.54 vs 2.09 after 400 steps), for ~12% more time per step. Batch 8 with lr
+    3e-3 reached nanogpt-cpu's final loss sooner than batch 16 or 12 with lr 4e-3 to 6e-3
+    (benchmarks/time_to_quality.py: about 53 s against 60-77 s). float32: bf16 autocast
+    was ~10x slower on the AVX2-only CPU it was tuned on (no AVX-512 BF16/AMX); use
+    --set train.dtype=bfloat16 where the CPU has those."""
     model = llama_style(
         vocab_size=256,
         max_seq_len=128,
@@ -247,11 +247,11 @@ def demo_run() -> RunConfig:
     return RunConfig(
         model=model,
         train=TrainConfig(
-            batch_size=12,
+            batch_size=8,
             block_size=128,
-            max_steps=1500,
-            lr=4e-3,
-            min_lr=4e-4,
+            max_steps=2500,
+            lr=3e-3,
+            min_lr=3e-4,
             warmup_steps=50,
             weight_decay=0.1,
             beta2=0.99,
