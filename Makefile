@@ -26,12 +26,15 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/attnlab train --preset demo --out runs/demo
-	$(BIN)/attnlab generate --ckpt runs/demo --prompt "The " --max-new-tokens 300 --temperature 0.8 --seed 0
+	$(BIN)/attnlab train --preset demo --out runs/demo --overwrite
+	$(BIN)/attnlab generate --ckpt runs/demo --prompt "The " --max-new-tokens 400 --temperature 0.8 --seed 0
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/vs_transformers.py
+	$(BIN)/python benchmarks/linear_layout.py
+	$(BIN)/python benchmarks/time_to_quality.py
+	$(BIN)/python benchmarks/mfu.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
