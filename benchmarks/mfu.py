@@ -76,7 +76,7 @@ def main() -> None:
             rows.append(
                 [
                     name,
-                    f"{per_token / 6 / 1e6:.2f}M",
+                    f"{per_token / 1e6:.2f}M",
                     block,
                     cfg.train.batch_size,
                     cfg.train.dtype,
@@ -91,7 +91,7 @@ def main() -> None:
         table(
             [
                 "preset",
-                "FLOPs/token/6",
+                "train FLOPs/token",
                 "block",
                 "batch",
                 "dtype",

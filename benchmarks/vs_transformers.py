@@ -6,7 +6,7 @@ a 32-token prompt, 256 new tokens, the same thread count. The tokens must be ide
 Also prints the fraction of the memory-bandwidth limit reached: bytes of weights and KV
 cache read per token x tokens/s / bandwidth of a large tensor copy measured in this run.
 
-    python benchmarks/vs_transformers.py [--new-tokens 256] [--repeats 3] [--threads 2]
+    python benchmarks/vs_transformers.py [--new-tokens 256] [--repeats 5] [--threads 2]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     threads = setup_threads(args.threads)
