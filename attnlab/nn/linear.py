@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Below about half a million weights (2 MB in float32) a second thread's start-up costs more
+# Below about 130 thousand weights (512 KB in float32) a second thread's start-up costs more
 # than it saves (measured with benchmarks/linear_layout.py on a 2-core CPU).
-SPLIT_MIN_NUMEL = 1 << 19
+SPLIT_MIN_NUMEL = 1 << 17
 
 
 def input_major(weight: Tensor) -> Tensor:
