@@ -193,16 +193,12 @@ def generate(
     """The new tokens: a list for one prompt, a list of lists for a batch (each row stops at
     its first stop token, which is not included). Options as in :func:`stream`."""
     it = stream(model, prompts, max_new_tokens, **kwargs)
-    single = _as_batch(prompts)[1]
+    batch, single = _as_batch(prompts)
     if single:
         return list(it)
-    rows: list[list[int]] = []
+    rows: list[list[int]] = [[] for _ in batch]
     for step in it:
-        if not rows:
-            rows = [[] for _ in step]
         for r, tok in zip(rows, step):
             if tok is not None:
                 r.append(tok)
-    if not rows:
-        rows = [[] for _ in _as_batch(prompts)[0]]
     return rows

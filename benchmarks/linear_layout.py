@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import copy_bandwidth, machine, setup_threads, table
-from attnlab.nn.linear import SPLIT_MIN_NUMEL, input_major, split_vecmat
+from attnlab.nn.linear import Linear
 
 SHAPES = [(768, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(8192, 512)]
 
@@ -30,34 +30,30 @@ def main() -> None:
     args = ap.parse_args()
     setup_threads(args.threads)
     torch.manual_seed(0)
-    row_major = [torch.randn(s) for s in SHAPES]
-    in_major = [input_major(w) for w in row_major]
+    row_major = [torch.nn.Linear(n_in, n_out, bias=False) for n_out, n_in in SHAPES]
+    ours = [Linear(n_in, n_out, bias=False) for n_out, n_in in SHAPES]
+    with torch.no_grad():
+        for lin, theirs in zip(ours, row_major):
+            lin.weight.copy_(theirs.weight)  # same values, input-major storage
+    in_major = [lin.weight.detach() for lin in ours]
     x = {n_in: torch.randn(1, n_in) for _, n_in in SHAPES}
-    nbytes = sum(w.nbytes for w in row_major)
-
-    def split(ws):
-        return [
-            split_vecmat(x[w.shape[1]], w)
-            if w.numel() >= SPLIT_MIN_NUMEL
-            else F.linear(x[w.shape[1]], w)
-            for w in ws
-        ]
-
+    nbytes = sum(lin.weight.nbytes for lin in row_major)
     variants = {
-        "nn.Linear (row-major weight)": lambda: [F.linear(x[w.shape[1]], w) for w in row_major],
+        "nn.Linear (row-major weight)": lambda: [m(x[m.in_features]) for m in row_major],
         "input-major weight": lambda: [F.linear(x[w.shape[1]], w) for w in in_major],
-        "input-major + split product (attnlab)": lambda: split(in_major),
+        "input-major + split product (attnlab)": lambda: [m(x[m.in_features]) for m in ours],
     }
-    for w_row, w_in in zip(row_major[:4], in_major[:4]):  # same values, whatever the path
-        # N(0, 1) weights give outputs of ~20: float32 summation order differs by ~1e-5
-        torch.testing.assert_close(
-            split([w_in])[0], F.linear(x[w_row.shape[1]], w_row), rtol=1e-5, atol=1e-4
-        )
+    with torch.no_grad():
+        for a, b in zip(variants["input-major + split product (attnlab)"](),
+                        variants["nn.Linear (row-major weight)"]()):  # fmt: skip
+            # N(0, 1/in) init; float32 summation order differs between the kernels
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     best = {}
     for _ in range(args.repeats):  # interleaved, best of repeats
         for name, fn in variants.items():
             t = time.perf_counter()
-            fn()
+            with torch.no_grad():
+                fn()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
     bandwidth = copy_bandwidth()
     print(f"{len(SHAPES)} weight matrices, {nbytes / 1e6:.0f} MB float32, one token")
