@@ -1,119 +1,268 @@
-"""KV caches. Shapes: b batch, h_kv key/value heads, L capacity, d_h head dim.
+"""Caches for decoding. Shapes: b batch, t new tokens, L capacity (slots), h_kv key/value
+heads, d_h head dim.
 
-A dense cache preallocates keys and values for every layer, (b, h_kv, L, d_h) each, and
-writes new entries in place: decoding never copies the past. It also keeps which slots
-hold real tokens (for left-padded batches) and the next absolute position of each row.
+A :class:`Cache` belongs to one model and one batch. It holds one entry per layer, whose
+kind follows that layer's attention (dense keys/values here; latent, rolling-window or
+recurrent entries for other attention kinds), plus the bookkeeping every layer shares:
+which slots hold real tokens (left-padded batches), the absolute position of each slot, and
+the next position of each row. A forward pass makes two calls:
+
+    step = cache.begin(t, attention_mask)   # positions of the new tokens, slots to write
+    ...  every layer: k, v = cache[i].update(k, v); mask, causal = cache.mask(window)
+    cache.commit()                          # the new tokens become part of the past
+
+Two modes. ``static=False`` (default): the filled length is a Python int, keys are the
+slots ``[0, length + t)`` and causality is the usual bottom-right alignment, so attention
+reads no more than it needs. ``static=True`` (the compiled decode path, as gpt-fast does):
+every shape is fixed, new entries are written in place at the slots given by a device
+tensor, attention runs over the whole capacity with an explicit mask, and nothing in the
+per-token path reads a tensor's value on the host, so a decode step compiles with
+``fullgraph=True``. ``rolling=True`` lets one-token steps continue past the capacity by
+overwriting the oldest slot (a ring): exact for models whose attention depends on relative
+positions only (RoPE, no positions), where it equals attending to the last L tokens.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from attnlab.functional.masks import padding_mask
+from attnlab.functional.masks import padding_mask, positions_from_padding, sliding_window_mask
 
 
-class LayerKV:
-    """One layer's view of a :class:`KVCache`."""
+class CacheError(ValueError):
+    """A cache is used beyond what it holds."""
 
-    def __init__(self, cache: KVCache, k: Tensor, v: Tensor):
-        self.cache, self.k, self.v = cache, k, v
+
+class CacheStep(NamedTuple):
+    positions: Tensor  # (b, t) absolute positions of the new tokens
+    slots: Tensor | None  # (t,) slots written (static or wrapped), None: [start, start + t)
+    start: int  # first slot written (dynamic mode)
+    end: int  # keys are slots [0, end)
+
+
+class LayerCache:
+    """Base of one layer's entry: knows its cache and takes part in byte accounting."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def tensors(self) -> list[Tensor]:
+        return []
+
+    def mask(self, window: int | None = None) -> tuple[Tensor | None, bool]:
+        """The shared (mask, causal) of this step: see :meth:`Cache.mask`."""
+        return self.cache.mask(window)
+
+
+class DenseKV(LayerCache):
+    """Keys and values (b, h_kv, L, d_h) of every slot: MHA, GQA and MQA layers."""
+
+    def __init__(self, cache: Cache, n_kv_heads: int, head_dim: int, v_head_dim: int | None = None):
+        super().__init__(cache)
+        b, L = cache.batch, cache.max_len
+        kw = dict(dtype=cache.dtype, device=cache.device)
+        self.k = torch.zeros(b, n_kv_heads, L, head_dim, **kw)
+        self.v = torch.zeros(b, n_kv_heads, L, v_head_dim or head_dim, **kw)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.k, self.v]
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write new keys/values (b, h_kv, t, d_h) after the cached ones; return all of them."""
-        start = self.cache.length
-        end = start + k.shape[-2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        """Write the new keys/values (b, h_kv, t, d_h); return those to attend to."""
+        return self.cache.write(self.k, k), self.cache.write(self.v, v)
 
 
-class KVCache:
+class CrossKV(LayerCache):
+    """Cross-attention keys/values: projected from the source once, reused every step."""
+
+    def __init__(self, cache: Cache):
+        super().__init__(cache)
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.k, self.v) if t is not None]
+
+    def get(self, context: Tensor | None, project) -> tuple[Tensor, Tensor]:
+        if self.k is None:
+            if context is None:
+                raise CacheError("the first step with a cross-attention cache needs the context")
+            self.k, self.v = project(context)
+        return self.k, self.v
+
+    def reset(self) -> None:
+        self.k = self.v = None
+
+
+class Cache:
     def __init__(
         self,
-        n_layers: int,
         batch: int,
-        n_kv_heads: int,
         max_len: int,
-        head_dim: int,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        static: bool = False,
+        rolling: bool = False,
     ):
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.layers = [
-            LayerKV(
-                self,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(n_layers)
-        ]
+        if batch < 1 or max_len < 1:
+            raise CacheError(f"a cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
         self.batch, self.max_len = batch, max_len
-        self.length = 0  # slots filled, same for every row
-        self.key_valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
-        self.has_padding = False
-        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+        self.dtype, self.device = dtype, torch.device(device or "cpu")
+        self.static, self.rolling = static, rolling
+        self.layers: list[LayerCache] = []  # one per layer (self-attention)
+        self.cross: list[LayerCache | None] = []  # cross-attention entries, if any
+        self._step: CacheStep | None = None
+        self.reset()
 
-    def __getitem__(self, layer: int) -> LayerKV:
+    # ------------------------------------------------------------------ bookkeeping
+
+    def reset(self) -> None:
+        """Forget every token. Fresh tensors, not in-place fills: these may have been made
+        under inference_mode (by a forward pass) and this may run outside it."""
+        L, dev = self.max_len, self.device
+        self._length = 0  # dynamic mode: slots written so far (ever, when rolling)
+        self._slot = torch.zeros((), dtype=torch.long, device=dev)  # static mode's twin
+        self.key_valid = torch.zeros(self.batch, L, dtype=torch.bool, device=dev)
+        self.slot_pos = torch.zeros(self.batch, L, dtype=torch.long, device=dev)
+        self.next_position = torch.zeros(self.batch, dtype=torch.long, device=dev)
+        self.has_padding = False
+        self._step = None
+        for layer in [*getattr(self, "layers", ()), *getattr(self, "cross", ())]:
+            if hasattr(layer, "reset"):
+                layer.reset()
+
+    def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
 
     def __len__(self) -> int:
         return self.length
 
-    def reserve(self, t: int) -> None:
-        if self.length + t > self.max_len:
-            raise ValueError(
-                f"KV cache is full: {self.length} + {t} tokens > capacity {self.max_len}; "
-                "create a larger cache with model.new_cache(batch, max_len)"
-            )
+    @property
+    def length(self) -> int:
+        """Tokens held (at most max_len). Reads the device in static mode."""
+        written = int(self._slot) if self.static else self._length
+        return min(written, self.max_len)
 
-    def positions_for(self, t: int, attention_mask: Tensor | None) -> Tensor:
-        """Absolute positions (b, t) of the next t tokens: pads do not advance the count."""
-        if attention_mask is None:
-            steps = torch.arange(t, device=self.next_position.device)[None, :]
-            return self.next_position[:, None] + steps
-        counts = attention_mask.long().cumsum(dim=-1) - 1
-        return self.next_position[:, None] + counts.clamp(min=0)
-
-    def key_mask(self, t: int, attention_mask: Tensor | None) -> Tensor | None:
-        """Record which of the next t slots are real; return the key padding mask
-        (b, 1, 1, s) over all slots so far, or None when every slot is real."""
-        if attention_mask is not None:
-            valid = attention_mask.bool()
-            self.key_valid[:, self.length : self.length + t] = valid
-            self.has_padding = self.has_padding or not bool(valid.all())
-        if not self.has_padding:
-            return None
-        return padding_mask(self.key_valid[:, : self.length + t])  # (b, 1, 1, s)
-
-    def advance(self, t: int, positions: Tensor, attention_mask: Tensor | None) -> None:
-        self.length += t
-        last = positions[:, -1] + 1
-        if attention_mask is not None:  # a row with no real token keeps its position
-            last = torch.where(attention_mask.bool().any(dim=-1), last, self.next_position)
-        self.next_position = last
-
-    def reset(self) -> None:
-        # Fresh tensors, not in-place fills: these may have been made under inference_mode
-        # (by a forward pass) and this may run outside it (a stream being iterated).
-        self.length = 0
-        self.key_valid = torch.ones_like(self.key_valid)
-        self.has_padding = False
-        self.next_position = torch.zeros_like(self.next_position)
+    @property
+    def wrapped(self) -> bool:
+        return (int(self._slot) if self.static else self._length) > self.max_len
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values (all layers, full capacity)."""
-        return sum(e.k.nbytes + e.v.nbytes for e in self.layers)
+        """Bytes allocated by every layer's entry (full capacity)."""
+        return sum(layer.nbytes for layer in [*self.layers, *self.cross] if layer is not None)
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of keys and values filled so far."""
         return self.nbytes * self.length // self.max_len
+
+    def check(self, t: int) -> None:
+        """Raise before any state changes if t more tokens cannot be taken."""
+        if self.static:
+            return  # no host reads in the static path: its caller checks lengths
+        if self._length + t > self.max_len and not (self.rolling and t == 1):
+            hint = " (a rolling cache continues one token at a time only)" if self.rolling else ""
+            raise CacheError(
+                f"KV cache is full: {self.length} + {t} tokens > capacity {self.max_len}"
+                f"{hint}; create a larger cache with model.new_cache(batch, max_len)"
+            )
+
+    def begin(
+        self, t: int, attention_mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> CacheStep:
+        """Positions (b, t) of the next t tokens (pads do not advance them) and the slots
+        they take. ``attention_mask`` (b, t): 1 for real tokens, 0 for left padding;
+        ``positions``: explicit absolute positions instead of the running count."""
+        self.check(t)
+        L = self.max_len
+        if positions is None:
+            positions = positions_from_padding(attention_mask, t, start=self.next_position)
+        positions = positions.expand(self.batch, t)  # (b, t)
+        if attention_mask is not None and not self.static:
+            self.has_padding = self.has_padding or not bool(attention_mask.bool().all())
+        if self.static:
+            slots = (self._slot + torch.arange(t, device=self.device)) % L  # (t,)
+            step = CacheStep(positions, slots, 0, L)
+        elif self._length + t > L:  # rolling past the capacity, one token
+            slot = self._length % L
+            step = CacheStep(positions, torch.tensor([slot], device=self.device), slot, L)
+        else:
+            step = CacheStep(positions, None, self._length, self._length + t)
+        valid = (
+            torch.ones(self.batch, t, dtype=torch.bool, device=self.device)
+            if attention_mask is None
+            else attention_mask.bool()
+        )
+        self.write(self.key_valid[:, None, :, None], valid[:, None, :, None], step)
+        self.write(self.slot_pos[:, None, :, None], positions[:, None, :, None], step)
+        self._step = step
+        return step
+
+    def write(self, store: Tensor, new: Tensor, step: CacheStep | None = None) -> Tensor:
+        """Write ``new`` (b, n, t, ...) into ``store`` (b, n, L, ...) at this step's slots;
+        return the part of ``store`` to attend to."""
+        step = step or self._step
+        if step is None:
+            raise CacheError("cache.begin(t) must come before a layer writes to the cache")
+        if step.slots is None:
+            store[:, :, step.start : step.start + new.shape[2]] = new
+            return store[:, :, : step.end]
+        store.index_copy_(2, step.slots, new.to(store.dtype))
+        return store
+
+    def mask(self, window: int | None = None) -> tuple[Tensor | None, bool]:
+        """(mask, causal) for this step's queries over the keys :meth:`write` returned:
+        a boolean mask broadcastable to (b, h, t, s) or None, and whether attention must
+        still apply bottom-right causality. ``window``: see only the last ``window``
+        positions (a sliding-window layer)."""
+        step = self._step
+        if step is None:
+            raise CacheError("cache.begin(t) must come before cache.mask()")
+        t, s = step.positions.shape[-1], step.end
+        if step.slots is None:  # contiguous slots: causality is bottom-right alignment
+            mask = padding_mask(self.key_valid[:, :s]) if self.has_padding else None
+            if window is not None and s > window:
+                win = sliding_window_mask(t, s, window, device=self.device)
+                return (win if mask is None else mask & win), False
+            return mask, True
+        # Fixed shapes or a ring: everything from the slots' positions.
+        q_pos = step.positions[:, None, :, None]  # (b, 1, t, 1)
+        k_pos = self.slot_pos[:, None, None, :]  # (b, 1, 1, L)
+        mask = self.key_valid[:, None, None, :] & (k_pos <= q_pos)
+        if window is not None:
+            mask = mask & (k_pos > q_pos - window)
+        return mask, False
+
+    def commit(self) -> None:
+        """The tokens of the step begun become part of the past."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        t = step.positions.shape[-1]
+        if self.static:
+            self._slot.add_(t)
+        else:
+            self._length += t
+        # A row whose new tokens were all (left) padding keeps its position.
+        last_slot = step.end - 1 if step.slots is None else step.slots[-1]
+        real = self.key_valid[:, last_slot]  # (b,)
+        self.next_position.copy_(torch.where(real, step.positions[:, -1] + 1, self.next_position))
 
     def __repr__(self) -> str:
         return (
-            f"KVCache(layers={len(self.layers)}, batch={self.batch}, length={self.length}/"
-            f"{self.max_len}, nbytes={self.nbytes})"
+            f"{type(self).__name__}(layers={len(self.layers)}, batch={self.batch}, "
+            f"length={self._length}/{self.max_len}, nbytes={self.nbytes}, "
+            f"static={self.static}, rolling={self.rolling})"
         )
+
+
+# The name earlier versions used for the dense cache.
+KVCache = Cache

@@ -61,7 +61,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return value
         if not isinstance(value, dict):
             _fail(path, f"expected a mapping for {tp.__name__}, got {value!r}")
-        return _from_dict(tp, value, path)
+        return _from_dict(_variant(tp, value, path), value, path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             _fail(path, f"expected a list, got {value!r}")
@@ -89,6 +89,20 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return value
         _fail(path, f"expected a string, got {value!r}")
     return value
+
+
+def _variant(tp: type, data: dict[str, Any], path: str) -> type:
+    """A config class with registered variants (``ModelConfig`` by ``arch``) picks the
+    subclass that the data's discriminating key names."""
+    key = getattr(tp, "_variant_key", None)
+    if key is None or key not in data:
+        return tp
+    variants = tp._variants  # type: ignore[attr-defined]
+    name = data[key]
+    if name not in variants:
+        where = f"{path}.{key}" if path else key
+        _fail(where, f"unknown value {name!r}; choose one of {', '.join(variants)}")
+    return variants[name]
 
 
 def _type_name(tp: Any) -> str:
@@ -119,7 +133,7 @@ class _Config:
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-        cfg = _from_dict(cls, data)
+        cfg = _from_dict(_variant(cls, data, ""), data)
         cfg.validate()  # type: ignore[attr-defined]
         return cfg
 
@@ -169,7 +183,12 @@ class _Config:
         pass
 
 
-ATTENTION_KINDS = ("mha",)
+def _attention_kinds() -> tuple[str, ...]:
+    from attnlab.nn.registry import attention_kinds  # the registry of attention modules
+
+    return attention_kinds()
+
+
 ATTENTION_BACKENDS = ("sdpa", "eager")
 POSITION_KINDS = ("learned", "sinusoidal", "rope", "none")
 ROPE_LAYOUTS = ("split", "interleaved")
@@ -195,7 +214,7 @@ class AttentionConfig(_Config):
     backend: str = "sdpa"
 
     def validate(self, path: str = "attention") -> None:
-        _choice(f"{path}.kind", self.kind, ATTENTION_KINDS)
+        _choice(f"{path}.kind", self.kind, _attention_kinds())
         _choice(f"{path}.backend", self.backend, ATTENTION_BACKENDS)
         _positive(f"{path}.n_heads", self.n_heads)
         _positive(f"{path}.n_kv_heads", self.n_kv_heads)
@@ -286,8 +305,14 @@ class NormConfig(_Config):
 
 @dataclass
 class ModelConfig(_Config):
-    """A decoder-only language model. GPT-2 and LLaMA are presets of this one config."""
+    """A transformer model. ``arch`` names the architecture (``decoder``: a decoder-only
+    language model, of which GPT-2 and LLaMA are presets); architectures that need more
+    fields subclass this config and register it with :func:`register_model_config`."""
 
+    _variant_key: typing.ClassVar[str] = "arch"
+    _variants: typing.ClassVar[dict[str, type]] = {}
+
+    arch: str = "decoder"
     vocab_size: int = 256
     max_seq_len: int = 256
     d_model: int = 128
@@ -302,6 +327,7 @@ class ModelConfig(_Config):
 
     def validate(self, path: str = "") -> None:
         at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        _choice(at("arch"), self.arch, tuple(self._variants))
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers"):
             _positive(at(name), getattr(self, name))
         _positive(at("init_std"), self.init_std)
@@ -336,6 +362,15 @@ class ModelConfig(_Config):
     @property
     def n_kv_heads(self) -> int:
         return self.attention.kv_heads
+
+
+def register_model_config(arch: str, cls: type[ModelConfig]) -> type[ModelConfig]:
+    """Make ``{"arch": arch, ...}`` parse as ``cls`` (a subclass of ModelConfig)."""
+    ModelConfig._variants[arch] = cls
+    return cls
+
+
+register_model_config("decoder", ModelConfig)
 
 
 # --------------------------------------------------------------------------- training

@@ -33,6 +33,24 @@ def sliding_window_mask(
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
+def positions_from_padding(
+    attention_mask: Tensor | None,
+    t: int,
+    *,
+    start: Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Absolute positions of t tokens: (1, t) counting from 0, or (b, t) when a padding
+    mask (b, t) (1 real, 0 left padding: pads do not advance the count) or a per-row
+    ``start`` (b,) is given."""
+    if attention_mask is None:
+        dev = start.device if start is not None else device
+        pos = torch.arange(t, device=dev)[None, :]  # (1, t)
+    else:
+        pos = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # (b, t)
+    return pos if start is None else start[:, None] + pos
+
+
 def padding_mask(key_valid: Tensor) -> Tensor:
     """(b, s) bool or 0/1 -> (b, 1, 1, s) bool: which keys are real tokens."""
     return key_valid.bool()[:, None, None, :]

@@ -55,21 +55,35 @@ def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "split") -> Tensor:
-    """Rotate x (b, h, t, d_h) by cos/sin broadcastable to (b, h, t, d_h/2).
+def rope_tables(cos: Tensor, sin: Tensor, layout: str = "split") -> tuple[Tensor, Tensor]:
+    """Spread half-width cos/sin (..., d_h/2) over the full head dim, sin signed, so that the
+    rotation is ``x * cos + swap(x) * sin`` where swap exchanges the members of each pair.
 
-    The rotation is done in float32 and cast back to x's dtype."""
-    dtype = x.dtype
-    x = x.float()
+    split:        cos [c, c],              sin [-s, s]
+    interleaved:  cos [c0, c0, c1, c1..],  sin [-s0, s0, -s1, s1, ..]"""
     if layout == "split":
-        x1, x2 = x.chunk(2, dim=-1)  # (b, h, t, d_h/2) each
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    elif layout == "interleaved":
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    if layout == "interleaved":
+        return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+    raise ValueError(f"unknown RoPE layout {layout!r}; use 'split' or 'interleaved'")
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "split") -> Tensor:
+    """Rotate every pair of x (..., t, d_h) by its angle: (a, b) -> (a cos - b sin, b cos + a sin).
+
+    ``cos``/``sin`` broadcast to x: half width (..., t, d_h/2) as :func:`rope_angles` returns
+    them, or full width (..., t, d_h) from :func:`rope_tables` (computed once per forward
+    pass and shared by every layer). The rotation runs in float32 and casts back."""
+    if cos.shape[-1] != x.shape[-1]:
+        cos, sin = rope_tables(cos, sin, layout)
+    xf = x.float()
+    if layout == "split":  # pairs (i, i + d/2): swap the halves
+        swapped = xf.roll(x.shape[-1] // 2, dims=-1)
+    elif layout == "interleaved":  # pairs (2i, 2i + 1): swap neighbours
+        swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     else:
         raise ValueError(f"unknown RoPE layout {layout!r}; use 'split' or 'interleaved'")
-    return out.to(dtype)
+    return (xf * cos + swapped * sin).to(x.dtype)
 
 
 def interleaved_to_split(d: int) -> Tensor:

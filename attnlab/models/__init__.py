@@ -1,6 +1,9 @@
-"""Architectures, one file each."""
+"""Architectures, one file each, registered by their config's ``arch``."""
 
-from attnlab.models.build import build_model
-from attnlab.models.decoder import DecoderLM, LMOutput
+from attnlab.models.build import MODELS, build_model, register_model
+from attnlab.models.decoder import DecoderLM
+from attnlab.models.outputs import LMOutput, ModelOutput
 
-__all__ = ["DecoderLM", "LMOutput", "build_model"]
+register_model("decoder")(DecoderLM)
+
+__all__ = ["MODELS", "DecoderLM", "LMOutput", "ModelOutput", "build_model", "register_model"]

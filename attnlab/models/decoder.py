@@ -9,18 +9,23 @@ Shapes: b batch, t new tokens, d d_model, V vocabulary size.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.cache import KVCache
+from attnlab.cache import Cache, CacheError
 from attnlab.config import ModelConfig
-from attnlab.functional.masks import padding_mask
-from attnlab.nn.block import TransformerBlock
+from attnlab.functional.masks import padding_mask, positions_from_padding
+from attnlab.models.outputs import (
+    LMOutput,
+    aux_modules,
+    collect_aux,
+    init_residual_projections,
+)
+from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
@@ -29,13 +34,16 @@ from attnlab.nn.rope import RotaryEmbedding
 if TYPE_CHECKING:
     from attnlab.generation import Prompts
 
-
-class LMOutput(NamedTuple):
-    logits: Tensor  # (b, t, V), or (b, 1, V) with last_only=True
-    loss: Tensor | None
+__all__ = ["DecoderLM", "LMOutput"]
 
 
 class DecoderLM(nn.Module):
+    """A decoder-only language model built from a :class:`ModelConfig`.
+
+    ``model(idx, targets=...)`` returns :class:`LMOutput` (``logits, loss = ...``);
+    ``new_cache`` makes the cache that ``forward(cache=...)``, ``generate`` and ``stream``
+    decode with."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
@@ -47,22 +55,20 @@ class DecoderLM(nn.Module):
             self.pos_emb = LearnedPositionalEmbedding(cfg.max_seq_len, d)
         elif cfg.position.kind == "sinusoidal":
             self.pos_emb = SinusoidalPositionalEmbedding(d)
-        # One RoPE module shared by every layer (it holds no weights).
-        rope = None
+        # One RoPE table for every layer: the angles are computed once per forward pass.
+        self.rope = None
         if cfg.position.kind == "rope":
-            rope = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
+            self.rope = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, rope=rope) for _ in range(cfg.n_layers))
+        self.blocks = TransformerStack(cfg, causal=True, rope=self.rope)
         # Post-norm blocks already end in a norm; pre-norm stacks need a final one.
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
         self.lm_head = Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
-        # GPT-2: scale residual output projections by 1/sqrt(2 * n_layers).
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.out.weight", "ffn.down.weight")):
-                nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        init_residual_projections(self, cfg.init_std, cfg.n_layers)
+        self._aux = aux_modules(self)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -78,31 +84,48 @@ class DecoderLM(nn.Module):
                 n -= self.pos_emb.weight.numel()
         return n
 
+    @property
+    def relative_positions(self) -> bool:
+        """True when attention depends on relative positions only (RoPE or none), so a
+        cache may roll past its capacity."""
+        return self.cfg.position.kind in ("rope", "none")
+
     def new_cache(
         self,
         batch: int,
         max_len: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-    ) -> KVCache:
-        """A preallocated KV cache for ``batch`` rows of up to ``max_len`` tokens."""
+        *,
+        static: bool = False,
+        rolling: bool = False,
+    ) -> Cache:
+        """A preallocated cache for ``batch`` rows of up to ``max_len`` tokens, one entry
+        per layer of the kind its attention keeps. ``static``: fixed shapes for a compiled
+        decode step; ``rolling``: continue past ``max_len`` one token at a time by
+        overwriting the oldest entry (models with relative positions only)."""
+        if rolling and not self.relative_positions:
+            raise CacheError(
+                f"a rolling cache needs relative positions (rope or none); this model uses "
+                f"{self.cfg.position.kind!r} positions, which cannot slide"
+            )
         p = self.tok_emb.weight
-        return KVCache(
-            self.cfg.n_layers,
+        cache = Cache(
             batch,
-            self.cfg.n_kv_heads,
             max_len or self.cfg.max_seq_len,
-            self.cfg.head_dim,
             dtype=dtype or p.dtype,
             device=device or p.device,
+            static=static,
+            rolling=rolling,
         )
+        return self.blocks.add_cache_entries(cache)
 
     def forward(
         self,
         idx: Tensor,
         *,
         positions: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         attention_mask: Tensor | None = None,
         targets: Tensor | None = None,
         last_only: bool = False,
@@ -114,35 +137,31 @@ class DecoderLM(nn.Module):
         b, t = idx.shape
         if last_only and targets is not None:
             raise ValueError("last_only=True keeps one position's logits; the loss needs all")
-        if cache is not None:
-            cache.reserve(t)
-            if positions is None:
-                positions = cache.positions_for(t, attention_mask)
-            mask = cache.key_mask(t, attention_mask)  # (b, 1, 1, s) or None
-        else:
-            if positions is None:
-                if attention_mask is None:
-                    positions = torch.arange(t, device=idx.device)[None, :]  # (1, t)
-                else:
-                    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            mask = None
-            if attention_mask is not None and not bool(attention_mask.bool().all()):
-                mask = padding_mask(attention_mask)  # (b, 1, 1, t)
-        if isinstance(self.pos_emb, LearnedPositionalEmbedding):
+        if isinstance(self.pos_emb, LearnedPositionalEmbedding) and not (
+            cache is not None and cache.static  # fixed shapes: its caller checks lengths
+        ):
             limit = (cache.length if cache is not None else 0) + t
             if limit > self.cfg.max_seq_len:
                 raise ValueError(
                     f"sequence of {limit} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
                     "of learned positions; crop the input"
                 )
+        mask = None
+        if cache is not None:
+            positions = cache.begin(t, attention_mask, positions=positions).positions
+        else:
+            if positions is None:
+                positions = positions_from_padding(attention_mask, t, device=idx.device)
+            if attention_mask is not None:
+                mask = padding_mask(attention_mask)  # (b, 1, 1, t)
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions).to(x.dtype)
         x = self.drop(x)
-        for i, block in enumerate(self.blocks):
-            x = block(x, positions=positions, cache=None if cache is None else cache[i], mask=mask)
+        rope = self.rope.tables(positions) if self.rope is not None else None
+        x = self.blocks(x, positions=positions, rope=rope, cache=cache, mask=mask)
         if cache is not None:
-            cache.advance(t, positions.expand(b, t), attention_mask)
+            cache.commit()
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))  # (b, t, V)
@@ -151,7 +170,8 @@ class DecoderLM(nn.Module):
             loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
             )
-        return LMOutput(logits, loss)
+        aux_loss, metrics = collect_aux(self._aux) if self._aux else (None, {})
+        return LMOutput(logits, loss, aux_loss, metrics)
 
     @torch.inference_mode()
     def generate(

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnlab.cache import LayerKV
+from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import combine_masks, sliding_window_mask
 from attnlab.nn.linear import Linear
-from attnlab.nn.rope import RotaryEmbedding
+from attnlab.nn.registry import register_attention
+from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
 
+@register_attention("mha")
 class MultiHeadAttention(nn.Module):
     """Self-attention (``context=None``) or cross-attention (keys/values from ``context``).
 
     Self-attention projects q, k, v with one fused matmul; cross-attention projects q from x
-    and k, v from the context. ``causal`` applies to self-attention only.
+    and k, v from the context. ``causal`` applies to self-attention only. Positions enter
+    through RoPE tables computed once per forward pass by the model (``rope``), or from
+    ``positions`` with the module's own :class:`RotaryEmbedding`.
     """
 
     def __init__(
@@ -49,8 +53,16 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv = Linear(d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # [q; k; v]
         self.out = Linear(q_dim, d_model, bias=cfg.out_bias)
+        self.out.residual_projection = True  # GPT-2's scaled init finds it by this role
         self.rope = rope
+        self.uses_rope = rope is not None
         self.resid_dropout = nn.Dropout(resid_dropout)
+
+    def new_cache_entry(self, cache: Cache) -> LayerCache:
+        """Dense keys and values for self-attention; computed-once keys/values for cross."""
+        if self.cross:
+            return CrossKV(cache)
+        return DenseKV(cache, self.n_kv_heads, self.head_dim)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         b, t, _ = x.shape
@@ -61,35 +73,42 @@ class MultiHeadAttention(nn.Module):
         x: Tensor,
         *,
         positions: Tensor | None = None,
-        cache: LayerKV | None = None,
+        rope: RopeTables | None = None,
+        cache: LayerCache | None = None,
         mask: Tensor | None = None,
         context: Tensor | None = None,
     ) -> Tensor:
-        """x (b, t, d); positions (b, t) absolute positions (for RoPE); cache: this layer's
-        entry of a KV cache; mask: extra mask broadcastable to (b, h, t, s), e.g. key
-        padding; context (b, s, d_c) for cross-attention."""
+        """x (b, t, d); positions (b, t) absolute positions (for RoPE, unless ``rope``
+        tables are given); cache: this layer's entry of a :class:`Cache`; mask: extra mask
+        broadcastable to (b, h, t, s), e.g. key padding (under a cache the cache supplies
+        it); context (b, s, d_c) for cross-attention."""
         b, t, _ = x.shape
+        causal = self.causal
         if self.cross:
-            if context is None:
-                raise ValueError("cross-attention needs a context tensor")
             q = self._heads(self.q(x), self.n_heads)
-            k, v = self.kv(context).split(self.kv_dim, dim=-1)
-            k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if cache is not None:
+                k, v = cache.get(context, self._project_context)  # computed once per source
+            elif context is None:
+                raise ValueError("cross-attention needs a context tensor")
+            else:
+                k, v = self._project_context(context)
         else:
             q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
             q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
             k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-            if self.rope is not None:
-                if positions is None:
-                    raise ValueError("RoPE attention needs positions")
-                q, k = self.rope(q, k, positions)
+            if self.uses_rope:
+                if rope is None:
+                    if positions is None:
+                        raise ValueError("RoPE attention needs positions")
+                    rope = self.rope.tables(positions)
+                q, k = rope.rotate(q), rope.rotate(k)
             if cache is not None:
                 k, v = cache.update(k, v)  # (b, h_kv, s, d_h): all keys so far
-        s = k.shape[-2]
-        causal = self.causal
-        if causal and self.window is not None and s > self.window:
-            mask = combine_masks(mask, sliding_window_mask(t, s, self.window, device=x.device))
-            causal = False
+                mask, causal = cache.mask(self.window)
+            elif self.window is not None and k.shape[-2] > self.window:
+                s = k.shape[-2]
+                mask = combine_masks(mask, sliding_window_mask(t, s, self.window, device=x.device))
+                causal = False
         y = attend(
             q,
             k,
@@ -101,3 +120,7 @@ class MultiHeadAttention(nn.Module):
         )  # (b, h, t, d_h)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
+
+    def _project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv(context).split(self.kv_dim, dim=-1)
+        return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)

@@ -1,17 +1,22 @@
-"""Transformer block: self-attention, optional cross-attention, feed-forward, each with a
-residual connection. Pre-norm (GPT-2, LLaMA): x + f(norm(x)). Post-norm (Vaswani et al.):
-norm(x + f(x)). Shapes: (b, t, d) in and out."""
+"""Transformer blocks and the stack of them that every architecture shares.
+
+A block: self-attention, optional cross-attention, feed-forward, each with a residual
+connection. Pre-norm (GPT-2, LLaMA): x + f(norm(x)). Post-norm (Vaswani et al.):
+norm(x + f(x)). The attention and FFN kinds come from their registries.
+
+Shapes: (b, t, d) in and out; context (b, s, d_c).
+"""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnlab.cache import LayerKV
+from attnlab.cache import Cache, LayerCache
 from attnlab.config import ModelConfig
-from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.feedforward import build_ffn
 from attnlab.nn.norm import build_norm
-from attnlab.nn.rope import RotaryEmbedding
+from attnlab.nn.registry import build_attention
+from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
 
 class TransformerBlock(nn.Module):
@@ -22,17 +27,23 @@ class TransformerBlock(nn.Module):
         causal: bool = True,
         cross_attention: bool = False,
         rope: RotaryEmbedding | None = None,
+        layer: int = 0,
     ):
         super().__init__()
         self.pre_norm = cfg.norm.placement == "pre"
         d = cfg.d_model
         self.attn_norm = build_norm(cfg.norm, d)
-        self.attn = MultiHeadAttention(
-            d, cfg.attention, causal=causal, rope=rope, resid_dropout=cfg.dropout
+        self.attn = build_attention(
+            cfg.attention.kind,
+            d,
+            cfg.attention,
+            causal=causal,
+            rope=rope,
+            resid_dropout=cfg.dropout,
         )
         self.cross_norm = build_norm(cfg.norm, d) if cross_attention else None
         self.cross_attn = (
-            MultiHeadAttention(d, cfg.attention, cross=True, resid_dropout=cfg.dropout)
+            build_attention("mha", d, cfg.attention, cross=True, resid_dropout=cfg.dropout)
             if cross_attention
             else None
         )
@@ -49,16 +60,79 @@ class TransformerBlock(nn.Module):
         x: Tensor,
         *,
         positions: Tensor | None = None,
-        cache: LayerKV | None = None,
+        rope: RopeTables | None = None,
+        cache: LayerCache | None = None,
+        mask: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+        cross_cache: LayerCache | None = None,
+    ) -> Tensor:
+        x = self._residual(
+            x, self.attn_norm, self.attn, positions=positions, rope=rope, cache=cache, mask=mask
+        )
+        if self.cross_attn is not None:
+            x = self._residual(
+                x,
+                self.cross_norm,
+                self.cross_attn,
+                context=context,
+                mask=context_mask,
+                cache=cross_cache,
+            )
+        return self._residual(x, self.ffn_norm, self.ffn)
+
+
+class TransformerStack(nn.ModuleList):
+    """The blocks of an encoder or decoder, run in order (a ModuleList, so parameter names
+    stay ``blocks.<i>.…``). Decoder-only, encoder-only and encoder–decoder models all use
+    it; cross-attention keys/values are computed once per source under a cache."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        n_layers: int | None = None,
+        *,
+        causal: bool = True,
+        cross_attention: bool = False,
+        rope: RotaryEmbedding | None = None,
+    ):
+        super().__init__(
+            TransformerBlock(
+                cfg, causal=causal, cross_attention=cross_attention, rope=rope, layer=i
+            )
+            for i in range(cfg.n_layers if n_layers is None else n_layers)
+        )
+
+    def add_cache_entries(self, cache: Cache) -> Cache:
+        """One entry per block, of the kind its attention keeps; cross-attention entries
+        in ``cache.cross``."""
+        cache.layers = [block.attn.new_cache_entry(cache) for block in self]
+        cache.cross = [
+            block.cross_attn.new_cache_entry(cache) if block.cross_attn is not None else None
+            for block in self
+        ]
+        return cache
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor | None = None,
+        rope: RopeTables | None = None,
+        cache: Cache | None = None,
         mask: Tensor | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
     ) -> Tensor:
-        x = self._residual(
-            x, self.attn_norm, self.attn, positions=positions, cache=cache, mask=mask
-        )
-        if self.cross_attn is not None:
-            x = self._residual(
-                x, self.cross_norm, self.cross_attn, context=context, mask=context_mask
+        for i, block in enumerate(self):
+            x = block(
+                x,
+                positions=positions,
+                rope=rope,
+                cache=None if cache is None else cache.layers[i],
+                mask=mask,
+                context=context,
+                context_mask=context_mask,
+                cross_cache=None if cache is None else cache.cross[i],
             )
-        return self._residual(x, self.ffn_norm, self.ffn)
+        return x

@@ -34,6 +34,7 @@ class MLP(nn.Module):
         super().__init__()
         self.up = Linear(d_model, hidden, bias=bias)
         self.down = Linear(hidden, d_model, bias=bias)
+        self.down.residual_projection = True
         self.act = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 
@@ -56,6 +57,7 @@ class GatedFFN(nn.Module):
         self.hidden = hidden
         self.gate_up = Linear(d_model, 2 * hidden, bias=bias)  # rows: [gate; up]
         self.down = Linear(hidden, d_model, bias=bias)
+        self.down.residual_projection = True
         self.act = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 

@@ -1,15 +1,39 @@
-"""RotaryEmbedding: applies RoPE to queries and keys at given absolute positions.
+"""RotaryEmbedding: the RoPE frequency table of a model and the angles of a forward pass.
 
-Angles are computed in float32 from the positions at each call, so they are exact under a
-KV cache, with left padding and for models running in bf16."""
+A model computes the angles once per forward pass (:meth:`RotaryEmbedding.tables`) and hands
+them to every layer, which rotates its queries and keys with
+:func:`attnlab.functional.rope.apply_rope`. Angles are computed in float32 from the absolute
+positions, so they are exact under a KV cache, with left padding and in bf16 models.
+
+Shapes: b batch, h heads, t length, d_h head dim.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.config import PositionConfig
-from attnlab.functional.rope import rope_angles, rope_inv_freq, scale_inv_freq
+from attnlab.functional.rope import (
+    apply_rope,
+    rope_angles,
+    rope_inv_freq,
+    rope_tables,
+    scale_inv_freq,
+)
+
+
+class RopeTables(NamedTuple):
+    """Full-width cos and signed sin (b or 1, 1, t, d_h) for one forward pass."""
+
+    cos: Tensor
+    sin: Tensor
+    layout: str
+
+    def rotate(self, x: Tensor) -> Tensor:
+        return apply_rope(x, self.cos, self.sin, self.layout)
 
 
 class RotaryEmbedding(nn.Module):
@@ -24,9 +48,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        if layout not in ("split", "interleaved"):
+            raise ValueError(f"unknown RoPE layout {layout!r}; use 'split' or 'interleaved'")
         self.layout, self.head_dim, self.theta = layout, head_dim, theta
         self.scaling = dict(scaling or {})
-        self._memo: tuple | None = None
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     @classmethod
@@ -46,46 +71,26 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
         return scale_inv_freq(inv_freq, **self.scaling) if self.scaling else inv_freq
 
-    def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """q (b, h, t, d_h), k (b, h_kv, t, d_h), positions (b, t) or (t,)."""
-        cos, sin = self._angles(positions)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def reset_buffers(self) -> None:
+        """Recompute the frequency table (after building on the meta device)."""
+        self.inv_freq = self._inv_freq(device=self.inv_freq.device)
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The rotation of :func:`apply_rope` (its readable twin; tests compare the two)
-        in fewer operations: x * cos + swap(x) * sin, with cos/sin already spread over the
-        full head dim and sin signed, where swap exchanges the two members of every pair."""
-        xf = x.float()
-        if self.layout == "split":  # pairs (i, i + d/2): swap the halves
-            swapped = xf.roll(self.head_dim // 2, dims=-1)
-        else:  # pairs (2i, 2i + 1): swap neighbours
-            swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return (xf * cos + swapped * sin).to(x.dtype)
+    def tables(self, positions: Tensor) -> RopeTables:
+        """positions (b, t) or (t,) -> cos/sin tables (b or 1, 1, t, d_h), float32."""
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: rebuild exactly
+            inv_freq = self._inv_freq(device=inv_freq.device)
+        cos, sin = rope_angles(positions, inv_freq)  # (b, t, d_h/2) or (t, d_h/2)
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # a heads axis: (b, 1, t, d_h/2)
+        return RopeTables(*rope_tables(cos, sin, self.layout), self.layout)
 
-    def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        # Every layer of a forward pass gets the same positions: compute the angles once.
-        memo = self._memo
-        if (
-            memo is None
-            or memo[1] is not self.inv_freq  # module moved to another device
-            or memo[0].shape != positions.shape
-            or not torch.equal(memo[0], positions)
-            # angles made under inference_mode cannot be saved for a later backward pass
-            or (memo[2].is_inference() and not torch.is_inference_mode_enabled())
-        ):
-            inv_freq = self.inv_freq
-            if inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: rebuild exactly
-                inv_freq = self._inv_freq(device=inv_freq.device)
-            cos, sin = rope_angles(positions, inv_freq)  # (b, t, d_h/2)
-            if cos.dim() == 3:
-                cos, sin = cos[:, None], sin[:, None]  # (b, 1, t, d_h/2)
-            if self.layout == "split":  # (b, 1, t, d_h): [cos, cos], [-sin, sin]
-                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-            else:  # (b, 1, t, d_h): [c0, c0, c1, c1, ...], [-s0, s0, -s1, s1, ...]
-                cos = cos.repeat_interleave(2, dim=-1)
-                sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
-            memo = self._memo = (positions.clone(), self.inv_freq, cos, sin)
-        return memo[2], memo[3]
+    def forward(
+        self, q: Tensor, k: Tensor, positions: Tensor | RopeTables
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate q (b, h, t, d_h) and k (b, h_kv, t, d_h) at ``positions`` (b, t) or (t,),
+        or with tables already computed for them."""
+        tables = positions if isinstance(positions, RopeTables) else self.tables(positions)
+        return tables.rotate(q), tables.rotate(k)
 
     def extra_repr(self) -> str:
-        return f"head_dim={2 * self.inv_freq.numel()}, layout={self.layout!r}"
+        return f"head_dim={self.head_dim}, layout={self.layout!r}"

@@ -1,0 +1,63 @@
+"""What every model returns, and how auxiliary losses reach the trainer.
+
+Modules that add a training signal of their own (a mixture-of-experts balance loss, a
+sparse-attention indexer loss) set ``has_aux = True`` and, at each forward pass, the
+attributes ``aux_loss`` (a 0-d tensor or None) and ``aux_metrics`` (name -> value). The
+model sums the losses and gathers the metrics into its output; the trainer optimises
+``loss + aux_loss`` and logs the metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelOutput:
+    """``logits`` (b, t, V) or (b, 1, V) with ``last_only``; ``loss`` the task loss (or
+    None without targets); ``aux_loss`` to be added to it when training; ``metrics``.
+    Unpacks as ``logits, loss = model(...)``."""
+
+    logits: Tensor
+    loss: Tensor | None = None
+    aux_loss: Tensor | None = None
+    metrics: dict[str, Tensor | float] = field(default_factory=dict)
+
+    def __iter__(self):
+        yield self.logits
+        yield self.loss
+
+    def __getitem__(self, i: int):
+        return (self.logits, self.loss)[i]
+
+
+LMOutput = ModelOutput  # the name the decoder's output has always had
+
+
+def aux_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules that report auxiliary losses (found once, at construction)."""
+    return [(n, m) for n, m in model.named_modules() if getattr(m, "has_aux", False)]
+
+
+def collect_aux(
+    modules: list[tuple[str, nn.Module]],
+) -> tuple[Tensor | None, dict[str, Tensor | float]]:
+    """Sum of the modules' ``aux_loss`` and their ``aux_metrics`` as ``"<module>/<name>"``."""
+    total, metrics = None, {}
+    for name, m in modules:
+        loss = getattr(m, "aux_loss", None)
+        if loss is not None:
+            total = loss if total is None else total + loss
+        for key, value in (getattr(m, "aux_metrics", None) or {}).items():
+            metrics[f"{name}/{key}"] = value
+    return total, metrics
+
+
+def init_residual_projections(model: nn.Module, std: float, n_layers: int) -> None:
+    """GPT-2: the projections that write into the residual stream (marked with
+    ``residual_projection = True``) start with std / sqrt(2 * n_layers)."""
+    for m in model.modules():
+        if getattr(m, "residual_projection", False):
+            nn.init.normal_(m.weight, std=std / (2 * n_layers) ** 0.5)
