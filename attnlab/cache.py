@@ -252,8 +252,10 @@ class Cache:
         else:
             self._length += t
         # A row whose new tokens were all (left) padding keeps its position.
-        last_slot = step.end - 1 if step.slots is None else step.slots[-1]
-        real = self.key_valid[:, last_slot]  # (b,)
+        if step.slots is None:
+            real = self.key_valid[:, step.end - 1]  # (b,)
+        else:  # a gather, not a Python index: no host read of the slot
+            real = self.key_valid.index_select(1, step.slots[-1:]).squeeze(1)
         self.next_position.copy_(torch.where(real, step.positions[:, -1] + 1, self.next_position))
 
     def __repr__(self) -> str:

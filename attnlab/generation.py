@@ -29,6 +29,11 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+# Below this temperature, sampling is greedy: dividing logits by a smaller number overflows
+# float32 (inf - inf = NaN probabilities), and the distribution is already one-hot.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 def sample_next(
     logits: Tensor,
     *,
@@ -37,13 +42,16 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """logits (b, V) -> next tokens (b,). temperature 0 is greedy (argmax)."""
-    if temperature == 0.0:
+    """logits (b, V) -> next tokens (b,). A temperature of 0 (or below
+    ``GREEDY_BELOW_TEMPERATURE``) is greedy (argmax). ``top_k`` keeps exactly k tokens
+    (ties at the k-th logit broken by index, as ``torch.topk`` does)."""
+    if temperature < GREEDY_BELOW_TEMPERATURE:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (b, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep.scatter_(-1, torch.topk(logits, top_k, dim=-1).indices, True)  # k per row
+        logits = logits.masked_fill(~keep, float("-inf"))
     if top_p is not None and top_p < 1.0:
         # Keep the smallest set of most likely tokens whose probability reaches top_p.
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -83,14 +91,21 @@ def stream(
     stop_tokens: Sequence[int] | None = None,
     use_cache: bool = True,
     pad_id: int = 0,
+    compile: bool = False,
 ) -> Iterator[int] | Iterator[list[int | None]]:
     """Yield tokens as they are produced: an int per step for a single prompt, a list with
     one int (or None once that row has stopped) per step for a batch. A row stops at a stop
     token (not yielded) or after ``max_new_tokens``.
 
-    Prompts longer than ``max_seq_len`` are cropped to their last ``max_seq_len`` tokens;
-    while generating, the model sees the last ``max_seq_len`` tokens (with the cache, it is
-    rebuilt from them when full), so cached and uncached decoding agree."""
+    Prompts longer than ``max_seq_len`` are cropped to their last ``max_seq_len`` tokens.
+    When the context fills up while generating, it slides by half: the model goes on from
+    the last ``max_seq_len - max_seq_len // 2`` tokens (re-encoded once into the cache), so
+    it always sees between half and all of ``max_seq_len`` recent tokens and each new token
+    costs O(1) forward tokens on average (re-encoding every step would cost max_seq_len).
+    Cached and uncached decoding follow the same windows and agree.
+
+    ``compile=True`` decodes with a fixed-shape cache and a ``torch.compile``d step
+    (compiled once per model and batch shape; worth it for long generations)."""
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -110,8 +125,8 @@ def stream(
     longest = max(len(r) for r in rows)
     if longest + max_new_tokens > limit:
         warnings.warn(
-            f"prompt + max_new_tokens exceeds max_seq_len={limit}: the context will be cropped "
-            f"to the last {limit} tokens",
+            f"prompt + max_new_tokens exceeds max_seq_len={limit}: when the context is full it "
+            f"slides to its last {limit - limit // 2} tokens",
             stacklevel=2,
         )
     if generator is None and seed is not None:
@@ -126,10 +141,11 @@ def stream(
         pad_id,
         stops,
         dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
+        compile,
     )
 
 
-def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampling):
+def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampling, compile):
     device = model.tok_emb.weight.device
     b, limit = len(rows), model.cfg.max_seq_len
     longest = max(len(r) for r in rows)
@@ -138,31 +154,32 @@ def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampl
     for i, r in enumerate(rows):  # left padding: each row ends at the last column
         seq[i, longest - len(r) :] = torch.tensor(r, dtype=torch.long)
         valid[i, longest - len(r) :] = True
-    padded = not bool(valid.all())
     stops = stops.to(device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
 
-    @torch.inference_mode()
-    def forward(ids, mask, cache):
-        was_training = model.training
-        if was_training:
-            model.eval()
-        try:
-            return model(ids, cache=cache, attention_mask=mask, last_only=True).logits[:, -1]
-        finally:
-            if was_training:
-                model.train()
+    keep = limit - limit // 2  # tokens kept when a row's context slides
+    # Each row's context is seq[row, starts[row]:]: at most `limit` real tokens, sliding
+    # per row (a row's windows do not depend on the other prompts of the batch).
+    first_real = [longest - len(r) for r in rows]
+    starts = torch.tensor(
+        [max(f, f + len(r) - limit) for f, r in zip(first_real, rows)], device=device
+    )
 
     def window():
-        w_valid = valid[:, -limit:]
-        return seq[:, -limit:], (w_valid if not bool(w_valid.all()) else None)
+        lo = int(starts.min())
+        cols = torch.arange(lo, seq.shape[1], device=device)
+        w_valid = valid[:, lo:] & (cols[None, :] >= starts[:, None])
+        return seq[:, lo:], (w_valid if not bool(w_valid.all()) else None)
 
     cache = None
+    step_fn = _forward_last
     if use_cache and max_new_tokens > 0:
-        cache = model.new_cache(b, min(limit, longest + max_new_tokens))
+        cache = model.new_cache(b, min(limit, longest + max_new_tokens), static=compile)
+        if compile:
+            step_fn = _compiled_step(model)
     if max_new_tokens > 0:
         ids, mask = window()
-        logits = forward(ids, mask if padded else None, cache)  # prefill
+        logits = _forward_last(model, ids, mask, cache)  # prefill
     for step in range(max_new_tokens):
         nxt = sample_next(logits, **sampling)  # (b,)
         if stops.numel():
@@ -176,15 +193,50 @@ def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampl
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         seq = torch.cat((seq, nxt[:, None]), dim=1)
         valid = torch.cat((valid, torch.ones_like(valid[:, :1])), dim=1)
+        full = seq.shape[1] - starts > limit  # (b,) rows whose context overflows
+        slide = bool(full.any())
+        if slide:
+            starts = torch.where(full, seq.shape[1] - keep, starts)
         if cache is None:
             ids, mask = window()
-            logits = forward(ids, mask, None)
-        elif cache.length < cache.max_len:
-            logits = forward(nxt[:, None], None, cache)  # decode one token
-        else:  # cache full: rebuild it from the last max_seq_len tokens
+            logits = _forward_last(model, ids, mask, None)
+        elif not slide:
+            logits = step_fn(model, nxt[:, None], None, cache)  # decode one token
+        else:  # re-encode the kept tokens: positions restart, so the cache does too
             cache.reset()
             ids, mask = window()
-            logits = forward(ids, mask, cache)
+            logits = _forward_last(model, ids, mask, cache)
+
+
+@torch.inference_mode()
+def _forward_last(model, ids: Tensor, mask: Tensor | None, cache) -> Tensor:
+    """The logits (b, V) of the last position, in eval mode."""
+    was_training = model.training
+    if was_training:
+        model.eval()
+    try:
+        return model(ids, cache=cache, attention_mask=mask, last_only=True).logits[:, -1]
+    finally:
+        if was_training:
+            model.train()
+
+
+def _compiled_step(model):
+    """One decode step compiled with fullgraph=True (kept on the model: compiled once)."""
+    step = getattr(model, "_compiled_decode_step", None)
+    if step is None:
+
+        def decode_one(model, ids, mask, cache):
+            return model(ids, cache=cache, last_only=True).logits[:, -1]
+
+        compiled = torch.compile(decode_one, fullgraph=True, dynamic=False)
+
+        @torch.inference_mode()
+        def step(model, ids, mask, cache):
+            return compiled(model, ids, None, cache)
+
+        object.__setattr__(model, "_compiled_decode_step", step)  # not a submodule
+    return step
 
 
 def generate(

@@ -136,11 +136,17 @@ def test_sinusoidal_table_matches_loop():
     torch.testing.assert_close(emb(pos), sinusoid_table(13, 8).float()[pos])
 
 
-def test_learned_positional_embedding_is_a_lookup():
+def test_learned_positional_embedding_is_one_hot_times_table_and_trains_used_rows():
     emb = LearnedPositionalEmbedding(10, D)
-    pos = torch.tensor([[0, 4, 9]])
-    assert torch.equal(emb(pos), emb.weight[pos])
-    assert emb.weight.shape == (10, D)
+    pos = torch.tensor([[0, 4, 9], [4, 4, 1]])
+    one_hot = torch.nn.functional.one_hot(pos, 10).float()  # (b, t, 10)
+    torch.testing.assert_close(emb(pos), one_hot @ emb.weight)
+    emb(pos).sum().backward()
+    used = torch.zeros(10, dtype=torch.bool)
+    used[pos.flatten()] = True
+    assert (emb.weight.grad[~used] == 0).all() and (emb.weight.grad[used] != 0).all()
+    # row 4 appears three times: its gradient is three times that of a row used once
+    torch.testing.assert_close(emb.weight.grad[4], 3 * emb.weight.grad[0])
 
 
 # --------------------------------------------------------------------------- block

@@ -171,14 +171,22 @@ def test_cache_equals_full_forward_eager_backend(position):
 @pytest.mark.parametrize("kv", list(KV_HEADS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_nbytes(kv, dtype):
+    """The bytes the cache reports are the storage it really holds, and equal the
+    calculator's formula (analysis.kv_cache_bytes, written independently)."""
+    from attnlab.analysis import kv_cache_bytes
+
     model = tiny(kv)
     b, max_len = 3, 17
     cache = model.new_cache(b, max_len, dtype=dtype)
-    cfg = model.cfg
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = 2 * cfg.n_layers * b * cfg.n_kv_heads * max_len * cfg.head_dim * itemsize
-    assert cache.nbytes == expected
-    assert model.new_cache(1).max_len == cfg.max_seq_len
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for entry in cache.layers
+        for t in vars(entry).values()
+        if isinstance(t, torch.Tensor)
+    }
+    assert cache.nbytes == sum(storages.values())
+    assert cache.nbytes == kv_cache_bytes(model.cfg, max_len, b, dtype)
+    assert model.new_cache(1).max_len == model.cfg.max_seq_len
     assert model.new_cache(1).layers[0].k.dtype == model.tok_emb.weight.dtype
     with torch.no_grad():
         model(torch.zeros(b, 5, dtype=torch.long), cache=model.new_cache(b, max_len))

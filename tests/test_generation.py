@@ -158,15 +158,35 @@ def test_max_new_tokens_zero():
 
 
 def _greedy_cropped(model: DecoderLM, prompt: list[int], n_new: int) -> list[int]:
-    """The argmax loop on the last max_seq_len tokens, re-run from scratch every step."""
+    """The argmax loop re-run from scratch every step on the context generation promises:
+    the last max_seq_len tokens of the prompt, then, each time the context is full, only
+    its last max_seq_len - max_seq_len // 2 tokens."""
     limit = model.cfg.max_seq_len
     ids, out = list(prompt), []
+    start = max(0, len(ids) - limit)  # a batch slides each row's context on its own
     with torch.no_grad():
         for _ in range(n_new):
-            nxt = int(model(torch.tensor([ids[-limit:]])).logits[0, -1].argmax())
+            nxt = int(model(torch.tensor([ids[start:]])).logits[0, -1].argmax())
             out.append(nxt)
             ids.append(nxt)
+            if len(ids) - start > limit:
+                start = len(ids) - (limit - limit // 2)
     return out
+
+
+def test_generation_beyond_max_seq_len_costs_o1_tokens_per_step():
+    """Past max_seq_len the context slides by half: 20 new tokens with max_seq_len 16 feed
+    far fewer tokens than re-encoding 16 tokens for every step (224)."""
+    m = model_for("llama-tiny", max_seq_len=16)
+    fed = []
+    hook = m.tok_emb.register_forward_hook(lambda mod, args, out: fed.append(args[0].numel()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.generate(_prompt(10, 3), 20)
+    hook.remove()
+    # prefill 10, then 19 steps of one token, plus one re-encoding of 8 tokens per 8 steps
+    assert sum(fed) <= 10 + 19 + 8 * 3
+    assert sum(fed) < 224 / 3
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])

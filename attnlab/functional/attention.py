@@ -88,7 +88,9 @@ def sdpa_attention(
     if mask is not None:
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         keep = allowed.any(dim=-1, keepdim=True)  # (.., t, 1): rows with some key
-        if not bool(keep.all()):
+        # Eager: look (one host read) and skip the fix-up when every row has a key.
+        # Compiled: always fix up, so the graph has no data-dependent branch.
+        if torch.compiler.is_compiling() or not bool(keep.all()):
             # Let empty rows attend everywhere (finite), then zero their output. An additive
             # mask keeps its finite values (e.g. a bias) on the other rows.
             if mask.dtype == torch.bool:

@@ -1,0 +1,222 @@
+"""The shared design: registries, the cache protocol (dynamic, static, rolling), RoPE tables
+once per forward, compile-readiness, aux outputs, and the sampling edge cases.
+
+Shapes: b batch, t length, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from attnlab.cache import CacheError
+from attnlab.config import AttentionConfig, ConfigError, ModelConfig, PositionConfig
+from attnlab.generation import sample_next
+from attnlab.models import MODELS, DecoderLM, build_model
+from attnlab.models.outputs import ModelOutput
+from attnlab.nn.registry import ATTENTION, build_attention
+from attnlab.presets import get_preset
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def tiny(position: str = "rope", window: int | None = None, **kw) -> DecoderLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=40,
+        max_seq_len=kw.pop("max_seq_len", 32),
+        d_model=32,
+        n_layers=2,
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=window),
+        position=PositionConfig(kind=position),
+        init_std=0.1,
+        **kw,
+    )
+    return DecoderLM(cfg).eval()
+
+
+# --------------------------------------------------------------------------- registries
+
+
+def test_registries_build_by_name_and_reject_unknown_names():
+    assert "mha" in ATTENTION and MODELS["decoder"] is DecoderLM
+    m = build_attention("mha", 32, AttentionConfig(n_heads=4))
+    assert type(m).__name__ == "MultiHeadAttention"
+    with pytest.raises(ValueError, match="unknown attention kind 'nope'"):
+        build_attention("nope", 32, AttentionConfig(n_heads=4))
+    with pytest.raises(ConfigError, match="attention.kind: unknown value 'nope'"):
+        ModelConfig.from_dict({"attention": {"kind": "nope"}})
+    with pytest.raises(ConfigError, match="arch: unknown value 'tree'"):
+        ModelConfig.from_dict({"arch": "tree"})
+    cfg = ModelConfig.from_dict({"arch": "decoder", "d_model": 32})
+    assert isinstance(build_model(cfg), DecoderLM)
+    old = ModelConfig().to_dict()
+    del old["arch"]  # configs saved before `arch` existed load as decoders
+    assert ModelConfig.from_dict(old).arch == "decoder"
+
+
+def test_output_unpacks_as_logits_and_loss():
+    model = tiny()
+    idx = torch.randint(0, 40, (2, 5))
+    out = model(idx, targets=idx)
+    assert isinstance(out, ModelOutput) and out.aux_loss is None and out.metrics == {}
+    logits, loss = out
+    assert logits is out.logits and loss is out[1]
+
+
+def test_aux_losses_and_metrics_reach_the_output():
+    model = tiny()
+    ffn = model.blocks[1].ffn
+    ffn.has_aux = True
+    hook = ffn.register_forward_hook(
+        lambda m, a, o: (
+            setattr(m, "aux_loss", o.pow(2).mean()) or setattr(m, "aux_metrics", {"load": 1.5})
+        )
+    )
+    from attnlab.models.outputs import aux_modules
+
+    model._aux = aux_modules(model)
+    out = model(torch.randint(0, 40, (1, 6)))
+    hook.remove()
+    assert out.aux_loss is not None and out.aux_loss.requires_grad
+    assert out.metrics == {"blocks.1.ffn/load": 1.5}
+
+
+def test_residual_projections_found_by_role():
+    cfg = get_preset("llama-tiny").override({"init_std": 0.02})
+    model = build_model(cfg)
+    marked = [n for n, m in model.named_modules() if getattr(m, "residual_projection", False)]
+    assert len(marked) == 2 * cfg.n_layers  # attention output and FFN down, each layer
+    for name in marked:
+        w = model.get_submodule(name).weight
+        assert abs(w.std().item() - 0.02 / (2 * cfg.n_layers) ** 0.5) < 0.003
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("position", ["rope", "learned", "none"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_static_cache_equals_dynamic_cache_and_full_forward(position, window):
+    """Fixed shapes (writes at tensor slots, attention over the whole capacity with a mask)
+    give the dynamic cache's logits, with left padding and chunked prefill."""
+    model = tiny(position, window)
+    idx = torch.randint(0, 40, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # row 1 is left padded
+    full = model(idx, attention_mask=mask).logits
+    for static in (False, True):
+        cache = model.new_cache(2, 16, static=static)
+        parts = [model(idx[:, :7], cache=cache, attention_mask=mask[:, :7]).logits]
+        for i in range(7, 12):
+            parts.append(model(idx[:, i : i + 1], cache=cache).logits)
+        got = torch.cat(parts, dim=1)
+        torch.testing.assert_close(got[0], full[0], **TOL)
+        torch.testing.assert_close(got[1, 3:], full[1, 3:], **TOL)  # real tokens of row 1
+        assert cache.length == 12
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("static", [False, True])
+def test_rolling_cache_equals_sliding_window_attention_over_the_stream(static):
+    """A rolling cache of capacity L continues past L one token at a time; with relative
+    positions that is exactly attention to the last L tokens at every layer, i.e. a
+    sliding-window model of window L run over the whole stream."""
+    L, T = 8, 20
+    model = tiny("rope", max_seq_len=64)
+    windowed = tiny("rope", window=L, max_seq_len=64)
+    windowed.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 40, (2, T))
+    reference = windowed(idx).logits  # (2, T, V)
+    cache = model.new_cache(2, L, static=static, rolling=True)
+    got = [model(idx[:, :6], cache=cache).logits]
+    got += [model(idx[:, i : i + 1], cache=cache).logits for i in range(6, T)]
+    torch.testing.assert_close(torch.cat(got, dim=1), reference, **TOL)
+    assert cache.length == L and cache.wrapped
+
+
+def test_rolling_cache_needs_relative_positions_and_single_steps():
+    with pytest.raises(CacheError, match="needs relative positions"):
+        tiny("learned").new_cache(1, 8, rolling=True)
+    model = tiny("rope")
+    cache = model.new_cache(1, 8, rolling=True)
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
+        with pytest.raises(CacheError, match="one token at a time"):
+            model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+
+
+@torch.no_grad()
+def test_learned_position_overflow_leaves_the_cache_untouched():
+    model = tiny("learned", max_seq_len=8)
+    cache = model.new_cache(2, 16)
+    model(torch.ones(2, 6, dtype=torch.long), cache=cache)
+    state = (cache.length, cache.key_valid.clone(), cache.next_position.clone())
+    pad = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    with pytest.raises(ValueError, match="exceeds max_seq_len=8"):
+        model(torch.ones(2, 3, dtype=torch.long), cache=cache, attention_mask=pad)
+    assert cache.length == state[0] and not cache.has_padding
+    assert torch.equal(cache.key_valid, state[1]) and torch.equal(cache.next_position, state[2])
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "vaswani-tiny"])
+def test_training_forward_has_no_graph_breaks(name):
+    model = build_model(get_preset(name))
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(idx, targets=idx)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@torch.no_grad()
+def test_decode_step_compiles_with_fullgraph_and_matches_eager():
+    """The static-cache decode step traces as one graph (backend 'eager' checks the
+    tracing without paying for code generation) and gives the eager step's logits."""
+    model = build_model(get_preset("llama-tiny")).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (2, 5))
+
+    def step(model, ids, cache):
+        return model(ids, cache=cache, last_only=True).logits[:, -1]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="eager")
+    eager_cache = model.new_cache(2, 16)
+    static_cache = model.new_cache(2, 16, static=True)
+    model(prompt, cache=eager_cache)
+    model(prompt, cache=static_cache)
+    tok = prompt[:, -1:]
+    for _ in range(4):
+        a = step(model, tok, eager_cache)
+        b = compiled(model, tok, static_cache)
+        torch.testing.assert_close(b, a, **TOL)
+        tok = a.argmax(-1, keepdim=True)
+
+
+@pytest.mark.slow
+def test_generate_compile_equals_eager_generate():
+    model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (9,)).tolist()
+    assert model.generate(prompt, 12, compile=True) == model.generate(prompt, 12)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.randn(3, 50) * 30
+    for t in (1e-6, 1e-12, 1e-30):
+        assert torch.equal(sample_next(logits, temperature=t), logits.argmax(-1))
+
+
+def test_top_k_keeps_exactly_k_tokens_with_ties():
+    logits = torch.zeros(1, 10)  # every logit tied
+    seen = set()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        seen.add(int(sample_next(logits, temperature=1.0, top_k=3, generator=g)))
+    assert len(seen) == 3
