@@ -1,14 +1,20 @@
 """Beam search over any autoregressive step function (encoder-decoder or decoder-only).
 
 Keep the ``beam_width`` most probable prefixes; extend each by every token; keep the best
-``beam_width`` extensions that do not end in EOS, setting aside those that do as finished
-hypotheses. Stop once ``beam_width`` hypotheses have finished (the "early stopping" of
-most implementations) or after ``max_len`` tokens. Finished hypotheses are ranked by
+``beam_width`` extensions that do not end in EOS, setting aside those that do (when they
+rank above the last kept prefix) as finished hypotheses. Finished hypotheses are ranked by
 
     score = log p(y | x) / lp(|y|),   lp(n) = ((5 + n) / 6) ** alpha
 
 the length penalty of Wu et al. 2016 (GNMT, eq. 14): alpha = 0 ranks by log-probability,
 which favours short outputs; alpha ~ 0.6-1 compensates. |y| counts the EOS token.
+
+Stopping: a prefix's log-probability only falls as it grows and lp(n) <= lp(max_len), so no
+live prefix can end above (its log p) / lp(max_len). The search stops when the ``n_best``-th
+finished score reaches that bound for every live prefix, or after ``max_len`` tokens.
+Stopping as soon as ``beam_width`` hypotheses have finished (a common shortcut) returned
+worse outputs than greedy decoding on a peaked model: near-copies one token shorter than
+the best prefix finish first and end the search before it does.
 
 The model is seen only through two callables, so the same search serves every model:
 ``step(tokens (n,), state) -> (log_probs (n, V), state)`` advances n prefixes by one token,
@@ -91,9 +97,15 @@ def beam_search(
                 keep_log_probs.append(total)
                 if len(keep_rows) == beam_width:
                     break
-        if len(finished) >= beam_width or not keep_rows:
+        if not keep_rows:
             prefixes = []
             break
+        if len(finished) >= n_best:
+            nth_best = sorted((h.score for h in finished), reverse=True)[n_best - 1]
+            bound = max(keep_log_probs) / length_penalty(max_len, length_penalty_alpha)
+            if nth_best >= bound:
+                prefixes = []
+                break
         prefixes = [prefixes[r] + [t] for r, t in zip(keep_rows, keep_tokens)]
         prefix_log_probs = torch.tensor(keep_log_probs, dtype=torch.float64)
         last = torch.tensor(keep_tokens)

@@ -260,3 +260,28 @@ def test_generic_beam_search_with_a_fixed_distribution():
     assert [(h.tokens, h.finished) for h in hyps[:2]] == [([2], True), ([0, 0, 0, 0], False)]
     assert not hyps[2].finished and sorted(hyps[2].tokens) == [0, 0, 0, 1]  # one of 4 ties
     assert math.isclose(hyps[2].log_prob, math.log(0.5**3 * 0.3), rel_tol=1e-6)  # float32 steps
+
+
+def test_beam_does_not_stop_while_a_live_prefix_can_still_win():
+    # Tokens a=0, b=1, EOS=2. The right answer is "aaaa" EOS (p = 0.9^4 * 0.98 = 0.64);
+    # prefixes with a typo (a b) end at length 3 with EOS almost surely, one step before
+    # the right answer can. Stopping at beam_width finished hypotheses returned a typo.
+    def probs(prefix: tuple[int, ...]) -> list[float]:
+        if 1 in prefix and len(prefix) >= 3:
+            return [0.02, 0.01, 0.97]
+        if 1 not in prefix and len(prefix) == 4:
+            return [0.01, 0.01, 0.98]
+        return [0.9, 0.08, 0.02]
+
+    def step(tokens, prefixes):
+        prefixes = [p if t == BOS else p + (t,) for p, t in zip(prefixes, tokens.tolist())]
+        return torch.tensor([probs(p) for p in prefixes]).log(), prefixes
+
+    def reorder(prefixes, rows):
+        return [prefixes[r] for r in rows.tolist()]
+
+    BOS = 3  # an input only, never an output
+    for width in (2, 3, 4):
+        hyps = beam_search(step, [()], reorder, bos_id=BOS, eos_id=2, beam_width=width, n_best=2)
+        assert hyps[0].tokens == [0, 0, 0, 0, 2], width
+        assert math.isclose(hyps[0].log_prob, math.log(0.9**4 * 0.98), rel_tol=1e-6)
