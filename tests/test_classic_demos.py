@@ -166,3 +166,24 @@ def test_bad_demo_input_is_one_error_line(argv, code, needle, tmp_path, capsys):
     assert got == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error" in err[0] and needle in err[0]
+
+
+def test_bahdanau_demo(tmp_path, capsys):
+    code = main([
+        "demo", "bahdanau", "--out", str(tmp_path), "--seconds", "1", "--max-number", "60",
+        "--n-test", "5", "--hidden", "16", "--beam", "2",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert_png(tmp_path / "bahdanau.png")
+    for name in ("greedy", "beam 2 (alpha 0.6)"):
+        [row] = table_rows(out, name)
+        assert 0.0 <= float(row[1]) <= 1.0 and 0.0 <= float(row[2]) <= 1.0
+    assert "55 training numbers below 60, 5 held out" in out
+
+
+def test_bahdanau_demo_rejects_a_test_set_that_leaves_no_training_data(tmp_path, capsys):
+    argv = ["demo", "bahdanau", "--out", str(tmp_path), "--max-number", "5", "--n-test", "5"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--n-test" in err[0]

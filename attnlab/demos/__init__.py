@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from attnlab.demos import kernel_regression, sqrt_dk, temperature
+from attnlab.demos import bahdanau, kernel_regression, sqrt_dk, temperature
 
 DEMOS: dict[str, ModuleType] = {
-    module.NAME: module for module in (kernel_regression, sqrt_dk, temperature)
+    module.NAME: module for module in (kernel_regression, sqrt_dk, temperature, bahdanau)
 }
