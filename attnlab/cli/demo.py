@@ -1,0 +1,39 @@
+"""``attnlab demo [NAME]``: run one of the classic attention demos (see attnlab.demos), or
+with no name list them. Each prints a table and writes its figures into --out."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from attnlab.cli.common import non_negative_int
+from attnlab.demos import DEMOS
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="run a classic attention demo (tables and figures); no name lists them",
+        description="Run a demo of a classic attention result: it prints a table and writes "
+        "PNG figures into --out (default runs/demo-NAME). With no NAME, list the demos.",
+    )
+    p.set_defaults(handler=run, demo=None)
+    names = p.add_subparsers(dest="demo", metavar="NAME")  # same parser class: one-line errors
+    for name, module in DEMOS.items():
+        q = names.add_parser(name, help=module.DESCRIPTION, description=module.__doc__)
+        q.add_argument("--out", metavar="DIR", default=f"runs/demo-{name}", help="figure folder")
+        q.add_argument("--seed", type=non_negative_int, default=0, help="random seed")
+        module.add_arguments(q)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.demo is None:
+        width = max(len(name) for name in DEMOS)
+        for name, module in DEMOS.items():
+            print(f"{name:<{width}}  {module.DESCRIPTION}")
+        return 0
+    # The demos run small tensors: one thread is as fast, and two threads fighting other
+    # processes for two cores made a training step ten times slower.
+    torch.set_num_threads(1)
+    return int(DEMOS[args.demo].run(args) or 0)

@@ -1,0 +1,230 @@
+"""GRU encoder-decoder with additive attention (Bahdanau, Cho and Bengio 2015).
+
+    h_1..h_S   = BiGRU(E_src[x])                  encoder: forward and backward states, (b, s, 2H)
+    s_0        = tanh(W_init [h_fwd_S; h_bwd_1])  decoder start from both final states
+    c_t, a_t   = Attn(query=s_{t-1}, keys=values=h, mask=source padding)
+    s_t        = GRU([E_tgt[y_{t-1}]; c_t], s_{t-1})
+    p(y_t | .) = softmax(W_out [s_t; c_t])
+
+The attention query is the previous decoder state s_{t-1}, so the decoder runs one step at
+a time also under teacher forcing: ``forward`` and the decoding loops share ``step``.
+Padding: the encoder packs the sequences (the backward GRU starts at each row's last real
+token) and attention ignores padded keys, so padding never changes another row's output.
+
+Shapes: b batch, s source length, t target length, E embedding size, H hidden size,
+L layers, V target vocabulary size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from attnlab.beam import Hypothesis, beam_search, check_search
+from attnlab.config import _Config, _fail, _positive
+from attnlab.nn.additive import AdditiveAttention
+from attnlab.nn.linear import Linear
+
+IGNORE_INDEX = -100  # targets with this value add nothing to the loss
+
+
+@dataclass
+class RNNSeq2SeqConfig(_Config):
+    src_vocab_size: int
+    tgt_vocab_size: int
+    pad_id: int = 0  # in both vocabularies
+    bos_id: int = 1  # target vocabulary
+    eos_id: int = 2  # target vocabulary
+    embed_dim: int = 64
+    hidden_dim: int = 128
+    attention_dim: int | None = None  # None: hidden_dim
+    n_layers: int = 1
+    dropout: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "hidden_dim", "n_layers"):
+            _positive(name, getattr(self, name))
+        _positive("attention_dim", self.attention_dim)
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("dropout", f"must be in [0, 1), got {self.dropout}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.tgt_vocab_size:
+                _fail(name, f"{value} is outside [0, tgt_vocab_size={self.tgt_vocab_size})")
+        if not 0 <= self.pad_id < self.src_vocab_size:
+            _fail("pad_id", f"{self.pad_id} is outside [0, src_vocab_size={self.src_vocab_size})")
+
+
+class Seq2SeqOutput(NamedTuple):
+    logits: Tensor  # (b, t, V)
+    loss: Tensor | None  # mean cross-entropy over targets != -100
+    attention: Tensor  # (b, t, s): the weights each target position gave the source
+
+
+class Memory(NamedTuple):
+    """What the decoder reads at every step: the encoder states and their padding."""
+
+    states: Tensor  # (b, s, 2H) keys and values
+    projected: Tensor  # (b, s, d_a) W_k h, computed once
+    mask: Tensor  # (b, s) True at real source tokens
+
+    def index(self, rows: Tensor) -> Memory:
+        return Memory(*(x.index_select(0, rows) for x in self))
+
+
+class GRUSeq2Seq(nn.Module):
+    def __init__(self, cfg: RNNSeq2SeqConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        H, E, L = cfg.hidden_dim, cfg.embed_dim, cfg.n_layers
+        self.src_embed = nn.Embedding(cfg.src_vocab_size, E, padding_idx=cfg.pad_id)
+        self.tgt_embed = nn.Embedding(cfg.tgt_vocab_size, E, padding_idx=cfg.pad_id)
+        rnn_dropout = cfg.dropout if L > 1 else 0.0  # GRU applies it between layers only
+        self.encoder = nn.GRU(
+            E, H, num_layers=L, batch_first=True, bidirectional=True, dropout=rnn_dropout
+        )
+        self.init_state = Linear(2 * H, H)
+        self.attention = AdditiveAttention(H, 2 * H, cfg.attention_dim or H)
+        self.decoder = nn.GRU(E + 2 * H, H, num_layers=L, batch_first=True, dropout=rnn_dropout)
+        self.out = Linear(H + 2 * H, cfg.tgt_vocab_size)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    # ------------------------------------------------------------------ encoder
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Memory, Tensor]:
+        """src (b, s) ids, src_mask (b, s) True at real tokens (a prefix of each row)
+        -> (memory, initial decoder state (L, b, H))."""
+        if src_mask is None:
+            src_mask = torch.ones_like(src, dtype=torch.bool)
+        lengths = src_mask.sum(dim=1)
+        if bool((lengths == 0).any()):
+            raise ValueError("every source sequence needs at least one real token")
+        x = self.dropout(self.src_embed(src))  # (b, s, E)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        states, last = self.encoder(packed)  # last: (L * 2, b, H), per row's real end
+        states, _ = pad_packed_sequence(states, batch_first=True, total_length=src.shape[1])
+        b, L, H = src.shape[0], self.cfg.n_layers, self.cfg.hidden_dim
+        last = last.view(L, 2, b, H).permute(0, 2, 1, 3).reshape(L, b, 2 * H)  # [fwd; bwd]
+        hidden = torch.tanh(self.init_state(last))  # (L, b, H)
+        memory = Memory(states, self.attention.project_keys(states), src_mask)
+        return memory, hidden
+
+    # ------------------------------------------------------------------ decoder
+
+    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory) -> tuple[Tensor, Tensor, Tensor]:
+        """One decoder step: previous tokens (b,), state (L, b, H) -> logits (b, V),
+        new state, attention weights (b, s)."""
+        query = hidden[-1]  # (b, H): the top layer's previous state
+        context, weights = self.attention(
+            query, memory.states, memory.states, mask=memory.mask, projected_keys=memory.projected
+        )  # (b, 2H), (b, s)
+        x = torch.cat([self.dropout(self.tgt_embed(tokens)), context], dim=-1)  # (b, E + 2H)
+        output, hidden = self.decoder(x[:, None], hidden)  # (b, 1, H), (L, b, H)
+        logits = self.out(self.dropout(torch.cat([output[:, 0], context], dim=-1)))  # (b, V)
+        return logits, hidden, weights
+
+    def forward(
+        self,
+        src: Tensor,
+        src_mask: Tensor | None,
+        tgt_in: Tensor,
+        targets: Tensor | None = None,
+    ) -> Seq2SeqOutput:
+        """Teacher forcing. tgt_in (b, t) = BOS y_1 .. y_{t-1}; targets (b, t) = y_1 .. EOS
+        with -100 where there is nothing to predict (padding)."""
+        memory, hidden = self.encode(src, src_mask)
+        logits, weights = [], []
+        for i in range(tgt_in.shape[1]):
+            step_logits, hidden, step_weights = self.step(tgt_in[:, i], hidden, memory)
+            logits.append(step_logits)
+            weights.append(step_weights)
+        logits_bt = torch.stack(logits, dim=1)  # (b, t, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits_bt.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+            )
+        return Seq2SeqOutput(logits_bt, loss, torch.stack(weights, dim=1))
+
+    @torch.no_grad()
+    def sequence_log_prob(self, src: Tensor, src_mask: Tensor | None, tokens: list[int]) -> float:
+        """log p(tokens | src) of one source row by teacher forcing (tokens without BOS)."""
+        tgt_in = torch.tensor([[self.cfg.bos_id, *tokens[:-1]]])
+        out = self(src, src_mask, tgt_in)
+        log_probs = out.logits.double().log_softmax(-1)[0]  # (t, V)
+        return float(log_probs[torch.arange(len(tokens)), torch.tensor(tokens)].sum())
+
+    # ------------------------------------------------------------------ decoding
+
+    @torch.no_grad()
+    def greedy(
+        self, src: Tensor, src_mask: Tensor | None = None, *, max_len: int = 50
+    ) -> list[Hypothesis]:
+        """The most probable next token at every step, for each row; stops at EOS."""
+        check_search(1, max_len, 1, 0.0)
+        memory, hidden = self.encode(src, src_mask)
+        b = src.shape[0]
+        tokens = torch.full((b,), self.cfg.bos_id, dtype=torch.long)
+        log_prob = torch.zeros(b, dtype=torch.float64)
+        done = torch.zeros(b, dtype=torch.bool)
+        out: list[list[int]] = [[] for _ in range(b)]
+        for _ in range(max_len):
+            logits, hidden, _ = self.step(tokens, hidden, memory)
+            log_probs = logits.double().log_softmax(-1)  # (b, V)
+            tokens = log_probs.argmax(-1)  # (b,)
+            log_prob += torch.where(done, 0.0, log_probs.gather(1, tokens[:, None])[:, 0])
+            for row in (~done).nonzero()[:, 0].tolist():
+                out[row].append(int(tokens[row]))
+            done |= tokens == self.cfg.eos_id
+            if bool(done.all()):
+                break
+        return [
+            Hypothesis(seq, lp, lp, bool(d))
+            for seq, lp, d in zip(out, log_prob.tolist(), done.tolist())
+        ]
+
+    @torch.no_grad()
+    def beam_search(
+        self,
+        src: Tensor,
+        src_mask: Tensor | None = None,
+        *,
+        beam_width: int = 4,
+        max_len: int = 50,
+        length_penalty: float = 0.0,
+        n_best: int = 1,
+    ) -> list[list[Hypothesis]]:
+        """For each source row, its ``n_best`` hypotheses, best first (see attnlab.beam)."""
+        memory, hidden = self.encode(src, src_mask)
+        results = []
+        for row in range(src.shape[0]):
+            index = torch.tensor([row])
+            state = (hidden.index_select(1, index), memory.index(index))
+
+            def step(tokens: Tensor, state: tuple[Tensor, Memory]) -> tuple[Tensor, tuple]:
+                logits, new_hidden, _ = self.step(tokens, state[0], state[1])
+                return logits.log_softmax(-1), (new_hidden, state[1])
+
+            def reorder(state: tuple[Tensor, Memory], rows: Tensor) -> tuple[Tensor, Memory]:
+                return state[0].index_select(1, rows), state[1].index(rows)
+
+            results.append(
+                beam_search(
+                    step,
+                    state,
+                    reorder,
+                    bos_id=self.cfg.bos_id,
+                    eos_id=self.cfg.eos_id,
+                    beam_width=beam_width,
+                    max_len=max_len,
+                    length_penalty_alpha=length_penalty,
+                    n_best=n_best,
+                )
+            )
+        return results

@@ -1,0 +1,189 @@
+"""``attnlab demo``: each demo end to end at small sizes (through ``main``, in process), the
+numbers they print checked against independent computations, and bad input answered with
+one error line and a non-zero exit."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.cli.main import main
+from attnlab.demos import DEMOS
+from attnlab.demos.sqrt_dk import measure, softmax_jacobian
+from attnlab.demos.temperature import entropy, quick_run, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """The rows of a printed table whose first cell is ``first_cell`` (split on 2+ spaces)."""
+    import re
+
+    rows = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()]
+    return [r for r in rows if r and r[0] == first_cell]
+
+
+def assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+
+
+def test_demo_without_name_lists_every_demo(capsys):
+    assert main(["demo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(DEMOS)
+    assert all(len(line.split(None, 1)[1]) > 10 for line in lines)  # a description each
+
+
+def test_unknown_demo_is_one_line_on_stderr_and_nonzero_exit(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnlab", "demo", "no-such-demo"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and "no-such-demo" in lines[0]
+
+
+def test_kernel_regression_demo(tmp_path, capsys):
+    code = main([
+        "demo", "kernel-regression", "--out", str(tmp_path), "--n-train", "40",
+        "--n-test", "30", "--steps", "60",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert_png(tmp_path / "kernel_regression.png")
+    mse = {r[0]: float(r[-1]) for r in table_rows(out, "mean of y (baseline)")}
+    for name in ("fixed gaussian", "fixed boxcar", "fixed epanechnikov", "learned gaussian (LOO)"):
+        [row] = table_rows(out, name)
+        mse[name] = float(row[-1])
+    assert all(
+        v < mse["mean of y (baseline)"] for k, v in mse.items() if k != "mean of y (baseline)"
+    )  # noqa: E501
+
+
+def test_sqrt_dk_demo_prints_variances_near_d_and_one(tmp_path, capsys):
+    code = main(["demo", "sqrt-dk", "--out", str(tmp_path), "--d-max", "64", "--n-rows", "200"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert_png(tmp_path / "sqrt_dk.png")
+    for d in (1, 8, 64):
+        [row] = table_rows(out, str(d))
+        var_raw, var_scaled = float(row[1]), float(row[2])
+        # 200 x 64 samples of a product of normals: the sample variance is within ~5%
+        assert abs(var_raw / d - 1) < 0.15 and abs(var_scaled - 1) < 0.15
+
+
+def test_sqrt_dk_measurements_show_saturation_only_without_scaling():
+    g = torch.Generator().manual_seed(0)
+    small, large = (measure(d, n_keys=64, n_rows=200, generator=g) for d in (4, 1024))
+    assert large["p_max_raw"] > 0.99 and large["p_max_scaled"] < 0.3
+    assert large["jacobian_raw"] < 0.01 * large["jacobian_scaled"]
+    assert abs(small["jacobian_scaled"] - large["jacobian_scaled"]) < 0.05  # scaled: flat in d
+    assert large["p_sigma_raw"] < 1e-6 < large["p_sigma_scaled"]
+
+
+def test_softmax_jacobian_equals_autograd():
+    scores = torch.randn(3, 5, dtype=torch.float64)
+    got = softmax_jacobian(scores.softmax(-1))
+    for row in range(3):
+        want = torch.autograd.functional.jacobian(lambda s: s.softmax(-1), scores[row])
+        torch.testing.assert_close(got[row], want)
+
+
+def test_temperature_sweep_goes_from_argmax_to_uniform():
+    logits = torch.randn(20, dtype=torch.float64)
+    cold, one, hot = sweep(logits, [1e-3, 1.0, 1e4])
+    assert cold["top"] == pytest.approx(1.0) and cold["entropy"] == pytest.approx(0, abs=1e-9)
+    assert hot["top"] == pytest.approx(1 / 20, rel=1e-3)
+    assert hot["entropy"] == pytest.approx(math.log(20), rel=1e-6)
+    want = torch.distributions.Categorical(logits=logits).entropy().item()
+    assert one["entropy"] == pytest.approx(want, rel=1e-9)
+    assert entropy(torch.tensor([1.0, 0.0])).item() == 0.0  # 0 log 0 = 0, not nan
+
+
+def test_temperature_demo_without_model(tmp_path, capsys):
+    code = main(["demo", "temperature", "--out", str(tmp_path), "--train-seconds", "0"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert_png(tmp_path / "temperature.png")
+    assert "random logits only" in out
+    [row] = table_rows(out, "0.01")
+    assert float(row[-1]) == pytest.approx(1.0)
+
+
+def test_temperature_demo_with_checkpoint(tmp_path, capsys):
+    from attnlab.training import load_checkpoint, train
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat and the dog ran to the cat.\n" * 40)
+    cfg = quick_run(60, seed=0)
+    cfg.data.path = str(corpus)
+    cfg.train.time_budget = None
+    train(cfg, tmp_path / "ckpt", max_steps=3, progress=False)
+    capsys.readouterr()
+    code = main([
+        "demo", "temperature", "--out", str(tmp_path / "fig"), "--ckpt", str(tmp_path / "ckpt"),
+        "--prompt", "the ca",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert_png(tmp_path / "fig" / "temperature.png")
+    # The printed entropy at tau = 1 is the entropy of the checkpoint's own next-token
+    # distribution, computed here independently.
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    with torch.no_grad():
+        logits = ckpt.model(torch.tensor([ckpt.tokenizer.encode("the ca")])).logits[0, -1]
+    want = torch.distributions.Categorical(logits=logits.double()).entropy().item()
+    rows = table_rows(out, "1")
+    assert len(rows) == 2  # random logits, then the checkpoint
+    assert float(rows[1][1]) == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "argv, code, needle",
+    [
+        (["demo", "kernel-regression", "--bandwidth", "0"], 2, "--bandwidth"),
+        (["demo", "kernel-regression", "--noise", "-1"], 1, "--noise"),
+        (["demo", "sqrt-dk", "--n-keys", "1"], 1, "--n-keys"),
+        (["demo", "temperature", "--ckpt", "/nonexistent/ckpt"], 1, "/nonexistent/ckpt"),
+        (["demo", "temperature", "--n-logits", "x"], 2, "--n-logits"),
+    ],
+)
+def test_bad_demo_input_is_one_error_line(argv, code, needle, tmp_path, capsys):
+    try:
+        got = main([*argv, "--out", str(tmp_path)])
+    except SystemExit as e:  # argparse usage errors exit from inside parse_args
+        got = e.code
+    assert got == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error" in err[0] and needle in err[0]
+
+
+def test_bahdanau_demo(tmp_path, capsys):
+    code = main([
+        "demo", "bahdanau", "--out", str(tmp_path), "--seconds", "1", "--max-number", "60",
+        "--n-test", "5", "--hidden", "16", "--beam", "2",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert_png(tmp_path / "bahdanau.png")
+    for name in ("greedy", "beam 2 (alpha 0.6)"):
+        [row] = table_rows(out, name)
+        assert 0.0 <= float(row[1]) <= 1.0 and 0.0 <= float(row[2]) <= 1.0
+    assert "55 training numbers below 60, 5 held out" in out
+
+
+def test_bahdanau_demo_rejects_a_test_set_that_leaves_no_training_data(tmp_path, capsys):
+    argv = ["demo", "bahdanau", "--out", str(tmp_path), "--max-number", "5", "--n-test", "5"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--n-test" in err[0]

@@ -1,0 +1,287 @@
+"""Additive attention against a loop; the GRU encoder-decoder's decoding against teacher
+forcing and against exhaustive search; padding invariance; a real drop in loss."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from attnlab.beam import beam_search, length_penalty
+from attnlab.config import ConfigError
+from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
+from attnlab.nn.additive import AdditiveAttention
+
+# ------------------------------------------------------------------ additive attention
+
+
+def loop_additive(attn: AdditiveAttention, q, k, v, mask):
+    """One (batch, query, key) at a time: w_v . tanh(W_q q + W_k k), softmax over the real
+    keys, weighted sum of values; float64."""
+    W_q, W_k = attn.w_q.weight.double(), attn.w_k.weight.double()
+    w_v = attn.w_v.weight.double()[0]
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    context = torch.zeros(b, t, v.shape[-1], dtype=torch.float64)
+    weights = torch.zeros(b, t, s, dtype=torch.float64)
+    for bi in range(b):
+        for ti in range(t):
+            scores = {}
+            for si in range(s):
+                if mask[bi, si]:
+                    hidden = torch.tanh(W_q @ q[bi, ti].double() + W_k @ k[bi, si].double())
+                    scores[si] = float((w_v @ hidden).detach())
+            top = max(scores.values())
+            total = sum(math.exp(x - top) for x in scores.values())
+            for si, x in scores.items():
+                weights[bi, ti, si] = math.exp(x - top) / total
+                context[bi, ti] += weights[bi, ti, si] * v[bi, si].double()
+    return context, weights
+
+
+def test_additive_attention_matches_loop_with_padding():
+    attn = AdditiveAttention(query_dim=5, key_dim=7, attention_dim=6)
+    q, k, v = torch.randn(3, 4, 5), torch.randn(3, 6, 7), torch.randn(3, 6, 2)
+    lengths = torch.tensor([6, 2, 4])
+    mask = torch.arange(6)[None, :] < lengths[:, None]  # (b, s)
+    context, weights = attn(q, k, v, mask=mask)
+    want_context, want_weights = loop_additive(attn, q, k, v, mask)
+    torch.testing.assert_close(context.double(), want_context, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights.double(), want_weights, rtol=1e-5, atol=1e-6)
+    assert bool((weights[1, :, 2:] == 0).all())  # padded keys get exactly zero weight
+    # one query per row (the RNN decoder's use), with the keys projected once
+    c1, w1 = attn(q[:, 0], k, v, mask=mask, projected_keys=attn.project_keys(k))
+    torch.testing.assert_close(c1, context[:, 0])
+    torch.testing.assert_close(w1, weights[:, 0])
+
+
+def test_additive_attention_query_and_key_sizes_may_differ_and_gradients_flow():
+    attn = AdditiveAttention(3, 9, 4)
+    q = torch.randn(2, 3, requires_grad=True)
+    k = torch.randn(2, 5, 9, requires_grad=True)
+    context, weights = attn(q, k, k)
+    assert context.shape == (2, 9) and weights.shape == (2, 5)
+    context.sum().backward()
+    assert q.grad is not None and k.grad is not None and attn.w_v.weight.grad is not None
+
+
+# ------------------------------------------------------------------ GRU encoder-decoder
+
+SRC_V, TGT_V = 7, 6  # tiny vocabularies keep exhaustive search affordable
+EOS = 2
+
+
+def tiny_model(**kw) -> GRUSeq2Seq:
+    cfg = RNNSeq2SeqConfig(
+        src_vocab_size=SRC_V, tgt_vocab_size=TGT_V, embed_dim=8, hidden_dim=12, **kw
+    )
+    model = GRUSeq2Seq(cfg).eval()
+    with torch.no_grad():  # give EOS a fair chance so that hypotheses finish
+        model.out.bias[EOS] += 1.0
+    return model
+
+
+def padded_sources():
+    src = torch.randint(3, SRC_V, (3, 6))
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 3, 1])[:, None]
+    return src.masked_fill(~mask, 0), mask
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_greedy_equals_beam_of_width_one(n_layers):
+    model = tiny_model(n_layers=n_layers)
+    src, mask = padded_sources()
+    greedy = model.greedy(src, mask, max_len=8)
+    beams = model.beam_search(src, mask, beam_width=1, max_len=8)
+    for g, [b] in zip(greedy, beams):
+        assert g.tokens == b.tokens and g.finished == b.finished
+        assert math.isclose(g.log_prob, b.log_prob, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.8])
+def test_beam_is_sorted_and_scores_equal_teacher_forced_log_probs(alpha):
+    model = tiny_model()
+    src, mask = padded_sources()
+    results = model.beam_search(src, mask, beam_width=4, max_len=7, length_penalty=alpha, n_best=4)
+    for row, hyps in enumerate(results):
+        assert len(hyps) == 4
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.tokens) for h in hyps}) == 4  # distinct hypotheses
+        for h in hyps:
+            assert h.finished == (h.tokens[-1] == EOS) and EOS not in h.tokens[:-1]
+            want = model.sequence_log_prob(src[row : row + 1], mask[row : row + 1], h.tokens)
+            assert math.isclose(h.log_prob, want, rel_tol=1e-5, abs_tol=1e-5)
+            assert math.isclose(h.score, want / length_penalty(len(h.tokens), alpha), rel_tol=1e-5)
+
+
+def test_wide_beam_equals_exhaustive_search():
+    # A beam wider than the number of prefixes prunes nothing: its n-best must be the n best
+    # of every sequence ending in EOS within max_len, scored by teacher forcing.
+    model = tiny_model()
+    src, mask = padded_sources()
+    max_len, alpha = 3, 0.6
+    results = model.beam_search(
+        src[:1], mask[:1], beam_width=TGT_V**max_len, max_len=max_len, length_penalty=alpha,
+        n_best=5,
+    )[0]  # fmt: skip
+    candidates = []
+    for n in range(max_len):  # n tokens before EOS
+        for body in itertools.product([t for t in range(TGT_V) if t != EOS], repeat=n):
+            tokens = [*body, EOS]
+            lp = model.sequence_log_prob(src[:1], mask[:1], tokens)
+            candidates.append((lp / length_penalty(len(tokens), alpha), tokens))
+    candidates.sort(reverse=True)
+    assert [h.tokens for h in results] == [tokens for _, tokens in candidates[:5]]
+    for h, (score, _) in zip(results, candidates):
+        assert math.isclose(h.score, score, rel_tol=1e-5)
+
+
+def test_beam_search_rejects_bad_settings():
+    model = tiny_model()
+    src, mask = padded_sources()
+    for kw, message in [
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": 2, "n_best": 3}, "n_best"),
+        ({"max_len": 0}, "max_len"),
+        ({"length_penalty": -1.0}, "length_penalty"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            model.beam_search(src, mask, **kw)
+
+
+def test_unfinished_hypotheses_fill_the_list_at_max_len():
+    model = tiny_model()
+    with torch.no_grad():
+        model.out.bias[EOS] -= 100.0  # EOS never wins
+    src, mask = padded_sources()
+    hyps = model.beam_search(src[:1], mask[:1], beam_width=3, max_len=4, n_best=3)[0]
+    assert all(not h.finished and len(h.tokens) == 4 for h in hyps)
+    [g] = model.greedy(src[:1], mask[:1], max_len=4)
+    assert not g.finished and len(g.tokens) == 4
+
+
+def test_source_padding_does_not_change_other_rows():
+    model = tiny_model(n_layers=2)
+    src, mask = padded_sources()
+    tgt_in = torch.randint(0, TGT_V, (3, 5))
+    batched = model(src, mask, tgt_in)
+    garbage = src.masked_fill(~mask, 5)  # other ids under the padding: must not matter
+    torch.testing.assert_close(model(garbage, mask, tgt_in).logits, batched.logits)
+    for row in range(3):
+        n = int(mask[row].sum())
+        alone = model(src[row : row + 1, :n], None, tgt_in[row : row + 1])
+        torch.testing.assert_close(alone.logits, batched.logits[row : row + 1])
+        torch.testing.assert_close(alone.attention, batched.attention[row : row + 1, :, :n])
+        assert bool((batched.attention[row, :, n:] == 0).all())
+    assert [h.tokens for h in model.greedy(src, mask, max_len=6)] == [
+        model.greedy(src[r : r + 1, : int(mask[r].sum())], max_len=6)[0].tokens for r in range(3)
+    ]
+
+
+def test_loss_is_cross_entropy_over_non_ignored_targets():
+    model = tiny_model()
+    src, mask = padded_sources()
+    tgt_in = torch.randint(0, TGT_V, (3, 5))
+    targets = torch.randint(0, TGT_V, (3, 5))
+    targets[1, 3:] = -100
+    targets[2, 1:] = -100
+    out = model(src, mask, tgt_in, targets)
+    log_probs = out.logits.log_softmax(-1)
+    picked = [
+        -log_probs[b, t, targets[b, t]] for b in range(3) for t in range(5) if targets[b, t] >= 0
+    ]
+    torch.testing.assert_close(out.loss, torch.stack(picked).mean())
+    assert out.logits.shape == (3, 5, TGT_V) and out.attention.shape == (3, 5, 6)
+    assert model(src, mask, tgt_in).loss is None
+
+
+def test_learns_to_reverse_short_sequences():
+    # Target = the source reversed (ids shifted into the target vocabulary), then EOS: the
+    # loss must drop well below its starting value in 150 steps.
+    torch.manual_seed(0)
+    cfg = RNNSeq2SeqConfig(src_vocab_size=8, tgt_vocab_size=8, embed_dim=16, hidden_dim=32)
+    model = GRUSeq2Seq(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(150):
+        src = torch.randint(3, 8, (32, 4))
+        body = src.flip(1)
+        tgt_in = torch.cat([torch.full((32, 1), cfg.bos_id), body], dim=1)
+        targets = torch.cat([body, torch.full((32, 1), cfg.eos_id)], dim=1)
+        loss = model(src, None, tgt_in, targets).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-10:]) / 10 < 0.25 * sum(losses[:10]) / 10
+    model.eval()
+    src = torch.randint(3, 8, (16, 4))
+    got = [h.tokens for h in model.greedy(src, max_len=6)]
+    right = sum(g == [*s.flip(0).tolist(), cfg.eos_id] for g, s in zip(got, src))
+    assert right >= 12
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"hidden_dim": 0}, "hidden_dim"),
+        ({"eos_id": 6}, "eos_id"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"attention_dim": 0}, "attention_dim"),
+    ],
+)
+def test_config_rejects_bad_values(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        RNNSeq2SeqConfig(src_vocab_size=SRC_V, tgt_vocab_size=TGT_V, **kw).validate()
+    with pytest.raises(ConfigError, match="hidden_dimm"):
+        RNNSeq2SeqConfig.from_dict({"src_vocab_size": 3, "tgt_vocab_size": 4, "hidden_dimm": 2})
+
+
+def test_generic_beam_search_with_a_fixed_distribution():
+    # A step function that ignores the prefix: p(a) = 0.4, p(EOS) = 0.35, p(b) = 0.25. Width
+    # 2, step 1: keep a and b, finish [EOS] (0.35). Step 2: aa 0.16, a EOS 0.14, ab 0.1 ...:
+    # keep aa, finish [a, EOS], keep ab; two finished = beam width: stop.
+    probs = torch.tensor([[0.4, 0.25, 0.35]]).log()
+    step = lambda tokens, state: (probs.expand(len(tokens), 3), state)
+    hyps = beam_search(step, None, lambda s, i: s, bos_id=0, eos_id=2, beam_width=2, n_best=2)
+    assert [h.tokens for h in hyps] == [[2], [0, 2]]
+    torch.testing.assert_close(
+        torch.tensor([h.log_prob for h in hyps], dtype=torch.float64),
+        torch.tensor([0.35, 0.14], dtype=torch.float64).log(),
+    )
+    # An EOS extension that ranks below the kept prefixes is not finished (the usual rule):
+    # with p(EOS) = 0.2 the search runs to max_len and fills the list with unfinished ones.
+    probs = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    hyps = beam_search(
+        step, None, lambda s, i: s, bos_id=0, eos_id=2, beam_width=3, max_len=4, n_best=3
+    )
+    assert [(h.tokens, h.finished) for h in hyps[:2]] == [([2], True), ([0, 0, 0, 0], False)]
+    assert not hyps[2].finished and sorted(hyps[2].tokens) == [0, 0, 0, 1]  # one of 4 ties
+    assert math.isclose(hyps[2].log_prob, math.log(0.5**3 * 0.3), rel_tol=1e-6)  # float32 steps
+
+
+def test_beam_does_not_stop_while_a_live_prefix_can_still_win():
+    # Tokens a=0, b=1, EOS=2. The right answer is "aaaa" EOS (p = 0.9^4 * 0.98 = 0.64);
+    # prefixes with a typo (a b) end at length 3 with EOS almost surely, one step before
+    # the right answer can. Stopping at beam_width finished hypotheses returned a typo.
+    def probs(prefix: tuple[int, ...]) -> list[float]:
+        if 1 in prefix and len(prefix) >= 3:
+            return [0.02, 0.01, 0.97]
+        if 1 not in prefix and len(prefix) == 4:
+            return [0.01, 0.01, 0.98]
+        return [0.9, 0.08, 0.02]
+
+    def step(tokens, prefixes):
+        prefixes = [p if t == BOS else p + (t,) for p, t in zip(prefixes, tokens.tolist())]
+        return torch.tensor([probs(p) for p in prefixes]).log(), prefixes
+
+    def reorder(prefixes, rows):
+        return [prefixes[r] for r in rows.tolist()]
+
+    BOS = 3  # an input only, never an output
+    for width in (2, 3, 4):
+        hyps = beam_search(step, [()], reorder, bos_id=BOS, eos_id=2, beam_width=width, n_best=2)
+        assert hyps[0].tokens == [0, 0, 0, 0, 2], width
+        assert math.isclose(hyps[0].log_prob, math.log(0.9**4 * 0.98), rel_tol=1e-6)
