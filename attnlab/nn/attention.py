@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache
+from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import combine_masks, sliding_window_mask
@@ -59,9 +59,12 @@ class MultiHeadAttention(nn.Module):
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
-        """Dense keys and values for self-attention; computed-once keys/values for cross."""
+        """Dense keys and values for self-attention; a ring of ``window`` entries for a
+        sliding-window layer; computed-once keys/values for cross-attention."""
         if self.cross:
             return CrossKV(cache)
+        if self.window is not None:
+            return RollingKV(cache, self.n_kv_heads, self.head_dim, self.window)
         return DenseKV(cache, self.n_kv_heads, self.head_dim)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
