@@ -180,6 +180,101 @@ class RollingKV(LayerCache):
         return mask, False
 
 
+class SinkKV(LayerCache):
+    """StreamingLLM (Xiao et al. 2023): the first ``sinks`` tokens of each row, kept for
+    good, plus a ring of the last ``window - sinks``. Keys are stored un-rotated and given
+    their positions within the cache when read, as the paper does: a recent key sits at its
+    own distance from the query; a sink j at distance (query's place in the cache) - j,
+    where the query's place is min(p, window - 1). So decoding runs forever in bounded
+    memory with RoPE angles never beyond the window. While the window is not full this is
+    exactly :func:`~attnlab.functional.masks.sink_window_mask` attention.
+
+    The entry computes its attention itself (``attend``): sinks and recent keys need
+    different query rotations (two score blocks under one softmax). Reference-speed eager
+    maths. Shapes: sinks (b, h_kv, n_s, d_h), ring (b, h_kv, r, d_h), r = window - n_s."""
+
+    shared_slots = False
+
+    def __init__(self, cache: Cache, n_kv_heads: int, head_dim: int, window: int, sinks: int):
+        super().__init__(cache)
+        self.window, self.sinks, self.recent = window, sinks, window - sinks
+        self._shapes = (n_kv_heads, head_dim)
+        self.reset()
+
+    def reset(self) -> None:
+        b, (h_kv, d_h), dev = self.cache.batch, self._shapes, self.cache.device
+        kw = dict(dtype=self.cache.dtype, device=dev)
+        self.sink_k = torch.zeros(b, h_kv, self.sinks, d_h, **kw)
+        self.sink_v = torch.zeros(b, h_kv, self.sinks, d_h, **kw)
+        self.sink_valid = torch.zeros(b, self.sinks, dtype=torch.bool, device=dev)
+        self.k = torch.zeros(b, h_kv, self.recent, d_h, **kw)
+        self.v = torch.zeros(b, h_kv, self.recent, d_h, **kw)
+        self.pos = torch.zeros(b, self.recent, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(b, self.recent, dtype=torch.bool, device=dev)
+        self.written = torch.zeros((), dtype=torch.long, device=dev)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.sink_k, self.sink_v, self.k, self.v]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope, scale: float | None = None) -> Tensor:
+        """q (b, h, t, d_h), k, v (b, h_kv, t, d_h), all un-rotated; ``rope`` a
+        RotaryEmbedding or None (no positions). Returns (b, h, t, d_h)."""
+        step = self.cache._step
+        if step is None:
+            raise CacheError("cache.begin(t) must come before a layer writes to the cache")
+        b, h, t, d_h = q.shape
+        n_s, r = self.sinks, self.recent
+        p = step.positions  # (b, t)
+        valid = step.valid if step.valid is not None else torch.ones_like(p, dtype=torch.bool)
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        # 1. Real tokens at positions < n_s become sinks (a row's positions are distinct).
+        onehot = valid[:, :, None] & (p[:, :, None] == torch.arange(n_s, device=p.device))
+        hit = onehot.any(1)  # (b, n_s)
+        w = onehot.to(k.dtype)  # (b, t, n_s)
+        new_sk = torch.einsum("btn,bhtd->bhnd", w, k)
+        new_sv = torch.einsum("btn,bhtd->bhnd", w, v)
+        self.sink_k.copy_(torch.where(hit[:, None, :, None], new_sk, self.sink_k))
+        self.sink_v.copy_(torch.where(hit[:, None, :, None], new_sv, self.sink_v))
+        self.sink_valid |= hit
+        # 2. Recent keys: the ring and the new tokens, sinks excluded (held above).
+        rk, rv = torch.cat((self.k, k), 2), torch.cat((self.v, v), 2)  # (b, h_kv, r + t, d_h)
+        r_pos = torch.cat((self.pos, p), 1)  # (b, r + t)
+        r_valid = torch.cat((self.valid, valid), 1) & (r_pos >= n_s)
+        q_pos = p[:, None, :, None]  # (b, 1, t, 1)
+        rec_mask = r_valid[:, None, None, :] & (r_pos[:, None, None, :] <= q_pos)
+        rec_mask = rec_mask & (r_pos[:, None, None, :] > q_pos - r)
+        sink_pos = torch.arange(n_s, device=p.device)
+        sink_mask = self.sink_valid[:, None, None, :] & (sink_pos <= q_pos)
+        # 3. Positions within the cache: the query sits at min(p, window - 1) for the sinks.
+        sk = self.sink_k
+        q_rec = q_sink = q
+        if rope is not None:
+            q_rec = rope.tables(p).rotate(q)
+            q_sink = rope.tables(p.clamp(max=self.window - 1)).rotate(q)
+            rk = rope.tables(r_pos).rotate(rk)
+            sk = rope.tables(sink_pos[None, :].expand(b, n_s)).rotate(sk)
+        n_rep = h // rk.shape[1]
+        rep = (lambda x: x.repeat_interleave(n_rep, dim=1)) if n_rep > 1 else (lambda x: x)
+        scale = d_h**-0.5 if scale is None else scale
+        scores = (
+            torch.cat((q_sink @ rep(sk).transpose(-1, -2), q_rec @ rep(rk).transpose(-1, -2)), -1)
+            * scale
+        )  # (b, h, t, n_s + r + t)
+        mask = torch.cat((sink_mask.expand(b, 1, t, n_s), rec_mask), -1)
+        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1)
+        probs = probs.nan_to_num(0.0).to(q.dtype)  # rows with no key: zeros
+        y = probs @ torch.cat((rep(self.sink_v), rep(rv)), 2)  # (b, h, t, d_h)
+        # 4. Keep the last min(t, r) new tokens in the ring (arrival order, as RollingKV).
+        n = min(t, r)
+        slots = (self.written + (t - n) + torch.arange(n, device=k.device)) % r
+        self.k.index_copy_(2, slots, k[:, :, t - n :])
+        self.v.index_copy_(2, slots, v[:, :, t - n :])
+        self.pos.index_copy_(1, slots, p[:, t - n :])
+        self.valid.index_copy_(1, slots, valid[:, t - n :])
+        self.written.add_(t)
+        return y
+
+
 class Cache:
     def __init__(
         self,

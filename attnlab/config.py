@@ -215,6 +215,11 @@ class AttentionConfig(_Config):
     # window) and "G" (global) cycled over the layers: "LLLG" is 3 local : 1 global,
     # "LLLLLG" Gemma 3's 5 : 1. Windowed layers keep a ring of `sliding_window` entries.
     layer_pattern: str | None = None
+    # Attention sinks (StreamingLLM, Xiao et al. 2023): the first `sink_tokens` tokens stay
+    # visible to every query of a windowed layer; the window counts them (sinks + the last
+    # sliding_window - sink_tokens tokens). Decoding keeps un-rotated keys and places them
+    # at their positions within the cache, as the paper does.
+    sink_tokens: int = 0
     backend: str = "sdpa"
 
     def validate(self, path: str = "attention") -> None:
@@ -233,6 +238,15 @@ class AttentionConfig(_Config):
                 )
             if self.sliding_window is None:
                 _fail(f"{path}.layer_pattern", "local layers need attention.sliding_window")
+        _positive(f"{path}.sink_tokens", self.sink_tokens, allow_zero=True)
+        if self.sink_tokens and (
+            self.sliding_window is None or self.sliding_window <= self.sink_tokens
+        ):
+            _fail(
+                f"{path}.sink_tokens",
+                f"{self.sink_tokens} sinks need a sliding_window larger than them, got "
+                f"{self.sliding_window}",
+            )
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.n_heads % self.kv_heads:
@@ -257,7 +271,11 @@ class AttentionConfig(_Config):
         """This config with the sliding window of layer ``layer`` resolved."""
         if self.layer_pattern is None:
             return self
-        return dataclasses.replace(self, sliding_window=self.window_of(layer), layer_pattern=None)
+        window = self.window_of(layer)
+        sinks = self.sink_tokens if window is not None else 0  # global layers see everything
+        return dataclasses.replace(
+            self, sliding_window=window, layer_pattern=None, sink_tokens=sinks
+        )
 
 
 @dataclass

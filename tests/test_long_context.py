@@ -183,3 +183,99 @@ def test_generate_overflow_modes():
 def test_bad_long_context_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict(change)
+
+
+# --------------------------------------------------------------------------- attention sinks
+
+
+def test_sink_window_mask_matches_a_loop():
+    from attnlab.functional.masks import sink_window_mask
+
+    t, s, window, sinks = 5, 12, 6, 2
+    got = sink_window_mask(t, s, window, sinks)
+    for i in range(t):
+        p = s - t + i
+        for j in range(s):
+            assert bool(got[i, j]) == (j <= p and (j < sinks or p - j < window - sinks))
+
+
+def _streaming_oracle(attn, x: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """StreamingLLM by hand, one query at a time: keys = the first `sinks` tokens and the
+    last window - sinks (the query included), placed at positions 0..m-1 in that order, the
+    query at m - 1; un-rotated projections rotated by those places."""
+    b, T, _ = x.shape
+    h, h_kv, d_h = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q, k, v = attn.qkv(x).split((attn.q_dim, attn.kv_dim, attn.kv_dim), dim=-1)
+    q = q.view(b, T, h, d_h).transpose(1, 2)
+    k = k.view(b, T, h_kv, d_h).transpose(1, 2).repeat_interleave(h // h_kv, 1)
+    v = v.view(b, T, h_kv, d_h).transpose(1, 2).repeat_interleave(h // h_kv, 1)
+    outs = []
+    for p in range(T):
+        keep = [j for j in range(p + 1) if j < sinks or p - j < window - sinks]
+        places = torch.arange(len(keep))[None, :]  # (1, m)
+        kr = attn.rope.tables(places).rotate(k[:, :, keep])
+        qr = attn.rope.tables(places[:, -1:]).rotate(q[:, :, p : p + 1])
+        w = (qr @ kr.transpose(-1, -2) * d_h**-0.5).softmax(-1)
+        outs.append(w @ v[:, :, keep])  # (b, h, 1, d_h)
+    y = torch.cat(outs, 2).transpose(1, 2).reshape(b, T, h * d_h)
+    return attn.out(y)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sizes", [[1] * 20, [7, 1, 1, 9, 2]])
+def test_sink_cache_equals_streaming_llm_by_hand(sizes):
+    window, sinks = 6, 2
+    model = tiny(window=window, n_layers=1, max_seq_len=64)
+    model.cfg.attention.sink_tokens = sinks
+    from attnlab.nn.attention import MultiHeadAttention
+
+    cfg = AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=window, sink_tokens=sinks)
+    attn = MultiHeadAttention(32, cfg, rope=model.rope).eval()
+    x = torch.randn(2, sum(sizes), 32)
+    cache = model.new_cache(2, 8, rolling=True)
+    cache.layers = [attn.new_cache_entry(cache)]
+    got, i = [], 0
+    for n in sizes:
+        step = cache.begin(n)
+        got.append(attn(x[:, i : i + n], positions=step.positions, cache=cache.layers[0]))
+        cache.commit()
+        i += n
+    want = _streaming_oracle(attn, x, window, sinks)
+    torch.testing.assert_close(torch.cat(got, 1), want, **TOL)
+
+
+@torch.no_grad()
+def test_sink_model_equals_full_forward_until_the_window_fills():
+    model = tiny(window=10, max_seq_len=64)
+    model.cfg.attention.sink_tokens = 3
+    sink = DecoderLM(model.cfg).eval()
+    sink.load_state_dict(model.state_dict())
+    assert [b.attn.sinks for b in sink.blocks] == [3] * 4
+    idx = torch.randint(0, 40, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :2] = 0
+    full = sink(idx, attention_mask=mask).logits
+    cache = sink.new_cache(2, 10)
+    got = _chunks(sink, idx, mask, cache, [4, 1, 3, 1, 1])
+    torch.testing.assert_close(got[1], full[1], **TOL)
+    torch.testing.assert_close(got[0, 2:], full[0, 2:], **TOL)
+
+
+def test_sink_generation_runs_10x_past_max_seq_len_with_flat_memory():
+    torch.manual_seed(0)
+    cfg = tiny(window=6, max_seq_len=8, n_layers=2).cfg
+    cfg.attention.sink_tokens = 2
+    model = DecoderLM(cfg).eval()
+    made = []
+    model.new_cache = _spy(model.new_cache, made)
+    got = model.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 80, overflow="roll")
+    assert [len(r) for r in got] == [80, 80]
+    (cache,) = made
+    assert cache.nbytes == 2 * 2 * (2 * 2 * 2 + 2 * 2 * 4) * 8 * 4  # layers, k+v, sinks+ring
+    assert all(int(e.written) == 5 + 79 for e in cache.layers)
+
+
+def test_sinks_need_a_larger_window():
+    for window in (None, 2, 1):
+        with pytest.raises(ConfigError, match="attention.sink_tokens: 2 sinks need a sliding"):
+            AttentionConfig(sliding_window=window, sink_tokens=2).validate()

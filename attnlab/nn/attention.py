@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV
+from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV, SinkKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
-from attnlab.functional.masks import combine_masks, sliding_window_mask
+from attnlab.functional.masks import combine_masks, sink_window_mask, sliding_window_mask
 from attnlab.nn.linear import Linear
 from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
@@ -43,7 +43,7 @@ class MultiHeadAttention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads
         self.causal, self.cross = causal and not cross, cross
-        self.window = cfg.sliding_window
+        self.window, self.sinks = cfg.sliding_window, cfg.sink_tokens
         self.backend, self.attn_dropout = cfg.backend, cfg.dropout
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
@@ -63,6 +63,8 @@ class MultiHeadAttention(nn.Module):
         sliding-window layer; computed-once keys/values for cross-attention."""
         if self.cross:
             return CrossKV(cache)
+        if self.sinks:
+            return SinkKV(cache, self.n_kv_heads, self.head_dim, self.window, self.sinks)
         if self.window is not None:
             return RollingKV(cache, self.n_kv_heads, self.head_dim, self.window)
         return DenseKV(cache, self.n_kv_heads, self.head_dim)
@@ -99,6 +101,9 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
             q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
             k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if isinstance(cache, SinkKV):  # StreamingLLM: rotates by positions in the cache
+                y = cache.attend(q, k, v, self.rope if self.uses_rope else None)
+                return self.resid_dropout(self.out(y.transpose(1, 2).reshape(b, t, self.q_dim)))
             if self.uses_rope:
                 if rope is None:
                     if positions is None:
@@ -108,6 +113,10 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.update(k, v)  # (b, h_kv, s, d_h): all keys so far
                 mask, causal = cache.mask(self.window)
+            elif self.sinks and k.shape[-2] > self.window - self.sinks:
+                s = k.shape[-2]
+                win = sink_window_mask(t, s, self.window, self.sinks, device=x.device)
+                mask, causal = combine_masks(mask, win), False
             elif self.window is not None and k.shape[-2] > self.window:
                 s = k.shape[-2]
                 mask = combine_masks(mask, sliding_window_mask(t, s, self.window, device=x.device))
