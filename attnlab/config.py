@@ -220,6 +220,8 @@ class AttentionConfig(_Config):
     # sliding_window - sink_tokens tokens). Decoding keeps un-rotated keys and places them
     # at their positions within the cache, as the paper does.
     sink_tokens: int = 0
+    # Learned sink logit per head (GPT-OSS): one more softmax column with no value.
+    sink_logits: bool = False
     backend: str = "sdpa"
 
     def validate(self, path: str = "attention") -> None:
@@ -247,6 +249,8 @@ class AttentionConfig(_Config):
                 f"{self.sink_tokens} sinks need a sliding_window larger than them, got "
                 f"{self.sliding_window}",
             )
+        if self.sink_logits and self.sink_tokens:
+            _fail(f"{path}.sink_logits", "cannot be combined with sink_tokens (yet)")
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.n_heads % self.kv_heads:

@@ -279,3 +279,49 @@ def test_sinks_need_a_larger_window():
     for window in (None, 2, 1):
         with pytest.raises(ConfigError, match="attention.sink_tokens: 2 sinks need a sliding"):
             AttentionConfig(sliding_window=window, sink_tokens=2).validate()
+
+
+# --------------------------------------------------------------------------- learned sink logits
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_learned_sink_logits_equal_an_extra_softmax_column(backend):
+    from attnlab.nn.attention import MultiHeadAttention
+
+    torch.manual_seed(0)
+    cfg = AttentionConfig(n_heads=4, n_kv_heads=2, sink_logits=True, backend=backend)
+    attn = MultiHeadAttention(32, cfg).eval()
+    with torch.no_grad():
+        attn.sink_logit.copy_(torch.randn(4))
+    x = torch.randn(2, 7, 32)
+    key_valid = torch.ones(2, 7, dtype=torch.bool)
+    key_valid[1, :2] = False
+    got = attn(x, mask=key_valid[:, None, None, :])
+    # the formula: softmax([s_h, z_1..z_s]) with the sink column dropped, times V
+    q, k, v = attn.qkv(x).split((32, 16, 16), dim=-1)
+    q = q.view(2, 7, 4, 8).transpose(1, 2)
+    k = k.view(2, 7, 2, 8).transpose(1, 2).repeat_interleave(2, 1)
+    v = v.view(2, 7, 2, 8).transpose(1, 2).repeat_interleave(2, 1)
+    z = q @ k.transpose(-1, -2) / 8**0.5  # (2, 4, 7, 7)
+    allowed = torch.ones(7, 7).tril().bool() & key_valid[:, None, None, :]
+    z = z.masked_fill(~allowed, float("-inf"))
+    sink = attn.sink_logit[None, :, None, None].expand(2, 4, 7, 1)
+    w = torch.cat((sink, z), -1).softmax(-1)[..., 1:]
+    want = attn.out((w @ v).transpose(1, 2).reshape(2, 7, 32))
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1, 2:], want[1, 2:], **TOL)
+    got.sum().backward()
+    assert attn.sink_logit.grad is not None and attn.sink_logit.grad.abs().sum() > 0
+
+
+@torch.no_grad()
+def test_learned_sink_logits_under_a_cache_equal_the_full_pass():
+    cfg = tiny(window=None, max_seq_len=32).cfg.override({"attention.sink_logits": True})
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).eval()
+    for block in model.blocks:
+        block.attn.sink_logit.normal_()
+    idx = torch.randint(0, 40, (2, 9))
+    full = model(idx).logits
+    cache = model.new_cache(2, 16)
+    torch.testing.assert_close(_chunks(model, idx, None, cache, [5, 1, 1, 1, 1]), full, **TOL)

@@ -7,12 +7,14 @@ d_h head dim.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV, SinkKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import combine_masks, sink_window_mask, sliding_window_mask
+from attnlab.functional.sinks import sink_rescale
 from attnlab.nn.linear import Linear
 from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
@@ -54,6 +56,8 @@ class MultiHeadAttention(nn.Module):
             self.qkv = Linear(d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # [q; k; v]
         self.out = Linear(q_dim, d_model, bias=cfg.out_bias)
         self.out.residual_projection = True  # GPT-2's scaled init finds it by this role
+        # GPT-OSS: a learned logit per head that takes part in every softmax (sinks.py)
+        self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
         self.rope = rope
         self.uses_rope = rope is not None
         self.resid_dropout = nn.Dropout(resid_dropout)
@@ -130,6 +134,8 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.attn_dropout if self.training else 0.0,
         )  # (b, h, t, d_h)
+        if self.sink_logit is not None:
+            y = sink_rescale(y, q, k, self.sink_logit, mask, causal=causal)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
 
