@@ -151,7 +151,24 @@ def kv_cache_bytes(
     if cfg.attention.kind not in _FORMULA_KINDS:
         cache = _meta_model(cfg).new_cache(batch, seq_len, dtype, device="meta")
         return int(cache.nbytes)
+    if cfg.attention.sliding_window is not None:
+        return batch * windowed_kv_entries(cfg, seq_len) * _kv_entry_bytes(cfg, dtype)
     return batch * seq_len * kv_cache_bytes_per_token(cfg, dtype)
+
+
+# --------------------------------------------------------------------------- long context
+
+
+def _kv_entry_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One token's keys and values in one layer: 2 h_kv d_h x itemsize."""
+    return 2 * cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
+
+
+def windowed_kv_entries(cfg: ModelConfig, seq_len: int) -> int:
+    """Token entries held over all layers for a context of ``seq_len``: a local
+    (sliding-window) layer keeps min(window, T) (its ring), a global layer T."""
+    windows = [cfg.attention.window_of(layer) for layer in range(cfg.n_layers)]
+    return sum(seq_len if w is None else min(w, seq_len) for w in windows)
 
 
 def weights_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:

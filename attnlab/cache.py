@@ -41,10 +41,16 @@ class CacheStep(NamedTuple):
     slots: Tensor | None  # (t,) slots written (static or wrapped), None: [start, start + t)
     start: int  # first slot written (dynamic mode)
     end: int  # keys are slots [0, end)
+    valid: Tensor | None = None  # (b, t) which new tokens are real (not left padding)
 
 
 class LayerCache:
-    """Base of one layer's entry: knows its cache and takes part in byte accounting."""
+    """Base of one layer's entry: knows its cache and takes part in byte accounting.
+    ``shared_slots``: the entry stores tokens at the cache's shared slots (so the cache's
+    capacity bounds it); entries with their own bounded state (a window ring, a recurrent
+    state) set it False."""
+
+    shared_slots = True
 
     def __init__(self, cache: Cache):
         self.cache = cache
@@ -99,6 +105,174 @@ class CrossKV(LayerCache):
 
     def reset(self) -> None:
         self.k = self.v = None
+
+
+class RollingKV(LayerCache):
+    """Keys and values of a sliding-window layer (window w): a ring of w slots, so memory
+    stays bounded however long decoding runs. Shapes: (b, h_kv, w, d_h).
+
+    A step of t new tokens attends to [ring; new] (w + t keys, a temporary) with a mask
+    built from the stored positions: valid & k_pos <= q_pos & k_pos > q_pos - w. Then the
+    last min(t, w) new tokens are written into the ring. Slots are taken in arrival order
+    (token n of the stream, pads included, goes to slot n % w), not position % w: left
+    padding repeats positions, which would make two tokens of a row share a slot."""
+
+    shared_slots = False
+
+    def __init__(
+        self,
+        cache: Cache,
+        n_kv_heads: int,
+        head_dim: int,
+        window: int,
+        v_head_dim: int | None = None,
+    ):
+        super().__init__(cache)
+        self.window = window
+        # A bounded cache never holds more than max_len tokens; a rolling one needs w.
+        self.size = window if cache.rolling else min(window, cache.max_len)
+        self._shapes = (n_kv_heads, head_dim, v_head_dim or head_dim)
+        self._keys: tuple[Tensor, Tensor] | None = None  # (pos, valid) of this step's keys
+        self.reset()
+
+    def reset(self) -> None:
+        b, (h_kv, d_h, d_v), w = self.cache.batch, self._shapes, self.size
+        kw = dict(dtype=self.cache.dtype, device=self.cache.device)
+        dev = self.cache.device
+        self.k = torch.zeros(b, h_kv, w, d_h, **kw)
+        self.v = torch.zeros(b, h_kv, w, d_v, **kw)
+        self.pos = torch.zeros(b, w, dtype=torch.long, device=dev)  # position of each slot
+        self.valid = torch.zeros(b, w, dtype=torch.bool, device=dev)  # slot holds a token
+        self.written = torch.zeros((), dtype=torch.long, device=dev)  # tokens ever written
+
+    def tensors(self) -> list[Tensor]:
+        return [self.k, self.v]
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Take the new keys/values (b, h_kv, t, d_h); return the w + t to attend to."""
+        step = self.cache._step
+        if step is None:
+            raise CacheError("cache.begin(t) must come before a layer writes to the cache")
+        t = k.shape[2]
+        pos, valid = step.positions, step.valid  # (b, t)
+        if valid is None:
+            valid = torch.ones_like(pos, dtype=torch.bool)
+        keys_k = torch.cat((self.k, k.to(self.k.dtype)), dim=2)  # (b, h_kv, w + t, d_h)
+        keys_v = torch.cat((self.v, v.to(self.v.dtype)), dim=2)
+        self._keys = (torch.cat((self.pos, pos), 1), torch.cat((self.valid, valid), 1))
+        n = min(t, self.size)  # older new tokens would be overwritten within this step
+        slots = (self.written + (t - n) + torch.arange(n, device=k.device)) % self.size
+        self.k.index_copy_(2, slots, k[:, :, t - n :].to(self.k.dtype))
+        self.v.index_copy_(2, slots, v[:, :, t - n :].to(self.v.dtype))
+        self.pos.index_copy_(1, slots, pos[:, t - n :])
+        self.valid.index_copy_(1, slots, valid[:, t - n :])
+        self.written.add_(t)
+        return keys_k, keys_v
+
+    def mask(self, window: int | None = None) -> tuple[Tensor | None, bool]:
+        if self._keys is None:
+            raise CacheError("a rolling layer's update() must come before its mask()")
+        k_pos, k_valid = self._keys  # (b, w + t)
+        q_pos = self.cache._step.positions[:, None, :, None]  # (b, 1, t, 1)
+        k_pos = k_pos[:, None, None, :]  # (b, 1, 1, w + t)
+        w = self.window if window is None else min(window, self.window)
+        mask = k_valid[:, None, None, :] & (k_pos <= q_pos) & (k_pos > q_pos - w)
+        return mask, False
+
+
+class SinkKV(LayerCache):
+    """StreamingLLM (Xiao et al. 2023): the first ``sinks`` tokens of each row, kept for
+    good, plus a ring of the last ``window - sinks``. Keys are stored un-rotated and given
+    their positions within the cache when read, as the paper does: a recent key sits at its
+    own distance from the query; a sink j at distance (query's place in the cache) - j,
+    where the query's place is min(p, window - 1). So decoding runs forever in bounded
+    memory with RoPE angles never beyond the window. While the window is not full this is
+    exactly :func:`~attnlab.functional.masks.sink_window_mask` attention.
+
+    The entry computes its attention itself (``attend``): sinks and recent keys need
+    different query rotations (two score blocks under one softmax). Reference-speed eager
+    maths. Shapes: sinks (b, h_kv, n_s, d_h), ring (b, h_kv, r, d_h), r = window - n_s."""
+
+    shared_slots = False
+
+    def __init__(self, cache: Cache, n_kv_heads: int, head_dim: int, window: int, sinks: int):
+        super().__init__(cache)
+        self.window, self.sinks, self.recent = window, sinks, window - sinks
+        self._shapes = (n_kv_heads, head_dim)
+        self.reset()
+
+    def reset(self) -> None:
+        b, (h_kv, d_h), dev = self.cache.batch, self._shapes, self.cache.device
+        kw = dict(dtype=self.cache.dtype, device=dev)
+        self.sink_k = torch.zeros(b, h_kv, self.sinks, d_h, **kw)
+        self.sink_v = torch.zeros(b, h_kv, self.sinks, d_h, **kw)
+        self.sink_valid = torch.zeros(b, self.sinks, dtype=torch.bool, device=dev)
+        self.k = torch.zeros(b, h_kv, self.recent, d_h, **kw)
+        self.v = torch.zeros(b, h_kv, self.recent, d_h, **kw)
+        self.pos = torch.zeros(b, self.recent, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(b, self.recent, dtype=torch.bool, device=dev)
+        self.written = torch.zeros((), dtype=torch.long, device=dev)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.sink_k, self.sink_v, self.k, self.v]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope, scale: float | None = None) -> Tensor:
+        """q (b, h, t, d_h), k, v (b, h_kv, t, d_h), all un-rotated; ``rope`` a
+        RotaryEmbedding or None (no positions). Returns (b, h, t, d_h)."""
+        step = self.cache._step
+        if step is None:
+            raise CacheError("cache.begin(t) must come before a layer writes to the cache")
+        b, h, t, d_h = q.shape
+        n_s, r = self.sinks, self.recent
+        p = step.positions  # (b, t)
+        valid = step.valid if step.valid is not None else torch.ones_like(p, dtype=torch.bool)
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        # 1. Real tokens at positions < n_s become sinks (a row's positions are distinct).
+        onehot = valid[:, :, None] & (p[:, :, None] == torch.arange(n_s, device=p.device))
+        hit = onehot.any(1)  # (b, n_s)
+        w = onehot.to(k.dtype)  # (b, t, n_s)
+        new_sk = torch.einsum("btn,bhtd->bhnd", w, k)
+        new_sv = torch.einsum("btn,bhtd->bhnd", w, v)
+        self.sink_k.copy_(torch.where(hit[:, None, :, None], new_sk, self.sink_k))
+        self.sink_v.copy_(torch.where(hit[:, None, :, None], new_sv, self.sink_v))
+        self.sink_valid |= hit
+        # 2. Recent keys: the ring and the new tokens, sinks excluded (held above).
+        rk, rv = torch.cat((self.k, k), 2), torch.cat((self.v, v), 2)  # (b, h_kv, r + t, d_h)
+        r_pos = torch.cat((self.pos, p), 1)  # (b, r + t)
+        r_valid = torch.cat((self.valid, valid), 1) & (r_pos >= n_s)
+        q_pos = p[:, None, :, None]  # (b, 1, t, 1)
+        rec_mask = r_valid[:, None, None, :] & (r_pos[:, None, None, :] <= q_pos)
+        rec_mask = rec_mask & (r_pos[:, None, None, :] > q_pos - r)
+        sink_pos = torch.arange(n_s, device=p.device)
+        sink_mask = self.sink_valid[:, None, None, :] & (sink_pos <= q_pos)
+        # 3. Positions within the cache: the query sits at min(p, window - 1) for the sinks.
+        sk = self.sink_k
+        q_rec = q_sink = q
+        if rope is not None:
+            q_rec = rope.tables(p).rotate(q)
+            q_sink = rope.tables(p.clamp(max=self.window - 1)).rotate(q)
+            rk = rope.tables(r_pos).rotate(rk)
+            sk = rope.tables(sink_pos[None, :].expand(b, n_s)).rotate(sk)
+        n_rep = h // rk.shape[1]
+        rep = (lambda x: x.repeat_interleave(n_rep, dim=1)) if n_rep > 1 else (lambda x: x)
+        scale = d_h**-0.5 if scale is None else scale
+        scores = (
+            torch.cat((q_sink @ rep(sk).transpose(-1, -2), q_rec @ rep(rk).transpose(-1, -2)), -1)
+            * scale
+        )  # (b, h, t, n_s + r + t)
+        mask = torch.cat((sink_mask.expand(b, 1, t, n_s), rec_mask), -1)
+        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1)
+        probs = probs.nan_to_num(0.0).to(q.dtype)  # rows with no key: zeros
+        y = probs @ torch.cat((rep(self.sink_v), rep(rv)), 2)  # (b, h, t, d_h)
+        # 4. Keep the last min(t, r) new tokens in the ring (arrival order, as RollingKV).
+        n = min(t, r)
+        slots = (self.written + (t - n) + torch.arange(n, device=k.device)) % r
+        self.k.index_copy_(2, slots, k[:, :, t - n :])
+        self.v.index_copy_(2, slots, v[:, :, t - n :])
+        self.pos.index_copy_(1, slots, p[:, t - n :])
+        self.valid.index_copy_(1, slots, valid[:, t - n :])
+        self.written.add_(t)
+        return y
 
 
 class Cache:
@@ -164,10 +338,18 @@ class Cache:
     def bytes_used(self) -> int:
         return self.nbytes * self.length // self.max_len
 
+    @property
+    def shared_slots(self) -> bool:
+        """Whether some layer stores tokens at the shared slots (else the per-layer entries
+        are bounded on their own, and a rolling cache takes chunks of any size)."""
+        return any(layer.shared_slots for layer in self.layers) or not self.layers
+
     def check(self, t: int) -> None:
         """Raise before any state changes if t more tokens cannot be taken."""
         if self.static:
             return  # no host reads in the static path: its caller checks lengths
+        if self.rolling and not self.shared_slots:
+            return  # every layer keeps a bounded state of its own
         if self._length + t > self.max_len and not (self.rolling and t == 1):
             hint = " (a rolling cache continues one token at a time only)" if self.rolling else ""
             raise CacheError(
@@ -188,6 +370,15 @@ class Cache:
         positions = positions.expand(self.batch, t)  # (b, t)
         if attention_mask is not None and not self.static:
             self.has_padding = self.has_padding or not bool(attention_mask.bool().all())
+        valid = (
+            torch.ones(self.batch, t, dtype=torch.bool, device=self.device)
+            if attention_mask is None
+            else attention_mask.bool()
+        )
+        if self.rolling and not self.shared_slots and not self.static:
+            # Only per-layer rings: no shared slots to write (the stream may be any length).
+            self._step = CacheStep(positions, None, 0, 0, valid)
+            return self._step
         if self.static:
             slots = (self._slot + torch.arange(t, device=self.device)) % L  # (t,)
             step = CacheStep(positions, slots, 0, L)
@@ -196,11 +387,7 @@ class Cache:
             step = CacheStep(positions, torch.tensor([slot], device=self.device), slot, L)
         else:
             step = CacheStep(positions, None, self._length, self._length + t)
-        valid = (
-            torch.ones(self.batch, t, dtype=torch.bool, device=self.device)
-            if attention_mask is None
-            else attention_mask.bool()
-        )
+        step = step._replace(valid=valid)
         self.write(self.key_valid[:, None, :, None], valid[:, None, :, None], step)
         self.write(self.slot_pos[:, None, :, None], positions[:, None, :, None], step)
         self._step = step
@@ -252,10 +439,7 @@ class Cache:
         else:
             self._length += t
         # A row whose new tokens were all (left) padding keeps its position.
-        if step.slots is None:
-            real = self.key_valid[:, step.end - 1]  # (b,)
-        else:  # a gather, not a Python index: no host read of the slot
-            real = self.key_valid.index_select(1, step.slots[-1:]).squeeze(1)
+        real = step.valid[:, -1]  # (b,)
         self.next_position.copy_(torch.where(real, step.positions[:, -1] + 1, self.next_position))
 
     def __repr__(self) -> str:

@@ -211,6 +211,17 @@ class AttentionConfig(_Config):
     out_bias: bool = False
     dropout: float = 0.0  # on the attention weights
     sliding_window: int | None = None  # keys older than this many positions are masked
+    # Which layers use the window: None = every layer; else a string of "L" (local, the
+    # window) and "G" (global) cycled over the layers: "LLLG" is 3 local : 1 global,
+    # "LLLLLG" Gemma 3's 5 : 1. Windowed layers keep a ring of `sliding_window` entries.
+    layer_pattern: str | None = None
+    # Attention sinks (StreamingLLM, Xiao et al. 2023): the first `sink_tokens` tokens stay
+    # visible to every query of a windowed layer; the window counts them (sinks + the last
+    # sliding_window - sink_tokens tokens). Decoding keeps un-rotated keys and places them
+    # at their positions within the cache, as the paper does.
+    sink_tokens: int = 0
+    # Learned sink logit per head (GPT-OSS): one more softmax column with no value.
+    sink_logits: bool = False
     backend: str = "sdpa"
 
     def validate(self, path: str = "attention") -> None:
@@ -220,6 +231,26 @@ class AttentionConfig(_Config):
         _positive(f"{path}.n_kv_heads", self.n_kv_heads)
         _positive(f"{path}.head_dim", self.head_dim)
         _positive(f"{path}.sliding_window", self.sliding_window)
+        if self.layer_pattern is not None:
+            if not self.layer_pattern or set(self.layer_pattern) - {"L", "G"}:
+                _fail(
+                    f"{path}.layer_pattern",
+                    f"must be a non-empty string of L (local) and G (global), "
+                    f"got {self.layer_pattern!r}",
+                )
+            if self.sliding_window is None:
+                _fail(f"{path}.layer_pattern", "local layers need attention.sliding_window")
+        _positive(f"{path}.sink_tokens", self.sink_tokens, allow_zero=True)
+        if self.sink_tokens and (
+            self.sliding_window is None or self.sliding_window <= self.sink_tokens
+        ):
+            _fail(
+                f"{path}.sink_tokens",
+                f"{self.sink_tokens} sinks need a sliding_window larger than them, got "
+                f"{self.sliding_window}",
+            )
+        if self.sink_logits and self.sink_tokens:
+            _fail(f"{path}.sink_logits", "cannot be combined with sink_tokens (yet)")
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.n_heads % self.kv_heads:
@@ -232,6 +263,23 @@ class AttentionConfig(_Config):
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: global attention)."""
+        if self.layer_pattern is None:
+            return self.sliding_window
+        local = self.layer_pattern[layer % len(self.layer_pattern)] == "L"
+        return self.sliding_window if local else None
+
+    def for_layer(self, layer: int) -> AttentionConfig:
+        """This config with the sliding window of layer ``layer`` resolved."""
+        if self.layer_pattern is None:
+            return self
+        window = self.window_of(layer)
+        sinks = self.sink_tokens if window is not None else 0  # global layers see everything
+        return dataclasses.replace(
+            self, sliding_window=window, layer_pattern=None, sink_tokens=sinks
+        )
 
 
 @dataclass
@@ -347,6 +395,13 @@ class ModelConfig(_Config):
             _fail(
                 at("attention.head_dim"),
                 f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}",
+            )
+        window = self.attention.sliding_window
+        if window is not None and self.position.kind == "learned" and window >= self.max_seq_len:
+            _fail(
+                at("attention.sliding_window"),
+                f"{window} >= max_seq_len={self.max_seq_len} with learned positions masks "
+                "nothing (sequences never exceed max_seq_len); lower it or set it to null",
             )
         if self.position.kind == "sinusoidal" and self.d_model % 2:
             _fail(at("d_model"), f"sinusoidal positions need an even d_model, got {self.d_model}")

@@ -92,6 +92,7 @@ def stream(
     use_cache: bool = True,
     pad_id: int = 0,
     compile: bool = False,
+    overflow: str = "slide",
 ) -> Iterator[int] | Iterator[list[int | None]]:
     """Yield tokens as they are produced: an int per step for a single prompt, a list with
     one int (or None once that row has stopped) per step for a batch. A row stops at a stop
@@ -104,9 +105,23 @@ def stream(
     costs O(1) forward tokens on average (re-encoding every step would cost max_seq_len).
     Cached and uncached decoding follow the same windows and agree.
 
+    ``overflow`` says what happens when the context fills up: ``"slide"`` (above, the
+    default), ``"roll"`` (decode on with a rolling cache: each layer keeps its last
+    max_seq_len entries, or its window's, overwriting the oldest, so memory stays flat
+    however long generation runs and nothing is re-encoded; exact sliding-window attention
+    over the whole stream; needs relative positions, rope or none, and the cache) or
+    ``"stop"`` (every row ends when prompt + new tokens reach max_seq_len).
+
     ``compile=True`` decodes with a fixed-shape cache and a ``torch.compile``d step
     (compiled once per model and batch shape; worth it for long generations)."""
     check_sampling(temperature, top_k, top_p)
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
+    if overflow == "roll" and not (use_cache and model.relative_positions):
+        raise ValueError(
+            "overflow='roll' decodes with a rolling cache: it needs use_cache=True and relative "
+            f"positions (rope or none); this model uses {model.cfg.position.kind!r} positions"
+        )
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     rows, single = _as_batch(prompts)
@@ -123,7 +138,9 @@ def stream(
         )
         rows = [r[-limit:] for r in rows]
     longest = max(len(r) for r in rows)
-    if longest + max_new_tokens > limit:
+    if overflow == "stop":
+        max_new_tokens = min(max_new_tokens, limit - longest)
+    elif overflow == "slide" and longest + max_new_tokens > limit:
         warnings.warn(
             f"prompt + max_new_tokens exceeds max_seq_len={limit}: when the context is full it "
             f"slides to its last {limit - limit // 2} tokens",
@@ -142,10 +159,16 @@ def stream(
         stops,
         dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
         compile,
+        overflow == "roll",
     )
 
 
-def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampling, compile):
+OVERFLOW_MODES = ("slide", "roll", "stop")
+
+
+def _decode(
+    model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampling, compile, roll=False
+):
     device = model.tok_emb.weight.device
     b, limit = len(rows), model.cfg.max_seq_len
     longest = max(len(r) for r in rows)
@@ -174,7 +197,8 @@ def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampl
     cache = None
     step_fn = _forward_last
     if use_cache and max_new_tokens > 0:
-        cache = model.new_cache(b, min(limit, longest + max_new_tokens), static=compile)
+        capacity = limit if roll else min(limit, longest + max_new_tokens)
+        cache = model.new_cache(b, capacity, static=compile, rolling=roll)
         if compile:
             step_fn = _compiled_step(model)
     if max_new_tokens > 0:
@@ -191,6 +215,9 @@ def _decode(model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampl
         if step == max_new_tokens - 1:
             return
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        if roll:  # the cache holds the context: nothing grows, nothing is re-encoded
+            logits = step_fn(model, nxt[:, None], None, cache)
+            continue
         seq = torch.cat((seq, nxt[:, None]), dim=1)
         valid = torch.cat((valid, torch.ones_like(valid[:, :1])), dim=1)
         full = seq.shape[1] - starts > limit  # (b,) rows whose context overflows

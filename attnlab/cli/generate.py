@@ -43,6 +43,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed the sampler (reproducible output)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--no-cache", action="store_true", help="recompute the context every step")
+    p.add_argument(
+        "--overflow",
+        choices=("slide", "roll", "stop"),
+        default="slide",
+        help="past max_seq_len: slide the context by half (default), roll a bounded cache "
+        "(relative positions), or stop",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     p.set_defaults(handler=run)
 
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         use_cache=not args.no_cache,
+        overflow=args.overflow,
     )
     if args.seed is not None:
         torch.manual_seed(args.seed)

@@ -33,6 +33,16 @@ def sliding_window_mask(
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
+def sink_window_mask(
+    t: int, s: int, window: int, sinks: int, *, device: torch.device | str | None = None
+) -> Tensor:
+    """(t, s) bool: causal, and the key is one of the first ``sinks`` positions or of the
+    last ``window - sinks`` (the query's own included): StreamingLLM's attention pattern."""
+    q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
+    k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
+    return (k_pos <= q_pos) & ((k_pos > q_pos - (window - sinks)) | (k_pos < sinks))
+
+
 def positions_from_padding(
     attention_mask: Tensor | None,
     t: int,

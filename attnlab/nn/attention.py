@@ -7,12 +7,14 @@ d_h head dim.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache
+from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV, SinkKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
-from attnlab.functional.masks import combine_masks, sliding_window_mask
+from attnlab.functional.masks import combine_masks, sink_window_mask, sliding_window_mask
+from attnlab.functional.sinks import sink_rescale
 from attnlab.nn.linear import Linear
 from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
@@ -43,7 +45,7 @@ class MultiHeadAttention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads
         self.causal, self.cross = causal and not cross, cross
-        self.window = cfg.sliding_window
+        self.window, self.sinks = cfg.sliding_window, cfg.sink_tokens
         self.backend, self.attn_dropout = cfg.backend, cfg.dropout
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
@@ -54,14 +56,21 @@ class MultiHeadAttention(nn.Module):
             self.qkv = Linear(d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # [q; k; v]
         self.out = Linear(q_dim, d_model, bias=cfg.out_bias)
         self.out.residual_projection = True  # GPT-2's scaled init finds it by this role
+        # GPT-OSS: a learned logit per head that takes part in every softmax (sinks.py)
+        self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
         self.rope = rope
         self.uses_rope = rope is not None
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
-        """Dense keys and values for self-attention; computed-once keys/values for cross."""
+        """Dense keys and values for self-attention; a ring of ``window`` entries for a
+        sliding-window layer; computed-once keys/values for cross-attention."""
         if self.cross:
             return CrossKV(cache)
+        if self.sinks:
+            return SinkKV(cache, self.n_kv_heads, self.head_dim, self.window, self.sinks)
+        if self.window is not None:
+            return RollingKV(cache, self.n_kv_heads, self.head_dim, self.window)
         return DenseKV(cache, self.n_kv_heads, self.head_dim)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
@@ -96,6 +105,9 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
             q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
             k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if isinstance(cache, SinkKV):  # StreamingLLM: rotates by positions in the cache
+                y = cache.attend(q, k, v, self.rope if self.uses_rope else None)
+                return self.resid_dropout(self.out(y.transpose(1, 2).reshape(b, t, self.q_dim)))
             if self.uses_rope:
                 if rope is None:
                     if positions is None:
@@ -105,6 +117,10 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.update(k, v)  # (b, h_kv, s, d_h): all keys so far
                 mask, causal = cache.mask(self.window)
+            elif self.sinks and k.shape[-2] > self.window - self.sinks:
+                s = k.shape[-2]
+                win = sink_window_mask(t, s, self.window, self.sinks, device=x.device)
+                mask, causal = combine_masks(mask, win), False
             elif self.window is not None and k.shape[-2] > self.window:
                 s = k.shape[-2]
                 mask = combine_masks(mask, sliding_window_mask(t, s, self.window, device=x.device))
@@ -118,6 +134,8 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.attn_dropout if self.training else 0.0,
         )  # (b, h, t, d_h)
+        if self.sink_logit is not None:
+            y = sink_rescale(y, q, k, self.sink_logit, mask, causal=causal)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
 

@@ -36,7 +36,7 @@ class TransformerBlock(nn.Module):
         self.attn = build_attention(
             cfg.attention.kind,
             d,
-            cfg.attention,
+            cfg.attention.for_layer(layer),  # local or global, by attention.layer_pattern
             causal=causal,
             rope=rope,
             resid_dropout=cfg.dropout,

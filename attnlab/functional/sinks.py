@@ -1,0 +1,44 @@
+"""Learned attention-sink logits (GPT-OSS): each head h has a logit s_h that joins every
+query's softmax as one more column with no value,
+
+    y = sum_j softmax([s_h, z_1, ..., z_S])_j v_j  =  attention(q, k, v) * sigmoid(lse(z) - s_h)
+
+so a head can put weight "nowhere". The rescaling form keeps any attention backend.
+
+Shapes: b batch, h heads, h_kv key/value heads, t queries, s keys, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnlab.functional.masks import causal_mask
+
+
+def sink_rescale(
+    y: Tensor,
+    q: Tensor,
+    k: Tensor,
+    sink: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """y (b, h, t, d_h) the attention output over keys k (b, h_kv, s, d_h) for queries q
+    under ``mask`` (bool or additive, broadcastable to (b, h, t, s)) and bottom-right
+    ``causal``; sink (h,) logits. Returns y scaled by each row's share left after the sink."""
+    h, t, d_h = q.shape[1], q.shape[2], q.shape[3]
+    s = k.shape[2]
+    k = k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k
+    scores = (q @ k.transpose(-1, -2)).float() * (d_h**-0.5 if scale is None else scale)
+    if mask is not None:
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
+    if causal and t > 1:
+        scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)  # (b, h, t, 1); -inf for rows with no key
+    share = torch.sigmoid(lse - sink.float()[:, None, None])  # (b, h, t, 1)
+    return y * share.to(y.dtype)
