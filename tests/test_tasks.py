@@ -314,3 +314,34 @@ def test_aux_loss_is_optimised_and_metrics_are_logged(tmp_path, dataset, monkeyp
     np.testing.assert_allclose(
         [r["train_loss"] for r in records], np.array(aux.losses).reshape(2, 2).mean(1)
     )
+
+
+def test_aux_loss_of_a_model_module_reaches_the_trainer(tmp_path, dataset, monkeypatch):
+    """The models' own mechanism (a submodule with ``has_aux``, see models/outputs.py):
+    its aux loss is optimised and its metrics are logged under the module's name."""
+    from attnlab.models.outputs import aux_modules
+
+    def build(model_cfg):
+        model = build_model(model_cfg)
+        ffn = model.blocks[0].ffn
+        ffn.has_aux = True
+        ffn.register_forward_hook(
+            lambda m, a, o: (
+                setattr(m, "aux_loss", o.pow(2).mean()) or setattr(m, "aux_metrics", {"load": 1.5})
+            )
+        )
+        model._aux = aux_modules(model)
+        return model
+
+    lm = RunConfig(
+        model=gpt2_style(vocab_size=256, max_seq_len=16, d_model=16, n_layers=1, n_heads=2),
+        train=TrainConfig(
+            batch_size=4, max_steps=3, warmup_steps=1, eval_every=0, eval_batches=1, log_every=1
+        ),
+    )
+    plain = train(lm, tmp_path / "plain", dataset=dataset, progress=False)
+    monkeypatch.setattr(trainer_module, "build_model", build)
+    aux = train(lm, tmp_path / "aux", dataset=dataset, progress=False)
+    assert aux.losses[0] == plain.losses[0] and aux.losses[1:] != plain.losses[1:]
+    records = train_records(tmp_path / "aux")
+    assert all(r["blocks.0.ffn/load"] == 1.5 and r["aux_loss"] > 0 for r in records)
