@@ -498,13 +498,18 @@ class TrainConfig(_Config):
 
 @dataclass
 class RunConfig(_Config):
-    """Everything a training run needs; saved as config.json beside each checkpoint."""
+    """Everything a training run needs; saved as config.json beside each checkpoint.
+    ``task`` names an entry of ``attnlab.tasks.TASKS`` (config files without it: "lm")."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    task: str = "lm"
 
     def validate(self) -> None:
+        from attnlab.tasks import TASKS  # the registry imports this module
+
+        _choice("task", self.task, tuple(TASKS))
         self.model.validate("model")
         self.train.validate()
         self.data.validate()

@@ -298,6 +298,8 @@ BAD_INPUTS = [
     (["train", "--preset", "gpt2-tiny", "--out", "{work}/run"], "--overwrite"),
     (["train", "--resume", "{work}/run", "--preset", "gpt2-tiny"], "--preset"),
     (["train", "--preset", "gpt2-tiny", "--max-steps", "0"], "--max-steps"),
+    (["train", "--preset", "gpt2-tiny", "--task", "nope"], "unknown task; choose one of lm"),
+    (["train", "--preset", "gpt2-tiny", "--set", "task=nope"], "task: unknown value 'nope'"),
     (["generate", "--ckpt", "{work}/run", "--prompt", "caf\u00e9"], "U+00E9"),
     (["generate", "--ckpt", "{work}/run", "--temperature", "-1"], "--temperature"),
     (["generate", "--ckpt", "{work}/run", "--top-p", "0"], "--top-p"),

@@ -349,17 +349,65 @@ def test_nan_loss_names_step_and_keeps_last_checkpoint(tmp_path, dataset, monkey
     assert all(torch.isfinite(p).all() for p in saved.model.parameters())
 
 
-def test_time_budget_fits_the_schedule(tmp_path, dataset):
-    result = train(
-        tiny_run(max_steps=100_000, time_budget=1.5), tmp_path, dataset=dataset, progress=False
-    )
-    assert 1 < result.max_steps < 100_000  # fitted to the budget
-    assert result.step == result.max_steps or result.stop_reason == "time_budget"
-    assert result.elapsed < 1.5 + 5.0  # generous: the CPU is shared
+class FakeClock:
+    """Stands in for the trainer's clock: time moves only when the dataset says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedDataset:
+    """Wraps a dataset; each batch advances ``clock`` by ``cost(split, call number)``."""
+
+    def __init__(self, inner, clock: FakeClock, cost):
+        self.inner, self.clock, self.cost, self.calls = inner, clock, cost, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def batch(self, split, starts, block_size, device=None):
+        if split == "train":
+            self.calls += 1
+        self.clock.now += self.cost(split, self.calls)
+        return self.inner.batch(split, starts, block_size, device)
+
+
+def test_time_budget_fits_the_schedule(tmp_path, dataset, monkeypatch):
+    """With a fake clock (steps of 0.1 s, evaluations of 2 batches of 0.02 s every 10
+    steps), a 3 s budget fits 28 steps (3 s = 0.1 n + 0.004 n + 2 evaluations); the run
+    must use the budget nearly whole and never pass it."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    data = TimedDataset(dataset, clock, lambda split, n: 0.1 if split == "train" else 0.02)
+    cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=10, eval_batches=2)
+    result = train(cfg, tmp_path, dataset=data, progress=False)
+    assert result.stop_reason == "max_steps"  # the fitted schedule ran to its end ...
+    assert 26 <= result.max_steps == result.step <= 28  # ... of about as many steps as fit
+    assert 0.95 * 3.0 <= result.elapsed <= 3.0  # the budget used, not exceeded
+    assert result.elapsed == pytest.approx(clock.now)
     state = load_checkpoint(tmp_path, with_state=True).state
     assert state["budget_fitted"] and state["schedule_steps"] == result.max_steps
-    resumed = train(None, tmp_path, resume=tmp_path, dataset=dataset, progress=False)
+    resumed = train(None, tmp_path, resume=tmp_path, dataset=data, progress=False)
     assert resumed.max_steps == result.max_steps  # the fitted length is kept on resume
+
+
+def test_time_budget_stops_when_steps_slow_down(tmp_path, dataset, monkeypatch):
+    """Steps take 0.1 s while the schedule is fitted, then 0.3 s: the refits shorten the
+    schedule, and the run stops with a final evaluation once the 3 s are used."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    cost = lambda split, n: (0.1 if n <= 6 else 0.3) if split == "train" else 0.02  # noqa: E731
+    data = TimedDataset(dataset, clock, cost)
+    cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=10, eval_batches=2)
+    result = train(cfg, tmp_path, dataset=data, progress=False)
+    assert result.stop_reason == "time_budget" and result.step <= result.max_steps < 28
+    # Stopped after the step that used up the budget, plus the final evaluation.
+    assert 3.0 <= result.elapsed <= 3.0 + 0.3 + 2 * 0.02 + 1e-9
+    val = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "val"]
+    assert val[-1] == result.step == load_checkpoint(tmp_path, with_state=True).state["step"]
 
 
 # --------------------------------------------------------------------------- data parallel
@@ -384,7 +432,9 @@ DDP_CHILD = textwrap.dedent(
 
 
 def test_two_processes_equal_one_with_double_batch(tmp_path, dataset, cache_dir):
-    per_process = tiny_run(max_steps=4, batch_size=3, grad_accum=2)
+    # The validation set is eval_batches * batch_size blocks whatever the number of
+    # processes: 4 * 3 here, 2 * 6 in the single process below.
+    per_process = tiny_run(max_steps=4, batch_size=3, grad_accum=2, eval_every=4, eval_batches=4)
     (tmp_path / "cfg.json").write_text(per_process.to_json())
     (tmp_path / "child.py").write_text(DDP_CHILD)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -408,7 +458,7 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, dataset, cache_dir)
     )
     ddp = json.loads((tmp_path / "ddp.json").read_text())
     single = train(
-        tiny_run(max_steps=4, batch_size=6, grad_accum=2),
+        tiny_run(max_steps=4, batch_size=6, grad_accum=2, eval_every=4, eval_batches=2),
         tmp_path / "single",
         dataset=dataset,
         progress=False,
@@ -421,6 +471,46 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, dataset, cache_dir)
     assert_weights_close(
         final_weights(tmp_path / "ddp"), final_weights(tmp_path / "single"), tol=1e-5
     )
+    # The same config in one process validates on the same blocks: at step 0 (the same
+    # initial weights) its val loss equals the 2-process run's.
+    train(per_process, tmp_path / "one", max_steps=1, dataset=dataset, progress=False)
+
+    def val_at_0(run: str) -> list[float]:
+        records = read_metrics(tmp_path / run / "metrics.jsonl")
+        return [r["val_loss"] for r in records if r["kind"] == "val" and r["step"] == 0]
+
+    assert val_at_0("one") == pytest.approx(val_at_0("ddp"), rel=1e-6)
+    assert val_at_0("single") == pytest.approx(val_at_0("ddp"), rel=1e-6)
+
+
+def test_device_resolution():
+    resolve = trainer_module.resolve_device
+    assert resolve("auto", cuda_available=False) == torch.device("cpu")
+    assert resolve("auto", cuda_available=True) == torch.device("cuda", 0)
+    assert resolve("cpu", cuda_available=True, local_rank=1, local_world_size=2).type == "cpu"
+    # Under torchrun, "cuda" gives each process of the machine its own GPU ...
+    for rank in (0, 1):
+        device = resolve("cuda", cuda_available=True, local_rank=rank, local_world_size=2)
+        assert device == torch.device("cuda", rank)
+    # ... an explicit index is taken as named by a single process ...
+    assert resolve("cuda:1", cuda_available=True) == torch.device("cuda", 1)
+    # ... and refused when several processes would share it.
+    with pytest.raises(TrainingError, match="all 2 processes of this machine on one GPU"):
+        resolve("cuda:1", cuda_available=True, local_rank=1, local_world_size=2)
+    with pytest.raises(TrainingError, match="CUDA is not available"):
+        resolve("cuda", cuda_available=False)
+    with pytest.raises(TrainingError, match="not a device"):
+        resolve("gpu", cuda_available=False)
+
+
+def test_explicit_gpu_under_torchrun_is_refused(monkeypatch):
+    """The environment torchrun sets reaches the device resolution: refused before any
+    process group or GPU is touched."""
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(TrainingError, match="cuda:1"):
+        trainer_module._setup_distributed("cuda:1")
 
 
 # --------------------------------------------------------------------------- presets

@@ -114,7 +114,7 @@ def run_preset(name: str) -> RunConfig:
 
 
 def is_run_config(data: dict[str, Any]) -> bool:
-    return bool(data) and set(data) <= {"model", "train", "data"}
+    return bool(data) and set(data) <= {"model", "train", "data", "task"}
 
 
 def model_config_from_file(path: str | Path) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""``attnlab eval``: held-out loss, perplexity and bits per token / character."""
+"""``attnlab eval``: a checkpoint's task metrics on its validation set; for language
+models the held-out loss, perplexity and bits per token / character, also of any text."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from attnlab.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from attnlab.config import RunConfig
     from attnlab.tokenizers import Tokenizer
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "eval",
-        help="loss and perplexity of a checkpoint",
-        description="Mean next-token loss of a checkpoint over consecutive non-overlapping "
-        "blocks of its validation split, or of any text with --data.",
+        help="loss and task metrics of a checkpoint",
+        description="The metrics of a checkpoint's task on its validation set; for a "
+        "language model the mean next-token loss over consecutive non-overlapping blocks "
+        "of its validation split, or of any text with --data.",
     )
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
     p.add_argument(
@@ -53,11 +56,58 @@ def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnlab.data import TokenDataset, prepare_data
-    from attnlab.training.evaluate import evaluate
-
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_for_inference(args.ckpt, device)
+    if cfg.task == "lm":
+        report = _language_modelling(args, model, cfg, tokenizer, device)
+    else:
+        report = _task_metrics(args, model, cfg, tokenizer, device)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    if cfg.task != "lm":
+        for name, value in report.items():
+            shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+            print(f"{name:<15} {shown}")
+        return 0
+    characters, bits_per_char = report["characters"], report["bits_per_char"]
+    print(f"data            {report['source']}")
+    print(
+        f"tokens          {report['tokens']:,} ({characters:,} characters, "
+        f"block {report['block_size']})"
+    )
+    print(f"loss            {report['loss']:.4f} nats/token")
+    print(f"perplexity      {report['perplexity']:.3f}")
+    print(f"bits/token      {report['bits_per_token']:.4f}")
+    if bits_per_char is not None:
+        print(f"bits/character  {bits_per_char:.4f}")
+    return 0
+
+
+def _task_metrics(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:
+    """Any task: its metrics on its validation set, as the trainer measures them."""
+    from attnlab.tasks import get_task
+
+    for flag, value in (("--data", args.data), ("--block-size", args.block_size)):
+        if value is not None:
+            raise CLIError(
+                f"{flag} applies to language modelling; {args.ckpt} was trained for task "
+                f"{cfg.task!r}"
+            )
+    task = get_task(cfg.task)(cfg, tokenizer=tokenizer)
+    batch_size = args.batch_size or cfg.train.batch_size
+    metrics = task.evaluate(
+        model, batch_size=batch_size, max_batches=args.max_batches, device=device
+    )
+    return {"task": cfg.task, **metrics, "source": "validation split"}
+
+
+def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:
+    """Loss, perplexity and bits per token and per character, on the validation split or
+    on any text (``--data``)."""
+    from attnlab.data import TokenDataset, prepare_data
+    from attnlab.tasks.lm import LanguageModelling
+
     tokenizer = require_tokenizer(tokenizer, args.ckpt)
     block_size = args.block_size or cfg.train.block_size or cfg.model.max_seq_len
     if block_size > cfg.model.max_seq_len:
@@ -75,31 +125,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         data = prepare_data(cfg.data, tokenizer=tokenizer)
         source = f"validation split of {cfg.data.path or 'the embedded corpus'}"
-    batches = data.iter_eval("val", batch_size, block_size, args.max_batches)
-    result = evaluate(model, batches, device=device)
+    task = LanguageModelling(cfg, tokenizer=tokenizer, data=data, block_size=block_size)
+    result = task.evaluate(
+        model, batch_size=batch_size, max_batches=args.max_batches, device=device
+    )
     # Block j's targets are tokens[j t + 1 : (j + 1) t + 1], so the targets evaluated are
     # exactly tokens[1 : 1 + n]; their text gives the characters predicted.
     characters = len(tokenizer.decode(data.val[1 : 1 + result["tokens"]]))
     total_bits = result["loss"] * result["tokens"] / math.log(2.0)
-    bits_per_char = total_bits / characters if characters else None
-    report = {
+    return {
+        "task": "lm",
         "loss": result["loss"],
         "perplexity": result["perplexity"],
         "tokens": result["tokens"],
         "bits_per_token": result["bits_per_token"],
         "characters": characters,
-        "bits_per_char": bits_per_char,
+        "bits_per_char": total_bits / characters if characters else None,
         "block_size": block_size,
         "source": source,
     }
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    print(f"data            {source}")
-    print(f"tokens          {report['tokens']:,} ({characters:,} characters, block {block_size})")
-    print(f"loss            {report['loss']:.4f} nats/token")
-    print(f"perplexity      {report['perplexity']:.3f}")
-    print(f"bits/token      {report['bits_per_token']:.4f}")
-    if bits_per_char is not None:
-        print(f"bits/character  {bits_per_char:.4f}")
-    return 0

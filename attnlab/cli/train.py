@@ -3,7 +3,7 @@
 The run config is assembled in this order, each step overriding the one before:
 the preset (or, with ``--resume``, the checkpoint's own config.json), the ``--config``
 JSON file (a full or partial RunConfig, merged section by section), the ``--set``
-assignments, then the ``--data`` and ``--seed`` shortcuts.
+assignments, then the ``--task``, ``--data`` and ``--seed`` shortcuts.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a model",
-        description="Train a language model. Config = preset (or the resumed checkpoint's), "
-        "then --config, then --set, then --data/--seed. Ctrl-C stops cleanly after saving.",
+        description="Train a model for a task (language modelling by default). Config = "
+        "preset (or the resumed checkpoint's), then --config, then --set, then "
+        "--task/--data/--seed. Ctrl-C stops cleanly after saving.",
     )
     p.add_argument(
         "--preset", metavar="NAME", help=f"run or model preset (default {DEFAULT_PRESET})"
@@ -49,6 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="override a field, e.g. --set model.n_layers=2 --set train.lr=3e-4 (repeatable)",
     )
     p.add_argument("--data", metavar="PATH", help="a .txt file or folder (sets data.path)")
+    p.add_argument("--task", metavar="NAME", help="what to train for (sets task; default lm)")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/<preset>)")
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
     p.add_argument("--max-steps", type=positive_int, metavar="N", help="sets train.max_steps")
@@ -90,6 +92,12 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
         where = args.config or (args.resume and f"{args.resume}/config.json") or name
         raise CLIError(f"{where}: {e}") from None
     overrides = parse_assignments(args.set)
+    if args.task is not None:
+        from attnlab.tasks import TASKS
+
+        if args.task not in TASKS:
+            raise CLIError(f"--task {args.task}: unknown task; choose one of {', '.join(TASKS)}")
+        overrides["task"] = args.task
     if args.data is not None:
         overrides["data.path"] = args.data
     if args.seed is not None:
@@ -144,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"metrics     {out / METRICS_FILE}")
     if (out / PLOT_FILE).is_file():
         print(f"loss plot   {out / PLOT_FILE}")
-    print(f"sample with: attnlab generate --ckpt {out} --prompt 'The '")
+    if cfg.task == "lm":
+        print(f"sample with: attnlab generate --ckpt {out} --prompt 'The '")
     if result.interrupted:  # the shell convention 128 + signal number
         return 128 + int(getattr(signal, result.interrupted))
     return 0

@@ -3,7 +3,7 @@
 A checkpoint directory holds
 
     config.json         the full RunConfig (vocab_size set from the tokenizer)
-    tokenizer.json      the tokenizer (Hugging Face format)
+    tokenizer.json      the tokenizer (Hugging Face format); absent for tasks without one
     model.safetensors   the weights (tied tensors stored once)
     trainer_state.pt    optimizer state, step, RNG states, schedule; tensors and plain data only
 
@@ -58,7 +58,7 @@ class CheckpointError(ValueError):
 class Checkpoint:
     model: nn.Module  # in eval mode, on the requested device
     config: RunConfig
-    tokenizer: Any  # attnlab.tokenizers.Tokenizer
+    tokenizer: Any  # attnlab.tokenizers.Tokenizer, or None (a task without one: images)
     state: dict | None  # trainer state (with_state=True and one was saved), else None
 
 
@@ -101,6 +101,8 @@ def _finish_pending(directory: Path) -> None:
         for name in CHECKPOINT_FILES:
             if (pending / name).exists():
                 os.replace(pending / name, directory / name)
+            elif name == TOKENIZER_FILE:  # a save without a tokenizer: drop an older one
+                (directory / name).unlink(missing_ok=True)
         _fsync_dir(directory)
         shutil.rmtree(pending)
     for tmp in directory.glob(f"{TMP_PREFIX}*"):
@@ -127,7 +129,8 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         (tmp / CONFIG_FILE).write_text(cfg.to_json() + "\n")
-        tokenizer.save(tmp / TOKENIZER_FILE)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_FILE)
         save_model(
             unwrap_model(model),
             str(tmp / WEIGHTS_FILE),
@@ -137,11 +140,13 @@ def save_checkpoint(
             "format_version": FORMAT_VERSION,
             "checkpoint_id": checkpoint_id,
             "has_state": trainer_state is not None,
+            "has_tokenizer": tokenizer is not None,
             "trainer": trainer_state or {},
         }
         torch.save(state, tmp / STATE_FILE)
         for name in CHECKPOINT_FILES:
-            _fsync_file(tmp / name)
+            if (tmp / name).exists():
+                _fsync_file(tmp / name)
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -169,6 +174,8 @@ def checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     files = {}
     for name in CHECKPOINT_FILES:
         path = pending / name if (pending / name).is_file() else directory / name
+        if name == TOKENIZER_FILE and not path.is_file():
+            continue  # optional: the trainer state says whether the save had one
         if not path.is_file():
             raise CheckpointError(
                 f"{directory}: not a complete checkpoint, {name} is missing; it should hold "
@@ -212,16 +219,23 @@ def load_checkpoint(
         config = RunConfig.from_json(files[CONFIG_FILE].read_text())
     except (ConfigError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{files[CONFIG_FILE]}: invalid run config ({e})") from None
-    try:
-        tokenizer = load_tokenizer(files[TOKENIZER_FILE])
-    except TokenizerError as e:
-        raise CheckpointError(str(e)) from None
-    if tokenizer.vocab_size != config.model.vocab_size:
-        raise CheckpointError(
-            f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model config "
-            f"says vocab_size={config.model.vocab_size}; the files come from different runs"
-        )
     state = _read_state(files[STATE_FILE], device)
+    tokenizer = None
+    if state.get("has_tokenizer", True):
+        if TOKENIZER_FILE not in files:
+            raise CheckpointError(
+                f"{directory}: not a complete checkpoint, {TOKENIZER_FILE} is missing"
+            )
+        try:
+            tokenizer = load_tokenizer(files[TOKENIZER_FILE])
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+        if tokenizer.vocab_size != config.model.vocab_size:
+            raise CheckpointError(
+                f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                f"config says vocab_size={config.model.vocab_size}; the files come from "
+                "different runs"
+            )
 
     weights = files[WEIGHTS_FILE]
     model = build_model(config.model)

@@ -1,17 +1,22 @@
-"""Held-out loss: the mean next-token cross-entropy over every target token of the batches.
+"""Held-out loss of a language model, and the autocast context the trainer uses.
+
+The language-modelling evaluation itself lives with its task (``attnlab.tasks.lm``); this
+module keeps the public ``evaluate`` / ``loss_sums`` / ``summarize`` entry points.
 
 Shapes: b batch, t block size.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
-IGNORE_INDEX = -100
+from attnlab.tasks.base import eval_mode
+from attnlab.tasks.lm import IGNORE_INDEX, lm_loss_sums, lm_summary
+
+__all__ = ["IGNORE_INDEX", "autocast_context", "evaluate", "loss_sums", "summarize"]
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
@@ -21,7 +26,6 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> torch.a
     return torch.autocast(device.type, dtype=dtype)
 
 
-@torch.no_grad()
 def loss_sums(
     model: nn.Module,
     batches: Iterable[tuple[Tensor, Tensor]],
@@ -30,39 +34,17 @@ def loss_sums(
     autocast_dtype: torch.dtype | None = None,
 ) -> tuple[float, int]:
     """(sum of token losses, number of target tokens) over ``batches`` of (x, y), each
-    (b, t). Summing, not averaging, lets callers combine shards (processes, batches)."""
+    (b, t), in eval mode (the model's mode is restored after)."""
     if device is None:
         device = next(model.parameters()).device
     device = torch.device(device)
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        for x, y in batches:
-            x, y = x.to(device), y.to(device)
-            n = int((y != IGNORE_INDEX).sum())
-            if n == 0:
-                continue  # the model's mean over zero targets is NaN
-            with autocast_context(device, autocast_dtype):
-                loss = model(x, targets=y).loss  # mean over the non-ignored targets
-            total += float(loss) * n
-            count += n
-    finally:
-        model.train(was_training)
-    return total, count
+    with eval_mode(model), autocast_context(device, autocast_dtype):
+        return lm_loss_sums(model, batches, device)
 
 
 def summarize(total: float, count: int) -> dict:
     """Mean loss, perplexity and bits per token from :func:`loss_sums`' totals."""
-    if count == 0:
-        raise ValueError("no target tokens to evaluate; give at least one non-empty batch")
-    loss = total / count
-    return {
-        "loss": loss,
-        "perplexity": math.exp(min(loss, 700.0)),  # exp overflows a float beyond ~709
-        "tokens": count,
-        "bits_per_token": loss / math.log(2.0),
-    }
+    return lm_summary(total, count)
 
 
 def evaluate(

@@ -1,7 +1,10 @@
 """Run records: metrics.jsonl (one JSON object per line), loss.png, optional TensorBoard.
 
-Each record has ``step`` and ``kind``: "train" (train_loss, lr, grad_norm, tokens_per_second,
-elapsed) or "val" (val_loss, val_perplexity, best_val_loss).
+Each record has ``step`` and ``kind``: "train" (train_loss, lr, grad_norm,
+``<unit>_per_second`` in the task's unit — tokens_per_second for language modelling —,
+elapsed, and the model's own metrics and aux_loss, means over the log interval) or "val"
+(``val_<metric>`` for each of the task's metrics: val_loss, val_perplexity, ... for
+language modelling; best_val_loss, train_time).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class MetricsLogger:
         if val:
             ax.plot(*zip(*val), "o-", label="validation", markersize=3)
         ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats / token)")
+        ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
         if train or val:
             ax.legend()

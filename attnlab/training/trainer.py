@@ -1,13 +1,18 @@
 """The training loop: AdamW, warm-up + cosine schedule, gradient accumulation and clipping,
 bf16 autocast, periodic validation, crash-safe checkpoints, exact resume, time budgets and
-data-parallel training under torchrun.
+data-parallel training under torchrun. It knows nothing of the task: the data, the loss
+and the metrics come from the run's task (``attnlab.tasks``, ``RunConfig.task``).
 
-Batches. ``train.batch_size`` sequences per process per micro-step, so one optimizer step
-sees a global batch of ``batch_size * grad_accum * world_size`` sequences. Every process
-draws the same global block starts from one shared generator, laid out as
-``(grad_accum, world_size, batch_size)``, and takes its own column: a 2-process run with
-``batch_size=b`` equals a 1-process run with ``batch_size=2b``, and ``grad_accum=k`` with
-``b`` equals ``grad_accum=1`` with ``k*b`` (to float rounding).
+Batches. ``train.batch_size`` examples per process per micro-step, so one optimizer step
+sees a global batch of ``batch_size * grad_accum * world_size`` examples. Every process
+draws the same global example keys (``Task.sample``) from one shared generator, laid out
+as ``(grad_accum, world_size, batch_size)``, and takes its own column: a 2-process run
+with ``batch_size=b`` equals a 1-process run with ``batch_size=2b``, and ``grad_accum=k``
+with ``b`` equals ``grad_accum=1`` with ``k*b`` (to float rounding). Each micro-batch's
+mean loss (plus the model's auxiliary loss) weighs the same in the step's gradient.
+
+Validation. ``train.eval_batches * train.batch_size`` examples, the same whatever the
+number of processes; each process evaluates its slice and the task's totals are summed.
 
 Steps. ``step`` counts completed optimizer steps; the step that is running is
 ``step + 1``; metrics, checkpoints and errors name that 1-based number.
@@ -44,12 +49,13 @@ from tqdm.auto import tqdm
 
 from attnlab.config import RunConfig
 from attnlab.models import build_model
+from attnlab.tasks import Task, eval_mode, get_task
 from attnlab.training.checkpoint import (
     CHECKPOINT_FILES,
     load_checkpoint,
     save_checkpoint,
 )
-from attnlab.training.evaluate import autocast_context, loss_sums
+from attnlab.training.evaluate import autocast_context
 from attnlab.training.metrics import METRICS_FILE, MetricsLogger, read_metrics
 from attnlab.training.optim import build_optimizer, lr_at, set_lr
 
@@ -57,6 +63,8 @@ BEST_DIR = "best"
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
 FIT_STEPS = 5  # steps timed before the first fit to a time budget
 FIT_WINDOW = 50  # refits use the mean time of the last this many steps
+
+_clock = time.perf_counter  # every duration the loop measures (tests substitute a fake)
 
 
 class TrainingError(RuntimeError):
@@ -70,12 +78,21 @@ class TrainResult:
     val_loss: float | None  # the last validation loss
     best_val_loss: float | None
     out_dir: Path
-    tokens_per_second: float  # training throughput of this call (all processes)
+    throughput: float  # training throughput of this call (all processes), in ``unit``/s
     max_steps: int = 0  # the schedule's length (fitted to a time budget if one was given)
     elapsed: float = 0.0  # seconds, including earlier calls of a resumed run
     interrupted: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped the run
     stop_reason: str = "max_steps"  # "max_steps", "time_budget" or "signal"
     losses: list[float] = field(default_factory=list)  # per-step train loss, this call
+    unit: str = "tokens"  # the task's unit of throughput
+    val_metrics: dict[str, float] = field(default_factory=dict)  # the last validation's
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Throughput of a token-based task (language modelling)."""
+        if self.unit != "tokens":
+            raise AttributeError(f"this task counts {self.unit}; use throughput")
+        return self.throughput
 
 
 # --------------------------------------------------------------------------- processes
@@ -96,17 +113,45 @@ class _Dist:
         return self.rank == 0
 
 
-def _resolve_device(name: str, local_rank: int) -> torch.device:
+def resolve_device(
+    name: str, *, cuda_available: bool, local_rank: int = 0, local_world_size: int = 1
+) -> torch.device:
+    """The device of process ``local_rank`` of the ``local_world_size`` on this machine.
+    "auto" is cuda when there is one; "cuda" becomes cuda:<local_rank>. An explicit index
+    ("cuda:1") is refused when several processes share the machine: they would all
+    train on that one GPU."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+        name = "cuda" if cuda_available else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainingError(
+            f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N"
+        ) from None
     if device.type == "cuda":
-        if not torch.cuda.is_available():
+        if not cuda_available:
             raise TrainingError(
                 f"train.device={name!r} but CUDA is not available; use train.device=cpu"
             )
         if device.index is None:
             device = torch.device("cuda", local_rank)
+        elif local_world_size > 1:
+            raise TrainingError(
+                f"train.device={name!r} would put all {local_world_size} processes of this "
+                "machine on one GPU; use train.device=cuda (process i takes cuda:i) and "
+                "choose the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+    return device
+
+
+def _resolve_device(name: str, local_rank: int, local_world_size: int) -> torch.device:
+    device = resolve_device(
+        name,
+        cuda_available=torch.cuda.is_available(),
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+    )
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
 
@@ -115,9 +160,10 @@ def _setup_distributed(device_name: str) -> tuple[_Dist, torch.device]:
     """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
-        return _Dist(), _resolve_device(device_name, 0)
+        return _Dist(), _resolve_device(device_name, 0, 1)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _resolve_device(device_name, local_rank)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    device = _resolve_device(device_name, local_rank, local_world_size)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return _Dist(dist.get_rank(), dist.get_world_size(), local_rank), device
@@ -157,7 +203,12 @@ def _copy_config(cfg: RunConfig) -> RunConfig:
 
 
 def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None:
-    """The model and data of a resumed run must be the checkpoint's."""
+    """The task, model and data of a resumed run must be the checkpoint's."""
+    if cfg.task != saved.task:
+        raise TrainingError(
+            f"resume: the checkpoint in {resume} was trained on task {saved.task!r}, not "
+            f"{cfg.task!r}; resume it with task={saved.task}"
+        )
     for section in ("model", "data"):
         mine, theirs = getattr(cfg, section).to_dict(), getattr(saved, section).to_dict()
         if section == "model":
@@ -168,6 +219,10 @@ def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None
                 f"resume: the {section} config differs from the checkpoint's in "
                 f"{', '.join(changed)}; resume with the saved config ({resume}/config.json)"
             )
+
+
+def _tokenizer_json(tokenizer) -> str | None:
+    return None if tokenizer is None else tokenizer.to_json()
 
 
 def _rng_state(device: torch.device) -> dict[str, Tensor]:
@@ -184,6 +239,16 @@ def _set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class _StepResult:
+    loss: float  # mean main loss over the global batch
+    grad_norm: float
+    count: float  # units of work of the global batch (Task.unit)
+    metrics: dict[str, tuple[float, int]]  # this process's model metrics: name -> (sum, n)
+    signalled: bool  # some process got SIGINT/SIGTERM
+    out_of_time: bool  # some process found the time budget used up
 
 
 class Trainer:
@@ -232,27 +297,25 @@ class Trainer:
         cfg.validate()
         tc = cfg.train
 
-        # Data: rank 0 first, so a tokenizer / token cache it writes is reused, not raced.
-        if dataset is None:
-            from attnlab.data import prepare_data
-
-            tokenizer = ckpt.tokenizer if ckpt is not None else None
-            if self.dist.is_main:
-                dataset = prepare_data(cfg.data, tokenizer=tokenizer)
-            self._barrier()
-            if not self.dist.is_main:
-                dataset = prepare_data(cfg.data, tokenizer=tokenizer)
-        self.dataset = dataset
-        self.tokenizer = dataset.tokenizer
-        if ckpt is not None and self.tokenizer.to_json() != ckpt.tokenizer.to_json():
+        # The task and its data: rank 0 first, so a tokenizer / data cache it writes is
+        # reused, not raced.
+        task_cls = get_task(cfg.task)
+        tokenizer = ckpt.tokenizer if ckpt is not None else None
+        task: Task | None = None
+        if self.dist.is_main:
+            task = task_cls(cfg, tokenizer=tokenizer, data=dataset)
+        self._barrier()
+        if task is None:
+            task = task_cls(cfg, tokenizer=tokenizer, data=dataset)
+        self.task = task
+        self.tokenizer = task.tokenizer
+        if ckpt is not None and _tokenizer_json(self.tokenizer) != _tokenizer_json(ckpt.tokenizer):
             raise TrainingError(
                 "resume: the dataset's tokenizer differs from the checkpoint's; build the "
                 "dataset with the checkpoint's tokenizer"
             )
-        cfg.model.vocab_size = self.tokenizer.vocab_size
+        task.configure_model(cfg.model)
         cfg.validate()
-        self.block_size = tc.block_size or cfg.model.max_seq_len
-        dataset.check_block(self.block_size)
         self.cfg, self.tc = cfg, tc
 
         # Model and optimizer. Same seed on every process; DDP also broadcasts rank 0's.
@@ -286,6 +349,7 @@ class Trainer:
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.last_train_loss: float | None = None
+        self.last_val_metrics: dict[str, float] = {}
         history: list[dict] = []
         if ckpt is not None:
             self._restore(ckpt.state, max_steps)
@@ -364,19 +428,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
-    def _train_step(self, stop: _StopRequest, time_up) -> tuple[float, float, bool, bool]:
-        """One optimizer step. Returns (loss, grad norm, whether any process was signalled,
-        whether the time budget is used up); ``time_up()`` tells the latter locally."""
+    def _train_step(self, stop: _StopRequest, time_up) -> _StepResult:
+        """One optimizer step, with whether any process was signalled and whether the
+        time budget is used up (``time_up()`` tells the latter locally)."""
         tc, ws = self.tc, self.dist.world_size
         lr = lr_at(self.step, tc, self.schedule_steps)
         set_lr(self.optimizer, lr)
-        # Global starts (accum, world, b) from the shared generator; this process's column.
-        starts = self.dataset.sample_starts(
-            "train", tc.grad_accum * ws * tc.batch_size, self.block_size, self.data_generator
-        ).view(tc.grad_accum, ws, tc.batch_size)[:, self.dist.rank]  # (accum, b)
+        # Global keys (accum, world, b, ...) from the shared generator; this process's column.
+        keys = self.task.sample(tc.grad_accum * ws * tc.batch_size, self.data_generator)
+        keys = keys.view(tc.grad_accum, ws, tc.batch_size, *keys.shape[1:])[:, self.dist.rank]
         loss_sum = torch.zeros((), device=self.device)
+        count = 0
+        metrics: dict[str, list] = {}  # name -> [sum, n] over micro-steps
         for micro in range(tc.grad_accum):
-            x, y = self.dataset.batch("train", starts[micro], self.block_size, self.device)
+            batch = self.task.batch(keys[micro], self.device)
             last = micro == tc.grad_accum - 1
             # DDP averages gradients across processes only on the last micro-step.
             sync = (
@@ -386,18 +451,28 @@ class Trainer:
             )
             with sync:
                 with autocast_context(self.device, self.autocast_dtype):
-                    loss = self.train_model(x, targets=y).loss
-                (loss / tc.grad_accum).backward()
-            loss_sum += loss.detach()
+                    out = self.task.step(self.train_model, batch)
+                (out.objective / tc.grad_accum).backward()
+            loss_sum += out.loss.detach()
+            count += int(out.count)
+            extras = dict(out.metrics)
+            if out.aux_loss is not None:
+                extras["aux_loss"] = out.aux_loss
+            for name, value in extras.items():
+                value = value.detach().float() if isinstance(value, Tensor) else float(value)
+                entry = metrics.setdefault(name, [0.0, 0])
+                entry[0] = entry[0] + value
+                entry[1] += 1
         params = [p for p in self.model.parameters() if p.grad is not None]
         if tc.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        # One collective per step: the mean loss, and whether any process must stop.
-        loss_total, signalled, out_of_time = self._all_reduce(
+        # One collective per step: the mean loss, the work done, whether any must stop.
+        loss_total, count_total, signalled, out_of_time = self._all_reduce(
             [
                 float(loss_sum) / tc.grad_accum,
+                float(count),
                 float(stop.signal_name is not None),
                 float(time_up()),
             ]
@@ -416,21 +491,48 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return step_loss, grad_norm, signalled > 0, out_of_time > 0
+        return _StepResult(
+            loss=step_loss,
+            grad_norm=grad_norm,
+            count=count_total,
+            metrics={name: (float(total), n) for name, (total, n) in metrics.items()},
+            signalled=signalled > 0,
+            out_of_time=out_of_time > 0,
+        )
 
-    def _evaluate(self) -> float:
-        """Validation loss over ``eval_batches`` batches of ``batch_size * world_size``
-        rows; each process evaluates its slice of rows and the sums are all-reduced."""
+    def _evaluate(self) -> dict[str, float]:
+        """The task's validation metrics: the same ``eval_batches * batch_size`` examples
+        whatever the number of processes; each process evaluates its slice and the
+        task's totals are summed over processes."""
         tc, ws, rank = self.tc, self.dist.world_size, self.dist.rank
-        batches = self.dataset.iter_eval(
-            "val", tc.batch_size * ws, self.block_size, max_batches=tc.eval_batches
-        )
-        mine = ((x[rank::ws], y[rank::ws]) for x, y in batches)  # (<= b, t) each
-        total, count = loss_sums(
-            self.model, mine, device=self.device, autocast_dtype=self.autocast_dtype
-        )
-        total, count = self._all_reduce([total, float(count)])
-        return total / count
+        with eval_mode(self.model), autocast_context(self.device, self.autocast_dtype):
+            sums = self.task.eval_sums(
+                self.model,
+                batch_size=tc.batch_size,
+                max_batches=tc.eval_batches,
+                rank=rank,
+                world_size=ws,
+                device=self.device,
+            )
+        names = sorted(sums)
+        totals = self._all_reduce([float(sums[name]) for name in names])
+        return self.task.summarize(dict(zip(names, totals)))
+
+    def _reduce_metrics(self, metrics: dict[str, list]) -> dict[str, float]:
+        """Means of the model's metrics ({name: [sum, n]}) over this log interval and
+        every process (the names may differ between processes)."""
+        if self.dist.enabled:
+            gathered: list = [None] * self.dist.world_size
+            dist.all_gather_object(gathered, metrics)
+        else:
+            gathered = [metrics]
+        merged: dict[str, list] = {}
+        for part in gathered:
+            for name, (total, n) in part.items():
+                entry = merged.setdefault(name, [0.0, 0])
+                entry[0] += total
+                entry[1] += n
+        return {name: total / n for name, (total, n) in sorted(merged.items()) if n}
 
     def _fit_budget(self, step_time: float, eval_time: float | None, now: float) -> None:
         """Fit the schedule to the steps that fit in the time left (never past max_steps).
@@ -438,7 +540,8 @@ class Trainer:
         step time so far (a shared CPU's speed drifts)."""
         tc = self.tc
         if eval_time is None:  # no evaluation timed yet: forward only, ~1/3 of a step
-            eval_time = step_time * tc.eval_batches / (3 * tc.grad_accum)
+            eval_batches = tc.eval_batches / self.dist.world_size  # this process's share
+            eval_time = step_time * eval_batches / (3 * tc.grad_accum)
         per_step = step_time + (eval_time / tc.eval_every if tc.eval_every else 0.0)
         left = tc.time_budget - now - eval_time  # keep room for the final evaluation
         fitted = self.step + max(0, int(left / per_step))
@@ -450,10 +553,10 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> TrainResult:
-        tc, main = self.tc, self.dist.is_main
-        tokens_per_step = tc.batch_size * tc.grad_accum * self.dist.world_size * self.block_size
-        t_start = time.perf_counter()
-        elapsed = lambda: self.elapsed_before + time.perf_counter() - t_start
+        tc, main, unit = self.tc, self.dist.is_main, self.task.unit
+        rate_key = f"{unit}_per_second"  # tokens_per_second for language modelling
+        t_start = _clock()
+        elapsed = lambda: self.elapsed_before + _clock() - t_start
         time_up = lambda: tc.time_budget is not None and elapsed() >= tc.time_budget
         bar = tqdm(
             total=self.schedule_steps,
@@ -464,9 +567,11 @@ class Trainer:
         )
         losses: list[float] = []
         step_times: list[float] = []  # this call's step durations, evaluation excluded
+        work_done = 0.0  # units of work of this call's steps, all processes
         eval_time: float | None = None
         interval_losses: list[float] = []
-        interval_time = 0.0
+        interval_time, interval_work = 0.0, 0.0
+        interval_metrics: dict[str, list] = {}  # the model's metrics: name -> [sum, n]
         last_saved = self.step if self.resumed else -1
         stop_reason = "max_steps"
         stop = _StopRequest()
@@ -479,9 +584,10 @@ class Trainer:
 
         def evaluate_and_save(save: bool) -> None:
             nonlocal eval_time, last_saved
-            t0 = time.perf_counter()
-            val = self._evaluate()
-            eval_time = time.perf_counter() - t0
+            t0 = _clock()
+            self.last_val_metrics = self._evaluate()
+            eval_time = _clock() - t0
+            val = self.last_val_metrics["loss"]
             if self.budget_fitted and 0 < self.step < self.schedule_steps:
                 fit_budget()  # refit with more timings (before saving: resume sees it)
             self.last_val_loss = val
@@ -492,8 +598,7 @@ class Trainer:
                 self.logger.log(
                     "val",
                     self.step,
-                    val_loss=val,
-                    val_perplexity=math.exp(min(val, 700.0)),
+                    **{f"val_{name}": value for name, value in self.last_val_metrics.items()},
                     best_val_loss=self.best_val_loss,
                     train_time=self.train_time,
                 )
@@ -511,15 +616,22 @@ class Trainer:
                 if not self.resumed and tc.eval_every:
                     evaluate_and_save(save=False)  # the untrained baseline on the curve
                 while self.step < self.schedule_steps:
-                    t0 = time.perf_counter()
-                    loss, grad_norm, signalled, out_of_time = self._train_step(stop, time_up)
-                    dt = time.perf_counter() - t0
+                    t0 = _clock()
+                    result = self._train_step(stop, time_up)
+                    dt = _clock() - t0
+                    loss = result.loss
                     losses.append(loss)
                     step_times.append(dt)
+                    work_done += result.count
                     self.train_time += dt
                     self.last_train_loss = loss
                     interval_losses.append(loss)
                     interval_time += dt
+                    interval_work += result.count
+                    for name, (total, n) in result.metrics.items():
+                        entry = interval_metrics.setdefault(name, [0.0, 0])
+                        entry[0] += total
+                        entry[1] += n
                     bar.update(1)
 
                     n_timed = len(step_times) - FIT_SKIP_STEPS
@@ -531,28 +643,35 @@ class Trainer:
                         fit_budget()
 
                     if self.step % tc.log_every == 0 or self.step >= self.schedule_steps:
-                        rate = tokens_per_step * len(interval_losses) / max(interval_time, 1e-9)
+                        rate = interval_work / max(interval_time, 1e-9)
                         lr = self.optimizer.param_groups[0]["lr"]
                         mean_loss = sum(interval_losses) / len(interval_losses)
+                        model_metrics = self._reduce_metrics(interval_metrics)  # collective
                         if main:
                             self.logger.log(
                                 "train",
                                 self.step,
+                                **model_metrics,
                                 train_loss=mean_loss,
                                 lr=lr,
-                                grad_norm=grad_norm,
-                                tokens_per_second=rate,
+                                grad_norm=result.grad_norm,
+                                **{rate_key: rate},
                                 elapsed=elapsed(),
                             )
                         bar.set_postfix(
-                            loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:.0f}"
+                            {
+                                "loss": f"{mean_loss:.4f}",
+                                "lr": f"{lr:.2e}",
+                                f"{unit}/s": f"{rate:.0f}",
+                            }
                         )
-                        interval_losses, interval_time = [], 0.0
+                        interval_losses, interval_time, interval_work = [], 0.0, 0.0
+                        interval_metrics = {}
 
-                    if signalled:
+                    if result.signalled:
                         stop_reason = "signal"
                         break
-                    if out_of_time:
+                    if result.out_of_time:
                         stop_reason = "time_budget"
                         evaluate_and_save(save=True)
                         break
@@ -584,12 +703,14 @@ class Trainer:
             val_loss=self.last_val_loss,
             best_val_loss=self.best_val_loss,
             out_dir=self.out_dir,
-            tokens_per_second=tokens_per_step * len(step_times) / max(total_time, 1e-9),
+            throughput=work_done / max(total_time, 1e-9),
             max_steps=self.schedule_steps,
             elapsed=elapsed(),
             interrupted=interrupted,
             stop_reason=stop_reason,
             losses=losses,
+            unit=unit,
+            val_metrics=dict(self.last_val_metrics),
         )
 
 

@@ -1,0 +1,46 @@
+"""Tasks: one module per task (its data, batch -> loss step and metrics); the trainer
+stays generic. A new task is a module with a :class:`Task` subclass and one entry in
+``TASKS`` (or :func:`register_task`)."""
+
+from __future__ import annotations
+
+from attnlab.tasks.base import StepOutput, Task, eval_mode, model_extras, shard
+from attnlab.tasks.lm import LanguageModelling
+
+TASKS: dict[str, type[Task]] = {
+    "lm": LanguageModelling,
+}
+
+
+def task_names() -> tuple[str, ...]:
+    return tuple(TASKS)
+
+
+def get_task(name: str) -> type[Task]:
+    """The task class registered as ``name``; ValueError listing the tasks otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}") from None
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Class decorator: ``TASKS[cls.name] = cls``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty ``name`` to be registered")
+    TASKS[cls.name] = cls
+    return cls
+
+
+__all__ = [
+    "TASKS",
+    "LanguageModelling",
+    "StepOutput",
+    "Task",
+    "eval_mode",
+    "get_task",
+    "model_extras",
+    "register_task",
+    "shard",
+    "task_names",
+]
