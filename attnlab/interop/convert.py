@@ -12,14 +12,15 @@ from attnlab.config import ConfigError, ModelConfig
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
+    Source,
     read_config,
-    read_tensors,
     unrepresentable,
     weight_files,
     write_folder,
 )
 from attnlab.interop.registry import FAMILIES, lookup
 from attnlab.models.decoder import DecoderLM
+from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
@@ -69,27 +70,48 @@ def load_hf(
     """Load a Hugging Face GPT-2 / LLaMA / Mistral / Qwen2 checkpoint directory.
 
     Returns a :class:`DecoderLM` in eval mode (as ``from_pretrained`` does). ``dtype``
-    defaults to float32 whatever the checkpoint stores; ``device`` defaults to the CPU."""
+    defaults to float32 whatever the checkpoint stores; ``device`` defaults to the CPU.
+    The model is built on the meta device and each parameter is allocated once, in
+    ``dtype`` on ``device``, and read from the files: loading needs about the memory of
+    the loaded model, not twice it."""
     path = Path(path)
     hf_config = read_config(path)
     cfg = config_from_hf(hf_config)
     family, _ = lookup(hf_config)
-    tensors = read_tensors(weight_files(path))
-    state = family.weights_to_attnlab(tensors, cfg)
-    model = DecoderLM(cfg)
+    files: dict[str, SafetensorsFile] = {}  # tensor name -> its file
+    for file in weight_files(path):
+        try:
+            opened = SafetensorsFile(file)
+        except (WeightsFileError, OSError) as e:
+            raise HFCheckpointError(str(e)) from None
+        files |= dict.fromkeys(opened.keys(), opened)
+    src = Source({name: f.shape(name) for name, f in files.items()}, family.ignored)
+    plan = family.weights_to_attnlab(src, cfg)
+    src.check()
+    for a, b in src.must_equal:
+        if not torch.equal(files[a].read(a), files[b].read(b)):
+            raise HFCheckpointError(
+                f"config.json says tie_word_embeddings=true but {a} differs from the token "
+                "embedding; set tie_word_embeddings to false in config.json"
+            )
+    with parameters_on_meta():
+        model = DecoderLM(cfg)
     # strict: every attnlab parameter must come from the checkpoint (the tied head is shared).
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    if set(state) != expected:  # a mapping bug, not a user error
-        raise RuntimeError(f"interop mapping mismatch: {sorted(set(state) ^ expected)}")
-    with torch.no_grad():
-        params = model.state_dict()
-        for name, t in state.items():
-            params[name].copy_(t)
-    # Cast parameters only: module.to(dtype) would also round the float32 RoPE frequencies.
-    model.to(device=device)
-    if dtype is not None:
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
+    if set(plan) != expected:  # a mapping bug, not a user error
+        raise RuntimeError(f"interop mapping mismatch: {sorted(set(plan) ^ expected)}")
+
+    def fill(name: str, dest: torch.Tensor) -> None:
+        row = 0
+        for part in plan[name]:  # stacked along the first dimension
+            shape = files[part.name].shape(part.name)
+            rows = shape[-1] if part.transposed else shape[0]
+            view = dest[row : row + rows] if len(plan[name]) > 1 else dest
+            files[part.name].read_into(part.name, view.t() if part.transposed else view)
+            row += rows
+
+    # Floating parameters get dtype (float32 by default); the RoPE frequencies stay float32.
+    materialize(model, fill, dtype=dtype or torch.float32, device=device)
     return model.eval()
 
 

@@ -21,6 +21,8 @@ from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, 
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
+    Part,
+    Plan,
     Source,
     activation,
     common_config,
@@ -110,15 +112,14 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
     }
 
 
-def weights_to_attnlab(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor | None]:
+def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
     d, f, V, L = cfg.d_model, cfg.ffn.hidden_size(cfg.d_model), cfg.vocab_size, cfg.max_seq_len
-    src, p = Source(tensors, IGNORED), prefix(tensors, "transformer.", "wte.weight")
+    p = prefix(src, "transformer.", "wte.weight")
 
-    def conv(name: str, d_in: int, d_out: int) -> Tensor | None:
-        w = src.take(name, (d_in, d_out))  # Conv1D stores (in, out)
-        return None if w is None else w.t()  # (out, in)
+    def conv(name: str, d_in: int, d_out: int) -> tuple[Part, ...] | None:
+        return src.take(name, (d_in, d_out), transposed=True)  # Conv1D stores (in, out)
 
-    out: dict[str, Tensor | None] = {
+    out: dict[str, tuple[Part, ...] | None] = {
         "tok_emb.weight": src.take(f"{p}wte.weight", (V, d)),
         "pos_emb.weight": src.take(f"{p}wpe.weight", (L, d)),
         "norm.weight": src.take(f"{p}ln_f.weight", (d,)),
@@ -144,8 +145,7 @@ def weights_to_attnlab(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str
         src.tied_head(out["tok_emb.weight"])
     else:
         out["lm_head.weight"] = src.take("lm_head.weight", (V, d))
-    src.check()
-    return out
+    return out  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
 def weights_from_attnlab(

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -46,27 +45,6 @@ class HFCheckpointError(ValueError):
 
 def unrepresentable(reason: str) -> HFCheckpointError:
     return HFCheckpointError(f"no Hugging Face architecture can represent this model: {reason}")
-
-
-@dataclass(frozen=True)
-class Family:
-    """One Hugging Face model family: its ``model_type``s and the four mappings.
-
-    ``architectures`` maps each model_type to its accepted ``architectures`` entries (the
-    causal-LM class first: it is what export writes). ``exports`` says whether a config
-    belongs to this family on export; ``export_type`` then names its model_type or raises
-    :class:`HFCheckpointError` saying why none fits."""
-
-    name: str
-    architectures: dict[str, tuple[str, ...]]
-    config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
-    config_to_hf: Callable[[ModelConfig, str, torch.dtype], dict[str, Any]]
-    weights_to_attnlab: Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor | None]]
-    weights_from_attnlab: Callable[[dict[str, Tensor], ModelConfig, str], dict[str, Tensor]]
-    exports: Callable[[ModelConfig], bool]
-    export_type: Callable[[ModelConfig], str]
-    # Non-parameter buffers older transformers versions saved; recomputed, never loaded.
-    ignored: re.Pattern[str]
 
 
 # --------------------------------------------------------------------------- config.json
@@ -148,15 +126,6 @@ def weight_files(path: Path) -> list[Path]:
     raise HFCheckpointError(f"{path}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} found")
 
 
-def read_tensors(files: list[Path]) -> dict[str, Tensor]:
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
-
-
 def write_folder(path: Path, tensors: dict[str, Tensor], hf_config: dict[str, Any]) -> None:
     """Write ``model.safetensors`` and ``config.json``, each replacing its old version whole:
     a crash never leaves a truncated file."""
@@ -171,34 +140,52 @@ def write_folder(path: Path, tensors: dict[str, Tensor], hf_config: dict[str, An
 # --------------------------------------------------------------------------- name mapping
 
 
-class Source:
-    """Hugging Face tensors handed out by name: records missing and mis-shaped ones, and
-    what is left over at the end (unexpected tensors)."""
+@dataclass(frozen=True)
+class Part:
+    """One Hugging Face tensor that fills (rows of) an attnlab parameter; ``transposed``:
+    stored (in, out) (GPT-2's Conv1D)."""
 
-    def __init__(self, tensors: dict[str, Tensor], ignored: re.Pattern[str]):
-        self.left = dict(tensors)
+    name: str
+    transposed: bool = False
+
+
+# attnlab parameter name -> the Hugging Face tensors stacked along its first dimension
+Plan = dict[str, tuple[Part, ...]]
+
+
+class Source:
+    """The Hugging Face tensor names and shapes of a checkpoint (no data), handed out by
+    name to build a :data:`Plan`: records missing and mis-shaped tensors, and what is left
+    over at the end (unexpected tensors)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], ignored: re.Pattern[str]):
+        self.left = dict(shapes)
         self.ignored = ignored
         self.missing: list[str] = []
         self.wrong: list[str] = []
+        self.must_equal: list[tuple[str, str]] = []  # pairs whose data must be identical
 
-    def take(self, name: str, shape: tuple[int, ...]) -> Tensor | None:
-        t = self.left.pop(name, None)
-        if t is None:
+    def has(self, name: str) -> bool:
+        return name in self.left
+
+    def take(
+        self, name: str, shape: tuple[int, ...], *, transposed: bool = False
+    ) -> tuple[Part, ...] | None:
+        """The tensor ``name``, which must have ``shape`` as stored."""
+        stored = self.left.pop(name, None)
+        if stored is None:
             self.missing.append(name)
-        elif tuple(t.shape) != shape:
-            self.wrong.append(f"{name} has shape {tuple(t.shape)}, config.json implies {shape}")
-            t = None
-        return t
+            return None
+        if tuple(stored) != shape:
+            self.wrong.append(f"{name} has shape {tuple(stored)}, config.json implies {shape}")
+            return None
+        return (Part(name, transposed),)
 
-    def tied_head(self, emb: Tensor | None) -> None:
+    def tied_head(self, emb: tuple[Part, ...] | None) -> None:
         """Tied models need no lm_head; a stored copy is accepted only if it equals the
-        embedding."""
-        head = self.left.pop("lm_head.weight", None)
-        if head is not None and (emb is None or not torch.equal(head, emb)):
-            raise HFCheckpointError(
-                "config.json says tie_word_embeddings=true but lm_head.weight differs from the "
-                "token embedding; set tie_word_embeddings to false in config.json"
-            )
+        embedding (checked on the data by the loader)."""
+        if self.left.pop("lm_head.weight", None) is not None and emb is not None:
+            self.must_equal.append(("lm_head.weight", emb[0].name))
 
     def check(self) -> None:
         unexpected = sorted(n for n in self.left if not self.ignored.match(n))
@@ -214,15 +201,16 @@ class Source:
                 raise HFCheckpointError(f"checkpoint does not match config.json: {label}: {shown}")
 
 
-def cat(parts: Iterable[Tensor | None]) -> Tensor | None:
+def cat(parts: Iterable[tuple[Part, ...] | None]) -> tuple[Part, ...] | None:
+    """Parts stacked along the first dimension (None if any is missing)."""
     parts = list(parts)
-    return None if any(p is None for p in parts) else torch.cat(parts, dim=0)
+    return None if any(p is None for p in parts) else sum(parts, ())
 
 
-def prefix(tensors: dict[str, Tensor], prefix: str, probe: str) -> str:
+def prefix(src: Source, prefix: str, probe: str) -> str:
     """``prefix`` if the checkpoint nests the backbone under it (``transformer.``, ``model.``),
     else "" (headless base-model checkpoints)."""
-    return prefix if prefix + probe in tensors else ""
+    return prefix if src.has(prefix + probe) else ""
 
 
 def split_rows(w: Tensor, *sizes: int) -> tuple[Tensor, ...]:
@@ -236,3 +224,24 @@ def or_zeros(sd: dict[str, Tensor], name: str, size: int) -> Tensor:
         return sd[name]
     ref = sd["tok_emb.weight"]
     return torch.zeros(size, dtype=ref.dtype, device=ref.device)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family: its ``model_type``s and the four mappings.
+
+    ``architectures`` maps each model_type to its accepted ``architectures`` entries (the
+    causal-LM class first: it is what export writes). ``exports`` says whether a config
+    belongs to this family on export; ``export_type`` then names its model_type or raises
+    :class:`HFCheckpointError` saying why none fits."""
+
+    name: str
+    architectures: dict[str, tuple[str, ...]]
+    config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
+    config_to_hf: Callable[[ModelConfig, str, torch.dtype], dict[str, Any]]
+    weights_to_attnlab: Callable[[Source, ModelConfig], Plan]
+    weights_from_attnlab: Callable[[dict[str, Tensor], ModelConfig, str], dict[str, Tensor]]
+    exports: Callable[[ModelConfig], bool]
+    export_type: Callable[[ModelConfig], str]
+    # Non-parameter buffers older transformers versions saved; recomputed, never loaded.
+    ignored: re.Pattern[str]

@@ -24,6 +24,8 @@ from attnlab.functional.rope import interleaved_to_split
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
+    Part,
+    Plan,
     Source,
     activation,
     cat,
@@ -230,12 +232,12 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
 # --------------------------------------------------------------------------- weights
 
 
-def weights_to_attnlab(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor | None]:
+def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
     d, f, V = cfg.d_model, cfg.ffn.hidden_size(cfg.d_model), cfg.vocab_size
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     att = cfg.attention
-    src, p = Source(tensors, IGNORED), prefix(tensors, "model.", "embed_tokens.weight")
-    out: dict[str, Tensor | None] = {
+    p = prefix(src, "model.", "embed_tokens.weight")
+    out: dict[str, tuple[Part, ...] | None] = {
         "tok_emb.weight": src.take(f"{p}embed_tokens.weight", (V, d)),
         "norm.weight": src.take(f"{p}norm.weight", (d,)),
     }
@@ -269,8 +271,7 @@ def weights_to_attnlab(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str
         src.tied_head(out["tok_emb.weight"])
     else:
         out["lm_head.weight"] = src.take("lm_head.weight", (V, d))
-    src.check()
-    return out
+    return out  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
 def _rope_rows_to_split(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
