@@ -23,6 +23,7 @@ from attnlab.config import ModelConfig
 from attnlab.fileio import atomic_path, atomic_write_text
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -95,6 +96,35 @@ def read_config(path: Path) -> dict[str, Any]:
         return json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise HFCheckpointError(f"{config_file}: not valid JSON ({e})") from None
+
+
+def _eos_of(data: Any) -> list[int] | None:
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    if eos is None:
+        return None
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise HFCheckpointError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
+    return ids
+
+
+def eos_token_ids(path: Path) -> list[int]:
+    """``eos_token_id`` (int or list) of ``generation_config.json``, else of a Hugging Face
+    ``config.json`` (one with a model_type), in folder ``path``; [] when neither has one."""
+    for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
+        if name == CONFIG_NAME and not (isinstance(data, dict) and "model_type" in data):
+            continue  # an attnlab RunConfig: no special tokens
+        ids = _eos_of(data)
+        if ids is not None:
+            return ids
+    return []
 
 
 # --------------------------------------------------------------------------- weight files
