@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 # safetensors dtype names -> torch dtypes
 DTYPES = {
@@ -91,6 +92,9 @@ class SafetensorsFile:
                     f"{self._data_start + end})"
                 )
             self.entries[name] = (dtype, shape, self._data_start + begin, numel)
+        # One staging buffer for every read of this file: a fresh one per tensor would leave
+        # the freed ones resident in the malloc heap, interleaved with the new parameters.
+        self._buffer: Tensor | None = None
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -112,7 +116,10 @@ class SafetensorsFile:
             flat_dest = dest if dest.dim() else dest.view(1)  # rows: slices of dim 0
             row = max(1, numel // max(1, flat_dest.shape[0])) * dtype.itemsize
             rows = max(1, CHUNK_BYTES // row)
-            buffer = torch.empty(min(rows, flat_dest.shape[0]) * row, dtype=torch.uint8)
+            need = min(rows, flat_dest.shape[0]) * row
+            if self._buffer is None or self._buffer.numel() < need:
+                self._buffer = torch.empty(max(need, min(CHUNK_BYTES, 1 << 20)), dtype=torch.uint8)
+            buffer = self._buffer
             for start in range(0, flat_dest.shape[0], rows):
                 stop = min(start + rows, flat_dest.shape[0])
                 chunk = buffer[: (stop - start) * row]
@@ -146,6 +153,26 @@ def _readinto(f, offset: int, dest: Tensor, path: Path) -> None:
 # --------------------------------------------------------------------------- models
 
 
+class _SkipMetaInit(TorchFunctionMode):
+    """In-place initialisation of meta tensors (``nn.init.normal_``, ``zero_``, ...) does
+    nothing: skip it, and with it the first meta random op's import of torch's Python meta
+    kernels (about 170 MB resident, measured with benchmarks/load_memory.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
+        first = args[0] if args else kwargs.get("tensor")  # nn.init passes tensor=
+        if (
+            name.endswith("_")
+            and not name.endswith("__")  # not dunders
+            and name != "requires_grad_"
+            and isinstance(first, Tensor)
+            and first.device.type == "meta"
+        ):
+            return first
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Build modules inside this block with every parameter on the meta device (no memory,
@@ -163,7 +190,8 @@ def parameters_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = register
     try:
-        yield
+        with _SkipMetaInit():
+            yield
     finally:
         nn.Module.register_parameter = original
 
