@@ -52,13 +52,25 @@ def test_parameter_count_matches_built_model(name, overrides):
     assert weights_bytes(cfg, torch.bfloat16) == 2 * counts["total"]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-3-8b", "qwen2-0.5b", "mistral-7b"])
+# Published totals (the model cards / original papers' released checkpoints).
+PUBLISHED = {
+    "gpt2": 124_439_808,
+    "llama-2-7b": 6_738_415_616,
+    "llama-3-8b": 8_030_261_248,
+    "mistral-7b": 7_241_732_096,
+    "qwen2-0.5b": 494_032_768,
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
 def test_parameter_count_of_published_sizes(name):
-    # Built on the meta device: real shapes, no memory; the formula never builds anything.
+    # Built on the meta device: real shapes, no memory. Both the formula and the built
+    # model must give the published total.
     cfg = get_preset(name)
     with torch.device("meta"):
         model = build_model(cfg)
-    assert count_parameters(cfg)["total"] == model.num_parameters()
+    assert model.num_parameters() == PUBLISHED[name]
+    assert count_parameters(cfg)["total"] == PUBLISHED[name]
 
 
 @pytest.mark.parametrize("name,overrides", VARIANTS[:3] + VARIANTS[6:9], ids=IDS[:3] + IDS[6:9])

@@ -165,17 +165,27 @@ def check_dir(path: str | Path, what: str) -> Path:
     return path
 
 
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="weights are loaded straight into this dtype (default float32)",
+    )
+
+
 def load_for_inference(
-    path: str | Path, device: str = "cpu"
+    path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"
 ) -> tuple[DecoderLM, RunConfig, Tokenizer | None]:
     """(model in eval mode, RunConfig, tokenizer or None) from an attnlab checkpoint
     folder, or from a Hugging Face model folder (weights via attnlab.interop, tokenizer
-    from its tokenizer.json when there is one)."""
+    from its tokenizer.json when there is one). ``dtype``: a DTYPES name or torch dtype."""
     path = check_dir(path, "checkpoint folder")
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if is_hf_dir(path):
         from attnlab.interop import load_hf
 
-        model = load_hf(path, device=device)
+        model = load_hf(path, device=device, dtype=dtype)
         tokenizer = None
         if (path / "tokenizer.json").is_file():
             from attnlab.tokenizers import load_tokenizer
@@ -184,8 +194,17 @@ def load_for_inference(
         return model.eval(), RunConfig(model=model.cfg), tokenizer
     from attnlab.training.checkpoint import load_checkpoint
 
-    ckpt = load_checkpoint(path, device=device)
+    ckpt = load_checkpoint(path, device=device, dtype=dtype)
     return ckpt.model.eval(), ckpt.config, ckpt.tokenizer
+
+
+def stop_token_ids(path: str | Path) -> list[int]:
+    """The end-of-sequence ids of a model folder: ``eos_token_id`` (an int or a list) of its
+    generation_config.json, else of its config.json when that is a Hugging Face one (an
+    imported checkpoint keeps the source's generation_config.json). Empty when none."""
+    from attnlab.interop.io import eos_token_ids
+
+    return eos_token_ids(Path(path))
 
 
 def require_tokenizer(tokenizer: Tokenizer | None, path: str | Path) -> Tokenizer:

@@ -13,6 +13,7 @@ import numpy as np
 
 from attnlab.cli.common import (
     CLIError,
+    add_dtype_argument,
     load_for_inference,
     positive_int,
     require_tokenizer,
@@ -40,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=positive_int, metavar="T", help="default: the run's")
     p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -57,7 +59,7 @@ def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    model, cfg, tokenizer = load_for_inference(args.ckpt, device)
+    model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     if cfg.task == "lm":
         report = _language_modelling(args, model, cfg, tokenizer, device)
     else:

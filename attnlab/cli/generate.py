@@ -10,10 +10,12 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_dtype_argument,
     load_for_inference,
     non_negative_int,
     require_tokenizer,
     resolve_device,
+    stop_token_ids,
 )
 
 if TYPE_CHECKING:
@@ -51,6 +53,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(relative positions), or stop",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_dtype_argument(p)
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep going past the end-of-sequence token(s) of generation_config.json / "
+        "config.json (by default generation stops there)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -86,8 +95,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # before the (slow) model load
         raise CLIError(f"--{str(e).replace('_', '-')}") from None
     device = resolve_device(args.device)
-    model, _, tokenizer = load_for_inference(args.ckpt, device)
+    model, _, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     tokenizer = require_tokenizer(tokenizer, args.ckpt)
+    from attnlab.interop import HFCheckpointError
+
+    try:
+        stops = [] if args.ignore_eos else stop_token_ids(args.ckpt)
+    except HFCheckpointError as e:
+        raise CLIError(str(e)) from None
     shown, ids = encode_prompt(tokenizer, args.prompt)
     options = dict(
         temperature=args.temperature,
@@ -96,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         use_cache=not args.no_cache,
         overflow=args.overflow,
+        stop_tokens=stops,
     )
     if args.seed is not None:
         torch.manual_seed(args.seed)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnlab.cli.common import CLIError, check_dir, is_hf_dir
+from attnlab.cli.common import DTYPES, CLIError, add_dtype_argument, check_dir, is_hf_dir
 
 TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG = "generation_config.json"  # eos_token_id, read by ``generate``
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("src", metavar="SRC", help="Hugging Face model folder")
     p.add_argument("out", metavar="OUT", help="attnlab checkpoint folder to write")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: SRC's)")
+    add_dtype_argument(p)
     p.set_defaults(handler=run_import)
 
     p = subparsers.add_parser(
@@ -65,13 +67,14 @@ def run_import(args: argparse.Namespace) -> int:
             "--tokenizer FILE (a Hugging Face tokenizer.json)"
         )
     tokenizer = load_tokenizer(tokenizer_file)
-    model = load_hf(src)
+    model = load_hf(src, dtype=DTYPES[args.dtype])
     if tokenizer.vocab_size != model.cfg.vocab_size:
         raise CLIError(
             f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has "
             f"vocab_size={model.cfg.vocab_size}; attnlab checkpoints need them equal"
         )
     save_checkpoint(out, model, RunConfig(model=model.cfg), tokenizer)
+    _copy_generation_config(src, out)
     n = model.num_parameters()
     print(f"imported {src} ({n:,} parameters) -> attnlab checkpoint {out}")
     return 0
@@ -85,9 +88,29 @@ def run_export(args: argparse.Namespace) -> int:
     _refuse_same(ckpt_dir, out)
     ckpt = load_checkpoint(ckpt_dir)
     save_hf(ckpt.model, out)
-    ckpt.tokenizer.save(out / TOKENIZER_FILE)
-    print(
-        f"exported {ckpt_dir} -> Hugging Face folder {out} (config.json, model.safetensors, "
-        f"{TOKENIZER_FILE})"
-    )
+    written = ["config.json", "model.safetensors"]
+    if ckpt.tokenizer is not None:
+        ckpt.tokenizer.save(out / TOKENIZER_FILE)
+        written.append(TOKENIZER_FILE)
+    if _copy_generation_config(ckpt_dir, out):
+        written.append(GENERATION_CONFIG)
+    print(f"exported {ckpt_dir} -> Hugging Face folder {out} ({', '.join(written)})")
     return 0
+
+
+def _copy_generation_config(src: Path, out: Path) -> bool:
+    """Carry the end-of-sequence tokens (``eos_token_id`` of generation_config.json, else of
+    an HF config.json) from ``src`` to ``out``/generation_config.json, where ``generate``
+    looks for them. False when ``src`` has none."""
+    import json
+
+    from attnlab.fileio import atomic_write_text
+    from attnlab.interop.io import eos_token_ids
+
+    eos = eos_token_ids(src)
+    if not eos:
+        (out / GENERATION_CONFIG).unlink(missing_ok=True)  # none left from an older export
+        return False
+    data = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
+    atomic_write_text(out / GENERATION_CONFIG, json.dumps(data, indent=2) + "\n")
+    return True

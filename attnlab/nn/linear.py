@@ -6,10 +6,17 @@ invisible to state dicts and checkpoints (the weight keeps its logical shape (ou
 
 1. The weight is stored input-major (the memory of W^T, strides (1, out)): MKL streams it
    faster than the row-major layout for one vector.
-2. A single vector is multiplied as two half-products over the halves of the input
-   dimension, y = x[:in/2] W^T[:in/2] + x[in/2:] W^T[in/2:], one batched matmul (both halves
-   of W^T are contiguous views): torch runs the two on two threads, where MKL runs a lone
-   vector-matrix product on one.
+2. A single vector is multiplied as two half-products in one batched matmul: torch runs
+   the two on two threads, where MKL runs a lone vector-matrix product on one. In float32
+   the halves split the input dimension, y = x[:in/2] W^T[:in/2] + x[in/2:] W^T[in/2:]
+   (contiguous halves of W^T: the fastest; the float32 sum of two partial sums loses
+   nothing measurable). In bfloat16/float16 that sum would round each partial sum before
+   adding them, twice the error of ``F.linear``; there the halves split the output
+   dimension instead, y = [x W^T[:, :out/2], x W^T[:, out/2:]], so every output is one
+   product rounded once, bit-identical to ``F.linear``.
+
+The layout survives ``load_state_dict`` (also with ``assign=True``) and the meta-device
+loaders (they allocate each weight with the strides the module was built with).
 
 ``python benchmarks/linear_layout.py`` measures both; tests compare with ``F.linear``.
 """
@@ -30,15 +37,34 @@ def input_major(weight: Tensor) -> Tensor:
     return weight.detach().t().contiguous().t()
 
 
+def is_input_major(weight: Tensor) -> bool:
+    return weight.dim() == 2 and weight.stride() == (1, weight.shape[0])
+
+
 def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., in) holding one vector, weight (out, in) input-major -> (..., out)."""
+    """x (..., in) holding one vector, weight (out, in) input-major -> (..., out). Needs an
+    even ``in`` for float32, an even ``out`` otherwise (see :func:`can_split`)."""
     n_out, n_in = weight.shape
-    half = n_in // 2
-    w_t = weight.t().view(2, half, n_out)  # (2, in/2, out): the two halves of W^T
-    y = torch.bmm(x.reshape(2, 1, half), w_t).sum(dim=0)  # (1, out)
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], n_out)
+    if weight.dtype == torch.float32:  # halves of the input dimension, partial sums added
+        half = n_in // 2
+        w_t = weight.t().view(2, half, n_out)  # (2, in/2, out): the two halves of W^T
+        y = torch.bmm(x.reshape(2, 1, half), w_t).sum(dim=0)  # (1, out)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], n_out)
+    half = n_out // 2  # halves of the output dimension: each output rounded once
+    w_t = weight.t().view(n_in, 2, half).transpose(0, 1)  # (2, in, out/2): column halves
+    x2 = x.reshape(1, 1, n_in).expand(2, 1, n_in)
+    if bias is None:
+        y = torch.bmm(x2, w_t)  # (2, 1, out/2)
+    else:  # the bias inside the product, rounded once with it (as F.linear does)
+        y = torch.baddbmm(bias.view(2, 1, half), x2, w_t)
+    return y.reshape(*x.shape[:-1], n_out)  # [first half, second half]
+
+
+def can_split(weight: Tensor) -> bool:
+    n_out, n_in = weight.shape
+    return (n_in if weight.dtype == torch.float32 else n_out) % 2 == 0
 
 
 class Linear(nn.Linear):
@@ -48,14 +74,23 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, **kw)
         self.weight = nn.Parameter(input_major(self.weight))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # load_state_dict(assign=True) replaces the weight with the given (row-major) tensor;
+        # restore the layout the weight had (a weight tied to an embedding is left alone).
+        was_input_major = is_input_major(self.weight)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        w = self.weight
+        if was_input_major and not is_input_major(w) and w.device.type != "meta":
+            self.weight = nn.Parameter(input_major(w), requires_grad=w.requires_grad)
+
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         if (
             x.numel() == self.in_features  # one vector: decoding a single token
             and w.numel() >= SPLIT_MIN_NUMEL
             and x.device.type == "cpu"
-            and self.in_features % 2 == 0
-            and w.stride() == (1, self.out_features)  # input-major (not e.g. a tied embedding)
+            and is_input_major(w)  # (not e.g. a tied embedding)
+            and can_split(w)
         ):
             return split_vecmat(x, w, self.bias)
         return F.linear(x, w, self.bias)

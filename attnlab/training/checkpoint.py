@@ -3,7 +3,7 @@
 A checkpoint directory holds
 
     config.json         the full RunConfig (vocab_size set from the tokenizer)
-    tokenizer.json      the tokenizer (Hugging Face format); absent for tasks without one
+    tokenizer.json      the tokenizer (Hugging Face format); absent for models without one
     model.safetensors   the weights (tied tensors stored once)
     trainer_state.pt    optimizer state, step, RNG states, schedule; tensors and plain data only
 
@@ -17,8 +17,14 @@ either the whole old checkpoint (killed before the commit) or the whole new one 
 after); the next save first finishes an interrupted move. Weights and state carry the same
 random ``checkpoint_id``, so mixed files from two saves are caught instead of loaded.
 
+The trainer state also records whether the checkpoint has a tokenizer, so a stale
+``tokenizer.json`` of an older save is never mistaken for this one's (a save without one
+removes it last, after its commit).
+
 Loading never unpickles arbitrary objects: weights come from safetensors and the trainer
-state from ``torch.load(weights_only=True)``.
+state from ``torch.load(weights_only=True)``. It builds the model on the meta device and
+allocates each parameter once, in the requested dtype and device (attnlab.weights): about
+the memory of the model, not twice it.
 """
 
 from __future__ import annotations
@@ -32,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_model
 from torch import nn
 
 from attnlab.config import ConfigError, RunConfig
 from attnlab.models import build_model
+from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -45,6 +51,7 @@ WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
 # Moved into place in this order; the state, which says "resumable from step n", goes last.
 CHECKPOINT_FILES = (CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, STATE_FILE)
+OPTIONAL_FILES = (TOKENIZER_FILE,)  # a save without a tokenizer writes none
 PENDING_DIR = ".pending"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
@@ -58,7 +65,7 @@ class CheckpointError(ValueError):
 class Checkpoint:
     model: nn.Module  # in eval mode, on the requested device
     config: RunConfig
-    tokenizer: Any  # attnlab.tokenizers.Tokenizer, or None (a task without one: images)
+    tokenizer: Any  # attnlab.tokenizers.Tokenizer, or None (a model without one)
     state: dict | None  # trainer state (with_state=True and one was saved), else None
 
 
@@ -101,8 +108,6 @@ def _finish_pending(directory: Path) -> None:
         for name in CHECKPOINT_FILES:
             if (pending / name).exists():
                 os.replace(pending / name, directory / name)
-            elif name == TOKENIZER_FILE:  # a save without a tokenizer: drop an older one
-                (directory / name).unlink(missing_ok=True)
         _fsync_dir(directory)
         shutil.rmtree(pending)
     for tmp in directory.glob(f"{TMP_PREFIX}*"):
@@ -117,6 +122,7 @@ def save_checkpoint(
     trainer_state: dict | None = None,
 ) -> None:
     """Write a checkpoint into ``directory`` (created if needed), replacing any there.
+    ``tokenizer`` may be None (models that read no text): no tokenizer.json is written.
 
     ``trainer_state`` must hold only tensors, numbers, strings, bools, None and
     lists/tuples/dicts of them (what ``torch.load(weights_only=True)`` accepts).
@@ -155,6 +161,8 @@ def save_checkpoint(
     os.rename(tmp, directory / PENDING_DIR)
     _fsync_dir(directory)
     _finish_pending(directory)
+    if tokenizer is None:  # an older save's tokenizer (ignored by readers: see has_tokenizer)
+        (directory / TOKENIZER_FILE).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- reading
@@ -162,8 +170,8 @@ def save_checkpoint(
 
 def checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     """Where each file of the checkpoint in ``directory`` is, overlaying an interrupted
-    save's ``.pending`` folder. Raises CheckpointError if the directory or a file is
-    missing."""
+    save's ``.pending`` folder. Raises CheckpointError if the directory or a required file
+    is missing; an optional file (tokenizer.json) that is absent is left out."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(
@@ -174,8 +182,8 @@ def checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     files = {}
     for name in CHECKPOINT_FILES:
         path = pending / name if (pending / name).is_file() else directory / name
-        if name == TOKENIZER_FILE and not path.is_file():
-            continue  # optional: the trainer state says whether the save had one
+        if not path.is_file() and name in OPTIONAL_FILES:
+            continue
         if not path.is_file():
             raise CheckpointError(
                 f"{directory}: not a complete checkpoint, {name} is missing; it should hold "
@@ -208,10 +216,12 @@ def load_checkpoint(
     directory: str | os.PathLike[str],
     *,
     device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
     with_state: bool = False,
 ) -> Checkpoint:
-    """Load the checkpoint in ``directory``: the model (eval mode, on ``device``), its
-    RunConfig and tokenizer, and with ``with_state=True`` the trainer state."""
+    """Load the checkpoint in ``directory``: the model (eval mode, on ``device``, floating
+    parameters in ``dtype``, default float32), its RunConfig and tokenizer (None when it was
+    saved without one), and with ``with_state=True`` the trainer state."""
     from attnlab.tokenizers import TokenizerError, load_tokenizer
 
     files = checkpoint_files(directory)
@@ -221,10 +231,11 @@ def load_checkpoint(
         raise CheckpointError(f"{files[CONFIG_FILE]}: invalid run config ({e})") from None
     state = _read_state(files[STATE_FILE], device)
     tokenizer = None
-    if state.get("has_tokenizer", True):
+    if state.get("has_tokenizer", True):  # checkpoints written before it was optional: True
         if TOKENIZER_FILE not in files:
             raise CheckpointError(
-                f"{directory}: not a complete checkpoint, {TOKENIZER_FILE} is missing"
+                f"{directory}: not a complete checkpoint, {TOKENIZER_FILE} is missing; it "
+                f"should hold {', '.join(CHECKPOINT_FILES)}"
             )
         try:
             tokenizer = load_tokenizer(files[TOKENIZER_FILE])
@@ -232,30 +243,63 @@ def load_checkpoint(
             raise CheckpointError(str(e)) from None
         if tokenizer.vocab_size != config.model.vocab_size:
             raise CheckpointError(
-                f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
-                f"config says vocab_size={config.model.vocab_size}; the files come from "
-                "different runs"
+                f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model config "
+                f"says vocab_size={config.model.vocab_size}; the files come from different runs"
             )
+    model = _load_weights(files[WEIGHTS_FILE], config, state, directory, device, dtype)
+    trainer = state["trainer"] if with_state and state.get("has_state") else None
+    return Checkpoint(model=model.eval(), config=config, tokenizer=tokenizer, state=trainer)
 
-    weights = files[WEIGHTS_FILE]
-    model = build_model(config.model)
+
+def _load_weights(
+    weights: Path,
+    config: RunConfig,
+    state: dict,
+    directory: str | os.PathLike[str],
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+) -> nn.Module:
+    """The model of ``config`` built on the meta device, each parameter then allocated once
+    and read from ``weights``."""
     try:
-        with safe_open(str(weights), framework="pt") as f:
-            weights_id = (f.metadata() or {}).get("checkpoint_id")
-        missing, unexpected = load_model(model, str(weights), strict=False)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        file = SafetensorsFile(weights)
+    except (WeightsFileError, OSError) as e:
         first_line = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{weights}: cannot read weights ({first_line})") from None
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{weights}: weights do not match the config (missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]})"
-        )
-    if weights_id != state["checkpoint_id"]:
+    if file.metadata.get("checkpoint_id") != state["checkpoint_id"]:
         raise CheckpointError(
             f"{directory}: {WEIGHTS_FILE} and {STATE_FILE} come from different saves; "
             "restore both files from the same checkpoint"
         )
-    model.to(device).eval()
-    trainer = state["trainer"] if with_state and state.get("has_state") else None
-    return Checkpoint(model=model, config=config, tokenizer=tokenizer, state=trainer)
+    with parameters_on_meta():
+        model = build_model(config.model)
+    # Tied parameters are stored once, under one of their names: any of them will do.
+    names: dict[int, list[str]] = {}
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors |= dict(model.named_buffers())
+    for name, t in tensors.items():
+        names.setdefault(id(t), []).append(name)
+    wanted = set(model.state_dict())
+    stored = set(file.keys())
+    missing = sorted(n for n in wanted if not stored & set(names[id(tensors[n])]))
+    unexpected = sorted(n for n in stored if n not in tensors)
+    wrong = [
+        f"{n} has shape {file.shape(n)}, the config implies {tuple(tensors[n].shape)}"
+        for n in sorted(stored & set(tensors))
+        if tuple(file.shape(n)) != tuple(tensors[n].shape)
+    ]
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"{weights}: weights do not match the config (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]})"
+        )
+
+    def fill(name: str, dest: torch.Tensor) -> None:
+        source = next(n for n in names[id(tensors[name])] if n in stored)
+        file.read_into(source, dest)
+
+    try:
+        materialize(model, fill, dtype=dtype, device=device)
+    except (WeightsFileError, OSError) as e:
+        raise CheckpointError(f"{weights}: cannot read weights ({e})") from None
+    return model

@@ -1,0 +1,277 @@
+"""What every Hugging Face family shares: the model folder (``config.json``, safetensors
+weights in one file or shards listed in ``model.safetensors.index.json``), writing a folder,
+and the helpers the per-family name mappings are built from.
+
+Weights are read with safetensors only: pickled ``pytorch_model.bin`` files can run
+arbitrary code when loaded, so they are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from attnlab.config import ModelConfig
+from attnlab.fileio import atomic_path, atomic_write_text
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+# Hugging Face activation names (transformers' ACT2FN) -> attnlab names.
+HF_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+    "sigmoid": "sigmoid",
+}
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint is missing, malformed or uses something attnlab lacks."""
+
+
+def unrepresentable(reason: str) -> HFCheckpointError:
+    return HFCheckpointError(f"no Hugging Face architecture can represent this model: {reason}")
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+def get(hf: dict[str, Any], key: str) -> Any:
+    """A required config.json entry."""
+    if hf.get(key) is None:
+        raise HFCheckpointError(f"config.json has no {key!r}; it is required for this model")
+    return hf[key]
+
+
+def activation(name: Any, key: str) -> str:
+    if name not in HF_ACTIVATIONS:
+        raise HFCheckpointError(
+            f"config.json {key}={name!r} is not supported; supported: {', '.join(HF_ACTIVATIONS)}"
+        )
+    return HF_ACTIVATIONS[name]
+
+
+def common_config(cfg: ModelConfig, family: Family, model_type: str, dtype: torch.dtype) -> dict:
+    """The config.json entries every family writes."""
+    return {
+        "architectures": [family.architectures[model_type][0]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+        "bos_token_id": None,  # attnlab models carry no special tokens
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": str(dtype).removeprefix("torch."),  # transformers 5.x
+        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 4.x
+    }
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise HFCheckpointError(f"{path}: not a directory; pass a Hugging Face model directory")
+    config_file = path / CONFIG_NAME
+    if not config_file.is_file():
+        raise HFCheckpointError(
+            f"{path}: no {CONFIG_NAME}; a Hugging Face model directory needs config.json beside "
+            "its weights"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{config_file}: not valid JSON ({e})") from None
+
+
+def _eos_of(data: Any) -> list[int] | None:
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    if eos is None:
+        return None
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise HFCheckpointError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
+    return ids
+
+
+def eos_token_ids(path: Path) -> list[int]:
+    """``eos_token_id`` (int or list) of ``generation_config.json``, else of a Hugging Face
+    ``config.json`` (one with a model_type), in folder ``path``; [] when neither has one."""
+    for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
+        if name == CONFIG_NAME and not (isinstance(data, dict) and "model_type" in data):
+            continue  # an attnlab RunConfig: no special tokens
+        ids = _eos_of(data)
+        if ids is not None:
+            return ids
+    return []
+
+
+# --------------------------------------------------------------------------- weight files
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the single file, or every shard of the index."""
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME]
+    index_file = path / WEIGHTS_INDEX_NAME
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise HFCheckpointError(f"{index_file}: expected JSON with a 'weight_map'") from None
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise HFCheckpointError(
+                f"{path}: shards listed in {WEIGHTS_INDEX_NAME} are missing: {', '.join(absent)}"
+            )
+        return files
+    if any((path / name).is_file() for name in _PICKLE_NAMES):
+        raise HFCheckpointError(
+            f"{path}: only pickled weights (pytorch_model.bin) found; attnlab loads safetensors "
+            "only, since unpickling can run arbitrary code. Convert with transformers: "
+            "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path)"
+        )
+    raise HFCheckpointError(f"{path}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} found")
+
+
+def write_folder(path: Path, tensors: dict[str, Tensor], hf_config: dict[str, Any]) -> None:
+    """Write ``model.safetensors`` and ``config.json``, each replacing its old version whole:
+    a crash never leaves a truncated file."""
+    # safetensors refuses shared or strided storage: give each tensor its own contiguous copy.
+    tensors = {k: v.to("cpu").contiguous().clone() for k, v in tensors.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path / WEIGHTS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(path / CONFIG_NAME, json.dumps(hf_config, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- name mapping
+
+
+@dataclass(frozen=True)
+class Part:
+    """One Hugging Face tensor that fills (rows of) an attnlab parameter; ``transposed``:
+    stored (in, out) (GPT-2's Conv1D)."""
+
+    name: str
+    transposed: bool = False
+
+
+# attnlab parameter name -> the Hugging Face tensors stacked along its first dimension
+Plan = dict[str, tuple[Part, ...]]
+
+
+class Source:
+    """The Hugging Face tensor names and shapes of a checkpoint (no data), handed out by
+    name to build a :data:`Plan`: records missing and mis-shaped tensors, and what is left
+    over at the end (unexpected tensors)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], ignored: re.Pattern[str]):
+        self.left = dict(shapes)
+        self.ignored = ignored
+        self.missing: list[str] = []
+        self.wrong: list[str] = []
+        self.must_equal: list[tuple[str, str]] = []  # pairs whose data must be identical
+
+    def has(self, name: str) -> bool:
+        return name in self.left
+
+    def take(
+        self, name: str, shape: tuple[int, ...], *, transposed: bool = False
+    ) -> tuple[Part, ...] | None:
+        """The tensor ``name``, which must have ``shape`` as stored."""
+        stored = self.left.pop(name, None)
+        if stored is None:
+            self.missing.append(name)
+            return None
+        if tuple(stored) != shape:
+            self.wrong.append(f"{name} has shape {tuple(stored)}, config.json implies {shape}")
+            return None
+        return (Part(name, transposed),)
+
+    def tied_head(self, emb: tuple[Part, ...] | None) -> None:
+        """Tied models need no lm_head; a stored copy is accepted only if it equals the
+        embedding (checked on the data by the loader)."""
+        if self.left.pop("lm_head.weight", None) is not None and emb is not None:
+            self.must_equal.append(("lm_head.weight", emb[0].name))
+
+    def check(self) -> None:
+        unexpected = sorted(n for n in self.left if not self.ignored.match(n))
+        for label, names in (
+            ("wrong shapes", self.wrong),
+            ("missing tensors", self.missing),
+            ("unexpected tensors", unexpected),
+        ):
+            if names:
+                shown = ", ".join(names[:8]) + (
+                    f" (+{len(names) - 8} more)" if len(names) > 8 else ""
+                )
+                raise HFCheckpointError(f"checkpoint does not match config.json: {label}: {shown}")
+
+
+def cat(parts: Iterable[tuple[Part, ...] | None]) -> tuple[Part, ...] | None:
+    """Parts stacked along the first dimension (None if any is missing)."""
+    parts = list(parts)
+    return None if any(p is None for p in parts) else sum(parts, ())
+
+
+def prefix(src: Source, prefix: str, probe: str) -> str:
+    """``prefix`` if the checkpoint nests the backbone under it (``transformer.``, ``model.``),
+    else "" (headless base-model checkpoints)."""
+    return prefix if src.has(prefix + probe) else ""
+
+
+def split_rows(w: Tensor, *sizes: int) -> tuple[Tensor, ...]:
+    return tuple(t.contiguous() for t in w.split(sizes, dim=0))
+
+
+def or_zeros(sd: dict[str, Tensor], name: str, size: int) -> Tensor:
+    """``sd[name]``, or zeros of ``size`` where attnlab has no such bias but the Hugging Face
+    architecture always does (zeros add nothing)."""
+    if name in sd:
+        return sd[name]
+    ref = sd["tok_emb.weight"]
+    return torch.zeros(size, dtype=ref.dtype, device=ref.device)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family: its ``model_type``s and the four mappings.
+
+    ``architectures`` maps each model_type to its accepted ``architectures`` entries (the
+    causal-LM class first: it is what export writes). ``exports`` says whether a config
+    belongs to this family on export; ``export_type`` then names its model_type or raises
+    :class:`HFCheckpointError` saying why none fits."""
+
+    name: str
+    architectures: dict[str, tuple[str, ...]]
+    config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
+    config_to_hf: Callable[[ModelConfig, str, torch.dtype], dict[str, Any]]
+    weights_to_attnlab: Callable[[Source, ModelConfig], Plan]
+    weights_from_attnlab: Callable[[dict[str, Tensor], ModelConfig, str], dict[str, Tensor]]
+    exports: Callable[[ModelConfig], bool]
+    export_type: Callable[[ModelConfig], str]
+    # Non-parameter buffers older transformers versions saved; recomputed, never loaded.
+    ignored: re.Pattern[str]

@@ -1,0 +1,346 @@
+"""The LLaMA layout: LLaMA, and Mistral and Qwen2, which differ from it only in config.json
+(Mistral: a sliding window; Qwen2: q/k/v biases and an optional window) and so share its
+weight names. RoPE (split-halves pairs), RMSNorm, gated feed-forward.
+
+Weights (attnlab Linear weights are (out, in), like ``torch.nn.Linear``):
+
+    [q_proj; k_proj; v_proj]   -> attn.qkv     (rows stacked)
+    [gate_proj; up_proj]       -> ffn.gate_up  (rows stacked)
+
+Shapes: d d_model, h heads, h_kv key/value heads, d_h head dim, f feed-forward hidden size,
+V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.functional.rope import interleaved_to_split
+from attnlab.interop.io import (
+    Family,
+    HFCheckpointError,
+    Part,
+    Plan,
+    Source,
+    activation,
+    cat,
+    common_config,
+    get,
+    or_zeros,
+    prefix,
+    split_rows,
+    unrepresentable,
+)
+
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaModel"),
+    "mistral": ("MistralForCausalLM", "MistralModel"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
+}
+# attnlab -> Hugging Face activation names.
+ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+ACTIVATIONS["sigmoid"] = "sigmoid"
+# RoPE frequencies that older transformers versions saved.
+IGNORED = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+# rope_type -> {HF key: PositionConfig field}
+_ROPE_KEYS: dict[str, dict[str, str]] = {
+    "default": {},
+    "linear": {"factor": "rope_factor"},
+    "llama3": {
+        "factor": "rope_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_seq_len",
+    },
+}
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    """PositionConfig fields from transformers 4.x (``rope_theta`` + ``rope_scaling``) or 5.x
+    (``rope_parameters``) configs. Scaling "linear" and "llama3" are supported."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise HFCheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _ROPE_KEYS:
+        raise HFCheckpointError(
+            f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
+            f"{', '.join(repr(k) for k in _ROPE_KEYS)}"
+        )
+    extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    extra -= set(_ROPE_KEYS[rope_type])
+    if extra:
+        raise HFCheckpointError(
+            f"RoPE parameters {sorted(extra)} are not supported for rope_type {rope_type!r}"
+        )
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise HFCheckpointError(
+            f"partial_rotary_factor={factor} is not supported; attnlab rotates whole heads"
+        )
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
+    if rope_type != "default":
+        out["rope_scaling"] = rope_type
+        for hf_key, ours in _ROPE_KEYS[rope_type].items():
+            if hf_key in params:
+                out[ours] = params[hf_key]
+    return out
+
+
+def _rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
+    """The ``rope_parameters`` (5.x) / ``rope_scaling`` (4.x) dict for a PositionConfig."""
+    kind = pos.rope_scaling or "default"
+    params: dict[str, Any] = {"rope_type": kind, "rope_theta": pos.rope_theta}
+    for hf_key, ours in _ROPE_KEYS[kind].items():
+        params[hf_key] = getattr(pos, ours)
+    return params
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+    if model_type == "mistral":
+        return hf.get("sliding_window")
+    if model_type != "qwen2" or not hf.get("use_sliding_window", False):
+        return None  # LLaMA has no window; Qwen2 ignores sliding_window unless enabled
+    window = hf.get("sliding_window")
+    n_layers = get(hf, "num_hidden_layers")
+    first = hf.get("max_window_layers", 28)
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first else "full_attention"
+        for i in range(n_layers)
+    ]
+    kinds = set(layer_types)
+    if kinds <= {"full_attention"} or window is None:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    raise HFCheckpointError(
+        f"Qwen2 with a sliding window on some layers only (layer_types={layer_types}) is not "
+        "supported; attnlab uses one window for every layer"
+    )
+
+
+def _biases(model_type: str, qkv: bool, out: bool, mlp: bool) -> tuple[bool, bool, bool]:
+    """(q/k/v, o_proj, MLP) biases the architecture has: LLaMA's are set in config.json,
+    Mistral's and Qwen2's are fixed by the architecture."""
+    if model_type == "llama":
+        return qkv, out, mlp
+    return model_type == "qwen2", False, False
+
+
+def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
+    d, n_heads = get(hf, "hidden_size"), get(hf, "num_attention_heads")
+    n_kv_heads = hf.get("num_key_value_heads") or n_heads
+    head_dim = hf.get("head_dim") or d // n_heads
+    attention_bias = bool(hf.get("attention_bias", False))
+    qkv_bias, out_bias, mlp_bias = _biases(
+        model_type, attention_bias, attention_bias, bool(hf.get("mlp_bias", False))
+    )
+    return ModelConfig(
+        vocab_size=get(hf, "vocab_size"),
+        max_seq_len=get(hf, "max_position_embeddings"),
+        d_model=d,
+        n_layers=get(hf, "num_hidden_layers"),
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+            head_dim=None if head_dim * n_heads == d else head_dim,
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            dropout=hf.get("attention_dropout", 0.0),
+            sliding_window=_sliding_window(hf, model_type),
+        ),
+        position=PositionConfig(kind="rope", rope_layout="split", **_rope_settings(hf)),
+        ffn=FFNConfig(
+            kind="glu",
+            activation=activation(hf.get("hidden_act", "silu"), "hidden_act"),
+            hidden_dim=get(hf, "intermediate_size"),
+            bias=mlp_bias,
+        ),
+        norm=NormConfig(kind="rmsnorm", eps=hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def exports(cfg: ModelConfig) -> bool:
+    return cfg.position.kind == "rope"
+
+
+def export_type(cfg: ModelConfig) -> str:
+    """``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a sliding
+    window and no biases, else ``llama`` (missing biases are written as zeros)."""
+    att = cfg.attention
+    if cfg.norm.kind != "rmsnorm" or cfg.ffn.kind != "glu":
+        raise unrepresentable("RoPE models need RMSNorm and a gated feed-forward (LLaMA family)")
+    qwen_biases = att.qkv_bias and not att.out_bias and not cfg.ffn.bias
+    if att.sliding_window is None:
+        return "qwen2" if qwen_biases else "llama"
+    if qwen_biases:
+        return "qwen2"
+    if not (att.qkv_bias or att.out_bias or cfg.ffn.bias):
+        return "mistral"
+    raise unrepresentable(
+        "a sliding window with biases other than q/k/v only (Qwen2) or none (Mistral)"
+    )
+
+
+def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
+    att = cfg.attention
+    rope = _rope_to_hf(cfg.position)
+    hf = {
+        **common_config(cfg, FAMILY, model_type, dtype),
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn.hidden_size(cfg.d_model),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": ACTIVATIONS[cfg.ffn.activation],
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm.eps,
+        "attention_dropout": att.dropout,
+        "rope_theta": cfg.position.rope_theta,  # transformers 4.x
+        "rope_scaling": None if cfg.position.rope_scaling is None else rope,
+        "rope_parameters": rope,  # transformers 5.x
+    }
+    if model_type == "llama":
+        hf["attention_bias"] = att.qkv_bias or att.out_bias
+        hf["mlp_bias"] = cfg.ffn.bias
+        hf["pretraining_tp"] = 1
+    elif model_type == "mistral":
+        hf["sliding_window"] = att.sliding_window
+    else:  # qwen2: one window for every layer, or none
+        window = att.sliding_window
+        hf["use_sliding_window"] = window is not None
+        hf["sliding_window"] = window
+        hf["max_window_layers"] = 0 if window is not None else cfg.n_layers
+        kind = "sliding_attention" if window is not None else "full_attention"
+        hf["layer_types"] = [kind] * cfg.n_layers
+    return hf
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
+    d, f, V = cfg.d_model, cfg.ffn.hidden_size(cfg.d_model), cfg.vocab_size
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    att = cfg.attention
+    p = prefix(src, "model.", "embed_tokens.weight")
+    out: dict[str, tuple[Part, ...] | None] = {
+        "tok_emb.weight": src.take(f"{p}embed_tokens.weight", (V, d)),
+        "norm.weight": src.take(f"{p}norm.weight", (d,)),
+    }
+    for i in range(cfg.n_layers):
+        h, a = f"{p}layers.{i}.", f"blocks.{i}."
+        qkv = (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim))
+        out |= {
+            a + "attn_norm.weight": src.take(h + "input_layernorm.weight", (d,)),
+            a + "attn.qkv.weight": cat(
+                src.take(f"{h}self_attn.{n}.weight", (rows, d)) for n, rows in qkv
+            ),
+            a + "attn.out.weight": src.take(h + "self_attn.o_proj.weight", (d, q_dim)),
+            a + "ffn_norm.weight": src.take(h + "post_attention_layernorm.weight", (d,)),
+            a + "ffn.gate_up.weight": cat(
+                src.take(f"{h}mlp.{n}.weight", (f, d)) for n in ("gate_proj", "up_proj")
+            ),
+            a + "ffn.down.weight": src.take(h + "mlp.down_proj.weight", (d, f)),
+        }
+        if att.qkv_bias:
+            out[a + "attn.qkv.bias"] = cat(
+                src.take(f"{h}self_attn.{n}.bias", (rows,)) for n, rows in qkv
+            )
+        if att.out_bias:
+            out[a + "attn.out.bias"] = src.take(h + "self_attn.o_proj.bias", (d,))
+        if cfg.ffn.bias:
+            out[a + "ffn.gate_up.bias"] = cat(
+                src.take(f"{h}mlp.{n}.bias", (f,)) for n in ("gate_proj", "up_proj")
+            )
+            out[a + "ffn.down.bias"] = src.take(h + "mlp.down_proj.bias", (d,))
+    if cfg.tie_embeddings:
+        src.tied_head(out["tok_emb.weight"])
+    else:
+        out["lm_head.weight"] = src.take("lm_head.weight", (V, d))
+    return out  # type: ignore[return-value]  # None entries only with src.missing/wrong
+
+
+def _rope_rows_to_split(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """Reorder q or k projection rows (weight (h * d_h, d) or bias (h * d_h,)) from the
+    interleaved RoPE pair layout to the split-halves layout Hugging Face uses. q . k is
+    unchanged because q and k get the same permutation within each head."""
+    perm = interleaved_to_split(head_dim).to(w.device)
+    rows = w.reshape(n_heads, head_dim, *w.shape[1:])  # (h, d_h, ...)
+    return rows[:, perm].reshape(w.shape)
+
+
+def weights_from_attnlab(
+    sd: dict[str, Tensor], cfg: ModelConfig, model_type: str
+) -> dict[str, Tensor]:
+    att, f, d = cfg.attention, cfg.ffn.hidden_size(cfg.d_model), cfg.d_model
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    interleaved = cfg.position.rope_layout == "interleaved"
+    # Which biases the chosen architecture has (absent attnlab biases are written as zeros).
+    any_attention_bias = att.qkv_bias or att.out_bias
+    qkv_bias, out_bias, mlp_bias = _biases(
+        model_type, any_attention_bias, any_attention_bias, cfg.ffn.bias
+    )
+
+    def to_split(t: Tensor, n: int) -> Tensor:
+        return _rope_rows_to_split(t, n, cfg.head_dim) if interleaved else t
+
+    out = {
+        "model.embed_tokens.weight": sd["tok_emb.weight"],
+        "model.norm.weight": sd["norm.weight"],
+    }
+    for i in range(cfg.n_layers):
+        h, a = f"model.layers.{i}.", f"blocks.{i}."
+        q, k, v = split_rows(sd[a + "attn.qkv.weight"], q_dim, kv_dim, kv_dim)
+        gate, up = split_rows(sd[a + "ffn.gate_up.weight"], f, f)
+        out |= {
+            h + "input_layernorm.weight": sd[a + "attn_norm.weight"],
+            h + "self_attn.q_proj.weight": to_split(q, cfg.n_heads),
+            h + "self_attn.k_proj.weight": to_split(k, cfg.n_kv_heads),
+            h + "self_attn.v_proj.weight": v,
+            h + "self_attn.o_proj.weight": sd[a + "attn.out.weight"],
+            h + "post_attention_layernorm.weight": sd[a + "ffn_norm.weight"],
+            h + "mlp.gate_proj.weight": gate,
+            h + "mlp.up_proj.weight": up,
+            h + "mlp.down_proj.weight": sd[a + "ffn.down.weight"],
+        }
+        if qkv_bias:
+            qb, kb, vb = split_rows(
+                or_zeros(sd, a + "attn.qkv.bias", q_dim + 2 * kv_dim), q_dim, kv_dim, kv_dim
+            )
+            out[h + "self_attn.q_proj.bias"] = to_split(qb, cfg.n_heads)
+            out[h + "self_attn.k_proj.bias"] = to_split(kb, cfg.n_kv_heads)
+            out[h + "self_attn.v_proj.bias"] = vb
+        if out_bias:
+            out[h + "self_attn.o_proj.bias"] = or_zeros(sd, a + "attn.out.bias", d)
+        if mlp_bias:
+            gb, ub = split_rows(sd[a + "ffn.gate_up.bias"], f, f)
+            out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gb, ub
+            out[h + "mlp.down_proj.bias"] = sd[a + "ffn.down.bias"]
+    return out
+
+
+FAMILY = Family(
+    name="llama",
+    architectures=ARCHITECTURES,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    weights_to_attnlab=weights_to_attnlab,
+    weights_from_attnlab=weights_from_attnlab,
+    exports=exports,
+    export_type=export_type,
+    ignored=IGNORED,
+)

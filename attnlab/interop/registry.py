@@ -1,0 +1,43 @@
+"""Every supported Hugging Face family, looked up by ``model_type`` or architecture class.
+
+Adding a family (deepseek_v2/v3, bert, marian, vit, ...): write ``attnlab/interop/<name>.py``
+defining a :class:`~attnlab.interop.io.Family` (see gpt2.py, llama.py) and add it to
+``FAMILIES`` below. Export tries the families in this order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnlab.interop import gpt2, llama
+from attnlab.interop.io import Family, HFCheckpointError
+
+FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, llama.FAMILY)
+
+BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.architectures}
+BY_ARCHITECTURE: dict[str, str] = {
+    arch: t for f in FAMILIES for t, archs in f.architectures.items() for arch in archs
+}
+SUPPORTED_MODEL_TYPES = tuple(BY_MODEL_TYPE)
+ARCHITECTURES = {t: f.architectures[t] for t, f in BY_MODEL_TYPE.items()}
+
+
+def lookup(hf: dict[str, Any]) -> tuple[Family, str]:
+    """(family, model_type) of a config.json: by ``model_type``, or, where that is absent,
+    by its ``architectures`` entry. Every listed architecture must belong to the type."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if model_type is None and archs and archs[0] in BY_ARCHITECTURE:
+        model_type = BY_ARCHITECTURE[archs[0]]
+    if model_type not in BY_MODEL_TYPE:
+        raise HFCheckpointError(
+            f"model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    for arch in archs:
+        if arch not in ARCHITECTURES[model_type]:
+            raise HFCheckpointError(
+                f"architecture {arch!r} is not supported; for model_type {model_type!r} use "
+                f"{' or '.join(ARCHITECTURES[model_type])}"
+            )
+    return BY_MODEL_TYPE[model_type], model_type

@@ -1,0 +1,276 @@
+"""Memory-lean loading (meta-device build, per-parameter allocation from safetensors), the
+optional tokenizer of a checkpoint, and the end-of-sequence tokens of ``generate``.
+
+The reference for every loaded model is the model it was saved from, run the old way:
+built normally, its float32 weights cast parameter by parameter (RoPE frequencies kept
+float32), so logits must be identical, not merely close."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import attnlab.training.checkpoint as ckpt_module
+from attnlab.cli.main import main
+from attnlab.config import RunConfig
+from attnlab.interop import load_hf, save_hf
+from attnlab.models.decoder import DecoderLM
+from attnlab.nn.linear import Linear, is_input_major
+from attnlab.presets import gpt2_style, llama_style
+from attnlab.tokenizers import train_tokenizer
+from attnlab.training import CheckpointError, load_checkpoint, save_checkpoint
+from attnlab.weights import SafetensorsFile
+
+TEXT = "the quick brown fox jumps over the lazy dog. THE END!\n"
+TOKENIZER = train_tokenizer("char", [TEXT])
+V = TOKENIZER.vocab_size
+
+CONFIGS = {
+    "gpt2_tied": gpt2_style(vocab_size=V, max_seq_len=32, d_model=32, n_layers=2, n_heads=4),
+    "llama_untied": llama_style(
+        vocab_size=V, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2
+    ),
+    "qwen_tied_llama3_rope": llama_style(
+        vocab_size=V, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+        qkv_bias=True, tie_embeddings=True, rope_theta=500.0,
+    ).override({"position.rope_scaling": "llama3", "position.rope_factor": 4.0,
+                "position.rope_original_max_seq_len": 16}),
+}  # fmt: skip
+
+
+def _model(name: str, seed: int = 0) -> DecoderLM:
+    torch.manual_seed(seed)
+    model = DecoderLM(CONFIGS[name]).eval()
+    with torch.no_grad():  # far from the init, so a wrong or missing tensor shows
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(0.5 + torch.rand(p.shape))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape))
+    return model
+
+
+def _old_way(model: DecoderLM, dtype: torch.dtype | None) -> DecoderLM:
+    ref = copy.deepcopy(model)
+    if dtype is not None:
+        for p in ref.parameters():
+            p.data = p.data.to(dtype)
+    return ref.eval()
+
+
+def _check_loaded(model: DecoderLM, ref: DecoderLM, dtype: torch.dtype) -> None:
+    assert not model.training
+    assert all(p.device.type == "cpu" and p.dtype == dtype for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())  # nothing left on meta
+    for (name, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers()):
+        assert b.dtype == torch.float32 and torch.equal(b, b_ref), name  # RoPE inv_freq
+    if model.cfg.tie_embeddings:
+        assert model.lm_head.weight is model.tok_emb.weight
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and not (name == "lm_head" and model.cfg.tie_embeddings):
+            assert is_input_major(m.weight), name  # the decode layout survived loading
+    idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(idx).logits, ref(idx).logits
+    assert theirs.abs().max() > 1.0
+    assert torch.equal(ours, theirs)
+    # one-token decoding takes the split product on these weights as well
+    with torch.no_grad():
+        assert model.generate(idx[0].tolist(), 5) == ref.generate(idx[0].tolist(), 5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_load_hf_equals_old_path(name, dtype, tmp_path):
+    model = _model(name)
+    save_hf(model, tmp_path)
+    loaded = load_hf(tmp_path, dtype=dtype)
+    _check_loaded(loaded, _old_way(model, dtype), dtype or torch.float32)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_load_checkpoint_equals_old_path(name, dtype, tmp_path):
+    model = _model(name)
+    save_checkpoint(tmp_path, model, RunConfig(model=model.cfg), TOKENIZER)
+    loaded = load_checkpoint(tmp_path, dtype=dtype).model
+    _check_loaded(loaded, _old_way(model, dtype), dtype or torch.float32)
+
+
+def test_checkpoint_stored_in_bf16_loads_as_float32_by_default(tmp_path):
+    model = _model("llama_untied")
+    half = _old_way(model, torch.bfloat16)
+    save_checkpoint(tmp_path, half, RunConfig(model=model.cfg), TOKENIZER)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_slice("tok_emb.weight").get_dtype() == "BF16"
+    loaded = load_checkpoint(tmp_path).model
+    _check_loaded(loaded, _old_way(half, torch.float32), torch.float32)
+
+
+def test_linear_load_state_dict_assign_keeps_layout():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 48)
+    lin = Linear(64, 48)
+    lin.load_state_dict(plain.state_dict(), assign=True)
+    assert is_input_major(lin.weight) and lin.weight.requires_grad
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-6)  # GEMM order differs
+    # A weight that was not input-major (tied to an embedding) is not re-laid out.
+    model = DecoderLM(CONFIGS["gpt2_tied"])
+    model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    assert model.blocks[0].attn.qkv.weight.stride() == (1, 3 * 32)
+
+
+def test_safetensors_reader_chunks_any_layout(tmp_path, monkeypatch):
+    """Reads through a buffer smaller than the tensor, into strided and converted
+    destinations, equal the safetensors library's own reading."""
+    from safetensors.torch import load_file, save_file
+
+    import attnlab.weights as weights
+
+    tensors = {"a": torch.randn(37, 11), "b": torch.randn(5).bfloat16(), "c": torch.tensor(3)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 64)
+    f = SafetensorsFile(tmp_path / "x.safetensors")
+    ref = load_file(tmp_path / "x.safetensors")
+    strided = torch.empty(11, 37).t()  # input-major (37, 11)
+    f.read_into("a", strided)
+    assert torch.equal(strided, ref["a"])
+    half = torch.empty(37, 11, dtype=torch.float16)
+    f.read_into("a", half)
+    assert torch.equal(half, ref["a"].half())
+    assert torch.equal(f.read("b"), ref["b"]) and torch.equal(f.read("c"), ref["c"])
+    with open(tmp_path / "x.safetensors", "r+b") as fh:  # truncated data
+        fh.truncate(os.path.getsize(tmp_path / "x.safetensors") - 4)
+    with pytest.raises(weights.WeightsFileError, match="truncated"):
+        SafetensorsFile(tmp_path / "x.safetensors")
+
+
+def test_checkpoint_misshaped_tensor_names_both_shapes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _model("llama_untied")
+    save_checkpoint(tmp_path, model, RunConfig(model=model.cfg), TOKENIZER)
+    file = tmp_path / "model.safetensors"
+    with safe_open(str(file), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(file)
+    tensors["norm.weight"] = torch.ones(31)
+    save_file(tensors, file, metadata=metadata)
+    with pytest.raises(CheckpointError, match=r"norm\.weight has shape \(31,\).* \(32,\)"):
+        load_checkpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_checkpoint_without_tokenizer(tmp_path):
+    model = _model("gpt2_tied")
+    cfg = RunConfig(model=model.cfg)
+    save_checkpoint(tmp_path, model, cfg, None)
+    assert not (tmp_path / "tokenizer.json").exists()
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.tokenizer is None
+    _check_loaded(loaded.model, model, torch.float32)
+    # With one, then without: the old tokenizer.json goes, and is never read as this one's.
+    save_checkpoint(tmp_path, model, cfg, TOKENIZER)
+    assert load_checkpoint(tmp_path).tokenizer.to_json() == TOKENIZER.to_json()
+    save_checkpoint(tmp_path, model, cfg, None)
+    assert not (tmp_path / "tokenizer.json").exists()
+    assert load_checkpoint(tmp_path).tokenizer is None
+    # A checkpoint that had one must still have it.
+    save_checkpoint(tmp_path, model, cfg, TOKENIZER)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json is missing"):
+        load_checkpoint(tmp_path)
+
+
+def test_tokenizer_less_save_killed_during_move(tmp_path, monkeypatch):
+    """Killed after its commit point, with the old tokenizer.json still in the folder: the
+    reader sees the new checkpoint, without a tokenizer."""
+    model = _model("gpt2_tied")
+    cfg = RunConfig(model=model.cfg)
+    save_checkpoint(tmp_path, model, cfg, TOKENIZER, {"step": 1})
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def dies_after_two(src, dst):
+        calls["n"] += 1
+        if calls["n"] > 2:  # config and weights moved, state not yet
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt_module.os, "replace", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, model, cfg, None, {"step": 2})
+    monkeypatch.setattr(ckpt_module.os, "replace", real_replace)
+    assert (tmp_path / "tokenizer.json").exists()  # stale, from the first save
+    loaded = load_checkpoint(tmp_path, with_state=True)
+    assert loaded.state["step"] == 2 and loaded.tokenizer is None
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _run(argv: list[str], capsys) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_stops_at_eos(tmp_path, capsys):
+    model = _model("llama_untied", seed=3)
+    prompt = "the "
+    ids = TOKENIZER.encode(prompt)
+    greedy = model.generate(ids, 8)
+    assert len(set(greedy[:3])) > 1 or greedy[0] != greedy[1]
+    hf = tmp_path / "hf"
+    save_hf(model, hf)
+    TOKENIZER.save(hf / "tokenizer.json")
+    args = ["generate", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]
+
+    def continuation(folder, *extra) -> list[int]:
+        text = _run([*args, "--ckpt", str(folder), *extra], capsys)
+        assert text.startswith(prompt) and text.endswith("\n")
+        return TOKENIZER.encode(text[len(prompt) : -1]) if text[len(prompt) : -1] else []
+
+    assert continuation(hf) == greedy  # config.json from save_hf: eos_token_id null
+    stop = greedy[2]
+    first = greedy.index(stop)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "eos_token_id": stop}))
+    assert continuation(hf) == greedy[:first]  # an int in config.json
+    assert continuation(hf, "--ignore-eos") == greedy
+    (hf / "config.json").write_text(json.dumps(config))
+    gen = {"eos_token_id": [V + 5, stop]}
+    (hf / "generation_config.json").write_text(json.dumps(gen))
+    assert continuation(hf) == greedy[:first]  # a list in generation_config.json
+    # An imported checkpoint keeps the source's end-of-sequence tokens; bf16 on the way.
+    ckpt = tmp_path / "ckpt"
+    _run(["import-hf", str(hf), str(ckpt), "--dtype", "bfloat16"], capsys)
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert f.get_slice("tok_emb.weight").get_dtype() == "BF16"
+    assert json.loads((ckpt / "generation_config.json").read_text()) == gen
+    bf16 = _old_way(model, torch.bfloat16).generate(ids, 8, stop_tokens=[stop])
+    assert continuation(ckpt, "--dtype", "bfloat16") == bf16
+    exported = tmp_path / "exported"
+    _run(["export-hf", str(ckpt), str(exported)], capsys)
+    assert json.loads((exported / "generation_config.json").read_text()) == gen
+
+
+def test_eval_dtype(tmp_path, capsys):
+    model = _model("gpt2_tied")
+    save_checkpoint(tmp_path, model, RunConfig(model=model.cfg), TOKENIZER)
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT * 3)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        argv = ["eval", "--ckpt", str(tmp_path), "--data", str(data), "--dtype", dtype]
+        out[dtype] = json.loads(_run([*argv, "--block-size", "16", "--json"], capsys))
+    assert out["bfloat16"]["tokens"] == out["float32"]["tokens"]
+    assert abs(out["bfloat16"]["loss"] - out["float32"]["loss"]) < 0.05 * out["float32"]["loss"]
+    assert out["bfloat16"]["loss"] != out["float32"]["loss"]  # really ran in bf16
