@@ -106,8 +106,10 @@ def flex_attention(
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
-    if q.device.type == "cpu" and torch.is_grad_enabled():
-        if q.requires_grad or k.requires_grad or v.requires_grad:
+    if q.device.type == "cpu":
+        if not torch.is_grad_enabled():  # torch checks requires_grad even under no_grad
+            q, k, v = q.detach(), k.detach(), v.detach()
+        elif q.requires_grad or k.requires_grad or v.requires_grad:
             raise NotImplementedError(NO_CPU_BACKWARD)
     b, h, t, _ = q.shape
     h_kv, s = k.shape[1], k.shape[2]
