@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 DEFAULT_BLOCK_Q = 128
-DEFAULT_BLOCK_K = 128
+DEFAULT_BLOCK_K = 256
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class _Problem:
     def __init__(self, q5, k5, mask5, causal, window, doc_ids, scale, block_q, block_k):
         self.t, self.s = q5.shape[-2], k5.shape[-2]
         self.off = self.s - self.t
-        self.scale, self.window, self.mask5 = scale, window, mask5
+        self.scale, self.window, self.mask5, self.causal = scale, window, mask5, causal
         self.doc_ids = doc_ids
         self.tiles = plan_tiles(
             self.t,
@@ -129,25 +129,42 @@ class _Problem:
         )
 
     def scores(self, qs: Tensor, kb: Tensor, tile: _Tile) -> Tensor:
-        """float32 scores of one tile, -inf where masked: (b, h_kv, g, r, c)."""
+        """float32 scores of one tile, -inf where masked: (b, h_kv, g, r, c). Every step
+        after the product is in place: on a CPU these passes over r x c, not the products,
+        are what costs."""
         q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
-        sc = (qs @ kb.transpose(-2, -1)).float() * self.scale
+        sc = qs @ kb.transpose(-2, -1)
+        sc = sc.mul_(self.scale) if sc.dtype == torch.float32 else sc.float().mul_(self.scale)
         if self.mask5 is not None:
             m = self.mask5
             m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
             m = m[..., k0:k1] if m.shape[-1] > 1 else m
-            sc = sc.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else sc + m.float()
+            if m.dtype == torch.bool:
+                sc.masked_fill_(~m, float("-inf"))
+            else:
+                sc.add_(m)
         if tile.positional_mask:
-            q_pos = torch.arange(q0 + self.off, q1 + self.off, device=sc.device)[:, None]
-            k_pos = torch.arange(k0, k1, device=sc.device)[None, :]
-            allowed = k_pos <= q_pos  # (r, c)
+            # Only the rows the diagonal (or the window's edge) cuts need the mask: causal
+            # cuts the first rows of the range (position < k1 - 1), the window the last
+            # ones (position - window >= k0).
+            spans = [(q0, min(q1, k1 - 1 - self.off))]
             if self.window is not None:
-                allowed = allowed & (k_pos > q_pos - self.window)
-            sc = sc.masked_fill(~allowed, float("-inf"))
+                spans.append((max(q0, k0 + self.window - self.off), q1))
+                if spans[1][0] <= spans[0][1]:  # overlapping: one span
+                    spans = [(q0, q1)]
+            k_pos = torch.arange(k0, k1, device=sc.device)[None, :]
+            for lo, hi in spans:
+                if lo >= hi:
+                    continue
+                q_pos = torch.arange(lo + self.off, hi + self.off, device=sc.device)[:, None]
+                allowed = k_pos <= q_pos  # (hi - lo, c)
+                if self.window is not None:
+                    allowed = allowed & (k_pos > q_pos - self.window)
+                sc[..., lo - q0 : hi - q0, :].masked_fill_(~allowed, float("-inf"))
         if self.doc_ids is not None:
             q_doc = self.doc_ids[:, self.off + q0 : self.off + q1, None]  # (b, r, 1)
             same = q_doc == self.doc_ids[:, None, k0:k1]  # (b, r, c)
-            sc = sc.masked_fill(~same[:, None, None], float("-inf"))
+            sc.masked_fill_(~same[:, None, None], float("-inf"))
         return sc
 
 
@@ -173,7 +190,7 @@ class FlashAttention(torch.autograd.Function):
             m_old = m[..., rows, :]
             m_new = torch.maximum(m_old, sc.amax(-1, keepdim=True))
             alpha = torch.exp(m_old - _safe(m_new))  # rescale what was summed so far
-            p = torch.exp(sc - _safe(m_new))
+            p = sc.sub_(_safe(m_new)).exp_()  # (b, h_kv, g, r, c), in place of the scores
             l[..., rows, :] = l[..., rows, :] * alpha + p.sum(-1, keepdim=True)
             acc[..., rows, :] = acc[..., rows, :] * alpha + (p.to(v.dtype) @ vb).float()
             m[..., rows, :] = m_new
@@ -197,11 +214,11 @@ class FlashAttention(torch.autograd.Function):
             rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
             qs, kb, vb = q[..., rows, :], k[..., cols, :], v[..., cols, :]
             do = grad_out[..., rows, :]  # (b, h_kv, g, r, d_h)
-            p = torch.exp(prob.scores(qs, kb, tile) - lse[..., rows, :])  # (b, h_kv, g, r, c)
+            p = prob.scores(qs, kb, tile).sub_(lse[..., rows, :]).exp_()  # (b, h_kv, g, r, c)
             # Sum over the g query heads that share a kv head: (b, h_kv, 1, c, d_h).
             dv[..., cols, :] += (p.to(do.dtype).transpose(-2, -1) @ do).float().sum(2, True)
             dp = (do @ vb.transpose(-2, -1)).float()
-            ds = (p * (dp - delta[..., rows, :])).to(q.dtype)
+            ds = dp.sub_(delta[..., rows, :]).mul_(p).to(q.dtype)  # dS = P * (dP - D)
             dq[..., rows, :] += (ds @ kb).float() * prob.scale
             dk[..., cols, :] += (ds.transpose(-2, -1) @ qs).float().sum(2, True) * prob.scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
