@@ -1,9 +1,9 @@
 """The Triton kernels (attnlab/kernels) against the eager reference.
 
 Without a GPU they run under Triton's interpreter (numpy, one program at a time), so the
-sizes are small and float32 only. TRITON_INTERPRET must be set before the kernels are
-defined (``triton.jit`` picks the interpreter at decoration time): this module sets it
-at import, before any test runs, when no GPU is present.
+sizes are small and float32 only. TRITON_INTERPRET must be set before anything imports
+triton (``triton.jit`` picks the interpreter at decoration time, triton's own helpers
+included): conftest.py sets it when no GPU is present, before any test module loads.
 
 Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_h head dim.
 """

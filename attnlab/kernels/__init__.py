@@ -51,6 +51,15 @@ def triton_attention(
         raise RuntimeError(
             "attention backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1); use 'flash'"
         )
+    if interpreting():
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.zeros, InterpretedFunction):  # triton's own jit helpers
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton was imported; set it before "
+                "anything imports triton (e.g. in the environment)"
+            )
     from attnlab.kernels.flash_attention import triton_flash_attention
 
     return triton_flash_attention(
