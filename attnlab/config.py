@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from attnlab.fileio import atomic_write_text
+from attnlab.functional.attention import backend_names
 
 T = TypeVar("T")
 
@@ -189,7 +190,7 @@ def _attention_kinds() -> tuple[str, ...]:
     return attention_kinds()
 
 
-ATTENTION_BACKENDS = ("sdpa", "eager")
+ATTENTION_BACKENDS = backend_names()  # the one list: the registry in functional/attention.py
 POSITION_KINDS = ("learned", "sinusoidal", "rope", "none")
 ROPE_LAYOUTS = ("split", "interleaved")
 ROPE_SCALINGS = ("linear", "llama3")

@@ -3,10 +3,17 @@
 Tests run tiny models: one intra-op thread is as fast, and avoids spinning threads fighting
 over the 2 shared cores (which made small forward passes 50x slower under load)."""
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Without a GPU the Triton kernels run under Triton's interpreter. It must be switched on
+# before anything imports triton (torch does, lazily): triton.jit picks at decoration time.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

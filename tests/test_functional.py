@@ -19,6 +19,7 @@ from attnlab.functional import (
     to_additive,
 )
 from attnlab.functional.masks import sliding_window_mask
+from attnlab.functional.softmax import attention_online, softmax_3pass, softmax_online
 
 BACKENDS = ["eager", "sdpa"]
 ATOL = 1e-5
@@ -57,6 +58,55 @@ def test_masked_softmax_all_masked_row_gives_zeros():
     torch.testing.assert_close(masked_softmax(x, to_additive(mask)), y)
     z = stable_softmax(torch.full((2, 3), float("-inf")))
     assert torch.equal(z, torch.zeros(2, 3))
+
+
+# ------------------------------------------------ from softmax to flash attention, by passes
+
+DERIVATIONS = {"3-pass": softmax_3pass, "online": softmax_online}
+
+
+def _hard_rows() -> torch.Tensor:
+    """Random rows, rows of all -inf, partly -inf rows (-inf first: the running maximum
+    starts at -inf), and logits so large that exp() would overflow without the maximum."""
+    x = torch.randn(6, 13) * 3
+    x[1] = float("-inf")
+    x[2, :7] = float("-inf")
+    x[3] = torch.linspace(-3e4, 3e4, 13)
+    x[4, 5:] = 1e4
+    x[5, ::2] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("name", list(DERIVATIONS))
+@pytest.mark.parametrize("block", [1, 4, 13, 20])
+def test_softmax_derivations_match_torch(name, block):
+    x = _hard_rows()
+    y = DERIVATIONS[name](x, block=block)
+    assert y.isfinite().all()
+    assert torch.equal(y[1], torch.zeros(13))  # all -inf: zeros (project convention)
+    finite_rows = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(y[finite_rows], torch.softmax(x[finite_rows], dim=-1))
+    torch.testing.assert_close(y, stable_softmax(x))
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+def test_online_attention_matches_eager(block):
+    b, h, t, s, d_h = 2, 3, 5, 11, 8
+    q = torch.randn(b, h, t, d_h)
+    k, v = torch.randn(b, h, s, d_h), torch.randn(b, h, s, d_h)
+    allowed = causal_allowed(t, s).expand(b, 1, t, s).clone()
+    allowed[1, 0, 2] = False  # a query that may attend to nothing
+    out, lse = attention_online(q, k, v, allowed, block=block)
+    ref = attend(q, k, v, allowed, backend="eager")
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=ATOL)
+    assert (out[1, :, 2] == 0).all() and (lse[1, :, 2] == float("-inf")).all()
+    scores = (q @ k.transpose(-2, -1)) * d_h**-0.5
+    expected_lse = scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(lse, expected_lse)
+    # Huge logits: the running maximum keeps every exp() finite.
+    out, _ = attention_online(q * 1e3, k, v, block=block)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, attend(q * 1e3, k, v, backend="eager"), atol=ATOL, rtol=ATOL)
 
 
 # --------------------------------------------------------------------------- masks

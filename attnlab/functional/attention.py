@@ -1,7 +1,11 @@
 """Scaled dot-product attention: softmax(Q K^T / sqrt(d_h) + mask) V (Vaswani et al. 2017).
 
-One signature, several backends: ``eager`` is the readable reference (and can return the
-attention weights); ``sdpa`` calls ``torch.nn.functional.scaled_dot_product_attention``.
+One signature, several backends, picked by name from ``BACKENDS`` (``attend(backend=...)``,
+config ``model.attention.backend``): ``eager`` is the readable reference (and can return
+the attention weights); ``sdpa`` calls ``torch.nn.functional.scaled_dot_product_attention``;
+``flash`` is tiled online-softmax attention in PyTorch (``functional/flash.py``), which
+runs the Triton kernels on CUDA; ``triton`` asks for those kernels (``attnlab/kernels``);
+``flex`` is torch's FlexAttention (``functional/flex.py``).
 
 Shapes: b batch, h query heads, h_kv key/value heads (h_kv divides h), t query length,
 s key length, d_h head dim. Masks broadcast to (b, h, t, s); boolean True = may attend,
@@ -12,12 +16,20 @@ which is what a KV cache and chunked prefill need.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional.masks import causal_mask, combine_masks
+from attnlab.functional.flash import flash_attention
+from attnlab.functional.masks import (
+    causal_mask,
+    combine_masks,
+    document_mask,
+    sliding_window_mask,
+)
 from attnlab.functional.softmax import masked_softmax
 
 
@@ -116,7 +128,103 @@ def sdpa_attention(
     return out
 
 
-BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}
+# ---------------------------------------------------------------------------- registry
+
+
+def _fold_structure(
+    mask: Tensor | None,
+    t: int,
+    s: int,
+    causal: bool,
+    window: int | None,
+    doc_ids: Tensor | None,
+    device: torch.device,
+) -> tuple[Tensor | None, bool]:
+    """For backends without native support: window and documents become an explicit mask."""
+    if window is not None:
+        mask = combine_masks(mask, sliding_window_mask(t, s, window, device=device))
+        causal = False  # the window mask is causal already
+    if doc_ids is not None:
+        mask = combine_masks(mask, document_mask(doc_ids, t))
+    return mask, causal
+
+
+def _eager(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+    mask, causal = _fold_structure(
+        mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
+    )
+    return eager_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+
+
+def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+    mask, causal = _fold_structure(
+        mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
+    )
+    return sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+
+
+def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+    from attnlab import kernels
+
+    if q.is_cuda and kernels.triton_available():  # the same maths, as one GPU kernel
+        return kernels.triton_attention(
+            q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
+        )
+    return flash_attention(
+        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
+    )
+
+
+def _triton(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+    from attnlab import kernels
+
+    return kernels.triton_attention(
+        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
+    )
+
+
+def _flex(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+    from attnlab.functional.flex import flex_attention
+
+    return flex_attention(q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids)
+
+
+def _triton_missing() -> str | None:
+    from attnlab import kernels
+
+    return kernels.triton_unavailable_reason()
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way to compute attention. ``fn(q, k, v, mask, *, causal, scale, dropout_p,
+    window, doc_ids)``; ``dropout`` says whether it implements dropout_p > 0;
+    ``unavailable()`` returns why it cannot run here, or None."""
+
+    fn: Callable[..., Tensor]
+    summary: str
+    dropout: bool = False
+    unavailable: Callable[[], str | None] = lambda: None
+
+
+BACKENDS: dict[str, Backend] = {
+    "eager": Backend(_eager, "readable reference; the only one that returns weights", True),
+    "sdpa": Backend(_sdpa, "torch.nn.functional.scaled_dot_product_attention", True),
+    "flash": Backend(_flash, "tiled online softmax in PyTorch (Triton kernel on CUDA)"),
+    "triton": Backend(_triton, "Triton flash-attention kernels", unavailable=_triton_missing),
+    "flex": Backend(_flex, "torch FlexAttention (no backward on CPU)"),
+}
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every registered backend name (configs are validated against this)."""
+    return tuple(BACKENDS)
+
+
+def available_backends() -> tuple[str, ...]:
+    """The backends that can run on this machine (``triton`` needs the package and a GPU
+    or ``TRITON_INTERPRET=1``)."""
+    return tuple(name for name, b in BACKENDS.items() if b.unavailable() is None)
 
 
 def attend(
@@ -130,14 +238,48 @@ def attend(
     dropout_p: float = 0.0,
     backend: str = "sdpa",
     return_weights: bool = False,
+    window: int | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention with the chosen backend. ``return_weights`` needs ``backend='eager'``."""
+    """Attention with the chosen backend, the one switch between implementations.
+
+    q (b, h, t, d_h); k, v (b, h_kv, s, d_h); ``mask`` bool or additive, broadcastable to
+    (b, h, t, s). ``causal`` aligns bottom-right. ``window`` (with causal): each query sees
+    its last ``window`` keys. ``doc_ids`` (b, s): no attention across packed documents.
+    ``flash`` and ``triton`` skip whole blocks that window and sorted documents rule out;
+    ``eager`` and ``sdpa`` turn them into masks. ``return_weights`` needs ``eager``."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+        )
+    entry = BACKENDS[backend]
+    _check(q, k, v)
+    if window is not None and (not causal or window <= 0):
+        raise ValueError(f"window={window} needs causal=True and a positive size")
     if return_weights:
         if backend != "eager":
-            raise ValueError("return_weights=True needs backend='eager' (sdpa never forms them)")
+            raise ValueError(
+                f"return_weights=True needs backend='eager' ({backend!r} never forms the weights)"
+            )
+        mask, causal = _fold_structure(
+            mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
+        )
         return eager_attention(
             q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, return_weights=True
         )
-    return BACKENDS[backend](q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+    if dropout_p > 0.0 and not entry.dropout:
+        raise ValueError(
+            f"attention dropout needs backend 'eager' or 'sdpa' ({backend!r} has none); "
+            "set model.attention.dropout=0 or change the backend"
+        )
+    return entry.fn(
+        q,
+        k,
+        v,
+        mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        window=window,
+        doc_ids=doc_ids,
+    )

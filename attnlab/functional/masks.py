@@ -87,3 +87,44 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         return mask
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     return torch.where(mask, zero, torch.tensor(float("-inf"), dtype=dtype, device=mask.device))
+
+
+def prefix_lm_mask(
+    t: int, s: int, prefix: int | Tensor, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Prefix LM (Raffel et al. 2020, T5; UniLM): the first ``prefix`` positions see each
+    other in both directions, later ones are causal. ``prefix`` an int -> (t, s) bool, or a
+    (b,) tensor (one prefix length per sequence) -> (b, 1, t, s)."""
+    q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
+    k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
+    if isinstance(prefix, Tensor):
+        prefix = prefix.to(device)[:, None, None, None]  # (b, 1, 1, 1)
+    return (k_pos <= q_pos) | (k_pos < prefix)
+
+
+def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
+    """(b, s) token ids of packed sequences -> (b, s) document index, starting at 0 and
+    growing by one after each ``eos_id`` (the end-of-document token stays in its document)."""
+    ends = (tokens == eos_id).long()
+    return ends.cumsum(-1) - ends
+
+
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """(b, s) document ids (sorted: documents are contiguous) -> (b, s) positions that
+    restart at 0 at the start of each document, for RoPE or learned position tables."""
+    s = doc_ids.shape[-1]
+    idx = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    # Index of the latest document start at or before each position.
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values
+    return idx - first
+
+
+def document_mask(doc_ids: Tensor, t: int | None = None) -> Tensor:
+    """(b, s) document ids -> (b, 1, t, s) bool: a query sees keys of its own document only.
+    The t queries are the last t of the s positions (bottom-right, like ``causal_mask``);
+    combine with ``causal=True`` for packed causal language modelling."""
+    t = doc_ids.shape[-1] if t is None else t
+    q_doc = doc_ids[:, -t:, None]  # (b, t, 1)
+    return (q_doc == doc_ids[:, None, :])[:, None]  # (b, 1, t, s)

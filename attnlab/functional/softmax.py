@@ -27,3 +27,85 @@ def masked_softmax(x: Tensor, mask: Tensor | None, dim: int = -1) -> Tensor:
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else x + mask
     return stable_softmax(x, dim=dim)
+
+
+# ----------------------------------------------------------------------------------------
+# From softmax to flash attention, one pass at a time (Milakov & Gimelshein 2018,
+# "Online normaliser calculation for softmax"; Dao et al. 2022, FlashAttention).
+# Written as loops over blocks of columns (block=1: one element at a time) so each line is
+# one equation; vectorised over every other dimension. ``functional/flash.py`` is the same
+# recurrence as the last function, with tiles and an autograd backward.
+
+
+def _safe(m: Tensor) -> Tensor:
+    """A running maximum that is still -inf (nothing seen yet) is used as 0 in exp(x - m),
+    so that exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def softmax_3pass(x: Tensor, block: int = 1) -> Tensor:
+    """Safe softmax over the last dim in three passes over x:
+    (1) m = max_j x_j; (2) d = sum_j exp(x_j - m); (3) y_j = exp(x_j - m) / d."""
+    n = x.shape[-1]
+    m = torch.full(x.shape[:-1] + (1,), float("-inf"), dtype=x.dtype, device=x.device)
+    for j in range(0, n, block):  # pass 1: maximum
+        m = torch.maximum(m, x[..., j : j + block].amax(-1, keepdim=True))
+    m = _safe(m)
+    d = torch.zeros_like(m)
+    for j in range(0, n, block):  # pass 2: denominator
+        d = d + torch.exp(x[..., j : j + block] - m).sum(-1, keepdim=True)
+    d = torch.where(d > 0, d, torch.ones_like(d))  # an all -inf row gives zeros
+    return torch.cat([torch.exp(x[..., j : j + block] - m) / d for j in range(0, n, block)], -1)
+
+
+def softmax_online(x: Tensor, block: int = 1) -> Tensor:
+    """Two passes: the maximum and the denominator together. When the running maximum grows
+    from m to m', every term already summed was exp(x - m) and must become exp(x - m'), so
+    d' = d * exp(m - m') + sum_j exp(x_j - m'). Pass 2 normalises as before."""
+    n = x.shape[-1]
+    m = torch.full(x.shape[:-1] + (1,), float("-inf"), dtype=x.dtype, device=x.device)
+    d = torch.zeros_like(m)
+    for j in range(0, n, block):
+        xj = x[..., j : j + block]
+        m_new = torch.maximum(m, xj.amax(-1, keepdim=True))
+        d = d * torch.exp(m - _safe(m_new)) + torch.exp(xj - _safe(m_new)).sum(-1, keepdim=True)
+        m = m_new
+    m = _safe(m)
+    d = torch.where(d > 0, d, torch.ones_like(d))
+    return torch.cat([torch.exp(x[..., j : j + block] - m) / d for j in range(0, n, block)], -1)
+
+
+def attention_online(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    block: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """One pass over the keys: softmax(q k^T * scale) v without ever holding a full row of
+    weights. Besides m and d, keep the unnormalised output o = sum_j exp(s_j - m) v_j and
+    rescale it with the same factor as d when m grows; divide by d once at the end.
+
+    q (..., t, d_h), k and v (..., s, d_h) (same leading dims), mask bool broadcastable to
+    (..., t, s). Returns the output (..., t, d_h) and the log-sum-exp m + log d (..., t),
+    -inf for rows that may attend to nothing (their output is 0)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    t, n = q.shape[-2], k.shape[-2]
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
+    d = torch.zeros_like(m)
+    o = torch.zeros_like(q)
+    for j in range(0, n, block):
+        s = (q @ k[..., j : j + block, :].transpose(-2, -1)) * scale  # (..., t, block)
+        if mask is not None:
+            allowed = mask.expand(*mask.shape[:-2], t, n)[..., j : j + block]
+            s = s.masked_fill(~allowed, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha = torch.exp(m - _safe(m_new))  # rescales what was summed under the old maximum
+        p = torch.exp(s - _safe(m_new))
+        d = d * alpha + p.sum(-1, keepdim=True)
+        o = o * alpha + p @ v[..., j : j + block, :]
+        m = m_new
+    lse = (m + torch.log(d)).squeeze(-1)  # -inf where d == 0
+    return o / torch.where(d > 0, d, torch.ones_like(d)), lse

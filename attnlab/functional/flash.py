@@ -1,0 +1,264 @@
+"""Flash attention in plain PyTorch: tiled, online-softmax attention that never holds a
+(t, s) matrix (Dao et al. 2022, FlashAttention; Dao 2023, FlashAttention-2).
+
+Forward: one pass over blocks of ``block_k`` keys. For each block, the scores of every
+query row that can see it are formed at once (vectorised over query blocks: the only
+Python loop is over key blocks), and the running maximum m, denominator l and unnormalised
+output o of each row are rescaled and updated (``softmax.attention_online`` with tiles).
+Only the output and the log-sum-exp L = m + log l of each row are saved.
+
+Backward (FlashAttention-2): the weights are recomputed block by block from L,
+P = exp(S - L), and with D = rowsum(dO * O):
+    dV += P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ += dS K * scale,   dK += dS^T Q * scale.
+
+Skipping: the query rows that may see a key block form one contiguous range (causal,
+sliding window, sorted document ids); it is widened to whole ``block_q`` tiles, so every
+tile of the (t, s) grid that is fully masked (above the causal diagonal, outside the window,
+in another document) is never computed. Tiles cut by a boundary get an elementwise mask.
+
+Statistics (m, l, L, D) and accumulators are float32 whatever the input dtype; matrix
+products run in the input dtype (bf16 P is cast before P V, as the CUDA kernels do).
+
+Shapes: b batch, h query heads, h_kv key/value heads, g = h / h_kv queries per kv head,
+t query length, s key length, d_h head dim, r rows (queries) and c columns (keys) of a tile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+DEFAULT_BLOCK_Q = 128
+DEFAULT_BLOCK_K = 256
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """One key block [k0, k1) and the query rows [q0, q1) that may see it."""
+
+    k0: int
+    k1: int
+    q0: int
+    q1: int
+    positional_mask: bool  # the tile is cut by the causal diagonal or the window edge
+
+
+def _check_block(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"flash attention: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def plan_tiles(
+    t: int,
+    s: int,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    doc_ids: Tensor | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> list[_Tile]:
+    """The key blocks to visit and, for each, the whole query tiles that may see it.
+
+    Query i sits at position s - t + i (bottom-right alignment). Causal: query at p sees
+    keys <= p. Window w: and keys > p - w. ``doc_ids`` (b, s) non-decreasing: queries see
+    keys of their own document only (the range is the union over the batch)."""
+    block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    off = s - t
+    tiles = []
+    k_starts = list(range(0, s, block_k))
+    doc_lo = doc_hi = None
+    if doc_ids is not None and doc_ids.shape[-1] > 1:
+        sorted_ids = bool((doc_ids[:, 1:] >= doc_ids[:, :-1]).all())
+        if sorted_ids:  # otherwise no skipping: the elementwise document mask still applies
+            q_doc = doc_ids[:, off:].contiguous()  # (b, t)
+            starts = torch.tensor(k_starts, device=doc_ids.device)
+            ends = (starts + block_k).clamp(max=s) - 1
+            first = doc_ids[:, starts].contiguous()  # (b, n_blocks): smallest doc of a block
+            last = doc_ids[:, ends].contiguous()
+            doc_lo = torch.searchsorted(q_doc, first, side="left").amin(0).tolist()
+            doc_hi = torch.searchsorted(q_doc, last, side="right").amax(0).tolist()
+    for n, k0 in enumerate(k_starts):
+        k1 = min(k0 + block_k, s)
+        q0, q1 = 0, t
+        if causal:
+            q0 = max(q0, k0 - off)  # first query whose position reaches key k0
+        if window is not None:
+            q1 = min(q1, k1 - 1 + window - off)  # last key k1 - 1 leaves the window after it
+        if doc_lo is not None:
+            q0, q1 = max(q0, doc_lo[n]), min(q1, doc_hi[n])
+        if q0 >= q1:
+            continue
+        q0 = (q0 // block_q) * block_q
+        q1 = min(t, -(-q1 // block_q) * block_q)
+        cut = (causal and q0 + off < k1 - 1) or (window is not None and k0 <= q1 - 1 + off - window)
+        tiles.append(_Tile(k0, k1, q0, q1, cut))
+    return tiles
+
+
+def _mask5(mask: Tensor, h_kv: int, g: int) -> Tensor:
+    """Mask broadcastable to (b, h, t, s) -> broadcastable to (b, h_kv, g, t, s), a view."""
+    while mask.dim() < 4:
+        mask = mask[None]
+    b, h, t, s = mask.shape
+    if h == 1:
+        return mask[:, :, None]  # (b, 1, 1, t, s)
+    return mask.reshape(b, h_kv, g, t, s)
+
+
+class _Problem:
+    """Everything the forward and the backward share: the tiling and the tile scores."""
+
+    def __init__(self, q5, k5, mask5, causal, window, doc_ids, scale, block_q, block_k):
+        self.t, self.s = q5.shape[-2], k5.shape[-2]
+        self.off = self.s - self.t
+        self.scale, self.window, self.mask5, self.causal = scale, window, mask5, causal
+        self.doc_ids = doc_ids
+        self.tiles = plan_tiles(
+            self.t,
+            self.s,
+            causal=causal,
+            window=window,
+            doc_ids=doc_ids,
+            block_q=block_q,
+            block_k=block_k,
+        )
+
+    def scores(self, qs: Tensor, kb: Tensor, tile: _Tile) -> Tensor:
+        """float32 scores of one tile, -inf where masked: (b, h_kv, g, r, c). Every step
+        after the product is in place: on a CPU these passes over r x c, not the products,
+        are what costs."""
+        q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
+        sc = qs @ kb.transpose(-2, -1)
+        sc = sc.mul_(self.scale) if sc.dtype == torch.float32 else sc.float().mul_(self.scale)
+        if self.mask5 is not None:
+            m = self.mask5
+            m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
+            m = m[..., k0:k1] if m.shape[-1] > 1 else m
+            if m.dtype == torch.bool:
+                sc.masked_fill_(~m, float("-inf"))
+            else:
+                sc.add_(m)
+        if tile.positional_mask:
+            # Only the rows the diagonal (or the window's edge) cuts need the mask: causal
+            # cuts the first rows of the range (position < k1 - 1), the window the last
+            # ones (position - window >= k0).
+            spans = [(q0, min(q1, k1 - 1 - self.off))]
+            if self.window is not None:
+                spans.append((max(q0, k0 + self.window - self.off), q1))
+                if spans[1][0] <= spans[0][1]:  # overlapping: one span
+                    spans = [(q0, q1)]
+            k_pos = torch.arange(k0, k1, device=sc.device)[None, :]
+            for lo, hi in spans:
+                if lo >= hi:
+                    continue
+                q_pos = torch.arange(lo + self.off, hi + self.off, device=sc.device)[:, None]
+                allowed = k_pos <= q_pos  # (hi - lo, c)
+                if self.window is not None:
+                    allowed = allowed & (k_pos > q_pos - self.window)
+                sc[..., lo - q0 : hi - q0, :].masked_fill_(~allowed, float("-inf"))
+        if self.doc_ids is not None:
+            q_doc = self.doc_ids[:, self.off + q0 : self.off + q1, None]  # (b, r, 1)
+            same = q_doc == self.doc_ids[:, None, k0:k1]  # (b, r, c)
+            sc.masked_fill_(~same[:, None, None], float("-inf"))
+        return sc
+
+
+def _safe(m: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+class FlashAttention(torch.autograd.Function):
+    """q (b, h_kv, g, t, d_h), k and v (b, h_kv, 1, s, d_h) -> out like q (the 5-D views
+    let query head j read kv head j // g without copying K or V)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask5, causal, window, doc_ids, scale, block_q, block_k):
+        prob = _Problem(q, k, mask5, causal, window, doc_ids, scale, block_q, block_k)
+        stats = q.shape[:-1] + (1,)
+        m = torch.full(stats, float("-inf"), dtype=torch.float32, device=q.device)
+        l = torch.zeros(stats, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for tile in prob.tiles:
+            rows = slice(tile.q0, tile.q1)
+            kb, vb = k[..., tile.k0 : tile.k1, :], v[..., tile.k0 : tile.k1, :]
+            sc = prob.scores(q[..., rows, :], kb, tile)  # (b, h_kv, g, r, c)
+            m_old = m[..., rows, :]
+            m_new = torch.maximum(m_old, sc.amax(-1, keepdim=True))
+            alpha = torch.exp(m_old - _safe(m_new))  # rescale what was summed so far
+            p = sc.sub_(_safe(m_new)).exp_()  # (b, h_kv, g, r, c), in place of the scores
+            l[..., rows, :] = l[..., rows, :] * alpha + p.sum(-1, keepdim=True)
+            acc[..., rows, :] = acc[..., rows, :] * alpha + (p.to(v.dtype) @ vb).float()
+            m[..., rows, :] = m_new
+        out = (acc / torch.where(l > 0, l, torch.ones_like(l))).to(q.dtype)
+        # Rows with no allowed key: L = +inf makes the recomputed P = exp(S - L) exactly 0.
+        lse = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("inf")))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prob = prob
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        prob = ctx.prob
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for tile in prob.tiles:
+            rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
+            qs, kb, vb = q[..., rows, :], k[..., cols, :], v[..., cols, :]
+            do = grad_out[..., rows, :]  # (b, h_kv, g, r, d_h)
+            p = prob.scores(qs, kb, tile).sub_(lse[..., rows, :]).exp_()  # (b, h_kv, g, r, c)
+            # Sum over the g query heads that share a kv head: (b, h_kv, 1, c, d_h).
+            dv[..., cols, :] += (p.to(do.dtype).transpose(-2, -1) @ do).float().sum(2, True)
+            dp = (do @ vb.transpose(-2, -1)).float()
+            ds = dp.sub_(delta[..., rows, :]).mul_(p).to(q.dtype)  # dS = P * (dP - D)
+            dq[..., rows, :] += (ds @ kb).float() * prob.scale
+            dk[..., cols, :] += (ds.transpose(-2, -1) @ qs).float().sum(2, True) * prob.scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    doc_ids: Tensor | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> Tensor:
+    """Tiled attention, equal to ``eager_attention`` (1e-5 in float32) with memory linear in
+    t and s. q (b, h, t, d_h); k, v (b, h_kv, s, d_h). ``mask`` bool (True = may attend) or
+    additive, broadcastable to (b, h, t, s), not differentiated. ``causal`` aligns
+    bottom-right; ``window`` (needs causal) keeps the last ``window`` keys of each query;
+    ``doc_ids`` (b, s) int: no attention across documents (sorted ids also skip tiles).
+    Rows that may attend to nothing give zeros."""
+    _check_block("block_q", block_q)
+    _check_block("block_k", block_k)
+    b, h, t, d_h = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    if causal and s < t:
+        raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
+    if window is not None and (not causal or window <= 0):
+        raise ValueError(f"window={window} needs causal=True and a positive size")
+    if doc_ids is not None and doc_ids.shape != (b, s):
+        raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
+    if mask is not None and mask.requires_grad:
+        raise ValueError("flash attention does not differentiate the mask; detach it")
+    g = h // h_kv
+    scale = 1.0 / math.sqrt(d_h) if scale is None else scale
+    q5 = q.reshape(b, h_kv, g, t, d_h)  # query head j -> (kv head j // g, j % g)
+    k5, v5 = k[:, :, None], v[:, :, None]  # (b, h_kv, 1, s, d_h)
+    mask5 = None if mask is None else _mask5(mask, h_kv, g)
+    out = FlashAttention.apply(q5, k5, v5, mask5, causal, window, doc_ids, scale, block_q, block_k)
+    return out.reshape(b, h, t, d_h)

@@ -1,0 +1,161 @@
+"""The ``flex`` backend: torch's FlexAttention (``torch.nn.attention.flex_attention``).
+
+Masks are written as ``mask_mod(b, h, q_idx, kv_idx) -> bool`` functions, turned into a
+block mask (which tiles to skip) by ``create_block_mask``; additive masks become a
+``score_mod``. Causal aligns bottom-right like the rest of attnlab: query i sits at
+position s - t + i.
+
+Compilation: on CUDA ``flex_attention`` is wrapped in ``torch.compile`` (a fused kernel);
+on CPU it runs eagerly by default, an unfused version that forms the (t, s) scores
+(``compile=True`` asks for the fused CPU kernel, which costs a compile of tens of seconds).
+FlexAttention has no backward on CPU (torch 2.13, eager or compiled): calling it there on
+inputs that require grad fails at once with a message naming the alternatives.
+
+Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+NO_CPU_BACKWARD = (
+    "attention backend 'flex' has no backward on CPU (a torch FlexAttention limitation); "
+    "train with backend 'flash', 'sdpa' or 'eager', or run flex on CUDA"
+)
+
+
+def causal_mod(t: int, s: int) -> MaskMod:
+    off = s - t
+    return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + off
+
+
+def sliding_window_mod(t: int, s: int, window: int) -> MaskMod:
+    off = s - t
+    return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx + off) & (kv_idx > q_idx + off - window)
+
+
+def document_mod(doc_ids: Tensor, t: int) -> MaskMod:
+    """doc_ids (b, s): a query sees keys of its own document only (packed sequences)."""
+    off = doc_ids.shape[-1] - t
+    return lambda b, h, q_idx, kv_idx: doc_ids[b, q_idx + off] == doc_ids[b, kv_idx]
+
+
+def prefix_lm_mod(t: int, s: int, prefix: int | Tensor) -> MaskMod:
+    """Bidirectional over the first ``prefix`` positions (int, or (b,) tensor), causal after."""
+    off = s - t
+    if isinstance(prefix, Tensor):
+        return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx + off) | (kv_idx < prefix[b])
+    return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx + off) | (kv_idx < prefix)
+
+
+def tensor_mod(allowed: Tensor) -> MaskMod:
+    """A boolean mask broadcastable to (b, h, t, s) as a mask_mod (indexes a 4-D view)."""
+    while allowed.dim() < 4:
+        allowed = allowed[None]
+    bi = (lambda b: b) if allowed.shape[0] > 1 else (lambda b: 0)
+    hi = (lambda h: h) if allowed.shape[1] > 1 else (lambda h: 0)
+    qi = (lambda q: q) if allowed.shape[2] > 1 else (lambda q: 0)
+    ki = (lambda k: k) if allowed.shape[3] > 1 else (lambda k: 0)
+    return lambda b, h, q_idx, kv_idx: allowed[bi(b), hi(h), qi(q_idx), ki(kv_idx)]
+
+
+def and_mods(*mods: MaskMod | None) -> MaskMod | None:
+    mods = tuple(m for m in mods if m is not None)
+    if not mods:
+        return None
+
+    def mod(b, h, q_idx, kv_idx):
+        out = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+
+    return mod
+
+
+@functools.cache
+def _compiled():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    doc_ids: Tensor | None = None,
+    mask_mod: MaskMod | None = None,
+    compile: bool | None = None,
+) -> Tensor:
+    """Attention through FlexAttention, equal to ``eager_attention``. ``mask`` bool or
+    additive broadcastable to (b, h, t, s); ``mask_mod`` any extra mask function (e.g.
+    ``prefix_lm_mod``). Rows that may attend to nothing give zeros."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    if q.device.type == "cpu":
+        if not torch.is_grad_enabled():  # torch checks requires_grad even under no_grad
+            q, k, v = q.detach(), k.detach(), v.detach()
+        elif q.requires_grad or k.requires_grad or v.requires_grad:
+            raise NotImplementedError(NO_CPU_BACKWARD)
+    b, h, t, _ = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    if causal and s < t:
+        raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
+    score_mod = None
+    mask_from_tensor = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask_from_tensor = tensor_mod(mask)
+        else:  # additive: -inf entries become a mask (so tiles can be skipped), the rest a bias
+            mask_from_tensor = tensor_mod(mask > float("-inf"))
+            bias = torch.where(mask > float("-inf"), mask, torch.zeros_like(mask)).to(q.dtype)
+            bias_at = tensor_mod(bias)
+            score_mod = lambda score, b_, h_, q_, k_: score + bias_at(b_, h_, q_, k_)
+    structure = None
+    if window is not None:
+        structure = sliding_window_mod(t, s, window)
+    elif causal:
+        structure = causal_mod(t, s)
+    docs = None if doc_ids is None else document_mod(doc_ids, t)
+    mod = and_mods(structure, docs, mask_from_tensor, mask_mod)
+    block_mask = None
+    if mod is not None:
+        per_batch = doc_ids is not None or (mask is not None and _dim(mask, 0) > 1)
+        per_head = mask is not None and _dim(mask, 1) > 1
+        block_mask = create_block_mask(
+            mod, b if per_batch else None, h if per_head else None, t, s, device=q.device
+        )
+    use_compile = q.is_cuda if compile is None else compile
+    fn = _compiled() if use_compile else torch_flex
+    with warnings.catch_warnings():
+        # Unfused on CPU is our choice (no compile time); torch warns about it once.
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        return fn(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=h != h_kv,
+        )
+
+
+def _dim(mask: Tensor, i: int) -> int:
+    """Size of dim i of a mask broadcast to 4-D."""
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    return shape[i]

@@ -1,0 +1,67 @@
+"""GPU kernels (Triton), each with a CPU-tested twin in ``attnlab.functional``.
+
+Triton is optional: nothing here imports it until a kernel is asked for. On a machine
+without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set
+before the first kernel call), which is how the tests check them on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unavailable_reason() -> str | None:
+    """Why the Triton kernels cannot run here, or None when they can."""
+    if importlib.util.find_spec("triton") is None:
+        return "the 'triton' package is not installed (pip install triton)"
+    if not (torch.cuda.is_available() or interpreting()):
+        return "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    return None
+
+
+def triton_available() -> bool:
+    return triton_unavailable_reason() is None
+
+
+def triton_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    doc_ids: Tensor | None = None,
+) -> Tensor:
+    """Flash attention as Triton kernels (forward and FlashAttention-2 backward); the same
+    contract as ``attnlab.functional.flash.flash_attention``."""
+    reason = triton_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"attention backend 'triton' cannot run: {reason}; use 'flash'")
+    if q.device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            "attention backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1); use 'flash'"
+        )
+    if interpreting():
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.zeros, InterpretedFunction):  # triton's own jit helpers
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton was imported; set it before "
+                "anything imports triton (e.g. in the environment)"
+            )
+    from attnlab.kernels.flash_attention import triton_flash_attention
+
+    return triton_flash_attention(
+        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
+    )

@@ -1,0 +1,450 @@
+"""Flash attention as Triton kernels: the maths of ``functional/flash.py`` on one GPU tile
+per program (Dao et al. 2022; Dao 2023, FlashAttention-2).
+
+forward   grid (query blocks, b * h): running max m, denominator l, output acc over the
+          key blocks the query block can see (causal: up to the diagonal; window: from
+          its lower edge); stores O and the log-sum-exp L (+inf for empty rows).
+backward  D = rowsum(dO * O) in torch, then two kernels without atomics:
+          dK/dV grid (key blocks, b * h_kv): each program loops over the g query heads of
+          its kv head (GQA) and the query blocks that can see it; dQ grid (query blocks,
+          b * h), like the forward. P = exp(S - L) is recomputed, never stored.
+
+Masks: causal (bottom-right: query i at position s - t + i), sliding window, document
+ids (b, s), and any bool/additive mask broadcastable to (b, h, t, s), read through its
+broadcast strides (a (b, 1, 1, s) padding mask costs b * s floats, not b * h * t * s).
+Statistics and accumulators are float32; float32 inputs use IEEE products (no TF32) so
+the kernel matches the reference to float32 rounding.
+
+Shapes: b batch, h heads, h_kv kv heads, g = h / h_kv, t queries, s keys, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from attnlab.kernels import interpreting
+
+
+@triton.jit
+def _tile_scores(
+    q,
+    k,
+    rows,
+    cols,
+    b,
+    h,
+    BIAS,
+    DOC,
+    s_bias_b,
+    s_bias_h,
+    s_bias_t,
+    s_bias_s,
+    s_doc_b,
+    T,
+    S,
+    OFF,
+    WINDOW,
+    scale,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Scores of one (rows x cols) tile, float32, -inf where masked."""
+    sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    q_pos = rows + OFF
+    ok = (rows < T)[:, None] & (cols < S)[None, :]
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        ok = ok & (cols[None, :] > q_pos[:, None] - WINDOW)
+    if HAS_DOC:
+        q_doc = tl.load(DOC + b * s_doc_b + q_pos, mask=rows < T, other=-1)
+        k_doc = tl.load(DOC + b * s_doc_b + cols, mask=cols < S, other=-2)
+        ok = ok & (q_doc[:, None] == k_doc[None, :])
+    if HAS_BIAS:
+        bias_ptr = BIAS + b * s_bias_b + h * s_bias_h + rows[:, None] * s_bias_t
+        sc += tl.load(bias_ptr + cols[None, :] * s_bias_s, mask=ok, other=0.0)
+    return tl.where(ok, sc, float("-inf"))
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    BIAS,
+    DOC,
+    s_qb,
+    s_qh,
+    s_qt,
+    s_kb,
+    s_kh,
+    s_ks,
+    s_vb,
+    s_vh,
+    s_vs,
+    s_bias_b,
+    s_bias_h,
+    s_bias_t,
+    s_bias_s,
+    s_doc_b,
+    H,
+    G,
+    T,
+    S,
+    D,
+    OFF,
+    WINDOW,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G  # GQA: query head h reads kv head h // g
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    q_ok = (rows < T)[:, None] & (dims < D)[None, :]
+    q_ptr = Q + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :]
+    q = tl.load(q_ptr, mask=q_ok, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    lo = 0
+    hi = S
+    if CAUSAL:  # keys after the block's last query position are never seen
+        hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + OFF)
+    if HAS_WINDOW:  # keys before the first query's window neither
+        lo = tl.maximum(0, pid_m * BLOCK_M + OFF - WINDOW + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        kv_ok = (cols < S)[:, None] & (dims < D)[None, :]
+        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok)
+        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok)
+        sc = _tile_scores(
+            q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
+            s_doc_b, T, S, OFF, WINDOW, scale,
+            CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, PRECISION,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]  # rows with no allowed key: acc = 0
+    o_ptr = O + pid_bh * T * D + rows[:, None] * D + dims[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_ok)
+    lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("inf"))  # +inf: P = 0 in backward
+    tl.store(LSE + pid_bh * T + rows, lse, mask=rows < T)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    BIAS,
+    DOC,
+    s_qb,
+    s_qh,
+    s_qt,
+    s_kb,
+    s_kh,
+    s_ks,
+    s_vb,
+    s_vh,
+    s_vs,
+    s_bias_b,
+    s_bias_h,
+    s_bias_t,
+    s_bias_s,
+    s_doc_b,
+    H,
+    G,
+    T,
+    S,
+    D,
+    OFF,
+    WINDOW,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    H_KV = H // G
+    b = pid_bk // H_KV
+    hk = pid_bk % H_KV
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    kv_ok = (cols < S)[:, None] & (dims < D)[None, :]
+    k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok)
+    v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    lo = 0
+    hi = T
+    if CAUSAL:  # queries before the block's first key never see it
+        lo = tl.maximum(0, pid_n * BLOCK_N - OFF)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:  # nor queries whose window has passed its last key
+        hi = tl.minimum(T, (pid_n + 1) * BLOCK_N - 1 + WINDOW - OFF)
+    for gi in range(0, G):  # every query head that reads this kv head
+        h = hk * G + gi
+        for start in range(lo, hi, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            q_ok = (rows < T)[:, None] & (dims < D)[None, :]
+            offs = b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :]
+            q = tl.load(Q + offs, mask=q_ok, other=0.0)
+            do = tl.load(DO + (b * H + h) * T * D + rows[:, None] * D + dims[None, :], mask=q_ok)
+            lse = tl.load(LSE + (b * H + h) * T + rows, mask=rows < T, other=float("inf"))
+            delta = tl.load(DELTA + (b * H + h) * T + rows, mask=rows < T, other=0.0)
+            sc = _tile_scores(
+                q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
+                s_doc_b, T, S, OFF, WINDOW, scale,
+                CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, PRECISION,
+            )  # fmt: skip
+            p = tl.exp(sc - lse[:, None])  # (rows, cols)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    out = pid_bk * S * D + cols[:, None] * D + dims[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    BIAS,
+    DOC,
+    s_qb,
+    s_qh,
+    s_qt,
+    s_kb,
+    s_kh,
+    s_ks,
+    s_vb,
+    s_vh,
+    s_vs,
+    s_bias_b,
+    s_bias_h,
+    s_bias_t,
+    s_bias_s,
+    s_doc_b,
+    H,
+    G,
+    T,
+    S,
+    D,
+    OFF,
+    WINDOW,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    q_ok = (rows < T)[:, None] & (dims < D)[None, :]
+    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=q_ok)
+    do = tl.load(DO + pid_bh * T * D + rows[:, None] * D + dims[None, :], mask=q_ok, other=0.0)
+    lse = tl.load(LSE + pid_bh * T + rows, mask=rows < T, other=float("inf"))
+    delta = tl.load(DELTA + pid_bh * T + rows, mask=rows < T, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    lo = 0
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + OFF)
+    if HAS_WINDOW:
+        lo = tl.maximum(0, pid_m * BLOCK_M + OFF - WINDOW + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        kv_ok = (cols < S)[:, None] & (dims < D)[None, :]
+        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok)
+        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok)
+        sc = _tile_scores(
+            q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
+            s_doc_b, T, S, OFF, WINDOW, scale,
+            CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, PRECISION,
+        )  # fmt: skip
+        p = tl.exp(sc - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(
+        DQ + pid_bh * T * D + rows[:, None] * D + dims[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=q_ok,
+    )
+
+
+# Block sizes: the interpreter runs numpy, so small tiles keep the tests quick and still
+# give several blocks per sequence; on a GPU the forward is autotuned over a few shapes.
+INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+GPU_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+    for bm, bn, w, st in [(64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)]
+]
+TUNE_KEY = ["T", "S", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "HAS_DOC", "PRECISION"]
+_fwd_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_fwd_kernel)
+_dkdv_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dkdv_kernel)
+_dq_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dq_kernel)
+
+
+def _launch(kernel, tuned, grid_rows: int, n_programs: int, *args, **meta) -> None:
+    if interpreting():
+        grid = (triton.cdiv(grid_rows, INTERPRET_BLOCKS[meta.pop("_axis")]), n_programs)
+        kernel[grid](*args, **meta, **INTERPRET_BLOCKS)
+    else:
+        axis = meta.pop("_axis")
+        tuned[lambda m: (triton.cdiv(grid_rows, m[axis]), n_programs)](*args, **meta)
+
+
+def _bias_and_strides(mask: Tensor | None, b: int, h: int, t: int, s: int, device):
+    """Mask -> float32 additive bias read through broadcast strides (0 on size-1 dims)."""
+    if mask is None:
+        return torch.empty(1, device=device, dtype=torch.float32), (0, 0, 0, 0)
+    if mask.dtype == torch.bool:
+        zero = torch.zeros((), device=mask.device)
+        mask = torch.where(mask, zero, torch.full((), float("-inf"), device=mask.device))
+    bias = mask.float()
+    while bias.dim() < 4:
+        bias = bias[None]
+    bias = bias.expand(b, h, t, s)
+    return bias, tuple(bias.stride())
+
+
+class _TritonFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, has_bias, bias_strides, doc, causal, window, scale):
+        b, h, t, d = q.shape
+        h_kv, s = k.shape[1], k.shape[2]
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        out = torch.empty_like(q)
+        lse = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
+        meta = _meta(d, causal, window, has_bias, doc, q.dtype)
+        common = (bias, doc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bias_strides)
+        tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, window or 0, scale)
+        args = (q, k, v, out, lse, *common, *tail)
+        _launch(_fwd_kernel, _fwd_tuned, t, b * h, *args, _axis="BLOCK_M", **meta)
+        ctx.save_for_backward(q, k, v, out, lse, bias, doc)
+        ctx.has_bias, ctx.bias_strides = has_bias, bias_strides
+        ctx.causal, ctx.window, ctx.scale = causal, window, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, bias, doc = ctx.saved_tensors
+        b, h, t, d = q.shape
+        h_kv, s = k.shape[1], k.shape[2]
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1)  # D = rowsum(dO * O): (b, h, t)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        meta = _meta(d, ctx.causal, ctx.window, ctx.has_bias, doc, q.dtype)
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ctx.bias_strides)
+        tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, ctx.window or 0, ctx.scale)
+        dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, bias, doc, *strides, *tail)
+        _launch(_bwd_dkdv_kernel, _dkdv_tuned, s, b * h_kv, *dkdv_args, _axis="BLOCK_N", **meta)
+        dq_args = (q, k, v, grad_out, lse, delta, dq, bias, doc, *strides, *tail)
+        _launch(_bwd_dq_kernel, _dq_tuned, t, b * h, *dq_args, _axis="BLOCK_M", **meta)
+        return dq, dk, dv, *([None] * 8)
+
+
+def _doc_stride(doc: Tensor) -> int:
+    return doc.stride(0) if doc.dim() == 2 else 0
+
+
+def _meta(d: int, causal: bool, window: int | None, has_bias: bool, doc: Tensor, dtype) -> dict:
+    return {
+        "HEAD_DIM": max(16, triton.next_power_of_2(d)),
+        "CAUSAL": bool(causal),
+        "HAS_WINDOW": window is not None,
+        "HAS_BIAS": has_bias,
+        "HAS_DOC": doc.dim() == 2,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
+def triton_flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    doc_ids: Tensor | None = None,
+) -> Tensor:
+    """q (b, h, t, d_h); k, v (b, h_kv, s, d_h); see ``flash_attention`` for the contract."""
+    b, h, t, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    if h % h_kv or v.shape[1] != h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+    if causal and s < t:
+        raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
+    if window is not None and (not causal or window <= 0):
+        raise ValueError(f"window={window} needs causal=True and a positive size")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"triton attention supports float32, float16, bfloat16, not {q.dtype}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    bias, bias_strides = _bias_and_strides(mask, b, h, t, s, q.device)
+    doc = (
+        torch.empty(0, device=q.device, dtype=torch.int32)
+        if doc_ids is None
+        else doc_ids.to(device=q.device, dtype=torch.int32).contiguous()
+    )
+    return _TritonFlash.apply(
+        q, k, v, bias, mask is not None, bias_strides, doc, causal, window, scale
+    )

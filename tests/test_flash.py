@@ -1,0 +1,388 @@
+"""Tiled flash attention (functional/flash.py) and the backend registry against the eager
+reference and the naive loop; packed documents against running each document alone.
+
+Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import causal_allowed, naive_attention, sliding_window_allowed
+
+from attnlab.config import AttentionConfig, ConfigError
+from attnlab.functional.attention import (
+    BACKENDS,
+    attend,
+    available_backends,
+    backend_names,
+    eager_attention,
+)
+from attnlab.functional.flash import flash_attention, plan_tiles
+from attnlab.functional.masks import (
+    document_ids,
+    document_mask,
+    document_positions,
+    padding_mask,
+    to_additive,
+)
+from attnlab.memory import PeakTensorMemory
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _qkv(b=2, h=4, h_kv=4, t=5, s=5, d_h=8, dtype=torch.float32, grad=False):
+    xs = (torch.randn(b, h, t, d_h), torch.randn(b, h_kv, s, d_h), torch.randn(b, h_kv, s, d_h))
+    return tuple(x.to(dtype).requires_grad_(grad) for x in xs)
+
+
+def _grads(out, inputs, seed=1):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    return torch.autograd.grad(out, inputs, g)
+
+
+def _left_padding(b, s):
+    valid = torch.ones(b, s, dtype=torch.bool)
+    for i in range(1, b):
+        valid[i, : min(2 * i, s - 1)] = False
+    return valid
+
+
+# ------------------------------------------------------------- flash against eager, a grid
+
+GRID = [
+    # (t, s, h, h_kv, causal, window, padding, block_q, block_k)
+    (1, 1, 2, 2, False, None, False, 4, 4),
+    (7, 7, 4, 4, False, None, False, 4, 4),
+    (33, 33, 4, 2, True, None, False, 8, 16),
+    (33, 33, 4, 1, True, None, True, 16, 8),
+    (5, 37, 4, 2, True, None, True, 4, 8),  # t < s: bottom-right causal (chunked prefill)
+    (1, 29, 4, 1, True, None, True, 8, 8),  # one decode step
+    (20, 45, 2, 2, False, None, True, 7, 9),  # uneven blocks and lengths
+    (40, 40, 4, 2, True, 9, False, 8, 8),  # sliding window
+    (17, 50, 2, 1, True, 5, True, 4, 16),
+    (64, 64, 2, 2, True, None, False, 64, 64),  # one block
+    (30, 30, 2, 2, True, None, True, 128, 128),  # block larger than the sequence
+]
+
+
+@pytest.mark.parametrize("t,s,h,h_kv,causal,window,padding,block_q,block_k", GRID)
+def test_flash_matches_eager_outputs_and_grads(
+    t, s, h, h_kv, causal, window, padding, block_q, block_k
+):
+    b = 3
+    q, k, v = _qkv(b=b, h=h, h_kv=h_kv, t=t, s=s, d_h=16, grad=True)
+    mask = padding_mask(_left_padding(b, s)) if padding else None
+    kw = dict(causal=causal, window=window)
+    out = flash_attention(q, k, v, mask, block_q=block_q, block_k=block_k, **kw)
+    ref = attend(q, k, v, mask, backend="eager", **kw)
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, e in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        torch.testing.assert_close(a, e, **TOL)
+
+
+def test_flash_matches_naive_loop_with_window():
+    q, k, v = _qkv(b=1, h=2, h_kv=1, t=6, s=11)
+    allowed = sliding_window_allowed(6, 11, 4)
+    out = flash_attention(q, k, v, causal=True, window=4, block_q=2, block_k=3)
+    torch.testing.assert_close(out, naive_attention(q, k, v, allowed), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "additive+bias", "per-head"])
+def test_flash_general_masks(kind):
+    b, h, t, s = 2, 4, 9, 13
+    q, k, v = _qkv(b=b, h=h, h_kv=2, t=t, s=s, grad=True)
+    allowed = torch.rand(b, 1 if kind != "per-head" else h, t, s) > 0.4
+    allowed[0, 0, 3] = False  # a row that may attend to nothing
+    mask = allowed
+    if kind == "additive":
+        mask = to_additive(allowed)
+    elif kind == "additive+bias":
+        mask = torch.randn(b, h, t, s) + to_additive(allowed)
+    out = flash_attention(q, k, v, mask, causal=True, block_q=4, block_k=4)
+    ref = eager_attention(q, k, v, mask, causal=True)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert (out[0, 0, 3] == 0).all()
+    for a, e in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, e, **TOL)
+
+
+def test_flash_fully_masked_rows_give_zeros_and_zero_query_grads():
+    b, t = 2, 6
+    q, k, v = _qkv(b=b, h=2, h_kv=2, t=t, s=t, grad=True)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :3] = False  # left padding: queries 0-2 of row 1 see only padding
+    out = flash_attention(q, k, v, padding_mask(valid), causal=True, block_q=2, block_k=2)
+    assert (out[1, :, :3] == 0).all()
+    dq, dk, dv = _grads(out, (q, k, v))
+    assert (dq[1, :, :3] == 0).all() and dk.isfinite().all() and dv.isfinite().all()
+
+
+def test_flash_bfloat16_close_to_float32():
+    q, k, v = _qkv(b=2, h=4, h_kv=2, t=40, s=40, d_h=16, grad=True)
+    ref = flash_attention(q, k, v, causal=True, block_q=16, block_k=16)
+    qb, kb, vb = (x.detach().bfloat16().requires_grad_(True) for x in (q, k, v))
+    out = flash_attention(qb, kb, vb, causal=True, block_q=16, block_k=16)
+    assert out.dtype == torch.bfloat16
+    # bf16 keeps 8 bits of mantissa: inputs, products and outputs round at ~4e-3 relative.
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    eager = eager_attention(qb, kb, vb, causal=True)
+    torch.testing.assert_close(out.float(), eager.float(), atol=3e-2, rtol=3e-2)
+    for a, e in zip(_grads(out, (qb, kb, vb)), _grads(ref, (q, k, v))):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), e, atol=6e-2, rtol=6e-2)
+
+
+def test_flash_huge_logits_stay_finite():
+    q, k, v = _qkv(b=1, h=2, h_kv=2, t=12, s=12, grad=True)
+    out = flash_attention(q, k, v, causal=True, scale=300.0, block_q=4, block_k=4)
+    ref = eager_attention(q, k, v, causal=True, scale=300.0)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_flash_block_size_must_be_positive_int(bad):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="block_q must be a positive integer"):
+        flash_attention(q, k, v, block_q=bad)
+    with pytest.raises(ValueError, match="block_k must be a positive integer"):
+        flash_attention(q, k, v, block_k=bad)
+
+
+def test_flash_argument_errors():
+    q, k, v = _qkv(t=6, s=4)
+    with pytest.raises(ValueError, match="shorter than query length"):
+        flash_attention(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        flash_attention(q, k, v, window=3)
+
+
+# ------------------------------------------------------------- skipping and memory
+
+
+def _visited(tiles, t, s):
+    seen = torch.zeros(t, s, dtype=torch.bool)
+    for tile in tiles:
+        seen[tile.q0 : tile.q1, tile.k0 : tile.k1] = True
+    return seen
+
+
+@pytest.mark.parametrize("t,s", [(64, 64), (24, 64)])
+def test_causal_tiles_above_the_diagonal_are_skipped(t, s):
+    tiles = plan_tiles(t, s, causal=True, block_q=8, block_k=8)
+    seen = _visited(tiles, t, s)
+    allowed = causal_allowed(t, s)
+    assert seen[allowed].all()  # nothing needed is skipped
+    # Every whole 8x8 tile above the diagonal is skipped: only tiles the diagonal cuts and
+    # those under it are computed.
+    tiles_seen = seen.reshape(t // 8, 8, s // 8, 8).any(3).any(1)
+    tiles_needed = allowed.reshape(t // 8, 8, s // 8, 8).any(3).any(1)
+    assert torch.equal(tiles_seen, tiles_needed)
+    assert seen.float().mean() < 0.6 if t == s else True
+
+
+def test_window_and_document_tiles_are_skipped():
+    t = s = 64
+    tiles = plan_tiles(t, s, causal=True, window=8, block_q=8, block_k=8)
+    seen = _visited(tiles, t, s)
+    assert seen[sliding_window_allowed(t, s, 8)].all()
+    assert seen.float().mean() < 0.25  # a band, not the triangle
+    docs = torch.tensor([[0] * 20 + [1] * 30 + [2] * 14])
+    tiles = plan_tiles(t, s, causal=True, doc_ids=docs, block_q=8, block_k=8)
+    seen = _visited(tiles, t, s)
+    assert seen[document_mask(docs)[0, 0] & causal_allowed(t, s)].all()
+    assert not seen[56:, :16].any()  # document 2 never looks at document 0's tiles
+
+
+def _peak_bytes(fn) -> int:
+    with PeakTensorMemory() as mem:
+        fn()
+    return mem.peak
+
+
+def test_flash_peak_memory_grows_linearly():
+    def run(backend, t):
+        q, k, v = _qkv(b=1, h=2, h_kv=2, t=t, s=t, d_h=16, grad=True)
+
+        def step():
+            attend(q, k, v, causal=True, backend=backend).sum().backward()
+
+        return _peak_bytes(step)
+
+    flash = [run("flash", t) for t in (512, 1024, 2048)]
+    eager = [run("eager", t) for t in (512, 1024, 2048)]
+    # Doubling t doubles flash's memory (O(t) tiles of block_k keys) and quadruples eager's.
+    assert flash[2] / flash[1] < 2.3 and flash[1] / flash[0] < 2.3
+    assert eager[2] / eager[1] > 3.5
+    assert eager[2] > 8 * flash[2]
+
+
+def test_flash_saves_no_t_by_s_tensor():
+    t = 256
+    q, k, v = _qkv(b=1, h=2, h_kv=1, t=t, s=t, d_h=16, grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda x: saved.append(x.numel()) or x, lambda x: x
+    ):
+        flash_attention(q, k, v, causal=True, block_q=32, block_k=32)
+    assert saved and max(saved) <= q.numel()  # q, k, v, out, log-sum-exp
+
+
+# ------------------------------------------------------------- the registry
+
+
+def test_registry_is_the_one_list_of_backends():
+    assert backend_names() == ("eager", "sdpa", "flash", "triton", "flex")
+    assert set(available_backends()) >= {"eager", "sdpa", "flash", "flex"}
+    for name in backend_names():
+        AttentionConfig(backend=name).validate()
+    with pytest.raises(ConfigError, match="choose one of eager, sdpa, flash, triton, flex"):
+        AttentionConfig(backend="flsh").validate()
+
+
+def test_registry_errors_are_single_clear_lines():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'; choose one of eager"):
+        attend(q, k, v, backend="nope")
+    for name in ("sdpa", "flash", "flex", "triton"):
+        with pytest.raises(
+            ValueError, match=f"return_weights=True needs backend='eager' \\('{name}'"
+        ):
+            attend(q, k, v, backend=name, return_weights=True)
+    with pytest.raises(ValueError, match="dropout needs backend 'eager' or 'sdpa'"):
+        attend(q, k, v, backend="flash", dropout_p=0.1)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        attend(q, k, v, backend="sdpa", window=2)
+
+
+REGISTRY_CASES = {
+    # name: (t, s, h_kv, causal, padding, window)
+    "plain": (9, 9, 4, False, False, None),
+    "causal": (9, 9, 4, True, False, None),
+    "causal t<s": (4, 11, 4, True, False, None),
+    "gqa causal+padding": (6, 10, 2, True, True, None),
+    "mqa padding": (7, 7, 1, False, True, None),
+    "window": (12, 12, 2, True, False, 4),
+    "decode": (1, 10, 2, True, True, None),
+}
+
+
+@pytest.mark.parametrize("backend", [n for n in backend_names() if n != "eager"])
+@pytest.mark.parametrize("case", list(REGISTRY_CASES))
+def test_every_backend_agrees_with_eager(backend, case):
+    if backend not in available_backends():
+        pytest.skip(f"{backend}: {BACKENDS[backend].unavailable()}")
+    t, s, h_kv, causal, padding, window = REGISTRY_CASES[case]
+    b = 2
+    q, k, v = _qkv(b=b, h_kv=h_kv, t=t, s=s, d_h=16)
+    mask = padding_mask(_left_padding(b, s)) if padding else None
+    kw = dict(causal=causal, window=window)
+    ref = attend(q, k, v, mask, backend="eager", **kw)
+    out = attend(q, k, v, mask, backend=backend, **kw)
+    torch.testing.assert_close(out, ref, **TOL)
+    if backend == "flex" and q.device.type == "cpu":
+        return  # no backward on CPU (tested in test_flash_flex.py)
+    qkv = tuple(x.clone().requires_grad_(True) for x in (q, k, v))
+    ref_qkv = tuple(x.clone().requires_grad_(True) for x in (q, k, v))
+    got = _grads(attend(*qkv, mask, backend=backend, **kw), qkv)
+    want = _grads(attend(*ref_qkv, mask, backend="eager", **kw), ref_qkv)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **TOL)
+
+
+# ------------------------------------------------------------- packed documents
+
+
+def test_document_helpers():
+    tokens = torch.tensor([[5, 6, 0, 7, 0, 8, 9, 9]])  # 0 ends a document
+    ids = document_ids(tokens, eos_id=0)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    mask = document_mask(ids)
+    assert mask.shape == (1, 1, 8, 8)
+    assert mask[0, 0, 3].tolist() == [False, False, False, True, True, False, False, False]
+    assert document_mask(ids, t=2).shape == (1, 1, 2, 8)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash", "flex", "triton"])
+def test_packed_sequence_equals_each_document_alone(backend):
+    if backend not in available_backends():
+        pytest.skip(f"{backend}: {BACKENDS[backend].unavailable()}")
+    lengths = [[7, 12, 5], [3, 20, 1]]
+    s = 24
+    doc = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths])
+    q, k, v = _qkv(b=2, h=4, h_kv=2, t=s, s=s, d_h=16)
+    out = attend(q, k, v, causal=True, doc_ids=doc, backend=backend)
+    # The same through a boolean mask (what any backend accepts).
+    masked = attend(q, k, v, document_mask(doc), causal=True, backend=backend)
+    torch.testing.assert_close(out, masked, **TOL)
+    for bi, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            part = slice(start, start + n)
+            alone = eager_attention(
+                q[bi : bi + 1, :, part], k[bi : bi + 1, :, part], v[bi : bi + 1, :, part],
+                causal=True,
+            )  # fmt: skip
+            torch.testing.assert_close(out[bi : bi + 1, :, part], alone, **TOL)
+            start += n
+
+
+# ------------------------------------------------------------- models, generation, the CLI
+
+
+def _model(name: str, backend: str, **overrides):
+    from attnlab.models import build_model
+    from attnlab.presets import get_preset
+
+    torch.manual_seed(1)
+    cfg = get_preset(name).override({"init_std": 0.2, "attention.backend": backend, **overrides})
+    return build_model(cfg)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_model_loss_and_grads_match_eager(backend, window):
+    idx = torch.randint(0, 256, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    losses, grads = [], []
+    for name in (backend, "eager"):
+        m = _model("llama-tiny", name, **{"attention.sliding_window": window})
+        out = m(idx, attention_mask=mask, targets=idx)
+        out.loss.backward()
+        losses.append(out.loss)
+        grads.append([p.grad for p in m.parameters()])
+    torch.testing.assert_close(losses[0], losses[1], **TOL)
+    for a, e in zip(*grads):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)  # summed over layers and tokens
+
+
+@pytest.mark.parametrize("backend", backend_names())
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_generation_with_every_backend(backend, name):
+    if backend not in available_backends():
+        pytest.skip(f"{backend}: {BACKENDS[backend].unavailable()}")
+    n_new = 3 if backend == "triton" else 6  # the Triton interpreter is slow
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 2, 7)]  # left-padded batch
+    expected = _model(name, "eager").eval().generate(prompts, n_new)
+    model = _model(name, backend).eval()
+    assert model.generate(prompts, n_new) == expected  # prefill + t=1 decode with a mask
+    assert model.generate(prompts[0], n_new, use_cache=False) == expected[0]
+
+
+def test_cli_trains_with_the_flash_backend(tmp_path, capsys):
+    from attnlab.cli.main import main
+
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat. " * 200)
+    argv = ["train", "--preset", "gpt2-tiny", "--data", str(tmp_path / "corpus.txt")]
+    argv += ["--out", str(tmp_path / "run"), "--max-steps", "2", "--quiet"]
+    argv += ["--set", "model.max_seq_len=32", "--set", "train.batch_size=2"]
+    argv += ["--set", "train.block_size=16", "--set", "model.attention.backend=flash"]
+    assert main(argv) == 0, capsys.readouterr().err
+    import json
+
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["attention"]["backend"] == "flash"

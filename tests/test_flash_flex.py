@@ -1,0 +1,72 @@
+"""The ``flex`` backend (torch FlexAttention) against the eager reference and the naive loop.
+
+torch 2.13 runs FlexAttention forward on CPU eagerly (an unfused version) and compiled;
+it has no backward on CPU at all, so training there must fail at once with one line.
+
+Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import causal_allowed, naive_attention, sliding_window_allowed
+
+from attnlab.functional.attention import attend, eager_attention
+from attnlab.functional.flex import NO_CPU_BACKWARD, flex_attention, prefix_lm_mod
+from attnlab.functional.masks import prefix_lm_mask, to_additive
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _qkv(b=2, h=4, h_kv=2, t=9, s=9, d_h=16):
+    return torch.randn(b, h, t, d_h), torch.randn(b, h_kv, s, d_h), torch.randn(b, h_kv, s, d_h)
+
+
+def test_flex_sliding_window_matches_naive():
+    q, k, v = _qkv(t=6, s=14)
+    out = flex_attention(q, k, v, causal=True, window=5)
+    allowed = sliding_window_allowed(6, 14, 5)
+    torch.testing.assert_close(out, naive_attention(q, k, v, allowed), **TOL)
+
+
+def test_flex_prefix_lm_matches_mask():
+    t = 12
+    q, k, v = _qkv(t=t, s=t)
+    for prefix in (4, torch.tensor([3, 7])):
+        out = flex_attention(q, k, v, mask_mod=prefix_lm_mod(t, t, prefix))
+        mask = prefix_lm_mask(t, t, prefix)
+        torch.testing.assert_close(out, eager_attention(q, k, v, mask), **TOL)
+    # Prefix 0 is plain causal; prefix t is full bidirectional attention.
+    torch.testing.assert_close(prefix_lm_mask(t, t, 0), causal_allowed(t, t))
+    assert prefix_lm_mask(t, t, t).all()
+
+
+def test_flex_additive_and_per_head_masks():
+    b, h, t, s = 2, 4, 7, 11
+    q, k, v = _qkv(b=b, h=h, t=t, s=s)
+    allowed = torch.rand(b, h, t, s) > 0.4
+    allowed[1, 2, 3] = False  # empty row -> zeros, as in eager
+    bias = torch.randn(b, h, t, s)
+    for mask in (allowed, to_additive(allowed), bias + to_additive(allowed)):
+        torch.testing.assert_close(
+            flex_attention(q, k, v, mask), eager_attention(q, k, v, mask), **TOL
+        )
+
+
+def test_flex_training_on_cpu_fails_early_with_one_line():
+    q, k, v = _qkv()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="no backward on CPU") as err:
+        attend(q, k, v, causal=True, backend="flex")
+    assert "\n" not in str(err.value) and "'flash'" in NO_CPU_BACKWARD
+    with torch.no_grad():  # inference is fine
+        attend(q, k, v, causal=True, backend="flex")
+
+
+@pytest.mark.slow
+def test_flex_compiled_on_cpu():
+    """torch.compile(flex_attention) builds a fused CPU kernel (tens of seconds)."""
+    q, k, v = _qkv(t=64, s=64)
+    out = flex_attention(q, k, v, causal=True, compile=True)
+    torch.testing.assert_close(out, eager_attention(q, k, v, causal=True), **TOL)

@@ -1,0 +1,124 @@
+"""The Triton kernels (attnlab/kernels) against the eager reference.
+
+Without a GPU they run under Triton's interpreter (numpy, one program at a time), so the
+sizes are small and float32 only. TRITON_INTERPRET must be set before anything imports
+triton (``triton.jit`` picks the interpreter at decoration time, triton's own helpers
+included): conftest.py sets it when no GPU is present, before any test module loads.
+
+Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_h head dim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from attnlab.functional.attention import attend, eager_attention  # noqa: E402
+from attnlab.functional.masks import padding_mask, to_additive  # noqa: E402
+from attnlab.kernels import interpreting, triton_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _qkv(b, h, h_kv, t, s, d_h, dtype=torch.float32):
+    xs = (torch.randn(b, h, t, d_h), torch.randn(b, h_kv, s, d_h), torch.randn(b, h_kv, s, d_h))
+    return tuple(x.to(DEVICE, dtype).requires_grad_(True) for x in xs)
+
+
+def _check(q, k, v, mask=None, tol=None, **kw):
+    tol = tol or TOL
+    out = triton_attention(q, k, v, mask, **kw)
+    ref = attend(q, k, v, mask, backend="eager", **kw)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a.float(), e.float(), **tol)
+    return out
+
+
+CASES = {
+    # name: (t, s, h, h_kv, d_h, causal, window, padding)
+    "plain": (20, 20, 2, 2, 16, False, None, False),
+    "causal": (37, 37, 2, 2, 16, True, None, False),
+    "causal gqa": (33, 33, 4, 2, 16, True, None, False),
+    "causal mqa padding": (18, 18, 4, 1, 8, True, None, True),
+    "t<s padding": (5, 40, 2, 1, 16, True, None, True),
+    "decode": (1, 35, 4, 2, 16, True, None, True),
+    "window": (40, 40, 2, 1, 16, True, 9, False),
+    "head dim 12": (17, 23, 2, 2, 12, False, None, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_matches_eager(case):
+    t, s, h, h_kv, d_h, causal, window, padding = CASES[case]
+    b = 2
+    q, k, v = _qkv(b, h, h_kv, t, s, d_h)
+    mask = None
+    if padding:
+        valid = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
+        valid[1, : s - t + 2] = False  # row 1: its first two queries see only padding
+        mask = padding_mask(valid)
+    out = _check(q, k, v, mask, causal=causal, window=window)
+    if padding and causal:
+        assert (out[1, :, :2] == 0).all()
+
+
+def test_triton_general_masks_and_documents():
+    b, h, t, s = 2, 4, 19, 19
+    q, k, v = _qkv(b, h, 2, t, s, 16)
+    allowed = torch.rand(b, h, t, s, device=DEVICE) > 0.4
+    allowed[0, 1, 4] = False
+    _check(q, k, v, torch.randn(b, h, t, s, device=DEVICE) + to_additive(allowed), causal=True)
+    doc = torch.tensor([[0] * 7 + [1] * 12, [0] * 15 + [1] * 4], device=DEVICE)
+    _check(q, k, v, causal=True, doc_ids=doc)
+
+
+def test_triton_is_a_backend():
+    q, k, v = (x.detach() for x in _qkv(2, 4, 2, 9, 9, 16))
+    torch.testing.assert_close(
+        attend(q, k, v, causal=True, backend="triton"), eager_attention(q, k, v, causal=True)
+    )
+
+
+@pytest.mark.skipif(not ON_GPU, reason="numpy (the interpreter) has no bfloat16 maths; GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_half_precision(dtype):
+    q, k, v = _qkv(2, 8, 2, 300, 300, 64, dtype)
+    # Half inputs round at ~4e-3 (bf16) relative; products and P are half as in eager.
+    _check(q, k, v, causal=True, tol=dict(atol=3e-2, rtol=3e-2))
+
+
+@pytest.mark.skipif(
+    not ON_GPU, reason="autotuning times kernels on a GPU; interpreter uses fixed blocks"
+)
+def test_triton_autotuned_long_sequence():
+    assert not interpreting()
+    q, k, v = _qkv(1, 4, 4, 1000, 1000, 64)
+    _check(q, k, v, causal=True, tol=dict(atol=1e-4, rtol=1e-4))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the flash backend picks the Triton kernel on CUDA only")
+def test_flash_backend_uses_triton_on_cuda(monkeypatch):
+    import attnlab.kernels as kernels
+
+    calls = []
+    real = kernels.triton_attention
+    monkeypatch.setattr(
+        kernels, "triton_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    q, k, v = (x.detach() for x in _qkv(1, 2, 2, 64, 64, 32))
+    attend(q, k, v, causal=True, backend="flash")
+    assert calls
