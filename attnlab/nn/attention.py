@@ -92,7 +92,7 @@ class MultiHeadAttention(nn.Module):
         broadcastable to (b, h, t, s), e.g. key padding (under a cache the cache supplies
         it); context (b, s, d_c) for cross-attention."""
         b, t, _ = x.shape
-        causal = self.causal
+        causal, window = self.causal, None
         if self.cross:
             q = self._heads(self.q(x), self.n_heads)
             if cache is not None:
@@ -122,15 +122,19 @@ class MultiHeadAttention(nn.Module):
                 win = sink_window_mask(t, s, self.window, self.sinks, device=x.device)
                 mask, causal = combine_masks(mask, win), False
             elif self.window is not None and k.shape[-2] > self.window:
-                s = k.shape[-2]
-                mask = combine_masks(mask, sliding_window_mask(t, s, self.window, device=x.device))
-                causal = False
+                if self.sink_logit is None:  # attend's window: flash skips the blocks outside
+                    window = self.window
+                else:  # the sink rescaling needs the window as a mask
+                    s = k.shape[-2]
+                    win = sliding_window_mask(t, s, self.window, device=x.device)
+                    mask, causal = combine_masks(mask, win), False
         y = attend(
             q,
             k,
             v,
             mask,
             causal=causal,
+            window=window,
             backend=self.backend,
             dropout_p=self.attn_dropout if self.training else 0.0,
         )  # (b, h, t, d_h)
