@@ -19,7 +19,8 @@ Two paths over the same weights:
 * absorbed: q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_j p_j W_UV c_j = W_UV sum_j p_j c_j,
             so fold W_UK into the query and W_UV into the output and attend in latent space:
             multi-query attention with one key/value head [c_kv | k_r] / c_kv; per-head keys
-            and values never exist (decoding: a few queries over a long cache).
+            and values never exist (decoding: a few queries over a long cache). Its kernel is
+            written out here (``_latent_attend``) rather than taken from the backends.
 
 Shapes: b batch, t query length, s key length, d d_model, h heads, d_n qk_nope_head_dim,
 d_r qk_rope_head_dim, d_v v_head_dim, d_c kv_lora_rank, d_q q_lora_rank.
@@ -28,12 +29,14 @@ d_r qk_rope_head_dim, d_v v_head_dim, d_c kv_lora_rank, d_q q_lora_rank.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.cache import Cache, LatentKV, LayerCache
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
-from attnlab.functional.masks import combine_masks, sliding_window_mask
+from attnlab.functional.masks import causal_mask, combine_masks, sliding_window_mask
+from attnlab.functional.softmax import masked_softmax
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import RMSNorm
 from attnlab.nn.registry import register_attention
@@ -135,9 +138,26 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = self._up_weights()
         q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (b, h, t, d_c)
         q = torch.cat((q_latent, q_rope), dim=-1)  # (b, h, t, d_c + d_r)
-        c_kv = latent[..., : self.kv_lora_rank]  # (b, 1, s, d_c): the values
-        o_latent = self._attend(q, latent, c_kv, mask, causal)  # (b, h, t, d_c)
+        o_latent = self._latent_attend(q, latent, mask, causal)  # (b, h, t, d_c)
         return torch.einsum("bhtc,hvc->bhtv", o_latent, w_uv)  # (b, h, t, d_v)
+
+    def _latent_attend(self, q: Tensor, latent: Tensor, mask, causal: bool) -> Tensor:
+        """Attention with one key head [c_kv | k_r] and one value head c_kv shared by all h
+        query heads: the heads are stacked as rows of one matrix product, so the cache is
+        read once per step and never copied per head (torch's fused kernels would repeat it
+        h times for a value width that differs from the key width)."""
+        b, h, t, width = q.shape
+        keys = latent.squeeze(1)  # (b, s, d_c + d_r)
+        s = keys.shape[1]
+        scores = torch.matmul(q.reshape(b, h * t, width), keys.transpose(1, 2))  # (b, h t, s)
+        scores = scores.view(b, h, t, s) * self.scale
+        if causal and t > 1:  # one query is the newest position: it may see every key
+            mask = combine_masks(mask, causal_mask(t, s, device=q.device))
+        weights = masked_softmax(scores.float(), mask).to(q.dtype)  # (b, h, t, s)
+        if self.training and self.attn_dropout > 0:
+            weights = F.dropout(weights, p=self.attn_dropout)
+        values = keys[..., : self.kv_lora_rank]  # (b, s, d_c)
+        return torch.matmul(weights.view(b, h * t, s), values).view(b, h, t, -1)
 
     def _attend(self, q, k, v, mask, causal) -> Tensor:
         return attend(
