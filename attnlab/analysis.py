@@ -31,6 +31,12 @@ import torch
 from attnlab.config import ModelConfig, NormConfig
 
 _FORMULA_KINDS = ("mha",)  # attention kinds whose structure the formulas below describe
+_KV_FORMULA_KINDS = ("mha", "mla")  # attention kinds whose cache the KV formula describes
+
+
+def _formula_applies(cfg: ModelConfig) -> bool:
+    """True when the parameter/FLOP formulas describe cfg (else a meta model is measured)."""
+    return cfg.attention.kind in _FORMULA_KINDS and cfg.ffn.kind in ("mlp", "glu")
 
 
 def _norm_params(norm: NormConfig, d: int) -> int:
@@ -77,7 +83,7 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     cfg.validate()
     d, V = cfg.d_model, cfg.vocab_size
     head = 0 if cfg.tie_embeddings else d * V
-    if cfg.attention.kind not in _FORMULA_KINDS:
+    if not _formula_applies(cfg):
         model = _meta_model(cfg)
         total = model.num_parameters()
         non_embedding = model.num_parameters(exclude_embeddings=True)
@@ -101,24 +107,42 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
 
 def matmul_parameters(cfg: ModelConfig) -> int:
     """N_matmul: weight entries multiplied once per token in a forward pass (biases and
-    norms excluded, the output projection included even when tied)."""
-    if cfg.attention.kind not in _FORMULA_KINDS:
+    norms excluded, the output projection included even when tied). Mixture-of-experts
+    layers count their router and the experts a token uses (k routed + the shared ones)."""
+    if not _formula_applies(cfg):
+        from attnlab.nn.moe import MoE
+
         model = _meta_model(cfg)
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        return sum(m.weight.numel() for m in linears)
+        n = sum(m.weight.numel() for m in linears)
+        for m in model.modules():
+            if isinstance(m, MoE):
+                per_expert = (m.experts.gate_up.numel() + m.experts.down.numel()) // m.n_experts
+                n += m.gate.weight.numel() + m.top_k * per_expert
+        return n
     _, block_weights = _block_counts(cfg)
     return cfg.n_layers * block_weights + cfg.d_model * cfg.vocab_size
 
 
+def _attention_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(query/key width, value width) per head."""
+    if cfg.attention.kind == "mla":
+        dims = cfg.attention.mla_dims(cfg.d_model)
+        return dims.qk_nope_head_dim + dims.qk_rope_head_dim, dims.v_head_dim
+    return cfg.head_dim, cfg.head_dim
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, int]:
     """FLOPs per token for a forward pass over ``seq_len`` tokens (default max_seq_len),
-    and for training; see the module docstring for the convention."""
+    and for training; see the module docstring for the convention (MLA: its naive path,
+    query/key width d_n + d_r and value width d_v)."""
     cfg.validate()
     T = cfg.max_seq_len if seq_len is None else seq_len
     if T < 1:
         raise ValueError(f"seq_len must be >= 1, got {T}")
     dense = 2 * matmul_parameters(cfg)
-    attention = 2 * 2 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
+    qk, v = _attention_widths(cfg)
+    attention = 2 * cfg.n_layers * T * cfg.n_heads * (qk + v)
     forward = dense + attention
     return {
         "dense": dense,
@@ -132,36 +156,56 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def kv_cache_values_per_token(cfg: ModelConfig) -> int:
+    """Values cached per token of one sequence, all layers: 2 L h_kv d_h for MHA/GQA/MQA
+    (a key and a value per key/value head), L (d_c + d_r) for MLA (the latent and the
+    shared RoPE key)."""
+    att = cfg.attention
+    if att.kind == "mla":
+        dims = att.mla_dims(cfg.d_model)
+        return cfg.n_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim)
+    if att.kind == "mha":
+        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    raise ValueError(f"no KV formula for attention kind {att.kind!r}")
+
+
+def mha_kv_values_per_token(cfg: ModelConfig) -> int:
+    """The same model with full multi-head attention caching every head's key and value:
+    L h (d_qk + d_v)."""
+    qk, v = _attention_widths(cfg)
+    return cfg.n_layers * cfg.n_heads * (qk + v)
+
+
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of keys and values stored per token per sequence: 2 L h_kv d_h x itemsize."""
+    """Bytes of keys and values stored per token per sequence (see
+    :func:`kv_cache_values_per_token`) x itemsize."""
     cfg.validate()
-    if cfg.attention.kind not in _FORMULA_KINDS:
+    if cfg.attention.kind not in _KV_FORMULA_KINDS:
         return kv_cache_bytes(cfg, 1, 1, dtype)
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
+    return kv_cache_values_per_token(cfg) * _itemsize(dtype)
 
 
 def kv_cache_bytes(
     cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: torch.dtype = torch.float32
 ) -> int:
     """Bytes of a KV cache holding ``batch`` sequences of ``seq_len`` tokens (the keys and
-    values of ``model.new_cache(batch, seq_len, dtype)``)."""
+    values of ``model.new_cache(batch, seq_len, dtype)``). Sliding-window layers need only
+    the last ``sliding_window`` tokens (``model.new_cache(batch, window, rolling=True)``)."""
     cfg.validate()
     if seq_len < 1 or batch < 1:
         raise ValueError(f"seq_len and batch must be >= 1, got {seq_len} and {batch}")
-    if cfg.attention.kind not in _FORMULA_KINDS:
-        cache = _meta_model(cfg).new_cache(batch, seq_len, dtype, device="meta")
+    window = cfg.attention.sliding_window
+    held = min(seq_len, window) if window is not None else seq_len
+    if cfg.attention.kind not in _KV_FORMULA_KINDS:
+        cache = _meta_model(cfg).new_cache(batch, held, dtype, device="meta")
         return int(cache.nbytes)
-    if cfg.attention.sliding_window is not None:
-        return batch * windowed_kv_entries(cfg, seq_len) * _kv_entry_bytes(cfg, dtype)
+    if window is not None:  # local layers hold their window, global ones everything
+        per_layer = kv_cache_bytes_per_token(cfg, dtype) // cfg.n_layers
+        return batch * windowed_kv_entries(cfg, seq_len) * per_layer
     return batch * seq_len * kv_cache_bytes_per_token(cfg, dtype)
 
 
 # --------------------------------------------------------------------------- long context
-
-
-def _kv_entry_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One token's keys and values in one layer: 2 h_kv d_h x itemsize."""
-    return 2 * cfg.n_kv_heads * cfg.head_dim * _itemsize(dtype)
 
 
 def windowed_kv_entries(cfg: ModelConfig, seq_len: int) -> int:

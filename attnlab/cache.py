@@ -452,3 +452,25 @@ class Cache:
 
 # The name earlier versions used for the dense cache.
 KVCache = Cache
+
+
+class LatentKV(LayerCache):
+    """Multi-head latent attention (DeepSeek-V2): per token only the normalised latent c_kv
+    (d_c values) and the one RoPE key shared by every head (d_r values), side by side in one
+    tensor (b, 1, L, d_c + d_r) as the absorbed path reads them: (d_c + d_r) values per token
+    and layer, against 2 h d_h for dense keys and values."""
+
+    def __init__(self, cache: Cache, kv_lora_rank: int, rope_dim: int):
+        super().__init__(cache)
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        b, L = cache.batch, cache.max_len
+        kw = dict(dtype=cache.dtype, device=cache.device)
+        self.latent = torch.zeros(b, 1, L, kv_lora_rank + rope_dim, **kw)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.latent]
+
+    def update(self, c_kv: Tensor, k_rope: Tensor) -> Tensor:
+        """Write the new c_kv (b, 1, t, d_c) and rotated k_rope (b, 1, t, d_r); return
+        [c_kv | k_rope] (b, 1, s, d_c + d_r) of every token to attend to."""
+        return self.cache.write(self.latent, torch.cat((c_kv, k_rope), dim=-1))

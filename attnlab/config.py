@@ -193,8 +193,22 @@ def _attention_kinds() -> tuple[str, ...]:
 ATTENTION_BACKENDS = backend_names()  # the one list: the registry in functional/attention.py
 POSITION_KINDS = ("learned", "sinusoidal", "rope", "none")
 ROPE_LAYOUTS = ("split", "interleaved")
-ROPE_SCALINGS = ("linear", "llama3")
-FFN_KINDS = ("mlp", "glu")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+FFN_KINDS = ("mlp", "glu", "moe")
+MLA_PATHS = ("auto", "naive", "absorbed")
+MOE_ROUTERS = ("deepseek-v3", "deepseek-v2")
+
+
+class MLADims(typing.NamedTuple):
+    """The resolved widths of multi-head latent attention (DeepSeek-V2, Sec. 2.1)."""
+
+    q_lora_rank: int | None  # None: queries come from one full-rank projection
+    kv_lora_rank: int  # d_c, the latent cached per token
+    qk_nope_head_dim: int  # per-head query/key part without position
+    qk_rope_head_dim: int  # d_h^R, the decoupled RoPE part (one key shared by every head)
+    v_head_dim: int
+
+
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")
 NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
@@ -224,10 +238,84 @@ class AttentionConfig(_Config):
     # Learned sink logit per head (GPT-OSS): one more softmax column with no value.
     sink_logits: bool = False
     backend: str = "sdpa"
+    # Multi-head latent attention (kind "mla", DeepSeek-V2). None derives a width from
+    # d_h = d_model // n_heads as the paper does: d_c = 4 d_h, d_h^R = d_h / 2, and d_h for
+    # the no-position query/key part and the values. q_lora_rank None: no query compression.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # "naive" rebuilds per-head keys/values from the latent; "absorbed" folds the up-projections
+    # into the query and output and attends in latent space; "auto" takes the cheaper one.
+    mla_path: str = "auto"
+
+    _MLA_FIELDS: typing.ClassVar[tuple[str, ...]] = (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+    )
+
+    def mla_dims(self, d_model: int) -> MLADims:
+        d_h = self.head_dim or d_model // self.n_heads
+        return MLADims(
+            self.q_lora_rank,
+            self.kv_lora_rank or 4 * d_h,
+            self.qk_nope_head_dim or d_h,
+            self.qk_rope_head_dim or max(2, d_h // 2 // 2 * 2),  # even: RoPE rotates pairs
+            self.v_head_dim or d_h,
+        )
+
+    def rope_dim(self, d_model: int) -> int:
+        """Width that RoPE rotates in each query/key head."""
+        if self.kind == "mla":
+            return self.mla_dims(d_model).qk_rope_head_dim
+        return self.head_dim or d_model // self.n_heads
+
+    def _validate_mla(self, path: str, d_model: int) -> None:
+        if self.kind != "mla":
+            for name in self._MLA_FIELDS:
+                if getattr(self, name) is not None:
+                    _fail(
+                        f"{path}.{name}", f"is used by attention.kind='mla' only, not {self.kind!r}"
+                    )
+            return
+        for name in self._MLA_FIELDS:
+            _positive(f"{path}.{name}", getattr(self, name))
+        if self.n_kv_heads not in (None, self.n_heads):
+            _fail(
+                f"{path}.n_kv_heads",
+                "MLA shares one latent among all heads; leave n_kv_heads unset",
+            )
+        dims = self.mla_dims(d_model)
+        if dims.qk_rope_head_dim % 2:
+            _fail(
+                f"{path}.qk_rope_head_dim",
+                f"RoPE rotates pairs, so it must be even, got {dims.qk_rope_head_dim}",
+            )
+        per_head = self.n_heads * (dims.qk_nope_head_dim + dims.v_head_dim)
+        if dims.kv_lora_rank >= per_head:
+            _fail(
+                f"{path}.kv_lora_rank",
+                f"{dims.kv_lora_rank} is not a compression: the keys and values it expands to "
+                f"have n_heads * (qk_nope_head_dim + v_head_dim) = {per_head} values; "
+                "use a smaller rank (or kind='mha')",
+            )
+        if dims.q_lora_rank is not None:
+            q_width = self.n_heads * (dims.qk_nope_head_dim + dims.qk_rope_head_dim)
+            if dims.q_lora_rank >= q_width:
+                _fail(
+                    f"{path}.q_lora_rank",
+                    f"{dims.q_lora_rank} is not a compression of the {q_width}-wide queries; "
+                    "use a smaller rank, or leave it unset for a full-rank query projection",
+                )
 
     def validate(self, path: str = "attention") -> None:
         _choice(f"{path}.kind", self.kind, _attention_kinds())
         _choice(f"{path}.backend", self.backend, ATTENTION_BACKENDS)
+        _choice(f"{path}.mla_path", self.mla_path, MLA_PATHS)
         _positive(f"{path}.n_heads", self.n_heads)
         _positive(f"{path}.n_kv_heads", self.n_kv_heads)
         _positive(f"{path}.head_dim", self.head_dim)
@@ -295,7 +383,15 @@ class PositionConfig(_Config):
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_seq_len: int = 8192  # llama3 only: the context length before scaling
+    rope_original_max_seq_len: int = 8192  # llama3, yarn: the context length before scaling
+    # "yarn" (Peng et al. 2023): frequencies with fewer than beta_slow rotations over the
+    # original context are divided by factor, those with more than beta_fast are kept, a ramp
+    # between; cos/sin are multiplied by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    # and DeepSeek's MLA multiplies its softmax scale by mscale(factor, mscale_all_dim)^2.
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
@@ -306,6 +402,10 @@ class PositionConfig(_Config):
         _positive(f"{path}.rope_factor", self.rope_factor)
         _positive(f"{path}.rope_low_freq_factor", self.rope_low_freq_factor)
         _positive(f"{path}.rope_original_max_seq_len", self.rope_original_max_seq_len)
+        _positive(f"{path}.rope_beta_fast", self.rope_beta_fast)
+        _positive(f"{path}.rope_beta_slow", self.rope_beta_slow)
+        if self.rope_scaling == "yarn" and self.rope_beta_fast <= self.rope_beta_slow:
+            _fail(f"{path}.rope_beta_fast", "must be larger than rope_beta_slow")
         if (
             self.rope_scaling == "llama3"
             and self.rope_high_freq_factor <= self.rope_low_freq_factor
@@ -320,15 +420,61 @@ class FFNConfig(_Config):
 
     kind: str = "mlp"
     activation: str = "gelu"
-    hidden_dim: int | None = None  # None: 4 d (mlp) or 2/3 * 4 d rounded up (glu)
+    hidden_dim: int | None = None  # None: 4 d (mlp) or 2/3 * 4 d rounded up (glu, moe)
     multiple_of: int = 256  # glu hidden size is rounded up to a multiple of this
     bias: bool = True
+    # Mixture of experts (kind "moe", DeepSeekMoE): gated experts of moe_hidden_dim (None:
+    # hidden_size / (n_activated_experts + n_shared_experts), so that a token's active FFN
+    # weights equal one dense glu layer); the first first_k_dense layers are dense glu.
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    n_activated_experts: int = 2  # routed experts per token (top-k)
+    moe_hidden_dim: int | None = None
+    first_k_dense: int = 0
+    router: str = "deepseek-v3"  # "deepseek-v3": sigmoid, bias for balance; "-v2": softmax
+    n_groups: int = 1  # experts split in groups; each token picks from topk_groups of them
+    topk_groups: int = 1
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = 1e-3  # aux-loss-free balance (DeepSeek-V3 gamma)
+    seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 alpha)
 
     def validate(self, path: str = "ffn") -> None:
         _choice(f"{path}.kind", self.kind, FFN_KINDS)
         _choice(f"{path}.activation", self.activation, ACTIVATIONS)
+        _choice(f"{path}.router", self.router, MOE_ROUTERS)
         _positive(f"{path}.hidden_dim", self.hidden_dim)
         _positive(f"{path}.multiple_of", self.multiple_of)
+        for name in ("n_routed_experts", "n_activated_experts", "n_groups", "topk_groups"):
+            _positive(f"{path}.{name}", getattr(self, name))
+        _positive(f"{path}.moe_hidden_dim", self.moe_hidden_dim)
+        for name in ("n_shared_experts", "first_k_dense", "bias_update_speed", "seq_aux_loss_coef"):
+            _positive(f"{path}.{name}", getattr(self, name), allow_zero=True)
+        _positive(f"{path}.routed_scaling_factor", self.routed_scaling_factor)
+        if self.n_routed_experts % self.n_groups:
+            _fail(
+                f"{path}.n_groups",
+                f"n_routed_experts={self.n_routed_experts} is not divisible by "
+                f"n_groups={self.n_groups}",
+            )
+        if self.topk_groups > self.n_groups:
+            _fail(f"{path}.topk_groups", f"{self.topk_groups} exceeds n_groups={self.n_groups}")
+        per_group = self.n_routed_experts // self.n_groups
+        if self.n_activated_experts > self.topk_groups * per_group:
+            _fail(
+                f"{path}.n_activated_experts",
+                f"{self.n_activated_experts} experts per token cannot come from topk_groups="
+                f"{self.topk_groups} groups of {per_group} experts",
+            )
+        if self.router == "deepseek-v3" and self.n_groups > 1 and per_group < 2:
+            _fail(f"{path}.n_groups", "deepseek-v3 scores a group by its top 2 experts")
+
+    def expert_hidden_size(self, d_model: int) -> int:
+        if self.moe_hidden_dim is not None:
+            return self.moe_hidden_dim
+        return max(
+            1, self.hidden_size(d_model) // (self.n_activated_experts + self.n_shared_experts)
+        )
 
     def hidden_size(self, d_model: int) -> int:
         if self.hidden_dim is not None:
@@ -392,7 +538,8 @@ class ModelConfig(_Config):
                 f"d_model={self.d_model} is not divisible by attention.n_heads="
                 f"{self.attention.n_heads}; change one, or set attention.head_dim",
             )
-        if self.position.kind == "rope" and self.head_dim % 2:
+        self.attention._validate_mla(at("attention"), self.d_model)
+        if self.position.kind == "rope" and self.attention.kind != "mla" and self.head_dim % 2:
             _fail(
                 at("attention.head_dim"),
                 f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}",
@@ -404,12 +551,22 @@ class ModelConfig(_Config):
                 f"{window} >= max_seq_len={self.max_seq_len} with learned positions masks "
                 "nothing (sequences never exceed max_seq_len); lower it or set it to null",
             )
+        if self.ffn.kind == "moe" and self.ffn.first_k_dense > self.n_layers:
+            _fail(
+                at("ffn.first_k_dense"),
+                f"{self.ffn.first_k_dense} exceeds n_layers={self.n_layers}",
+            )
         if self.position.kind == "sinusoidal" and self.d_model % 2:
             _fail(at("d_model"), f"sinusoidal positions need an even d_model, got {self.d_model}")
 
     @property
     def head_dim(self) -> int:
         return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates per head (qk_rope_head_dim for MLA, else head_dim)."""
+        return self.attention.rope_dim(self.d_model)
 
     @property
     def n_heads(self) -> int:

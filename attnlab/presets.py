@@ -176,6 +176,202 @@ def qwen2_0_5b() -> ModelConfig:
     )
 
 
+def llama_2_70b() -> ModelConfig:
+    """meta-llama/Llama-2-70b-hf config.json: GQA 64/8, 80 layers, 4k context."""
+    return llama_style(
+        vocab_size=32000,
+        max_seq_len=4096,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=28672,
+    )
+
+
+def qwen2_7b() -> ModelConfig:
+    """Qwen/Qwen2-7B config.json: GQA 28/4, q/k/v biases, untied head."""
+    return llama_style(
+        vocab_size=152064,
+        max_seq_len=131072,
+        d_model=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        ffn_hidden=18944,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        qkv_bias=True,
+    )
+
+
+def deepseek_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: int | None = None,
+    moe: dict | None = None,
+    yarn: dict | None = None,
+    rope_theta: float = 10000.0,
+    norm_eps: float = 1e-6,
+) -> ModelConfig:
+    """DeepSeek-V2/V3: multi-head latent attention with decoupled RoPE (interleaved pairs),
+    RMSNorm, pre-norm, SwiGLU, untied head; ``moe``: FFNConfig fields of the
+    mixture-of-experts layers; ``yarn``: PositionConfig fields of YaRN context extension."""
+    ffn = FFNConfig(kind="glu", activation="silu", hidden_dim=ffn_hidden, bias=False)
+    if moe is not None:
+        ffn = FFNConfig(kind="moe", activation="silu", hidden_dim=ffn_hidden, bias=False, **moe)
+    position = PositionConfig(kind="rope", rope_theta=rope_theta, rope_layout="interleaved")
+    if yarn is not None:
+        position = PositionConfig(
+            kind="rope", rope_theta=rope_theta, rope_layout="interleaved", **yarn
+        )
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            kind="mla",
+            n_heads=n_heads,
+            q_lora_rank=q_lora_rank,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+        ),
+        position=position,
+        ffn=ffn,
+        norm=NormConfig(kind="rmsnorm", eps=norm_eps, placement="pre"),
+        tie_embeddings=False,
+    )
+
+
+def deepseek_tiny() -> ModelConfig:
+    """MLA with a dense SwiGLU, 2 layers, d_model 64: CPU-trainable, for tests."""
+    return deepseek_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=176,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+def deepseek_moe_tiny() -> ModelConfig:
+    """MLA with query compression and DeepSeek-V3 routing (8 experts in 2 groups, top 2
+    from the best group, 1 shared expert), first layer dense; 2 layers, d_model 64."""
+    return deepseek_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=176,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe=dict(
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_activated_experts=2,
+            moe_hidden_dim=48,
+            first_k_dense=1,
+            router="deepseek-v3",
+            n_groups=2,
+            topk_groups=1,
+            routed_scaling_factor=2.5,
+        ),
+    )
+
+
+def deepseek_v2_lite() -> ModelConfig:
+    """deepseek-ai/DeepSeek-V2-Lite config.json: 15.7B total, 2.4B active; MLA without query
+    compression, 64 routed experts (6 per token, softmax greedy) + 2 shared, YaRN x40."""
+    return deepseek_style(
+        vocab_size=102400,
+        max_seq_len=163840,
+        d_model=2048,
+        n_layers=27,
+        n_heads=16,
+        ffn_hidden=10944,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        moe=dict(
+            n_routed_experts=64,
+            n_shared_experts=2,
+            n_activated_experts=6,
+            moe_hidden_dim=1408,
+            first_k_dense=1,
+            router="deepseek-v2",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        ),
+        yarn=_deepseek_yarn(mscale=0.707),
+    )
+
+
+def deepseek_v3() -> ModelConfig:
+    """deepseek-ai/DeepSeek-V3 config.json: 671B total (without the multi-token-prediction
+    module), 37B active; 256 routed experts in 8 groups (8 per token from 4 groups, sigmoid
+    with bias) + 1 shared, first 3 layers dense, YaRN x40."""
+    return deepseek_style(
+        vocab_size=129280,
+        max_seq_len=163840,
+        d_model=7168,
+        n_layers=61,
+        n_heads=128,
+        ffn_hidden=18432,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        moe=dict(
+            n_routed_experts=256,
+            n_shared_experts=1,
+            n_activated_experts=8,
+            moe_hidden_dim=2048,
+            first_k_dense=3,
+            router="deepseek-v3",
+            n_groups=8,
+            topk_groups=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        yarn=_deepseek_yarn(mscale=1.0),
+    )
+
+
+def _deepseek_yarn(mscale: float) -> dict:
+    return dict(
+        rope_scaling="yarn",
+        rope_factor=40.0,
+        rope_original_max_seq_len=4096,
+        rope_beta_fast=32.0,
+        rope_beta_slow=1.0,
+        rope_mscale=mscale,
+        rope_mscale_all_dim=mscale,
+    )
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -202,6 +398,15 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "llama-3-8b": (llama_3_8b, "LLaMA 3 8B (GQA 32/8, 128k vocabulary, 8k context)"),
     "mistral-7b": (mistral_7b, "Mistral 7B v0.2 (GQA 32/8, 32k context)"),
     "qwen2-0.5b": (qwen2_0_5b, "Qwen2 0.5B (GQA 14/2, q/k/v biases, tied embeddings)"),
+    "qwen2-7b": (qwen2_7b, "Qwen2 7B (GQA 28/4, q/k/v biases)"),
+    "llama-2-70b": (llama_2_70b, "LLaMA 2 70B (GQA 64/8, 4k context)"),
+    "deepseek-tiny": (deepseek_tiny, "MLA + dense SwiGLU, 2 layers, d_model 64 (tests)"),
+    "deepseek-moe-tiny": (
+        deepseek_moe_tiny,
+        "MLA with q compression + DeepSeek-V3 MoE (8 experts, top 2, 1 shared); 2 layers",
+    ),
+    "deepseek-v2-lite": (deepseek_v2_lite, "DeepSeek-V2-Lite, 15.7B total, 2.4B active (MLA, MoE)"),
+    "deepseek-v3": (deepseek_v3, "DeepSeek-V3, 671B total, 37B active (MLA, MoE 256 experts)"),
 }
 
 

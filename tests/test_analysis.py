@@ -16,7 +16,7 @@ from attnlab.analysis import (
     weights_bytes,
 )
 from attnlab.models import build_model
-from attnlab.presets import get_preset
+from attnlab.presets import get_preset, list_presets
 
 # Tiny presets plus overrides that switch on every structural choice the formula handles:
 # tied/untied head, biases on/off, MLP/GLU, each position kind, norms, GQA/MQA, head_dim.
@@ -135,6 +135,7 @@ def test_measured_fallback_agrees_with_formulas(name, overrides, monkeypatch):
         kv_cache_bytes_per_token(cfg),
     )
     monkeypatch.setattr(analysis, "_FORMULA_KINDS", ())
+    monkeypatch.setattr(analysis, "_KV_FORMULA_KINDS", ())
     measured = (
         count_parameters(cfg),
         analysis.matmul_parameters(cfg),
@@ -142,3 +143,55 @@ def test_measured_fallback_agrees_with_formulas(name, overrides, monkeypatch):
         kv_cache_bytes_per_token(cfg),
     )
     assert measured == expected
+
+
+# --------------------------------------------------------------------------- KV-cache tables
+
+TINY_PRESETS = [n for n in list_presets() if "tiny" in n or n in ("demo", "nanogpt-cpu")]
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_kv_formula_equals_allocated_cache_for_every_tiny_preset(name):
+    cfg = get_preset(name)
+    model = build_model(cfg)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kv_cache_bytes(cfg, 13, 2, dtype) == model.new_cache(2, 13, dtype).nbytes
+        assert kv_cache_bytes_per_token(cfg, dtype) == model.new_cache(1, 1, dtype).nbytes
+
+
+def test_kv_bytes_per_token_by_kind():
+    mla = get_preset("deepseek-moe-tiny")  # 2 layers, d_c 32, d_r 8
+    assert kv_cache_bytes_per_token(mla, torch.bfloat16) == 2 * (32 + 8) * 2
+    gqa = get_preset("llama-tiny")  # 2 layers, 2 KV heads of 16
+    assert kv_cache_bytes_per_token(gqa, torch.float8_e4m3fn) == 2 * 2 * 2 * 16
+    # A sliding window bounds the cache: the rolling cache of `window` slots holds it.
+    windowed = gqa.override({"attention.sliding_window": 8})
+    rolling = build_model(windowed).new_cache(3, 8, rolling=True)
+    assert kv_cache_bytes(windowed, 100, 3) == rolling.nbytes == kv_cache_bytes(gqa, 8, 3)
+    assert kv_cache_bytes(windowed, 5, 3) == kv_cache_bytes(gqa, 5, 3)
+
+
+def test_moe_matmul_parameters_count_only_active_experts():
+    cfg = get_preset("deepseek-moe-tiny")
+    model = build_model(cfg)
+    moe = model.blocks[1].ffn
+    all_experts = moe.experts.gate_up.numel() + moe.experts.down.numel()
+    active = all_experts // moe.n_experts * moe.top_k
+    every = {"ffn.n_activated_experts": 8, "ffn.topk_groups": 2}
+    dense = analysis.matmul_parameters(cfg.override(every))
+    assert analysis.matmul_parameters(cfg) == dense - all_experts + active
+
+
+@pytest.mark.parametrize(
+    "name, total",
+    [
+        # config.json of each checkpoint; the totals their model cards and safetensors
+        # index report (DeepSeek-V3 without its 14B multi-token-prediction module).
+        ("deepseek-v3", 671_026_404_352),
+        ("deepseek-v2-lite", 15_706_484_224),
+        ("llama-2-70b", 68_976_648_192),
+        ("qwen2-7b", 7_615_616_512),
+    ],
+)
+def test_published_parameter_totals(name, total):
+    assert count_parameters(get_preset(name))["total"] == total

@@ -157,14 +157,31 @@ def expected_parameters(cfg: ModelConfig) -> int:
     norm = d * (2 if nrm.kind == "layernorm" and nrm.bias else 1)
     attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
     attn += h * d_h * d + d * a.out_bias
+    if a.kind == "mla":  # DeepSeek-V2 eq. 9-19: down/up projections, two latent RMSNorms
+        q_r, kv_r = a.q_lora_rank, a.kv_lora_rank
+        qk, rope, v = a.qk_nope_head_dim + a.qk_rope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        q = d * h * qk if q_r is None else d * q_r + q_r * a.qkv_bias + q_r + q_r * h * qk
+        kv = (
+            d * (kv_r + rope)
+            + (kv_r + rope) * a.qkv_bias
+            + kv_r
+            + kv_r * h * (a.qk_nope_head_dim + v)
+        )
+        attn = q + kv + h * v * d + d * a.out_bias
     hidden = f.hidden_size(d)
     if f.kind == "mlp":
         ffn = 2 * d * hidden + (hidden + d) * f.bias
     else:
         ffn = 3 * d * hidden + (2 * hidden + d) * f.bias
+    ffns = cfg.n_layers * ffn
+    if f.kind == "moe":  # router E d (its balance bias is a buffer), routed + shared experts
+        moe = f.n_routed_experts * d + 3 * d * f.moe_hidden_dim * (
+            f.n_routed_experts + f.n_shared_experts
+        )
+        ffns = f.first_k_dense * ffn + (cfg.n_layers - f.first_k_dense) * moe
     total = cfg.vocab_size * d  # token embedding
     total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0
-    total += cfg.n_layers * (attn + ffn + 2 * norm)
+    total += cfg.n_layers * (attn + 2 * norm) + ffns
     total += norm if nrm.placement == "pre" else 0  # final norm
     total += 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return total

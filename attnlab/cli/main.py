@@ -16,10 +16,10 @@ import warnings
 
 from safetensors import SafetensorError
 
-from attnlab.cli import demo, evaluate, generate, hf, info, presets, train
+from attnlab.cli import demo, evaluate, generate, hf, info, kv, presets, train
 from attnlab.cli.common import CLIError
 
-SUBCOMMANDS = (train, generate, evaluate, info, presets, hf, demo)
+SUBCOMMANDS = (train, generate, evaluate, info, kv, presets, hf, demo)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # argparse's code for a malformed command line

@@ -31,21 +31,76 @@ def scale_inv_freq(
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
     original_max_seq_len: int = 8192,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    theta: float = 10000.0,
 ) -> Tensor:
     """Stretch RoPE to longer contexts. ``linear``: every frequency / factor (position
     interpolation). ``llama3``: wavelengths longer than original_max_seq_len / low_freq_factor
     are divided by factor, shorter than original_max_seq_len / high_freq_factor are kept, and
-    those between are interpolated linearly in original_max_seq_len / wavelength."""
+    those between are interpolated linearly in original_max_seq_len / wavelength.
+    ``yarn`` (Peng et al. 2023, "NTK-by-parts"): pair i makes r_i = original_max_seq_len /
+    wavelength_i rotations over the original context; pairs with r_i < beta_slow are divided
+    by factor, r_i > beta_fast kept, and a linear ramp in i between, with the bounds rounded
+    outward to whole pairs (``theta`` locates them)."""
     if kind is None:
         return inv_freq
     if kind == "linear":
         return inv_freq / factor
+    if kind == "yarn":
+        n_pairs = inv_freq.shape[-1]
+        keep = yarn_keep(n_pairs, theta, original_max_seq_len, beta_fast, beta_slow)
+        keep = keep.to(inv_freq.device)
+        return keep * inv_freq + (1 - keep) * inv_freq / factor
     if kind != "llama3":
-        raise ValueError(f"unknown RoPE scaling {kind!r}; use 'linear' or 'llama3'")
+        raise ValueError(f"unknown RoPE scaling {kind!r}; use 'linear', 'llama3' or 'yarn'")
     ratio = original_max_seq_len * inv_freq / (2 * math.pi)  # context length / wavelength
     # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear in between.
     keep = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
     return (1 - keep) * inv_freq / factor + keep * inv_freq
+
+
+def yarn_keep(
+    n_pairs: int, theta: float, original_max_seq_len: int, beta_fast: float, beta_slow: float
+) -> Tensor:
+    """(n_pairs,) float32: 1 for pairs kept as they are, 0 for pairs interpolated by factor.
+
+    Pair i of a d = 2 n_pairs head turns original_max_seq_len / (2 pi theta^(2i/d)) times over
+    the original context, so r rotations happen at i(r) = d ln(L / (2 pi r)) / (2 ln theta)."""
+    d = 2 * n_pairs
+
+    def pair_at(rotations: float) -> float:
+        return (
+            d * math.log(original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        )
+
+    low = max(math.floor(pair_at(beta_fast)), 0)
+    high = min(math.ceil(pair_at(beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    ramp = ((torch.arange(n_pairs, dtype=torch.float32) - low) / (high - low)).clamp(0.0, 1.0)
+    return 1 - ramp  # ramp 0 below `low` (many rotations: keep), 1 above `high` (scale)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 mscale ln(factor) + 1 (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factors(
+    factor: float, mscale: float | None, mscale_all_dim: float | None
+) -> tuple[float, float]:
+    """(rope factor, softmax factor). cos/sin are multiplied by the first: mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim) when both are given, else mscale(factor).
+    DeepSeek's MLA multiplies its softmax scale by the second, mscale(factor,
+    mscale_all_dim)^2 (1 without mscale_all_dim): with mscale == mscale_all_dim, as in
+    DeepSeek-V2/V3, the whole temperature moves to the softmax, the rope part included."""
+    if mscale and mscale_all_dim:
+        rope = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        rope = yarn_mscale(factor)
+    softmax = yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    return rope, softmax
 
 
 def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:

@@ -55,10 +55,11 @@ class DecoderLM(nn.Module):
             self.pos_emb = LearnedPositionalEmbedding(cfg.max_seq_len, d)
         elif cfg.position.kind == "sinusoidal":
             self.pos_emb = SinusoidalPositionalEmbedding(d)
-        # One RoPE table for every layer: the angles are computed once per forward pass.
+        # One RoPE table for every layer: the angles are computed once per forward pass, as
+        # wide as the part of each head the attention kind rotates (cfg.rope_dim).
         self.rope = None
         if cfg.position.kind == "rope":
-            self.rope = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
+            self.rope = RotaryEmbedding.from_config(cfg.rope_dim, cfg.position)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = TransformerStack(cfg, causal=True, rope=self.rope)
         # Post-norm blocks already end in a norm; pre-norm stacks need a final one.
@@ -75,6 +76,8 @@ class DecoderLM(nn.Module):
             nn.init.normal_(m.weight, std=self.cfg.init_std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+        elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
+            m.init_weights(self.cfg.init_std)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once

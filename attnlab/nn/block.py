@@ -48,7 +48,7 @@ class TransformerBlock(nn.Module):
             else None
         )
         self.ffn_norm = build_norm(cfg.norm, d)
-        self.ffn = build_ffn(cfg.ffn, d, dropout=cfg.dropout)
+        self.ffn = build_ffn(cfg.ffn, d, dropout=cfg.dropout, layer=layer)
 
     def _residual(self, x: Tensor, norm: nn.Module, f, **kw) -> Tensor:
         if self.pre_norm:

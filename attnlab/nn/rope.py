@@ -22,6 +22,7 @@ from attnlab.functional.rope import (
     rope_inv_freq,
     rope_tables,
     scale_inv_freq,
+    yarn_attention_factors,
 )
 
 
@@ -44,7 +45,8 @@ class RotaryEmbedding(nn.Module):
         layout: str = "split",
         scaling: dict | None = None,
     ):
-        """``scaling``: keyword arguments of :func:`scale_inv_freq` (kind, factor, ...)."""
+        """``scaling``: keyword arguments of :func:`scale_inv_freq` (kind, factor, ...); for
+        ``yarn`` also ``mscale`` and ``mscale_all_dim`` (see :func:`yarn_attention_factors`)."""
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
@@ -52,18 +54,36 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"unknown RoPE layout {layout!r}; use 'split' or 'interleaved'")
         self.layout, self.head_dim, self.theta = layout, head_dim, theta
         self.scaling = dict(scaling or {})
+        mscale = self.scaling.pop("mscale", None), self.scaling.pop("mscale_all_dim", None)
+        # YaRN's temperature: cos/sin are multiplied by attention_factor; softmax_factor is
+        # for attention kinds that fold it into their softmax scale (DeepSeek's MLA).
+        self.attention_factor, self.softmax_factor = 1.0, 1.0
+        if self.scaling.get("kind") == "yarn":
+            self.scaling["theta"] = theta
+            factor = self.scaling.get("factor", 1.0)
+            self.attention_factor, self.softmax_factor = yarn_attention_factors(factor, *mscale)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     @classmethod
     def from_config(cls, head_dim: int, cfg: PositionConfig) -> RotaryEmbedding:
         scaling = None
-        if cfg.rope_scaling is not None:
+        if cfg.rope_scaling in ("linear", "llama3"):
             scaling = dict(
                 kind=cfg.rope_scaling,
                 factor=cfg.rope_factor,
                 low_freq_factor=cfg.rope_low_freq_factor,
                 high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_seq_len=cfg.rope_original_max_seq_len,
+            )
+        elif cfg.rope_scaling == "yarn":
+            scaling = dict(
+                kind="yarn",
+                factor=cfg.rope_factor,
+                original_max_seq_len=cfg.rope_original_max_seq_len,
+                beta_fast=cfg.rope_beta_fast,
+                beta_slow=cfg.rope_beta_slow,
+                mscale=cfg.rope_mscale,
+                mscale_all_dim=cfg.rope_mscale_all_dim,
             )
         return cls(head_dim, cfg.rope_theta, cfg.rope_layout, scaling)
 
@@ -82,6 +102,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self._inv_freq(device=inv_freq.device)
         cos, sin = rope_angles(positions, inv_freq)  # (b, t, d_h/2) or (t, d_h/2)
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # a heads axis: (b, 1, t, d_h/2)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return RopeTables(*rope_tables(cos, sin, self.layout), self.layout)
 
     def forward(

@@ -1,0 +1,195 @@
+"""Mixture-of-experts feed-forward (DeepSeekMoE: Dai et al. 2024; DeepSeek-V2, -V3).
+
+    y = sum_{i in shared} FFN_i(x) + sum_{i in topk} g_i FFN_i(x)
+
+Many small routed experts, of which each token uses k, plus shared experts every token uses.
+Every expert is a gated FFN (SwiGLU). Routers, by name:
+
+* ``deepseek-v3``: s = sigmoid(x W_r^T); experts are *chosen* by s + b, where b is a
+  per-expert bias nudged after each optimizer step toward under-loaded experts
+  (auxiliary-loss-free balancing, DeepSeek-V3 Sec. 2.1.2), and *weighted* by s alone,
+  normalised over the chosen k. Group-limited: experts form n_groups groups, a group's
+  score is the sum of its top 2, and a token picks only from its topk_groups best groups.
+* ``deepseek-v2``: s = softmax(x W_r^T); greedy top-k (or group-limited: a group's score
+  is its best expert), weights s of the chosen experts.
+
+Both multiply the weights by routed_scaling_factor. Experts run on the tokens routed to
+them, grouped by sorting the (token, expert) pairs by expert: a loop over experts, never
+over tokens.
+
+Shapes: b batch, t length, d d_model, N = b t tokens, E routed experts, k experts per token,
+f expert hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.config import FFNConfig
+from attnlab.nn.feedforward import ACTIVATIONS, GatedFFN
+
+
+class Router(nn.Module):
+    """Scores, chosen experts and their weights. ``e_score_correction_bias`` (deepseek-v3
+    only) is a buffer, not a parameter: it is set by :meth:`MoE.update_bias`, not by
+    gradients."""
+
+    def __init__(self, d_model: int, cfg: FFNConfig):
+        super().__init__()
+        self.kind, self.top_k = cfg.router, cfg.n_activated_experts
+        self.n_experts, self.n_groups, self.topk_groups = (
+            cfg.n_routed_experts,
+            cfg.n_groups,
+            cfg.topk_groups,
+        )
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, d_model))
+        if self.kind == "deepseek-v3":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        else:
+            self.e_score_correction_bias = None
+        self.init_weights(0.02)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+
+    def _group_mask(self, choice: Tensor) -> Tensor:
+        """(N, E) True for experts in each token's topk_groups best groups."""
+        N = choice.shape[0]
+        grouped = choice.view(N, self.n_groups, -1)  # (N, groups, E / groups)
+        if self.kind == "deepseek-v3":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, groups)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        best = group_scores.topk(self.topk_groups, dim=-1).indices  # (N, topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return keep[:, :, None].expand_as(grouped).reshape(N, -1)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (N, d) -> weights (N, k) float32, experts (N, k), scores (N, E) float32."""
+        logits = F.linear(x.float(), self.weight.float())  # (N, E), routing in float32
+        if self.kind == "deepseek-v3":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias  # the bias chooses, never weighs
+        else:
+            scores = logits.softmax(dim=-1)
+            choice = scores
+        if self.n_groups > 1:
+            choice = choice.masked_fill(~self._group_mask(choice), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, experts)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts, scores
+
+
+class Experts(nn.Module):
+    """E gated FFNs as stacked weights: ``gate_up`` (E, 2f, d) with rows [gate; up] (as
+    :class:`GatedFFN`), ``down`` (E, d, f)."""
+
+    def __init__(self, d_model: int, n_experts: int, hidden: int, activation: str = "silu"):
+        super().__init__()
+        self.n_experts, self.hidden = n_experts, hidden
+        self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
+        self.down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.act = ACTIVATIONS[activation]
+        self.init_weights(0.02)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.gate_up, std=std)
+        nn.init.normal_(self.down, std=std)
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert e on x (n, d) -> (n, d)."""
+        gate, up = F.linear(x, self.gate_up[e]).split(self.hidden, dim=-1)
+        return F.linear(self.act(gate) * up, self.down[e])
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """x (N, d); experts, weights (N, k) -> sum_j weights[:, j] expert_{experts[:, j]}(x)."""
+        N, k = experts.shape
+        flat = experts.flatten()  # (N k,): pair p is token p // k
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        token = order // k  # (N k,) the token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        chunks = x[token].split(counts)  # the tokens of expert 0, then 1, ...
+        out = torch.cat([self.expert(e, xs) for e, xs in enumerate(chunks)])  # (N k, d)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out)  # (N, d)
+
+
+class MoE(nn.Module):
+    """Routed and shared experts. ``aux_metrics``: ``max_vio`` (DeepSeek-V3's MaxVio: the
+    busiest expert's load over the mean load, minus 1, in this forward pass); ``aux_loss``:
+    the sequence-wise balance loss when seq_aux_loss_coef > 0 (training only)."""
+
+    has_aux = True
+
+    def __init__(self, d_model: int, cfg: FFNConfig, dropout: float = 0.0):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.n_activated_experts
+        self.bias_update_speed, self.aux_coef = cfg.bias_update_speed, cfg.seq_aux_loss_coef
+        hidden = cfg.expert_hidden_size(d_model)
+        self.gate = Router(d_model, cfg)
+        self.experts = Experts(d_model, cfg.n_routed_experts, hidden, cfg.activation)
+        self.shared = (
+            GatedFFN(d_model, hidden * cfg.n_shared_experts, cfg.activation, bias=False)
+            if cfg.n_shared_experts
+            else None
+        )
+        self.dropout = nn.Dropout(dropout)
+        # Tokens routed to each expert since the last update_bias() (training passes).
+        self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.aux_loss: Tensor | None = None
+        self.aux_metrics: dict[str, Tensor | float] = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        weights, experts, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
+        y = self.experts(flat, experts, weights).view(b, t, d)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        with torch.no_grad():
+            load = torch.bincount(experts.flatten(), minlength=self.n_experts).float()
+            if self.training:
+                self.load += load
+            self.aux_metrics = {"max_vio": load.max() / load.mean() - 1}
+        self.aux_loss = None
+        if self.training and self.aux_coef > 0:
+            self.aux_loss = self._sequence_balance_loss(
+                scores.view(b, t, -1), experts.view(b, t, -1)
+            )
+        return self.dropout(y)
+
+    def _sequence_balance_loss(self, scores: Tensor, experts: Tensor) -> Tensor:
+        """DeepSeek-V3 eq. 17-20, per sequence then averaged: alpha sum_i f_i P_i with
+        f_i = E / (k t) (tokens choosing i) and P_i = mean over tokens of s_i / sum_j s_j."""
+        b, t, _ = scores.shape
+        chosen = torch.zeros_like(scores).scatter_(-1, experts, 1.0)  # (b, t, E)
+        f = chosen.sum(dim=1) * self.n_experts / (self.top_k * t)  # (b, E)
+        p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)  # (b, E)
+        return self.aux_coef * (f * p).sum(dim=-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): after an optimizer step, raise the
+        bias of experts that took fewer tokens than the mean since the last call and lower
+        the others by bias_update_speed; then start counting again. A no-op for routers
+        without a bias (deepseek-v2) or when no training pass ran."""
+        bias = self.gate.e_score_correction_bias
+        if bias is not None and self.load.sum() > 0:
+            bias += self.bias_update_speed * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
+
+
+def update_router_biases(model: nn.Module) -> int:
+    """Call :meth:`MoE.update_bias` on every MoE layer of ``model`` (after each optimizer
+    step); returns how many layers there were."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.update_bias()
+    return len(layers)

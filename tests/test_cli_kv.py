@@ -1,0 +1,56 @@
+"""``attnlab kv``: the published KV-cache figures (Llama-2-70B fp16 327,680 bytes/token,
+1.34 GB per 4,096-token sequence, 8x less than with full MHA; DeepSeek-V3 bf16 70,272
+bytes/token), the JSON form against the library, and bad input as one error line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from attnlab.analysis import count_parameters, kv_cache_bytes
+from attnlab.cli.main import main
+from attnlab.presets import get_preset
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_kv_table_reproduces_published_figures(capsys):
+    code, out, _ = _run(["kv", "--preset", "llama-2-70b", "--dtype", "float16"], capsys)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("llama-2-70b"))
+    assert "327,680" in row and "8.00x" in row and " 1.34 " in row
+    code, out, _ = _run(["kv", "--preset", "deepseek-v3", "--json"], capsys)  # bf16 default
+    (report,) = json.loads(out)
+    assert report["bytes_per_token"] == 70_272
+
+
+def test_kv_json_matches_the_library(capsys):
+    argv = ["kv", "--preset", "deepseek-tiny", "--preset", "llama-tiny", "--json"]
+    argv += ["--seq-len", "64", "--seq-len", "100", "--batch", "3", "--dtype", "float8"]
+    argv += ["--gpu-gb", "0.001"]
+    code, out, _ = _run(argv, capsys)
+    assert code == 0
+    reports = json.loads(out)
+    assert [r["model"] for r in reports] == ["deepseek-tiny", "llama-tiny"]
+    for r in reports:
+        cfg = get_preset(r["model"])
+        for n in (64, 100):
+            assert r["bytes"][str(n)] == kv_cache_bytes(cfg, n, 3, torch.float8_e4m3fn)
+            free = 1e6 - count_parameters(cfg)["total"]  # float8 weights: 1 byte each
+            assert r["fit"][str(n)] == int(free // r["bytes"][str(n)])
+    assert reports[0]["mha_ratio"] == 4 * (24 + 16) / (32 + 8)  # h (d_qk + d_v) / (d_c + d_r)
+
+
+def test_kv_bad_input_is_one_error_line(capsys):
+    code, _, err = _run(["kv", "--preset", "no-such-model"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "unknown preset" in err
+    code, _, err = _run(["kv", "--preset", "gpt2-tiny", "--seq-len", "0"], capsys)
+    assert code == 2

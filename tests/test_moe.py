@@ -1,0 +1,183 @@
+"""Mixture of experts: the grouped expert computation against a direct loop over tokens,
+both routers against transformers' DeepSeek-V3/V2 routers, dense first layers, the
+aux-loss-free bias update and the sequence-wise balance loss.
+
+Shapes: N tokens, d d_model, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.config import ConfigError, FFNConfig
+from attnlab.models import build_model
+from attnlab.nn.feedforward import GatedFFN
+from attnlab.nn.moe import MoE, update_router_biases
+from attnlab.presets import get_preset
+
+D = 16
+
+
+def _moe(**kw) -> MoE:
+    cfg = FFNConfig.from_dict({"kind": "moe", "activation": "silu", "moe_hidden_dim": 12, **kw})
+    return MoE(D, cfg).eval()
+
+
+def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: route, run each chosen expert, weigh, add the shared experts."""
+    flat = x.reshape(-1, D)
+    weights, experts, _ = moe.gate(flat)
+    out = torch.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        for j in range(experts.shape[1]):
+            out[n] += weights[n, j] * moe.experts.expert(int(experts[n, j]), flat[n : n + 1])[0]
+    y = out.view_as(x)
+    return y + moe.shared(x) if moe.shared is not None else y
+
+
+@pytest.mark.parametrize(
+    "router_kw",
+    [
+        dict(router="deepseek-v3", n_groups=4, topk_groups=2, routed_scaling_factor=2.5),
+        dict(router="deepseek-v3", n_shared_experts=0),
+        dict(router="deepseek-v2", norm_topk_prob=False),
+        dict(router="deepseek-v2", n_groups=2, topk_groups=1, n_shared_experts=2),
+    ],
+)
+@torch.no_grad()
+def test_grouped_experts_equal_a_loop_over_tokens(router_kw):
+    moe = _moe(n_routed_experts=8, n_activated_experts=3, **router_kw)
+    if moe.gate.e_score_correction_bias is not None:
+        moe.gate.e_score_correction_bias.normal_(std=0.1)
+    x = torch.randn(3, 7, D)
+    torch.testing.assert_close(moe(x), _loop_reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def _hf_router_config(**kw):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        hidden_size=D, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=3, **kw
+    )
+
+
+@torch.no_grad()
+def test_v3_router_matches_transformers():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    hf = DeepseekV3TopkRouter(_hf_router_config(n_group=4, topk_group=2, routed_scaling_factor=2.5))
+    hf.weight.normal_()
+    hf.e_score_correction_bias.normal_(std=0.3)  # large enough to change choices
+    moe = _moe(
+        n_routed_experts=8,
+        n_activated_experts=3,
+        n_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+    )
+    moe.gate.weight.copy_(hf.weight)
+    moe.gate.e_score_correction_bias.copy_(hf.e_score_correction_bias)
+    x = torch.randn(50, D)
+    _, ref_w, ref_i = hf(x)
+    w, i, _ = moe.gate(x)
+    ref = torch.zeros(50, 8).scatter_(1, ref_i, ref_w)  # order of the k choices is free
+    ours = torch.zeros(50, 8).scatter_(1, i, w)
+    torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+@torch.no_grad()
+def test_v2_router_matches_transformers(method):
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    groups = 4 if method == "group_limited_greedy" else None
+    hf_cfg = DeepseekV2Config(
+        hidden_size=D,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        topk_method=method,
+        n_group=groups,
+        topk_group=2 if groups else None,
+        routed_scaling_factor=1.5,
+    )
+    hf = DeepseekV2TopkRouter(hf_cfg)
+    hf.weight.normal_()
+    moe = _moe(
+        router="deepseek-v2",
+        n_routed_experts=8,
+        n_activated_experts=3,
+        n_groups=groups or 1,
+        topk_groups=2 if groups else 1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+    )
+    moe.gate.weight.copy_(hf.weight)
+    x = torch.randn(50, D)
+    _, ref_w, ref_i = hf(x)
+    w, i, _ = moe.gate(x)
+    ref = torch.zeros(50, 8).scatter_(1, ref_i, ref_w)
+    torch.testing.assert_close(torch.zeros(50, 8).scatter_(1, i, w), ref)
+
+
+def test_first_k_dense_layers_are_dense():
+    model = build_model(get_preset("deepseek-moe-tiny"))
+    assert isinstance(model.blocks[0].ffn, GatedFFN)
+    assert isinstance(model.blocks[1].ffn, MoE)
+
+
+def test_bias_moves_toward_under_loaded_experts():
+    moe = _moe(n_routed_experts=4, n_activated_experts=1, n_shared_experts=0, bias_update_speed=0.1)
+    moe.train()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[0, 0] = 10.0  # expert 0 wins for x[..., 0] > 0
+    x = torch.randn(1, 64, D).abs()
+    moe(x)
+    assert moe.load[0] == 64 and moe.aux_metrics["max_vio"] == pytest.approx(3.0)
+    assert update_router_biases(torch.nn.Sequential(moe)) == 1
+    torch.testing.assert_close(
+        moe.gate.e_score_correction_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1])
+    )
+    assert moe.load.sum() == 0
+    # Eval passes report the load but do not count it toward the next update.
+    moe.eval()
+    moe(x)
+    assert moe.load.sum() == 0
+
+
+def test_sequence_balance_loss_trains_the_router():
+    moe = _moe(n_routed_experts=4, n_activated_experts=2, seq_aux_loss_coef=0.01).train()
+    x = torch.randn(2, 5, D)
+    moe(x).sum().backward()
+    assert moe.aux_loss is not None and moe.aux_loss.item() > 0
+    assert moe.gate.weight.grad is not None
+    # Equal scores: P_i = 1/E, and sum_i f_i = E whatever the choice, so the loss is alpha.
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+    moe(x)
+    assert moe.aux_loss.item() == pytest.approx(0.01, rel=1e-5)
+
+
+def test_model_output_carries_aux_loss_and_per_layer_load():
+    cfg = get_preset("deepseek-moe-tiny").override({"ffn.seq_aux_loss_coef": 0.001})
+    model = build_model(cfg).train()
+    idx = torch.randint(0, 256, (2, 12))
+    out = model(idx, targets=idx)
+    assert out.aux_loss is not None and "blocks.1.ffn/max_vio" in out.metrics
+    (out.loss + out.aux_loss).backward()
+
+
+def test_moe_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="ffn.n_groups"):
+        FFNConfig.from_dict({"kind": "moe", "n_routed_experts": 6, "n_groups": 4})
+    with pytest.raises(ConfigError, match="ffn.topk_groups"):
+        FFNConfig.from_dict({"kind": "moe", "n_groups": 2, "topk_groups": 3})
+    with pytest.raises(ConfigError, match="ffn.n_activated_experts"):
+        FFNConfig.from_dict(
+            {"kind": "moe", "n_groups": 4, "topk_groups": 1, "n_activated_experts": 3}
+        )
+    with pytest.raises(ConfigError, match="ffn.router"):
+        FFNConfig.from_dict({"kind": "moe", "router": "switch"})
