@@ -2,8 +2,18 @@
 
 from attnlab.models.build import MODELS, build_model, register_model
 from attnlab.models.decoder import DecoderLM
+from attnlab.models.encoder import EncoderConfig, EncoderModel
 from attnlab.models.outputs import LMOutput, ModelOutput
 
 register_model("decoder")(DecoderLM)
 
-__all__ = ["MODELS", "DecoderLM", "LMOutput", "ModelOutput", "build_model", "register_model"]
+__all__ = [
+    "MODELS",
+    "DecoderLM",
+    "EncoderConfig",
+    "EncoderModel",
+    "LMOutput",
+    "ModelOutput",
+    "build_model",
+    "register_model",
+]
