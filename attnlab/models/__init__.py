@@ -4,6 +4,7 @@ from attnlab.models.build import MODELS, build_model, register_model
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import EncoderConfig, EncoderModel
 from attnlab.models.outputs import LMOutput, ModelOutput
+from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
 
 register_model("decoder")(DecoderLM)
 
@@ -14,6 +15,8 @@ __all__ = [
     "EncoderModel",
     "LMOutput",
     "ModelOutput",
+    "Seq2SeqConfig",
+    "Seq2SeqModel",
     "build_model",
     "register_model",
 ]
