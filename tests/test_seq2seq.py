@@ -189,7 +189,7 @@ def test_beam_search_core_matches_oracle():
         expected = _oracle_beam(lambda s: torch.log_softmax(logits_of(s), -1).tolist(), k, 6, 0, lp)
         state = {"seqs": [[]]}
 
-        def advance(source, tokens):
+        def advance(source, tokens, state=state):
             state["seqs"] = [
                 state["seqs"][i] + [t] for i, t in zip(source.tolist(), tokens.tolist())
             ]
