@@ -5,6 +5,7 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import EncoderConfig, EncoderModel
 from attnlab.models.outputs import LMOutput, ModelOutput
 from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
+from attnlab.models.vit import VisionTransformer, ViTConfig
 
 register_model("decoder")(DecoderLM)
 
@@ -17,6 +18,8 @@ __all__ = [
     "ModelOutput",
     "Seq2SeqConfig",
     "Seq2SeqModel",
+    "ViTConfig",
+    "VisionTransformer",
     "build_model",
     "register_model",
 ]
