@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -281,3 +281,146 @@ def generate(
             if tok is not None:
                 r.append(tok)
     return rows
+
+
+# --------------------------------------------------------------------------- beam search
+
+
+class Hypothesis(NamedTuple):
+    """A finished beam: its new tokens (the end-of-sequence token not included) and its
+    score, the sum of its log-probabilities over length ** length_penalty (the length
+    counts the end-of-sequence token)."""
+
+    tokens: list[int]
+    score: float
+
+
+def reorder_cache(cache, index: Tensor) -> None:
+    """Make row j of ``cache`` a copy of row ``index[j]`` (beam search; the batch may grow,
+    e.g. b -> b * num_beams). Every batch-first tensor of every layer entry (self and
+    cross) and of the shared bookkeeping is gathered."""
+    n = cache.batch
+    for entry in [*cache.layers, *(c for c in cache.cross if c is not None)]:
+        for name, value in list(vars(entry).items()):
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
+                setattr(entry, name, value.index_select(0, index))
+    for name in ("key_valid", "slot_pos", "next_position"):
+        setattr(cache, name, getattr(cache, name).index_select(0, index))
+    cache.batch = index.shape[0]
+
+
+def beam_search_core(
+    logits: Tensor,
+    advance,
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+    length_penalty: float = 1.0,
+    n_best: int = 1,
+) -> list[list[Hypothesis]]:
+    """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
+    prompt and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
+    (reorder caches), feed ``tokens`` (b * num_beams,) and return the next logits.
+
+    The rules are those of transformers' ``generate(num_beams=k, early_stopping=True)``:
+    each step keeps the 2k best continuations of all beams by summed log-probability; those
+    of the best k that end (EOS, or the last allowed step) join the row's finished list with
+    score sum / length ** length_penalty (the best k kept); the k best that do not end go on.
+    A row is done when k have finished. Returns, per row, the ``n_best`` best, best first."""
+    b, V = logits.shape
+    k = num_beams
+    if k < 1 or not 1 <= n_best <= k:
+        raise ValueError(f"need num_beams >= 1 and 1 <= n_best <= num_beams, got {k}, {n_best}")
+    if 2 * k > V:
+        raise ValueError(f"num_beams={k} needs a vocabulary of at least {2 * k} tokens")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = logits.device
+    scores = torch.zeros(b, 1, device=device)  # (b, beams so far): summed log-probs
+    seqs = torch.zeros(b, 1, 0, dtype=torch.long, device=device)  # (b, beams, n)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]
+    for step in range(max_new_tokens):
+        beams = scores.shape[1]
+        logp = torch.log_softmax(logits.float(), dim=-1).view(b, beams, V) + scores[..., None]
+        top, flat = logp.view(b, beams * V).topk(2 * k, dim=-1)  # (b, 2k)
+        beam, tok = flat // V, flat % V
+        cand = torch.cat((seqs.gather(1, beam[..., None].expand(-1, -1, step)), tok[..., None]), 2)
+        last = step == max_new_tokens - 1
+        ends = (
+            torch.ones_like(tok, dtype=torch.bool)
+            if last
+            else tok == (-1 if eos_id is None else eos_id)
+        )
+        penalised = (top / (step + 1) ** length_penalty).tolist()
+        ends_l, cand_l, tok_l = ends.tolist(), cand.tolist(), tok.tolist()
+        for r in range(b):
+            if len(finished[r]) >= k:
+                continue  # early stopping: this row has its k hypotheses
+            for j in range(k):  # only the best k candidates may finish
+                if ends_l[r][j]:
+                    tokens = cand_l[r][j][:-1] if tok_l[r][j] == eos_id else cand_l[r][j]
+                    finished[r].append((penalised[r][j], tokens))
+            finished[r] = sorted(finished[r], key=lambda h: -h[0])[:k]
+        if last or all(len(f) >= k for f in finished):
+            break
+        keep = (top - 1e9 * ends.float()).topk(k, dim=-1).indices  # (b, k) live beams
+        scores = top.gather(1, keep)
+        seqs = cand.gather(1, keep[..., None].expand(-1, -1, step + 1))
+        source = (torch.arange(b, device=device)[:, None] * beams + beam.gather(1, keep)).flatten()
+        logits = advance(source, tok.gather(1, keep).flatten())  # (b * k, V)
+    return [[Hypothesis(tokens, score) for score, tokens in f[:n_best]] for f in finished]
+
+
+@torch.inference_mode()
+def beam_search(
+    model: DecoderLM,
+    prompts: Prompts,
+    max_new_tokens: int = 32,
+    *,
+    num_beams: int = 4,
+    length_penalty: float = 1.0,
+    eos_id: int | None = None,
+    n_best: int = 1,
+    pad_id: int = 0,
+) -> list[list[Hypothesis]]:
+    """Beam search for a decoder-only model: for each prompt (a batch is left padded), the
+    ``n_best`` best continuations, best first. The prompt is run once per row; the cache
+    is then copied to the beams and reordered as they are chosen."""
+    rows, _ = _as_batch(prompts)
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token")
+    device = model.tok_emb.weight.device
+    b, longest = len(rows), max(len(r) for r in rows)
+    if longest + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"max_seq_len={model.cfg.max_seq_len}"
+        )
+    seq = torch.full((b, longest), pad_id, dtype=torch.long, device=device)
+    valid = torch.zeros((b, longest), dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):  # left padding
+        seq[i, longest - len(r) :] = torch.tensor(r, dtype=torch.long)
+        valid[i, longest - len(r) :] = True
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_cache(b, longest + max_new_tokens)
+        mask = None if bool(valid.all()) else valid
+        first = model(seq, cache=cache, attention_mask=mask, last_only=True).logits[:, -1]
+
+        def advance(source: Tensor, tokens: Tensor) -> Tensor:
+            reorder_cache(cache, source)
+            return model(tokens[:, None], cache=cache, last_only=True).logits[:, -1]
+
+        return beam_search_core(
+            first,
+            advance,
+            num_beams=num_beams,
+            max_new_tokens=max_new_tokens,
+            eos_id=eos_id,
+            length_penalty=length_penalty,
+            n_best=n_best,
+        )
+    finally:
+        model.train(was_training)

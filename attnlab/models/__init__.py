@@ -2,8 +2,24 @@
 
 from attnlab.models.build import MODELS, build_model, register_model
 from attnlab.models.decoder import DecoderLM
+from attnlab.models.encoder import EncoderConfig, EncoderModel
 from attnlab.models.outputs import LMOutput, ModelOutput
+from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
+from attnlab.models.vit import VisionTransformer, ViTConfig
 
 register_model("decoder")(DecoderLM)
 
-__all__ = ["MODELS", "DecoderLM", "LMOutput", "ModelOutput", "build_model", "register_model"]
+__all__ = [
+    "MODELS",
+    "DecoderLM",
+    "EncoderConfig",
+    "EncoderModel",
+    "LMOutput",
+    "ModelOutput",
+    "Seq2SeqConfig",
+    "Seq2SeqModel",
+    "ViTConfig",
+    "VisionTransformer",
+    "build_model",
+    "register_model",
+]

@@ -1,0 +1,316 @@
+"""Encoder-only transformer (BERT, Devlin et al. 2019) with task heads.
+
+    h_0 = LayerNorm(E[idx] + P[positions] + T[token_type])   embeddings (BERT: post-norm)
+    h_l = Block_l(h_{l-1})                                    bidirectional self-attention + FFN
+    head(h_L): masked-LM logits, a sequence label (pooled [CLS]), token labels, or the
+    start/end logits of an answer span (extractive QA)
+
+Heads are picked by name (``EncoderConfig.head``) from :data:`HEADS`.
+
+Shapes: b batch, t length, d d_model, V vocabulary size, n n_labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.config import (
+    AttentionConfig,
+    ModelConfig,
+    NormConfig,
+    _choice,
+    _fail,
+    _positive,
+    register_model_config,
+)
+from attnlab.functional.masks import padding_mask
+from attnlab.models.build import register_model
+from attnlab.models.outputs import ModelOutput
+from attnlab.nn.block import TransformerStack
+from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from attnlab.nn.feedforward import ACTIVATIONS
+from attnlab.nn.linear import Linear
+from attnlab.nn.norm import build_norm
+from attnlab.nn.rope import RotaryEmbedding
+
+ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
+
+
+@dataclass
+class EncoderConfig(ModelConfig):
+    """BERT-style encoder. Defaults follow BERT: post-norm LayerNorm (eps 1e-12), biases on
+    every projection, GELU MLP, learned positions, token types, a LayerNorm on the
+    embeddings. ``head``: ``mlm`` (masked LM, tied decoder + bias), ``sequence`` (pooled
+    [CLS] -> n_labels; n_labels 1 is regression), ``token`` (a label per token), ``qa``
+    (start/end logits), ``none`` (hidden states)."""
+
+    arch: str = "encoder"
+    attention: AttentionConfig = field(
+        default_factory=lambda: AttentionConfig(qkv_bias=True, out_bias=True)
+    )
+    norm: NormConfig = field(default_factory=lambda: NormConfig(placement="post", eps=1e-12))
+    type_vocab_size: int = 2  # 0: no token-type embedding
+    embedding_norm: bool = True
+    head: str = "mlm"
+    n_labels: int = 2
+    classifier_dropout: float | None = None  # None: dropout
+
+    def validate(self, path: str = "") -> None:
+        super().validate(path)
+        at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        _choice(at("head"), self.head, ENCODER_HEADS)
+        _positive(at("n_labels"), self.n_labels)
+        _positive(at("type_vocab_size"), self.type_vocab_size, allow_zero=True)
+        if self.position.kind == "rope" and self.attention.kind != "mha":
+            _fail(at("position.kind"), "rope encoders need attention.kind 'mha'")
+        p = self.classifier_dropout
+        if p is not None and not 0.0 <= p < 1.0:
+            _fail(at("classifier_dropout"), f"must be in [0, 1), got {p}")
+
+
+register_model_config("encoder", EncoderConfig)
+
+
+# --------------------------------------------------------------------------- heads
+
+
+class MaskedLMHead(nn.Module):
+    """BERT's prediction head: dense -> act -> LayerNorm, then a decoder (tied to the token
+    embedding when ``tie_embeddings``) with its own bias."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.transform = Linear(d, d)
+        self.act = ACTIVATIONS[cfg.ffn.activation]
+        self.norm = nn.LayerNorm(d, eps=cfg.norm.eps)
+        self.decoder = Linear(d, cfg.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, t, V)
+        return self.decoder(self.norm(self.act(self.transform(h)))) + self.bias
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        """targets (b, t): the original token at masked positions, -100 elsewhere."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+class SequenceClassificationHead(nn.Module):
+    """BERT's pooler (dense + tanh on the first, [CLS], token), dropout, a linear classifier."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.pooler = Linear(d, d)
+        p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        self.dropout = nn.Dropout(p)
+        self.classifier = Linear(d, cfg.n_labels)
+
+    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, n)
+        pooled = torch.tanh(self.pooler(h[:, 0]))  # (b, d)
+        return self.classifier(self.dropout(pooled))
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        """targets (b,) class ids; with one label, (b,) real values (mean squared error)."""
+        if logits.shape[-1] == 1:
+            return F.mse_loss(logits.squeeze(-1).float(), targets.float())
+        return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+
+
+class TokenClassificationHead(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        self.dropout = nn.Dropout(p)
+        self.classifier = Linear(cfg.d_model, cfg.n_labels)
+
+    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, t, n)
+        return self.classifier(self.dropout(h))
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        """targets (b, t) label ids, -100 for ignored tokens (padding, sub-words)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+class QuestionAnsweringHead(nn.Module):
+    """Start and end logits of the answer span: logits (b, t, 2), [..., 0] start, [..., 1] end."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.span = Linear(cfg.d_model, 2)
+
+    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, t, 2)
+        return self.span(h)
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        """targets (b, 2): start and end token index; indices outside the sequence are
+        ignored (as in BERT's SQuAD fine-tuning). The loss is the mean of the two."""
+        t = logits.shape[1]
+        targets = targets.clamp(0, t)  # t: ignored
+        start = F.cross_entropy(logits[..., 0].float(), targets[:, 0], ignore_index=t)
+        end = F.cross_entropy(logits[..., 1].float(), targets[:, 1], ignore_index=t)
+        return (start + end) / 2
+
+
+class NoHead(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        raise ValueError("an encoder with head 'none' has no loss; pick a head")
+
+
+HEADS: dict[str, type[nn.Module]] = {
+    "mlm": MaskedLMHead,
+    "sequence": SequenceClassificationHead,
+    "token": TokenClassificationHead,
+    "qa": QuestionAnsweringHead,
+    "none": NoHead,
+}
+
+
+# --------------------------------------------------------------------------- model
+
+
+class EncoderModel(nn.Module):
+    """An encoder-only transformer with the head ``cfg.head`` names.
+
+    ``model(idx, attention_mask=..., token_type_ids=..., targets=...)`` returns
+    :class:`ModelOutput`; ``encode`` returns the final hidden states."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
+        self.pos_emb: nn.Module | None = None
+        if cfg.position.kind == "learned":
+            self.pos_emb = LearnedPositionalEmbedding(cfg.max_seq_len, d)
+        elif cfg.position.kind == "sinusoidal":
+            self.pos_emb = SinusoidalPositionalEmbedding(d)
+        self.rope = None
+        if cfg.position.kind == "rope":
+            self.rope = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
+        self.type_emb = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
+        self.emb_norm = nn.LayerNorm(d, eps=cfg.norm.eps) if cfg.embedding_norm else nn.Identity()
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = TransformerStack(cfg, causal=False, rope=self.rope)
+        # Post-norm blocks end in a norm already; a pre-norm stack needs a final one.
+        self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
+        self.head = HEADS[cfg.head](cfg)
+        self.apply(self._init_weights)
+        if cfg.head == "mlm" and cfg.tie_embeddings:
+            self.head.decoder.weight = self.tok_emb.weight
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def encode(
+        self,
+        idx: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """idx (b, t) -> hidden states (b, t, d). ``attention_mask`` (b, t): 1 real token,
+        0 padding (any side); positions count from 0 (BERT numbers pads too)."""
+        b, t = idx.shape
+        if t > self.cfg.max_seq_len and isinstance(self.pos_emb, LearnedPositionalEmbedding):
+            raise ValueError(
+                f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len} of learned "
+                "positions; crop the input"
+            )
+        if positions is None:
+            positions = torch.arange(t, device=idx.device)[None, :]  # (1, t)
+        x = self.tok_emb(idx)  # (b, t, d)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions).to(x.dtype)
+        if self.type_emb is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(idx)
+            x = x + self.type_emb(token_type_ids)
+        x = self.drop(self.emb_norm(x))
+        mask = padding_mask(attention_mask) if attention_mask is not None else None  # (b,1,1,t)
+        rope = self.rope.tables(positions) if self.rope is not None else None
+        x = self.blocks(x, positions=positions, rope=rope, mask=mask)
+        return self.norm(x)
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+        targets: Tensor | None = None,
+    ) -> ModelOutput:
+        """Logits of the head: mlm (b, t, V), sequence (b, n), token (b, t, n), qa (b, t, 2),
+        none (b, t, d). ``targets`` as the head's ``loss`` describes."""
+        h = self.encode(
+            idx, attention_mask=attention_mask, token_type_ids=token_type_ids, positions=positions
+        )
+        logits = self.head(h)
+        loss = self.head.loss(logits, targets) if targets is not None else None
+        return ModelOutput(logits, loss)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+register_model("encoder")(EncoderModel)
+
+
+# --------------------------------------------------------------------------- MLM data
+
+
+def mask_tokens(
+    idx: Tensor,
+    *,
+    mask_id: int,
+    vocab_size: int,
+    mask_prob: float = 0.15,
+    special: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """BERT's masking (Devlin et al. 2019, 3.1): choose ``mask_prob`` of the tokens; of those,
+    80% become ``mask_id``, 10% a random token, 10% stay. Returns (inputs, targets):
+    targets hold the original token at chosen positions and -100 elsewhere.
+
+    ``special`` (b, t) bool (or a 1-D tensor of token ids): never chosen (padding, [CLS],
+    [SEP]). Pure: ``idx`` is not modified."""
+    if not 0.0 <= mask_prob <= 1.0:
+        raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
+    dev = idx.device
+
+    def rand(shape):
+        return torch.rand(shape, generator=generator, device=dev)
+
+    chosen = rand(idx.shape) < mask_prob
+    if special is not None:
+        protect = special if special.dtype == torch.bool else torch.isin(idx, special)
+        chosen &= ~protect
+    targets = torch.where(chosen, idx, torch.full_like(idx, -100))
+    u = rand(idx.shape)
+    to_mask = chosen & (u < 0.8)
+    to_random = chosen & (u >= 0.8) & (u < 0.9)
+    random_ids = torch.randint(vocab_size, idx.shape, generator=generator, device=dev)
+    inputs = torch.where(to_mask, torch.full_like(idx, mask_id), idx)
+    inputs = torch.where(to_random, random_ids, inputs)
+    return inputs, targets

@@ -1,0 +1,302 @@
+"""Encoder–decoder transformer (Vaswani et al. 2017; MarianMT is a preset of it).
+
+    m   = Encoder(sqrt(d) E_src[src] + P[0..s))             bidirectional, padding masked
+    h_l = Block_l(h_{l-1}, m)                               masked self-attn, cross-attn to m, FFN
+    logits = W_out h_L (+ b)                                W_out tied to E_tgt or separate
+
+Decoding (greedy or beam search) encodes the source once; cross-attention keys/values are
+projected from it once (``CrossKV`` entries of the cache) and the decoder's self-attention
+keys/values are cached.
+
+Shapes: b batch, s source length, t target length, d d_model, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.cache import Cache
+from attnlab.config import (
+    AttentionConfig,
+    FFNConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
+    _choice,
+    _fail,
+    _positive,
+    register_model_config,
+)
+from attnlab.functional.masks import padding_mask
+from attnlab.models.build import register_model
+from attnlab.models.outputs import ModelOutput
+from attnlab.nn.block import TransformerStack
+from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
+from attnlab.nn.linear import Linear
+from attnlab.nn.norm import build_norm
+
+SINUSOID_LAYOUTS = ("interleaved", "split")
+
+
+@dataclass
+class Seq2SeqConfig(ModelConfig):
+    """Encoder–decoder. Defaults: the original Transformer (sinusoidal positions, post-norm,
+    ReLU MLP, biases, scaled embeddings, one vocabulary shared by source and target).
+
+    ``n_layers`` counts encoder layers, ``n_decoder_layers`` decoder layers (None: the
+    same). ``sinusoid_layout``: ``interleaved`` (sin, cos pairs: Vaswani) or ``split``
+    (all sines then all cosines: fairseq, Marian). ``final_norm``: a norm after each stack
+    (None: for pre-norm only; torch.nn.Transformer has one for post-norm too)."""
+
+    arch: str = "seq2seq"
+    attention: AttentionConfig = field(
+        default_factory=lambda: AttentionConfig(qkv_bias=True, out_bias=True)
+    )
+    position: PositionConfig = field(default_factory=lambda: PositionConfig(kind="sinusoidal"))
+    ffn: FFNConfig = field(default_factory=lambda: FFNConfig(activation="relu"))
+    norm: NormConfig = field(default_factory=lambda: NormConfig(placement="post"))
+    n_decoder_layers: int | None = None
+    src_vocab_size: int | None = None  # None: vocab_size
+    share_embeddings: bool = True  # source and target use one embedding table
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
+    sinusoid_layout: str = "interleaved"
+    final_norm: bool | None = None
+    final_logits_bias: bool = False  # a bias on the output logits (Marian)
+    label_smoothing: float = 0.0
+    pad_id: int = 0
+    bos_id: int = 1  # the decoder's start token
+    eos_id: int = 2
+
+    def validate(self, path: str = "") -> None:
+        super().validate(path)
+        at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        _positive(at("n_decoder_layers"), self.n_decoder_layers)
+        _positive(at("src_vocab_size"), self.src_vocab_size)
+        _choice(at("sinusoid_layout"), self.sinusoid_layout, SINUSOID_LAYOUTS)
+        _choice(at("position.kind"), self.position.kind, ("sinusoidal", "learned", "none"))
+        if self.attention.kind != "mha":
+            _fail(at("attention.kind"), "encoder–decoder models use 'mha' attention")
+        if self.share_embeddings and self.src_vocab_size not in (None, self.vocab_size):
+            _fail(
+                at("share_embeddings"),
+                "shared embeddings need src_vocab_size == vocab_size (or null)",
+            )
+        if not 0.0 <= self.label_smoothing < 1.0:
+            _fail(at("label_smoothing"), f"must be in [0, 1), got {self.label_smoothing}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.vocab_size:
+                _fail(at(name), f"must be a token id in [0, {self.vocab_size}), got {value}")
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layers or self.n_layers
+
+    @property
+    def source_vocab_size(self) -> int:
+        return self.src_vocab_size or self.vocab_size
+
+
+register_model_config("seq2seq", Seq2SeqConfig)
+
+
+class Seq2SeqModel(nn.Module):
+    """``model(src, tgt, src_mask=..., targets=...)`` -> :class:`ModelOutput` with logits
+    (b, t, V); ``encode``/``decode`` run the halves; ``generate`` decodes greedily or with
+    beams."""
+
+    def __init__(self, cfg: Seq2SeqConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.src_emb = nn.Embedding(cfg.source_vocab_size, d)
+        self.tgt_emb = self.src_emb if cfg.share_embeddings else nn.Embedding(cfg.vocab_size, d)
+        self.src_pos = self.tgt_pos = None
+        if cfg.position.kind == "learned":
+            self.src_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
+            self.tgt_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
+        self.emb_scale = d**0.5 if cfg.scale_embeddings else 1.0
+        self.drop = nn.Dropout(cfg.dropout)
+        self.encoder = TransformerStack(cfg, cfg.n_layers, causal=False)
+        self.decoder = TransformerStack(cfg, cfg.decoder_layers, causal=True, cross_attention=True)
+        final = cfg.final_norm if cfg.final_norm is not None else cfg.norm.placement == "pre"
+        self.enc_norm = build_norm(cfg.norm, d) if final else nn.Identity()
+        self.dec_norm = build_norm(cfg.norm, d) if final else nn.Identity()
+        self.lm_head = Linear(d, cfg.vocab_size, bias=False)
+        self.logits_bias = (
+            nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.final_logits_bias else None
+        )
+        self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tgt_emb.weight
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def _embed(self, ids: Tensor, emb: nn.Embedding, pos: nn.Module | None, positions: Tensor):
+        x = emb(ids) * self.emb_scale  # (b, t, d)
+        if self.cfg.position.kind == "sinusoidal":
+            table = sinusoidal_table(positions, self.cfg.d_model)  # (.., t, d) interleaved
+            if self.cfg.sinusoid_layout == "split":  # [sin..., cos...]
+                table = torch.cat((table[..., 0::2], table[..., 1::2]), dim=-1)
+            x = x + table.to(x.dtype)
+        elif pos is not None:
+            x = x + pos(positions)
+        return self.drop(x)
+
+    def _check_length(self, n: int) -> None:
+        if self.cfg.position.kind == "learned" and n > self.cfg.max_seq_len:
+            raise ValueError(f"{n} tokens exceed max_seq_len={self.cfg.max_seq_len}; crop them")
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """src (b, s) -> memory (b, s, d). ``src_mask`` (b, s): 1 real, 0 padding."""
+        self._check_length(src.shape[1])
+        positions = torch.arange(src.shape[1], device=src.device)[None, :]
+        x = self._embed(src, self.src_emb, self.src_pos, positions)
+        mask = padding_mask(src_mask) if src_mask is not None else None
+        return self.enc_norm(self.encoder(x, mask=mask))
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor | None,
+        src_mask: Tensor | None = None,
+        *,
+        cache: Cache | None = None,
+    ) -> Tensor:
+        """tgt (b, t) decoder inputs (starting with bos_id) -> hidden states (b, t, d).
+        Under a cache, ``tgt`` continues the cached tokens and ``memory`` is needed on the
+        first step only (its keys/values are kept)."""
+        b, t = tgt.shape
+        context_mask = padding_mask(src_mask) if src_mask is not None else None
+        if cache is not None:
+            positions = cache.begin(t).positions
+        else:
+            positions = torch.arange(t, device=tgt.device)[None, :]
+        self._check_length(int(positions.max()) + 1)
+        x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions)
+        x = self.decoder(x, cache=cache, context=memory, context_mask=context_mask)
+        if cache is not None:
+            cache.commit()
+        return self.dec_norm(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        out = self.lm_head(h)  # (b, t, V)
+        return out + self.logits_bias if self.logits_bias is not None else out
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_mask: Tensor | None = None,
+        targets: Tensor | None = None,
+    ) -> ModelOutput:
+        """src (b, s); tgt (b, t) decoder inputs; ``targets`` (b, t) the next target token
+        at each position (-100 ignored): cross-entropy with ``cfg.label_smoothing``."""
+        memory = self.encode(src, src_mask)
+        logits = self.logits(self.decode(tgt, memory, src_mask))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(),
+                targets.flatten(),
+                ignore_index=-100,
+                label_smoothing=self.cfg.label_smoothing,
+            )
+        return ModelOutput(logits, loss)
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> Cache:
+        """Decoder self-attention keys/values and, per layer, the cross-attention
+        keys/values of the source (computed on the first step)."""
+        p = self.tgt_emb.weight
+        cache = Cache(batch, max_len or self.cfg.max_seq_len, dtype=p.dtype, device=p.device)
+        return self.decoder.add_cache_entries(cache)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        src: Tensor,
+        max_new_tokens: int = 32,
+        *,
+        src_mask: Tensor | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        n_best: int = 1,
+        use_cache: bool = True,
+    ) -> list[list[int]] | list[list[list[int]]]:
+        """Translate each row of ``src`` (b, s): greedy (``num_beams`` 1) or beam search.
+        Returns the new tokens of each row (``eos_id`` not included), or with ``n_best`` > 1
+        a list of the n best per row, best first. See :func:`beam_search_core` for the
+        scoring (that of transformers' ``generate(early_stopping=True)``)."""
+        from attnlab.generation import beam_search_core, reorder_cache
+
+        was_training = self.training
+        self.eval()
+        try:
+            b, eos = src.shape[0], self.cfg.eos_id
+            memory = self.encode(src, src_mask)  # once per source
+            start = torch.full((b, 1), self.cfg.bos_id, dtype=torch.long, device=src.device)
+            if num_beams == 1 and n_best == 1:
+                return self._greedy(start, memory, src_mask, max_new_tokens, use_cache)
+            cache = self.new_cache(b, max_new_tokens + 1)
+            state = {"mask": src_mask}
+
+            def advance(source: Tensor, tokens: Tensor) -> Tensor:
+                reorder_cache(cache, source)  # the cross keys/values follow their rows
+                if state["mask"] is not None:
+                    state["mask"] = state["mask"].index_select(0, source)
+                return self.logits(self.decode(tokens[:, None], None, state["mask"], cache=cache))[
+                    :, -1
+                ]
+
+            first = self.logits(self.decode(start, memory, src_mask, cache=cache))[:, -1]
+            hyps = beam_search_core(
+                first,
+                advance,
+                num_beams=num_beams,
+                max_new_tokens=max_new_tokens,
+                eos_id=eos,
+                length_penalty=length_penalty,
+                n_best=n_best,
+            )
+        finally:
+            self.train(was_training)
+        if n_best == 1:
+            return [row[0].tokens for row in hyps]
+        return [[h.tokens for h in row] for row in hyps]
+
+    def _greedy(self, start, memory, src_mask, max_new_tokens, use_cache) -> list[list[int]]:
+        b, eos = start.shape[0], self.cfg.eos_id
+        cache = self.new_cache(b, max_new_tokens + 1) if use_cache else None
+        seq, done = start, torch.zeros(b, dtype=torch.bool, device=start.device)
+        rows: list[list[int]] = [[] for _ in range(b)]
+        step_in, mem = start, memory
+        for _ in range(max_new_tokens):
+            if cache is None:
+                h = self.decode(seq, memory, src_mask)
+            else:
+                h = self.decode(step_in, mem, src_mask, cache=cache)
+                mem = None  # cross keys/values are cached
+            nxt = self.logits(h[:, -1]).argmax(-1)  # (b,)
+            done_now = done | (nxt == eos)
+            for i in range(b):
+                if not done_now[i]:
+                    rows[i].append(int(nxt[i]))
+            done = done_now
+            if bool(done.all()):
+                break
+            seq = torch.cat((seq, nxt[:, None]), dim=1)
+            step_in = nxt[:, None]
+        return rows
+
+
+register_model("seq2seq")(Seq2SeqModel)

@@ -1,0 +1,148 @@
+"""Vision Transformer (Dosovitskiy et al. 2021): an image is a sequence of patches.
+
+    x_p  = Conv_{P x P, stride P}(image)                 patch embedding (b, N, d), N = HW / P^2
+    h_0  = [cls; x_p] + E_pos                            learned positions, N + 1 of them
+    h_l  = Block_l(h_{l-1})                              pre-norm, bidirectional
+    logits = W norm(h_L)[:, 0]                           classify the [CLS] token
+
+Shapes: b batch, C channels, H x W image, P patch size, N patches, d d_model, n classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.config import (
+    AttentionConfig,
+    FFNConfig,
+    ModelConfig,
+    NormConfig,
+    _fail,
+    _positive,
+    register_model_config,
+)
+from attnlab.models.build import register_model
+from attnlab.models.outputs import ModelOutput
+from attnlab.nn.block import TransformerStack
+from attnlab.nn.linear import Linear
+from attnlab.nn.norm import build_norm
+
+
+@dataclass
+class ViTConfig(ModelConfig):
+    """``image_size`` (height; ``image_width`` None: square), ``channels``, ``patch_size``
+    (must divide both sides), ``n_classes``. Defaults follow ViT: pre-norm LayerNorm,
+    GELU MLP, attention biases. ``vocab_size`` and ``max_seq_len`` are unused."""
+
+    arch: str = "vit"
+    attention: AttentionConfig = field(
+        default_factory=lambda: AttentionConfig(qkv_bias=True, out_bias=True)
+    )
+    norm: NormConfig = field(default_factory=lambda: NormConfig(placement="pre", eps=1e-12))
+    image_size: int = 32
+    image_width: int | None = None
+    channels: int = 3
+    patch_size: int = 4
+    n_classes: int = 10
+
+    def validate(self, path: str = "") -> None:
+        super().validate(path)
+        at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        for name in ("image_size", "image_width", "channels", "patch_size", "n_classes"):
+            _positive(at(name), getattr(self, name))
+        if self.position.kind != "learned":
+            _fail(at("position.kind"), "ViT uses learned positions")
+        h, w, p = self.image_size, self.width, self.patch_size
+        if h % p or w % p:
+            _fail(
+                at("patch_size"),
+                f"patch_size={p} must divide the image height {h} and width {w}; "
+                f"pick a divisor (e.g. {_divisors(h, w)})",
+            )
+
+    @property
+    def width(self) -> int:
+        return self.image_width or self.image_size
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) * (self.width // self.patch_size)
+
+
+def _divisors(h: int, w: int) -> str:
+    return ", ".join(str(p) for p in range(1, min(h, w) + 1) if h % p == 0 and w % p == 0)
+
+
+register_model_config("vit", ViTConfig)
+
+
+class VisionTransformer(nn.Module):
+    """``model(images, targets=labels)`` -> :class:`ModelOutput` with logits (b, n)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d, p = cfg.d_model, cfg.patch_size
+        self.patch = nn.Conv2d(cfg.channels, d, kernel_size=p, stride=p)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, d))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = TransformerStack(cfg, causal=False)
+        self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
+        self.head = Linear(d, cfg.n_classes)
+        self.apply(self._init_weights)
+        nn.init.trunc_normal_(self.pos, std=cfg.init_std)
+        nn.init.trunc_normal_(self.cls, std=cfg.init_std)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.trunc_normal_(m.weight, std=self.cfg.init_std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def features(self, images: Tensor) -> Tensor:
+        """images (b, C, H, W) -> final hidden states (b, N + 1, d); index 0 is [CLS]."""
+        cfg = self.cfg
+        expected = (cfg.channels, cfg.image_size, cfg.width)
+        if images.dim() != 4 or tuple(images.shape[1:]) != expected:
+            raise ValueError(
+                f"expected images of shape (b, {', '.join(map(str, expected))}), "
+                f"got {tuple(images.shape)}"
+            )
+        x = self.patch(images)  # (b, d, H/P, W/P)
+        x = x.flatten(2).transpose(1, 2)  # (b, N, d): patches in row-major order
+        x = torch.cat((self.cls.expand(x.shape[0], -1, -1), x), dim=1)  # (b, N + 1, d)
+        x = self.drop(x + self.pos)
+        return self.norm(self.blocks(x))
+
+    def forward(self, images: Tensor, *, targets: Tensor | None = None) -> ModelOutput:
+        logits = self.head(self.features(images)[:, 0])  # (b, n)
+        loss = F.cross_entropy(logits.float(), targets) if targets is not None else None
+        return ModelOutput(logits, loss)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+register_model("vit")(VisionTransformer)
+
+
+def vit_digits() -> ViTConfig:
+    """A ViT for scikit-learn's 8 x 8 digits: 2 x 2 patches (16 + [CLS] tokens), d 64,
+    4 layers. ``python benchmarks/vit_digits.py`` trains it (>= 97% test accuracy)."""
+    return ViTConfig(
+        d_model=64,
+        n_layers=4,
+        attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=128),
+        dropout=0.1,
+        image_size=8,
+        channels=1,
+        patch_size=2,
+        n_classes=10,
+    )

@@ -1,0 +1,200 @@
+"""Encoder-only models (BERT layout): transformers' BERT models built from tiny random
+configs are the reference (no downloads); the MLM masking rule is checked as a pure
+function. Shapes: b batch, t length, V vocabulary size."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attnlab.config import ConfigError, ModelConfig  # noqa: E402
+from attnlab.interop_bert import load_bert, save_bert  # noqa: E402
+from attnlab.models import build_model  # noqa: E402
+from attnlab.models.encoder import EncoderConfig, EncoderModel, mask_tokens  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+TOL = 1e-4  # float32; the two libraries order their operations differently
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from the default init so that a wrong mapping changes the logits a lot."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _bert_config(**kw):
+    return transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=40,
+        type_vocab_size=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+        **kw,
+    )
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (3, 11), generator=g)
+    types = torch.randint(0, 3, (3, 11), generator=g)
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 7:] = 0  # right padding
+    mask[2, 4:] = 0
+    return idx, types, mask
+
+
+CLASSES = {
+    "BertForMaskedLM": lambda o: o.logits,
+    "BertForSequenceClassification": lambda o: o.logits,
+    "BertForTokenClassification": lambda o: o.logits,
+    "BertForQuestionAnswering": lambda o: torch.stack((o.start_logits, o.end_logits), -1),
+}
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_bert_loads_and_saves_with_equal_logits(name, tmp_path):
+    torch.manual_seed(0)
+    n_labels = 2 if name == "BertForQuestionAnswering" else 5  # QA: start and end
+    ref = getattr(transformers, name)(_bert_config(num_labels=n_labels)).eval()
+    _randomize(ref, 1)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_bert(tmp_path / "hf")
+    idx, types, mask = _inputs()
+    with torch.no_grad():
+        expected = CLASSES[name](ref(input_ids=idx, token_type_ids=types, attention_mask=mask))
+        out = model(idx, token_type_ids=types, attention_mask=mask).logits
+    real = mask.bool() if out.dim() == 3 else torch.ones(3, dtype=torch.bool)
+    torch.testing.assert_close(out[real], expected[real], atol=TOL, rtol=TOL)
+    # and back: transformers loads what attnlab saves, with the same logits
+    save_bert(model, tmp_path / "ours")
+    back = getattr(transformers, name).from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        again = CLASSES[name](back(input_ids=idx, token_type_ids=types, attention_mask=mask))
+    torch.testing.assert_close(again, expected, atol=TOL, rtol=TOL)
+
+
+def test_bert_losses_match_transformers(tmp_path):
+    torch.manual_seed(0)
+    idx, types, mask = _inputs()
+    for name, targets, kw in (
+        ("BertForMaskedLM", torch.where(mask.bool(), idx, -100), "labels"),
+        ("BertForSequenceClassification", torch.tensor([0, 4, 2]), "labels"),
+        ("BertForTokenClassification", torch.randint(0, 5, (3, 11)), "labels"),
+    ):
+        ref = getattr(transformers, name)(_bert_config(num_labels=5)).eval()
+        _randomize(ref, 2)
+        ref.save_pretrained(tmp_path / name)
+        model = load_bert(tmp_path / name)
+        with torch.no_grad():
+            expected = ref(
+                input_ids=idx, token_type_ids=types, attention_mask=mask, **{kw: targets}
+            )
+            loss = model(idx, token_type_ids=types, attention_mask=mask, targets=targets).loss
+        torch.testing.assert_close(loss, expected.loss, atol=TOL, rtol=TOL)
+    ref = transformers.BertForQuestionAnswering(_bert_config()).eval()
+    _randomize(ref, 3)
+    ref.save_pretrained(tmp_path / "qa")
+    model = load_bert(tmp_path / "qa")
+    start, end = torch.tensor([1, 3, 40]), torch.tensor([2, 5, 0])  # 40: outside, ignored
+    with torch.no_grad():
+        expected = ref(input_ids=idx, start_positions=start, end_positions=end).loss
+        loss = model(idx, targets=torch.stack((start, end), 1)).loss
+    torch.testing.assert_close(loss, expected, atol=TOL, rtol=TOL)
+
+
+def test_padding_does_not_change_real_tokens():
+    torch.manual_seed(0)
+    model = EncoderModel(EncoderConfig(vocab_size=VOCAB, d_model=32, n_layers=2)).eval()
+    idx = torch.randint(0, VOCAB, (1, 6))
+    padded = torch.cat((idx, torch.zeros(1, 3, dtype=torch.long)), dim=1)
+    mask = torch.tensor([[1] * 6 + [0] * 3])
+    with torch.no_grad():
+        alone = model(idx).logits
+        out = model(padded, attention_mask=mask).logits[:, :6]
+    torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_config_parses_by_arch_and_rejects_unknown_keys():
+    cfg = ModelConfig.from_dict({"arch": "encoder", "head": "qa", "d_model": 32})
+    assert isinstance(cfg, EncoderConfig) and cfg.norm.placement == "post"
+    assert isinstance(build_model(cfg), EncoderModel)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="head"):
+        ModelConfig.from_dict({"arch": "encoder", "head": "mlmm"})
+    with pytest.raises(ConfigError, match="n_label"):
+        ModelConfig.from_dict({"arch": "encoder", "n_label": 3})
+
+
+@pytest.mark.parametrize("head", ["mlm", "sequence", "token", "qa", "none"])
+def test_heads_shapes_and_pre_norm(head):
+    cfg = EncoderConfig(vocab_size=VOCAB, d_model=16, n_layers=1, head=head, n_labels=3)
+    cfg = cfg.override({"norm.placement": "pre"})
+    out = build_model(cfg)(torch.randint(0, VOCAB, (2, 5))).logits
+    shapes = {"mlm": (2, 5, VOCAB), "sequence": (2, 3), "token": (2, 5, 3), "qa": (2, 5, 2)}
+    assert tuple(out.shape) == shapes.get(head, (2, 5, 16))
+
+
+def test_mask_tokens_80_10_10():
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(5, 1000, (64, 256), generator=g)
+    special = torch.zeros_like(idx, dtype=torch.bool)
+    special[:, 0] = True
+    inputs, targets = mask_tokens(
+        idx, mask_id=3, vocab_size=1000, mask_prob=0.15, special=special, generator=g
+    )
+    chosen = targets != -100
+    assert torch.equal(targets[chosen], idx[chosen])  # targets are the original tokens
+    assert not chosen[:, 0].any()  # special positions are never chosen
+    assert torch.equal(inputs[~chosen], idx[~chosen])  # the rest is untouched
+    n = chosen.sum().item()
+    assert abs(n / (64 * 255) - 0.15) < 0.01
+    masked = (inputs[chosen] == 3).float().mean().item()
+    kept = (inputs[chosen] == idx[chosen]).float().mean().item()  # includes random == original
+    assert abs(masked - 0.8) < 0.02
+    assert abs(kept - 0.1) < 0.02
+    assert abs(1 - masked - kept - 0.1) < 0.02  # replaced by a random token
+    # pure: same generator state -> same output, input not modified
+    again = mask_tokens(idx, mask_id=3, vocab_size=1000, generator=torch.Generator().manual_seed(1))
+    same = mask_tokens(idx, mask_id=3, vocab_size=1000, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(again[0], same[0]) and torch.equal(again[1], same[1])
+    # special token ids given as a list
+    ids = torch.tensor([[0, 7, 7, 0]])
+    inp, tgt = mask_tokens(ids, mask_id=3, vocab_size=10, mask_prob=1.0, special=torch.tensor([0]))
+    assert tgt.tolist() == [[-100, 7, 7, -100]]
+
+
+def test_mlm_learns():
+    """A tiny encoder learns to fill in a masked token of a repeated pattern."""
+    torch.manual_seed(0)
+    cfg = EncoderConfig(vocab_size=12, max_seq_len=16, d_model=32, n_layers=2, head="mlm")
+    model = EncoderModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(150):
+        start = torch.randint(0, 5, (32, 1), generator=g)
+        idx = 2 + (start + torch.arange(12)) % 10  # counting sequences: context decides
+        inputs, targets = mask_tokens(idx, mask_id=1, vocab_size=12, mask_prob=0.2, generator=g)
+        loss = model(inputs, targets=targets).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-10:]) / 10 < 0.3 * sum(losses[:10]) / 10

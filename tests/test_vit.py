@@ -1,0 +1,89 @@
+"""Vision Transformer: transformers' ViTForImageClassification from tiny random configs is
+the reference (both directions); shapes and errors for other image geometries."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from attnlab.config import ConfigError, ModelConfig  # noqa: E402
+from attnlab.interop_vit import load_vit, save_vit  # noqa: E402
+from attnlab.models import build_model  # noqa: E402
+from attnlab.models.vit import VisionTransformer, ViTConfig  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("image_size,channels,patch", [(8, 1, 4), ((12, 8), 3, 2), (16, 2, 16)])
+def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(
+        image_size=image_size,
+        patch_size=patch,
+        num_channels=channels,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_labels=5,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
+    ref = transformers.ViTForImageClassification(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(
+                (0.5 + torch.rand_like(p))
+                if "layernorm" in name and "weight" in name
+                else 0.3 * torch.randn_like(p)
+            )
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_vit(tmp_path / "hf")
+    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    images = torch.randn(3, channels, h, w)
+    with torch.no_grad():
+        expected = ref(pixel_values=images).logits
+        out = model(images).logits
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    save_vit(model, tmp_path / "ours")
+    assert any(
+        "attention.attention.query" in k for k in load_file(tmp_path / "ours" / "model.safetensors")
+    )
+    back = transformers.ViTForImageClassification.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(pixel_values=images).logits, expected, atol=1e-4, rtol=1e-4)
+    # and the Hub-layout file we wrote loads again
+    again = load_vit(tmp_path / "ours")
+    torch.testing.assert_close(again(images).logits, out, atol=1e-6, rtol=1e-6)
+
+
+def test_vit_config_errors_and_loss():
+    with pytest.raises(ConfigError, match="patch_size=3 must divide"):
+        ViTConfig(image_size=8, patch_size=3).validate()
+    cfg = ModelConfig.from_dict(
+        {
+            "arch": "vit",
+            "image_size": 8,
+            "channels": 1,
+            "patch_size": 2,
+            "d_model": 16,
+            "n_layers": 1,
+            "n_classes": 4,
+            "attention": {"n_heads": 2},
+        }
+    )
+    model = build_model(cfg)
+    assert isinstance(model, VisionTransformer) and model.pos.shape == (1, 17, 16)
+    images, labels = torch.randn(5, 1, 8, 8), torch.randint(0, 4, (5,))
+    out = model(images, targets=labels)
+    assert out.logits.shape == (5, 4)
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
+    with pytest.raises(ValueError, match="expected images of shape"):
+        model(torch.randn(2, 3, 8, 8))
