@@ -253,6 +253,10 @@ class AttentionConfig(_Config):
             _fail(f"{path}.sink_logits", "cannot be combined with sink_tokens (yet)")
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.kind == "linear":  # a running sum over every past token: no window, no sinks
+            for name in ("sliding_window", "layer_pattern", "sink_tokens", "sink_logits"):
+                if getattr(self, name):
+                    _fail(f"{path}.{name}", "does not apply to attention.kind='linear'")
         if self.n_heads % self.kv_heads:
             _fail(
                 f"{path}.n_kv_heads",
