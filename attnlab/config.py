@@ -100,6 +100,8 @@ def _variant(tp: type, data: dict[str, Any], path: str) -> type:
     variants = tp._variants  # type: ignore[attr-defined]
     name = data[key]
     if name not in variants:
+        import attnlab.models  # noqa: F401  (model families register their configs)
+    if name not in variants:
         where = f"{path}.{key}" if path else key
         _fail(where, f"unknown value {name!r}; choose one of {', '.join(variants)}")
     return variants[name]
@@ -379,6 +381,8 @@ class ModelConfig(_Config):
 
     def validate(self, path: str = "") -> None:
         at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        if self.arch not in self._variants:
+            import attnlab.models  # noqa: F401  (model families register their configs)
         _choice(at("arch"), self.arch, tuple(self._variants))
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers"):
             _positive(at(name), getattr(self, name))

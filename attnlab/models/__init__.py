@@ -3,7 +3,17 @@
 from attnlab.models.build import MODELS, build_model, register_model
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.outputs import LMOutput, ModelOutput
+from attnlab.models.xl import TransformerXL, XLConfig
 
 register_model("decoder")(DecoderLM)
 
-__all__ = ["MODELS", "DecoderLM", "LMOutput", "ModelOutput", "build_model", "register_model"]
+__all__ = [
+    "MODELS",
+    "DecoderLM",
+    "LMOutput",
+    "ModelOutput",
+    "TransformerXL",
+    "XLConfig",
+    "build_model",
+    "register_model",
+]
