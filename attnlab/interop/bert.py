@@ -216,6 +216,7 @@ def weights_from_attnlab(
 
 FAMILY = Family(
     name="bert",
+    arch="encoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,  # type: ignore[arg-type]  # an EncoderConfig family

@@ -265,6 +265,7 @@ def weights_from_attnlab(
 
 FAMILY = Family(
     name="deepseek",
+    arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,

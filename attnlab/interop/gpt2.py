@@ -186,6 +186,7 @@ def weights_from_attnlab(
 
 FAMILY = Family(
     name="gpt2",
+    arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,

@@ -422,6 +422,7 @@ class Family:
     why none fits."""
 
     name: str
+    arch: str  # the attnlab architecture (ModelConfig.arch) it maps to
     architectures: dict[str, tuple[str, ...]]
     config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
     config_to_hf: Callable[[ModelConfig, str, torch.dtype], dict[str, Any]]

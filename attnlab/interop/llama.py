@@ -286,6 +286,7 @@ def weights_from_attnlab(
 
 FAMILY = Family(
     name="llama",
+    arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,

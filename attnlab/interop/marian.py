@@ -219,6 +219,7 @@ def weights_from_attnlab(
 
 FAMILY = Family(
     name="marian",
+    arch="seq2seq",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,  # type: ignore[arg-type]  # a Seq2SeqConfig family

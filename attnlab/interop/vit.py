@@ -190,6 +190,7 @@ def weights_from_attnlab(
 
 FAMILY = Family(
     name="vit",
+    arch="vit",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,  # type: ignore[arg-type]  # a ViTConfig family
