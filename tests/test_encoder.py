@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attnlab.config import ConfigError, ModelConfig  # noqa: E402
-from attnlab.interop_bert import load_bert, save_bert  # noqa: E402
+from attnlab.interop import load_hf, save_hf  # noqa: E402
 from attnlab.models import build_model  # noqa: E402
 from attnlab.models.encoder import EncoderConfig, EncoderModel, mask_tokens  # noqa: E402
 
@@ -75,7 +75,7 @@ def test_bert_loads_and_saves_with_equal_logits(name, tmp_path):
     ref = getattr(transformers, name)(_bert_config(num_labels=n_labels)).eval()
     _randomize(ref, 1)
     ref.save_pretrained(tmp_path / "hf")
-    model = load_bert(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
     idx, types, mask = _inputs()
     with torch.no_grad():
         expected = CLASSES[name](ref(input_ids=idx, token_type_ids=types, attention_mask=mask))
@@ -83,7 +83,7 @@ def test_bert_loads_and_saves_with_equal_logits(name, tmp_path):
     real = mask.bool() if out.dim() == 3 else torch.ones(3, dtype=torch.bool)
     torch.testing.assert_close(out[real], expected[real], atol=TOL, rtol=TOL)
     # and back: transformers loads what attnlab saves, with the same logits
-    save_bert(model, tmp_path / "ours")
+    save_hf(model, tmp_path / "ours")
     back = getattr(transformers, name).from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         again = CLASSES[name](back(input_ids=idx, token_type_ids=types, attention_mask=mask))
@@ -101,7 +101,7 @@ def test_bert_losses_match_transformers(tmp_path):
         ref = getattr(transformers, name)(_bert_config(num_labels=5)).eval()
         _randomize(ref, 2)
         ref.save_pretrained(tmp_path / name)
-        model = load_bert(tmp_path / name)
+        model = load_hf(tmp_path / name)
         with torch.no_grad():
             expected = ref(
                 input_ids=idx, token_type_ids=types, attention_mask=mask, **{kw: targets}
@@ -111,7 +111,7 @@ def test_bert_losses_match_transformers(tmp_path):
     ref = transformers.BertForQuestionAnswering(_bert_config()).eval()
     _randomize(ref, 3)
     ref.save_pretrained(tmp_path / "qa")
-    model = load_bert(tmp_path / "qa")
+    model = load_hf(tmp_path / "qa")
     start, end = torch.tensor([1, 3, 40]), torch.tensor([2, 5, 0])  # 40: outside, ignored
     with torch.no_grad():
         expected = ref(input_ids=idx, start_positions=start, end_positions=end).loss

@@ -366,8 +366,9 @@ def test_config_rope_forms():
 
 
 def test_config_errors():
-    with pytest.raises(HFCheckpointError, match="model_type 'bert'.*gpt2, llama, mistral, qwen2"):
-        config_from_hf({"model_type": "bert"})
+    supported = "gpt2, llama, mistral, qwen2, deepseek_v2, deepseek_v3, bert, marian, vit"
+    with pytest.raises(HFCheckpointError, match=f"model_type 'falcon'.*{supported}"):
+        config_from_hf({"model_type": "falcon"})
     with pytest.raises(HFCheckpointError, match="LlamaForSequenceClassification"):
         config_from_hf({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]})
     gpt2 = {"model_type": "gpt2", "vocab_size": 10, "n_positions": 8, "n_embd": 8}

@@ -1,25 +1,26 @@
 """DeepSeek-V2/V3 checkpoints: transformers models from tiny random configs (dense and MoE
 layers, with and without query compression, both RoPE layouts, YaRN) loaded into attnlab give
-the same logits (1e-4) and the same greedy tokens through both MLA paths; saved back they load
-in transformers; a missing or mis-shaped tensor is one error naming it.
+the same logits (1e-4) and the same greedy tokens through both MLA paths, through
+``attnlab.interop.load_hf`` (checkpoint folders with experts one by one, and a transformers
+state dict with them stacked); saved back with ``save_hf`` they load in transformers; a
+missing or mis-shaped tensor is one error naming it.
 
 Shapes: b batch, t length, V vocabulary.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from attnlab.interop_deepseek import (
-    DeepSeekCheckpointError,
-    config_from_hf,
-    load_deepseek,
-    save_deepseek,
-    state_dict_from_hf,
-)
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
 from attnlab.models.decoder import DecoderLM
 from attnlab.nn.mla import MultiHeadLatentAttention
+
+pytest.importorskip("transformers")
 
 V = 96
 COMMON = dict(
@@ -39,6 +40,8 @@ COMMON = dict(
     n_routed_experts=8,
     num_experts_per_tok=2,
     first_k_dense_replace=1,
+    bos_token_id=None,  # no end-of-sequence token: greedy decoding runs its full length
+    eos_token_id=None,
 )
 YARN = {
     "rope_type": "yarn",
@@ -90,6 +93,15 @@ def _hf_model(case: str):
     return model
 
 
+def _state_dict_folder(hf, path, tensors=None):
+    """A folder holding the transformers model's own state dict (experts stacked)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    tensors = {k: v.contiguous() for k, v in (tensors or hf.state_dict()).items()}
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
 def _set_path(model: DecoderLM, path: str) -> None:
     for m in model.modules():
         if isinstance(m, MultiHeadLatentAttention):
@@ -100,9 +112,8 @@ def _set_path(model: DecoderLM, path: str) -> None:
 @torch.no_grad()
 def test_logits_and_greedy_tokens_match_transformers(case, tmp_path):
     hf = _hf_model(case)
-    cfg = config_from_hf(hf.config.to_dict())
-    ours = DecoderLM(cfg).eval()
-    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), cfg))  # stacked experts
+    ours = load_hf(_state_dict_folder(hf, tmp_path / "sd"))  # stacked experts
+    assert isinstance(ours, DecoderLM) and not ours.training
     idx = torch.randint(0, V, (2, 20))
     ref = hf(idx).logits
     for path in ("naive", "absorbed"):
@@ -110,8 +121,13 @@ def test_logits_and_greedy_tokens_match_transformers(case, tmp_path):
         torch.testing.assert_close(ours(idx).logits, ref, rtol=1e-4, atol=1e-4)
 
     prompt = idx[:1, :6]
+    # an explicit mask: transformers would otherwise mask prompt tokens equal to pad_token_id
     ref_tokens = hf.generate(
-        prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10, pad_token_id=0
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
     )[0, 6:].tolist()
     for path in ("naive", "absorbed", "auto"):
         _set_path(ours, path)
@@ -119,20 +135,20 @@ def test_logits_and_greedy_tokens_match_transformers(case, tmp_path):
 
     # A checkpoint directory (experts one by one, as save_pretrained writes them).
     hf.save_pretrained(tmp_path / "hf")
-    loaded = load_deepseek(tmp_path / "hf").eval()
+    loaded = load_hf(tmp_path / "hf")
     torch.testing.assert_close(loaded(idx).logits, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["v3-moe-qlora", "v2-moe-greedy"])
+@pytest.mark.parametrize("case", ["v3-moe-qlora", "v2-moe-greedy", "v3-dense-split-yarn"])
 @torch.no_grad()
 def test_saved_checkpoint_loads_in_transformers(case, tmp_path):
     import transformers
 
     hf = _hf_model(case)
-    ours = DecoderLM(config_from_hf(hf.config.to_dict())).eval()
-    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), ours.cfg))
+    ours = load_hf(_state_dict_folder(hf, tmp_path / "sd"))
     family = CASES[case][0]
-    save_deepseek(ours, tmp_path / "out", model_type=f"deepseek_{family}")
+    assert hf_model_type(ours.cfg) == f"deepseek_{family}"
+    save_hf(ours, tmp_path / "out")
     cls = getattr(transformers, f"Deepseek{family.upper()}ForCausalLM")
     back = cls.from_pretrained(tmp_path / "out").eval()
     idx = torch.randint(0, V, (2, 12))
@@ -140,28 +156,26 @@ def test_saved_checkpoint_loads_in_transformers(case, tmp_path):
     assert config_from_hf(back.config.to_dict()) == ours.cfg
 
 
-def test_missing_or_misshaped_tensor_is_one_error_naming_it():
+def test_missing_or_misshaped_tensor_is_one_error_naming_it(tmp_path):
     hf = _hf_model("v3-moe-qlora")
-    cfg = config_from_hf(hf.config.to_dict())
     sd = dict(hf.state_dict())
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     missing = {k: v for k, v in sd.items() if k != name}
-    with pytest.raises(DeepSeekCheckpointError, match=f"missing: {name}"):
-        state_dict_from_hf(missing, cfg)
+    with pytest.raises(HFCheckpointError, match=f"missing tensors: {name}"):
+        load_hf(_state_dict_folder(hf, tmp_path / "a", missing))
     wrong = {**sd, name: sd[name][:-1]}
-    with pytest.raises(DeepSeekCheckpointError, match=rf"wrong shapes: {name} has shape"):
-        state_dict_from_hf(wrong, cfg)
-    with pytest.raises(DeepSeekCheckpointError, match="unexpected: model.extra"):
-        state_dict_from_hf({**sd, "model.extra": torch.zeros(1)}, cfg)
+    with pytest.raises(HFCheckpointError, match=rf"wrong shapes: {name} has shape"):
+        load_hf(_state_dict_folder(hf, tmp_path / "b", wrong))
+    with pytest.raises(HFCheckpointError, match="unexpected tensors: model.extra"):
+        load_hf(_state_dict_folder(hf, tmp_path / "c", {**sd, "model.extra": torch.zeros(1)}))
     # Multi-token-prediction layers beyond num_hidden_layers are skipped.
-    state_dict_from_hf({**sd, "model.layers.3.eh_proj.weight": torch.zeros(1)}, cfg)
+    mtp = {**sd, "model.layers.3.eh_proj.weight": torch.zeros(1)}
+    load_hf(_state_dict_folder(hf, tmp_path / "d", mtp))
 
 
 def test_unsupported_config_is_refused():
     base = {**COMMON, "model_type": "deepseek_v3"}
-    with pytest.raises(DeepSeekCheckpointError, match="model_type"):
-        config_from_hf({**base, "model_type": "llama"})
-    with pytest.raises(DeepSeekCheckpointError, match="RoPE scaling 'dynamic'"):
+    with pytest.raises(HFCheckpointError, match="RoPE scaling 'dynamic'"):
         config_from_hf({**base, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
-    with pytest.raises(DeepSeekCheckpointError, match="kv_lora_rank"):
+    with pytest.raises(HFCheckpointError, match="kv_lora_rank"):
         config_from_hf({**base, "kv_lora_rank": None})

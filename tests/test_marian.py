@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attnlab.interop_marian import load_marian, save_marian  # noqa: E402
+from attnlab.interop import load_hf, save_hf  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 V, PAD, EOS = 43, 1, 2
@@ -67,13 +67,13 @@ def _batch():
 
 def test_marian_logits_both_ways(marian, tmp_path):
     ref, path = marian
-    model = load_marian(path)
+    model = load_hf(path)
     src, mask, tgt = _batch()
     with torch.no_grad():
         expected = ref(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
         out = model(src, tgt, src_mask=mask).logits
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    save_marian(model, tmp_path)
+    save_hf(model, tmp_path)
     back = transformers.MarianMTModel.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         again = back(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
@@ -83,7 +83,7 @@ def test_marian_logits_both_ways(marian, tmp_path):
 @pytest.mark.parametrize("k,lp", [(1, 1.0), (3, 1.0), (4, 0.5)])
 def test_marian_beam_search_equals_transformers(marian, k, lp):
     ref, path = marian
-    model = load_marian(path)
+    model = load_hf(path)
     src, mask, _ = _batch()
     n = max(1, k - 1)
     ours = model.generate(src, 10, src_mask=mask, num_beams=k, length_penalty=lp, n_best=n)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from attnlab.config import ConfigError, ModelConfig  # noqa: E402
-from attnlab.interop_vit import load_vit, save_vit  # noqa: E402
+from attnlab.interop import load_hf, save_hf  # noqa: E402
 from attnlab.models import build_model  # noqa: E402
 from attnlab.models.vit import VisionTransformer, ViTConfig  # noqa: E402
 
@@ -45,14 +45,14 @@ def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_
                 else 0.3 * torch.randn_like(p)
             )
     ref.save_pretrained(tmp_path / "hf")
-    model = load_vit(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
     h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
     images = torch.randn(3, channels, h, w)
     with torch.no_grad():
         expected = ref(pixel_values=images).logits
         out = model(images).logits
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    save_vit(model, tmp_path / "ours")
+    save_hf(model, tmp_path / "ours")
     assert any(
         "attention.attention.query" in k for k in load_file(tmp_path / "ours" / "model.safetensors")
     )
@@ -60,7 +60,7 @@ def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_
     with torch.no_grad():
         torch.testing.assert_close(back(pixel_values=images).logits, expected, atol=1e-4, rtol=1e-4)
     # and the Hub-layout file we wrote loads again
-    again = load_vit(tmp_path / "ours")
+    again = load_hf(tmp_path / "ours")
     torch.testing.assert_close(again(images).logits, out, atol=1e-6, rtol=1e-6)
 
 

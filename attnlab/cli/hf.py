@@ -1,10 +1,14 @@
 """``attnlab import-hf`` and ``attnlab export-hf``: convert between attnlab checkpoint
-folders and Hugging Face model folders (GPT-2, LLaMA, Mistral, Qwen2 layouts).
+folders and Hugging Face model folders of every family ``attnlab.interop`` maps (GPT-2,
+LLaMA, Mistral, Qwen2, DeepSeek-V2/V3, BERT, MarianMT, ViT), picked by config.json's
+``model_type`` on import and by the checkpoint's config on export.
 
-An attnlab checkpoint always holds a tokenizer (``eval`` and ``generate`` need one), so
+A language model's checkpoint holds a tokenizer (``eval`` and ``generate`` need one), so
 ``import-hf`` takes the source folder's ``tokenizer.json`` or one given with
-``--tokenizer``, and refuses to write a checkpoint without one. ``export-hf`` copies the
-checkpoint's ``tokenizer.json`` (Hugging Face ``tokenizers`` format) beside the weights.
+``--tokenizer``, and refuses to write a decoder checkpoint without one; for the other
+families it is optional (Marian ships SentencePiece files, ViT reads no text).
+``export-hf`` copies the checkpoint's ``tokenizer.json`` (Hugging Face ``tokenizers``
+format) beside the weights.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ def _refuse_same(src: Path, out: Path) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     from attnlab.config import RunConfig
-    from attnlab.interop import load_hf
+    from attnlab.interop import config_from_hf, load_hf
+    from attnlab.interop.io import read_config
+    from attnlab.interop.registry import lookup
     from attnlab.tokenizers import load_tokenizer
     from attnlab.training.checkpoint import save_checkpoint
 
@@ -60,22 +66,27 @@ def run_import(args: argparse.Namespace) -> int:
         raise CLIError(
             f"{src}: not a Hugging Face model folder (needs a config.json with model_type)"
         )
+    hf_config = read_config(src)
+    family, _ = lookup(hf_config)  # the family and config, before the weights
     tokenizer_file = Path(args.tokenizer) if args.tokenizer else src / TOKENIZER_FILE
-    if not tokenizer_file.is_file():
+    tokenizer = None
+    if tokenizer_file.is_file():
+        tokenizer = load_tokenizer(tokenizer_file)
+    elif args.tokenizer or family.arch == "decoder":
         raise CLIError(
-            f"{tokenizer_file}: tokenizer not found; an attnlab checkpoint needs one, give "
+            f"{tokenizer_file}: tokenizer not found; an attnlab language model needs one, give "
             "--tokenizer FILE (a Hugging Face tokenizer.json)"
         )
-    tokenizer = load_tokenizer(tokenizer_file)
-    model = load_hf(src, dtype=DTYPES[args.dtype])
-    if tokenizer.vocab_size != model.cfg.vocab_size:
+    vocab_size = config_from_hf(hf_config).vocab_size
+    if tokenizer is not None and tokenizer.vocab_size != vocab_size:
         raise CLIError(
             f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has "
-            f"vocab_size={model.cfg.vocab_size}; attnlab checkpoints need them equal"
+            f"vocab_size={vocab_size}; attnlab checkpoints need them equal"
         )
+    model = load_hf(src, dtype=DTYPES[args.dtype])
     save_checkpoint(out, model, RunConfig(model=model.cfg), tokenizer)
     _copy_generation_config(src, out)
-    n = model.num_parameters()
+    n = sum(p.numel() for p in model.parameters())
     print(f"imported {src} ({n:,} parameters) -> attnlab checkpoint {out}")
     return 0
 

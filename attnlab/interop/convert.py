@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from attnlab.config import ConfigError, ModelConfig
 from attnlab.interop.io import (
@@ -19,7 +20,7 @@ from attnlab.interop.io import (
     write_folder,
 )
 from attnlab.interop.registry import FAMILIES, lookup
-from attnlab.models.decoder import DecoderLM
+from attnlab.models import build_model
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
 
@@ -35,23 +36,26 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 
 def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
-    att = cfg.attention
-    if cfg.norm.placement != "pre":
-        raise unrepresentable("post-norm blocks (all supported architectures are pre-norm)")
-    if att.kind != "mha":
-        raise unrepresentable(f"attention.kind={att.kind!r}")
     for family in FAMILIES:
         if family.exports(cfg):
             return family, family.export_type(cfg)
+    if cfg.arch != "decoder":
+        raise unrepresentable(f"arch={cfg.arch!r}")
+    if cfg.norm.placement != "pre":
+        raise unrepresentable("post-norm blocks (all supported decoders are pre-norm)")
+    if cfg.attention.kind not in ("mha", "mla"):
+        raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
     raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
     """The Hugging Face ``model_type`` that :func:`save_hf` writes ``cfg`` as.
 
-    learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen2``
-    when q/k/v have biases and nothing else does, ``mistral`` with a sliding window and no
-    biases, else ``llama`` (missing biases are written as zeros)."""
+    By arch: encoder -> ``bert``, seq2seq -> ``marian``, vit -> ``vit``. Decoders: MLA ->
+    ``deepseek_v2`` (DeepSeek-V2 router) or ``deepseek_v3``; learned positions + LayerNorm +
+    MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen2`` when q/k/v have biases and
+    nothing else does, ``mistral`` with a sliding window and no biases, else ``llama``
+    (missing biases are written as zeros)."""
     return _export_family(cfg)[1]
 
 
@@ -61,53 +65,85 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
     return family.config_to_hf(cfg, model_type, dtype)
 
 
+def _aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that are another parameter (tied heads): loaded once, under the
+    first name."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in model.named_parameters()}
+
+
 def load_hf(
     path: str | Path,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-) -> DecoderLM:
-    """Load a Hugging Face GPT-2 / LLaMA / Mistral / Qwen2 checkpoint directory.
+) -> nn.Module:
+    """Load a Hugging Face checkpoint directory of any supported family (see
+    :data:`SUPPORTED_MODEL_TYPES`), picked by config.json's ``model_type``.
 
-    Returns a :class:`DecoderLM` in eval mode (as ``from_pretrained`` does). ``dtype``
-    defaults to float32 whatever the checkpoint stores; ``device`` defaults to the CPU.
-    The model is built on the meta device and each parameter is allocated once, in
-    ``dtype`` on ``device``, and read from the files: loading needs about the memory of
+    Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
+    LLaMA, Mistral, Qwen2, DeepSeek-V2/V3; ``EncoderModel`` for BERT, ``Seq2SeqModel`` for
+    Marian, ``VisionTransformer`` for ViT) in eval mode, as ``from_pretrained`` does.
+    ``dtype`` defaults to float32 whatever the checkpoint stores; ``device`` defaults to
+    the CPU. The model is built on the meta device and each parameter is allocated once,
+    in ``dtype`` on ``device``, and read from the files: loading needs about the memory of
     the loaded model, not twice it."""
     path = Path(path)
     hf_config = read_config(path)
     cfg = config_from_hf(hf_config)
     family, _ = lookup(hf_config)
-    files: dict[str, SafetensorsFile] = {}  # tensor name -> its file
+    rename = family.rename or (lambda name: name)
+    files: dict[str, tuple[SafetensorsFile, str]] = {}  # mapped name -> (file, stored name)
     for file in weight_files(path):
         try:
             opened = SafetensorsFile(file)
         except (WeightsFileError, OSError) as e:
             raise HFCheckpointError(str(e)) from None
-        files |= dict.fromkeys(opened.keys(), opened)
-    src = Source({name: f.shape(name) for name, f in files.items()}, family.ignored)
+        files |= {rename(name): (opened, name) for name in opened.keys()}
+
+    def shape(name: str) -> tuple[int, ...]:
+        file, stored = files[name]
+        return file.shape(stored)
+
+    def read_into(name: str, dest: torch.Tensor) -> None:
+        file, stored = files[name]
+        want = file.shape(stored)
+        # a stored shape with extra unit dimensions (checked by the plan) is read as dest's
+        file.read_into(stored, dest if tuple(dest.shape) == want else dest.view(want))
+
+    with parameters_on_meta():
+        model = build_model(cfg)
+    # strict: every attnlab parameter must come from the checkpoint (tied ones are shared).
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for alias in _aliases(model):
+        del expected[alias]
+    src = Source({name: shape(name) for name in files}, family.ignored, expected)
     plan = family.weights_to_attnlab(src, cfg)
     src.check()
     for a, b in src.must_equal:
-        if not torch.equal(files[a].read(a), files[b].read(b)):
+        (fa, na), (fb, nb) = files[a], files[b]
+        if not torch.equal(fa.read(na), fb.read(nb)):
             raise HFCheckpointError(
-                f"config.json says tie_word_embeddings=true but {a} differs from the token "
-                "embedding; set tie_word_embeddings to false in config.json"
+                f"config.json says tie_word_embeddings=true but {a} differs from {b}; set "
+                "tie_word_embeddings to false in config.json"
             )
-    with parameters_on_meta():
-        model = DecoderLM(cfg)
-    # strict: every attnlab parameter must come from the checkpoint (the tied head is shared).
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    if set(plan) != expected:  # a mapping bug, not a user error
-        raise RuntimeError(f"interop mapping mismatch: {sorted(set(plan) ^ expected)}")
+    if set(plan) != set(expected):  # a mapping bug, not a user error
+        raise RuntimeError(f"interop mapping mismatch: {sorted(set(plan) ^ set(expected))}")
 
     def fill(name: str, dest: torch.Tensor) -> None:
+        parts = plan[name]
+        if len(parts) == 1:
+            read_into(parts[0].name, dest.t() if parts[0].transposed else dest)
+            return
+        # Stacked along the first dimension; parts of lower rank (one per expert) along the
+        # leading dimensions flattened (a view: such parameters are contiguous).
+        first = shape(parts[0].name)
+        rows_of = dest.flatten(0, dest.dim() - len(first))
         row = 0
-        for part in plan[name]:  # stacked along the first dimension
-            shape = files[part.name].shape(part.name)
-            rows = shape[-1] if part.transposed else shape[0]
-            view = dest[row : row + rows] if len(plan[name]) > 1 else dest
-            files[part.name].read_into(part.name, view.t() if part.transposed else view)
+        for part in parts:
+            rows = shape(part.name)[-1 if part.transposed else 0]
+            view = rows_of[row : row + rows]
+            read_into(part.name, view.t() if part.transposed else view)
             row += rows
 
     # Floating parameters get dtype (float32 by default); the RoPE frequencies stay float32.
@@ -115,18 +151,18 @@ def load_hf(
     return model.eval()
 
 
-def save_hf(model: DecoderLM, path: str | Path) -> None:
-    """Write ``config.json`` and ``model.safetensors`` loadable by
-    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` with the same logits.
+def save_hf(model: nn.Module, path: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` that transformers'
+    ``from_pretrained`` loads (``AutoModelForCausalLM`` for decoders, the family's class
+    otherwise) with the same logits; the family follows the model's config.
 
     A tied head is not stored (transformers re-ties it). Interleaved RoPE q/k rows are
-    reordered to the split layout. Raises :class:`HFCheckpointError` for configs no
-    supported architecture represents (see :func:`hf_model_type`)."""
+    reordered to the split layout where the family rotates split halves. Raises
+    :class:`HFCheckpointError` for configs no supported architecture represents (see
+    :func:`hf_model_type`)."""
     cfg = model.cfg
     family, model_type = _export_family(cfg)
-    hf_config = family.config_to_hf(cfg, model_type, model.tok_emb.weight.dtype)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    hf_config = family.config_to_hf(cfg, model_type, dtype)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    tensors = family.weights_from_attnlab(sd, cfg, model_type)
-    if not cfg.tie_embeddings:
-        tensors["lm_head.weight"] = sd["lm_head.weight"]
-    write_folder(Path(path), tensors, hf_config)
+    write_folder(Path(path), family.weights_from_attnlab(sd, cfg, model_type), hf_config)

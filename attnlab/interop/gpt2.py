@@ -27,6 +27,7 @@ from attnlab.interop.io import (
     activation,
     common_config,
     get,
+    is_plain_decoder,
     or_zeros,
     prefix,
     unrepresentable,
@@ -78,7 +79,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "gpt2") -> ModelConfig:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return cfg.position.kind == "learned"
+    return is_plain_decoder(cfg) and cfg.position.kind == "learned"
 
 
 def export_type(cfg: ModelConfig) -> str:
@@ -142,7 +143,7 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
             a + "ffn.down.bias": src.take(h + "mlp.c_proj.bias", (d,)),
         }
     if cfg.tie_embeddings:
-        src.tied_head(out["tok_emb.weight"])
+        src.tied("lm_head.weight", out["tok_emb.weight"])
     else:
         out["lm_head.weight"] = src.take("lm_head.weight", (V, d))
     return out  # type: ignore[return-value]  # None entries only with src.missing/wrong
@@ -178,11 +179,14 @@ def weights_from_attnlab(
             h + "mlp.c_proj.weight": sd[a + "ffn.down.weight"].t(),
             h + "mlp.c_proj.bias": bias(a + "ffn.down.bias", d),
         }
+    if not cfg.tie_embeddings:  # a tied head is not stored: transformers re-ties it
+        out["lm_head.weight"] = sd["lm_head.weight"]
     return out
 
 
 FAMILY = Family(
     name="gpt2",
+    arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,

@@ -2,6 +2,11 @@
 weights in one file or shards listed in ``model.safetensors.index.json``), writing a folder,
 and the helpers the per-family name mappings are built from.
 
+A family maps names in one of two ways: explicitly, tensor by tensor with its shape
+(gpt2.py, llama.py: ``Source.take``), or declaratively, as a :data:`Specs` table read by
+``Source.plan`` and written back by :func:`unplan` (bert, marian, vit, deepseek), the
+shapes then following from the attnlab model being loaded.
+
 Weights are read with safetensors only: pickled ``pytorch_model.bin`` files can run
 arbitrary code when loaded, so they are refused.
 """
@@ -19,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from attnlab.config import ModelConfig
+from attnlab.config import ModelConfig, PositionConfig
 from attnlab.fileio import atomic_path, atomic_write_text
 
 CONFIG_NAME = "config.json"
@@ -66,8 +71,112 @@ def activation(name: Any, key: str) -> str:
     return HF_ACTIVATIONS[name]
 
 
+# attnlab -> Hugging Face activation names (a family overrides the spellings it prefers).
+TO_HF_ACTIVATIONS = {
+    "gelu_tanh": "gelu_pytorch_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "sigmoid": "sigmoid",
+}
+
+
+def hf_activation(name: str, table: dict[str, str] = TO_HF_ACTIVATIONS) -> str:
+    if name not in table:
+        raise unrepresentable(f"activation {name!r} (supported: {', '.join(table)})")
+    return table[name]
+
+
+def dtype_entries(dtype: torch.dtype) -> dict[str, str]:
+    name = str(dtype).removeprefix("torch.")
+    return {"dtype": name, "torch_dtype": name}  # transformers 5.x, 4.x
+
+
+def label_entries(n: int) -> dict[str, dict]:
+    """``id2label`` / ``label2id`` for ``n`` classes (how transformers counts them)."""
+    labels = {str(i): f"LABEL_{i}" for i in range(n)}
+    return {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}
+
+
+# rope_type -> {HF key: PositionConfig field}
+ROPE_KEYS: dict[str, dict[str, str]] = {
+    "default": {},
+    "linear": {"factor": "rope_factor"},
+    "llama3": {
+        "factor": "rope_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_seq_len",
+    },
+    "yarn": {
+        "factor": "rope_factor",
+        "original_max_position_embeddings": "rope_original_max_seq_len",
+        "beta_fast": "rope_beta_fast",
+        "beta_slow": "rope_beta_slow",
+        "mscale": "rope_mscale",
+        "mscale_all_dim": "rope_mscale_all_dim",
+    },
+}
+
+
+def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, Any]:
+    """PositionConfig fields (theta, scaling) from transformers 4.x (``rope_theta`` +
+    ``rope_scaling``) or 5.x (``rope_parameters``) configs; ``supported``: the rope_types
+    the family has (keys of :data:`ROPE_KEYS`)."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise HFCheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in supported:
+        raise HFCheckpointError(
+            f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
+            f"{', '.join(repr(k) for k in supported)}"
+        )
+    # None values and YaRN's truncate=true are the defaults attnlab implements
+    extra = {k for k, v in params.items() if v is not None and (k, v) != ("truncate", True)}
+    extra -= {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    extra -= set(ROPE_KEYS[rope_type])
+    if extra:
+        raise HFCheckpointError(
+            f"RoPE parameters {sorted(extra)} are not supported for rope_type {rope_type!r}"
+        )
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise HFCheckpointError(
+            f"partial_rotary_factor={factor} is not supported; attnlab rotates whole heads"
+        )
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
+    if rope_type != "default":
+        out["rope_scaling"] = rope_type
+        for hf_key, ours in ROPE_KEYS[rope_type].items():
+            if params.get(hf_key) is not None:
+                out[ours] = params[hf_key]
+    return out
+
+
+def rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
+    """The ``rope_parameters`` (5.x) / ``rope_scaling`` (4.x) dict for a PositionConfig."""
+    kind = pos.rope_scaling or "default"
+    if kind not in ROPE_KEYS:
+        raise unrepresentable(f"RoPE scaling {kind!r}")
+    params: dict[str, Any] = {"rope_type": kind, "rope_theta": pos.rope_theta}
+    for hf_key, ours in ROPE_KEYS[kind].items():
+        params[hf_key] = getattr(pos, ours)
+    return params
+
+
+def is_plain_decoder(cfg: ModelConfig) -> bool:
+    """A pre-norm multi-head-attention decoder: what GPT-2 and the LLaMA layouts hold."""
+    return cfg.arch == "decoder" and cfg.norm.placement == "pre" and cfg.attention.kind == "mha"
+
+
+def n_labels(hf: dict[str, Any]) -> int:
+    return hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
+
+
 def common_config(cfg: ModelConfig, family: Family, model_type: str, dtype: torch.dtype) -> dict:
-    """The config.json entries every family writes."""
+    """The config.json entries every decoder family writes."""
     return {
         "architectures": [family.architectures[model_type][0]],
         "model_type": model_type,
@@ -78,8 +187,7 @@ def common_config(cfg: ModelConfig, family: Family, model_type: str, dtype: torc
         "bos_token_id": None,  # attnlab models carry no special tokens
         "eos_token_id": None,
         "pad_token_id": None,
-        "dtype": str(dtype).removeprefix("torch."),  # transformers 5.x
-        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 4.x
+        **dtype_entries(dtype),
     }
 
 
@@ -173,30 +281,49 @@ def write_folder(path: Path, tensors: dict[str, Tensor], hf_config: dict[str, An
 @dataclass(frozen=True)
 class Part:
     """One Hugging Face tensor that fills (rows of) an attnlab parameter; ``transposed``:
-    stored (in, out) (GPT-2's Conv1D)."""
+    stored (in, out) (GPT-2's Conv1D). A stored shape that only adds unit dimensions is
+    read as the parameter's (Marian's (1, V) logits bias)."""
 
     name: str
     transposed: bool = False
 
 
 # attnlab parameter name -> the Hugging Face tensors stacked along its first dimension
+# (parts of lower rank than the parameter fill its leading dimensions flattened: experts).
 Plan = dict[str, tuple[Part, ...]]
+
+# The declarative form: attnlab name -> a Hugging Face name, a list of names whose rows are
+# stacked (equal parts: [q; k; v], [gate; up]), or a list of such lists stacked along a new
+# first axis (one per expert).
+Spec = str | list[str] | list[list[str]]
+Specs = dict[str, Spec]
 
 
 class Source:
     """The Hugging Face tensor names and shapes of a checkpoint (no data), handed out by
     name to build a :data:`Plan`: records missing and mis-shaped tensors, and what is left
-    over at the end (unexpected tensors)."""
+    over at the end (unexpected tensors). ``targets``: the attnlab parameter shapes, for
+    :meth:`plan`."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], ignored: re.Pattern[str]):
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        ignored: re.Pattern[str],
+        targets: dict[str, tuple[int, ...]] | None = None,
+    ):
         self.left = dict(shapes)
         self.ignored = ignored
+        self.targets = targets or {}
         self.missing: list[str] = []
         self.wrong: list[str] = []
         self.must_equal: list[tuple[str, str]] = []  # pairs whose data must be identical
 
     def has(self, name: str) -> bool:
         return name in self.left
+
+    def skip(self, name: str) -> None:
+        """Drop ``name`` if present: stored, but not part of the attnlab model."""
+        self.left.pop(name, None)
 
     def take(
         self, name: str, shape: tuple[int, ...], *, transposed: bool = False
@@ -211,11 +338,23 @@ class Source:
             return None
         return (Part(name, transposed),)
 
-    def tied_head(self, emb: tuple[Part, ...] | None) -> None:
-        """Tied models need no lm_head; a stored copy is accepted only if it equals the
-        embedding (checked on the data by the loader)."""
-        if self.left.pop("lm_head.weight", None) is not None and emb is not None:
-            self.must_equal.append(("lm_head.weight", emb[0].name))
+    def tied(self, name: str, source: tuple[Part, ...] | None) -> None:
+        """A stored copy of a tied tensor (a head tied to the embedding) is not loaded; it is
+        accepted only if it equals ``source`` (checked on the data by the loader)."""
+        if self.left.pop(name, None) is not None and source is not None:
+            self.must_equal.append((name, source[0].name))
+
+    def spec(self, spec: Spec, shape: tuple[int, ...]) -> tuple[Part, ...] | None:
+        """The parts of one :data:`Spec` entry filling an attnlab tensor of ``shape``."""
+        if isinstance(spec, str):
+            return self.take(spec, shape)
+        if spec and isinstance(spec[0], list):  # stacked along a new first axis
+            return cat(self.spec(sub, shape[1:]) for sub in spec)
+        rows = shape[0] // len(spec)
+        return cat(self.take(name, (rows, *shape[1:])) for name in spec)
+
+    def plan(self, specs: Specs) -> dict[str, tuple[Part, ...] | None]:
+        return {ours: self.spec(spec, self.targets[ours]) for ours, spec in specs.items()}
 
     def check(self) -> None:
         unexpected = sorted(n for n in self.left if not self.ignored.match(n))
@@ -229,6 +368,22 @@ class Source:
                     f" (+{len(names) - 8} more)" if len(names) > 8 else ""
                 )
                 raise HFCheckpointError(f"checkpoint does not match config.json: {label}: {shown}")
+
+
+def unplan(specs: Specs, sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The Hugging Face tensors of an attnlab state dict, by the same :data:`Specs` that
+    load it (stacked experts are written one by one, as checkpoint files store them)."""
+    out: dict[str, Tensor] = {}
+    for ours, spec in specs.items():
+        t = sd[ours]
+        if isinstance(spec, str):
+            out[spec] = t
+        elif spec and isinstance(spec[0], list):
+            for j, sub in enumerate(spec):
+                out |= unplan({ours: sub}, {ours: t[j]})
+        else:
+            out |= dict(zip(spec, t.chunk(len(spec), dim=0), strict=True))
+    return out
 
 
 def cat(parts: Iterable[tuple[Part, ...] | None]) -> tuple[Part, ...] | None:
@@ -261,11 +416,13 @@ class Family:
     """One Hugging Face model family: its ``model_type``s and the four mappings.
 
     ``architectures`` maps each model_type to its accepted ``architectures`` entries (the
-    causal-LM class first: it is what export writes). ``exports`` says whether a config
-    belongs to this family on export; ``export_type`` then names its model_type or raises
-    :class:`HFCheckpointError` saying why none fits."""
+    causal-LM class first: it is what export writes; families with several heads write
+    their own). ``exports`` says whether a config belongs to this family on export;
+    ``export_type`` then names its model_type or raises :class:`HFCheckpointError` saying
+    why none fits."""
 
     name: str
+    arch: str  # the attnlab architecture (ModelConfig.arch) it maps to
     architectures: dict[str, tuple[str, ...]]
     config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
     config_to_hf: Callable[[ModelConfig, str, torch.dtype], dict[str, Any]]
@@ -275,3 +432,5 @@ class Family:
     export_type: Callable[[ModelConfig], str]
     # Non-parameter buffers older transformers versions saved; recomputed, never loaded.
     ignored: re.Pattern[str]
+    # Checkpoint name -> the name the mapping uses (one layout for renamed generations).
+    rename: Callable[[str], str] | None = None

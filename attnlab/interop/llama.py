@@ -31,8 +31,11 @@ from attnlab.interop.io import (
     cat,
     common_config,
     get,
+    is_plain_decoder,
     or_zeros,
     prefix,
+    rope_settings,
+    rope_to_hf,
     split_rows,
     unrepresentable,
 )
@@ -47,63 +50,9 @@ ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu",
 ACTIVATIONS["sigmoid"] = "sigmoid"
 # RoPE frequencies that older transformers versions saved.
 IGNORED = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-
-# rope_type -> {HF key: PositionConfig field}
-_ROPE_KEYS: dict[str, dict[str, str]] = {
-    "default": {},
-    "linear": {"factor": "rope_factor"},
-    "llama3": {
-        "factor": "rope_factor",
-        "low_freq_factor": "rope_low_freq_factor",
-        "high_freq_factor": "rope_high_freq_factor",
-        "original_max_position_embeddings": "rope_original_max_seq_len",
-    },
-}
-
+_ROPE_TYPES = ("default", "linear", "llama3")
 
 # --------------------------------------------------------------------------- configs
-
-
-def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
-    """PositionConfig fields from transformers 4.x (``rope_theta`` + ``rope_scaling``) or 5.x
-    (``rope_parameters``) configs. Scaling "linear" and "llama3" are supported."""
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise HFCheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _ROPE_KEYS:
-        raise HFCheckpointError(
-            f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
-            f"{', '.join(repr(k) for k in _ROPE_KEYS)}"
-        )
-    extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-    extra -= set(_ROPE_KEYS[rope_type])
-    if extra:
-        raise HFCheckpointError(
-            f"RoPE parameters {sorted(extra)} are not supported for rope_type {rope_type!r}"
-        )
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        raise HFCheckpointError(
-            f"partial_rotary_factor={factor} is not supported; attnlab rotates whole heads"
-        )
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
-    if rope_type != "default":
-        out["rope_scaling"] = rope_type
-        for hf_key, ours in _ROPE_KEYS[rope_type].items():
-            if hf_key in params:
-                out[ours] = params[hf_key]
-    return out
-
-
-def _rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
-    """The ``rope_parameters`` (5.x) / ``rope_scaling`` (4.x) dict for a PositionConfig."""
-    kind = pos.rope_scaling or "default"
-    params: dict[str, Any] = {"rope_type": kind, "rope_theta": pos.rope_theta}
-    for hf_key, ours in _ROPE_KEYS[kind].items():
-        params[hf_key] = getattr(pos, ours)
-    return params
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
@@ -159,7 +108,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
             dropout=hf.get("attention_dropout", 0.0),
             sliding_window=_sliding_window(hf, model_type),
         ),
-        position=PositionConfig(kind="rope", rope_layout="split", **_rope_settings(hf)),
+        position=PositionConfig(kind="rope", rope_layout="split", **rope_settings(hf, _ROPE_TYPES)),
         ffn=FFNConfig(
             kind="glu",
             activation=activation(hf.get("hidden_act", "silu"), "hidden_act"),
@@ -173,7 +122,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return cfg.position.kind == "rope"
+    return is_plain_decoder(cfg) and cfg.position.kind == "rope"
 
 
 def export_type(cfg: ModelConfig) -> str:
@@ -196,7 +145,7 @@ def export_type(cfg: ModelConfig) -> str:
 
 def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
     att = cfg.attention
-    rope = _rope_to_hf(cfg.position)
+    rope = rope_to_hf(cfg.position)
     hf = {
         **common_config(cfg, FAMILY, model_type, dtype),
         "hidden_size": cfg.d_model,
@@ -268,7 +217,7 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
             )
             out[a + "ffn.down.bias"] = src.take(h + "mlp.down_proj.bias", (d,))
     if cfg.tie_embeddings:
-        src.tied_head(out["tok_emb.weight"])
+        src.tied("lm_head.weight", out["tok_emb.weight"])
     else:
         out["lm_head.weight"] = src.take("lm_head.weight", (V, d))
     return out  # type: ignore[return-value]  # None entries only with src.missing/wrong
@@ -330,11 +279,14 @@ def weights_from_attnlab(
             gb, ub = split_rows(sd[a + "ffn.gate_up.bias"], f, f)
             out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gb, ub
             out[h + "mlp.down_proj.bias"] = sd[a + "ffn.down.bias"]
+    if not cfg.tie_embeddings:  # a tied head is not stored: transformers re-ties it
+        out["lm_head.weight"] = sd["lm_head.weight"]
     return out
 
 
 FAMILY = Family(
     name="llama",
+    arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,

@@ -1,18 +1,26 @@
 """Every supported Hugging Face family, looked up by ``model_type`` or architecture class.
 
-Adding a family (deepseek_v2/v3, bert, marian, vit, ...): write ``attnlab/interop/<name>.py``
-defining a :class:`~attnlab.interop.io.Family` (see gpt2.py, llama.py) and add it to
-``FAMILIES`` below. Export tries the families in this order.
+Adding a family: write ``attnlab/interop/<name>.py`` defining a
+:class:`~attnlab.interop.io.Family` (see gpt2.py for the explicit mapping, vit.py for the
+declarative one) and add it to ``FAMILIES`` below. Export tries the families in this order
+(each family's ``exports`` picks configs by ``arch``, attention kind and positions).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from attnlab.interop import gpt2, llama
+from attnlab.interop import bert, deepseek, gpt2, llama, marian, vit
 from attnlab.interop.io import Family, HFCheckpointError
 
-FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, llama.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    gpt2.FAMILY,
+    llama.FAMILY,
+    deepseek.FAMILY,
+    bert.FAMILY,
+    marian.FAMILY,
+    vit.FAMILY,
+)
 
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.architectures}
 BY_ARCHITECTURE: dict[str, str] = {

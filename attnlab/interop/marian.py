@@ -1,0 +1,231 @@
+"""MarianMT (``model_type`` marian, ``MarianMTModel``) <-> attnlab
+:class:`~attnlab.models.seq2seq.Seq2SeqModel`.
+
+Marian is a post-norm encoder–decoder with embeddings scaled by sqrt(d), sinusoidal
+positions in the split layout (all sines, then all cosines), no final norms, one vocabulary
+shared by source, target and output (tied), and a ``final_logits_bias``.
+
+    model.shared (= encoder/decoder embed_tokens, lm_head)   -> src_emb (= tgt_emb, lm_head)
+    {encoder,decoder}.layers.i.self_attn.[q; k; v]_proj      -> {encoder,decoder}.i.attn.qkv
+    self_attn.out_proj, self_attn_layer_norm                 -> attn.out, attn_norm
+    encoder_attn.q_proj, [k_proj; v_proj], out_proj          -> cross_attn.q, cross_attn.kv, .out
+    encoder_attn_layer_norm                                  -> cross_norm
+    fc1, fc2, final_layer_norm                               -> ffn.up, ffn.down, ffn_norm
+    final_logits_bias (1, V)                                 -> logits_bias (V,)
+    embed_positions.weight (fixed sinusoids)                 -> recomputed
+
+Shapes: d d_model, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.interop.io import (
+    Family,
+    HFCheckpointError,
+    Plan,
+    Source,
+    Specs,
+    activation,
+    dtype_entries,
+    get,
+    hf_activation,
+    unplan,
+    unrepresentable,
+)
+from attnlab.models.seq2seq import Seq2SeqConfig
+from attnlab.nn.embedding import sinusoidal_table
+
+ARCHITECTURES = {"marian": ("MarianMTModel", "MarianModel")}
+TO_HF_ACTIVATIONS = {"gelu": "gelu", "silu": "swish", "relu": "relu"}
+# The fixed sinusoid tables transformers saves; recomputed, never loaded.
+IGNORED = re.compile(r"^model\.(encoder|decoder)\.embed_positions\.weight$")
+
+
+def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqConfig:
+    V = get(hf, "vocab_size")
+    if hf.get("decoder_vocab_size") not in (None, V) or not hf.get(
+        "share_encoder_decoder_embeddings", True
+    ):
+        raise HFCheckpointError("Marian models with separate source/target vocabularies")
+    same = [
+        ("encoder_attention_heads", "decoder_attention_heads"),
+        ("encoder_ffn_dim", "decoder_ffn_dim"),
+    ]
+    for a, b in same:
+        if get(hf, a) != get(hf, b):
+            raise HFCheckpointError(f"{a} != {b} is not supported (one value for both stacks)")
+    if get(hf, "d_model") % 2:
+        raise HFCheckpointError("an odd d_model is not supported")
+    pad = get(hf, "pad_token_id")
+    return Seq2SeqConfig(
+        vocab_size=V,
+        max_seq_len=get(hf, "max_position_embeddings"),
+        d_model=hf["d_model"],
+        n_layers=get(hf, "encoder_layers"),
+        n_decoder_layers=get(hf, "decoder_layers"),
+        attention=AttentionConfig(
+            n_heads=hf["encoder_attention_heads"],
+            qkv_bias=True,
+            out_bias=True,
+            dropout=float(hf.get("attention_dropout", 0.0)),
+        ),
+        position=PositionConfig(kind="sinusoidal"),
+        ffn=FFNConfig(
+            kind="mlp",
+            activation=activation(hf.get("activation_function", "gelu"), "activation_function"),
+            hidden_dim=hf["encoder_ffn_dim"],
+        ),
+        norm=NormConfig(kind="layernorm", eps=1e-5, placement="post"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        dropout=float(hf.get("dropout", 0.0)),
+        init_std=float(hf.get("init_std", 0.02)),
+        share_embeddings=True,
+        scale_embeddings=bool(hf.get("scale_embedding", False)),
+        sinusoid_layout="split",
+        final_norm=False,
+        final_logits_bias=True,
+        pad_id=pad,
+        bos_id=hf.get("decoder_start_token_id", pad),
+        eos_id=get(hf, "eos_token_id"),
+    )
+
+
+def exports(cfg: ModelConfig) -> bool:
+    return cfg.arch == "seq2seq"
+
+
+def export_type(cfg: ModelConfig) -> str:
+    assert isinstance(cfg, Seq2SeqConfig)
+    ok = (
+        cfg.norm.placement == "post"
+        and cfg.norm.kind == "layernorm"
+        and cfg.position.kind == "sinusoidal"
+        and cfg.sinusoid_layout == "split"
+        and cfg.share_embeddings
+        and cfg.final_logits_bias
+        and not cfg.final_norm
+        and cfg.ffn.kind == "mlp"
+        and cfg.ffn.activation in TO_HF_ACTIVATIONS
+        and cfg.attention.kind == "mha"
+        and cfg.attention.kv_heads == cfg.attention.n_heads
+        and cfg.head_dim * cfg.n_heads == cfg.d_model
+        and cfg.attention.qkv_bias
+        and cfg.attention.out_bias
+    )
+    if not ok:
+        raise unrepresentable(
+            "Marian needs post-norm LayerNorm, split sinusoids, shared embeddings, a final "
+            "logits bias, no final norms, an MLP and multi-head attention with biases"
+        )
+    return "marian"
+
+
+def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
+    f = cfg.ffn.hidden_size(cfg.d_model)
+    return {
+        "model_type": "marian",
+        "architectures": ["MarianMTModel"],
+        "vocab_size": cfg.vocab_size,
+        "decoder_vocab_size": cfg.vocab_size,
+        "d_model": cfg.d_model,
+        "encoder_layers": cfg.n_layers,
+        "decoder_layers": cfg.decoder_layers,
+        "encoder_attention_heads": cfg.n_heads,
+        "decoder_attention_heads": cfg.n_heads,
+        "encoder_ffn_dim": f,
+        "decoder_ffn_dim": f,
+        "activation_function": hf_activation(cfg.ffn.activation, TO_HF_ACTIVATIONS),
+        "max_position_embeddings": cfg.max_seq_len,
+        "scale_embedding": cfg.scale_embeddings,
+        "dropout": cfg.dropout,
+        "attention_dropout": cfg.attention.dropout,
+        "activation_dropout": 0.0,
+        "init_std": cfg.init_std,
+        "pad_token_id": cfg.pad_id,
+        "decoder_start_token_id": cfg.bos_id,
+        "eos_token_id": cfg.eos_id,
+        "forced_eos_token_id": None,
+        "share_encoder_decoder_embeddings": True,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "is_encoder_decoder": True,
+        **dtype_entries(dtype),
+    }
+
+
+_LAYER = [
+    ("attn.out", "self_attn.out_proj"),
+    ("attn_norm", "self_attn_layer_norm"),
+    ("ffn.up", "fc1"),
+    ("ffn.down", "fc2"),
+    ("ffn_norm", "final_layer_norm"),
+]
+_CROSS = [
+    ("cross_attn.q", "encoder_attn.q_proj"),
+    ("cross_attn.out", "encoder_attn.out_proj"),
+    ("cross_norm", "encoder_attn_layer_norm"),
+]
+_TIED_COPIES = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+
+
+def _specs(cfg: Seq2SeqConfig) -> Specs:
+    """attnlab name -> HF name(s), but for the logits bias (stored (1, V))."""
+    specs: Specs = {"src_emb.weight": "model.shared.weight"}
+    if not cfg.tie_embeddings:
+        specs["lm_head.weight"] = "lm_head.weight"
+    for stack, n in (("encoder", cfg.n_layers), ("decoder", cfg.decoder_layers)):
+        for i in range(n):
+            a, h = f"{stack}.{i}.", f"model.{stack}.layers.{i}."
+            for s in ("weight", "bias"):
+                specs[f"{a}attn.qkv.{s}"] = [f"{h}self_attn.{p}_proj.{s}" for p in "qkv"]
+                layer = _LAYER
+                if stack == "decoder":
+                    specs[f"{a}cross_attn.kv.{s}"] = [f"{h}encoder_attn.{p}_proj.{s}" for p in "kv"]
+                    layer = _LAYER + _CROSS
+                specs |= {f"{a}{ours}.{s}": f"{h}{theirs}.{s}" for ours, theirs in layer}
+    return specs
+
+
+def weights_to_attnlab(src: Source, cfg: Seq2SeqConfig) -> Plan:
+    plan = src.plan(_specs(cfg))
+    plan["logits_bias"] = src.take("final_logits_bias", (1, cfg.vocab_size))
+    for name in _TIED_COPIES + (("lm_head.weight",) if cfg.tie_embeddings else ()):
+        src.tied(name, plan["src_emb.weight"])
+    return plan  # type: ignore[return-value]  # None entries only with src.missing/wrong
+
+
+def weights_from_attnlab(
+    sd: dict[str, Tensor], cfg: Seq2SeqConfig, model_type: str
+) -> dict[str, Tensor]:
+    emb = sd["src_emb.weight"]
+    table = sinusoidal_table(torch.arange(cfg.max_seq_len), cfg.d_model)  # interleaved
+    table = torch.cat((table[:, 0::2], table[:, 1::2]), dim=-1).to(emb.dtype)  # -> split
+    out = unplan(_specs(cfg), sd)
+    out |= dict.fromkeys(_TIED_COPIES, emb)
+    out |= {
+        "model.encoder.embed_positions.weight": table,
+        "model.decoder.embed_positions.weight": table,
+        "final_logits_bias": sd["logits_bias"][None, :],
+        "lm_head.weight": emb if cfg.tie_embeddings else sd["lm_head.weight"],
+    }
+    return out
+
+
+FAMILY = Family(
+    name="marian",
+    arch="seq2seq",
+    architectures=ARCHITECTURES,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,  # type: ignore[arg-type]  # a Seq2SeqConfig family
+    weights_to_attnlab=weights_to_attnlab,  # type: ignore[arg-type]
+    weights_from_attnlab=weights_from_attnlab,  # type: ignore[arg-type]
+    exports=exports,
+    export_type=export_type,
+    ignored=IGNORED,
+)

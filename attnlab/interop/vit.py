@@ -1,0 +1,203 @@
+"""ViT (``model_type`` vit, ``ViTForImageClassification``) <-> attnlab
+:class:`~attnlab.models.vit.VisionTransformer`.
+
+Written in the Hub layout (transformers 4.x names, which 5.x renames on load); both the
+4.x and the 5.x names are read:
+
+    vit.embeddings.{cls_token, position_embeddings}        -> cls, pos
+    vit.embeddings.patch_embeddings.projection             -> patch (a strided Conv2d)
+    vit.encoder.layer.i.attention.attention.[q; k; v]      -> blocks.i.attn.qkv
+    attention.output.dense, layernorm_before               -> attn.out, attn_norm
+    intermediate.dense, output.dense, layernorm_after      -> ffn.up, ffn.down, ffn_norm
+
+(5.x: vit.layers.i.attention.{q,k,v,o}_proj, mlp.fc1, mlp.fc2.)
+    vit.layernorm, classifier                              -> norm, head
+
+Shapes: d d_model.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig
+from attnlab.interop.io import (
+    Family,
+    HFCheckpointError,
+    Plan,
+    Source,
+    Specs,
+    activation,
+    dtype_entries,
+    get,
+    hf_activation,
+    label_entries,
+    n_labels,
+    unplan,
+    unrepresentable,
+)
+from attnlab.models.vit import ViTConfig
+
+ARCHITECTURES = {"vit": ("ViTForImageClassification",)}
+TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+# A pooler the classifier does not use (ViTModel checkpoints carry one).
+IGNORED = re.compile(r"^vit\.pooler\.dense\.(weight|bias)$")
+# transformers 5.x names -> the Hub (4.x) names this module maps
+_V5 = [
+    (r"^vit\.layers\.(\d+)\.", r"vit.encoder.layer.\1."),
+    (r"attention\.q_proj", "attention.attention.query"),
+    (r"attention\.k_proj", "attention.attention.key"),
+    (r"attention\.v_proj", "attention.attention.value"),
+    (r"attention\.o_proj", "attention.output.dense"),
+    (r"mlp\.fc1", "intermediate.dense"),
+    (r"mlp\.fc2", "output.dense"),
+]
+
+
+def hub_name(name: str) -> str:
+    for pattern, repl in _V5:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def _size(value: Any) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def config_from_hf(hf: dict[str, Any], model_type: str = "vit") -> ViTConfig:
+    (h, w), (ph, pw) = _size(hf.get("image_size", 224)), _size(hf.get("patch_size", 16))
+    if ph != pw:
+        raise HFCheckpointError("ViT: rectangular patches are not supported")
+    return ViTConfig(
+        d_model=get(hf, "hidden_size"),
+        n_layers=get(hf, "num_hidden_layers"),
+        attention=AttentionConfig(
+            n_heads=get(hf, "num_attention_heads"),
+            qkv_bias=bool(hf.get("qkv_bias", True)),
+            out_bias=True,
+            dropout=float(hf.get("attention_probs_dropout_prob", 0.0)),
+        ),
+        ffn=FFNConfig(
+            kind="mlp",
+            activation=activation(hf.get("hidden_act", "gelu"), "hidden_act"),
+            hidden_dim=get(hf, "intermediate_size"),
+        ),
+        norm=NormConfig(eps=float(hf.get("layer_norm_eps", 1e-12)), placement="pre"),
+        dropout=float(hf.get("hidden_dropout_prob", 0.0)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        image_size=h,
+        image_width=None if w == h else w,
+        channels=hf.get("num_channels", 3),
+        patch_size=ph,
+        n_classes=n_labels(hf),
+    )
+
+
+def exports(cfg: ModelConfig) -> bool:
+    return cfg.arch == "vit"
+
+
+def export_type(cfg: ModelConfig) -> str:
+    a = cfg.attention
+    if (
+        cfg.norm.placement != "pre"
+        or cfg.norm.kind != "layernorm"
+        or cfg.ffn.kind != "mlp"
+        or cfg.ffn.activation not in TO_HF_ACTIVATIONS
+        or a.kind != "mha"
+        or a.kv_heads != a.n_heads
+        or cfg.head_dim * a.n_heads != cfg.d_model
+        or not a.out_bias
+    ):
+        raise unrepresentable(
+            "ViT needs pre-norm LayerNorm, an MLP and multi-head attention with head_dim = "
+            "d_model / n_heads and an output bias"
+        )
+    return "vit"
+
+
+def config_to_hf(cfg: ViTConfig, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
+    a = cfg.attention
+    square = cfg.image_width in (None, cfg.image_size)
+    return {
+        "model_type": "vit",
+        "architectures": ["ViTForImageClassification"],
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": a.n_heads,
+        "intermediate_size": cfg.ffn.hidden_size(cfg.d_model),
+        "hidden_act": hf_activation(cfg.ffn.activation, TO_HF_ACTIVATIONS),
+        "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": a.dropout,
+        "initializer_range": cfg.init_std,
+        "layer_norm_eps": cfg.norm.eps,
+        "image_size": cfg.image_size if square else [cfg.image_size, cfg.width],
+        "patch_size": cfg.patch_size,
+        "num_channels": cfg.channels,
+        "qkv_bias": a.qkv_bias,
+        **label_entries(cfg.n_classes),
+        **dtype_entries(dtype),
+    }
+
+
+_LAYER = [
+    ("attn.out", "attention.output.dense"),
+    ("attn_norm", "layernorm_before"),
+    ("ffn.up", "intermediate.dense"),
+    ("ffn.down", "output.dense"),
+    ("ffn_norm", "layernorm_after"),
+]
+_TOP = {
+    "cls": "vit.embeddings.cls_token",
+    "pos": "vit.embeddings.position_embeddings",
+    "patch.weight": "vit.embeddings.patch_embeddings.projection.weight",
+    "patch.bias": "vit.embeddings.patch_embeddings.projection.bias",
+    "norm.weight": "vit.layernorm.weight",
+    "norm.bias": "vit.layernorm.bias",
+    "head.weight": "classifier.weight",
+    "head.bias": "classifier.bias",
+}
+
+
+def _specs(cfg: ViTConfig) -> Specs:
+    """attnlab name -> HF name(s), in the Hub layout."""
+    specs: Specs = dict(_TOP)
+    for i in range(cfg.n_layers):
+        h, a = f"vit.encoder.layer.{i}.", f"blocks.{i}."
+        for s in ("weight", "bias") if cfg.attention.qkv_bias else ("weight",):
+            specs[f"{a}attn.qkv.{s}"] = [
+                f"{h}attention.attention.{n}.{s}" for n in ("query", "key", "value")
+            ]
+        for ours, theirs in _LAYER:
+            for s in ("weight", "bias"):
+                specs[f"{a}{ours}.{s}"] = f"{h}{theirs}.{s}"
+    return specs
+
+
+def weights_to_attnlab(src: Source, cfg: ViTConfig) -> Plan:
+    return src.plan(_specs(cfg))  # type: ignore[return-value]  # None only with src.missing
+
+
+def weights_from_attnlab(
+    sd: dict[str, Tensor], cfg: ViTConfig, model_type: str
+) -> dict[str, Tensor]:
+    return unplan(_specs(cfg), sd)
+
+
+FAMILY = Family(
+    name="vit",
+    arch="vit",
+    architectures=ARCHITECTURES,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,  # type: ignore[arg-type]  # a ViTConfig family
+    weights_to_attnlab=weights_to_attnlab,  # type: ignore[arg-type]
+    weights_from_attnlab=weights_from_attnlab,  # type: ignore[arg-type]
+    exports=exports,
+    export_type=export_type,
+    ignored=IGNORED,
+    rename=hub_name,
+)

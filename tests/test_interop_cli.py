@@ -1,0 +1,300 @@
+"""Every Hugging Face family through the CLI: a transformers model from a tiny random config,
+saved with ``save_pretrained``, goes through ``attnlab import-hf`` (an attnlab checkpoint) and
+``attnlab export-hf`` (a Hugging Face folder again); the imported checkpoint and the exported
+folder, loaded by transformers, give the reference's logits within 1e-4. A missing or
+mis-shaped tensor is an error naming it, for every family; ``generate`` and ``eval`` run on
+an imported DeepSeek checkpoint.
+
+Shapes: b batch, t length, V vocabulary size, c channels, H x W image size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from attnlab.cli.main import main  # noqa: E402
+from attnlab.interop import SUPPORTED_MODEL_TYPES, load_hf  # noqa: E402
+from attnlab.tokenizers import train_tokenizer  # noqa: E402
+from attnlab.training import load_checkpoint  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+TEXT = "the quick brown fox jumps over the lazy dog. THE END!\n"
+TOKENIZER = train_tokenizer("char", [TEXT])
+V = TOKENIZER.vocab_size
+TOL = 1e-4
+NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+DEEPSEEK = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    max_position_embeddings=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    **NO_SPECIAL,
+)
+BERT = dict(
+    vocab_size=V,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=48,
+    max_position_embeddings=32,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
+def _text_ids(b: int, t: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"input_ids": torch.randint(0, V, (b, t), generator=g)}
+
+
+def _seq2seq_ids() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "input_ids": torch.randint(3, V, (2, 7), generator=g),
+        "decoder_input_ids": torch.randint(3, V, (2, 5), generator=g),
+    }
+
+
+def _images() -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(7))}
+
+
+def _hf_logits(out) -> torch.Tensor:
+    if hasattr(out, "start_logits"):  # question answering: (b, t, 2)
+        return torch.stack((out.start_logits, out.end_logits), -1)
+    return out.logits
+
+
+def _ours(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "pixel_values" in inputs:
+        return model(inputs["pixel_values"]).logits
+    if "decoder_input_ids" in inputs:
+        return model(inputs["input_ids"], inputs["decoder_input_ids"]).logits
+    return model(inputs["input_ids"]).logits
+
+
+# family -> (transformers class, its config, inputs)
+FAMILIES = {
+    "gpt2": (
+        "GPT2LMHeadModel",
+        lambda: transformers.GPT2Config(
+            vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, **NO_SPECIAL
+        ),
+        lambda: _text_ids(2, 12),
+    ),
+    "llama": (
+        "LlamaForCausalLM",
+        lambda: transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            **NO_SPECIAL,
+        ),
+        lambda: _text_ids(2, 12),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        lambda: transformers.DeepseekV3Config(**DEEPSEEK, n_group=2, topk_group=1),
+        lambda: _text_ids(2, 12),
+    ),
+    "deepseek_v2": (
+        "DeepseekV2ForCausalLM",
+        lambda: transformers.DeepseekV2Config(**{**DEEPSEEK, "q_lora_rank": None}),
+        lambda: _text_ids(2, 12),
+    ),
+    "bert_mlm": (
+        "BertForMaskedLM",
+        lambda: transformers.BertConfig(**BERT),
+        lambda: _text_ids(2, 10),
+    ),
+    "bert_sequence": (
+        "BertForSequenceClassification",
+        lambda: transformers.BertConfig(**BERT, num_labels=3),
+        lambda: _text_ids(2, 10),
+    ),
+    "bert_token": (
+        "BertForTokenClassification",
+        lambda: transformers.BertConfig(**BERT, num_labels=4),
+        lambda: _text_ids(2, 10),
+    ),
+    "bert_qa": (
+        "BertForQuestionAnswering",
+        lambda: transformers.BertConfig(**BERT),
+        lambda: _text_ids(2, 10),
+    ),
+    "marian": (
+        "MarianMTModel",
+        lambda: transformers.MarianConfig(
+            vocab_size=V,
+            decoder_vocab_size=V,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=48,
+            decoder_ffn_dim=48,
+            max_position_embeddings=32,
+            pad_token_id=1,
+            decoder_start_token_id=1,
+            eos_token_id=2,
+            forced_eos_token_id=None,
+            scale_embedding=True,
+        ),
+        _seq2seq_ids,
+    ),
+    "vit": (
+        "ViTForImageClassification",
+        lambda: transformers.ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            num_labels=5,
+        ),
+        _images,
+    ),
+}
+
+
+def _reference(family: str, path):
+    """A randomised transformers model of ``family``, saved to ``path`` (with a tokenizer
+    for the decoders and BERT)."""
+    cls, config, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    hf_config = config()
+    hf_config._attn_implementation = "eager"
+    ref = getattr(transformers, cls)(hf_config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # far from the init, so that a wrong mapping shows
+        for name, p in ref.named_parameters():
+            if "embed_positions" in name:  # Marian's fixed sinusoids
+                continue
+            norm = any(k in name.lower() for k in ("norm", "ln_"))
+            if norm and name.endswith("weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    ref.save_pretrained(path)
+    if family != "vit":
+        TOKENIZER.save(path / "tokenizer.json")
+    return ref
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+
+
+def _cli(*argv: str) -> None:
+    assert main(list(argv)) == 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cli_import_export_round_trip(family, tmp_path, cache, capsys):
+    ref = _reference(family, tmp_path / "hf")
+    inputs = FAMILIES[family][2]()
+    with torch.no_grad():
+        expected = _hf_logits(ref(**inputs))
+    assert expected.abs().max() > 0.5
+
+    _cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    assert (ckpt.tokenizer is None) == (family == "vit")
+    with torch.no_grad():
+        torch.testing.assert_close(_ours(ckpt.model, inputs), expected, atol=TOL, rtol=TOL)
+
+    _cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    hf_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf_config["architectures"] == [FAMILIES[family][0]]
+    back = getattr(transformers, FAMILIES[family][0]).from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_logits(back(**inputs)), expected, atol=TOL, rtol=TOL)
+    assert "exported" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_missing_or_misshaped_tensor_is_named(family, tmp_path):
+    path = tmp_path / "hf"
+    _reference(family, path)
+    tensors = load_file(path / "model.safetensors")
+    # a weight of the second layer (index 1), whatever the family calls its layers
+    name = min(k for k in tensors if ".1." in k and k.endswith("weight") and tensors[k].dim() == 2)
+    save_file({k: v for k, v in tensors.items() if k != name}, path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"missing tensors: {name}"):
+        load_hf(path)
+    save_file({**tensors, name: tensors[name][:-1]}, path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"{name} has shape"):
+        load_hf(path)
+
+
+def test_unsupported_model_type_is_one_error_listing_the_supported(tmp_path, capsys):
+    path = tmp_path / "hf"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "falcon"}))
+    assert main(["import-hf", str(path), str(tmp_path / "ckpt")]) != 0
+    err = capsys.readouterr().err
+    assert "model_type 'falcon' is not supported" in err
+    assert ", ".join(SUPPORTED_MODEL_TYPES) in err
+    assert set(SUPPORTED_MODEL_TYPES) >= {"deepseek_v2", "deepseek_v3", "bert", "marian", "vit"}
+
+
+def test_generate_and_eval_on_imported_deepseek(tmp_path, cache, capsys):
+    ref = _reference("deepseek_v3", tmp_path / "hf")
+    _cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    capsys.readouterr()
+
+    prompt = "the "
+    ids = torch.tensor([TOKENIZER.encode(prompt)])
+    with torch.no_grad():
+        greedy = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8)
+    argv = ["--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]
+    _cli("generate", "--ckpt", str(tmp_path / "ckpt"), *argv)
+    out = capsys.readouterr().out
+    assert out == prompt + TOKENIZER.decode(greedy[0, ids.shape[1] :].tolist()) + "\n"
+
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT * 4)
+    block = 16
+    _cli("eval", "--ckpt", str(tmp_path / "ckpt"), "--data", str(data), "--block-size", "16")
+    capsys.readouterr()
+    args = ["--block-size", str(block), "--batch-size", "2", "--max-batches", "1", "--json"]
+    _cli("eval", "--ckpt", str(tmp_path / "ckpt"), "--data", str(data), *args)
+    report = json.loads(capsys.readouterr().out)
+    tokens = TOKENIZER.encode(TEXT * 4)
+    with torch.no_grad():  # the reference's loss on the first two blocks
+        x = torch.tensor([tokens[j * block : (j + 1) * block] for j in range(2)])
+        y = torch.tensor([tokens[j * block + 1 : (j + 1) * block + 1] for j in range(2)])
+        loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten())
+    assert report["tokens"] == 2 * block
+    assert report["loss"] == pytest.approx(loss.item(), rel=1e-4)
