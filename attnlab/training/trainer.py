@@ -148,6 +148,15 @@ def resolve_device(
         raise TrainingError(
             f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N"
         ) from None
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise TrainingError(
+            f"train.device={name!r} but MPS is not available on this machine; use cpu"
+        )
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise TrainingError(
+            f"train.device={name!r}: the {device.type} device is not supported; use auto, "
+            "cpu, cuda or cuda:N"
+        )
     if device.type == "cuda":
         if not cuda_available:
             raise TrainingError(
@@ -222,6 +231,18 @@ def _copy_config(cfg: RunConfig) -> RunConfig:
     return RunConfig.from_dict(cfg.to_dict())
 
 
+def _differences(mine: dict, theirs: dict, prefix: str) -> list[str]:
+    """Dotted names of the fields that differ, with both values."""
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} (checkpoint {b!r}, given {a!r})")
+    return out
+
+
 def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None:
     """The task, model and data of a resumed run must be the checkpoint's."""
     if cfg.task != saved.task:
@@ -234,11 +255,44 @@ def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None
         if section == "model":
             mine["vocab_size"] = theirs["vocab_size"]  # set from the tokenizer anyway
         if mine != theirs:
-            changed = sorted(k for k in theirs if mine.get(k) != theirs[k])
+            changed = _differences(mine, theirs, f"{section}.")
             raise TrainingError(
                 f"resume: the {section} config differs from the checkpoint's in "
-                f"{', '.join(changed)}; resume with the saved config ({resume}/config.json)"
+                f"{'; '.join(changed)}; drop the flags that change it (or resume with "
+                f"the saved config, {resume / 'config.json'})"
             )
+
+
+TRAIN_BYTES_PER_PARAMETER = 16  # float32 weights 4 + gradients 4 + AdamW's two moments 8
+
+
+def machine_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device``: the GPU's, or this machine's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_memory(model_cfg, device: torch.device, available: int | None = None) -> None:
+    """Refuse a run whose weights, gradients and optimizer state alone exceed the memory
+    of ``device`` (estimated with attnlab.analysis, before anything is allocated)."""
+    from attnlab.analysis import count_parameters
+
+    available = machine_memory(device) if available is None else available
+    if available is None:
+        return
+    n = count_parameters(model_cfg)["total"]
+    needed = n * TRAIN_BYTES_PER_PARAMETER
+    if needed > available:
+        raise TrainingError(
+            f"training this model needs about {needed / 2**30:.1f} GiB for weights, "
+            f"gradients and AdamW state ({n:,} parameters x {TRAIN_BYTES_PER_PARAMETER} "
+            f"bytes) but {device.type} has {available / 2**30:.1f} GiB; choose a smaller "
+            "model (e.g. --set model.n_layers=..., model.d_model=...)"
+        )
 
 
 def _same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
@@ -366,6 +420,8 @@ class Trainer:
             if resume is not None:
                 hint = f"the run resumed from {resume} would overwrite it; {hint}"
             raise TrainingError(f"{self.out_dir} already holds a checkpoint; {hint}")
+        device = resolve_device(cfg.train.device, cuda_available=torch.cuda.is_available())
+        check_memory(cfg.model, device)  # before building or allocating anything
         self.dist, self.device = _setup_distributed(cfg.train.device)
 
         cfg = _copy_config(cfg)
