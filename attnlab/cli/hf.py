@@ -68,10 +68,10 @@ def run_import(args: argparse.Namespace) -> int:
         )
     tokenizer = load_tokenizer(tokenizer_file)
     model = load_hf(src, dtype=DTYPES[args.dtype])
-    if tokenizer.vocab_size != model.cfg.vocab_size:
+    if tokenizer.vocab_size > model.cfg.vocab_size:  # fewer is fine: padded embeddings
         raise CLIError(
-            f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has "
-            f"vocab_size={model.cfg.vocab_size}; attnlab checkpoints need them equal"
+            f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has only "
+            f"vocab_size={model.cfg.vocab_size} embeddings; give the model's own tokenizer"
         )
     save_checkpoint(out, model, RunConfig(model=model.cfg), tokenizer)
     _copy_generation_config(src, out)
