@@ -85,8 +85,8 @@ def test_read_corpus_errors(tmp_path):
         read_corpus(tmp_path / "empty.txt")
     folder = tmp_path / "folder"
     folder.mkdir()
-    (folder / "x.md").write_text("markdown")
-    with pytest.raises(DataError, match="no .txt files"):
+    (folder / "x.rst").write_text("restructured text")
+    with pytest.raises(DataError, match="no .txt or .md files"):
         read_corpus(folder)
     (folder / "y.txt").write_text("")
     with pytest.raises(DataError, match="are empty"):
