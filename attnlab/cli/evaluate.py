@@ -127,7 +127,9 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     else:
         data = prepare_data(cfg.data, tokenizer=tokenizer)
         source = f"validation split of {cfg.data.path or 'the embedded corpus'}"
-    task = LanguageModelling(cfg, tokenizer=tokenizer, data=data, block_size=block_size)
+    task = LanguageModelling(
+        cfg, tokenizer=tokenizer, data=data, block_size=block_size, eval_sample=False
+    )
     result = task.evaluate(
         model, batch_size=batch_size, max_batches=args.max_batches, device=device
     )

@@ -80,6 +80,7 @@ class LanguageModelling(Task):
         tokenizer: Tokenizer | None = None,
         data: TokenDataset | None = None,
         block_size: int | None = None,
+        eval_sample: bool = True,
     ) -> None:
         super().__init__(cfg, tokenizer=tokenizer, data=data)
         if data is None:
@@ -89,6 +90,7 @@ class LanguageModelling(Task):
         self.data = data
         self.tokenizer = data.tokenizer
         self.block_size = block_size or cfg.train.block_size or cfg.model.max_seq_len
+        self.eval_sample = eval_sample  # False: a limited evaluation takes the first blocks
         data.check_block(self.block_size)
 
     def configure_model(self, model_cfg: ModelConfig) -> None:
@@ -124,8 +126,8 @@ class LanguageModelling(Task):
         of the split's blocks (the first n of one seeded permutation), or all of them."""
         total = self.data.n_eval_blocks("val", self.block_size)
         n = self.n_eval_blocks(batch_size, max_batches)
-        if n >= total:
-            return torch.arange(total, dtype=torch.int64)
+        if n >= total or not self.eval_sample:
+            return torch.arange(n, dtype=torch.int64)
         generator = torch.Generator().manual_seed(EVAL_SAMPLE_SEED)
         return torch.randperm(total, generator=generator)[:n].sort().values
 
@@ -134,6 +136,8 @@ class LanguageModelling(Task):
         n = self.n_eval_blocks(batch_size, max_batches)
         if n >= total:
             return f"all {total} validation blocks of {self.block_size} tokens"
+        if not self.eval_sample:
+            return f"the first {n} of {total} validation blocks of {self.block_size} tokens"
         return (
             f"a fixed random sample of {n} of {total} validation blocks of "
             f"{self.block_size} tokens ({100 * n / total:.0f}%)"
