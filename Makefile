@@ -36,5 +36,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/time_to_quality.py
 	$(BIN)/python benchmarks/mfu.py
 
+# The project's build outputs and caches (the token cache now lives in ~/.cache/attnlab:
+# `rm -rf "$${XDG_CACHE_HOME:-$$HOME/.cache}/attnlab"` clears it).
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .attnlab_cache build dist *.egg-info
+	find . -name __pycache__ -type d -not -path "./.venv/*" -prune -exec rm -rf {} +

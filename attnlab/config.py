@@ -178,7 +178,9 @@ class _Config:
             if leaf not in node:
                 close = difflib.get_close_matches(leaf, list(node), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                _fail(dotted, f"unknown key{hint}")
+                section = ".".join(parents) or "the top level"
+                valid = ", ".join(sorted(node))
+                _fail(dotted, f"unknown key{hint} (valid keys of {section}: {valid})")
             node[leaf] = value
         return type(self).from_dict(data)  # type: ignore[attr-defined]
 

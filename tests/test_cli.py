@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from attnlab.cli.main import main
 from attnlab.presets import list_presets
 from attnlab.training.checkpoint import load_checkpoint
+from attnlab.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and dog ran far away from home while birds sang in trees".split()
@@ -140,6 +141,44 @@ def test_train_resume_continues_the_run(work, tmp_path, capsys, monkeypatch):
     assert load_checkpoint(tmp_path / "run", with_state=True).state["step"] == 7
 
 
+def test_same_command_with_resume_appended(work, tmp_path, capsys, monkeypatch):
+    """Re-running a train command with --resume appended continues the run (the folder's
+    name has a space: every printed hint is an exact, quoted command)."""
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "my runs" / "r"
+    argv = ["train", *TINY, "--data", "corpus.txt", "--out", str(out), "--quiet"]
+    code, stdout, err = run_main(argv, capsys)
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0] == "stopped at step 5: max_steps=5 reached"
+    assert f"attnlab generate --ckpt '{out}' --prompt 'The '" in stdout
+    # The same command again says how to continue, as a command that runs.
+    code, _, err = run_main(argv, capsys)
+    assert f"attnlab train --resume '{out}'" in err
+    code, stdout, err = run_main([*argv, "--resume", str(out), "--max-steps", "7"], capsys)
+    assert code == 0, err
+    assert "stopped at step 7: max_steps=7 reached" in stdout
+    assert load_checkpoint(out, with_state=True).state["step"] == 7
+
+
+def test_print_config_prints_the_resolved_config(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--preset", "demo", "--set", "train.lr=0.002", "--device", "cpu"]
+    code, out, err = run_main([*argv, "--max-steps", "9", "--print-config"], capsys)
+    assert code == 0, err
+    cfg = json.loads(out)
+    assert cfg["train"]["lr"] == 0.002 and cfg["train"]["device"] == "cpu"
+    assert cfg["model"]["n_layers"] == 4 and not (tmp_path / "runs").exists()
+    # An explicit --max-steps on a preset with a time budget runs those steps ...
+    assert cfg["train"]["max_steps"] == 9 and cfg["train"]["time_budget"] is None
+    # ... unless --time-budget is given too.
+    code, out, _ = run_main(
+        [*argv, "--max-steps", "9", "--time-budget", "5", "--print-config"], capsys
+    )
+    assert json.loads(out)["train"]["time_budget"] == 5
+
+
 def test_train_sigint_saves_and_exits_130(work, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ATTNLAB_CACHE": str(work / "cache")}
     argv = [sys.executable, "-m", "attnlab", "train", *TINY, "--max-steps", "100000"]
@@ -154,7 +193,12 @@ def test_train_sigint_saves_and_exits_130(work, tmp_path):
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, stdout
-    assert "stopped by SIGINT" in stdout
+    assert "SIGINT received" in stdout and "latest" not in stdout
+    lines = stdout.splitlines()
+    assert lines[0].startswith("stopped at step ") and lines[0].endswith(": SIGINT received")
+    assert lines[1] == f"continue with: attnlab train --resume {tmp_path / 'run'}"
+    # The summary shows the latest validation loss and its step.
+    assert any(" val loss " in line and "(step 0" in line for line in lines), stdout
     step = load_checkpoint(tmp_path / "run", with_state=True).state["step"]
     assert 1 <= step < 100000
 
@@ -296,7 +340,28 @@ BAD_INPUTS = [
     (["train", "--preset", "gpt2-tiny", "--config", "{tmp}/typo.json"], "did you mean"),
     (["train", "--resume", "{tmp}/missing"], "not found"),
     (["train", "--preset", "gpt2-tiny", "--out", "{work}/run"], "--overwrite"),
-    (["train", "--resume", "{work}/run", "--preset", "gpt2-tiny"], "--preset"),
+    (
+        ["train", "--resume", "{work}/run", "--preset", "gpt2-tiny"],
+        "model.max_seq_len (checkpoint 64, given 128)",
+    ),
+    (
+        ["train", "--resume", "{work}/run", "--set", "model.n_layers=3"],
+        "model.n_layers (checkpoint 2, given 3)",
+    ),
+    (["train", "--resume", "{work}/run", "--out", "{tmp}/other"], "would overwrite it"),
+    (["train", "--resume", "{work}/run", "--init-from", "{work}/run"], "exclude each other"),
+    (["train", "--init-from", "{tmp}/missing"], "not found"),
+    (["train", "--preset", "gpt2-tiny", "--device", "tpu9"], "not a device"),
+    (["train", "--preset", "gpt2-tiny", "--device", "mps"], "MPS is not available"),
+    (["train", "--preset", "llama-3-8b"], "GiB for weights, gradients and AdamW state"),
+    (
+        ["train", "--preset", "gpt2-tiny", "--set", "train.nope=1"],
+        "valid keys of train: batch_size, beta1",
+    ),
+    (
+        ["train", "--preset", "gpt2-tiny", "--set", "model.attention.nope=1"],
+        "valid keys of model.attention:",
+    ),
     (["train", "--preset", "gpt2-tiny", "--max-steps", "0"], "--max-steps"),
     (["train", "--preset", "gpt2-tiny", "--task", "nope"], "unknown task; choose one of lm"),
     (["train", "--preset", "gpt2-tiny", "--set", "task=nope"], "task: unknown value 'nope'"),
@@ -316,6 +381,7 @@ BAD_INPUTS = [
 @pytest.fixture
 def bad_files(work, tmp_path) -> Path:
     shutil.copytree(work / "run", tmp_path / "corrupt")
+    shutil.copytree(work / "run", tmp_path / "other")  # another run's folder
     weights = tmp_path / "corrupt" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
     (tmp_path / "empty").mkdir()
@@ -344,3 +410,71 @@ def test_bad_input_in_a_real_process(work, tmp_path):
     ]:
         proc = run_cli(*args, cwd=work, check=False)
         assert_one_line_error(proc.returncode, proc.stderr, needle)
+
+
+# ------------------------------------------------------------------ fine-tuning
+
+
+def test_init_from_fine_tunes_an_imported_hf_model(tmp_path, capsys, monkeypatch):
+    """`attnlab train --init-from HF_FOLDER --data FILE`: a tiny random LLaMA saved by
+    transformers (vocabulary padded past its tokenizer's, as Qwen2 / Llama 3 do) is
+    fine-tuned on a small text; the loss falls and the export loads in transformers."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.tokenizers import train_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "small.txt").write_text(_corpus())
+    tokenizer = train_tokenizer("char", [_corpus()])
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size + 5,  # padded embedding
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    tokenizer.save(tmp_path / "hf" / "tokenizer.json")
+    argv = ["train", "--init-from", "hf", "--data", "small.txt", "--out", "ft", "--quiet"]
+    argv += ["--max-steps", "60", "--set", "train.lr=3e-3", "--set", "train.eval_every=30"]
+    argv += ["--set", "train.batch_size=8", "--set", "train.block_size=32"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    val = [r for r in read_metrics(tmp_path / "ft" / "metrics.jsonl") if r["kind"] == "val"]
+    assert val[0]["step"] == 0 and val[-1]["step"] == 60
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.5
+    ckpt = load_checkpoint(tmp_path / "ft", with_state=True)
+    assert ckpt.config.model.vocab_size == tokenizer.vocab_size + 5
+    assert ckpt.tokenizer.to_json() == tokenizer.to_json()
+    assert ckpt.state["step"] == 60  # a fresh schedule, counted from 0
+    code, out, err = run_main(["export-hf", "ft", "exported"], capsys)
+    assert code == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    ids = torch.tensor([tokenizer.encode("The cat sat")])
+    with torch.no_grad():
+        theirs = model(ids).logits
+        mine = ckpt.model(ids).logits
+    torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-4)
+
+
+def test_finetune_defaults_and_python_api(tmp_path):
+    from attnlab.presets import get_run_preset
+    from attnlab.training import train
+    from attnlab.training.trainer import finetune_config
+
+    base = get_run_preset("demo")
+    ft = finetune_config(base)
+    assert ft.train.lr == pytest.approx(base.train.lr / 10) and ft.train.time_budget is None
+    assert ft.train.warmup_steps <= 10 and ft.model == base.model
+    (tmp_path / "t.txt").write_text(_corpus())
+    cfg = get_run_preset("gpt2-tiny").override(
+        {"model.max_seq_len": 32, "data.path": str(tmp_path / "t.txt"), "train.eval_every": 0}
+    )
+    first = train(cfg, tmp_path / "a", max_steps=3, progress=False)
+    again = train(cfg, tmp_path / "b", max_steps=2, progress=False, init_from=first.out_dir)
+    assert again.step == 2
+    weights = load_checkpoint(tmp_path / "b").model.state_dict()
+    assert weights.keys() == load_checkpoint(tmp_path / "a").model.state_dict().keys()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from attnlab.data import (
     EMBEDDED_NAME,
     DataError,
     TokenDataset,
+    default_cache_dir,
     default_corpus,
     prepare_data,
     read_corpus,
@@ -34,7 +37,7 @@ def corpus_dir(tmp_path):
     (root / "sub").mkdir(parents=True)
     (root / "b.txt").write_text(DOC_B, encoding="utf-8")
     (root / "sub" / "a.txt").write_text(DOC_A * 40, encoding="utf-8")
-    (root / "notes.md").write_text("not a .txt file")
+    (root / "notes.rst").write_text("neither a .txt nor a .md file")
     (root / "empty.txt").write_text("")
     return root
 
@@ -82,8 +85,8 @@ def test_read_corpus_errors(tmp_path):
         read_corpus(tmp_path / "empty.txt")
     folder = tmp_path / "folder"
     folder.mkdir()
-    (folder / "x.md").write_text("markdown")
-    with pytest.raises(DataError, match="no .txt files"):
+    (folder / "x.rst").write_text("restructured text")
+    with pytest.raises(DataError, match="no .txt or .md files"):
         read_corpus(folder)
     (folder / "y.txt").write_text("")
     with pytest.raises(DataError, match="are empty"):
@@ -211,8 +214,23 @@ def test_cache_location_from_env_and_cwd(corpus_dir, tmp_path, monkeypatch):
     assert ds.cache_file.parent == tmp_path / "env_cache" and ds.cache_file.is_file()
     monkeypatch.delenv("ATTNLAB_CACHE")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     ds = prepare_data(cfg)
-    assert ds.cache_file.parent == tmp_path / ".attnlab_cache" and ds.cache_file.is_file()
+    # The user cache folder, never the current directory.
+    assert ds.cache_file.parent == tmp_path / "xdg" / "attnlab" and ds.cache_file.is_file()
+    assert not (tmp_path / ".attnlab_cache").exists()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "attnlab"
+
+
+def test_folder_corpus_reads_txt_and_md(tmp_path):
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / "a.txt").write_text("plain text\n")
+    (tmp_path / "c" / "sub" / "b.md").write_text("# A heading\n")
+    (tmp_path / "c" / "skip.py").write_text("print()\n")
+    docs = read_corpus(tmp_path / "c")
+    assert [Path(name).name for name, _ in docs] == ["a.txt", "b.md"]
 
 
 def test_unwritable_cache_warns_and_still_works(corpus_dir, tmp_path):

@@ -175,9 +175,18 @@ def test_lm_eval_is_a_slice_of_one_fixed_set(dataset):
     assert cfg.model.vocab_size == dataset.tokenizer.vocab_size
     model = build_model(cfg.model).eval()
     whole = task.evaluate(model, batch_size=3, max_batches=4)
-    # The same 12 blocks as the dataset's own iterator, evaluated directly.
-    direct = evaluate(model, dataset.iter_eval("val", 3, 16, max_batches=4))
-    assert whole == pytest.approx(direct, rel=1e-12)
+    # A fixed random sample of 12 of the split's non-overlapping blocks, spread over it.
+    blocks = task.eval_block_indices(3, 4)
+    n_blocks = dataset.n_eval_blocks("val", 16)
+    assert len(blocks) == 12 and blocks.unique().numel() == 12
+    assert torch.equal(blocks, task.eval_block_indices(3, 4))  # the same every time
+    assert blocks.max() > n_blocks // 2  # not just the start of the split
+    assert set(blocks.tolist()) <= set(task.eval_block_indices(5, 4).tolist())  # nested
+    assert "12 of" in task.eval_coverage(3, 4) and task.eval_coverage(3, None).startswith("all")
+    # Evaluated directly, block by block.
+    x, y = dataset.batch("val", blocks * 16, 16)
+    direct = evaluate(model, [(x, y)])
+    assert whole == pytest.approx(direct, rel=1e-6)
     assert whole["tokens"] == 12 * 16
     # Three processes, each its slice: the totals add up to the one-process ones.
     with torch.no_grad():
@@ -187,6 +196,29 @@ def test_lm_eval_is_a_slice_of_one_fixed_set(dataset):
         ]
     summed = {k: sum(p[k] for p in parts) for k in parts[0]}
     assert task.summarize(summed) == pytest.approx(whole, rel=1e-6)
+    # All blocks with max_batches=None: the dataset's own iterator over the split.
+    everything = task.evaluate(model, batch_size=64, max_batches=None)
+    assert everything == pytest.approx(evaluate(model, dataset.iter_eval("val", 64, 16)), rel=1e-6)
+
+
+def test_lm_eval_sample_size_for_one_percent(dataset):
+    """The sample size the task asks for from the spread of block losses: a sample that
+    large agrees with the whole split within 1%."""
+    cfg = RunConfig(
+        model=gpt2_style(vocab_size=256, max_seq_len=16, d_model=16, n_layers=1, n_heads=2)
+    )
+    task = LanguageModelling(cfg, data=dataset)
+    task.configure_model(cfg.model)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5) if hasattr(model, "lm_head") else None
+        sums = task.eval_sums(model, batch_size=8, max_batches=2)
+        needed = task.eval_batches_needed(sums, 8, 0.01)
+        whole = task.evaluate(model, batch_size=64, max_batches=None)["loss"]
+        sample = task.evaluate(model, batch_size=8, max_batches=needed)["loss"]
+    assert needed is None or needed * 8 < dataset.n_eval_blocks("val", 16)
+    assert sample == pytest.approx(whole, rel=0.01)
 
 
 # --------------------------------------------------------------------------- a generic trainer

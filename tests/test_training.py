@@ -42,6 +42,7 @@ from attnlab.training import (
 from attnlab.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+FIT_STEPS = trainer_module.FIT_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,17 @@ def test_loss_drops_and_records_are_written(tmp_path, dataset):
     records = read_metrics(tmp_path / "metrics.jsonl")
     val = [r for r in records if r["kind"] == "val"]
     assert [r["step"] for r in val] == [0, 75, 150]
-    assert result.val_loss == val[-1]["val_loss"] < val[0]["val_loss"] - 1.0
+    # Periodic evaluations cover a fixed sample; the last one also the whole split.
+    assert result.val_loss == val[-1]["val_full_loss"] < val[0]["val_loss"] - 1.0
+    assert val[-1]["val_loss"] == pytest.approx(result.val_loss, rel=0.01)
+    assert result.val_coverage.startswith("all ") and "sample" in val[1]["val_coverage"]
+    assert result.stop_message == "stopped at step 150: max_steps=150 reached"
+    assert records[-1] == {
+        "kind": "stop",
+        "step": 150,
+        "reason": "max_steps",
+        "message": result.stop_message,
+    }
     assert result.val_loss < unigram_entropy - 0.1
     assert result.best_val_loss == min(r["val_loss"] for r in val[1:])
     assert np.mean(result.losses[-20:]) < np.mean(result.losses[:5]) - 1.0
@@ -376,16 +387,17 @@ class TimedDataset:
 
 
 def test_time_budget_fits_the_schedule(tmp_path, dataset, monkeypatch):
-    """With a fake clock (steps of 0.1 s, evaluations of 2 batches of 0.02 s every 10
-    steps), a 3 s budget fits 28 steps (3 s = 0.1 n + 0.004 n + 2 evaluations); the run
-    must use the budget nearly whole and never pass it."""
+    """With a fake clock (steps of 0.1 s, evaluation batches of 1 ms every 10 steps, the
+    whole validation split of 364 batches at the end), a 3 s budget fits about 26 steps
+    (3 s = 0.1 n + the evaluations); the run must use the budget nearly whole and never
+    pass it."""
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
-    data = TimedDataset(dataset, clock, lambda split, n: 0.1 if split == "train" else 0.02)
+    data = TimedDataset(dataset, clock, lambda split, n: 0.1 if split == "train" else 0.001)
     cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=10, eval_batches=2)
     result = train(cfg, tmp_path, dataset=data, progress=False)
     assert result.stop_reason == "max_steps"  # the fitted schedule ran to its end ...
-    assert 26 <= result.max_steps == result.step <= 28  # ... of about as many steps as fit
+    assert 24 <= result.max_steps == result.step <= 26  # ... of about as many steps as fit
     assert 0.95 * 3.0 <= result.elapsed <= 3.0  # the budget used, not exceeded
     assert result.elapsed == pytest.approx(clock.now)
     state = load_checkpoint(tmp_path, with_state=True).state
@@ -399,15 +411,56 @@ def test_time_budget_stops_when_steps_slow_down(tmp_path, dataset, monkeypatch):
     schedule, and the run stops with a final evaluation once the 3 s are used."""
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
-    cost = lambda split, n: (0.1 if n <= 6 else 0.3) if split == "train" else 0.02  # noqa: E731
+    cost = lambda split, n: (0.1 if n <= 6 else 0.3) if split == "train" else 0.001  # noqa: E731
     data = TimedDataset(dataset, clock, cost)
     cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=10, eval_batches=2)
     result = train(cfg, tmp_path, dataset=data, progress=False)
     assert result.stop_reason == "time_budget" and result.step <= result.max_steps < 28
-    # Stopped after the step that used up the budget, plus the final evaluation.
-    assert 3.0 <= result.elapsed <= 3.0 + 0.3 + 2 * 0.02 + 1e-9
+    # Stopped after the step that used up the budget, plus the final evaluations.
+    assert 3.0 <= result.elapsed <= 3.0 + 0.3 + 0.4 + 1e-9
     val = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "val"]
     assert val[-1] == result.step == load_checkpoint(tmp_path, with_state=True).state["step"]
+
+
+def test_time_budget_schedule_never_rewinds(tmp_path, dataset, monkeypatch):
+    """Steps take 0.1 s while the schedule is first fitted, then 0.02 s: the refits at the
+    evaluations must not lengthen the schedule (that restarted the cosine, raising the
+    learning rate mid-run), and the warm-up (50 steps configured) is bounded by a
+    tenth of the fitted length."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    cost = lambda split, n: (0.1 if n <= 6 else 0.02) if split == "train" else 0.001  # noqa: E731
+    data = TimedDataset(dataset, clock, cost)
+    cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=5, warmup_steps=50, log_every=1)
+    result = train(cfg, tmp_path, dataset=data, progress=False)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    peak = lrs.index(max(lrs))
+    # The warm-up ends once the schedule is fitted (after the first timed steps).
+    assert peak <= max(0.1 * result.max_steps, FIT_STEPS + trainer_module.FIT_SKIP_STEPS)
+    assert all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1 :])), lrs  # then only down
+    assert result.max_steps <= 30  # fitted on the slow steps, never lengthened
+    assert lrs[-1] == pytest.approx(cfg.train.min_lr, rel=0.05)  # the cosine completed
+    assert "schedule fitted to the 3 s time budget" in result.stop_message
+
+
+def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    data = TimedDataset(dataset, clock, lambda split, n: 1.0 if split == "train" else 0.0)
+    cfg = tiny_run(max_steps=1000, time_budget=2.5)
+    first = train(cfg, tmp_path, dataset=data, progress=False)
+    assert first.stop_reason == "time_budget" and first.step == 3
+    assert first.stop_message == "stopped at step 3: 2.5 s time budget reached"
+    # The budget is spent; an explicit step count continues to it.
+    again = train(None, tmp_path, resume=tmp_path, max_steps=6, dataset=data, progress=False)
+    assert again.step == 6 and again.stop_message == "stopped at step 6: max_steps=6 reached"
+    stops = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "stop"]
+    assert [r["reason"] for r in stops] == ["time_budget", "max_steps"]
+    # A fresh run of a config with a budget: max_steps wins unless time_budget is given.
+    fresh = train(cfg, tmp_path / "b", max_steps=4, dataset=data, progress=False)
+    assert fresh.step == 4 and fresh.stop_reason == "max_steps"
+    both = train(cfg, tmp_path / "c", max_steps=4, time_budget=1.5, dataset=data, progress=False)
+    assert both.step == 2 and both.stop_reason == "time_budget"
 
 
 # --------------------------------------------------------------------------- data parallel

@@ -139,7 +139,9 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     if args.stride is not None:
         result = _strided(args, model, data.val, block_size, batch_size, device)
     else:
-        task = LanguageModelling(cfg, tokenizer=tokenizer, data=data, block_size=block_size)
+        task = LanguageModelling(
+            cfg, tokenizer=tokenizer, data=data, block_size=block_size, eval_sample=False
+        )
         result = task.evaluate(
             model, batch_size=batch_size, max_batches=args.max_batches, device=device
         )

@@ -78,10 +78,10 @@ def run_import(args: argparse.Namespace) -> int:
             "--tokenizer FILE (a Hugging Face tokenizer.json)"
         )
     vocab_size = config_from_hf(hf_config).vocab_size
-    if tokenizer is not None and tokenizer.vocab_size != vocab_size:
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:  # fewer: padded embeddings
         raise CLIError(
-            f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has "
-            f"vocab_size={vocab_size}; attnlab checkpoints need them equal"
+            f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has only "
+            f"vocab_size={vocab_size} embeddings; give the model's own tokenizer"
         )
     model = load_hf(src, dtype=DTYPES[args.dtype])
     save_checkpoint(out, model, RunConfig(model=model.cfg), tokenizer)

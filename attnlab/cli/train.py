@@ -1,15 +1,23 @@
 """``attnlab train``: train a model from a preset, a config file and ``--set`` overrides.
 
 The run config is assembled in this order, each step overriding the one before:
-the preset (or, with ``--resume``, the checkpoint's own config.json), the ``--config``
+the preset (or, with ``--resume`` and no ``--preset``, the checkpoint's own config.json;
+with ``--init-from``, the checkpoint's config with fine-tuning defaults), the ``--config``
 JSON file (a full or partial RunConfig, merged section by section), the ``--set``
-assignments, then the ``--task``, ``--data`` and ``--seed`` shortcuts.
+assignments, then the ``--task``, ``--data``, ``--seed`` and ``--device`` shortcuts.
+
+Re-running a command with ``--resume DIR`` appended works: its model and data settings
+must equal the checkpoint's (the differing field is named otherwise), its training
+settings apply. ``--max-steps N`` without ``--time-budget`` runs exactly N steps, also on
+a preset (or a resumed run) that has a time budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import signal
 from pathlib import Path
 
@@ -49,10 +57,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="override a field, e.g. --set model.n_layers=2 --set train.lr=3e-4 (repeatable)",
     )
-    p.add_argument("--data", metavar="PATH", help="a .txt file or folder (sets data.path)")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a .txt or .md file, or a folder read recursively for .txt and .md files "
+        "(sets data.path)",
+    )
     p.add_argument("--task", metavar="NAME", help="what to train for (sets task; default lm)")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/<preset>)")
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="fine-tune: start from the weights and tokenizer of an attnlab checkpoint or "
+        "Hugging Face model folder, with a fresh optimizer and schedule (default lr a "
+        "tenth of the checkpoint's, 10 warm-up steps, 200 steps)",
+    )
+    p.add_argument("--device", metavar="DEV", help="auto, cpu, cuda, cuda:1 (sets train.device)")
+    p.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as JSON and exit"
+    )
     p.add_argument("--max-steps", type=positive_int, metavar="N", help="sets train.max_steps")
     p.add_argument(
         "--time-budget", type=positive_float, metavar="SECONDS", help="stop after this long"
@@ -70,17 +94,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
     """The resolved RunConfig and the name the default output folder takes."""
-    if args.resume is not None:
-        if args.preset is not None:
-            raise CLIError(
-                "--preset and --resume exclude each other: a resumed run keeps its "
-                "config (change fields with --set)"
-            )
+    if args.resume is not None and args.init_from is not None:
+        raise CLIError("--resume and --init-from exclude each other")
+    if args.resume is not None and args.preset is None:
         from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
 
         resume = check_dir(args.resume, "run folder to resume")
         base = read_json_file(checkpoint_files(resume)[CONFIG_FILE], "checkpoint config")
         name = resume.name
+    elif args.init_from is not None and args.preset is None:
+        base = _finetune_base(args.init_from)
+        name = Path(args.init_from).name + "-finetuned"
     else:
         name = args.preset or DEFAULT_PRESET
         base = run_preset(name).to_dict()
@@ -102,9 +126,46 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
         overrides["data.path"] = args.data
     if args.seed is not None:
         overrides["train.seed"] = args.seed
+    if args.device is not None:
+        overrides["train.device"] = args.device
+    if args.max_steps is not None:
+        overrides["train.max_steps"] = args.max_steps
+        if args.time_budget is None:
+            overrides["train.time_budget"] = None  # explicit steps win over a preset's budget
+    if args.time_budget is not None:
+        overrides["train.time_budget"] = args.time_budget
+    if args.save_every is not None:
+        overrides["train.save_every"] = args.save_every
     if overrides:
         cfg = cfg.override(overrides)
     return cfg, name
+
+
+def _finetune_base(path: str) -> dict:
+    """The config to fine-tune the model in ``path`` (attnlab or Hugging Face folder)."""
+    from attnlab.cli.common import is_hf_dir
+    from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
+    from attnlab.training.trainer import finetune_config
+
+    folder = check_dir(path, "checkpoint folder to fine-tune")
+    if is_hf_dir(folder):
+        from attnlab.interop import config_from_hf
+
+        base = RunConfig(model=config_from_hf(read_json_file(folder / CONFIG_FILE)))
+    else:
+        data = read_json_file(checkpoint_files(folder)[CONFIG_FILE], "checkpoint config")
+        try:
+            base = RunConfig.from_dict(data)
+        except ConfigError as e:
+            raise CLIError(f"{folder}/config.json: {e}") from None
+    cfg = finetune_config(base)
+    cfg.data.path = None
+    return cfg.to_dict()
+
+
+def command(*words: str | os.PathLike[str]) -> str:
+    """An exact shell command: every word quoted as the shell needs (spaces, quotes)."""
+    return " ".join(shlex.quote(str(word)) for word in words)
 
 
 def _fmt(loss: float | None) -> str:
@@ -113,13 +174,17 @@ def _fmt(loss: float | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg, name = run_config(args)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
     if args.data is not None and not Path(args.data).exists():  # fail before building anything
         raise CLIError(f"--data {args.data}: no such file or folder")
     out = Path(args.out or args.resume or Path("runs") / name)
     if args.resume is None and not args.overwrite and (out / "config.json").exists():
         raise CLIError(
-            f"{out} already holds a run; continue it with --resume {out}, start afresh "
-            "with --overwrite, or choose another --out"
+            f"{out} already holds a run; continue it with: "
+            f"{command('attnlab', 'train', '--resume', out)} (or start afresh with "
+            "--overwrite, or choose another --out)"
         )
     from attnlab.training import train
     from attnlab.training.metrics import METRICS_FILE, PLOT_FILE
@@ -135,25 +200,27 @@ def run(args: argparse.Namespace) -> int:
             save_every=args.save_every,
             progress=not args.quiet,
             overwrite=args.overwrite,
+            init_from=args.init_from,
         )
     except TrainingError as e:  # a run set up wrongly or diverging: the user's to fix
         raise CLIError(str(e)) from None
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return 0
     out = Path(result.out_dir)
+    print(result.stop_message)
     if result.interrupted:
-        print(
-            f"stopped by {result.interrupted} after step {result.step}; continue with: "
-            f"attnlab train --resume {out}"
-        )
+        print(f"continue with: {command('attnlab', 'train', '--resume', out)}")
     train_loss, val_loss = _fmt(result.train_loss), _fmt(result.val_loss)
+    if result.val_step is not None and result.val_loss is not None:
+        val_loss += f" (step {result.val_step}"
+        val_loss += f", {result.val_coverage})" if result.val_coverage else ")"
     print(f"finished at step {result.step}: train loss {train_loss}, val loss {val_loss}")
     print(f"checkpoint  {out}")
     print(f"metrics     {out / METRICS_FILE}")
     if (out / PLOT_FILE).is_file():
         print(f"loss plot   {out / PLOT_FILE}")
     if cfg.task == "lm":
-        print(f"sample with: attnlab generate --ckpt {out} --prompt 'The '")
+        print(f"sample with: {command('attnlab', 'generate', '--ckpt', out, '--prompt', 'The ')}")
     if result.interrupted:  # the shell convention 128 + signal number
         return 128 + int(getattr(signal, result.interrupted))
     return 0

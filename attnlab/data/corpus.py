@@ -1,5 +1,5 @@
-"""Text corpora: the embedded default (CPython's Language Reference topics), a .txt file,
-or a folder of .txt files read recursively in sorted order."""
+"""Text corpora: the embedded default (CPython's Language Reference topics), a text file,
+or a folder whose .txt and .md files are read recursively in sorted order."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 EMBEDDED_NAME = "<embedded: pydoc_data.topics>"
 DOCUMENT_SEPARATOR = "\n\n"  # between documents when a corpus becomes one token stream
+TEXT_SUFFIXES = (".txt", ".md")  # what a folder corpus reads
 
 
 class DataError(ValueError):
@@ -41,7 +42,7 @@ def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(
-            f"data.path: {root} does not exist; give a .txt file or a folder of .txt files "
+            f"data.path: {root} does not exist; give a text file or a folder of .txt / .md files "
             "(or leave data.path unset for the embedded corpus)"
         )
     if root.is_file():
@@ -50,16 +51,16 @@ def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
             raise DataError(f"data.path: {root} is empty; give a file with text in it")
         return [RawSource(str(root), root.name, data)]
     files = sorted(
-        (f for f in root.rglob("*") if f.suffix.lower() == ".txt" and f.is_file()),
+        (f for f in root.rglob("*") if f.suffix.lower() in TEXT_SUFFIXES and f.is_file()),
         key=lambda f: f.relative_to(root).as_posix(),
     )
     if not files:
-        raise DataError(f"data.path: no .txt files under the folder {root}")
+        raise DataError(f"data.path: no .txt or .md files under the folder {root}")
     sources = [RawSource(str(f), f.relative_to(root).as_posix(), f.read_bytes()) for f in files]
     # Empty files add nothing to the stream; keep the others.
     sources = [source for source in sources if source.data.strip()]
     if not sources:
-        raise DataError(f"data.path: all {len(files)} .txt files under {root} are empty")
+        raise DataError(f"data.path: all {len(files)} .txt / .md files under {root} are empty")
     return sources
 
 
@@ -92,5 +93,6 @@ def read_corpus(
     path: str | os.PathLike[str] | None, *, errors: str = "strict"
 ) -> list[tuple[str, str]]:
     """(source name, text) per document. ``path``: a text file, or a folder searched
-    recursively for ``*.txt`` (sorted by relative path); ``None``: the embedded corpus."""
+    recursively for ``*.txt`` and ``*.md`` (sorted by relative path); ``None``: the
+    embedded corpus."""
     return [(source.name, decode_source(source, errors)) for source in load_sources(path)]

@@ -31,7 +31,7 @@ from attnlab.fileio import atomic_path, atomic_write_text
 from attnlab.tokenizers import Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
 
 CACHE_ENV = "ATTNLAB_CACHE"
-CACHE_DIRNAME = ".attnlab_cache"
+CACHE_DIRNAME = ".attnlab_cache"  # the old in-cwd location (make clean removes it)
 _CACHE_VERSION = "1"  # bump when the cached stream's format or meaning changes
 SPLITS = ("train", "val")
 
@@ -42,7 +42,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.cwd() / CACHE_DIRNAME)
+    """Where tokenizers and token streams are cached: ``$ATTNLAB_CACHE`` if set, else the
+    user cache folder ``$XDG_CACHE_HOME/attnlab`` (``~/.cache/attnlab`` by default), never
+    the current directory."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "attnlab"
 
 
 @dataclass

@@ -131,6 +131,25 @@ class Task:
         """Metrics from the totals of every process; must include ``"loss"``."""
         raise NotImplementedError
 
+    def eval_examples(self, batch_size: int, max_batches: int | None) -> int | None:
+        """How many examples an evaluation with these limits covers (None: unknown)."""
+        return None
+
+    def eval_coverage(self, batch_size: int, max_batches: int | None) -> str:
+        """What an evaluation with these limits covers, in words (shown to users)."""
+        if max_batches is None:
+            return "the whole validation set"
+        return f"the first {batch_size * max_batches} validation examples at most"
+
+    def eval_batches_needed(
+        self, sums: dict[str, float], batch_size: int, rel_tol: float
+    ) -> int | None:
+        """How many batches an evaluation needs to agree with the whole validation set
+        within ``rel_tol`` (relative, 95% confidence), judged from ``sums``; None when
+        the whole set is needed or the task cannot tell. The trainer grows its periodic
+        evaluations to that size."""
+        return None
+
     def evaluate(
         self,
         model: nn.Module,

@@ -1,9 +1,11 @@
 """Language modelling: next-token prediction over a tokenised corpus (``TokenDataset``).
 
-Training examples are blocks of ``block_size`` tokens at uniformly drawn starts; the
-validation set is the first ``batch_size * max_batches`` consecutive, non-overlapping
-blocks of the validation split; the metric is the token-weighted mean cross-entropy
-(nats), with perplexity and bits per token.
+Training examples are blocks of ``block_size`` tokens at uniformly drawn starts. The
+validation split is cut into consecutive, non-overlapping blocks; an evaluation limited to
+``batch_size * max_batches`` of them takes a fixed random sample (the same blocks every
+time, spread over the whole split, each smaller sample a subset of every larger one),
+and ``max_batches=None`` takes them all. The metric is the token-weighted mean
+cross-entropy (nats), with perplexity and bits per token.
 
 Shapes: b batch, t block size.
 """
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
     from attnlab.tokenizers import Tokenizer
 
 IGNORE_INDEX = -100
+EVAL_SAMPLE_SEED = 0  # fixes which validation blocks a limited evaluation takes
+Z_95 = 1.96  # two-sided 95% normal quantile
 
 
 def lm_loss_sums(
@@ -134,6 +139,7 @@ class LanguageModelling(Task):
         tokenizer: Tokenizer | None = None,
         data: TokenDataset | None = None,
         block_size: int | None = None,
+        eval_sample: bool = True,
     ) -> None:
         super().__init__(cfg, tokenizer=tokenizer, data=data)
         if data is None:
@@ -143,6 +149,7 @@ class LanguageModelling(Task):
         self.data = data
         self.tokenizer = data.tokenizer
         self.block_size = block_size or cfg.train.block_size or cfg.model.max_seq_len
+        self.eval_sample = eval_sample  # False: a limited evaluation takes the first blocks
         data.check_block(self.block_size)
 
     def configure_model(self, model_cfg: ModelConfig) -> None:
@@ -165,10 +172,55 @@ class LanguageModelling(Task):
     # ------------------------------------------------------------ evaluation
 
     def n_eval_blocks(self, batch_size: int, max_batches: int | None) -> int:
-        """Blocks in the validation set: the first ``batch_size * max_batches`` of the
-        split's consecutive blocks (all of them with None)."""
+        """Blocks in the validation set: ``batch_size * max_batches`` of the split's
+        consecutive blocks (all of them with None, or when the split has fewer)."""
         n = self.data.n_eval_blocks("val", self.block_size)
         return n if max_batches is None else min(n, batch_size * max_batches)
+
+    def eval_examples(self, batch_size: int, max_batches: int | None) -> int:
+        return self.n_eval_blocks(batch_size, max_batches)
+
+    def eval_block_indices(self, batch_size: int, max_batches: int | None) -> Tensor:
+        """(n,) sorted indices of the validation blocks evaluated: a fixed random sample
+        of the split's blocks (the first n of one seeded permutation), or all of them."""
+        total = self.data.n_eval_blocks("val", self.block_size)
+        n = self.n_eval_blocks(batch_size, max_batches)
+        if n >= total or not self.eval_sample:
+            return torch.arange(n, dtype=torch.int64)
+        generator = torch.Generator().manual_seed(EVAL_SAMPLE_SEED)
+        return torch.randperm(total, generator=generator)[:n].sort().values
+
+    def eval_coverage(self, batch_size: int, max_batches: int | None) -> str:
+        total = self.data.n_eval_blocks("val", self.block_size)
+        n = self.n_eval_blocks(batch_size, max_batches)
+        if n >= total:
+            return f"all {total} validation blocks of {self.block_size} tokens"
+        if not self.eval_sample:
+            return f"the first {n} of {total} validation blocks of {self.block_size} tokens"
+        return (
+            f"a fixed random sample of {n} of {total} validation blocks of "
+            f"{self.block_size} tokens ({100 * n / total:.0f}%)"
+        )
+
+    def eval_batches_needed(
+        self, sums: dict[str, float], batch_size: int, rel_tol: float
+    ) -> int | None:
+        """Batches a sample needs for its mean loss to lie within ``rel_tol`` (relative)
+        of the whole split's with 95% confidence, from the spread of the block losses in
+        ``sums`` (finite-population corrected); None when the whole split is needed."""
+        total = self.data.n_eval_blocks("val", self.block_size)
+        n = sums.get("blocks", 0.0)
+        if n < 2:
+            return None
+        mean = sums["block_loss_sum"] / n
+        var = max(0.0, sums["block_loss_sq"] / n - mean * mean) * n / (n - 1)
+        if mean <= 0:
+            return None
+        n0 = (Z_95 * math.sqrt(var) / (rel_tol * mean)) ** 2
+        needed = n0 / (1 + (n0 - 1) / total) if total > 1 else total
+        if needed >= total:
+            return None
+        return max(1, math.ceil(needed / batch_size))
 
     def eval_batches(
         self,
@@ -179,8 +231,9 @@ class LanguageModelling(Task):
         device: torch.device | str | None = None,
     ) -> Iterable[tuple[Tensor, Tensor]]:
         """This process's (x, y) batches: block j covers x = tokens[j t : (j + 1) t]."""
-        mine = shard(self.n_eval_blocks(batch_size, max_batches), rank, world_size)
-        starts = torch.arange(mine.start, mine.stop, dtype=torch.int64) * self.block_size
+        blocks = self.eval_block_indices(batch_size, max_batches)
+        mine = shard(len(blocks), rank, world_size)
+        starts = blocks[mine.start : mine.stop] * self.block_size
         for chunk in starts.split(batch_size):
             yield self.data.batch("val", chunk, self.block_size, device)
 
@@ -194,9 +247,27 @@ class LanguageModelling(Task):
         world_size: int = 1,
         device: torch.device | str | None = None,
     ) -> dict[str, float]:
-        batches = self.eval_batches(batch_size, max_batches, rank, world_size)
-        total, count = lm_loss_sums(model, batches, device)
-        return {"loss_sum": total, "tokens": float(count)}
+        if device is None:
+            device = next(model.parameters()).device
+        total, count, blocks, block_sum, block_sq = 0.0, 0, 0, 0.0, 0.0
+        for x, y in self.eval_batches(batch_size, max_batches, rank, world_size, device):
+            logits = model(x).logits  # (b, t, V)
+            losses = F.cross_entropy(
+                logits.float().flatten(0, 1), y.flatten(), reduction="none"
+            ).view(y.shape)  # (b, t)
+            per_block = losses.mean(dim=1)  # (b,)
+            total += float(losses.sum())
+            count += y.numel()
+            blocks += len(per_block)
+            block_sum += float(per_block.sum())
+            block_sq += float((per_block * per_block).sum())
+        return {
+            "loss_sum": total,
+            "tokens": float(count),
+            "blocks": float(blocks),
+            "block_loss_sum": block_sum,
+            "block_loss_sq": block_sq,
+        }
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         return lm_summary(sums["loss_sum"], int(sums["tokens"]))

@@ -18,15 +18,21 @@ from torch import nn
 from attnlab.config import TrainConfig
 
 
-def lr_at(step: int, cfg: TrainConfig, total_steps: int | None = None) -> float:
-    """Learning rate for optimizer step ``step`` (0-based) of a run of ``total_steps``."""
+def lr_at(
+    step: int, cfg: TrainConfig, total_steps: int | None = None, warmup_steps: int | None = None
+) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) of a run of ``total_steps``
+    (default ``cfg.max_steps``) warming up for ``warmup_steps`` (default
+    ``cfg.warmup_steps``). After the warm-up it never increases with ``step``, and for a
+    fixed step it never increases when ``total_steps`` or ``warmup_steps`` shrink."""
     total = cfg.max_steps if total_steps is None else total_steps
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    warmup = cfg.warmup_steps if warmup_steps is None else warmup_steps
+    if step < warmup:
+        return cfg.lr * (step + 1) / (warmup + 1)
     if step >= total:
         return cfg.min_lr
-    decay_ratio = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # 1 -> 0
+    decay_ratio = (step - warmup) / max(1, total - warmup)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, decay_ratio)))  # 1 -> 0
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 

@@ -11,8 +11,14 @@ with ``batch_size=b`` equals a 1-process run with ``batch_size=2b``, and ``grad_
 with ``b`` equals ``grad_accum=1`` with ``k*b`` (to float rounding). Each micro-batch's
 mean loss (plus the model's auxiliary loss) weighs the same in the step's gradient.
 
-Validation. ``train.eval_batches * train.batch_size`` examples, the same whatever the
+Validation. Periodic evaluations cover a fixed sample of the validation set (for language
+modelling a fixed random sample of blocks spread over the split), the same whatever the
 number of processes; each process evaluates its slice and the task's totals are summed.
+The sample starts at ``train.eval_batches * train.batch_size`` examples and grows (never
+shrinks) to the size whose mean loss agrees with the whole set's within 1% (95%
+confidence, judged from the spread the task measures), up to the whole set. The best
+checkpoint (``best/``) is always chosen on that sample; the run's last evaluation also
+covers the whole validation set (logged as ``val_full_*``).
 
 Steps. ``step`` counts completed optimizer steps; the step that is running is
 ``step + 1``; metrics, checkpoints and errors name that 1-based number.
@@ -25,8 +31,15 @@ optimizer touches the weights and without saving.
 
 Time budget (seconds of the training loop, evaluations and saves included, setup not):
 after a few timed steps the schedule's length becomes the number of steps that fit (never
-more than ``max_steps``), refitted at each evaluation; the run stops when the time is used.
-The fitted length is saved, so a resumed run keeps its schedule.
+more than ``max_steps``), refitted at each evaluation; refits only ever shorten it, and a
+fitted schedule warms up for at most ``WARMUP_FRACTION`` of its length, so after the
+warm-up the learning rate never increases. The run stops when the time is used. The
+fitted length is saved, so a resumed run keeps its schedule. An explicit ``max_steps``
+without a ``time_budget`` drops the config's budget: the run takes exactly those steps.
+
+Every run ends with one line saying why it stopped (``TrainResult.stop_message``, also the
+``"stop"`` record of metrics.jsonl): max_steps reached, the fitted schedule completed,
+the time budget reached, a signal, or a non-finite loss.
 
 Shapes: b batch per process, t block size.
 """
@@ -34,6 +47,7 @@ Shapes: b batch per process, t block size.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -52,6 +66,7 @@ from attnlab.models import build_model
 from attnlab.tasks import Task, eval_mode, get_task
 from attnlab.training.checkpoint import (
     CHECKPOINT_FILES,
+    Checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -63,6 +78,8 @@ BEST_DIR = "best"
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
 FIT_STEPS = 5  # steps timed before the first fit to a time budget
 FIT_WINDOW = 50  # refits use the mean time of the last this many steps
+WARMUP_FRACTION = 0.1  # a schedule fitted to a time budget warms up for at most this share
+EVAL_REL_TOL = 0.01  # periodic validation samples agree with the whole set within 1%
 
 _clock = time.perf_counter  # every duration the loop measures (tests substitute a fake)
 
@@ -86,6 +103,9 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # per-step train loss, this call
     unit: str = "tokens"  # the task's unit of throughput
     val_metrics: dict[str, float] = field(default_factory=dict)  # the last validation's
+    val_step: int | None = None  # the step of the last validation
+    val_coverage: str = ""  # what the last validation covered, in words
+    stop_message: str = ""  # why the run stopped, e.g. "stopped at step 5: max_steps=5 reached"
 
     @property
     def tokens_per_second(self) -> float:
@@ -128,6 +148,15 @@ def resolve_device(
         raise TrainingError(
             f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N"
         ) from None
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise TrainingError(
+            f"train.device={name!r} but MPS is not available on this machine; use cpu"
+        )
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise TrainingError(
+            f"train.device={name!r}: the {device.type} device is not supported; use auto, "
+            "cpu, cuda or cuda:N"
+        )
     if device.type == "cuda":
         if not cuda_available:
             raise TrainingError(
@@ -202,6 +231,18 @@ def _copy_config(cfg: RunConfig) -> RunConfig:
     return RunConfig.from_dict(cfg.to_dict())
 
 
+def _differences(mine: dict, theirs: dict, prefix: str) -> list[str]:
+    """Dotted names of the fields that differ, with both values."""
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} (checkpoint {b!r}, given {a!r})")
+    return out
+
+
 def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None:
     """The task, model and data of a resumed run must be the checkpoint's."""
     if cfg.task != saved.task:
@@ -214,11 +255,97 @@ def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None
         if section == "model":
             mine["vocab_size"] = theirs["vocab_size"]  # set from the tokenizer anyway
         if mine != theirs:
-            changed = sorted(k for k in theirs if mine.get(k) != theirs[k])
+            changed = _differences(mine, theirs, f"{section}.")
             raise TrainingError(
                 f"resume: the {section} config differs from the checkpoint's in "
-                f"{', '.join(changed)}; resume with the saved config ({resume}/config.json)"
+                f"{'; '.join(changed)}; drop the flags that change it (or resume with "
+                f"the saved config, {resume / 'config.json'})"
             )
+
+
+TRAIN_BYTES_PER_PARAMETER = 16  # float32 weights 4 + gradients 4 + AdamW's two moments 8
+
+
+def machine_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device``: the GPU's, or this machine's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_memory(model_cfg, device: torch.device, available: int | None = None) -> None:
+    """Refuse a run whose weights, gradients and optimizer state alone exceed the memory
+    of ``device`` (estimated with attnlab.analysis, before anything is allocated)."""
+    from attnlab.analysis import count_parameters
+
+    available = machine_memory(device) if available is None else available
+    if available is None:
+        return
+    n = count_parameters(model_cfg)["total"]
+    needed = n * TRAIN_BYTES_PER_PARAMETER
+    if needed > available:
+        raise TrainingError(
+            f"training this model needs about {needed / 2**30:.1f} GiB for weights, "
+            f"gradients and AdamW state ({n:,} parameters x {TRAIN_BYTES_PER_PARAMETER} "
+            f"bytes) but {device.type} has {available / 2**30:.1f} GiB; choose a smaller "
+            "model (e.g. --set model.n_layers=..., model.d_model=...)"
+        )
+
+
+def _same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _holds_checkpoint(directory: Path) -> bool:
+    return any((directory / name).exists() for name in CHECKPOINT_FILES)
+
+
+FINETUNE_LR_FACTOR = 0.1  # fine-tuning starts from trained weights: a tenth of the lr
+FINETUNE_MAX_STEPS = 200
+FINETUNE_WARMUP_STEPS = 10
+
+
+def finetune_config(base: RunConfig) -> RunConfig:
+    """Defaults for fine-tuning a trained model: ``base`` (the checkpoint's config) with
+    a tenth of its learning rate, a short warm-up, a few hundred steps and no time budget."""
+    cfg = _copy_config(base)
+    tc = cfg.train
+    tc.lr = tc.lr * FINETUNE_LR_FACTOR
+    tc.min_lr = tc.lr * FINETUNE_LR_FACTOR
+    tc.max_steps = FINETUNE_MAX_STEPS
+    tc.warmup_steps = FINETUNE_WARMUP_STEPS
+    tc.time_budget = None
+    return cfg
+
+
+def _load_init(path: str | os.PathLike[str]) -> Checkpoint:
+    """The weights, config and tokenizer to fine-tune: an attnlab checkpoint folder or a
+    Hugging Face model folder (its tokenizer.json, if any)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TrainingError(f"init_from: {path} is not a checkpoint folder")
+    config = path / "config.json"
+    try:
+        hf = "model_type" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        hf = False
+    if not hf:
+        ckpt = load_checkpoint(path, device="cpu")
+        ckpt.model.train()
+        return ckpt
+    from attnlab.interop import load_hf
+    from attnlab.tokenizers import load_tokenizer
+
+    model = load_hf(path)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(path / "tokenizer.json")
+    return Checkpoint(
+        model=model, config=RunConfig(model=model.cfg), tokenizer=tokenizer, state=None
+    )
 
 
 def _tokenizer_json(tokenizer) -> str | None:
@@ -266,6 +393,7 @@ class Trainer:
         progress: bool = True,
         dataset=None,
         overwrite: bool = False,
+        init_from: str | os.PathLike[str] | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.progress = progress
@@ -278,18 +406,29 @@ class Trainer:
             if cfg is None:
                 cfg = ckpt.config
             _check_resume_config(cfg, ckpt.config, resume)
-        elif cfg is None:
+            if init_from is not None:
+                raise TrainingError("resume and init_from exclude each other")
+        elif cfg is None and init_from is None:
             raise TrainingError("train() needs a RunConfig unless it resumes a checkpoint")
-        elif not overwrite and any((self.out_dir / n).exists() for n in CHECKPOINT_FILES):
-            raise TrainingError(
-                f"{self.out_dir} already holds a checkpoint; resume from it, or choose "
-                "another output folder (or pass overwrite=True)"
-            )
+        if init_from is not None:
+            ckpt = _load_init(init_from)
+            cfg = _copy_config(cfg if cfg is not None else finetune_config(ckpt.config))
+            cfg.model = ckpt.config.model
+        same_folder = resume is not None and _same_path(resume, self.out_dir)
+        if not overwrite and not same_folder and _holds_checkpoint(self.out_dir):
+            hint = "resume from it, choose another output folder, or pass overwrite=True"
+            if resume is not None:
+                hint = f"the run resumed from {resume} would overwrite it; {hint}"
+            raise TrainingError(f"{self.out_dir} already holds a checkpoint; {hint}")
+        device = resolve_device(cfg.train.device, cuda_available=torch.cuda.is_available())
+        check_memory(cfg.model, device)  # before building or allocating anything
         self.dist, self.device = _setup_distributed(cfg.train.device)
 
         cfg = _copy_config(cfg)
         if max_steps is not None:
             cfg.train.max_steps = max_steps
+            if time_budget is None:
+                cfg.train.time_budget = None  # an explicit step count wins over the budget
         if time_budget is not None:
             cfg.train.time_budget = time_budget
         if save_every is not None:
@@ -301,6 +440,11 @@ class Trainer:
         # reused, not raced.
         task_cls = get_task(cfg.task)
         tokenizer = ckpt.tokenizer if ckpt is not None else None
+        if init_from is not None and tokenizer is None:
+            raise TrainingError(
+                f"init_from: {init_from} has no tokenizer.json; the data must be encoded "
+                "with the tokenizer the model was trained with"
+            )
         task: Task | None = None
         if self.dist.is_main:
             task = task_cls(cfg, tokenizer=tokenizer, data=dataset)
@@ -314,7 +458,17 @@ class Trainer:
                 "resume: the dataset's tokenizer differs from the checkpoint's; build the "
                 "dataset with the checkpoint's tokenizer"
             )
-        task.configure_model(cfg.model)
+        if init_from is not None:
+            vocab = cfg.model.vocab_size  # may exceed the tokenizer's (padded embeddings)
+            task.configure_model(cfg.model)
+            if cfg.model.vocab_size > vocab:
+                raise TrainingError(
+                    f"init_from: the tokenizer has {cfg.model.vocab_size} tokens but the "
+                    f"model only {vocab} embeddings"
+                )
+            cfg.model.vocab_size = vocab
+        else:
+            task.configure_model(cfg.model)
         cfg.validate()
         self.cfg, self.tc = cfg, tc
 
@@ -349,10 +503,14 @@ class Trainer:
         self.train_time = 0.0  # seconds in optimizer steps (no evaluations, no saves)
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
+        self.last_val_step: int | None = None
+        self.eval_batches: int | None = tc.eval_batches  # grows to EVAL_REL_TOL's size
+        self.val_coverage = ""
+        self.stop_message = ""
         self.last_train_loss: float | None = None
         self.last_val_metrics: dict[str, float] = {}
         history: list[dict] = []
-        if ckpt is not None:
+        if ckpt is not None and resume is not None:
             self._restore(ckpt.state, max_steps)
             history = [
                 r for r in read_metrics(resume / METRICS_FILE) if r.get("step", 0) <= self.step
@@ -362,7 +520,7 @@ class Trainer:
             if self.dist.is_main
             else None
         )
-        self.resumed = ckpt is not None
+        self.resumed = resume is not None
 
     # ------------------------------------------------------------------ state
 
@@ -380,6 +538,8 @@ class Trainer:
         self.best_val_loss = state["best_val_loss"]
         self.last_val_loss = state["val_loss"]
         self.last_train_loss = state["train_loss"]
+        self.last_val_step = state.get("val_step")
+        self.eval_batches = state.get("eval_batches", self.tc.eval_batches)
         if max_steps_override is not None:
             self.schedule_steps = max_steps_override
         elif state["budget_fitted"]:
@@ -406,6 +566,8 @@ class Trainer:
             "best_val_loss": self.best_val_loss,
             "val_loss": self.last_val_loss,
             "train_loss": self.last_train_loss,
+            "val_step": self.last_val_step,
+            "eval_batches": self.eval_batches,
         }
 
     def _save(self, directory: Path, elapsed: float) -> None:
@@ -433,7 +595,7 @@ class Trainer:
         """One optimizer step, with whether any process was signalled and whether the
         time budget is used up (``time_up()`` tells the latter locally)."""
         tc, ws = self.tc, self.dist.world_size
-        lr = lr_at(self.step, tc, self.schedule_steps)
+        lr = lr_at(self.step, tc, self.schedule_steps, self.warmup_steps)
         set_lr(self.optimizer, lr)
         # Global keys (accum, world, b, ...) from the shared generator; this process's column.
         keys = self.task.sample(tc.grad_accum * ws * tc.batch_size, self.data_generator)
@@ -484,6 +646,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             what = "loss" if not math.isfinite(step_loss) else "gradient norm"
             value = step_loss if what == "loss" else grad_norm
+            self._log_stop("nan", f"stopped at step {self.step + 1}: {what} is {value}")
             raise TrainingError(
                 f"{what} is {value} at step {self.step + 1}; stopped without updating the "
                 f"weights, the last good checkpoint in {self.out_dir} is kept (lower "
@@ -503,23 +666,45 @@ class Trainer:
             out_of_time=out_of_time > 0,
         )
 
-    def _evaluate(self) -> dict[str, float]:
-        """The task's validation metrics: the same ``eval_batches * batch_size`` examples
-        whatever the number of processes; each process evaluates its slice and the
-        task's totals are summed over processes."""
+    @property
+    def warmup_steps(self) -> int:
+        """The warm-up length: the config's, bounded by WARMUP_FRACTION of a schedule
+        fitted to a time budget."""
+        if self.budget_fitted:
+            return min(self.tc.warmup_steps, int(WARMUP_FRACTION * self.schedule_steps))
+        return self.tc.warmup_steps
+
+    def _evaluate(self, max_batches: int | None) -> tuple[dict[str, float], dict[str, float]]:
+        """(metrics, totals) of the task on ``max_batches * batch_size`` validation
+        examples (all with None), the same whatever the number of processes; each
+        process evaluates its slice and the totals are summed over processes."""
         tc, ws, rank = self.tc, self.dist.world_size, self.dist.rank
         with eval_mode(self.model), autocast_context(self.device, self.autocast_dtype):
             sums = self.task.eval_sums(
                 self.model,
                 batch_size=tc.batch_size,
-                max_batches=tc.eval_batches,
+                max_batches=max_batches,
                 rank=rank,
                 world_size=ws,
                 device=self.device,
             )
         names = sorted(sums)
-        totals = self._all_reduce([float(sums[name]) for name in names])
-        return self.task.summarize(dict(zip(names, totals)))
+        totals = dict(zip(names, self._all_reduce([float(sums[name]) for name in names])))
+        return self.task.summarize(totals), totals
+
+    def _eval_share(self, max_batches: int | None) -> float:
+        """The size of an evaluation with ``max_batches`` relative to the current sample."""
+        tc = self.tc
+        mine = self.task.eval_examples(tc.batch_size, max_batches)
+        sample = self.task.eval_examples(tc.batch_size, self.eval_batches)
+        if mine is None or not sample:
+            return 1.0
+        return mine / sample
+
+    def _log_stop(self, reason: str, message: str) -> None:
+        self.stop_message = message
+        if self.dist.is_main and getattr(self, "logger", None) is not None:
+            self.logger.log("stop", self.step, reason=reason, message=message)
 
     def _reduce_metrics(self, metrics: dict[str, list]) -> dict[str, float]:
         """Means of the model's metrics ({name: [sum, n]}) over this log interval and
@@ -543,12 +728,16 @@ class Trainer:
         step time so far (a shared CPU's speed drifts)."""
         tc = self.tc
         if eval_time is None:  # no evaluation timed yet: forward only, ~1/3 of a step
-            eval_batches = tc.eval_batches / self.dist.world_size  # this process's share
+            eval_batches = (self.eval_batches or tc.eval_batches) / self.dist.world_size
             eval_time = step_time * eval_batches / (3 * tc.grad_accum)
         per_step = step_time + (eval_time / tc.eval_every if tc.eval_every else 0.0)
-        left = tc.time_budget - now - eval_time  # keep room for the final evaluation
+        # Keep room for the final evaluations: the sample and the whole validation set.
+        final = eval_time * (1.0 + self._eval_share(None))
+        left = tc.time_budget - now - final
         fitted = self.step + max(0, int(left / per_step))
         fitted = min(tc.max_steps, max(self.step, fitted))
+        if self.budget_fitted:
+            fitted = min(fitted, self.schedule_steps)  # refits only shorten: no rewinding
         (fitted,) = self._all_reduce([float(fitted)], dist.ReduceOp.MIN)
         self.schedule_steps = int(fitted)
         self.budget_fitted = True
@@ -585,15 +774,35 @@ class Trainer:
             bar.total = self.schedule_steps
             bar.refresh()
 
-        def evaluate_and_save(save: bool) -> None:
+        def evaluate_and_save(save: bool, final: bool = False) -> None:
             nonlocal eval_time, last_saved
+            sample = self.eval_batches
             t0 = _clock()
-            self.last_val_metrics = self._evaluate()
+            metrics, sums = self._evaluate(sample)
             eval_time = _clock() - t0
-            val = self.last_val_metrics["loss"]
+            self.val_coverage = self.task.eval_coverage(tc.batch_size, sample)
+            if self.step > 0 and sample is not None:  # grow the sample to agree within 1%
+                needed = self.task.eval_batches_needed(sums, tc.batch_size, EVAL_REL_TOL)
+                grown = None if needed is None else max(needed, sample)
+                n_old = self.task.eval_examples(tc.batch_size, sample)
+                n_new = self.task.eval_examples(tc.batch_size, grown)
+                if n_new != n_old:
+                    self.eval_batches = grown
+                    eval_time *= n_new / n_old if n_old else 1.0  # what the next one takes
+            full: dict[str, float] = {}
+            n_sample = self.task.eval_examples(tc.batch_size, sample)
+            whole = self.task.eval_examples(tc.batch_size, None)
+            if final and sample is not None and (n_sample is None or n_sample != whole):
+                full, _ = self._evaluate(None)  # the whole validation set, reported
+                self.val_coverage = self.task.eval_coverage(tc.batch_size, None)
+            elif final:
+                full = metrics
+            self.last_val_metrics = full or metrics
+            val = metrics["loss"]  # best/ is always chosen on the sample
             if self.budget_fitted and 0 < self.step < self.schedule_steps:
                 fit_budget()  # refit with more timings (before saving: resume sees it)
             self.last_val_loss = val
+            self.last_val_step = self.step
             improved = self.best_val_loss is None or val < self.best_val_loss
             if improved and self.step > 0:
                 self.best_val_loss = val
@@ -601,13 +810,18 @@ class Trainer:
                 self.logger.log(
                     "val",
                     self.step,
-                    **{f"val_{name}": value for name, value in self.last_val_metrics.items()},
+                    **{f"val_{name}": value for name, value in metrics.items()},
+                    **{f"val_full_{name}": value for name, value in full.items()},
+                    val_coverage=self.task.eval_coverage(tc.batch_size, sample),
                     best_val_loss=self.best_val_loss,
                     train_time=self.train_time,
                 )
                 self.logger.plot()
                 if self.progress:
-                    bar.write(f"step {self.step}: val loss {val:.4f}")
+                    text = f"step {self.step}: val loss {val:.4f}"
+                    if full and full is not metrics:
+                        text += f" (whole validation set: {full['loss']:.4f})"
+                    bar.write(text)
             if save:
                 if improved and self.step > 0:
                     self._save(self.out_dir / BEST_DIR, elapsed())
@@ -676,19 +890,20 @@ class Trainer:
                         break
                     if result.out_of_time:
                         stop_reason = "time_budget"
-                        evaluate_and_save(save=True)
+                        evaluate_and_save(save=True, final=True)
                         break
                     if tc.eval_every and self.step % tc.eval_every == 0:
-                        evaluate_and_save(save=True)
+                        evaluate_and_save(save=True, final=self.step >= self.schedule_steps)
                     elif tc.save_every and self.step % tc.save_every == 0:
                         self._save(self.out_dir, elapsed())
                         last_saved = self.step
 
                 if stop_reason == "max_steps" and last_saved != self.step:
-                    evaluate_and_save(save=True)
+                    evaluate_and_save(save=True, final=True)
                 elif last_saved != self.step:
                     self._save(self.out_dir, elapsed())
                     last_saved = self.step
+            self._log_stop(stop_reason, self._stop_text(stop_reason, stop.signal_name))
         finally:
             bar.close()
             if main:
@@ -703,7 +918,7 @@ class Trainer:
         return TrainResult(
             step=self.step,
             train_loss=self.last_train_loss,
-            val_loss=self.last_val_loss,
+            val_loss=self.last_val_metrics.get("loss", self.last_val_loss),
             best_val_loss=self.best_val_loss,
             out_dir=self.out_dir,
             throughput=work_done / max(total_time, 1e-9),
@@ -714,7 +929,23 @@ class Trainer:
             losses=losses,
             unit=unit,
             val_metrics=dict(self.last_val_metrics),
+            val_step=self.last_val_step,
+            val_coverage=self.val_coverage,
+            stop_message=self.stop_message,
         )
+
+    def _stop_text(self, reason: str, signal_name: str | None) -> str:
+        tc, n = self.tc, self.step
+        if reason == "signal":
+            return f"stopped at step {n}: {signal_name or 'SIGTERM'} received"
+        if reason == "time_budget":
+            return f"stopped at step {n}: {tc.time_budget:g} s time budget reached"
+        if self.budget_fitted and self.schedule_steps < tc.max_steps:
+            return (
+                f"stopped at step {n}: the schedule fitted to the {tc.time_budget:g} s time "
+                f"budget ({self.schedule_steps} steps) is complete"
+            )
+        return f"stopped at step {n}: max_steps={self.schedule_steps} reached"
 
 
 def train(
@@ -728,6 +959,7 @@ def train(
     progress: bool = True,
     dataset=None,
     overwrite: bool = False,
+    init_from: str | os.PathLike[str] | None = None,
 ) -> TrainResult:
     """Train ``cfg`` and write checkpoints, metrics.jsonl and loss.png into ``out_dir``.
 
@@ -736,7 +968,12 @@ def train(
     saved config); if given, its model and data sections must match the checkpoint's and
     its train section applies. ``max_steps``, ``time_budget`` and ``save_every`` override
     the train config. ``dataset``: a prepared TokenDataset (else built from ``cfg.data``).
-    ``overwrite``: allow starting a fresh run in a folder that holds a checkpoint.
+    ``overwrite``: allow writing into a folder that holds a checkpoint (a fresh run, or a
+    resumed run whose ``out_dir`` is not the folder it resumes from).
+    ``init_from``: an attnlab checkpoint or Hugging Face model folder to fine-tune: its
+    weights, model config and tokenizer, with a fresh optimizer and schedule; ``cfg``
+    (its train and data sections) may be None for :func:`finetune_config`'s defaults.
+    An explicit ``max_steps`` without ``time_budget`` drops the config's time budget.
     Under torchrun (WORLD_SIZE > 1) every process calls this; rank 0 writes the files.
     """
     group_existed = dist.is_available() and dist.is_initialized()
@@ -751,6 +988,7 @@ def train(
             progress=progress,
             dataset=dataset,
             overwrite=overwrite,
+            init_from=init_from,
         )
         return trainer.run()
     finally:
