@@ -7,13 +7,17 @@ from attnlab.nn.feedforward import MLP, GatedFFN, build_ffn
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.norm import RMSNorm, build_norm
 from attnlab.nn.rope import RotaryEmbedding
+from attnlab.nn.sparse import DeepSeekSparseAttention, LightningIndexer, NativeSparseAttention
 
 __all__ = [
     "MLP",
+    "DeepSeekSparseAttention",
     "GatedFFN",
     "LearnedPositionalEmbedding",
+    "LightningIndexer",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
+    "NativeSparseAttention",
     "RMSNorm",
     "RotaryEmbedding",
     "SinusoidalPositionalEmbedding",
