@@ -31,7 +31,12 @@ import torch
 from attnlab.config import ModelConfig, NormConfig
 
 _FORMULA_KINDS = ("mha",)  # attention kinds whose structure the formulas below describe
-_KV_FORMULA_KINDS = ("mha", "mla", "dsa", "nsa")  # attention kinds whose cache the KV formula describes
+_KV_FORMULA_KINDS = (
+    "mha",
+    "mla",
+    "dsa",
+    "nsa",
+)  # attention kinds whose cache the KV formula describes
 
 
 def _formula_applies(cfg: ModelConfig) -> bool:

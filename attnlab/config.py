@@ -318,7 +318,9 @@ class AttentionConfig(_Config):
                     f"{d_i} is narrower than qk_rope_head_dim={d_r}, which it rotates",
                 )
             if self.index_hadamard and d_i & (d_i - 1):
-                _fail(f"{path}.index_head_dim", f"a Hadamard rotation needs a power of 2, got {d_i}")
+                _fail(
+                    f"{path}.index_head_dim", f"a Hadamard rotation needs a power of 2, got {d_i}"
+                )
         if self.kind == "nsa":
             names = ("nsa_block_len", "nsa_stride", "nsa_select_len", "nsa_n_select", "nsa_window")
             for name in names:

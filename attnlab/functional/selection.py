@@ -34,12 +34,20 @@ def topk_select(scores: Tensor, mask: Tensor | None, topk: int) -> tuple[Tensor,
 
     scores (b, t, s); mask bool broadcastable to (b, t, s). Returns indices (b, t, k) long
     and valid (b, t, k) bool: False where a query has fewer than k allowed keys and the
-    pick is a masked one (those must stay masked)."""
+    pick is a masked one (those must stay masked). A tie at the k-th place (ReLU scores
+    are often exactly 0) goes to the earliest key, so the choice does not depend on how
+    many keys follow (a cache's length): decoding equals the full forward pass."""
     if mask is not None:
         mask = mask.expand_as(scores)
         scores = scores.masked_fill(~mask, float("-inf"))
-    k = min(topk, scores.shape[-1])
-    indices = scores.topk(k, dim=-1).indices  # (b, t, k)
+    s = scores.shape[-1]
+    k = min(topk, s)
+    values, indices = scores.topk(min(k + 1, s), dim=-1)  # (b, t, k + 1)
+    if k < s:
+        kth, next_ = values[..., k - 1], values[..., k]
+        if bool(((kth == next_) & kth.isfinite()).any()):  # rare: settle ties by position
+            indices = scores.sort(dim=-1, descending=True, stable=True).indices
+        indices = indices[..., :k]
     if mask is None:
         return indices, torch.ones_like(indices, dtype=torch.bool)
     return indices, mask.gather(-1, indices)

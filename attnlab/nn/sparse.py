@@ -106,7 +106,9 @@ class LightningIndexer(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """x (b, t, d), c_q (b, t, d_q) -> q (b, t, H_I, d_I), k (b, t, d_I), w (b, t, H_I)."""
         b, t, _ = x.shape
-        q = self.wq_b(c_q).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (b, H_I, t, d_I)
+        q = (
+            self.wq_b(c_q).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        )  # (b, H_I, t, d_I)
         k = self.k_norm(self.wk(x)).unsqueeze(1)  # (b, 1, t, d_I)
         if rope is not None:
             q, k = self._rope(q, rope), self._rope(k, rope)
