@@ -272,6 +272,10 @@ class AttentionConfig(_Config):
     nsa_n_select: int = 4
     nsa_window: int = 32
 
+    # Fields that change how a model trains, not its parameters: a resumed run may change
+    # them (DSA: dense warm-up, then the sparse stage; the number of keys selected).
+    STAGE_FIELDS: typing.ClassVar[tuple[str, ...]] = ("dsa_stage", "index_topk")
+
     _MLA_FIELDS: typing.ClassVar[tuple[str, ...]] = (
         "q_lora_rank",
         "kv_lora_rank",

@@ -407,3 +407,43 @@ def test_dsa_trains_from_a_run_preset():
     assert run.model.attention.kind != "dsa"
     with pytest.raises(ConfigError, match="q_lora_rank"):
         run.override({"model.attention.kind": "dsa"})
+
+
+def test_cli_warmup_then_resume_into_the_sparse_stage(tmp_path, capsys, monkeypatch):
+    import json
+
+    from attnlab.cli.main import main
+    from attnlab.training.checkpoint import load_checkpoint
+
+    (tmp_path / "corpus.txt").write_text("the cat sat on a mat and the dog ran far away.\n" * 60)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    sets = {
+        "model.attention.kind": "dsa",
+        "model.attention.dsa_stage": "warmup",
+        "model.attention.index_topk": 4,
+        "model.max_seq_len": 32,
+        "data.path": "corpus.txt",
+        "train.batch_size": 2,
+        "train.eval_every": 3,
+        "train.eval_batches": 1,
+        "train.log_every": 1,
+    }
+    argv = ["train", "--preset", "deepseek-moe-tiny", "--out", "run", "--quiet"]
+    argv += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    assert main([*argv, "--max-steps", "3"]) == 0, capsys.readouterr().err
+    before = load_checkpoint(tmp_path / "run").model.state_dict()
+    resume = ["train", "--resume", "run", "--max-steps", "5", "--quiet"]
+    assert main([*resume, "--set", "model.attention.dsa_stage=sparse"]) == 0
+    after = load_checkpoint(tmp_path / "run").model
+    assert after.cfg.attention.dsa_stage == "sparse"
+    assert after.blocks[0].attn.stage == "sparse"
+    assert not torch.equal(
+        after.state_dict()["blocks.0.attn.kv_b_proj.weight"],
+        before["blocks.0.attn.kv_b_proj.weight"],
+    )
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    recalls = [r["blocks.0.attn/topk_recall"] for r in rows if r["kind"] == "train"]
+    assert len(recalls) == 5 and all(0 < r <= 1 for r in recalls)
