@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 checkpoints (``DeepseekV32ForCausalLM``) to and from attnlab: DeepSeek-V3
 (MLA with query compression, DeepSeekMoE) plus a lightning indexer per layer, so attention
-kind ``dsa``. Everything but the indexer is the DeepSeek-V3 mapping, reused from the
-deepseek interop module; the indexer's tensors map one to one:
+kind ``dsa``. Everything but the indexer is the DeepSeek-V3 mapping, reused from
+``attnlab.interop_deepseek``; the indexer's tensors map one to one:
 
     model.layers.{i}.self_attn.indexer.wq_b, wk, k_norm (weight, bias), weights_proj
         -> blocks.{i}.attn.indexer.wq_b, wk, k_norm, weights_proj
@@ -25,14 +25,14 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+# The DeepSeek-V2/V3 mapping as it stood when this was written (attnlab/interop_deepseek.py).
+# When it moves to attnlab/interop/deepseek.py (a Family), this becomes a Family too: its
+# config_from_hf/config_to_hf wrap the V3 ones as below, its weight plan is the V3 plan plus
+# the indexer entries of _plan, and FAMILIES in attnlab/interop/registry.py lists it.
+from attnlab import interop_deepseek as _v3
 from attnlab.config import ConfigError, ModelConfig
 from attnlab.fileio import atomic_path, atomic_write_text
 from attnlab.models.decoder import DecoderLM
-
-try:  # where the DeepSeek-V2/V3 mapping lives once interop is a package
-    from attnlab.interop import deepseek as _v3  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - before the move
-    from attnlab import interop_deepseek as _v3
 
 DeepSeekCheckpointError = _v3.DeepSeekCheckpointError
 MODEL_TYPES = {"deepseek_v32": "DeepseekV32ForCausalLM"}
