@@ -275,6 +275,40 @@ class SinkKV(LayerCache):
         return y
 
 
+class LinearState(LayerCache):
+    """A linear-attention layer's recurrent state (Katharopoulos et al. 2020): S = sum
+    phi(k) v^T (b, h_kv, d_h, d_v) and z = sum phi(k) (b, h_kv, d_h) over every token so far.
+    Its size does not depend on the length: decoding runs on in constant memory."""
+
+    shared_slots = False
+
+    def __init__(self, cache: Cache, n_kv_heads: int, head_dim: int, v_head_dim: int | None = None):
+        super().__init__(cache)
+        self._shapes = (n_kv_heads, head_dim, v_head_dim or head_dim)
+        self.reset()
+
+    def reset(self) -> None:
+        b, (h_kv, d_h, d_v) = self.cache.batch, self._shapes
+        kw = dict(dtype=self.cache.dtype, device=self.cache.device)
+        self.S = torch.zeros(b, h_kv, d_h, d_v, **kw)
+        self.z = torch.zeros(b, h_kv, d_h, **kw)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.S, self.z]
+
+    def valid(self) -> Tensor:
+        """(b, t) which of this step's tokens are real (pads add nothing to the state)."""
+        step = self.cache._step
+        if step is None:
+            raise CacheError("cache.begin(t) must come before a layer reads its state")
+        return step.valid if step.valid is not None else torch.ones_like(step.positions).bool()
+
+    def update(self, S: Tensor, z: Tensor) -> None:
+        """Store the state after this step's tokens (in place: static caches keep shapes)."""
+        self.S.copy_(S)
+        self.z.copy_(z)
+
+
 class Cache:
     def __init__(
         self,

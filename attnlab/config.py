@@ -101,6 +101,8 @@ def _variant(tp: type, data: dict[str, Any], path: str) -> type:
     variants = tp._variants  # type: ignore[attr-defined]
     name = data[key]
     if name not in variants:
+        import attnlab.models  # noqa: F401  (model families register their configs)
+    if name not in variants:
         where = f"{path}.{key}" if path else key
         _fail(where, f"unknown value {name!r}; choose one of {', '.join(variants)}")
     return variants[name]
@@ -415,6 +417,10 @@ class AttentionConfig(_Config):
             _fail(f"{path}.sink_logits", "cannot be combined with sink_tokens (yet)")
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.kind == "linear":  # a running sum over every past token: no window, no sinks
+            for name in ("sliding_window", "layer_pattern", "sink_tokens", "sink_logits"):
+                if getattr(self, name):
+                    _fail(f"{path}.{name}", "does not apply to attention.kind='linear'")
         if self.n_heads % self.kv_heads:
             _fail(
                 f"{path}.n_kv_heads",
@@ -595,6 +601,8 @@ class ModelConfig(_Config):
 
     def validate(self, path: str = "") -> None:
         at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        if self.arch not in self._variants:
+            import attnlab.models  # noqa: F401  (model families register their configs)
         _choice(at("arch"), self.arch, tuple(self._variants))
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers"):
             _positive(at(name), getattr(self, name))

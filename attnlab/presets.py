@@ -112,6 +112,22 @@ def vaswani_tiny() -> ModelConfig:
     )
 
 
+def xl_tiny() -> ModelConfig:
+    """Transformer-XL (Dai et al. 2019): relative positional attention, a memory of 64
+    hidden states per layer; pre-norm GPT-2-style blocks otherwise."""
+    from attnlab.models.xl import XLConfig
+
+    return XLConfig(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        attention=AttentionConfig(n_heads=4),
+        ffn=FFNConfig(kind="mlp", activation="gelu"),
+        mem_len=64,
+    )
+
+
 def gpt2() -> ModelConfig:  # 124M
     return gpt2_style(vocab_size=50257, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12)
 
@@ -410,6 +426,7 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "gpt2-tiny": (gpt2_tiny, "GPT-2 architecture, 2 layers, d_model 64 (tests)"),
     "llama-tiny": (llama_tiny, "LLaMA architecture with GQA, 2 layers, d_model 64 (tests)"),
     "vaswani-tiny": (vaswani_tiny, "sinusoidal positions, post-norm, ReLU; 2 layers (tests)"),
+    "xl-tiny": (xl_tiny, "Transformer-XL: relative attention, memory of 64 per layer; 2 layers"),
     "llama-30m": (llama_30m, "LLaMA-style, d_model 512, 8 layers, 8 heads, 2 KV heads"),
     "gpt2": (gpt2, "GPT-2 small, 124M parameters"),
     "gpt2-medium": (gpt2_medium, "GPT-2 medium, 355M parameters"),

@@ -220,3 +220,23 @@ def test_top_k_keeps_exactly_k_tokens_with_ties():
     for _ in range(200):
         seen.add(int(sample_next(logits, temperature=1.0, top_k=3, generator=g)))
     assert len(seen) == 3
+
+
+@pytest.mark.slow
+def test_train_with_compile_matches_eager_losses(tmp_path):
+    """train.compile=true (inductor) trains the same model: losses agree with eager."""
+    from attnlab.config import RunConfig
+    from attnlab.training import train
+
+    cfg = RunConfig(model=get_preset("llama-tiny")).override(
+        {
+            "train.max_steps": 4,
+            "train.batch_size": 2,
+            "train.block_size": 32,
+            "train.eval_every": 0,
+            "train.log_every": 1,
+        }
+    )
+    eager = train(cfg, tmp_path / "eager", progress=False).losses
+    compiled = train(cfg.override({"train.compile": True}), tmp_path / "c", progress=False)
+    assert compiled.losses == pytest.approx(eager, rel=1e-4)

@@ -181,3 +181,28 @@ def test_moe_config_errors_name_the_field():
         )
     with pytest.raises(ConfigError, match="ffn.router"):
         FFNConfig.from_dict({"kind": "moe", "router": "switch"})
+
+
+def test_trainer_moves_router_biases_after_each_step(tmp_path):
+    """Auxiliary-loss-free balancing runs inside `attnlab train`: the correction biases of
+    the DeepSeek-V3 routers move away from zero during training."""
+    from attnlab.config import RunConfig
+    from attnlab.presets import get_preset
+    from attnlab.training import train
+
+    cfg = RunConfig(model=get_preset("deepseek-moe-tiny"))
+    cfg = cfg.override(
+        {
+            "train.max_steps": 3,
+            "train.batch_size": 2,
+            "train.block_size": 16,
+            "train.eval_every": 0,
+            "train.log_every": 1,
+        }
+    )
+    result = train(cfg, tmp_path / "run", progress=False)
+    from attnlab.training import load_checkpoint
+
+    model = load_checkpoint(result.out_dir).model
+    biases = [m.gate.e_score_correction_bias for m in model.modules() if hasattr(m, "gate")]
+    assert biases and any(b is not None and b.abs().sum() > 0 for b in biases)

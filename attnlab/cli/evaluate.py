@@ -40,6 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="default: the run's")
     p.add_argument("--block-size", type=positive_int, metavar="T", help="default: the run's")
     p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
+    p.add_argument(
+        "--stride",
+        type=positive_int,
+        metavar="S",
+        help="overlapping windows of the block size moved by S tokens: each token scored "
+        "once with at least block - S tokens of context (S <= block size)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -76,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"data            {report['source']}")
     print(
         f"tokens          {report['tokens']:,} ({characters:,} characters, "
-        f"block {report['block_size']})"
+        f"block {report['block_size']}"
+        + (f", stride {report['stride']})" if report.get("stride") else ")")
     )
     print(f"loss            {report['loss']:.4f} nats/token")
     print(f"perplexity      {report['perplexity']:.3f}")
@@ -90,7 +98,8 @@ def _task_metrics(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:
     """Any task: its metrics on its validation set, as the trainer measures them."""
     from attnlab.tasks import get_task
 
-    for flag, value in (("--data", args.data), ("--block-size", args.block_size)):
+    flags = (("--data", args.data), ("--block-size", args.block_size), ("--stride", args.stride))
+    for flag, value in flags:
         if value is not None:
             raise CLIError(
                 f"{flag} applies to language modelling; {args.ckpt} was trained for task "
@@ -127,10 +136,13 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     else:
         data = prepare_data(cfg.data, tokenizer=tokenizer)
         source = f"validation split of {cfg.data.path or 'the embedded corpus'}"
-    task = LanguageModelling(cfg, tokenizer=tokenizer, data=data, block_size=block_size)
-    result = task.evaluate(
-        model, batch_size=batch_size, max_batches=args.max_batches, device=device
-    )
+    if args.stride is not None:
+        result = _strided(args, model, data.val, block_size, batch_size, device)
+    else:
+        task = LanguageModelling(cfg, tokenizer=tokenizer, data=data, block_size=block_size)
+        result = task.evaluate(
+            model, batch_size=batch_size, max_batches=args.max_batches, device=device
+        )
     # Block j's targets are tokens[j t + 1 : (j + 1) t + 1], so the targets evaluated are
     # exactly tokens[1 : 1 + n]; their text gives the characters predicted.
     characters = len(tokenizer.decode(data.val[1 : 1 + result["tokens"]]))
@@ -144,5 +156,31 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         "characters": characters,
         "bits_per_char": total_bits / characters if characters else None,
         "block_size": block_size,
+        "stride": args.stride,
         "source": source,
     }
+
+
+def _strided(args, model, tokens, block_size: int, batch_size: int, device: str) -> dict:
+    """The whole stream through overlapping windows of ``block_size`` (``--stride``)."""
+    import torch
+
+    from attnlab.tasks.base import eval_mode
+    from attnlab.tasks.lm import lm_summary, strided_loss_sums
+
+    if args.stride > block_size:
+        raise CLIError(
+            f"--stride {args.stride} exceeds the window of {block_size} tokens (--block-size, "
+            "default max_seq_len); use a stride from 1 to the window"
+        )
+    with eval_mode(model):
+        total, count = strided_loss_sums(
+            model,
+            torch.from_numpy(np.asarray(tokens, dtype=np.int64)),
+            window=block_size,
+            stride=args.stride,
+            batch_size=batch_size,
+            max_batches=args.max_batches,
+            device=device,
+        )
+    return lm_summary(total, count)

@@ -46,6 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--no-cache", action="store_true", help="recompute the context every step")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a torch.compile'd fixed-shape step (pays off for long generations)",
+    )
+    p.add_argument(
         "--overflow",
         choices=("slide", "roll", "stop"),
         default="slide",
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         use_cache=not args.no_cache,
         overflow=args.overflow,
+        compile=args.compile,
         stop_tokens=stops,
     )
     if args.seed is not None:

@@ -43,6 +43,38 @@ def sink_window_mask(
     return (k_pos <= q_pos) & ((k_pos > q_pos - (window - sinks)) | (k_pos < sinks))
 
 
+def global_window_mask(
+    t: int,
+    s: int,
+    window: int,
+    global_tokens: int | Tensor,
+    *,
+    causal: bool = True,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """(t, s) bool: Longformer / BigBird attention. Query i sits at position s - t + i
+    (bottom-right, as :func:`causal_mask`). A key is visible when it is in the query's
+    local window (causal: one of the last ``window`` positions, the query's own included;
+    else within ``window - 1`` positions on either side), or when the key or the query is
+    global: global tokens attend everywhere and are attended by every position. ``causal``
+    then still hides keys after the query. ``global_tokens``: the number of leading global
+    positions, or a bool tensor (s,) marking them (Longformer's task tokens, BigBird-ITC).
+    In a causal decoder leading global tokens are StreamingLLM's attention sinks
+    (:func:`sink_window_mask` with ``sinks`` more positions in its window)."""
+    q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
+    k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
+    if isinstance(global_tokens, Tensor):
+        is_global = global_tokens.to(device=k_pos.device, dtype=torch.bool)  # (s,)
+        if is_global.shape != (s,):
+            raise ValueError(f"global_tokens must have shape ({s},), got {tuple(is_global.shape)}")
+    else:
+        is_global = torch.arange(s, device=device) < global_tokens  # (s,)
+    dist = q_pos - k_pos  # (t, s)
+    local = (dist >= 0) & (dist < window) if causal else dist.abs() < window
+    mask = local | is_global[None, :] | is_global[s - t :, None]  # key or query global
+    return mask & (dist >= 0) if causal else mask
+
+
 def positions_from_padding(
     attention_mask: Tensor | None,
     t: int,

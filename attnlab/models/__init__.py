@@ -6,6 +6,7 @@ from attnlab.models.encoder import EncoderConfig, EncoderModel
 from attnlab.models.outputs import LMOutput, ModelOutput
 from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
 from attnlab.models.vit import VisionTransformer, ViTConfig
+from attnlab.models.xl import TransformerXL, XLConfig
 
 register_model("decoder")(DecoderLM)
 
@@ -20,6 +21,8 @@ __all__ = [
     "Seq2SeqModel",
     "ViTConfig",
     "VisionTransformer",
+    "TransformerXL",
+    "XLConfig",
     "build_model",
     "register_model",
 ]

@@ -4,6 +4,7 @@ from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.block import TransformerBlock
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.feedforward import MLP, GatedFFN, build_ffn
+from attnlab.nn.linear_attention import LinearAttention
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.norm import RMSNorm, build_norm
 from attnlab.nn.rope import RotaryEmbedding
@@ -15,6 +16,7 @@ __all__ = [
     "GatedFFN",
     "LearnedPositionalEmbedding",
     "LightningIndexer",
+    "LinearAttention",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "NativeSparseAttention",

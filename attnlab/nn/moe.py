@@ -181,9 +181,14 @@ class MoE(nn.Module):
         the others by bias_update_speed; then start counting again. A no-op for routers
         without a bias (deepseek-v2) or when no training pass ran."""
         bias = self.gate.e_score_correction_bias
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(self.load)  # every process moves the bias alike
         if bias is not None and self.load.sum() > 0:
             bias += self.bias_update_speed * torch.sign(self.load.mean() - self.load)
         self.load.zero_()
+
+    # The trainer calls this on every module that has it, after each optimizer step.
+    after_optimizer_step = update_bias
 
 
 def update_router_biases(model: nn.Module) -> int:

@@ -49,6 +49,65 @@ def lm_loss_sums(
     return total, count
 
 
+def strided_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """Overlapping windows over a stream of ``n_tokens`` tokens (the Hugging Face
+    "perplexity of fixed-length models" method): (begin, end, scored) with inputs
+    tokens[begin:end], targets tokens[begin + 1 : end + 1], of which the last ``scored``
+    are counted. Window k starts at k * stride; every target tokens[1:] is scored exactly
+    once, each after at least ``window - stride`` tokens of context (all before it in the
+    first window). stride == window: non-overlapping blocks."""
+    if not 1 <= stride <= window:
+        raise ValueError(f"stride must be in [1, window={window}], got {stride}")
+    if n_tokens < 2:
+        raise ValueError(f"strided evaluation needs at least 2 tokens, got {n_tokens}")
+    out, scored_until = [], 0  # targets tokens[1 : scored_until + 1] are done
+    for begin in range(0, n_tokens - 1, stride):
+        end = min(begin + window, n_tokens - 1)
+        out.append((begin, end, end - scored_until))
+        scored_until = end
+        if end == n_tokens - 1:
+            break
+    return out
+
+
+def strided_loss_sums(
+    model: nn.Module,
+    tokens: Tensor,
+    *,
+    window: int,
+    stride: int,
+    batch_size: int = 8,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[float, int]:
+    """(sum of token losses, number of targets) of a 1-D token stream longer than the
+    context, scored through :func:`strided_windows` (windows of equal length batched
+    together). The caller chooses the mode (eval) and disables gradients."""
+    if device is None:
+        device = next(model.parameters()).device
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    windows = strided_windows(len(tokens), window, stride)
+    groups: list[list[tuple[int, int, int]]] = []
+    for w in windows:  # consecutive windows of one length share a batch
+        same = groups and len(groups[-1]) < batch_size
+        if same and groups[-1][0][1] - groups[-1][0][0] == w[1] - w[0]:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    if max_batches is not None:
+        groups = groups[:max_batches]
+
+    def batches() -> Iterable[tuple[Tensor, Tensor]]:
+        for group in groups:
+            x = torch.stack([tokens[b:e] for b, e, _ in group])  # (n, t)
+            y = torch.stack([tokens[b + 1 : e + 1] for b, e, _ in group])
+            for row, (b, e, scored) in enumerate(group):
+                y[row, : e - b - scored] = IGNORE_INDEX  # context only: scored before
+            yield x, y
+
+    return lm_loss_sums(model, batches(), device)
+
+
 def lm_summary(total: float, count: int) -> dict[str, float]:
     """Mean loss, perplexity and bits per token from :func:`lm_loss_sums`' totals."""
     if count == 0:

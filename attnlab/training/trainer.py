@@ -334,6 +334,7 @@ class Trainer:
         else:
             model = build_model(cfg.model)
         self.model = model.to(self.device).train()
+        self._after_step = [m for m in model.modules() if hasattr(m, "after_optimizer_step")]
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
         self.autocast_dtype = torch.bfloat16 if tc.dtype == "bfloat16" else None
         self.train_model: nn.Module = self.model
@@ -498,6 +499,8 @@ class Trainer:
                 "train.lr, enable train.grad_clip, or use train.dtype=float32)"
             )
         self.optimizer.step()
+        for module in self._after_step:  # e.g. MoE routers' load-balancing bias
+            module.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return _StepResult(

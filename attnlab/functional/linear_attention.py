@@ -1,0 +1,82 @@
+"""Causal linear attention (Katharopoulos et al. 2020, "Transformers are RNNs").
+
+Softmax attention's similarity exp(q.k) is replaced by phi(q).phi(k) with the feature map
+phi(x) = elu(x) + 1 (positive), so
+
+    y_i = phi(q_i)^T S_i / (phi(q_i)^T z_i),   S_i = sum_{j<=i} phi(k_j) v_j^T,
+                                               z_i = sum_{j<=i} phi(k_j)          (eq. 5-9)
+
+and a sequence is an RNN whose state (S, z) has a constant size, d_h x d_v + d_h per head.
+
+RoPE (RoFormer, Su et al. 2021, section 3.3): the numerator uses rotated features
+R_i phi(q_i), R_j phi(k_j); the denominator the unrotated ones, so it stays positive.
+Without RoPE both are the same.
+
+Training and prefill use the chunked form: within a chunk of c tokens a c x c masked
+product, across chunks the running state, so no t x t matrix is ever built.
+
+Shapes: b batch, h heads, h_kv key/value heads, t length, d_h head dim, d_v value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+EPS = 1e-6  # added to the normaliser (as the paper's code): rows with no key give 0, not NaN
+
+
+def elu_feature_map(x: Tensor) -> Tensor:
+    """phi(x) = elu(x) + 1 > 0."""
+    return F.elu(x) + 1.0
+
+
+def _repeat(x: Tensor, n_rep: int) -> Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)  # (b, h, ...)
+
+
+def causal_linear_attention(
+    q_num: Tensor,
+    k_num: Tensor,
+    v: Tensor,
+    q_den: Tensor,
+    k_den: Tensor,
+    state: tuple[Tensor, Tensor] | None = None,
+    *,
+    chunk_size: int = 64,
+    eps: float = EPS,
+) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """Chunked causal linear attention over t tokens that follow ``state``.
+
+    q_num, q_den (b, h, t, d_h): query features for the numerator / the normaliser;
+    k_num, k_den (b, h_kv, t, d_h), v (b, h_kv, t, d_v): key features and values, already
+    zero at padded positions (so they add nothing to the state). ``state`` (S, z):
+    S (b, h_kv, d_h, d_v), z (b, h_kv, d_h) of the tokens before (None: zeros).
+    Returns y (b, h, t, d_v) and the state after the t tokens."""
+    b, h, t, d_h = q_num.shape
+    h_kv, d_v = k_num.shape[1], v.shape[-1]
+    n_rep = h // h_kv
+    if state is None:
+        S = q_num.new_zeros(b, h_kv, d_h, d_v)
+        z = q_num.new_zeros(b, h_kv, d_h)
+    else:
+        S, z = state
+    ys = []
+    for i in range(0, t, chunk_size):
+        sl = slice(i, min(i + chunk_size, t))
+        qn, qd = q_num[:, :, sl], q_den[:, :, sl]  # (b, h, c, d_h)
+        kn, kd, vc = k_num[:, :, sl], k_den[:, :, sl], v[:, :, sl]  # (b, h_kv, c, .)
+        c = qn.shape[2]
+        tril = torch.ones(c, c, dtype=torch.bool, device=qn.device).tril()
+        # Inside the chunk: the masked c x c product (the quadratic form, small).
+        scores = (qn @ _repeat(kn, n_rep).transpose(-1, -2)).masked_fill(~tril, 0.0)
+        weights = (qd @ _repeat(kd, n_rep).transpose(-1, -2)).masked_fill(~tril, 0.0)
+        num = scores @ _repeat(vc, n_rep) + qn @ _repeat(S, n_rep)  # (b, h, c, d_v)
+        den = weights.sum(-1) + (qd @ _repeat(z, n_rep)[..., None]).squeeze(-1)  # (b, h, c)
+        ys.append(num / (den[..., None] + eps))
+        # The chunk joins the state: S += phi(K)^T V, z += sum phi(K).
+        S = S + kn.transpose(-1, -2) @ vc  # (b, h_kv, d_h, d_v)
+        z = z + kd.sum(2)  # (b, h_kv, d_h)
+    y = torch.cat(ys, dim=2) if ys else q_num.new_zeros(b, h, 0, d_v)
+    return y, (S, z)

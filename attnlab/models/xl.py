@@ -1,0 +1,195 @@
+"""Transformer-XL language model (Dai et al. 2019): relative positional attention
+(:mod:`attnlab.nn.relative`) and segment-level recurrence.
+
+    h_0 = E[idx]
+    m_l = the last mem_len inputs of layer l from earlier segments (no gradient)
+    h_l = Block_l(h_{l-1}, memory = m_l)      keys/values over [m_l; h_{l-1}]
+    logits = W_out norm(h_L)
+
+``model(idx, memory=mem)`` returns :class:`XLOutput` with ``memory`` for the next segment,
+so a stream is read segment by segment with a context of up to mem_len + t tokens per
+layer (and, through the layers, up to n_layers x mem_len). Without ``memory`` it is a
+causal LM over the segment alone: the generic trainer trains it so (no memory carry).
+
+Shapes: b batch, t segment length, m memory length, d d_model, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.config import (
+    ModelConfig,
+    PositionConfig,
+    _fail,
+    _positive,
+    register_model_config,
+)
+from attnlab.models.build import register_model
+from attnlab.models.outputs import ModelOutput, init_residual_projections
+from attnlab.nn.feedforward import build_ffn
+from attnlab.nn.linear import Linear
+from attnlab.nn.norm import build_norm
+from attnlab.nn.relative import RelativeMultiHeadAttention
+
+
+@dataclass
+class XLConfig(ModelConfig):
+    """A Transformer-XL: ``mem_len`` hidden states kept per layer from earlier segments.
+    Positions are relative inside attention, so ``position.kind`` must be ``none``."""
+
+    arch: str = "xl"
+    position: PositionConfig = field(default_factory=lambda: PositionConfig(kind="none"))
+    mem_len: int = 64
+
+    def validate(self, path: str = "") -> None:
+        super().validate(path)
+        at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        _positive(at("mem_len"), self.mem_len)
+        if self.position.kind != "none":
+            _fail(
+                at("position.kind"),
+                f"Transformer-XL encodes relative positions inside attention; set it to "
+                f"none, got {self.position.kind!r}",
+            )
+        if self.attention.kind != "mha":
+            _fail(at("attention.kind"), f"Transformer-XL uses its own attention, got "
+                  f"{self.attention.kind!r}; leave it at mha")  # fmt: skip
+        for name in ("sliding_window", "sink_tokens", "sink_logits"):
+            if getattr(self.attention, name):
+                _fail(at(f"attention.{name}"), "does not apply to Transformer-XL")
+
+
+register_model_config("xl", XLConfig)
+
+
+@dataclass
+class XLOutput(ModelOutput):
+    """A model output plus ``memory``: one (b, m, d) tensor per layer for the next segment."""
+
+    memory: list[Tensor] | None = None
+
+
+class XLBlock(nn.Module):
+    def __init__(self, cfg: XLConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm.placement == "pre"
+        self.attn_norm = build_norm(cfg.norm, cfg.d_model)
+        self.attn = RelativeMultiHeadAttention(
+            cfg.d_model, cfg.attention, resid_dropout=cfg.dropout
+        )
+        self.ffn_norm = build_norm(cfg.norm, cfg.d_model)
+        self.ffn = build_ffn(cfg.ffn, cfg.d_model, dropout=cfg.dropout)
+
+    def forward(
+        self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None
+    ) -> Tensor:
+        if self.pre_norm:
+            mem = None if memory is None else self.attn_norm(memory)
+            x = x + self.attn(self.attn_norm(x), memory=mem, mask=mask)
+            return x + self.ffn(self.ffn_norm(x))
+        x = self.attn_norm(x + self.attn(x, memory=memory, mask=mask))
+        return self.ffn_norm(x + self.ffn(x))
+
+
+@register_model("xl")
+class TransformerXL(nn.Module):
+    def __init__(self, cfg: XLConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(XLBlock(cfg) for _ in range(cfg.n_layers))
+        pre = cfg.norm.placement == "pre"
+        self.norm = build_norm(cfg.norm, cfg.d_model) if pre else nn.Identity()
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        init_residual_projections(self, cfg.init_std, cfg.n_layers)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if exclude_embeddings else n
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        memory: list[Tensor] | None = None,
+        targets: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        last_only: bool = False,
+    ) -> XLOutput:
+        """idx (b, t); ``memory`` from the previous segment's output (None: none yet);
+        ``targets`` (b, t) next tokens (-100 ignored); ``attention_mask`` (b, t) 1 for real
+        tokens: padded keys are hidden (the memory's keys are all real)."""
+        if memory is not None and len(memory) != len(self.blocks):
+            raise ValueError(f"memory has {len(memory)} layers, the model {len(self.blocks)}")
+        mask = None
+        if attention_mask is not None:
+            m = 0 if memory is None else memory[0].shape[1]
+            keys = attention_mask.bool()
+            if m:
+                keys = torch.cat((keys.new_ones(keys.shape[0], m), keys), dim=1)
+            mask = keys[:, None, None, :]  # (b, 1, 1, s)
+        x = self.drop(self.tok_emb(idx))  # (b, t, d)
+        new_memory = []
+        for i, block in enumerate(self.blocks):
+            mem = None if memory is None else memory[i]
+            new_memory.append(self._next_memory(mem, x))
+            x = block(x, mem, mask)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))  # (b, t, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
+            )
+        return XLOutput(logits, loss, memory=new_memory)
+
+    def _next_memory(self, memory: Tensor | None, x: Tensor) -> Tensor:
+        """The last mem_len of [memory; this layer's input], cut from the graph."""
+        h = x if memory is None else torch.cat((memory, x), dim=1)  # (b, m + t, d)
+        return h[:, -self.cfg.mem_len :].detach()
+
+    def new_memory(self, batch: int) -> list[Tensor]:
+        """Empty memory (m = 0) for ``batch`` rows: the same as passing None."""
+        p = self.tok_emb.weight
+        return [p.new_zeros(batch, 0, self.cfg.d_model) for _ in self.blocks]
+
+
+@torch.no_grad()
+def xl_loss_sums(
+    model: TransformerXL, tokens: Tensor, segment_len: int, *, memory: bool = True
+) -> tuple[float, int]:
+    """(sum of losses, targets) of a 1-D stream read in consecutive segments of
+    ``segment_len``, carrying the memory from segment to segment (``memory=False``: each
+    segment alone). Every target tokens[1:] is scored once. Batch of one stream."""
+    was_training = model.training
+    model.eval()
+    total, count, mem = 0.0, 0, None
+    n = len(tokens) - 1
+    try:
+        for start in range(0, n, segment_len):
+            end = min(start + segment_len, n)
+            x, y = tokens[None, start:end], tokens[None, start + 1 : end + 1]
+            out = model(x, memory=mem, targets=y)
+            total += float(out.loss) * (end - start)
+            count += end - start
+            mem = out.memory if memory else None
+    finally:
+        model.train(was_training)
+    return total, count

@@ -1,0 +1,147 @@
+"""Transformer-XL: relative attention against the direct four-term formula, the relative
+shift against a gather, segment recurrence against a full forward pass, bad configs, and
+training/evaluation from the command line.
+
+Shapes: b batch, h heads, t segment, m memory, s = m + t keys, d d_model.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.cli.main import main
+from attnlab.config import AttentionConfig, ConfigError, ModelConfig, NormConfig
+from attnlab.models import TransformerXL, XLConfig, build_model
+from attnlab.models.xl import xl_loss_sums
+from attnlab.nn.relative import RelativeMultiHeadAttention, rel_shift, relative_sinusoids
+from attnlab.presets import get_preset
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def test_rel_shift_aligns_each_row_to_its_distances():
+    t, s = 4, 7
+    x = torch.randn(2, t, s)  # column c: distance s - 1 - c
+    got = rel_shift(x)
+    for i in range(t):
+        for j in range(s - t + i + 1):  # the causal part
+            c = s - 1 - ((s - t + i) - j)
+            assert got[:, i, j].tolist() == x[:, i, c].tolist()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("m", [0, 5])
+def test_relative_attention_equals_the_four_terms(m):
+    torch.manual_seed(0)
+    d, h, t = 32, 4, 6
+    attn = RelativeMultiHeadAttention(d, AttentionConfig(n_heads=h)).eval()
+    attn.u.normal_()
+    attn.v.normal_()
+    x, memory = torch.randn(2, t, d), torch.randn(2, m, d)
+    got = attn(x, memory=memory if m else None)
+    # direct O(T^2): A_ij = q^T k + q^T W_R R + u^T k + v^T W_R R, one (i, j) at a time
+    d_h, s = d // h, m + t
+    ctx = torch.cat((memory, x), 1)
+    q = attn.q(x).view(2, t, h, d_h)
+    k, v = (y.view(2, s, h, d_h) for y in attn.kv(ctx).chunk(2, -1))
+    y = torch.zeros(2, t, h, d_h)
+    for i in range(t):
+        scores = torch.full((2, h, s), float("-inf"))
+        for j in range(m + i + 1):
+            R = relative_sinusoids(torch.tensor([m + i - j]), d)[0]  # (d,)
+            r = attn.r(R[None])[0].view(h, d_h)  # W_R R_{i-j}
+            a = (q[:, i] * k[:, j]).sum(-1)
+            b = (q[:, i] * r).sum(-1)
+            c = (attn.u * k[:, j]).sum(-1)
+            e = (attn.v * r).sum(-1)
+            scores[:, :, j] = (a + b + c + e) / d_h**0.5
+        w = scores.softmax(-1)  # (2, h, s)
+        y[:, i] = torch.einsum("bhs,bshd->bhd", w, v)
+    want = attn.out(y.reshape(2, t, d))
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def tiny(mem_len: int = 64, **kw) -> TransformerXL:
+    torch.manual_seed(0)
+    cfg = XLConfig(
+        vocab_size=40, d_model=32, n_layers=3, attention=AttentionConfig(n_heads=4),
+        mem_len=mem_len, init_std=0.1, **kw,
+    )  # fmt: skip
+    model = build_model(cfg).eval()
+    for block in model.blocks:
+        torch.nn.init.normal_(block.attn.u)
+        torch.nn.init.normal_(block.attn.v)
+    return model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_segments_with_memory_equal_the_full_pass(placement):
+    """Causal layers: layer l's states of earlier tokens never depend on later ones, so with
+    a memory holding every earlier token, segment by segment equals one forward pass."""
+    model = tiny(mem_len=64, norm=NormConfig(placement=placement))
+    idx = torch.randint(0, 40, (2, 21))
+    full = model(idx).logits
+    out, mem, got = None, None, []
+    for sl in (slice(0, 8), slice(8, 9), slice(9, 21)):
+        out = model(idx[:, sl], memory=mem)
+        mem = out.memory
+        got.append(out.logits)
+    torch.testing.assert_close(torch.cat(got, 1), full, **TOL)
+    assert [m.shape for m in mem] == [(2, 21, 32)] * 3
+
+
+def test_memory_is_capped_and_detached():
+    model = tiny(mem_len=5).train()
+    out = model(torch.randint(0, 40, (2, 8)))
+    out2 = model(torch.randint(0, 40, (2, 3)), memory=out.memory)
+    assert all(m.shape == (2, 5, 32) and not m.requires_grad for m in out2.memory)
+    out2.logits.sum().backward()  # the graph stops at the memory
+    assert model.tok_emb.weight.grad is not None
+
+
+@torch.no_grad()
+def test_memory_evaluation_scores_every_token_once():
+    model = tiny(mem_len=64)
+    tokens = torch.randint(0, 40, (30,))
+    full = F.cross_entropy(model(tokens[None, :-1]).logits[0], tokens[1:], reduction="sum")
+    total, count = xl_loss_sums(model, tokens, 7)
+    assert count == 29 and total == pytest.approx(float(full), rel=1e-5)
+    alone = xl_loss_sums(model, tokens, 7, memory=False)
+    assert alone[1] == 29 and alone[0] != pytest.approx(total, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"mem_len": 0}, "mem_len: must be > 0, got 0"),
+        ({"position": {"kind": "rope"}}, "position.kind: Transformer-XL encodes relative"),
+        ({"attention": {"kind": "linear"}}, "attention.kind: Transformer-XL uses its own"),
+        ({"attention": {"sliding_window": 4}}, "attention.sliding_window: does not apply"),
+    ],
+)
+def test_bad_xl_configs_name_the_field(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({"arch": "xl", **change})
+
+
+def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    cfg = get_preset("xl-tiny")
+    assert isinstance(ModelConfig.from_dict(cfg.to_dict()), XLConfig)
+    argv = ["train", "--preset", "xl-tiny", "--set", "model.mem_len=16"]
+    argv += ["--set", "train.batch_size=4", "--set", "train.block_size=32"]
+    argv += ["--set", "train.eval_batches=1", "--max-steps", "3", "--quiet"]
+    argv += ["--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["arch"] == "xl" and saved["model"]["mem_len"] == 16
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(tmp_path / "run"), "--max-batches", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] > 0
