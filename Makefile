@@ -37,7 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/mfu.py
 
 bench-variants: $(STAMP)
-	$(BIN)/python benchmarks/attention_variants.py --seconds 40
+	$(BIN)/python benchmarks/attention_variants.py --seconds 30
 	$(BIN)/python benchmarks/sparse_decode.py
 
 clean:

@@ -1,4 +1,4 @@
-"""Attention variants side by side: MHA, GQA, MQA, sliding window, MLA, DSA, NSA models of
+"""Attention variants side by side: MHA, GQA, MQA, sliding window, MLA, DSA, NSA, linear models of
 about equal size (LLaMA-style, 4 layers, d_model 128, 4 heads, character level), each
 trained on the embedded corpus for the same wall time.
 
@@ -6,7 +6,7 @@ One table (validation loss, parameters, KV-cache bytes per token, decode tokens/
 and 8K cached tokens, training tokens/s) and a PNG: loss against cache bytes per token,
 marker area proportional to decode speed at 8K.
 
-    python benchmarks/attention_variants.py [--seconds 40] [--out attention_variants.png]
+    python benchmarks/attention_variants.py [--seconds 30] [--out attention_variants.png]
 
 DSA trains its sparse stage from the start (no dense warm-up: the runs are short), its
 indexer by its KL loss. Timings depend on the machine and its load (a shared 2-core CPU
@@ -48,6 +48,7 @@ def variants() -> dict[str, dict]:
             "attention.index_topk": 32,
         },
         "NSA": {"attention.kind": "nsa", "attention.n_kv_heads": 2},
+        "linear": {"attention.kind": "linear"},
     }
 
 
@@ -135,7 +136,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=40.0, help="training wall time per model")
+    p.add_argument("--seconds", type=float, default=30.0, help="training wall time per model")
     p.add_argument("--only", nargs="*", help="variant names to run (default all)")
     p.add_argument("--out", default="attention_variants.png")
     p.add_argument(
