@@ -9,10 +9,35 @@ import math
 import pytest
 import torch
 
-from attnlab.beam import beam_search, length_penalty
+from attnlab.generation import beam_search_core
+from attnlab.generation import length_penalty as _length_penalty
 from attnlab.config import ConfigError
 from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
 from attnlab.nn.additive import AdditiveAttention
+
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    return _length_penalty(length, alpha, "gnmt")
+
+
+def beam_search(step, state, reorder, *, bos_id, eos_id, beam_width, max_len=50, n_best=1):
+    """The shared core (GNMT style) driven by a (step, state, reorder) model of one input:
+    its hypotheses with EOS appended to the finished ones, as the GRU model returns them."""
+    holder = {"state": state}
+    log_probs, holder["state"] = step(torch.tensor([bos_id]), state)
+
+    def advance(source, tokens):
+        holder["state"] = reorder(holder["state"], source)
+        log_probs, holder["state"] = step(tokens, holder["state"])
+        return log_probs
+
+    hyps = beam_search_core(
+        log_probs, advance, num_beams=beam_width, max_new_tokens=max_len, eos_id=eos_id,
+        length_penalty=0.0, n_best=n_best, style="gnmt",
+    )[0]  # fmt: skip
+    return [h._replace(tokens=h.tokens + [eos_id] * h.finished) for h in hyps]
+
 
 # ------------------------------------------------------------------ additive attention
 

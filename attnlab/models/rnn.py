@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from attnlab.beam import Hypothesis, beam_search, check_search
 from attnlab.config import _Config, _fail, _positive
+from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
 from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.linear import Linear
 
@@ -167,7 +167,7 @@ class GRUSeq2Seq(nn.Module):
         self, src: Tensor, src_mask: Tensor | None = None, *, max_len: int = 50
     ) -> list[Hypothesis]:
         """The most probable next token at every step, for each row; stops at EOS."""
-        check_search(1, max_len, 1, 0.0)
+        check_beam_search(1, max_len, 1, 0.0, "gnmt")
         memory, hidden = self.encode(src, src_mask)
         b = src.shape[0]
         tokens = torch.full((b,), self.cfg.bos_id, dtype=torch.long)
@@ -185,7 +185,7 @@ class GRUSeq2Seq(nn.Module):
             if bool(done.all()):
                 break
         return [
-            Hypothesis(seq, lp, lp, bool(d))
+            Hypothesis(seq, score=lp, log_prob=lp, finished=bool(d))
             for seq, lp, d in zip(out, log_prob.tolist(), done.tolist())
         ]
 
@@ -199,32 +199,33 @@ class GRUSeq2Seq(nn.Module):
         max_len: int = 50,
         length_penalty: float = 0.0,
         n_best: int = 1,
+        style: str = "gnmt",
     ) -> list[list[Hypothesis]]:
-        """For each source row, its ``n_best`` hypotheses, best first (see attnlab.beam)."""
+        """For each source row, its ``n_best`` hypotheses, best first: the shared beam
+        search (:func:`attnlab.generation.beam_search_core`), GNMT scoring by default.
+        Here a hypothesis' tokens end with EOS when it finished (as :meth:`greedy`'s do);
+        ``max_len`` counts that EOS."""
+        check_beam_search(beam_width, max_len, n_best, length_penalty, style)
         memory, hidden = self.encode(src, src_mask)
-        results = []
-        for row in range(src.shape[0]):
-            index = torch.tensor([row])
-            state = (hidden.index_select(1, index), memory.index(index))
+        start = torch.full((src.shape[0],), self.cfg.bos_id, dtype=torch.long, device=src.device)
+        logits, hidden, _ = self.step(start, hidden, memory)
+        state = {"hidden": hidden, "memory": memory}
 
-            def step(tokens: Tensor, state: tuple[Tensor, Memory]) -> tuple[Tensor, tuple]:
-                logits, new_hidden, _ = self.step(tokens, state[0], state[1])
-                return logits.log_softmax(-1), (new_hidden, state[1])
+        def advance(source: Tensor, tokens: Tensor) -> Tensor:
+            hidden = state["hidden"].index_select(1, source)  # (L, n, H)
+            state["memory"] = state["memory"].index(source)  # row j continues source[j]
+            logits, state["hidden"], _ = self.step(tokens, hidden, state["memory"])
+            return logits
 
-            def reorder(state: tuple[Tensor, Memory], rows: Tensor) -> tuple[Tensor, Memory]:
-                return state[0].index_select(1, rows), state[1].index(rows)
-
-            results.append(
-                beam_search(
-                    step,
-                    state,
-                    reorder,
-                    bos_id=self.cfg.bos_id,
-                    eos_id=self.cfg.eos_id,
-                    beam_width=beam_width,
-                    max_len=max_len,
-                    length_penalty_alpha=length_penalty,
-                    n_best=n_best,
-                )
-            )
-        return results
+        results = beam_search_core(
+            logits,
+            advance,
+            num_beams=beam_width,
+            max_new_tokens=max_len,
+            eos_id=self.cfg.eos_id,
+            length_penalty=length_penalty,
+            n_best=n_best,
+            style=style,
+        )
+        eos = [self.cfg.eos_id]
+        return [[h._replace(tokens=h.tokens + eos * h.finished) for h in row] for row in results]
