@@ -384,9 +384,10 @@ def beam_search_core(
     """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
     input and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
     (reorder caches / states), feed ``tokens`` (b * beams,) and return the next logits
-    (b * beams, V). ``eos_id``: the end token(s). The number of beams per row is ``num_beams`` (fewer at first when the
-    vocabulary is small). Returns, per row, its ``n_best`` best hypotheses, best first
-    (scoring and stopping: the comment above, ``style``)."""
+    (b * beams, V). ``eos_id``: the end token(s). The number of beams per row is
+    ``num_beams`` (fewer at first when the vocabulary is small). Returns, per row, its
+    ``n_best`` best hypotheses, best first (scoring and stopping: the comment above,
+    ``style``)."""
     k, alpha = num_beams, length_penalty
     check_beam_search(k, max_new_tokens, n_best, alpha, style)
     gnmt = style == "gnmt"

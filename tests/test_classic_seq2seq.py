@@ -9,12 +9,11 @@ import math
 import pytest
 import torch
 
+from attnlab.config import ConfigError
 from attnlab.generation import beam_search_core
 from attnlab.generation import length_penalty as _length_penalty
-from attnlab.config import ConfigError
 from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
 from attnlab.nn.additive import AdditiveAttention
-
 
 
 def length_penalty(length: int, alpha: float) -> float:
