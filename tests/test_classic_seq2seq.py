@@ -98,7 +98,7 @@ EOS = 2
 
 def tiny_model(**kw) -> GRUSeq2Seq:
     cfg = RNNSeq2SeqConfig(
-        src_vocab_size=SRC_V, tgt_vocab_size=TGT_V, embed_dim=8, hidden_dim=12, **kw
+        src_vocab_size=SRC_V, vocab_size=TGT_V, embed_dim=8, hidden_dim=12, **kw
     )
     model = GRUSeq2Seq(cfg).eval()
     with torch.no_grad():  # give EOS a fair chance so that hypotheses finish
@@ -225,7 +225,7 @@ def test_learns_to_reverse_short_sequences():
     # Target = the source reversed (ids shifted into the target vocabulary), then EOS: the
     # loss must drop well below its starting value in 150 steps.
     torch.manual_seed(0)
-    cfg = RNNSeq2SeqConfig(src_vocab_size=8, tgt_vocab_size=8, embed_dim=16, hidden_dim=32)
+    cfg = RNNSeq2SeqConfig(src_vocab_size=8, vocab_size=8, embed_dim=16, hidden_dim=32)
     model = GRUSeq2Seq(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
@@ -258,9 +258,9 @@ def test_learns_to_reverse_short_sequences():
 )
 def test_config_rejects_bad_values(kw, field):
     with pytest.raises(ConfigError, match=field):
-        RNNSeq2SeqConfig(src_vocab_size=SRC_V, tgt_vocab_size=TGT_V, **kw).validate()
+        RNNSeq2SeqConfig(src_vocab_size=SRC_V, vocab_size=TGT_V, **kw).validate()
     with pytest.raises(ConfigError, match="hidden_dimm"):
-        RNNSeq2SeqConfig.from_dict({"src_vocab_size": 3, "tgt_vocab_size": 4, "hidden_dimm": 2})
+        RNNSeq2SeqConfig.from_dict({"src_vocab_size": 3, "vocab_size": 4, "hidden_dimm": 2})
 
 
 def test_generic_beam_search_with_a_fixed_distribution():

@@ -241,7 +241,8 @@ def load_checkpoint(
             tokenizer = load_tokenizer(files[TOKENIZER_FILE])
         except TokenizerError as e:
             raise CheckpointError(str(e)) from None
-        if tokenizer.vocab_size != config.model.vocab_size:
+        # The model may add ids after the tokenizer's (a masked LM's [MASK]), never fewer.
+        if tokenizer.vocab_size > config.model.vocab_size:
             raise CheckpointError(
                 f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model config "
                 f"says vocab_size={config.model.vocab_size}; the files come from different runs"
