@@ -97,9 +97,7 @@ EOS = 2
 
 
 def tiny_model(**kw) -> GRUSeq2Seq:
-    cfg = RNNSeq2SeqConfig(
-        src_vocab_size=SRC_V, vocab_size=TGT_V, embed_dim=8, hidden_dim=12, **kw
-    )
+    cfg = RNNSeq2SeqConfig(src_vocab_size=SRC_V, vocab_size=TGT_V, embed_dim=8, hidden_dim=12, **kw)
     model = GRUSeq2Seq(cfg).eval()
     with torch.no_grad():  # give EOS a fair chance so that hypotheses finish
         model.out.bias[EOS] += 1.0

@@ -27,8 +27,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from attnlab.config import ModelConfig, _fail, _positive, register_model_config
 from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
-from attnlab.nn.additive import AdditiveAttention
 from attnlab.models.build import register_model
+from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.linear import Linear
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss
