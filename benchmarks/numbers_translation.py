@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="default: each preset's max_steps")
     ap.add_argument("--lang", default="en")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--beams", type=int, default=4, help="beam width (<= 1: no beam search)")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every preset")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,7 +60,7 @@ def main() -> None:
         t0 = time.perf_counter()
         greedy = test_exact_match(task, model)
         decode_s = time.perf_counter() - t0
-        beam = test_exact_match(task, model, num_beams=args.beams)
+        beam = test_exact_match(task, model, num_beams=args.beams) if args.beams > 1 else None
         params = sum(p.numel() for p in model.parameters())
         rows.append((name, params, result.step, seconds, result.val_loss, greedy, beam, decode_s))
         print(f"{name}: {result.step} steps, {seconds:.0f} s, test exact {greedy:.4f}", flush=True)
@@ -74,7 +74,7 @@ def main() -> None:
     for name, params, steps, secs, val, greedy, beam, dec in rows:
         print(
             f"| {name} | {params:,} | {steps} | {secs:.0f} s | {val:.4f} | {greedy:.4f} "
-            f"| {beam:.4f} | {dec:.1f} s |"
+            f"| {'-' if beam is None else f'{beam:.4f}'} | {dec:.1f} s |"
         )
 
 
