@@ -22,9 +22,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--length-penalty",
         type=float,
+        default=0.6,
         metavar="A",
-        help="beam scores are log p / length penalty ** A (default: the model's scoring's "
-        "own: 1.0 for the Transformer, 0.0 for the GRU)",
+        help="beam scores are log p / lp(length) ** A (default 0.6)",
+    )
+    p.add_argument(
+        "--beam-style",
+        choices=("gnmt", "transformers"),
+        default="gnmt",
+        help="gnmt (default): lp = (5 + n) / 6, stop when no beam can win; transformers: "
+        "lp = n, stop when num_beams have finished (as generate(early_stopping=True))",
     )
     p.add_argument(
         "--max-new-tokens", type=positive_int, metavar="N", help="default: max_seq_len - 1"
@@ -54,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"a number of {batch.src.shape[1]} digits exceeds max_seq_len={limit}")
     max_new = args.max_new_tokens or limit - 1
     options = {"num_beams": args.num_beams}
-    if args.length_penalty is not None:
-        options["length_penalty"] = args.length_penalty
+    if args.num_beams > 1:
+        options.update(length_penalty=args.length_penalty, style=args.beam_style)
     try:
         out = model.generate(
             batch.src.to(device), max_new, src_mask=batch.src_mask.to(device), **options

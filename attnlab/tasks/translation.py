@@ -149,13 +149,19 @@ class NumbersTranslation(Task):
         numbers: list[str],
         *,
         num_beams: int = 1,
+        length_penalty: float = 0.6,
+        style: str = "gnmt",
         device: torch.device | str | None = None,
     ) -> list[str]:
-        """Digit strings -> words (greedy, or the best of ``num_beams`` beams)."""
+        """Digit strings -> words (greedy, or the best of ``num_beams`` beams). GNMT
+        scoring by default: transformers' early stopping (stop at k finished) loses words
+        that a shorter near-copy outlives ("thirty" -> "three": 83% exact against 96%
+        greedy on a half-trained model)."""
         src_vocab, tgt_vocab = self.tokenizer.source, self.tokenizer.target
         batch = batch_to(collate([(n, "") for n in numbers], src_vocab, tgt_vocab), device)
+        beams = {} if num_beams == 1 else {"length_penalty": length_penalty, "style": style}
         out = model.generate(
-            batch.src, self.max_new_tokens, src_mask=batch.src_mask, num_beams=num_beams
+            batch.src, self.max_new_tokens, src_mask=batch.src_mask, num_beams=num_beams, **beams
         )
         return [tgt_vocab.decode(tokens) for tokens in out]
 
