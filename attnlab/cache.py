@@ -66,6 +66,14 @@ class LayerCache:
         """The shared (mask, causal) of this step: see :meth:`Cache.mask`."""
         return self.cache.mask(window)
 
+    def reorder(self, index: Tensor, batch: int) -> None:
+        """Row j becomes a copy of row ``index[j]`` (beam search). Every batch-first tensor
+        attribute (first dimension ``batch``, the batch before) is gathered; entries that
+        keep batch-first state elsewhere override this."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch:
+                setattr(self, name, value.index_select(0, index))
+
 
 class DenseKV(LayerCache):
     """Keys and values (b, h_kv, L, d_h) of every slot: MHA, GQA and MQA layers."""
@@ -461,6 +469,18 @@ class Cache:
         if window is not None:
             mask = mask & (k_pos > q_pos - window)
         return mask, False
+
+    def reorder(self, index: Tensor) -> None:
+        """Make row j a copy of row ``index[j]`` (n,), for beam search: the batch becomes n
+        (it may grow, b -> b * num_beams). Every layer entry (self and cross) and the shared
+        bookkeeping follow."""
+        if self._step is not None:
+            raise CacheError("cannot reorder a cache in the middle of a step")
+        for entry in [*self.layers, *(c for c in self.cross if c is not None)]:
+            entry.reorder(index, self.batch)
+        for name in ("key_valid", "slot_pos", "next_position"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        self.batch = index.shape[0]
 
     def commit(self) -> None:
         """The tokens of the step begun become part of the past."""

@@ -63,6 +63,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, dict):
             _fail(path, f"expected a mapping for {tp.__name__}, got {value!r}")
         return _from_dict(_variant(tp, value, path), value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            _fail(path, f"expected a mapping, got {value!r}")
+        return dict(value)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             _fail(path, f"expected a list, got {value!r}")
@@ -683,6 +687,9 @@ class DataConfig(_Config):
     bpe_vocab_size: int = 4096
     val_fraction: float = 0.1
     errors: str = "strict"  # undecodable bytes: "strict" (error) or "replace"
+    # Settings of a task's own data (e.g. the numbers task's language), checked by the
+    # task's typed options class (unknown keys are rejected); empty: its defaults.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, path: str = "data") -> None:
         _choice(f"{path}.tokenizer", self.tokenizer, ("char", "bpe"))
@@ -758,6 +765,7 @@ class RunConfig(_Config):
         self.model.validate("model")
         self.train.validate()
         self.data.validate()
+        TASKS[self.task].data_options(self)  # the task's own settings are typed too
         if self.train.block_size is not None and self.train.block_size > self.model.max_seq_len:
             _fail(
                 "train.block_size",

@@ -267,12 +267,41 @@ def _compiled_step(model):
 
 
 def generate(
-    model: DecoderLM, prompts: Prompts, max_new_tokens: int = 32, **kwargs
+    model: DecoderLM,
+    prompts: Prompts,
+    max_new_tokens: int = 32,
+    *,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    **kwargs,
 ) -> list[int] | list[list[int]]:
     """The new tokens: a list for one prompt, a list of lists for a batch (each row stops at
-    its first stop token, which is not included). Options as in :func:`stream`."""
-    it = stream(model, prompts, max_new_tokens, **kwargs)
+    its first stop token, which is not included). Options as in :func:`stream`; with
+    ``num_beams`` > 1 the best beam of :func:`beam_search` (``stop_tokens`` end beams;
+    deterministic, so no sampling options; prompt + new tokens must fit max_seq_len)."""
     batch, single = _as_batch(prompts)
+    if num_beams > 1:
+        allowed = {"stop_tokens", "pad_id", "use_cache"}
+        sampling = {k: v for k, v in kwargs.items() if k not in allowed and v not in (None, 0.0)}
+        if sampling or kwargs.get("use_cache") is False:
+            raise ValueError(
+                f"beam search (num_beams={num_beams}) is deterministic and cached; drop "
+                f"{', '.join(sampling) or 'use_cache=False'}"
+            )
+        if max_new_tokens == 0:
+            return [] if single else [[] for _ in batch]
+        hyps = beam_search(
+            model,
+            batch,
+            max_new_tokens,
+            num_beams=num_beams,
+            length_penalty=length_penalty,
+            eos_id=sorted(set(kwargs.get("stop_tokens") or ())),
+            pad_id=kwargs.get("pad_id", 0),
+        )
+        rows = [row[0].tokens for row in hyps]
+        return rows[0] if single else rows
+    it = stream(model, prompts, max_new_tokens, **kwargs)
     if single:
         return list(it)
     rows: list[list[int]] = [[] for _ in batch]
@@ -284,29 +313,61 @@ def generate(
 
 
 # --------------------------------------------------------------------------- beam search
+#
+# One beam search serves every model (decoder-only, the Transformer encoder-decoder, the
+# GRU encoder-decoder): the model is seen only through the first next-token logits and
+# ``advance(source, tokens)``. Two scoring styles, picked by ``style``:
+#
+# "transformers" (default): transformers' generate(num_beams=k, length_penalty=a,
+#     early_stopping=True). score = log p / n ** a; a row stops once k hypotheses have
+#     finished; at the last allowed step the best k continuations finish whether or not
+#     they end in EOS.
+# "gnmt": Wu et al. 2016 (GNMT, eq. 14), lp(n) = ((5 + n) / 6) ** a with a >= 0. A row
+#     stops only when no live beam can still beat its n_best-th finished hypothesis: a
+#     prefix's log p only falls as it grows and lp(n) <= lp(max_new_tokens), so none ends
+#     above (its log p) / lp(max_new_tokens). Stopping at k finished (the shortcut above)
+#     returned worse outputs than greedy on a peaked model: near-copies one token shorter
+#     than the best prefix finish first and end the search before it does. At the length
+#     limit, unfinished beams fill the list only when fewer than n_best have finished.
+#
+# Shared rules: n counts the EOS token; each step keeps the 2k best continuations of all
+# beams by summed log-probability; those of the best k that end in EOS finish; the k best
+# that do not go on; each row keeps its k best finished hypotheses.
+
+BEAM_STYLES = ("transformers", "gnmt")
 
 
 class Hypothesis(NamedTuple):
-    """A finished beam: its new tokens (the end-of-sequence token not included) and its
-    score, the sum of its log-probabilities over length ** length_penalty (the length
-    counts the end-of-sequence token)."""
+    """A beam: its new tokens (the end-of-sequence token not included), its score (the
+    summed log-probability over the style's length penalty, the length counting the
+    end-of-sequence token), its summed log-probability, and whether it ended with EOS
+    (else it stopped at the length limit)."""
 
     tokens: list[int]
     score: float
+    log_prob: float = 0.0
+    finished: bool = True
 
 
-def reorder_cache(cache, index: Tensor) -> None:
-    """Make row j of ``cache`` a copy of row ``index[j]`` (beam search; the batch may grow,
-    e.g. b -> b * num_beams). Every batch-first tensor of every layer entry (self and
-    cross) and of the shared bookkeeping is gathered."""
-    n = cache.batch
-    for entry in [*cache.layers, *(c for c in cache.cross if c is not None)]:
-        for name, value in list(vars(entry).items()):
-            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
-                setattr(entry, name, value.index_select(0, index))
-    for name in ("key_valid", "slot_pos", "next_position"):
-        setattr(cache, name, getattr(cache, name).index_select(0, index))
-    cache.batch = index.shape[0]
+def length_penalty(length: int, alpha: float, style: str = "transformers") -> float:
+    """The divisor of a hypothesis' log-probability: length ** alpha (transformers) or
+    ((5 + length) / 6) ** alpha (GNMT)."""
+    if style == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    return float(length) ** alpha
+
+
+def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: float, style: str):
+    if style not in BEAM_STYLES:
+        raise ValueError(f"style must be one of {', '.join(BEAM_STYLES)}, got {style!r}")
+    if num_beams < 1:
+        raise ValueError(f"num_beams (beam_width) must be >= 1, got {num_beams}")
+    if not 1 <= n_best <= num_beams:
+        raise ValueError(f"n_best must be between 1 and num_beams ({num_beams}), got {n_best}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens (max_len) must be >= 1, got {max_new_tokens}")
+    if style == "gnmt" and not alpha >= 0:  # the stopping bound needs lp to grow; rejects nan
+        raise ValueError(f"length_penalty must be >= 0 for GNMT scoring, got {alpha}")
 
 
 def beam_search_core(
@@ -315,61 +376,83 @@ def beam_search_core(
     *,
     num_beams: int,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: int | Sequence[int] | None,
     length_penalty: float = 1.0,
     n_best: int = 1,
+    style: str = "transformers",
 ) -> list[list[Hypothesis]]:
     """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
-    prompt and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
-    (reorder caches), feed ``tokens`` (b * num_beams,) and return the next logits.
-
-    The rules are those of transformers' ``generate(num_beams=k, early_stopping=True)``:
-    each step keeps the 2k best continuations of all beams by summed log-probability; those
-    of the best k that end (EOS, or the last allowed step) join the row's finished list with
-    score sum / length ** length_penalty (the best k kept); the k best that do not end go on.
-    A row is done when k have finished. Returns, per row, the ``n_best`` best, best first."""
+    input and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
+    (reorder caches / states), feed ``tokens`` (b * beams,) and return the next logits
+    (b * beams, V). ``eos_id``: the end token(s). The number of beams per row is
+    ``num_beams`` (fewer at first when the vocabulary is small). Returns, per row, its
+    ``n_best`` best hypotheses, best first (scoring and stopping: the comment above,
+    ``style``)."""
+    k, alpha = num_beams, length_penalty
+    check_beam_search(k, max_new_tokens, n_best, alpha, style)
+    gnmt = style == "gnmt"
     b, V = logits.shape
-    k = num_beams
-    if k < 1 or not 1 <= n_best <= k:
-        raise ValueError(f"need num_beams >= 1 and 1 <= n_best <= num_beams, got {k}, {n_best}")
-    if 2 * k > V:
-        raise ValueError(f"num_beams={k} needs a vocabulary of at least {2 * k} tokens")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = logits.device
-    scores = torch.zeros(b, 1, device=device)  # (b, beams so far): summed log-probs
+    stops = [eos_id] if isinstance(eos_id, int) else list(eos_id or ())
+    eos = torch.tensor(stops, dtype=torch.long, device=device)
+    bound_lp = _length_penalty(max_new_tokens, alpha, style)  # the largest a prefix can get
+    scores = torch.zeros(b, 1, device=device)  # (b, beams): summed log-probs, -inf: dead
     seqs = torch.zeros(b, 1, 0, dtype=torch.long, device=device)  # (b, beams, n)
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]
+    finished: list[list[Hypothesis]] = [[] for _ in range(b)]
+    done = [False] * b
     for step in range(max_new_tokens):
         beams = scores.shape[1]
         logp = torch.log_softmax(logits.float(), dim=-1).view(b, beams, V) + scores[..., None]
-        top, flat = logp.view(b, beams * V).topk(2 * k, dim=-1)  # (b, 2k)
+        n_cand = min(2 * k, beams * V)
+        top, flat = logp.view(b, beams * V).topk(n_cand, dim=-1)  # (b, C)
         beam, tok = flat // V, flat % V
         cand = torch.cat((seqs.gather(1, beam[..., None].expand(-1, -1, step)), tok[..., None]), 2)
         last = step == max_new_tokens - 1
-        ends = (
-            torch.ones_like(tok, dtype=torch.bool)
-            if last
-            else tok == (-1 if eos_id is None else eos_id)
-        )
-        penalised = (top / (step + 1) ** length_penalty).tolist()
-        ends_l, cand_l, tok_l = ends.tolist(), cand.tolist(), tok.tolist()
+        is_eos = torch.isin(tok, eos)
+        ends = torch.ones_like(is_eos) if last and not gnmt else is_eos
+        alive = torch.isfinite(top)
+        n_keep = min(k, n_cand)
+        going_on = top.masked_fill(ends | ~alive, float("-inf"))
+        keep = going_on.topk(n_keep, dim=-1).indices  # (b, n_keep)
+        kept = going_on.gather(1, keep)  # (b, n_keep), -inf where fewer beams go on
+        penalty = _length_penalty(step + 1, alpha, style)
+        top_l, ends_l, eos_l, alive_l = top.tolist(), ends.tolist(), is_eos.tolist(), alive.tolist()
+        cand_l, best_live = cand.tolist(), kept.max(dim=1).values.tolist()
         for r in range(b):
-            if len(finished[r]) >= k:
-                continue  # early stopping: this row has its k hypotheses
-            for j in range(k):  # only the best k candidates may finish
-                if ends_l[r][j]:
-                    tokens = cand_l[r][j][:-1] if tok_l[r][j] == eos_id else cand_l[r][j]
-                    finished[r].append((penalised[r][j], tokens))
-            finished[r] = sorted(finished[r], key=lambda h: -h[0])[:k]
-        if last or all(len(f) >= k for f in finished):
+            if done[r]:
+                continue
+            for j in range(n_keep):  # only the best k candidates may finish
+                if ends_l[r][j] and alive_l[r][j]:
+                    tokens = cand_l[r][j][:-1] if eos_l[r][j] else cand_l[r][j]
+                    total = top_l[r][j]
+                    finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
+            finished[r] = sorted(finished[r], key=lambda h: -h.score)[:k]
+            if not gnmt:
+                done[r] = len(finished[r]) >= k
+            elif best_live[r] == float("-inf"):
+                done[r] = True  # nothing goes on
+            elif len(finished[r]) >= n_best:
+                done[r] = finished[r][n_best - 1].score >= best_live[r] / bound_lp
+        if last and gnmt:  # the length limit: unfinished beams fill short lists
+            for r in range(b):
+                if not done[r] and len(finished[r]) < n_best:
+                    rows = keep[r].tolist()
+                    live = [
+                        Hypothesis(cand_l[r][j], top_l[r][j] / penalty, top_l[r][j], False)
+                        for j in rows
+                        if alive_l[r][j] and top_l[r][j] > float("-inf") and not eos_l[r][j]
+                    ]
+                    finished[r] += sorted(live, key=lambda h: -h.score)
+        if last or all(done):
             break
-        keep = (top - 1e9 * ends.float()).topk(k, dim=-1).indices  # (b, k) live beams
-        scores = top.gather(1, keep)
+        scores = kept
         seqs = cand.gather(1, keep[..., None].expand(-1, -1, step + 1))
         source = (torch.arange(b, device=device)[:, None] * beams + beam.gather(1, keep)).flatten()
-        logits = advance(source, tok.gather(1, keep).flatten())  # (b * k, V)
-    return [[Hypothesis(tokens, score) for score, tokens in f[:n_best]] for f in finished]
+        logits = advance(source, tok.gather(1, keep).flatten())  # (b * n_keep, V)
+    return [f[:n_best] for f in finished]
+
+
+_length_penalty = length_penalty  # beam_search_core's argument of that name shadows it
 
 
 @torch.inference_mode()
@@ -380,9 +463,10 @@ def beam_search(
     *,
     num_beams: int = 4,
     length_penalty: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     n_best: int = 1,
     pad_id: int = 0,
+    style: str = "transformers",
 ) -> list[list[Hypothesis]]:
     """Beam search for a decoder-only model: for each prompt (a batch is left padded), the
     ``n_best`` best continuations, best first. The prompt is run once per row; the cache
@@ -410,7 +494,7 @@ def beam_search(
         first = model(seq, cache=cache, attention_mask=mask, last_only=True).logits[:, -1]
 
         def advance(source: Tensor, tokens: Tensor) -> Tensor:
-            reorder_cache(cache, source)
+            cache.reorder(source)
             return model(tokens[:, None], cache=cache, last_only=True).logits[:, -1]
 
         return beam_search_core(
@@ -421,6 +505,7 @@ def beam_search(
             eos_id=eos_id,
             length_penalty=length_penalty,
             n_best=n_best,
+            style=style,
         )
     finally:
         model.train(was_training)

@@ -213,12 +213,45 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 4096) -> 
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; choose one of {TOKENIZER_KINDS}")
 
 
+# Vocabularies of tasks that are not one Hugging Face tokenizer (the numbers task's two
+# character vocabularies) save JSON with this key naming their kind; the kind's class
+# (imported on demand) rebuilds them with ``from_json``.
+VOCABULARY_KEY = "attnlab_vocabulary"
+VOCABULARY_KINDS = {"char-pair": "attnlab.data.numbers:CharVocabPair"}
+
+
+def _task_vocabulary(file: Path):
+    """The task vocabulary saved in ``file``, or None when it is a Hugging Face one."""
+    import importlib
+
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # HFTokenizer.from_file reports it
+    if not isinstance(data, dict) or VOCABULARY_KEY not in data:
+        return None
+    kind = data[VOCABULARY_KEY]
+    if kind not in VOCABULARY_KINDS:
+        raise TokenizerError(
+            f"{file}: unknown vocabulary kind {kind!r}; known: {', '.join(VOCABULARY_KINDS)}"
+        )
+    module, name = VOCABULARY_KINDS[kind].split(":")
+    try:
+        return getattr(importlib.import_module(module), name).from_json(file.read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        raise TokenizerError(f"{file}: invalid {kind} vocabulary ({e})") from None
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """Load a ``tokenizer.json`` file, or the one inside the directory ``path``."""
+    """Load a ``tokenizer.json`` file, or the one inside the directory ``path`` (a task
+    vocabulary saved by attnlab, e.g. the numbers task's, comes back as its own class)."""
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise TokenizerError(f"{file}: tokenizer file not found; save one with Tokenizer.save")
+    vocabulary = _task_vocabulary(file)
+    if vocabulary is not None:
+        return vocabulary
     try:
         hf = HFTokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises plain Exception for bad JSON

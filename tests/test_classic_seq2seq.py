@@ -9,10 +9,34 @@ import math
 import pytest
 import torch
 
-from attnlab.beam import beam_search, length_penalty
 from attnlab.config import ConfigError
+from attnlab.generation import beam_search_core
+from attnlab.generation import length_penalty as _length_penalty
 from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
 from attnlab.nn.additive import AdditiveAttention
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    return _length_penalty(length, alpha, "gnmt")
+
+
+def beam_search(step, state, reorder, *, bos_id, eos_id, beam_width, max_len=50, n_best=1):
+    """The shared core (GNMT style) driven by a (step, state, reorder) model of one input:
+    its hypotheses with EOS appended to the finished ones, as the GRU model returns them."""
+    holder = {"state": state}
+    log_probs, holder["state"] = step(torch.tensor([bos_id]), state)
+
+    def advance(source, tokens):
+        holder["state"] = reorder(holder["state"], source)
+        log_probs, holder["state"] = step(tokens, holder["state"])
+        return log_probs
+
+    hyps = beam_search_core(
+        log_probs, advance, num_beams=beam_width, max_new_tokens=max_len, eos_id=eos_id,
+        length_penalty=0.0, n_best=n_best, style="gnmt",
+    )[0]  # fmt: skip
+    return [h._replace(tokens=h.tokens + [eos_id] * h.finished) for h in hyps]
+
 
 # ------------------------------------------------------------------ additive attention
 
@@ -73,9 +97,7 @@ EOS = 2
 
 
 def tiny_model(**kw) -> GRUSeq2Seq:
-    cfg = RNNSeq2SeqConfig(
-        src_vocab_size=SRC_V, tgt_vocab_size=TGT_V, embed_dim=8, hidden_dim=12, **kw
-    )
+    cfg = RNNSeq2SeqConfig(src_vocab_size=SRC_V, vocab_size=TGT_V, embed_dim=8, hidden_dim=12, **kw)
     model = GRUSeq2Seq(cfg).eval()
     with torch.no_grad():  # give EOS a fair chance so that hypotheses finish
         model.out.bias[EOS] += 1.0
@@ -201,7 +223,7 @@ def test_learns_to_reverse_short_sequences():
     # Target = the source reversed (ids shifted into the target vocabulary), then EOS: the
     # loss must drop well below its starting value in 150 steps.
     torch.manual_seed(0)
-    cfg = RNNSeq2SeqConfig(src_vocab_size=8, tgt_vocab_size=8, embed_dim=16, hidden_dim=32)
+    cfg = RNNSeq2SeqConfig(src_vocab_size=8, vocab_size=8, embed_dim=16, hidden_dim=32)
     model = GRUSeq2Seq(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
@@ -234,9 +256,9 @@ def test_learns_to_reverse_short_sequences():
 )
 def test_config_rejects_bad_values(kw, field):
     with pytest.raises(ConfigError, match=field):
-        RNNSeq2SeqConfig(src_vocab_size=SRC_V, tgt_vocab_size=TGT_V, **kw).validate()
+        RNNSeq2SeqConfig(src_vocab_size=SRC_V, vocab_size=TGT_V, **kw).validate()
     with pytest.raises(ConfigError, match="hidden_dimm"):
-        RNNSeq2SeqConfig.from_dict({"src_vocab_size": 3, "tgt_vocab_size": 4, "hidden_dimm": 2})
+        RNNSeq2SeqConfig.from_dict({"src_vocab_size": 3, "vocab_size": 4, "hidden_dimm": 2})
 
 
 def test_generic_beam_search_with_a_fixed_distribution():

@@ -13,6 +13,7 @@ from attnlab.cli.common import (
     add_dtype_argument,
     load_for_inference,
     non_negative_int,
+    positive_int,
     require_tokenizer,
     resolve_device,
     stop_token_ids,
@@ -56,6 +57,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="slide",
         help="past max_seq_len: slide the context by half (default), roll a bounded cache "
         "(relative positions), or stop",
+    )
+    p.add_argument(
+        "--num-beams",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="beam search with K beams: the most probable continuation, not a sample "
+        "(sampling options do not apply)",
+    )
+    p.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        metavar="A",
+        help="beam scores are log p / length**A (default 1.0)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     add_dtype_argument(p)
@@ -119,6 +135,17 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
         stop_tokens=stops,
     )
+    if args.num_beams > 1:
+        if args.stream:
+            raise CLIError("--stream and --num-beams exclude each other: beams end together")
+        options = dict(
+            num_beams=args.num_beams, length_penalty=args.length_penalty, stop_tokens=stops
+        )
+        if len(ids) + args.max_new_tokens > model.cfg.max_seq_len:
+            raise CLIError(
+                f"--num-beams: prompt ({len(ids)} tokens) + --max-new-tokens "
+                f"{args.max_new_tokens} exceed max_seq_len={model.cfg.max_seq_len}"
+            )
     if args.seed is not None:
         torch.manual_seed(args.seed)
     _print(shown)

@@ -16,10 +16,21 @@ import warnings
 
 from safetensors import SafetensorError
 
-from attnlab.cli import demo, evaluate, generate, hf, info, kv, presets, train
+from attnlab.cli import (
+    classify,
+    demo,
+    evaluate,
+    generate,
+    hf,
+    info,
+    kv,
+    presets,
+    train,
+    translate,
+)
 from attnlab.cli.common import CLIError
 
-SUBCOMMANDS = (train, generate, evaluate, info, kv, presets, hf, demo)
+SUBCOMMANDS = (train, generate, translate, classify, evaluate, info, kv, presets, hf, demo)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # argparse's code for a malformed command line

@@ -37,14 +37,24 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> ImageSplit:
 
 def random_shift(images: Tensor, pad: int = 1, generator: torch.Generator | None = None) -> Tensor:
     """Augmentation: shift each image by up to ``pad`` pixels (zero padding, random crop)."""
-    b, _, h, w = images.shape
-    padded = F.pad(images, (pad, pad, pad, pad))
+    b = images.shape[0]
     dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
     dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
-    rows = (dy[:, None] + torch.arange(h))[:, None, :, None]  # (b, 1, h, 1)
-    cols = (dx[:, None] + torch.arange(w))[:, None, None, :]  # (b, 1, 1, w)
-    idx_b = torch.arange(b)[:, None, None, None]
-    return padded[idx_b, torch.arange(images.shape[1])[None, :, None, None], rows, cols]
+    return shift(images, dy, dx, pad)
+
+
+def shift(images: Tensor, dy: Tensor, dx: Tensor, pad: int = 1) -> Tensor:
+    """Crop (b,) windows at offsets dy, dx in [0, 2 pad] of the zero-padded images: a shift
+    by (pad - dy, pad - dx) pixels; offsets (pad, pad) leave an image as it is."""
+    b, _, h, w = images.shape
+    padded = F.pad(images, (pad, pad, pad, pad))
+    dy, dx = dy.to(images.device), dx.to(images.device)
+    dev = images.device
+    rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]  # (b, 1, h, 1)
+    cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]  # (b, 1, 1, w)
+    idx_b = torch.arange(b, device=dev)[:, None, None, None]
+    channels = torch.arange(images.shape[1], device=dev)[None, :, None, None]
+    return padded[idx_b, channels, rows, cols]
 
 
 def image_batches(x: Tensor, y: Tensor, batch_size: int, *, seed: int = 0, augment: bool = True):

@@ -72,6 +72,48 @@ class CharVocab:
         return "".join(out)
 
 
+class CharVocabPair:
+    """The source and target vocabularies of a translation task, saved in a checkpoint as
+    its ``tokenizer.json`` (``{"attnlab_vocabulary": "char-pair", ...}``, read back by
+    :func:`attnlab.tokenizers.load_tokenizer`). ``vocab_size`` is the target's: the
+    model's output vocabulary."""
+
+    kind = "char-pair"
+
+    def __init__(self, source: CharVocab, target: CharVocab) -> None:
+        self.source, self.target = source, target
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.target)
+
+    def __repr__(self) -> str:
+        return f"CharVocabPair(source={self.source!r}, target={self.target!r})"
+
+    def to_json(self) -> str:
+        import json
+
+        data = {"attnlab_vocabulary": self.kind, "source": self.source.chars}
+        return json.dumps({**data, "target": self.target.chars}, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> CharVocabPair:
+        import json
+
+        data = json.loads(text)
+        return cls(CharVocab(data["source"]), CharVocab(data["target"]))
+
+    def save(self, path) -> None:
+        from pathlib import Path
+
+        from attnlab.fileio import atomic_write_text
+
+        path = Path(path)
+        atomic_write_text(
+            path if path.suffix == ".json" else path / "tokenizer.json", self.to_json()
+        )
+
+
 def number_to_words(n: int, lang: str = "en") -> str:
     from num2words import num2words
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                                 n_test=args.n_test, seed=args.seed)  # fmt: skip
     src_vocab, tgt_vocab = data.src_vocab, data.tgt_vocab
     cfg = RNNSeq2SeqConfig(
-        src_vocab_size=len(src_vocab), tgt_vocab_size=len(tgt_vocab),
+        src_vocab_size=len(src_vocab), vocab_size=len(tgt_vocab),
         pad_id=tgt_vocab.pad_id, bos_id=tgt_vocab.bos_id, eos_id=tgt_vocab.eos_id,
         embed_dim=32, hidden_dim=args.hidden,
     )  # fmt: skip

@@ -4,6 +4,7 @@ from attnlab.models.build import MODELS, build_model, register_model
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import EncoderConfig, EncoderModel
 from attnlab.models.outputs import LMOutput, ModelOutput
+from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
 from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
 from attnlab.models.vit import VisionTransformer, ViTConfig
 from attnlab.models.xl import TransformerXL, XLConfig
@@ -15,8 +16,10 @@ __all__ = [
     "DecoderLM",
     "EncoderConfig",
     "EncoderModel",
+    "GRUSeq2Seq",
     "LMOutput",
     "ModelOutput",
+    "RNNSeq2SeqConfig",
     "Seq2SeqConfig",
     "Seq2SeqModel",
     "ViTConfig",

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from attnlab.beam import Hypothesis, beam_search, check_search
-from attnlab.config import _Config, _fail, _positive
+from attnlab.config import ModelConfig, _fail, _positive, register_model_config
+from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
+from attnlab.models.build import register_model
 from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.linear import Linear
 
@@ -34,30 +35,44 @@ IGNORE_INDEX = -100  # targets with this value add nothing to the loss
 
 
 @dataclass
-class RNNSeq2SeqConfig(_Config):
-    src_vocab_size: int
-    tgt_vocab_size: int
+class RNNSeq2SeqConfig(ModelConfig):
+    """The GRU encoder-decoder (``arch`` "gru-seq2seq"). ``vocab_size`` is the target
+    vocabulary, ``src_vocab_size`` the source's; ``n_layers`` GRU layers; ``dropout`` on
+    embeddings and outputs (and between GRU layers). The transformer fields (``d_model``,
+    ``attention``, ``ffn``, ``norm``, ``position``) are unused; ``max_seq_len`` bounds
+    decoding."""
+
+    arch: str = "gru-seq2seq"
+    n_layers: int = 1
+    src_vocab_size: int = 16
     pad_id: int = 0  # in both vocabularies
     bos_id: int = 1  # target vocabulary
     eos_id: int = 2  # target vocabulary
     embed_dim: int = 64
     hidden_dim: int = 128
     attention_dim: int | None = None  # None: hidden_dim
-    n_layers: int = 1
-    dropout: float = 0.0
 
-    def validate(self) -> None:
-        for name in ("src_vocab_size", "tgt_vocab_size", "embed_dim", "hidden_dim", "n_layers"):
-            _positive(name, getattr(self, name))
-        _positive("attention_dim", self.attention_dim)
-        if not 0.0 <= self.dropout < 1.0:
-            _fail("dropout", f"must be in [0, 1), got {self.dropout}")
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def validate(self, path: str = "") -> None:
+        super().validate(path)
+        at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        for name in ("src_vocab_size", "embed_dim", "hidden_dim"):
+            _positive(at(name), getattr(self, name))
+        _positive(at("attention_dim"), self.attention_dim)
         for name in ("pad_id", "bos_id", "eos_id"):
             value = getattr(self, name)
-            if not 0 <= value < self.tgt_vocab_size:
-                _fail(name, f"{value} is outside [0, tgt_vocab_size={self.tgt_vocab_size})")
+            if not 0 <= value < self.vocab_size:
+                _fail(at(name), f"{value} is outside [0, vocab_size={self.vocab_size})")
         if not 0 <= self.pad_id < self.src_vocab_size:
-            _fail("pad_id", f"{self.pad_id} is outside [0, src_vocab_size={self.src_vocab_size})")
+            _fail(
+                at("pad_id"), f"{self.pad_id} is outside [0, src_vocab_size={self.src_vocab_size})"
+            )
+
+
+register_model_config("gru-seq2seq", RNNSeq2SeqConfig)
 
 
 class Seq2SeqOutput(NamedTuple):
@@ -132,16 +147,20 @@ class GRUSeq2Seq(nn.Module):
     def forward(
         self,
         src: Tensor,
-        src_mask: Tensor | None,
-        tgt_in: Tensor,
+        src_mask: Tensor | None = None,
+        tgt: Tensor | None = None,
         targets: Tensor | None = None,
     ) -> Seq2SeqOutput:
-        """Teacher forcing. tgt_in (b, t) = BOS y_1 .. y_{t-1}; targets (b, t) = y_1 .. EOS
-        with -100 where there is nothing to predict (padding)."""
+        """Teacher forcing. tgt (b, t) = BOS y_1 .. y_{t-1} (the decoder's inputs); targets
+        (b, t) = y_1 .. EOS with -100 where there is nothing to predict (padding). Positional
+        ``model(src, src_mask, tgt, targets)``, or the keywords the Transformer
+        encoder-decoder takes: ``model(src, tgt=..., src_mask=..., targets=...)``."""
+        if tgt is None:
+            raise ValueError("the decoder inputs tgt (b, t) are needed")
         memory, hidden = self.encode(src, src_mask)
         logits, weights = [], []
-        for i in range(tgt_in.shape[1]):
-            step_logits, hidden, step_weights = self.step(tgt_in[:, i], hidden, memory)
+        for i in range(tgt.shape[1]):
+            step_logits, hidden, step_weights = self.step(tgt[:, i], hidden, memory)
             logits.append(step_logits)
             weights.append(step_weights)
         logits_bt = torch.stack(logits, dim=1)  # (b, t, V)
@@ -167,7 +186,7 @@ class GRUSeq2Seq(nn.Module):
         self, src: Tensor, src_mask: Tensor | None = None, *, max_len: int = 50
     ) -> list[Hypothesis]:
         """The most probable next token at every step, for each row; stops at EOS."""
-        check_search(1, max_len, 1, 0.0)
+        check_beam_search(1, max_len, 1, 0.0, "gnmt")
         memory, hidden = self.encode(src, src_mask)
         b = src.shape[0]
         tokens = torch.full((b,), self.cfg.bos_id, dtype=torch.long)
@@ -185,9 +204,46 @@ class GRUSeq2Seq(nn.Module):
             if bool(done.all()):
                 break
         return [
-            Hypothesis(seq, lp, lp, bool(d))
+            Hypothesis(seq, score=lp, log_prob=lp, finished=bool(d))
             for seq, lp, d in zip(out, log_prob.tolist(), done.tolist())
         ]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        src: Tensor,
+        max_new_tokens: int = 32,
+        *,
+        src_mask: Tensor | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 0.0,
+        n_best: int = 1,
+        style: str = "gnmt",
+    ) -> list[list[int]] | list[list[list[int]]]:
+        """The Transformer encoder-decoder's decoding interface: the new tokens of each row
+        (EOS not included), greedy or beam search; with ``n_best`` > 1 the n best per row."""
+        was_training = self.training
+        self.eval()
+        try:
+            if num_beams == 1 and n_best == 1:
+                hyps = [[h] for h in self.greedy(src, src_mask, max_len=max_new_tokens)]
+            else:
+                hyps = self.beam_search(
+                    src,
+                    src_mask,
+                    beam_width=num_beams,
+                    max_len=max_new_tokens,
+                    length_penalty=length_penalty,
+                    n_best=n_best,
+                    style=style,
+                )
+        finally:
+            self.train(was_training)
+        rows = [[h.tokens[:-1] if h.finished else h.tokens for h in row] for row in hyps]
+        return [row[0] for row in rows] if n_best == 1 else rows
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
     def beam_search(
@@ -199,32 +255,36 @@ class GRUSeq2Seq(nn.Module):
         max_len: int = 50,
         length_penalty: float = 0.0,
         n_best: int = 1,
+        style: str = "gnmt",
     ) -> list[list[Hypothesis]]:
-        """For each source row, its ``n_best`` hypotheses, best first (see attnlab.beam)."""
+        """For each source row, its ``n_best`` hypotheses, best first: the shared beam
+        search (:func:`attnlab.generation.beam_search_core`), GNMT scoring by default.
+        Here a hypothesis' tokens end with EOS when it finished (as :meth:`greedy`'s do);
+        ``max_len`` counts that EOS."""
+        check_beam_search(beam_width, max_len, n_best, length_penalty, style)
         memory, hidden = self.encode(src, src_mask)
-        results = []
-        for row in range(src.shape[0]):
-            index = torch.tensor([row])
-            state = (hidden.index_select(1, index), memory.index(index))
+        start = torch.full((src.shape[0],), self.cfg.bos_id, dtype=torch.long, device=src.device)
+        logits, hidden, _ = self.step(start, hidden, memory)
+        state = {"hidden": hidden, "memory": memory}
 
-            def step(tokens: Tensor, state: tuple[Tensor, Memory]) -> tuple[Tensor, tuple]:
-                logits, new_hidden, _ = self.step(tokens, state[0], state[1])
-                return logits.log_softmax(-1), (new_hidden, state[1])
+        def advance(source: Tensor, tokens: Tensor) -> Tensor:
+            hidden = state["hidden"].index_select(1, source)  # (L, n, H)
+            state["memory"] = state["memory"].index(source)  # row j continues source[j]
+            logits, state["hidden"], _ = self.step(tokens, hidden, state["memory"])
+            return logits
 
-            def reorder(state: tuple[Tensor, Memory], rows: Tensor) -> tuple[Tensor, Memory]:
-                return state[0].index_select(1, rows), state[1].index(rows)
+        results = beam_search_core(
+            logits,
+            advance,
+            num_beams=beam_width,
+            max_new_tokens=max_len,
+            eos_id=self.cfg.eos_id,
+            length_penalty=length_penalty,
+            n_best=n_best,
+            style=style,
+        )
+        eos = [self.cfg.eos_id]
+        return [[h._replace(tokens=h.tokens + eos * h.finished) for h in row] for row in results]
 
-            results.append(
-                beam_search(
-                    step,
-                    state,
-                    reorder,
-                    bos_id=self.cfg.bos_id,
-                    eos_id=self.cfg.eos_id,
-                    beam_width=beam_width,
-                    max_len=max_len,
-                    length_penalty_alpha=length_penalty,
-                    n_best=n_best,
-                )
-            )
-        return results
+
+register_model("gru-seq2seq")(GRUSeq2Seq)

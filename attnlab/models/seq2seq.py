@@ -232,12 +232,14 @@ class Seq2SeqModel(nn.Module):
         length_penalty: float = 1.0,
         n_best: int = 1,
         use_cache: bool = True,
+        style: str = "transformers",
     ) -> list[list[int]] | list[list[list[int]]]:
         """Translate each row of ``src`` (b, s): greedy (``num_beams`` 1) or beam search.
         Returns the new tokens of each row (``eos_id`` not included), or with ``n_best`` > 1
         a list of the n best per row, best first. See :func:`beam_search_core` for the
-        scoring (that of transformers' ``generate(early_stopping=True)``)."""
-        from attnlab.generation import beam_search_core, reorder_cache
+        scoring (``style``: that of transformers' ``generate(early_stopping=True)``, or
+        GNMT's)."""
+        from attnlab.generation import beam_search_core
 
         was_training = self.training
         self.eval()
@@ -251,7 +253,7 @@ class Seq2SeqModel(nn.Module):
             state = {"mask": src_mask}
 
             def advance(source: Tensor, tokens: Tensor) -> Tensor:
-                reorder_cache(cache, source)  # the cross keys/values follow their rows
+                cache.reorder(source)  # the cross keys/values follow their rows
                 if state["mask"] is not None:
                     state["mask"] = state["mask"].index_select(0, source)
                 return self.logits(self.decode(tokens[:, None], None, state["mask"], cache=cache))[
@@ -267,6 +269,7 @@ class Seq2SeqModel(nn.Module):
                 eos_id=eos,
                 length_penalty=length_penalty,
                 n_best=n_best,
+                style=style,
             )
         finally:
             self.train(was_training)

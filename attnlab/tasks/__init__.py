@@ -5,10 +5,16 @@ stays generic. A new task is a module with a :class:`Task` subclass and one entr
 from __future__ import annotations
 
 from attnlab.tasks.base import StepOutput, Task, eval_mode, model_extras, shard
+from attnlab.tasks.images import ImageClassification
 from attnlab.tasks.lm import LanguageModelling
+from attnlab.tasks.mlm import MaskedLanguageModelling
+from attnlab.tasks.translation import NumbersTranslation
 
 TASKS: dict[str, type[Task]] = {
     "lm": LanguageModelling,
+    "mlm": MaskedLanguageModelling,
+    "seq2seq": NumbersTranslation,
+    "image-classification": ImageClassification,
 }
 
 
@@ -34,7 +40,10 @@ def register_task(cls: type[Task]) -> type[Task]:
 
 __all__ = [
     "TASKS",
+    "ImageClassification",
     "LanguageModelling",
+    "MaskedLanguageModelling",
+    "NumbersTranslation",
     "StepOutput",
     "Task",
     "eval_mode",

@@ -82,6 +82,26 @@ class Task:
 
     name: ClassVar[str] = ""
     unit: ClassVar[str] = "examples"  # throughput unit: logged as ``<unit>_per_second``
+    # A dataclass (a ``_Config``) of the task's own data settings, read from
+    # ``cfg.data.options``; None: the task takes none.
+    options: ClassVar[type | None] = None
+
+    @classmethod
+    def data_options(cls, cfg: RunConfig) -> Any:
+        """``cfg.data.options`` parsed by :attr:`options` (ConfigError on unknown keys or
+        wrong types, naming ``data.options.<key>``); None for tasks without options."""
+        given = cfg.data.options
+        if cls.options is None:
+            if given:
+                from attnlab.config import _fail
+
+                _fail("data.options", f"task {cls.name!r} takes no options, got {sorted(given)}")
+            return None
+        from attnlab.config import _from_dict
+
+        parsed = _from_dict(cls.options, given, "data.options")
+        parsed.validate("data.options")
+        return parsed
 
     def __init__(
         self, cfg: RunConfig, *, tokenizer: Tokenizer | None = None, data: Any = None

@@ -241,7 +241,8 @@ def load_checkpoint(
             tokenizer = load_tokenizer(files[TOKENIZER_FILE])
         except TokenizerError as e:
             raise CheckpointError(str(e)) from None
-        # Fewer tokens than embeddings is fine: Qwen2 / Llama 3 pad their vocabulary.
+        # The model may have more ids than the tokenizer (Qwen2 / Llama 3 pad their
+        # vocabulary; a masked LM adds [MASK]), never fewer.
         if tokenizer.vocab_size > config.model.vocab_size:
             raise CheckpointError(
                 f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model config "

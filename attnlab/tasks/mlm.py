@@ -1,0 +1,147 @@
+"""Masked language modelling (BERT, Devlin et al. 2019) on a tokenised corpus, for the
+encoder (arch ``encoder``, head ``mlm``).
+
+The vocabulary is the corpus tokenizer's plus one id, ``[MASK]`` = tokenizer.vocab_size
+(the model's ``vocab_size`` is one larger). Training examples are blocks at uniformly
+drawn starts, masked by BERT's rule (15%: 80% [MASK], 10% random, 10% kept); each key
+carries a seed for its own masking, so a batch depends on its keys only (exact resume,
+any number of processes). The validation set is the first ``batch_size * max_batches``
+consecutive blocks of the validation split, each masked with a seed fixed by its index.
+Metrics: the cross-entropy over masked positions (``loss``) and masked-token accuracy.
+
+Shapes: b batch, t block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.config import ConfigError, _Config, _fail
+from attnlab.models.encoder import mask_tokens
+from attnlab.tasks.base import StepOutput, Task, model_extras, shard
+
+if TYPE_CHECKING:
+    from attnlab.config import ModelConfig, RunConfig
+    from attnlab.data import TokenDataset
+    from attnlab.tokenizers import Tokenizer
+
+EVAL_SEED = 2**31 - 1  # validation block j is masked with seed EVAL_SEED + j
+
+
+@dataclass
+class MLMOptions(_Config):
+    """``data.options`` of the mlm task."""
+
+    mask_prob: float = 0.15
+
+    def validate(self, path: str = "data.options") -> None:
+        if not 0.0 < self.mask_prob <= 1.0:
+            _fail(f"{path}.mask_prob", f"must be in (0, 1], got {self.mask_prob}")
+
+
+class MaskedLanguageModelling(Task):
+    name = "mlm"
+    unit = "tokens"
+    options = MLMOptions
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        tokenizer: Tokenizer | None = None,
+        data: TokenDataset | None = None,
+    ) -> None:
+        super().__init__(cfg, tokenizer=tokenizer, data=data)
+        self.opts = self.data_options(cfg)
+        if data is None:
+            from attnlab.data import prepare_data
+
+            data = prepare_data(cfg.data, tokenizer=tokenizer)
+        self.data = data
+        self.tokenizer = data.tokenizer
+        self.mask_id = self.tokenizer.vocab_size  # one id past the tokenizer's
+        self.block_size = cfg.train.block_size or cfg.model.max_seq_len
+        data.check_block(self.block_size)
+
+    def configure_model(self, model_cfg: ModelConfig) -> None:
+        if model_cfg.arch != "encoder" or getattr(model_cfg, "head", None) != "mlm":
+            raise ConfigError(
+                "task mlm trains an encoder with the mlm head (arch 'encoder', head 'mlm'); "
+                "use --preset bert-tiny-mlm"
+            )
+        model_cfg.vocab_size = self.tokenizer.vocab_size + 1  # + [MASK]
+
+    def mask(self, blocks: Tensor, seeds: Tensor) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) (b, t): each row masked by a generator seeded with its seed."""
+        inputs, targets = [], []
+        for row, seed in zip(blocks, seeds.tolist()):
+            g = torch.Generator().manual_seed(int(seed))
+            x, y = mask_tokens(
+                row[None],
+                mask_id=self.mask_id,
+                vocab_size=self.tokenizer.vocab_size,  # random replacements are real tokens
+                mask_prob=self.opts.mask_prob,
+                generator=g,
+            )
+            inputs.append(x)
+            targets.append(y)
+        return torch.cat(inputs), torch.cat(targets)
+
+    # ------------------------------------------------------------ training
+
+    def sample(self, n: int, generator: torch.Generator) -> Tensor:
+        starts = self.data.sample_starts("train", n, self.block_size, generator)  # (n,)
+        seeds = torch.randint(0, 2**62, (n,), generator=generator)
+        return torch.stack((starts, seeds), dim=1)  # (n, 2)
+
+    def batch(self, keys: Tensor, device: torch.device | str | None = None):
+        blocks, _ = self.data.batch("train", keys[:, 0], self.block_size)  # (b, t)
+        inputs, targets = self.mask(blocks, keys[:, 1])
+        return inputs.to(device), targets.to(device)
+
+    def step(self, model: nn.Module, batch) -> StepOutput:
+        inputs, targets = batch
+        out = model(inputs, targets=targets)
+        aux_loss, metrics = model_extras(out)
+        return StepOutput(out.loss, inputs.numel(), aux_loss, metrics)
+
+    # ------------------------------------------------------------ evaluation
+
+    def eval_sums(
+        self,
+        model: nn.Module,
+        *,
+        batch_size: int,
+        max_batches: int | None,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str | None = None,
+    ) -> dict[str, float]:
+        n = self.data.n_eval_blocks("val", self.block_size)
+        n = n if max_batches is None else min(n, batch_size * max_batches)
+        mine = shard(n, rank, world_size)
+        index = torch.arange(mine.start, mine.stop, dtype=torch.int64)
+        loss_sum = correct = count = 0.0
+        for chunk in index.split(batch_size):
+            blocks, _ = self.data.batch("val", chunk * self.block_size, self.block_size)
+            inputs, targets = self.mask(blocks, EVAL_SEED + chunk)
+            inputs, targets = inputs.to(device), targets.to(device)
+            chosen = targets != -100
+            n_masked = float(chosen.sum())
+            if n_masked == 0:
+                continue
+            out = model(inputs, targets=targets)
+            loss_sum += float(out.loss) * n_masked
+            correct += float((out.logits.argmax(-1) == targets)[chosen].sum())
+            count += n_masked
+        return {"loss_sum": loss_sum, "correct": correct, "masked_tokens": count}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        n = sums["masked_tokens"]
+        if n == 0:
+            raise ValueError("no masked tokens to evaluate; evaluate more blocks")
+        return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "masked_tokens": n}
