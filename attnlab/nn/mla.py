@@ -94,6 +94,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
+        """The compressed latent and the shared RoPE key per token (:class:`LatentKV`)."""
         return LatentKV(cache, self.kv_lora_rank, self.rope_dim)
 
     # ------------------------------------------------------------------ the two paths

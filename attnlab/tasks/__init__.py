@@ -13,6 +13,7 @@ TASKS: dict[str, type[Task]] = {
 
 
 def task_names() -> tuple[str, ...]:
+    """The names of the registered tasks."""
     return tuple(TASKS)
 
 
