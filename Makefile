@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench bench-variants clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/linear_layout.py
 	$(BIN)/python benchmarks/time_to_quality.py
 	$(BIN)/python benchmarks/mfu.py
+
+bench-variants: $(STAMP)
+	$(BIN)/python benchmarks/attention_variants.py --seconds 30
+	$(BIN)/python benchmarks/sparse_decode.py
 
 # The project's build outputs and caches (the token cache now lives in ~/.cache/attnlab:
 # `rm -rf "$${XDG_CACHE_HOME:-$$HOME/.cache}/attnlab"` clears it).

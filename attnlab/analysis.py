@@ -31,7 +31,12 @@ import torch
 from attnlab.config import ModelConfig, NormConfig
 
 _FORMULA_KINDS = ("mha",)  # attention kinds whose structure the formulas below describe
-_KV_FORMULA_KINDS = ("mha", "mla")  # attention kinds whose cache the KV formula describes
+_KV_FORMULA_KINDS = (
+    "mha",
+    "mla",
+    "dsa",
+    "nsa",
+)  # attention kinds whose cache the KV formula describes
 
 
 def _formula_applies(cfg: ModelConfig) -> bool:
@@ -126,7 +131,7 @@ def matmul_parameters(cfg: ModelConfig) -> int:
 
 def _attention_widths(cfg: ModelConfig) -> tuple[int, int]:
     """(query/key width, value width) per head."""
-    if cfg.attention.kind == "mla":
+    if cfg.attention.kind in ("mla", "dsa"):
         dims = cfg.attention.mla_dims(cfg.d_model)
         return dims.qk_nope_head_dim + dims.qk_rope_head_dim, dims.v_head_dim
     return cfg.head_dim, cfg.head_dim
@@ -158,13 +163,15 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def kv_cache_values_per_token(cfg: ModelConfig) -> int:
     """Values cached per token of one sequence, all layers: 2 L h_kv d_h for MHA/GQA/MQA
-    (a key and a value per key/value head), L (d_c + d_r) for MLA (the latent and the
-    shared RoPE key)."""
+    (a key and a value per key/value head; NSA keeps the same and compresses on the fly),
+    L (d_c + d_r) for MLA (the latent and the shared RoPE key), L (d_c + d_r + d_I) for DSA
+    (and the lightning indexer's key)."""
     att = cfg.attention
-    if att.kind == "mla":
+    if att.kind in ("mla", "dsa"):
         dims = att.mla_dims(cfg.d_model)
-        return cfg.n_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim)
-    if att.kind == "mha":
+        index = att.index_dim(cfg.d_model) if att.kind == "dsa" else 0
+        return cfg.n_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim + index)
+    if att.kind in ("mha", "nsa"):
         return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
     raise ValueError(f"no KV formula for attention kind {att.kind!r}")
 

@@ -519,3 +519,24 @@ class LatentKV(LayerCache):
         """Write the new c_kv (b, 1, t, d_c) and rotated k_rope (b, 1, t, d_r); return
         [c_kv | k_rope] (b, 1, s, d_c + d_r) of every token to attend to."""
         return self.cache.write(self.latent, torch.cat((c_kv, k_rope), dim=-1))
+
+
+class IndexedLatentKV(LatentKV):
+    """DeepSeek sparse attention (DeepSeek-V3.2): the MLA latent entry plus the lightning
+    indexer's key of every token, (b, 1, L, d_I): (d_c + d_r + d_I) values per token and
+    layer. The indexer reads every key each step (cheap: d_I wide, one head); the core
+    attention reads only the index_topk latents it selects."""
+
+    def __init__(self, cache: Cache, kv_lora_rank: int, rope_dim: int, index_dim: int):
+        super().__init__(cache, kv_lora_rank, rope_dim)
+        b, L = cache.batch, cache.max_len
+        self.index_keys = torch.zeros(b, 1, L, index_dim, dtype=cache.dtype, device=cache.device)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.latent, self.index_keys]
+
+    def update(self, c_kv: Tensor, k_rope: Tensor, index_k: Tensor) -> tuple[Tensor, Tensor]:
+        """Also write the new index keys (b, t, d_I); return the latents (b, 1, s, d_c + d_r)
+        and the index keys (b, s, d_I) of every token to attend to."""
+        latent = super().update(c_kv, k_rope)
+        return latent, self.cache.write(self.index_keys, index_k.unsqueeze(1))[:, 0]

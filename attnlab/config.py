@@ -202,6 +202,8 @@ ROPE_LAYOUTS = ("split", "interleaved")
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
 FFN_KINDS = ("mlp", "glu", "moe")
 MLA_PATHS = ("auto", "naive", "absorbed")
+LATENT_KINDS = ("mla", "dsa")  # attention kinds built on multi-head latent attention
+DSA_STAGES = ("warmup", "sparse")
 MOE_ROUTERS = ("deepseek-v3", "deepseek-v2")
 
 
@@ -255,6 +257,30 @@ class AttentionConfig(_Config):
     # "naive" rebuilds per-head keys/values from the latent; "absorbed" folds the up-projections
     # into the query and output and attends in latent space; "auto" takes the cheaper one.
     mla_path: str = "auto"
+    # DeepSeek sparse attention (kind "dsa", DeepSeek-V3.2): MLA whose queries attend only to
+    # the index_topk keys a lightning indexer picks: index_n_heads heads of index_head_dim
+    # (None: max(32, qk_rope_head_dim)) from the query latent, one key per token. Needs
+    # q_lora_rank (the indexer's queries come from the query latent).
+    index_topk: int = 64
+    index_n_heads: int = 4
+    index_head_dim: int | None = None
+    # "warmup": dense attention, only the indexer trains (KL to the attention distribution,
+    # everything else frozen); "sparse": top-k attention, indexer by KL on its selection.
+    dsa_stage: str = "sparse"
+    index_hadamard: bool = False  # rotate index q/k by a Hadamard matrix (reference inference)
+    index_fp8: bool = False  # simulate FP8 (e4m3) per-block quantisation of index q/k
+    # Native sparse attention (kind "nsa", Yuan et al. 2025): compressed blocks of
+    # nsa_block_len keys every nsa_stride, nsa_n_select selected blocks of nsa_select_len,
+    # a sliding window of nsa_window; branches mixed by learned sigmoid gates.
+    nsa_block_len: int = 8
+    nsa_stride: int = 4
+    nsa_select_len: int = 8
+    nsa_n_select: int = 4
+    nsa_window: int = 32
+
+    # Fields that change how a model trains, not its parameters: a resumed run may change
+    # them (DSA: dense warm-up, then the sparse stage; the number of keys selected).
+    STAGE_FIELDS: typing.ClassVar[tuple[str, ...]] = ("dsa_stage", "index_topk")
 
     _MLA_FIELDS: typing.ClassVar[tuple[str, ...]] = (
         "q_lora_rank",
@@ -276,18 +302,65 @@ class AttentionConfig(_Config):
             self.v_head_dim or d_h,
         )
 
+    def index_dim(self, d_model: int) -> int:
+        """d_I, the lightning indexer's head width (DSA)."""
+        return self.index_head_dim or max(32, self.mla_dims(d_model).qk_rope_head_dim)
+
     def rope_dim(self, d_model: int) -> int:
         """Width that RoPE rotates in each query/key head."""
-        if self.kind == "mla":
+        if self.kind in LATENT_KINDS:
             return self.mla_dims(d_model).qk_rope_head_dim
         return self.head_dim or d_model // self.n_heads
 
+    def _validate_sparse(self, path: str, d_model: int) -> None:
+        _choice(f"{path}.dsa_stage", self.dsa_stage, DSA_STAGES)
+        if self.kind == "dsa":
+            for name in ("index_topk", "index_n_heads", "index_head_dim"):
+                _positive(f"{path}.{name}", getattr(self, name))
+            if self.q_lora_rank is None:
+                _fail(
+                    f"{path}.q_lora_rank",
+                    "DSA's lightning indexer reads the query latent: set q_lora_rank "
+                    "(the MLA query compression rank)",
+                )
+            d_i, d_r = self.index_dim(d_model), self.mla_dims(d_model).qk_rope_head_dim
+            if d_i < d_r:
+                _fail(
+                    f"{path}.index_head_dim",
+                    f"{d_i} is narrower than qk_rope_head_dim={d_r}, which it rotates",
+                )
+            if self.index_hadamard and d_i & (d_i - 1):
+                _fail(
+                    f"{path}.index_head_dim", f"a Hadamard rotation needs a power of 2, got {d_i}"
+                )
+        if self.kind == "nsa":
+            names = ("nsa_block_len", "nsa_stride", "nsa_select_len", "nsa_n_select", "nsa_window")
+            for name in names:
+                _positive(f"{path}.{name}", getattr(self, name))
+            if self.nsa_block_len % self.nsa_stride:
+                _fail(
+                    f"{path}.nsa_stride",
+                    f"{self.nsa_stride} must divide nsa_block_len={self.nsa_block_len} "
+                    "(compression blocks overlap by whole strides)",
+                )
+            if self.nsa_select_len % self.nsa_stride or self.nsa_select_len < self.nsa_block_len:
+                _fail(
+                    f"{path}.nsa_select_len",
+                    f"{self.nsa_select_len} must be a multiple of nsa_stride={self.nsa_stride} "
+                    f"and >= nsa_block_len={self.nsa_block_len} (NSA Eq. 9 sums whole "
+                    "compression blocks into a selection block)",
+                )
+            if self.sliding_window is not None or self.sink_tokens or self.sink_logits:
+                _fail(f"{path}.sliding_window", "NSA has its own window: use nsa_window")
+
     def _validate_mla(self, path: str, d_model: int) -> None:
-        if self.kind != "mla":
+        self._validate_sparse(path, d_model)
+        if self.kind not in LATENT_KINDS:
             for name in self._MLA_FIELDS:
                 if getattr(self, name) is not None:
                     _fail(
-                        f"{path}.{name}", f"is used by attention.kind='mla' only, not {self.kind!r}"
+                        f"{path}.{name}",
+                        f"is used by attention.kind='mla' or 'dsa' only, not {self.kind!r}",
                     )
             return
         for name in self._MLA_FIELDS:
@@ -564,7 +637,11 @@ class ModelConfig(_Config):
                 f"{self.attention.n_heads}; change one, or set attention.head_dim",
             )
         self.attention._validate_mla(at("attention"), self.d_model)
-        if self.position.kind == "rope" and self.attention.kind != "mla" and self.head_dim % 2:
+        if (
+            self.position.kind == "rope"
+            and self.attention.kind not in LATENT_KINDS
+            and self.head_dim % 2
+        ):
             _fail(
                 at("attention.head_dim"),
                 f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}",

@@ -388,6 +388,27 @@ def _deepseek_yarn(mscale: float) -> dict:
     )
 
 
+def deepseek_v32_tiny() -> ModelConfig:
+    """deepseek-moe-tiny with DeepSeek sparse attention: a lightning indexer of 4 heads x 32
+    per layer picking 16 keys per query (tests, examples)."""
+    return deepseek_moe_tiny().override(
+        {"attention.kind": "dsa", "attention.index_topk": 16, "attention.index_n_heads": 4}
+    )
+
+
+def deepseek_v32() -> ModelConfig:
+    """deepseek-ai/DeepSeek-V3.2-Exp config.json: DeepSeek-V3 plus a lightning indexer of
+    64 heads x 128 per layer selecting 2048 keys per query."""
+    return deepseek_v3().override(
+        {
+            "attention.kind": "dsa",
+            "attention.index_topk": 2048,
+            "attention.index_n_heads": 64,
+            "attention.index_head_dim": 128,
+        }
+    )
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -424,6 +445,8 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     ),
     "deepseek-v2-lite": (deepseek_v2_lite, "DeepSeek-V2-Lite, 15.7B total, 2.4B active (MLA, MoE)"),
     "deepseek-v3": (deepseek_v3, "DeepSeek-V3, 671B total, 37B active (MLA, MoE 256 experts)"),
+    "deepseek-v32-tiny": (deepseek_v32_tiny, "deepseek-moe-tiny with DSA (indexer 4x32, top 16)"),
+    "deepseek-v3.2": (deepseek_v32, "DeepSeek-V3.2-Exp: V3 + DSA (indexer 64x128, top 2048)"),
 }
 
 

@@ -157,7 +157,7 @@ def expected_parameters(cfg: ModelConfig) -> int:
     norm = d * (2 if nrm.kind == "layernorm" and nrm.bias else 1)
     attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
     attn += h * d_h * d + d * a.out_bias
-    if a.kind == "mla":  # DeepSeek-V2 eq. 9-19: down/up projections, two latent RMSNorms
+    if a.kind in ("mla", "dsa"):  # DeepSeek-V2 eq. 9-19: down/up projections, latent norms
         q_r, kv_r = a.q_lora_rank, a.kv_lora_rank
         qk, rope, v = a.qk_nope_head_dim + a.qk_rope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         q = d * h * qk if q_r is None else d * q_r + q_r * a.qkv_bias + q_r + q_r * h * qk
@@ -168,6 +168,9 @@ def expected_parameters(cfg: ModelConfig) -> int:
             + kv_r * h * (a.qk_nope_head_dim + v)
         )
         attn = q + kv + h * v * d + d * a.out_bias
+    if a.kind == "dsa":  # DeepSeek-V3.2 indexer: wq_b, wk, k_norm (LayerNorm), weights_proj
+        d_i = a.index_head_dim or max(32, a.qk_rope_head_dim)
+        attn += a.q_lora_rank * a.index_n_heads * d_i + d * d_i + 2 * d_i + d * a.index_n_heads
     hidden = f.hidden_size(d)
     if f.kind == "mlp":
         ffn = 2 * d * hidden + (hidden + d) * f.bias

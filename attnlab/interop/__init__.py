@@ -1,5 +1,5 @@
-"""Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, DeepSeek-V2/V3,
-BERT, MarianMT, ViT.
+"""Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2,
+DeepSeek-V2/V3/V3.2, BERT, MarianMT, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -7,15 +7,16 @@ maps both onto attnlab configs and models (``DecoderLM``, ``EncoderModel``,
 ``Seq2SeqModel``, ``VisionTransformer``), and back: ``load_hf(path)``, ``save_hf(model,
 path)``, the family picked by config.json's ``model_type`` or the model's config.
 
-    io.py        the shared reader/writer: folders, safetensors, config.json, mapping helpers
-    gpt2.py      GPT-2
-    llama.py     LLaMA and its layout variants Mistral and Qwen2
-    deepseek.py  DeepSeek-V2 / V3 (multi-head latent attention, mixture of experts)
-    bert.py      BERT with its masked-LM, classification, token and QA heads
-    marian.py    MarianMT (encoder-decoder)
-    vit.py       ViT image classifiers
-    registry.py  model_type / architecture -> family (a new family: a module + one entry)
-    convert.py   load_hf, save_hf, config_from_hf, config_to_hf, hf_model_type
+    io.py            the shared reader/writer: folders, safetensors, config.json, mapping helpers
+    gpt2.py          GPT-2
+    llama.py         LLaMA and its layout variants Mistral and Qwen2
+    deepseek.py      DeepSeek-V2 / V3 (multi-head latent attention, mixture of experts)
+    deepseek_v32.py  DeepSeek-V3.2: V3 plus the lightning indexer (attention kind dsa)
+    bert.py          BERT with its masked-LM, classification, token and QA heads
+    marian.py        MarianMT (encoder-decoder)
+    vit.py           ViT image classifiers
+    registry.py      model_type / architecture -> family (a new family: a module + one entry)
+    convert.py       load_hf, save_hf, config_from_hf, config_to_hf, hf_model_type
 """
 
 from attnlab.interop.convert import config_from_hf, config_to_hf, hf_model_type, load_hf, save_hf

@@ -43,7 +43,7 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
         raise unrepresentable(f"arch={cfg.arch!r}")
     if cfg.norm.placement != "pre":
         raise unrepresentable("post-norm blocks (all supported decoders are pre-norm)")
-    if cfg.attention.kind not in ("mha", "mla"):
+    if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
     raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")
 
@@ -52,10 +52,10 @@ def hf_model_type(cfg: ModelConfig) -> str:
     """The Hugging Face ``model_type`` that :func:`save_hf` writes ``cfg`` as.
 
     By arch: encoder -> ``bert``, seq2seq -> ``marian``, vit -> ``vit``. Decoders: MLA ->
-    ``deepseek_v2`` (DeepSeek-V2 router) or ``deepseek_v3``; learned positions + LayerNorm +
-    MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen2`` when q/k/v have biases and
-    nothing else does, ``mistral`` with a sliding window and no biases, else ``llama``
-    (missing biases are written as zeros)."""
+    ``deepseek_v2`` (DeepSeek-V2 router) or ``deepseek_v3``; DSA -> ``deepseek_v32``;
+    learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen2``
+    when q/k/v have biases and nothing else does, ``mistral`` with a sliding window and no
+    biases, else ``llama`` (missing biases are written as zeros)."""
     return _export_family(cfg)[1]
 
 
@@ -82,12 +82,12 @@ def load_hf(
     :data:`SUPPORTED_MODEL_TYPES`), picked by config.json's ``model_type``.
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
-    LLaMA, Mistral, Qwen2, DeepSeek-V2/V3; ``EncoderModel`` for BERT, ``Seq2SeqModel`` for
-    Marian, ``VisionTransformer`` for ViT) in eval mode, as ``from_pretrained`` does.
-    ``dtype`` defaults to float32 whatever the checkpoint stores; ``device`` defaults to
-    the CPU. The model is built on the meta device and each parameter is allocated once,
-    in ``dtype`` on ``device``, and read from the files: loading needs about the memory of
-    the loaded model, not twice it."""
+    LLaMA, Mistral, Qwen2, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for BERT,
+    ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
+    ``from_pretrained`` does. ``dtype`` defaults to float32 whatever the checkpoint stores;
+    ``device`` defaults to the CPU. The model is built on the meta device and each
+    parameter is allocated once, in ``dtype`` on ``device``, and read from the files:
+    loading needs about the memory of the loaded model, not twice it."""
     path = Path(path)
     hf_config = read_config(path)
     cfg = config_from_hf(hf_config)

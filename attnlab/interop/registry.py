@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnlab.interop import bert, deepseek, gpt2, llama, marian, vit
+from attnlab.interop import bert, deepseek, deepseek_v32, gpt2, llama, marian, vit
 from attnlab.interop.io import Family, HFCheckpointError
 
 FAMILIES: tuple[Family, ...] = (
     gpt2.FAMILY,
     llama.FAMILY,
     deepseek.FAMILY,
+    deepseek_v32.FAMILY,
     bert.FAMILY,
     marian.FAMILY,
     vit.FAMILY,

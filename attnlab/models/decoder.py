@@ -70,6 +70,8 @@ class DecoderLM(nn.Module):
         self.apply(self._init_weights)
         init_residual_projections(self, cfg.init_std, cfg.n_layers)
         self._aux = aux_modules(self)
+        # A module training alone (DSA's dense warm-up) freezes the rest: see outputs.py.
+        self._trains_alone = any(getattr(m, "trains_alone", False) for _, m in self._aux)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -176,6 +178,8 @@ class DecoderLM(nn.Module):
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
             )
         aux_loss, metrics = collect_aux(self._aux) if self._aux else (None, {})
+        if loss is not None and self._trains_alone and self.training:
+            loss = loss.detach()  # reported, not optimised: only the aux losses train
         return LMOutput(logits, loss, aux_loss, metrics)
 
     @torch.inference_mode()

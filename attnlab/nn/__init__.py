@@ -8,14 +8,18 @@ from attnlab.nn.linear_attention import LinearAttention
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.norm import RMSNorm, build_norm
 from attnlab.nn.rope import RotaryEmbedding
+from attnlab.nn.sparse import DeepSeekSparseAttention, LightningIndexer, NativeSparseAttention
 
 __all__ = [
     "MLP",
+    "DeepSeekSparseAttention",
     "GatedFFN",
     "LearnedPositionalEmbedding",
+    "LightningIndexer",
     "LinearAttention",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
+    "NativeSparseAttention",
     "RMSNorm",
     "RotaryEmbedding",
     "SinusoidalPositionalEmbedding",

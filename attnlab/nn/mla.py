@@ -172,6 +172,38 @@ class MultiHeadLatentAttention(nn.Module):
             dropout_p=self.attn_dropout if self.training else 0.0,
         )
 
+    def _project(
+        self, x: Tensor, positions: Tensor | None, rope: RopeTables | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """q_nope (b, h, t, d_n), rotated q_rope (b, h, t, d_r), c_kv (b, 1, t, d_c), rotated
+        k_rope (b, 1, t, d_r), and the query latent c_q (b, t, d_q) (None without query
+        compression)."""
+        b, t, _ = x.shape
+        c_q = None
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            c_q = self.q_a_norm(self.q_a_proj(x))  # (b, t, d_q)
+            q = self.q_b_proj(c_q)
+        q = q.view(b, t, self.n_heads, -1).transpose(1, 2)  # (b, h, t, d_n + d_r)
+        q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
+        c_kv, k_rope = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        c_kv = self.kv_a_norm(c_kv).unsqueeze(1)  # (b, 1, t, d_c)
+        k_rope = k_rope.unsqueeze(1)  # (b, 1, t, d_r): one key for every head
+        if self.uses_rope:
+            rope = self.rope_tables(positions, rope)
+            q_rope, k_rope = rope.rotate(q_rope), rope.rotate(k_rope)
+        return q_nope, q_rope, c_kv, k_rope, c_q
+
+    def rope_tables(self, positions: Tensor | None, rope: RopeTables | None) -> RopeTables:
+        """The cos/sin tables for this pass: ``rope`` when the model computed them, else
+        from ``positions`` (a module used on its own)."""
+        if rope is not None:
+            return rope
+        if positions is None:
+            raise ValueError("RoPE attention needs positions")
+        return self.rope.tables(positions)
+
     # ------------------------------------------------------------------ forward
 
     def forward(
@@ -191,21 +223,7 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError("multi-head latent attention is self-attention only")
         b, t, _ = x.shape
         h = self.n_heads
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q = q.view(b, t, h, self.nope_dim + self.rope_dim).transpose(1, 2)  # (b, h, t, d_n + d_r)
-        q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
-        c_kv, k_rope = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
-        c_kv = self.kv_a_norm(c_kv).unsqueeze(1)  # (b, 1, t, d_c)
-        k_rope = k_rope.unsqueeze(1)  # (b, 1, t, d_r): one key for every head
-        if self.uses_rope:
-            if rope is None:
-                if positions is None:
-                    raise ValueError("RoPE attention needs positions")
-                rope = self.rope.tables(positions)
-            q_rope, k_rope = rope.rotate(q_rope), rope.rotate(k_rope)
+        q_nope, q_rope, c_kv, k_rope, _ = self._project(x, positions, rope)
         causal = self.causal
         if cache is not None:
             latent = cache.update(c_kv, k_rope)  # (b, 1, s, d_c + d_r): every token so far

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from attnlab.config import RunConfig
+from attnlab.config import AttentionConfig, RunConfig
 from attnlab.models import build_model
 from attnlab.tasks import Task, eval_mode, get_task
 from attnlab.training.checkpoint import (
@@ -254,6 +254,12 @@ def _check_resume_config(cfg: RunConfig, saved: RunConfig, resume: Path) -> None
         mine, theirs = getattr(cfg, section).to_dict(), getattr(saved, section).to_dict()
         if section == "model":
             mine["vocab_size"] = theirs["vocab_size"]  # set from the tokenizer anyway
+            for name in AttentionConfig.STAGE_FIELDS:  # training stages: same parameters
+                if "attention" in theirs and name in theirs["attention"]:
+                    theirs = {
+                        **theirs,
+                        "attention": {**theirs["attention"], name: mine["attention"][name]},
+                    }
         if mine != theirs:
             changed = _differences(mine, theirs, f"{section}.")
             raise TrainingError(
@@ -481,6 +487,9 @@ class Trainer:
         torch.manual_seed(tc.seed)
         if ckpt is not None:
             model = ckpt.model
+            if cfg.model.to_dict() != ckpt.config.model.to_dict():  # a new stage (STAGE_FIELDS)
+                model = build_model(cfg.model)
+                model.load_state_dict(ckpt.model.state_dict())
         else:
             model = build_model(cfg.model)
         self.model = model.to(self.device).train()

@@ -1,0 +1,130 @@
+"""Selection maths of sparse attention: which keys each query reads. No parameters.
+
+* DSA (DeepSeek-V3.2): the lightning indexer's score I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s])
+  and the top-k keys per query; a Hadamard rotation and simulated FP8 quantisation of the
+  index queries/keys, as DeepSeek's inference code applies before scoring.
+* NSA (Yuan et al. 2025, "Native Sparse Attention"): the blocks that compression summarises
+  (length l, stride d), which complete blocks a query may read, and Eq. 9, which turns
+  attention over compressed blocks into importance of selection blocks (length l').
+
+Shapes: b batch, t queries, s keys, H_I index heads, d_I index head dim, k selected keys,
+n_c compressed blocks, n_s selection blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# --------------------------------------------------------------------------- DSA
+
+
+def index_scores(q: Tensor, k: Tensor, weights: Tensor, scale: float) -> Tensor:
+    """The lightning indexer (DeepSeek-V3.2, Eq. 1): q (b, t, H_I, d_I), k (b, s, d_I),
+    weights (b, t, H_I) -> I (b, t, s) = sum_j weights[t, j] ReLU(scale q[t, j] . k[s]),
+    in float32 (the reference scores in FP8 with float accumulation)."""
+    dots = torch.einsum("btjd,bsd->btjs", q.float(), k.float()) * scale  # (b, t, H_I, s)
+    return torch.einsum("btj,btjs->bts", weights.float(), dots.relu())  # (b, t, s)
+
+
+def topk_select(scores: Tensor, mask: Tensor | None, topk: int) -> tuple[Tensor, Tensor]:
+    """The min(topk, s) best keys of each query among those ``mask`` allows.
+
+    scores (b, t, s); mask bool broadcastable to (b, t, s). Returns indices (b, t, k) long
+    and valid (b, t, k) bool: False where a query has fewer than k allowed keys and the
+    pick is a masked one (those must stay masked). A tie at the k-th place (ReLU scores
+    are often exactly 0) goes to the earliest key, so the choice does not depend on how
+    many keys follow (a cache's length): decoding equals the full forward pass."""
+    if mask is not None:
+        mask = mask.expand_as(scores)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    s = scores.shape[-1]
+    k = min(topk, s)
+    values, indices = scores.topk(min(k + 1, s), dim=-1)  # (b, t, k + 1)
+    if k < s:
+        kth, next_ = values[..., k - 1], values[..., k]
+        if bool(((kth == next_) & kth.isfinite()).any()):  # rare: settle ties by position
+            indices = scores.sort(dim=-1, descending=True, stable=True).indices
+        indices = indices[..., :k]
+    if mask is None:
+        return indices, torch.ones_like(indices, dtype=torch.bool)
+    return indices, mask.gather(-1, indices)
+
+
+def selection_mask(indices: Tensor, valid: Tensor, s: int) -> Tensor:
+    """(b, t, k) picks -> (b, t, s) bool, True at the selected allowed keys."""
+    out = torch.zeros(*indices.shape[:-1], s, dtype=torch.bool, device=indices.device)
+    return out.scatter(-1, indices, valid)
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """x H / sqrt(d) along the last axis (d a power of 2): the fast Walsh-Hadamard transform.
+    H / sqrt(d) is orthogonal and symmetric, so (q H)(k H)^T = q k^T: rotating index queries
+    and keys changes no score, only spreads outliers before FP8 quantisation."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"a Hadamard transform needs a power-of-2 width, got {d}")
+    shape = x.shape
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:  # butterflies: pairs (i, i + h) within blocks of 2h -> (a + b, a - b)
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return (y.reshape(shape) / math.sqrt(d)).to(x.dtype)
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def fake_fp8(x: Tensor, block: int = 128, pow2_scale: bool = True) -> Tensor:
+    """Quantise x to FP8 e4m3 per block of ``block`` values along the last axis and back
+    (DeepSeek's ``act_quant``): scale = amax / 448 (rounded up to a power of 2 with
+    ``pow2_scale``, the UE8M0 scale format), x / scale rounded to e4m3, times scale."""
+    d = x.shape[-1]
+    block = min(block, d)
+    if d % block:
+        raise ValueError(f"width {d} is not a multiple of the quantisation block {block}")
+    xb = x.float().unflatten(-1, (d // block, block))  # (..., d / block, block)
+    scale = xb.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_E4M3_MAX
+    if pow2_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xb / scale).to(torch.float8_e4m3fn).float()
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- NSA
+
+
+def n_compressed_blocks(s: int, block_len: int, stride: int) -> int:
+    """Blocks [i d, i d + l) that fit in s keys."""
+    return 0 if s < block_len else (s - block_len) // stride + 1
+
+
+def block_windows(s: int, block_len: int, stride: int, device=None) -> Tensor:
+    """(n_c, l) key indices of each compression block (NSA Eq. 7: blocks of length l,
+    stride d)."""
+    n = n_compressed_blocks(s, block_len, stride)
+    start = torch.arange(n, device=device)[:, None] * stride
+    return start + torch.arange(block_len, device=device)  # (n_c, l)
+
+
+def compressed_causal_mask(q_pos: Tensor, n: int, block_len: int, stride: int) -> Tensor:
+    """q_pos (..., t) -> (..., t, n_c) bool: block i (keys up to i d + l - 1) is complete
+    at or before the query's position, so a query never reads a summary of its future."""
+    last = torch.arange(n, device=q_pos.device) * stride + block_len - 1  # (n_c,)
+    return last <= q_pos[..., None]
+
+
+def selection_importance(p_cmp: Tensor, n_sel: int, block_len: int, stride: int, sel_len: int):
+    """NSA Eq. 9: importance of selection block j (keys [j l', (j + 1) l')) as the sum of
+    the compressed attention of every compression block overlapping it. p_cmp (..., n_c) ->
+    (..., n_sel). Written as the overlap: block i covers [i d, i d + l), and l, l' are
+    multiples of d, so the overlapping blocks are those with i d in (j l' - l, (j + 1) l')."""
+    n_c = p_cmp.shape[-1]
+    start = torch.arange(n_c, device=p_cmp.device) * stride  # (n_c,)
+    j0 = torch.arange(n_sel, device=p_cmp.device)[:, None] * sel_len  # (n_sel, 1)
+    overlap = (start + block_len > j0) & (start < j0 + sel_len)  # (n_sel, n_c)
+    return p_cmp @ overlap.to(p_cmp.dtype).T  # (..., n_sel)

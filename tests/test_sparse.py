@@ -1,0 +1,449 @@
+"""Sparse attention. DSA: the indexer against its formula written out, top-k >= length equals
+dense MLA, no look-ahead, the gathered (O(k)) decode path against the dense-mask twin and
+the full forward, the indexer key cache's bytes, the Hadamard rotation and FP8 simulation,
+the two training stages. NSA: each branch against a direct loop, full selection equals
+dense attention, no look-ahead, cached decoding, learning. Config errors name the field.
+
+Shapes: b batch, t length, s keys, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.analysis import kv_cache_bytes, kv_cache_bytes_per_token
+from attnlab.cache import IndexedLatentKV
+from attnlab.config import ConfigError
+from attnlab.functional.selection import fake_fp8, hadamard, index_scores
+from attnlab.models import build_model
+from attnlab.nn.mla import MultiHeadLatentAttention
+from attnlab.nn.sparse import NativeSparseAttention
+from attnlab.presets import get_preset, get_run_preset
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+V = 256
+
+
+def _dsa_cfg(**overrides):
+    base = {"attention.kind": "dsa", "attention.index_topk": 6, "attention.index_n_heads": 3}
+    return get_preset("deepseek-moe-tiny").override({**base, **overrides})
+
+
+def _dsa(**overrides):
+    torch.manual_seed(0)
+    return build_model(_dsa_cfg(**overrides)).eval()
+
+
+def _set_path(model, path):
+    for m in model.modules():
+        if isinstance(m, MultiHeadLatentAttention):
+            m.path = path
+
+
+# --------------------------------------------------------------------------- DSA
+
+
+@torch.no_grad()
+def test_indexer_scores_match_the_formula_written_out():
+    torch.manual_seed(0)
+    b, t, s, H, d = 2, 5, 7, 3, 8
+    q, k, w = torch.randn(b, t, H, d), torch.randn(b, s, d), torch.randn(b, t, H)
+    got = index_scores(q, k, w, scale=d**-0.5)
+    want = torch.zeros(b, t, s)
+    for bi in range(b):
+        for ti in range(t):
+            for si in range(s):
+                for j in range(H):
+                    dot = float(q[bi, ti, j] @ k[bi, si]) * d**-0.5
+                    want[bi, ti, si] += float(w[bi, ti, j]) * max(dot, 0.0)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("path", ["naive", "absorbed"])
+@torch.no_grad()
+def test_topk_covering_the_sequence_equals_dense_mla(path):
+    dsa = _dsa(**{"attention.index_topk": 64})
+    mla = build_model(_dsa_cfg(**{"attention.kind": "mla"})).eval()
+    sd = {k: v for k, v in dsa.state_dict().items() if ".indexer." not in k}
+    mla.load_state_dict(sd, strict=True)
+    _set_path(dsa, path), _set_path(mla, path)
+    idx = torch.randint(0, V, (2, 24))
+    torch.testing.assert_close(dsa(idx).logits, mla(idx).logits, **TOL)
+
+
+@torch.no_grad()
+def test_sparse_selection_changes_the_output_and_reads_only_k_keys():
+    dsa = _dsa()
+    idx = torch.randint(0, V, (2, 24))
+    dense = _dsa(**{"attention.index_topk": 64})(idx).logits
+    assert not torch.allclose(dsa(idx).logits, dense, atol=1e-3)
+    indices, valid = dsa.blocks[0].attn.last_selection
+    assert indices.shape == (2, 24, 6)
+    assert valid.sum(-1).tolist()[0] == [min(i + 1, 6) for i in range(24)]
+    q_pos = torch.arange(24)[None, :, None]
+    assert bool((indices[valid] <= q_pos.expand_as(indices)[valid]).all())  # causal picks
+
+
+@torch.no_grad()
+def test_no_look_ahead():
+    dsa = _dsa()
+    idx = torch.randint(0, V, (1, 24))
+    changed = idx.clone()
+    changed[0, 15] = (idx[0, 15] + 1) % V
+    a = dsa(idx).logits
+    picks = [blk.attn.last_selection[0][:, :15] for blk in dsa.blocks]
+    b = dsa(changed).logits
+    for blk, before in zip(dsa.blocks, picks, strict=True):
+        assert torch.equal(blk.attn.last_selection[0][:, :15], before)
+    torch.testing.assert_close(a[:, :15], b[:, :15], **TOL)  # kernels may round differently
+    assert not torch.allclose(a[:, 15:], b[:, 15:])
+
+
+@pytest.mark.parametrize("hadamard_fp8", [False, True])
+@torch.no_grad()
+def test_gathered_path_equals_the_dense_mask_path_and_the_full_forward(hadamard_fp8):
+    extra = {"attention.index_head_dim": 32}
+    if hadamard_fp8:
+        extra |= {"attention.index_hadamard": True, "attention.index_fp8": True}
+    dsa = _dsa(**extra)
+    idx = torch.randint(0, V, (2, 20))
+    _set_path(dsa, "naive")
+    full = dsa(idx).logits
+    _set_path(dsa, "absorbed")
+    torch.testing.assert_close(dsa(idx).logits, full, **TOL)  # gathered, no cache
+
+    def decode():  # prefill 9, a chunk of 4, then one token at a time
+        cache = dsa.new_cache(2, 32)
+        parts = [dsa(idx[:, :9], cache=cache).logits, dsa(idx[:, 9:13], cache=cache).logits]
+        parts += [dsa(idx[:, i : i + 1], cache=cache).logits for i in range(13, 20)]
+        return torch.cat(parts, dim=1)
+
+    for path in ("naive", "absorbed", "auto"):
+        _set_path(dsa, path)
+        torch.testing.assert_close(decode(), full, **TOL)
+
+
+@torch.no_grad()
+def test_left_padded_decoding_equals_each_row_alone():
+    dsa = _dsa()
+    short, long = torch.randint(0, V, (9,)), torch.randint(0, V, (12,))
+    pad = 3
+    idx = torch.stack((torch.cat((torch.zeros(pad, dtype=torch.long), short)), long))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :pad] = 0
+    new = torch.randint(0, V, (2, 3))
+    cache = dsa.new_cache(2, 16)
+    dsa(idx, attention_mask=mask, cache=cache)
+    steps = torch.cat([dsa(new[:, i : i + 1], cache=cache).logits for i in range(3)], 1)
+    torch.testing.assert_close(
+        steps[0], dsa(torch.cat((short, new[0]))[None]).logits[0, -3:], **TOL
+    )
+    torch.testing.assert_close(steps[1], dsa(torch.cat((long, new[1]))[None]).logits[0, -3:], **TOL)
+
+
+def test_indexer_key_cache_bytes():
+    cfg = _dsa_cfg(**{"attention.index_head_dim": 16})
+    cache = build_model(cfg).new_cache(3, 40, dtype=torch.bfloat16)
+    assert all(isinstance(entry, IndexedLatentKV) for entry in cache.layers)
+    att = cfg.attention
+    per_token = cfg.n_layers * (att.kv_lora_rank + att.qk_rope_head_dim + 16) * 2
+    assert cache.nbytes == 3 * 40 * per_token
+    assert kv_cache_bytes(cfg, 40, 3, torch.bfloat16) == cache.nbytes
+    assert kv_cache_bytes_per_token(cfg, torch.bfloat16) == per_token
+
+
+def test_hadamard_is_orthogonal_and_preserves_dot_products():
+    torch.manual_seed(0)
+    d = 16
+    sylvester = torch.ones(1, 1)
+    while sylvester.shape[0] < d:
+        sylvester = torch.cat(
+            (torch.cat((sylvester, sylvester), 1), torch.cat((sylvester, -sylvester), 1))
+        )
+    x = torch.randn(5, d, dtype=torch.float64)
+    torch.testing.assert_close(hadamard(x), x @ sylvester.double() / d**0.5)
+    q, k = torch.randn(3, 4, d, dtype=torch.float64), torch.randn(3, 7, d, dtype=torch.float64)
+    torch.testing.assert_close(hadamard(q) @ hadamard(k).mT, q @ k.mT)
+    with pytest.raises(ValueError, match="power-of-2"):
+        hadamard(torch.randn(3, 12))
+
+
+def test_fake_fp8_is_a_blockwise_e4m3_rounding():
+    torch.manual_seed(0)
+    x = torch.randn(4, 256) * torch.logspace(-2, 2, 256)
+    y = fake_fp8(x, block=128)
+    assert torch.equal(fake_fp8(y, block=128), y)  # already on the grid
+    blocks = x.view(4, 2, 128)
+    rel = ((y.view(4, 2, 128) - blocks).abs() / blocks.abs().amax(-1, keepdim=True)).max()
+    assert 0 < rel < 2**-3  # e4m3: 3 mantissa bits, relative to the block's largest value
+
+
+def _train_step(model, idx):
+    model.train()
+    model.zero_grad()
+    out = model(idx[:, :-1], targets=idx[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    return out
+
+
+def test_warmup_stage_trains_only_the_indexer_and_reports_recall():
+    model = _dsa(**{"attention.dsa_stage": "warmup"})
+    out = _train_step(model, torch.randint(0, V, (2, 25)))
+    assert not out.loss.requires_grad  # reported, not optimised
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (".indexer." in name), name
+    recall = out.metrics["blocks.0.attn/topk_recall"]
+    assert 0 < float(recall) <= 1 and float(out.metrics["blocks.0.attn/indexer_kl"]) >= 0
+
+
+def test_sparse_stage_trains_everything_and_the_indexer_only_by_its_loss():
+    model = _dsa()
+    idx = torch.randint(0, V, (2, 25))
+    _train_step(model, idx)
+    assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad()
+    model(idx[:, :-1], targets=idx[:, 1:]).loss.backward()  # the task loss alone
+    for name, p in model.named_parameters():
+        if ".indexer." in name:
+            assert p.grad is None, name  # detached input, discrete selection
+
+
+def test_indexer_warmup_learns_to_recall_the_attention_mass():
+    torch.manual_seed(0)
+    model = _dsa(**{"attention.dsa_stage": "warmup", "attention.index_topk": 4})
+    with torch.no_grad():  # a peaked attention (random init is near uniform: nothing to learn)
+        for blk in model.blocks:
+            blk.attn.q_b_proj.weight.mul_(8)
+            blk.attn.kv_b_proj.weight.mul_(8)
+    opt = torch.optim.Adam([p for n, p in model.named_parameters() if ".indexer." in n], lr=1e-2)
+    idx = torch.randint(0, V, (4, 33))
+    kls, recalls = [], []
+    for _ in range(60):
+        out = _train_step(model, idx)
+        opt.step()
+        kls.append(float(out.aux_loss.detach()))
+        recalls.append(float(out.metrics["blocks.1.attn/topk_recall"]))
+    assert kls[-1] < 0.5 * kls[0]
+    assert recalls[-1] > recalls[0] + 0.05
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"attention.index_topk": 0}, "attention.index_topk"),
+        ({"attention.q_lora_rank": None}, "attention.q_lora_rank"),
+        ({"attention.index_head_dim": 4}, "attention.index_head_dim"),
+        ({"attention.index_hadamard": True, "attention.index_head_dim": 24}, "index_head_dim"),
+        ({"attention.dsa_stage": "dense"}, "attention.dsa_stage"),
+    ],
+)
+def test_bad_dsa_config_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        _dsa_cfg(**override)
+
+
+# --------------------------------------------------------------------------- NSA
+
+
+def _nsa_cfg(**overrides):
+    base = {
+        "attention.kind": "nsa",
+        "attention.n_kv_heads": 2,
+        "attention.nsa_block_len": 4,
+        "attention.nsa_stride": 2,
+        "attention.nsa_select_len": 4,
+        "attention.nsa_n_select": 2,
+        "attention.nsa_window": 5,
+    }
+    return get_preset("llama-tiny").override({**base, **overrides})
+
+
+def _nsa_layer(**overrides) -> NativeSparseAttention:
+    torch.manual_seed(0)
+    model = build_model(_nsa_cfg(**overrides)).eval()
+    return model.blocks[0].attn
+
+
+def _qkv(layer, t=19, b=2):
+    torch.manual_seed(1)
+    h, h_kv, d = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    q, k, v = torch.randn(b, h, t, d), torch.randn(b, h_kv, t, d), torch.randn(b, h_kv, t, d)
+    return q, k, v, torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t)
+
+
+def _softmax_attend(q, keys, values, scale):
+    """One query (d,) over keys (n, d): softmax attention, zeros with no key."""
+    if keys.shape[0] == 0:
+        return torch.zeros_like(q)
+    return torch.softmax(keys @ q * scale, 0) @ values
+
+
+@torch.no_grad()
+def test_nsa_compressed_branch_against_a_loop():
+    layer = _nsa_layer()
+    q, k, v, allowed = _qkv(layer)
+    o, _ = layer.compressed(q, k, v, allowed)
+    b, h, t, _ = q.shape
+    g = h // k.shape[1]
+    l, d = layer.block_len, layer.stride
+    for bi in range(b):
+        for hi in range(h):
+            for ti in range(t):
+                starts = [i for i in range(0, t - l + 1, d) if i + l - 1 <= ti]
+                kc = [layer.compress_k(k[bi, hi // g, i : i + l][None])[0] for i in starts]
+                vc = [layer.compress_v(v[bi, hi // g, i : i + l][None])[0] for i in starts]
+                kc = torch.stack(kc) if kc else torch.zeros(0, q.shape[-1])
+                vc = torch.stack(vc) if vc else torch.zeros(0, q.shape[-1])
+                want = _softmax_attend(q[bi, hi, ti], kc, vc, layer.scale)
+                torch.testing.assert_close(o[bi, hi, ti], want, **TOL)
+
+
+@torch.no_grad()
+def test_nsa_selected_and_window_branches_against_a_loop():
+    layer = _nsa_layer()
+    q, k, v, allowed = _qkv(layer)
+    _, p_cmp = layer.compressed(q, k, v, allowed)
+    keep = layer.select_blocks(p_cmp, allowed)  # (b, h_kv, t, s)
+    b, h, t, _ = q.shape
+    g, l, d, ls = h // k.shape[1], layer.block_len, layer.stride, layer.select_len
+    for bi in range(b):
+        for kv in range(k.shape[1]):
+            for ti in range(t):
+                # Eq. 9 as overlap, summed over the group's heads; own block first.
+                n_blocks = -(-t // ls)
+                p = p_cmp[bi, kv, :, ti].sum(0)  # (n_c,)
+                imp = [
+                    sum(
+                        float(p[i])
+                        for i in range(p.shape[0])
+                        if i * d < (j + 1) * ls and i * d + l > j * ls
+                    )
+                    for j in range(n_blocks)
+                ]
+                candidates = [j for j in range(n_blocks) if j * ls <= ti and j != ti // ls]
+                candidates.sort(key=lambda j: -imp[j])
+                chosen = {ti // ls, *candidates[: layer.n_select - 1]}
+                want = [(j // ls) in chosen and j <= ti for j in range(t)]
+                assert keep[bi, kv, ti].tolist() == want, (bi, kv, ti)
+    o_slc = layer._attend(q, k, v, keep)
+    o_win = layer._attend(q, k, v, layer.window_keys(allowed)[:, None])
+    for bi, hi, ti in [(0, 0, 0), (1, 3, 7), (0, 2, 18), (1, 1, 12)]:
+        sel = keep[bi, hi // g, ti].nonzero()[:, 0]
+        torch.testing.assert_close(
+            o_slc[bi, hi, ti],
+            _softmax_attend(q[bi, hi, ti], k[bi, hi // g, sel], v[bi, hi // g, sel], layer.scale),
+            **TOL,
+        )
+        win = torch.arange(max(0, ti - layer.window + 1), ti + 1)
+        torch.testing.assert_close(
+            o_win[bi, hi, ti],
+            _softmax_attend(q[bi, hi, ti], k[bi, hi // g, win], v[bi, hi // g, win], layer.scale),
+            **TOL,
+        )
+
+
+@torch.no_grad()
+def test_nsa_selecting_every_block_is_dense_attention():
+    layer = _nsa_layer(**{"attention.nsa_n_select": 8})
+    q, k, v, allowed = _qkv(layer, t=17)
+    _, p_cmp = layer.compressed(q, k, v, allowed)
+    keep = layer.select_blocks(p_cmp, allowed)
+    assert torch.equal(keep, allowed[:, None].expand_as(keep))
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=layer.scale
+    )
+    torch.testing.assert_close(layer._attend(q, k, v, keep), dense, **TOL)
+
+
+@torch.no_grad()
+def test_nsa_no_look_ahead_and_cached_decoding():
+    torch.manual_seed(0)
+    model = build_model(_nsa_cfg()).eval()
+    idx = torch.randint(0, V, (2, 22))
+    changed = idx.clone()
+    changed[:, 13] = (idx[:, 13] + 1) % V
+    full = model(idx).logits
+    torch.testing.assert_close(full[:, :13], model(changed).logits[:, :13], **TOL)
+    cache = model.new_cache(2, 24)
+    parts = [model(idx[:, :7], cache=cache).logits, model(idx[:, 7:10], cache=cache).logits]
+    parts += [model(idx[:, i : i + 1], cache=cache).logits for i in range(10, 22)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, **TOL)
+
+
+def test_nsa_learns():
+    torch.manual_seed(0)
+    model = build_model(_nsa_cfg(**{"max_seq_len": 32})).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    idx = torch.randint(0, 16, (8, 33))
+    losses = []
+    for _ in range(40):
+        loss = model(idx[:, :-1], targets=idx[:, 1:]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"attention.nsa_stride": 3}, "attention.nsa_stride"),
+        ({"attention.nsa_select_len": 5}, "attention.nsa_select_len"),
+        ({"attention.nsa_select_len": 2}, "attention.nsa_select_len"),
+        ({"attention.nsa_n_select": 0}, "attention.nsa_n_select"),
+        ({"attention.sliding_window": 8}, "attention.sliding_window"),
+    ],
+)
+def test_bad_nsa_config_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        _nsa_cfg(**override)
+
+
+def test_dsa_trains_from_a_run_preset():
+    run = get_run_preset("demo")
+    assert run.model.attention.kind != "dsa"
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        run.override({"model.attention.kind": "dsa"})
+
+
+def test_cli_warmup_then_resume_into_the_sparse_stage(tmp_path, capsys, monkeypatch):
+    import json
+
+    from attnlab.cli.main import main
+    from attnlab.training.checkpoint import load_checkpoint
+
+    (tmp_path / "corpus.txt").write_text("the cat sat on a mat and the dog ran far away.\n" * 60)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    sets = {
+        "model.attention.kind": "dsa",
+        "model.attention.dsa_stage": "warmup",
+        "model.attention.index_topk": 4,
+        "model.max_seq_len": 32,
+        "data.path": "corpus.txt",
+        "train.batch_size": 2,
+        "train.eval_every": 3,
+        "train.eval_batches": 1,
+        "train.log_every": 1,
+    }
+    argv = ["train", "--preset", "deepseek-moe-tiny", "--out", "run", "--quiet"]
+    argv += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    assert main([*argv, "--max-steps", "3"]) == 0, capsys.readouterr().err
+    before = load_checkpoint(tmp_path / "run").model.state_dict()
+    resume = ["train", "--resume", "run", "--max-steps", "5", "--quiet"]
+    assert main([*resume, "--set", "model.attention.dsa_stage=sparse"]) == 0
+    after = load_checkpoint(tmp_path / "run").model
+    assert after.cfg.attention.dsa_stage == "sparse"
+    assert after.blocks[0].attn.stage == "sparse"
+    assert not torch.equal(
+        after.state_dict()["blocks.0.attn.kv_b_proj.weight"],
+        before["blocks.0.attn.kv_b_proj.weight"],
+    )
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    recalls = [r["blocks.0.attn/topk_recall"] for r in rows if r["kind"] == "train"]
+    assert len(recalls) == 5 and all(0 < r <= 1 for r in recalls)
