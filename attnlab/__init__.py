@@ -1,27 +1,44 @@
-"""attnlab: attention and transformers, each verified against an independent reference."""
+"""attnlab: attention and transformers, each verified against an independent reference.
 
+The top-level API: configs (:class:`ModelConfig` and its sections, :class:`RunConfig`),
+presets (:func:`get_preset`, :func:`get_run_preset`), :func:`build_model`, the decoder
+language model :class:`DecoderLM` and its decoding :class:`Cache`. Checkpoints:
+``attnlab.training.load_checkpoint`` / ``save_checkpoint``; Hugging Face folders:
+``attnlab.interop.load_hf`` / ``save_hf``.
+"""
+
+from attnlab.cache import Cache
 from attnlab.config import (
     AttentionConfig,
     ConfigError,
+    DataConfig,
     FFNConfig,
     ModelConfig,
     NormConfig,
     PositionConfig,
+    RunConfig,
+    TrainConfig,
 )
 from attnlab.models import DecoderLM, build_model
-from attnlab.presets import get_preset, list_presets
+from attnlab.presets import get_preset, get_run_preset, list_presets, list_run_presets
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionConfig",
+    "Cache",
     "ConfigError",
+    "DataConfig",
     "DecoderLM",
     "FFNConfig",
     "ModelConfig",
     "NormConfig",
     "PositionConfig",
+    "RunConfig",
+    "TrainConfig",
     "build_model",
     "get_preset",
+    "get_run_preset",
     "list_presets",
+    "list_run_presets",
 ]

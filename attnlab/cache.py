@@ -318,6 +318,14 @@ class LinearState(LayerCache):
 
 
 class Cache:
+    """The decoding cache of one model and one batch (see the module docstring): one entry
+    per layer (``cache[i]``) and the slots, positions and padding they share.
+
+    Made by ``model.new_cache(batch, max_len, static=False, rolling=False)`` and passed as
+    ``model(idx, cache=cache)``: each call appends its tokens, so a prompt then one token at a
+    time equals one full forward pass. ``length`` tokens are held of ``max_len``; ``nbytes``
+    counts the memory of every entry (``bytes_used`` the part filled); ``reset()`` empties it."""
+
     def __init__(
         self,
         batch: int,
@@ -369,6 +377,8 @@ class Cache:
 
     @property
     def wrapped(self) -> bool:
+        """Whether a rolling cache has overwritten its oldest slots (more tokens seen than
+        ``max_len``)."""
         return (int(self._slot) if self.static else self._length) > self.max_len
 
     @property
@@ -378,6 +388,7 @@ class Cache:
 
     @property
     def bytes_used(self) -> int:
+        """The part of ``nbytes`` holding tokens (``nbytes * length / max_len``)."""
         return self.nbytes * self.length // self.max_len
 
     @property

@@ -189,6 +189,8 @@ class _Config:
         return type(self).from_dict(data)  # type: ignore[attr-defined]
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError`, naming the field, where a value is out of range or
+        conflicts with another; called whenever a config is built or parsed."""
         pass
 
 
@@ -293,6 +295,8 @@ class AttentionConfig(_Config):
     )
 
     def mla_dims(self, d_model: int) -> MLADims:
+        """The latent-attention widths for a model of width ``d_model``: each field as set,
+        or derived from the head size (kv_lora_rank 4 d_h, qk_nope_head_dim d_h, ...)."""
         d_h = self.head_dim or d_model // self.n_heads
         return MLADims(
             self.q_lora_rank,
@@ -436,6 +440,7 @@ class AttentionConfig(_Config):
 
     @property
     def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_heads``, or ``n_heads`` (multi-head attention) when unset."""
         return self.n_kv_heads or self.n_heads
 
     def window_of(self, layer: int) -> int | None:
@@ -458,6 +463,9 @@ class AttentionConfig(_Config):
 
 @dataclass
 class PositionConfig(_Config):
+    """Token positions: ``kind`` is learned, sinusoidal, rope or none; the ``rope_*``
+    fields set RoPE's base ``rope_theta``, layout and context-extension scaling."""
+
     kind: str = "learned"
     rope_theta: float = 10000.0
     rope_layout: str = "split"  # "split" halves (LLaMA/HF) or "interleaved" pairs (RoFormer)
@@ -555,6 +563,8 @@ class FFNConfig(_Config):
             _fail(f"{path}.n_groups", "deepseek-v3 scores a group by its top 2 experts")
 
     def expert_hidden_size(self, d_model: int) -> int:
+        """Hidden width of one MoE expert: ``moe_hidden_dim``, else the dense hidden width
+        shared among the activated and shared experts."""
         if self.moe_hidden_dim is not None:
             return self.moe_hidden_dim
         return max(
@@ -562,6 +572,8 @@ class FFNConfig(_Config):
         )
 
     def hidden_size(self, d_model: int) -> int:
+        """Hidden width of the feed-forward layer: ``hidden_dim``, else 4 d_model for an MLP
+        and LLaMA's 2/3 of that (rounded up to ``multiple_of``) for gated FFNs."""
         if self.hidden_dim is not None:
             return self.hidden_dim
         if self.kind == "mlp":
@@ -572,6 +584,9 @@ class FFNConfig(_Config):
 
 @dataclass
 class NormConfig(_Config):
+    """Normalisation: ``kind`` layernorm or rmsnorm, its ``eps``, a LayerNorm ``bias``, and
+    ``placement`` pre (GPT-2, LLaMA) or post (the original Transformer)."""
+
     kind: str = "layernorm"
     eps: float = 1e-5
     bias: bool = True  # LayerNorm only
@@ -652,6 +667,7 @@ class ModelConfig(_Config):
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head: ``attention.head_dim``, else d_model / n_heads."""
         return self.attention.head_dim or self.d_model // self.attention.n_heads
 
     @property
@@ -661,10 +677,12 @@ class ModelConfig(_Config):
 
     @property
     def n_heads(self) -> int:
+        """Query heads (``attention.n_heads``)."""
         return self.attention.n_heads
 
     @property
     def n_kv_heads(self) -> int:
+        """Key/value heads (``attention.kv_heads``)."""
         return self.attention.kv_heads
 
 
@@ -682,6 +700,10 @@ register_model_config("decoder", ModelConfig)
 
 @dataclass
 class DataConfig(_Config):
+    """Training data: ``path`` (a text file or folder; None: the embedded corpus), the
+    ``tokenizer`` kind (char or bpe) and BPE vocabulary size, the validation fraction and how
+    undecodable bytes are handled (``errors``)."""
+
     path: str | None = None  # a .txt file or a folder of them; None: the embedded corpus
     tokenizer: str = "char"  # "char" or "bpe" (byte-level BPE trained on the corpus)
     bpe_vocab_size: int = 4096
@@ -705,6 +727,9 @@ class DataConfig(_Config):
 
 @dataclass
 class TrainConfig(_Config):
+    """The optimisation: batch and block sizes, steps or time budget, AdamW and schedule
+    settings, evaluation/logging/saving cadence, seed, dtype and device."""
+
     batch_size: int = 12  # sequences per optimizer step, per process, before accumulation
     block_size: int | None = None  # None: model.max_seq_len
     grad_accum: int = 1

@@ -455,12 +455,15 @@ def register_preset(name: str, fn: Callable[[], ModelConfig], description: str) 
 
 
 def get_preset(name: str) -> ModelConfig:
+    """The :class:`ModelConfig` of preset ``name`` (``list_presets()`` names them all);
+    :class:`ConfigError` listing the known presets otherwise."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
     return PRESETS[name][0]()
 
 
 def list_presets() -> dict[str, str]:
+    """Every model preset: name -> one-line description."""
     return {name: desc for name, (_, desc) in PRESETS.items()}
 
 
@@ -688,4 +691,5 @@ def get_run_preset(name: str) -> RunConfig:
 
 
 def list_run_presets() -> dict[str, str]:
+    """Every run preset (model + training + data): name -> one-line description."""
     return {name: desc for name, (_, desc) in RUN_PRESETS.items()}

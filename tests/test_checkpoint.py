@@ -195,3 +195,51 @@ def test_clear_errors(tmp_path):
     shutil.copy(other / "model.safetensors", d / "model.safetensors")
     with pytest.raises(CheckpointError, match="different saves"):
         load_checkpoint(d)
+
+
+def test_weights_load_without_trainer_state(tmp_path):
+    """Inference needs config, weights and tokenizer only: a folder whose trainer_state.pt
+    was deleted (or never written) loads; only resuming needs the state."""
+    from attnlab.training import TrainingError, train
+
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 3})
+    (tmp_path / ckpt_module.STATE_FILE).unlink()
+    loaded = load_checkpoint(tmp_path, with_state=True)
+    assert loaded.state is None and loaded.config == cfg
+    assert loaded.tokenizer.to_json() == tokenizer.to_json()
+    assert_same_weights(weights(loaded.model), weights(model))
+    # Without a tokenizer.json either: a model without a tokenizer.
+    (tmp_path / "tokenizer.json").unlink()
+    assert load_checkpoint(tmp_path).tokenizer is None
+    with pytest.raises(TrainingError, match=r"no trainer state \(trainer_state.pt.*init-from"):
+        train(None, tmp_path, resume=tmp_path, progress=False)
+
+
+def test_config_and_weights_that_disagree_name_the_tensors(tmp_path):
+    model, cfg, tokenizer = make_run(tie=False)
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    config_file = tmp_path / "config.json"
+    saved = config_file.read_text()
+    # A wider model: every shape differs; the message names tensors with both shapes.
+    config_file.write_text(cfg.override({"model.d_model": 32}).to_json())
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert "do not match config.json" in message and "wrong shape (" in message
+    emb = model.tok_emb.weight.shape
+    assert f"tok_emb.weight has shape ({emb[0]}, 16), the config implies ({emb[0]}, 32)" in message
+    assert "more)" in message  # the rest counted, not listed
+    # A deeper model: the missing layer's tensors, with the shapes the config implies.
+    config_file.write_text(cfg.override({"model.n_layers": 2}).to_json())
+    with pytest.raises(CheckpointError, match=r"missing \(\d+\): blocks\.1\.\S+ \(\d+,( \d+)?\)"):
+        load_checkpoint(tmp_path)
+    # A shallower one: the stored layer's tensors are unexpected, with their shapes.
+    config_file.write_text(saved)
+    deeper = cfg.override({"model.n_layers": 2})
+    save_checkpoint(tmp_path, build_model(deeper.model), deeper, tokenizer, {"step": 1})
+    config_file.write_text(saved)
+    with pytest.raises(
+        CheckpointError, match=r"unexpected \(\d+\): blocks\.1\.\S+ \(\d+,( \d+)?\)"
+    ):
+        load_checkpoint(tmp_path)

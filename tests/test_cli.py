@@ -320,6 +320,139 @@ def test_export_and_import_hf_round_trip(work, tmp_path, capsys):
     assert out == "The" + original.tokenizer.decode(expected) + "\n"
 
 
+def test_inference_needs_no_trainer_state(work, tmp_path, capsys):
+    """generate, eval and export-hf work on a folder without trainer_state.pt."""
+    shutil.copytree(work / "run", tmp_path / "run")
+    (tmp_path / "run" / "trainer_state.pt").unlink()
+    original = load_checkpoint(work / "run")
+    argv = ["generate", "--ckpt", str(tmp_path / "run"), "--prompt", "The", "--temperature", "0"]
+    code, out, err = run_main([*argv, "--max-new-tokens", "8"], capsys)
+    assert code == 0, err
+    expected = original.model.generate(original.tokenizer.encode("The"), 8, temperature=0.0)
+    assert out == "The" + original.tokenizer.decode(expected) + "\n"
+    argv = ["eval", "--ckpt", str(tmp_path / "run"), "--data", str(work / "corpus.txt")]
+    code, out, err = run_main([*argv, "--json", "--max-batches", "1"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["tokens"] > 0
+    code, _, err = run_main(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf")], capsys)
+    assert code == 0, err
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_weight_only_hf_import_and_generate(work, tmp_path, capsys):
+    """A decoder folder without tokenizer.json imports without a tokenizer; generate then
+    takes --tokenizer FILE or --prompt-ids (printing ids), and says so otherwise."""
+    original = load_checkpoint(work / "run")
+    code, _, err = run_main(["export-hf", str(work / "run"), str(tmp_path / "hf")], capsys)
+    assert code == 0, err
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).unlink()
+    imported = tmp_path / "imported"
+    code, out, err = run_main(["import-hf", str(tmp_path / "hf"), str(imported)], capsys)
+    assert code == 0, err
+    assert "--tokenizer" in out and "--prompt-ids" in out
+    assert not (imported / "tokenizer.json").exists()
+    assert load_checkpoint(imported).tokenizer is None
+    base = ["generate", "--ckpt", str(imported), "--temperature", "0", "--max-new-tokens", "6"]
+    code, out, err = run_main([*base, "--prompt", "The"], capsys)
+    assert_one_line_error(code, err, "has no tokenizer.json")
+    assert "--tokenizer FILE" in err and "--prompt-ids" in err
+    code, out, err = run_main(base, capsys)  # the default prompt is text too
+    assert_one_line_error(code, err, "--prompt-ids")
+    ids = original.tokenizer.encode("The")
+    expected = original.model.generate(ids, 6, temperature=0.0)
+    tokenizer_file = str(work / "run" / "tokenizer.json")
+    code, out, err = run_main([*base, "--prompt", "The", "--tokenizer", tokenizer_file], capsys)
+    assert code == 0, err
+    assert out == "The" + original.tokenizer.decode(expected) + "\n"
+    prompt_ids = ",".join(map(str, ids))
+    for stream in ([], ["--stream"]):
+        code, out, err = run_main([*base, "--prompt-ids", prompt_ids, *stream], capsys)
+        assert code == 0, err
+        assert out == ",".join(map(str, ids + expected)) + "\n"
+    # Token ids with a tokenizer: text out.
+    argv = ["generate", "--ckpt", str(work / "run"), "--temperature", "0"]
+    code, out, err = run_main([*argv, "--max-new-tokens", "6", "--prompt-ids", prompt_ids], capsys)
+    assert code == 0, err
+    assert out == "The" + original.tokenizer.decode(expected) + "\n"
+
+
+def test_generate_default_length_fits_the_context(work):
+    """Without --max-new-tokens the continuation fills the 64-token context, and nothing
+    is written to stderr."""
+    ckpt = load_checkpoint(work / "run")
+    prompt = "The cat"
+    proc = run_cli("generate", "--ckpt", "run", "--prompt", prompt, "--temperature", "0", cwd=work)
+    assert proc.stderr == ""
+    ids = ckpt.tokenizer.encode(prompt)
+    expected = ckpt.model.generate(ids, 64 - len(ids), temperature=0.0)
+    assert len(expected) == 64 - len(ids)
+    assert proc.stdout == prompt + ckpt.tokenizer.decode(expected) + "\n"
+
+
+def test_generate_warnings_come_before_the_text(work):
+    """Cropping and context-full warnings go to stderr before any text: with stderr merged
+    into stdout they all precede the prompt; stdout alone holds only the text."""
+    ckpt = load_checkpoint(work / "run")
+    prompt = "The cat sat on a mat. " * 5  # 110 characters, 64 kept
+    argv = ["generate", "--ckpt", "run", "--prompt", prompt, "--temperature", "0"]
+    argv += ["--max-new-tokens", "10"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ATTNLAB_CACHE": str(work / "cache")}
+    merged = subprocess.run(
+        [sys.executable, "-m", "attnlab", *argv],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert merged.returncode == 0, merged.stdout
+    with pytest.warns(UserWarning, match="max_seq_len"):  # the library says it too
+        expected = ckpt.model.generate(ckpt.tokenizer.encode(prompt), 10, temperature=0.0)
+    text = prompt + ckpt.tokenizer.decode(expected) + "\n"
+    warning_lines = merged.stdout[: -len(text)].splitlines()
+    assert merged.stdout.endswith(text), merged.stdout
+    assert len(warning_lines) == 2, merged.stdout
+    assert all(line.startswith("attnlab: warning: ") for line in warning_lines)
+    assert "keeping its last 64" in warning_lines[0] and "slides" in warning_lines[1]
+    separate = run_cli(*argv, cwd=work)
+    assert separate.stdout == text
+    assert separate.stderr.splitlines() == warning_lines
+
+
+def test_exported_tokenizers_work_in_transformers(work, tmp_path, capsys):
+    """AutoTokenizer.from_pretrained on an export encodes and decodes as attnlab does: a
+    GPT-2-style char-level checkpoint (which GPT2Tokenizer would strip of spaces and
+    newlines) and a LLaMA-style byte-level BPE one."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.config import RunConfig
+    from attnlab.models import build_model
+    from attnlab.presets import get_preset
+    from attnlab.tokenizers import train_tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    bpe_text = 'Hello, world!  It\'s (really) "fine"; ok?\n\tNew line: 3.5 + 2 = 5.5\n'
+    bpe = train_tokenizer("bpe", [_corpus(), bpe_text], vocab_size=300)
+    cfg = get_preset("llama-tiny").override({"vocab_size": bpe.vocab_size, "max_seq_len": 32})
+    save_checkpoint(tmp_path / "bpe", build_model(cfg), RunConfig(model=cfg), bpe)
+    char_text = "The cat sat on a mat.\nThe  dog ran far away.\n\nthe end. "
+    cases = [(work / "run", char_text, "gpt2"), (tmp_path / "bpe", bpe_text, "llama")]
+    for ckpt_dir, text, model_type in cases:
+        out = tmp_path / f"hf-{ckpt_dir.name}"
+        code, stdout, err = run_main(["export-hf", str(ckpt_dir), str(out)], capsys)
+        assert code == 0, err
+        assert "tokenizer_config.json" in stdout
+        assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+        ours = load_checkpoint(ckpt_dir).tokenizer
+        theirs = transformers.AutoTokenizer.from_pretrained(out)
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids
+        assert theirs(text)["input_ids"] == ids
+        assert theirs.decode(ids) == ours.decode(ids) == text
+        assert len(theirs) == ours.vocab_size  # no token added
+
+
 # ------------------------------------------------------------------ bad input
 
 BAD_INPUTS = [
@@ -372,7 +505,16 @@ BAD_INPUTS = [
     (["generate", "--ckpt", "{work}/run", "--max-new-tokens", "-3"], "--max-new-tokens"),
     (["eval", "--ckpt", "{work}/run", "--data", "{tmp}/missing.txt"], "missing.txt"),
     (["eval", "--ckpt", "{work}/run", "--data", "{tmp}/euro.txt"], "U+20AC"),
-    (["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/out"], "tokenizer"),
+    (
+        ["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/out", "--tokenizer", "{tmp}/no.json"],
+        "tokenizer not found",
+    ),
+    (["train", "--resume", "{tmp}/no_state"], "no trainer state (trainer_state.pt"),
+    (["generate", "--ckpt", "{work}/run", "--prompt-ids", "1,x"], "expected token ids"),
+    (["generate", "--ckpt", "{work}/run", "--prompt-ids", "1,99999"], "token id 99999"),
+    (["generate", "--ckpt", "{work}/run", "--prompt", "a", "--prompt-ids", "1"], "not allowed"),
+    (["generate", "--ckpt", "{work}/run", "--tokenizer", "{tmp}/no.json"], "not found"),
+    (["eval", "--ckpt", "{work}/run", "--tokenizer", "{tmp}/bad.json"], "--tokenizer"),
     (["info", "--config", "{tmp}/bad.json"], "not valid JSON"),
     (["no-such-command"], "no-such-command"),
 ]
@@ -388,6 +530,8 @@ def bad_files(work, tmp_path) -> Path:
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "typo.json").write_text(json.dumps({"train": {"batch_sise": 4}}))
     (tmp_path / "euro.txt").write_text("The cat costs 5 \u20ac.\n")
+    shutil.copytree(work / "run", tmp_path / "no_state")
+    (tmp_path / "no_state" / "trainer_state.pt").unlink()
     (tmp_path / "hf_no_tokenizer").mkdir()
     (tmp_path / "hf_no_tokenizer" / "config.json").write_text('{"model_type": "gpt2"}')
     return tmp_path

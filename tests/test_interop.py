@@ -366,7 +366,9 @@ def test_config_rope_forms():
 
 
 def test_config_errors():
-    supported = "gpt2, llama, mistral, qwen2, deepseek_v2, deepseek_v3, bert, marian, vit"
+    supported = (
+        "gpt2, llama, mistral, qwen2, deepseek_v2, deepseek_v3, deepseek_v32, bert, marian, vit"
+    )
     with pytest.raises(HFCheckpointError, match=f"model_type 'falcon'.*{supported}"):
         config_from_hf({"model_type": "falcon"})
     with pytest.raises(HFCheckpointError, match="LlamaForSequenceClassification"):

@@ -207,11 +207,42 @@ def stop_token_ids(path: str | Path) -> list[int]:
     return eos_token_ids(Path(path))
 
 
-def require_tokenizer(tokenizer: Tokenizer | None, path: str | Path) -> Tokenizer:
+def add_tokenizer_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tokenizer",
+        metavar="FILE",
+        help="tokenizer.json to use instead of the checkpoint's (for checkpoints without one)",
+    )
+
+
+def tokenizer_option(path: str | None, tokenizer: Tokenizer | None, vocab_size: int):
+    """The tokenizer of ``--tokenizer FILE`` when given (checked to fit a model of
+    ``vocab_size`` embeddings), else the checkpoint's ``tokenizer`` (maybe None)."""
+    if path is None:
+        return tokenizer
+    from attnlab.tokenizers import TokenizerError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(path)
+    except TokenizerError as e:
+        raise CLIError(f"--tokenizer: {e}") from None
+    if tokenizer.vocab_size > vocab_size:  # fewer is fine: padded embeddings
+        raise CLIError(
+            f"--tokenizer {path}: {tokenizer.vocab_size} tokens but the model has only "
+            f"vocab_size={vocab_size} embeddings; give the model's own tokenizer"
+        )
+    return tokenizer
+
+
+def require_tokenizer(
+    tokenizer: Tokenizer | None, path: str | Path, alternatives: str = ""
+) -> Tokenizer:
+    """``tokenizer``, or one CLIError saying how to give one (``alternatives``: the
+    command's other ways, e.g. token ids)."""
     if tokenizer is None:
         raise CLIError(
-            f"{path}: has no tokenizer.json, so text cannot be encoded; copy the tokenizer "
-            "the model was trained with into that folder"
+            f"{path}: has no tokenizer.json, so text cannot be encoded; give --tokenizer FILE "
+            f"(the model's tokenizer.json){alternatives}, or copy that file into the folder"
         )
     return tokenizer
 

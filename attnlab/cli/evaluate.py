@@ -14,10 +14,12 @@ import numpy as np
 from attnlab.cli.common import (
     CLIError,
     add_dtype_argument,
+    add_tokenizer_argument,
     load_for_inference,
     positive_int,
     require_tokenizer,
     resolve_device,
+    tokenizer_option,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     add_dtype_argument(p)
+    add_tokenizer_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -67,6 +70,7 @@ def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
+    tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.model.vocab_size)
     if cfg.task == "lm":
         report = _language_modelling(args, model, cfg, tokenizer, device)
     else:

@@ -1,9 +1,21 @@
-"""``attnlab generate``: sample text from a checkpoint, optionally streaming it."""
+"""``attnlab generate``: sample text from a checkpoint, optionally streaming it.
+
+stdout holds only the prompt and its continuation: warnings (a prompt cropped to the
+context, a context that will fill up) go to stderr, all before the first character is
+printed. Without ``--max-new-tokens`` the continuation fits the model's context:
+``min(256, max_seq_len - prompt tokens)``, or, when the prompt fills the whole context,
+``min(256, max_seq_len // 2)`` tokens with the context sliding as it goes.
+
+A checkpoint without a tokenizer (e.g. imported from a weight-only Hugging Face folder)
+takes ``--tokenizer FILE``, or token ids with ``--prompt-ids 1,2,3``; with no tokenizer at
+all, the output is token ids too (comma-separated: the prompt's, then the new ones).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,18 +23,21 @@ import torch
 from attnlab.cli.common import (
     CLIError,
     add_dtype_argument,
+    add_tokenizer_argument,
     load_for_inference,
     non_negative_int,
     positive_int,
     require_tokenizer,
     resolve_device,
     stop_token_ids,
+    tokenizer_option,
 )
 
 if TYPE_CHECKING:
     from attnlab.tokenizers import Tokenizer
 
 DEFAULT_PROMPT = "\n"  # a fresh line: the most neutral start a char-level model knows
+DEFAULT_MAX_NEW_TOKENS = 256  # at most; without --max-new-tokens the context's room left
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,13 +48,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the generated text.",
     )
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
-    p.add_argument(
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument(
         "--prompt",
         metavar="TEXT",
         help="text to continue (default: a newline, or the first token when the "
         "vocabulary has no newline)",
     )
-    p.add_argument("--max-new-tokens", type=non_negative_int, default=256, metavar="N")
+    prompt.add_argument(
+        "--prompt-ids",
+        type=token_ids,
+        metavar="IDS",
+        help="token ids to continue, comma-separated (e.g. 1,2,3): needs no tokenizer; "
+        "without one the output is token ids too",
+    )
+    add_tokenizer_argument(p)
+    p.add_argument(
+        "--max-new-tokens",
+        type=non_negative_int,
+        metavar="N",
+        help=f"tokens to generate (default: what fits the model's context, at most "
+        f"{DEFAULT_MAX_NEW_TOKENS}: min({DEFAULT_MAX_NEW_TOKENS}, max_seq_len - prompt tokens))",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
@@ -84,6 +114,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+def token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` (or spaces between) -> [1, 2, 3]."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected token ids separated by commas (e.g. 1,2,3), got {text!r}"
+        )
+    return [int(part) for part in parts]
+
+
 def encode_prompt(tokenizer: Tokenizer, prompt: str | None) -> tuple[str, list[int]]:
     """(shown prompt, ids). An empty or missing prompt starts from a newline if the
     vocabulary has one, else from token 0 (generation needs at least one token)."""
@@ -108,6 +148,46 @@ def _print(text: str) -> None:
     sys.stdout.flush()
 
 
+def plan_length(
+    ids: list[int], max_new_tokens: int | None, max_seq_len: int, overflow: str
+) -> tuple[list[int], int]:
+    """(prompt ids cropped to the context, new tokens to generate), warning (stderr, before
+    anything is printed) about a cropped prompt and a context that will fill up."""
+    if len(ids) > max_seq_len:
+        warnings.warn(
+            f"the prompt has {len(ids)} tokens, more than the model's context "
+            f"(max_seq_len={max_seq_len}): keeping its last {max_seq_len}",
+            stacklevel=2,
+        )
+        ids = ids[-max_seq_len:]
+    room = max_seq_len - len(ids)
+    explicit = max_new_tokens is not None
+    if not explicit:
+        max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, room or max_seq_len // 2)
+    if max_new_tokens <= room or overflow == "roll":
+        return ids, max_new_tokens
+    if overflow == "stop":
+        warnings.warn(
+            f"the prompt ({len(ids)} tokens) leaves room for {room} new tokens in the model's "
+            f"context (max_seq_len={max_seq_len}); --overflow stop ends there",
+            stacklevel=2,
+        )
+        return ids, room
+    slides = f"slides to its last {max_seq_len - max_seq_len // 2} tokens"
+    if explicit:
+        message = (
+            f"the prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceed the "
+            f"model's context (max_seq_len={max_seq_len}): when it is full it {slides}"
+        )
+    else:
+        message = (
+            f"the prompt ({len(ids)} tokens) fills the model's context (max_seq_len="
+            f"{max_seq_len}): generating {max_new_tokens} tokens as the context {slides}"
+        )
+    warnings.warn(message, stacklevel=2)
+    return ids, max_new_tokens
+
+
 def run(args: argparse.Namespace) -> int:
     from attnlab.generation import check_sampling
 
@@ -117,14 +197,33 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--{str(e).replace('_', '-')}") from None
     device = resolve_device(args.device)
     model, _, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
-    tokenizer = require_tokenizer(tokenizer, args.ckpt)
+    cfg = model.cfg
+    tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.vocab_size)
     from attnlab.interop import HFCheckpointError
+    from attnlab.tokenizers import TokenizerError
 
     try:
         stops = [] if args.ignore_eos else stop_token_ids(args.ckpt)
     except HFCheckpointError as e:
         raise CLIError(str(e)) from None
-    shown, ids = encode_prompt(tokenizer, args.prompt)
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
+        bad = [i for i in ids if i >= cfg.vocab_size]
+        if bad:
+            raise CLIError(
+                f"--prompt-ids: token id {bad[0]} is outside the model's vocabulary "
+                f"[0, {cfg.vocab_size})"
+            )
+        try:
+            shown = None if tokenizer is None else tokenizer.decode(ids)
+        except TokenizerError as e:
+            raise CLIError(f"--prompt-ids: {e}") from None
+    else:
+        alternatives = " or token ids with --prompt-ids 1,2,3"
+        shown, ids = encode_prompt(
+            require_tokenizer(tokenizer, args.ckpt, alternatives), args.prompt
+        )
+    ids, max_new_tokens = plan_length(ids, args.max_new_tokens, cfg.max_seq_len, args.overflow)
     options = dict(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -148,21 +247,32 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    _print(shown)
-    if not args.stream:
-        new = model.generate(ids, args.max_new_tokens, **options)
-        _print(tokenizer.decode(new) + "\n")
-        return 0
-    # Decode the whole continuation each step and print what is new: one token may be
-    # part of a multi-byte character (byte-level BPE), shown once it is complete.
-    new_ids: list[int] = []
-    printed = ""
-    for token in model.stream(ids, args.max_new_tokens, **options):
-        new_ids.append(token)
-        text = tokenizer.decode(new_ids)
-        if text.endswith("\ufffd") or not text.startswith(printed):
-            continue
-        _print(text[len(printed) :])
-        printed = text
-    _print(tokenizer.decode(new_ids)[len(printed) :] + "\n")
+    with warnings.catch_warnings():
+        # plan_length said it already: the library's own notes would come mid-output
+        warnings.filterwarnings("ignore", message="prompt ", category=UserWarning)
+        tokens = model.stream(ids, max_new_tokens, **options)  # checks, before any output
+        if shown is None:
+            _print(",".join(map(str, args.prompt_ids)))
+            if not args.stream:
+                tokens = list(tokens)
+            for token in tokens:
+                _print(f",{token}")
+            _print("\n")
+            return 0
+        _print(shown)
+        if not args.stream:
+            _print(tokenizer.decode(list(tokens)) + "\n")
+            return 0
+        # Decode the whole continuation each step and print what is new: one token may be
+        # part of a multi-byte character (byte-level BPE), shown once it is complete.
+        new_ids: list[int] = []
+        printed = ""
+        for token in tokens:
+            new_ids.append(token)
+            text = tokenizer.decode(new_ids)
+            if text.endswith("\ufffd") or not text.startswith(printed):
+                continue
+            _print(text[len(printed) :])
+            printed = text
+        _print(tokenizer.decode(new_ids)[len(printed) :] + "\n")
     return 0

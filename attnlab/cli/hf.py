@@ -3,12 +3,17 @@ folders and Hugging Face model folders of every family ``attnlab.interop`` maps 
 LLaMA, Mistral, Qwen2, DeepSeek-V2/V3/V3.2, BERT, MarianMT, ViT), picked by config.json's
 ``model_type`` on import and by the checkpoint's config on export.
 
-A language model's checkpoint holds a tokenizer (``eval`` and ``generate`` need one), so
 ``import-hf`` takes the source folder's ``tokenizer.json`` or one given with
-``--tokenizer``, and refuses to write a decoder checkpoint without one; for the other
-families it is optional (Marian ships SentencePiece files, ViT reads no text).
+``--tokenizer``. A weight-only folder imports too, without a tokenizer (Marian ships
+SentencePiece files, ViT reads no text, some repositories keep the tokenizer elsewhere):
+``generate`` then takes ``--tokenizer FILE`` or token ids (``--prompt-ids``).
 ``export-hf`` copies the checkpoint's ``tokenizer.json`` (Hugging Face ``tokenizers``
-format) beside the weights.
+format) beside the weights with a ``tokenizer_config.json`` naming the plain
+``PreTrainedTokenizerFast`` class: without it, ``AutoTokenizer`` would pick the class of
+config.json's model_type (``GPT2Tokenizer``), which replaces the tokenizer's own
+pre-tokenizer and decoder with GPT-2's byte-level ones and adds an ``<|endoftext|>``
+token, so a character-level tokenizer exported as GPT-2 would lose its spaces and
+newlines.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 from attnlab.cli.common import DTYPES, CLIError, add_dtype_argument, check_dir, is_hf_dir
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # which transformers class runs tokenizer.json
 GENERATION_CONFIG = "generation_config.json"  # eos_token_id, read by ``generate``
 
 
@@ -28,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Hugging Face model folder -> attnlab checkpoint",
         description="Convert a Hugging Face model folder (config.json + safetensors) into an "
         "attnlab checkpoint folder for generate, eval and info. The tokenizer comes from "
-        "SRC/tokenizer.json or --tokenizer.",
+        "SRC/tokenizer.json or --tokenizer; without either, the checkpoint has none (generate "
+        "then takes --tokenizer or --prompt-ids).",
     )
     p.add_argument("src", metavar="SRC", help="Hugging Face model folder")
     p.add_argument("out", metavar="OUT", help="attnlab checkpoint folder to write")
@@ -40,7 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "export-hf",
         help="attnlab checkpoint -> Hugging Face model folder",
         description="Write an attnlab checkpoint as a Hugging Face model folder (config.json, "
-        "model.safetensors, tokenizer.json) that transformers can load.",
+        "model.safetensors; tokenizer.json and tokenizer_config.json when it has a tokenizer; "
+        "generation_config.json when it has end-of-sequence tokens) that transformers' "
+        "from_pretrained and AutoTokenizer load.",
     )
     p.add_argument("ckpt", metavar="CKPT", help="attnlab checkpoint folder")
     p.add_argument("out", metavar="OUT", help="folder to write")
@@ -72,11 +81,8 @@ def run_import(args: argparse.Namespace) -> int:
     tokenizer = None
     if tokenizer_file.is_file():
         tokenizer = load_tokenizer(tokenizer_file)
-    elif args.tokenizer or family.arch == "decoder":
-        raise CLIError(
-            f"{tokenizer_file}: tokenizer not found; an attnlab language model needs one, give "
-            "--tokenizer FILE (a Hugging Face tokenizer.json)"
-        )
+    elif args.tokenizer:
+        raise CLIError(f"{tokenizer_file}: tokenizer not found; give a tokenizer.json file")
     vocab_size = config_from_hf(hf_config).vocab_size
     if tokenizer is not None and tokenizer.vocab_size > vocab_size:  # fewer: padded embeddings
         raise CLIError(
@@ -88,6 +94,12 @@ def run_import(args: argparse.Namespace) -> int:
     _copy_generation_config(src, out)
     n = sum(p.numel() for p in model.parameters())
     print(f"imported {src} ({n:,} parameters) -> attnlab checkpoint {out}")
+    if tokenizer is None and family.arch == "decoder":
+        print(
+            f"no tokenizer ({src / TOKENIZER_FILE} not found): give `attnlab generate` "
+            "--tokenizer FILE or token ids with --prompt-ids, or copy a tokenizer.json into "
+            f"{out}"
+        )
     return 0
 
 
@@ -100,19 +112,45 @@ def run_export(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(ckpt_dir)
     save_hf(ckpt.model, out)
     written = ["config.json", "model.safetensors"]
+    eos = _copy_generation_config(ckpt_dir, out)
+    if eos:
+        written.append(GENERATION_CONFIG)
     if ckpt.tokenizer is not None:
         ckpt.tokenizer.save(out / TOKENIZER_FILE)
-        written.append(TOKENIZER_FILE)
-    if _copy_generation_config(ckpt_dir, out):
-        written.append(GENERATION_CONFIG)
+        _write_tokenizer_config(out, ckpt.tokenizer, ckpt.config.model.max_seq_len, eos)
+        written += [TOKENIZER_FILE, TOKENIZER_CONFIG]
+    else:  # none left from an older export into the same folder
+        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG):
+            (out / name).unlink(missing_ok=True)
     print(f"exported {ckpt_dir} -> Hugging Face folder {out} ({', '.join(written)})")
     return 0
 
 
-def _copy_generation_config(src: Path, out: Path) -> bool:
+def _write_tokenizer_config(out: Path, tokenizer, max_seq_len: int, eos: list[int]) -> None:
+    """``tokenizer_config.json`` for ``AutoTokenizer.from_pretrained(out)``: the generic
+    fast tokenizer class, which runs tokenizer.json as written (see the module docstring),
+    no clean-up of spaces around punctuation on decode (older transformers versions do it
+    by default), the model's context as ``model_max_length``, and the end-of-sequence token
+    where ``eos`` names one the tokenizer has."""
+    import json
+
+    from attnlab.fileio import atomic_write_text
+
+    config: dict = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_seq_len,
+    }
+    eos_token = tokenizer.hf.id_to_token(eos[0]) if eos else None
+    if eos_token is not None:
+        config["eos_token"] = eos_token
+    atomic_write_text(out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
+
+
+def _copy_generation_config(src: Path, out: Path) -> list[int]:
     """Carry the end-of-sequence tokens (``eos_token_id`` of generation_config.json, else of
     an HF config.json) from ``src`` to ``out``/generation_config.json, where ``generate``
-    looks for them. False when ``src`` has none."""
+    looks for them; returns them ([] when ``src`` has none)."""
     import json
 
     from attnlab.fileio import atomic_write_text
@@ -121,7 +159,7 @@ def _copy_generation_config(src: Path, out: Path) -> bool:
     eos = eos_token_ids(src)
     if not eos:
         (out / GENERATION_CONFIG).unlink(missing_ok=True)  # none left from an older export
-        return False
+        return []
     data = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
     atomic_write_text(out / GENERATION_CONFIG, json.dumps(data, indent=2) + "\n")
-    return True
+    return eos

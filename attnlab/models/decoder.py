@@ -82,6 +82,8 @@ class DecoderLM(nn.Module):
             m.init_weights(self.cfg.init_std)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameters (tied ones counted once); ``exclude_embeddings``: without the token
+        embedding, the count scaling laws use."""
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
         if exclude_embeddings:
             n -= self.tok_emb.weight.numel()

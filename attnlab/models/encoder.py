@@ -271,6 +271,7 @@ class EncoderModel(nn.Module):
         return ModelOutput(logits, loss)
 
     def num_parameters(self) -> int:
+        """Parameters (tied ones counted once)."""
         return sum(p.numel() for p in self.parameters())
 
 

@@ -94,10 +94,12 @@ class Seq2SeqConfig(ModelConfig):
 
     @property
     def decoder_layers(self) -> int:
+        """Decoder depth: ``n_decoder_layers``, else ``n_layers``."""
         return self.n_decoder_layers or self.n_layers
 
     @property
     def source_vocab_size(self) -> int:
+        """Source vocabulary: ``src_vocab_size``, else the shared ``vocab_size``."""
         return self.src_vocab_size or self.vocab_size
 
 
@@ -189,6 +191,8 @@ class Seq2SeqModel(nn.Module):
         return self.dec_norm(x)
 
     def logits(self, h: Tensor) -> Tensor:
+        """Decoder hidden states (b, t, d) -> next-token logits (b, t, V), with the final
+        logits bias where the model has one (Marian)."""
         out = self.lm_head(h)  # (b, t, V)
         return out + self.logits_bias if self.logits_bias is not None else out
 

@@ -66,10 +66,12 @@ class ViTConfig(ModelConfig):
 
     @property
     def width(self) -> int:
+        """Image width in pixels: ``image_width``, else square (``image_size``)."""
         return self.image_width or self.image_size
 
     @property
     def n_patches(self) -> int:
+        """Patches per image: (height / patch) x (width / patch)."""
         return (self.image_size // self.patch_size) * (self.width // self.patch_size)
 
 
@@ -126,6 +128,7 @@ class VisionTransformer(nn.Module):
         return ModelOutput(logits, loss)
 
     def num_parameters(self) -> int:
+        """Parameters (tied ones counted once)."""
         return sum(p.numel() for p in self.parameters())
 
 

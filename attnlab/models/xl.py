@@ -98,6 +98,10 @@ class XLBlock(nn.Module):
 
 @register_model("xl")
 class TransformerXL(nn.Module):
+    """Transformer-XL (Dai et al. 2019): a decoder LM with segment-level recurrence (each
+    segment attends to the cached hidden states of the previous ones) and relative
+    positional encodings."""
+
     def __init__(self, cfg: XLConfig):
         super().__init__()
         cfg.validate()
@@ -120,6 +124,7 @@ class TransformerXL(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameters (tied ones counted once), optionally without the token embedding."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.tok_emb.weight.numel() if exclude_embeddings else n
 

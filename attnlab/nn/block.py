@@ -20,6 +20,10 @@ from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
 
 class TransformerBlock(nn.Module):
+    """One transformer layer: self-attention (causal or not), optional cross-attention,
+    and a feed-forward network, each in a residual branch with pre- or post-normalisation as
+    ``cfg.norm.placement`` says. Input and output (b, t, d_model)."""
+
     def __init__(
         self,
         cfg: ModelConfig,

@@ -23,6 +23,9 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
+    """Two-layer feed-forward network: ``down(act(up(x)))`` with dropout (GPT-2's, the
+    original Transformer's)."""
+
     def __init__(
         self,
         d_model: int,

@@ -53,6 +53,8 @@ class LinearAttention(nn.Module):
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
+        """A recurrent state per head (the running sum of key-value outer products): constant
+        size, however long the sequence."""
         return LinearState(cache, self.n_kv_heads, self.head_dim)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:

@@ -94,6 +94,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
+        """The compressed latent and the shared RoPE key per token (:class:`LatentKV`)."""
         return LatentKV(cache, self.kv_lora_rank, self.rope_dim)
 
     # ------------------------------------------------------------------ the two paths
@@ -195,6 +196,8 @@ class MultiHeadLatentAttention(nn.Module):
         return q_nope, q_rope, c_kv, k_rope, c_q
 
     def rope_tables(self, positions: Tensor | None, rope: RopeTables | None) -> RopeTables:
+        """The cos/sin tables for this pass: ``rope`` when the model computed them, else
+        from ``positions`` (a module used on its own)."""
         if rope is not None:
             return rope
         if positions is None:

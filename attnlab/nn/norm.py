@@ -11,6 +11,9 @@ from attnlab.config import NormConfig
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square normalisation (Zhang and Sennrich 2019; LLaMA):
+    ``x / sqrt(mean(x^2) + eps) * weight``, computed in float32."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -24,6 +27,8 @@ class RMSNorm(nn.Module):
 
 
 def build_norm(cfg: NormConfig, dim: int) -> nn.Module:
+    """The normalisation layer of ``cfg`` over the last dimension of width ``dim``:
+    :class:`RMSNorm` or ``torch.nn.LayerNorm``."""
     if cfg.kind == "rmsnorm":
         return RMSNorm(dim, eps=cfg.eps)
     return nn.LayerNorm(dim, eps=cfg.eps, bias=cfg.bias)

@@ -38,6 +38,10 @@ class RopeTables(NamedTuple):
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE, Su et al. 2021): rotates pairs of query/key
+    features by position-dependent angles. :meth:`tables` gives the cos/sin tables for given
+    positions, computed once per forward pass and shared by the layers."""
+
     def __init__(
         self,
         head_dim: int,
@@ -66,6 +70,8 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_config(cls, head_dim: int, cfg: PositionConfig) -> RotaryEmbedding:
+        """The RoPE of a :class:`PositionConfig` (theta, layout and scaling) for heads of
+        width ``head_dim``."""
         scaling = None
         if cfg.rope_scaling in ("linear", "llama3"):
             scaling = dict(

@@ -146,6 +146,8 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         return IndexedLatentKV(cache, self.kv_lora_rank, self.rope_dim, self.indexer.head_dim)
 
     def indexer_parameters(self) -> list[nn.Parameter]:
+        """The lightning indexer's parameters: the only ones trained in the warm-up stage;
+        they learn from the indexer's KL loss alone (detached inputs)."""
         return list(self.indexer.parameters())
 
     # ------------------------------------------------------------------ sparse core
@@ -308,6 +310,7 @@ class NativeSparseAttention(nn.Module):
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
+        """Dense keys and values: the compressed and selected branches are computed from them."""
         return DenseKV(cache, self.n_kv_heads, self.head_dim)
 
     # ------------------------------------------------------------------ branches

@@ -19,6 +19,7 @@ TASKS: dict[str, type[Task]] = {
 
 
 def task_names() -> tuple[str, ...]:
+    """The names of the registered tasks."""
     return tuple(TASKS)
 
 

@@ -7,7 +7,10 @@ A checkpoint directory holds
     model.safetensors   the weights (tied tensors stored once)
     trainer_state.pt    optimizer state, step, RNG states, schedule; tensors and plain data only
 
-beside whatever else a run writes there (metrics.jsonl, loss.png, best/).
+beside whatever else a run writes there (metrics.jsonl, loss.png, best/). Inference needs
+only the first three: a folder without ``trainer_state.pt`` (deleted to save space, or
+written weight-only by another tool) loads for ``generate``, ``eval`` and ``export-hf``;
+resuming training needs the trainer state.
 
 Crash safety (a kill at any moment leaves a loadable, self-consistent checkpoint): a save
 writes every file into a fresh ``.tmp-*`` folder and fsyncs it, renames that folder to
@@ -15,7 +18,8 @@ writes every file into a fresh ``.tmp-*`` folder and fsyncs it, renames that fol
 one and removes ``.pending``. A reader overlays ``.pending`` on the directory, so it sees
 either the whole old checkpoint (killed before the commit) or the whole new one (killed
 after); the next save first finishes an interrupted move. Weights and state carry the same
-random ``checkpoint_id``, so mixed files from two saves are caught instead of loaded.
+random ``checkpoint_id``, so mixed files from two saves are caught instead of loaded
+(where the state exists: without it, there is nothing to compare the weights with).
 
 The trainer state also records whether the checkpoint has a tokenizer, so a stale
 ``tokenizer.json`` of an older save is never mistaken for this one's (a save without one
@@ -51,7 +55,9 @@ WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
 # Moved into place in this order; the state, which says "resumable from step n", goes last.
 CHECKPOINT_FILES = (CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, STATE_FILE)
-OPTIONAL_FILES = (TOKENIZER_FILE,)  # a save without a tokenizer writes none
+# A save without a tokenizer writes none; the trainer state is needed only to resume.
+OPTIONAL_FILES = (TOKENIZER_FILE, STATE_FILE)
+REQUIRED_FILES = tuple(name for name in CHECKPOINT_FILES if name not in OPTIONAL_FILES)
 PENDING_DIR = ".pending"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
@@ -63,10 +69,23 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Checkpoint:
-    model: nn.Module  # in eval mode, on the requested device
+    """What :func:`load_checkpoint` returns.
+
+    Attributes:
+        model: the model (``DecoderLM`` for language models, else the class of
+            ``config.model.arch``), in eval mode, on the requested device and dtype.
+        config: the run's :class:`~attnlab.config.RunConfig` (``config.model`` is the
+            model's :class:`~attnlab.config.ModelConfig`).
+        tokenizer: its :class:`~attnlab.tokenizers.Tokenizer` (``encode``/``decode``), or
+            None for a checkpoint saved without one.
+        state: the trainer state dict (step, optimizer, RNG states) when loaded with
+            ``with_state=True`` from a checkpoint that has one, else None.
+    """
+
+    model: nn.Module
     config: RunConfig
-    tokenizer: Any  # attnlab.tokenizers.Tokenizer, or None (a model without one)
-    state: dict | None  # trainer state (with_state=True and one was saved), else None
+    tokenizer: Any
+    state: dict | None
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -171,7 +190,8 @@ def save_checkpoint(
 def checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     """Where each file of the checkpoint in ``directory`` is, overlaying an interrupted
     save's ``.pending`` folder. Raises CheckpointError if the directory or a required file
-    is missing; an optional file (tokenizer.json) that is absent is left out."""
+    is missing; an optional file (tokenizer.json, trainer_state.pt) that is absent is left
+    out."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(
@@ -187,7 +207,7 @@ def checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
         if not path.is_file():
             raise CheckpointError(
                 f"{directory}: not a complete checkpoint, {name} is missing; it should hold "
-                f"{', '.join(CHECKPOINT_FILES)}"
+                f"{', '.join(REQUIRED_FILES)}"
             )
         files[name] = path
     return files
@@ -219,9 +239,11 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     with_state: bool = False,
 ) -> Checkpoint:
-    """Load the checkpoint in ``directory``: the model (eval mode, on ``device``, floating
-    parameters in ``dtype``, default float32), its RunConfig and tokenizer (None when it was
-    saved without one), and with ``with_state=True`` the trainer state."""
+    """Load the checkpoint in ``directory`` as a :class:`Checkpoint`: ``.model`` (eval
+    mode, on ``device``, floating parameters in ``dtype``, default float32), ``.config``
+    (its RunConfig), ``.tokenizer`` (None when it was saved without one) and, with
+    ``with_state=True``, ``.state``: the trainer state (None when the folder has no
+    trainer_state.pt, which only resuming needs)."""
     from attnlab.tokenizers import TokenizerError, load_tokenizer
 
     files = checkpoint_files(directory)
@@ -229,13 +251,16 @@ def load_checkpoint(
         config = RunConfig.from_json(files[CONFIG_FILE].read_text())
     except (ConfigError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{files[CONFIG_FILE]}: invalid run config ({e})") from None
-    state = _read_state(files[STATE_FILE], device)
+    state = _read_state(files[STATE_FILE], device) if STATE_FILE in files else None
     tokenizer = None
-    if state.get("has_tokenizer", True):  # checkpoints written before it was optional: True
+    # Without the state, the tokenizer is whatever tokenizer.json the folder holds; with it,
+    # the state says whether this save had one (checkpoints older than that flag: True).
+    has_tokenizer = TOKENIZER_FILE in files if state is None else state.get("has_tokenizer", True)
+    if has_tokenizer:
         if TOKENIZER_FILE not in files:
             raise CheckpointError(
-                f"{directory}: not a complete checkpoint, {TOKENIZER_FILE} is missing; it "
-                f"should hold {', '.join(CHECKPOINT_FILES)}"
+                f"{directory}: not a complete checkpoint, {TOKENIZER_FILE} is missing; the "
+                f"trainer state says this save had one"
             )
         try:
             tokenizer = load_tokenizer(files[TOKENIZER_FILE])
@@ -249,14 +274,22 @@ def load_checkpoint(
                 f"says vocab_size={config.model.vocab_size}; the files come from different runs"
             )
     model = _load_weights(files[WEIGHTS_FILE], config, state, directory, device, dtype)
-    trainer = state["trainer"] if with_state and state.get("has_state") else None
+    trainer = state["trainer"] if with_state and state and state.get("has_state") else None
     return Checkpoint(model=model.eval(), config=config, tokenizer=tokenizer, state=trainer)
+
+
+def _listed(label: str, names: list[str], describe, limit: int = 4) -> str:
+    """``label (n): a, b, c, d (+m more)`` for a non-empty ``names``, else ""."""
+    if not names:
+        return ""
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return f"{label} ({len(names)}): " + ", ".join(describe(n) for n in names[:limit]) + more
 
 
 def _load_weights(
     weights: Path,
     config: RunConfig,
-    state: dict,
+    state: dict | None,
     directory: str | os.PathLike[str],
     device: str | torch.device,
     dtype: torch.dtype | None,
@@ -268,7 +301,7 @@ def _load_weights(
     except (WeightsFileError, OSError) as e:
         first_line = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{weights}: cannot read weights ({first_line})") from None
-    if file.metadata.get("checkpoint_id") != state["checkpoint_id"]:
+    if state is not None and file.metadata.get("checkpoint_id") != state["checkpoint_id"]:
         raise CheckpointError(
             f"{directory}: {WEIGHTS_FILE} and {STATE_FILE} come from different saves; "
             "restore both files from the same checkpoint"
@@ -281,19 +314,33 @@ def _load_weights(
     tensors |= dict(model.named_buffers())
     for name, t in tensors.items():
         names.setdefault(id(t), []).append(name)
-    wanted = set(model.state_dict())
+    wanted = list(model.state_dict())  # in the model's order, as the messages list them
     stored = set(file.keys())
-    missing = sorted(n for n in wanted if not stored & set(names[id(tensors[n])]))
+    missing = [n for n in wanted if not stored & set(names[id(tensors[n])])]
     unexpected = sorted(n for n in stored if n not in tensors)
-    wrong = [
-        f"{n} has shape {file.shape(n)}, the config implies {tuple(tensors[n].shape)}"
-        for n in sorted(stored & set(tensors))
-        if tuple(file.shape(n)) != tuple(tensors[n].shape)
-    ]
+    wrong = [n for n in wanted if n in stored and file.shape(n) != tensors[n].shape]
     if missing or unexpected or wrong:
+
+        def stored_shape(name: str) -> tuple[int, ...]:
+            return tuple(file.shape(name))
+
+        def config_shape(name: str) -> tuple[int, ...]:
+            return tuple(tensors[name].shape)
+
+        problems = [
+            _listed(
+                "wrong shape",
+                wrong,
+                lambda n: f"{n} has shape {stored_shape(n)}, the config implies {config_shape(n)}",
+            ),
+            _listed("missing", missing, lambda n: f"{n} {config_shape(n)}"),
+            _listed("unexpected", unexpected, lambda n: f"{n} {stored_shape(n)}"),
+        ]
         raise CheckpointError(
-            f"{weights}: weights do not match the config (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]})"
+            f"{weights}: the weights do not match {CONFIG_FILE} (tensors: "
+            + "; ".join(p for p in problems if p)
+            + "); the two files come from different models: restore the config.json saved "
+            "with these weights"
         )
 
     def fill(name: str, dest: torch.Tensor) -> None:

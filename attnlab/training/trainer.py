@@ -408,7 +408,12 @@ class Trainer:
             resume = Path(resume)
             ckpt = load_checkpoint(resume, device="cpu", with_state=True)
             if ckpt.state is None:
-                raise TrainingError(f"resume: {resume} has no trainer state to resume from")
+                raise TrainingError(
+                    f"resume: {resume} has no trainer state (trainer_state.pt: step, "
+                    "optimizer and RNG states), so the run cannot continue where it stopped; "
+                    "its weights serve inference, or start a new run from them (attnlab train "
+                    f"--init-from {resume})"
+                )
             if cfg is None:
                 cfg = ckpt.config
             _check_resume_config(cfg, ckpt.config, resume)
