@@ -66,9 +66,10 @@ def decode_breakdown(steps: int) -> None:
             profiled_ms = (time.perf_counter() - t) * 1e3 / steps
     self_ms = {"matmul": 0.0, "attention": 0.0}
     for ev in prof.key_averages():
-        kind = "matmul" if ev.key in MATMUL_OPS else "attention" if ev.key in ATTENTION_OPS else None
-        if kind:
-            self_ms[kind] += ev.self_cpu_time_total / 1e3 / steps
+        if ev.key in MATMUL_OPS:
+            self_ms["matmul"] += ev.self_cpu_time_total / 1e3 / steps
+        elif ev.key in ATTENTION_OPS:
+            self_ms["attention"] += ev.self_cpu_time_total / 1e3 / steps
     bandwidth = copy_bandwidth()
     eager = statistics.median(eager_ms)
     scale = eager / profiled_ms  # the profiler's own overhead, spread in proportion
@@ -126,7 +127,8 @@ def training_breakdown(preset: str, steps: int) -> None:
         f"{tc.batch_size}, {tc.dtype}), median of {steps} steps"
     )
     rows = [[k, f"{v:.2f}", f"{v / total:.0%}"] for k, v in med.items()]
-    rows.append(["step", f"{total:.2f}", f"{tc.batch_size * tc.block_size / total * 1e3:,.0f} tok/s"])
+    tok_s = tc.batch_size * tc.block_size / total * 1e3
+    rows.append(["step", f"{total:.2f}", f"{tok_s:,.0f} tok/s"])
     print(table(["per training step", "ms", "share"], rows))
 
 
