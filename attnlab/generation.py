@@ -198,6 +198,8 @@ def _decode(
     step_fn = _forward_last
     if use_cache and max_new_tokens > 0:
         capacity = limit if roll else min(limit, longest + max_new_tokens)
+        if compile and not roll:
+            capacity = static_capacity(capacity, limit)
         cache = model.new_cache(b, capacity, static=compile, rolling=roll)
         if compile:
             step_fn = _compiled_step(model)
@@ -246,6 +248,19 @@ def _forward_last(model, ids: Tensor, mask: Tensor | None, cache) -> Tensor:
     finally:
         if was_training:
             model.train()
+
+
+STATIC_CAPACITY_MIN = 64
+
+
+def static_capacity(needed: int, limit: int) -> int:
+    """The capacity of a compiled decode's static cache: the next power of two >= ``needed``
+    (at least ``STATIC_CAPACITY_MIN``), capped at ``limit`` (max_seq_len). The compiled
+    step's shapes follow the capacity, so calls of different lengths share a few buckets
+    instead of recompiling for each; the spare slots are masked out (their keys are a few
+    MB at most against the weights read every step)."""
+    bucket = max(STATIC_CAPACITY_MIN, 1 << max(needed - 1, 0).bit_length())
+    return min(bucket, limit)
 
 
 def _compiled_step(model):
