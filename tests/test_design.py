@@ -262,3 +262,12 @@ def test_generate_compile_reuses_the_step_within_a_capacity_bucket():
     b = model.generate(prompt[:5], 40, compile=True)  # capacity 45 -> bucket 64
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert a == model.generate(prompt, 20) and b == model.generate(prompt[:5], 40)
+
+
+def test_generate_compile_auto_stays_eager_for_short_generations():
+    model = build_model(get_preset("llama-tiny")).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    assert model.generate(prompt, 6, compile="auto") == model.generate(prompt, 6)
+    assert getattr(model, "_compiled_decode_step", None) is None  # nothing was compiled
+    with pytest.raises(ValueError, match="compile must be"):
+        model.generate(prompt, 2, compile="yes")
