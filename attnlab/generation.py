@@ -91,7 +91,7 @@ def stream(
     stop_tokens: Sequence[int] | None = None,
     use_cache: bool = True,
     pad_id: int = 0,
-    compile: bool = False,
+    compile: bool | str = False,
     overflow: str = "slide",
 ) -> Iterator[int] | Iterator[list[int | None]]:
     """Yield tokens as they are produced: an int per step for a single prompt, a list with
@@ -113,7 +113,12 @@ def stream(
     ``"stop"`` (every row ends when prompt + new tokens reach max_seq_len).
 
     ``compile=True`` decodes with a fixed-shape cache and a ``torch.compile``d step
-    (compiled once per model and batch shape; worth it for long generations)."""
+    (compiled once per model, batch size and capacity bucket; worth it for long
+    generations). ``compile="auto"`` compiles only where the compile time pays off: when
+    this model already has a compiled step, or for at least ``AUTO_COMPILE_MIN_TOKENS``
+    new tokens (batch x max_new_tokens)."""
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     check_sampling(temperature, top_k, top_p)
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
@@ -149,6 +154,11 @@ def stream(
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long)
+    if compile == "auto":
+        compile = use_cache and (
+            getattr(model, "_compiled_decode_step", None) is not None
+            or len(rows) * max_new_tokens >= AUTO_COMPILE_MIN_TOKENS
+        )
     return _decode(
         model,
         rows,
@@ -164,6 +174,11 @@ def stream(
 
 
 OVERFLOW_MODES = ("slide", "roll", "stop")
+
+# compile="auto": the new tokens from which compiling the decode step pays for itself.
+# Break-even = compile time / time saved per token; benchmarks/vs_transformers.py measures
+# both (on a 2-core CPU: ~20-30 s to compile, see the README's "Where the time goes").
+AUTO_COMPILE_MIN_TOKENS = 16384
 
 
 def _decode(
@@ -198,6 +213,8 @@ def _decode(
     step_fn = _forward_last
     if use_cache and max_new_tokens > 0:
         capacity = limit if roll else min(limit, longest + max_new_tokens)
+        if compile and not roll:
+            capacity = static_capacity(capacity, limit)
         cache = model.new_cache(b, capacity, static=compile, rolling=roll)
         if compile:
             step_fn = _compiled_step(model)
@@ -246,6 +263,19 @@ def _forward_last(model, ids: Tensor, mask: Tensor | None, cache) -> Tensor:
     finally:
         if was_training:
             model.train()
+
+
+STATIC_CAPACITY_MIN = 64
+
+
+def static_capacity(needed: int, limit: int) -> int:
+    """The capacity of a compiled decode's static cache: the next power of two >= ``needed``
+    (at least ``STATIC_CAPACITY_MIN``), capped at ``limit`` (max_seq_len). The compiled
+    step's shapes follow the capacity, so calls of different lengths share a few buckets
+    instead of recompiling for each; the spare slots are masked out (their keys are a few
+    MB at most against the weights read every step)."""
+    bucket = max(STATIC_CAPACITY_MIN, 1 << max(needed - 1, 0).bit_length())
+    return min(bucket, limit)
 
 
 def _compiled_step(model):

@@ -6,6 +6,10 @@ a 32-token prompt, 256 new tokens, the same thread count. The tokens must be ide
 Also prints the fraction of the memory-bandwidth limit reached: bytes of weights and KV
 cache read per token x tokens/s / bandwidth of a large tensor copy measured in this run.
 
+Rows: attnlab's default eager decoding and its compiled fixed-shape step
+(``generate(compile=True)``; compile time printed, not counted), transformers' default
+and static caches.
+
     python benchmarks/vs_transformers.py [--new-tokens 256] [--repeats 5] [--threads 2]
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -38,14 +43,9 @@ def bytes_per_token(model, prompt_len: int, new_tokens: int) -> float:
     return weights + per_slot * mean_len
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
-    threads = setup_threads(args.threads)
+def build_pair():
+    """transformers' LlamaForCausalLM (random weights, seeded) and the same weights loaded
+    into attnlab, both in eval mode."""
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(
@@ -66,6 +66,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
         ours = load_hf(tmp).eval()
+    return hf, ours
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled row")
+    args = ap.parse_args()
+    threads = setup_threads(args.threads)
+    hf, ours = build_pair()
+    hf_cfg = hf.config
     n_params = ours.num_parameters()
     prompt = torch.randint(0, hf_cfg.vocab_size, (1, args.prompt))
     n = args.new_tokens
@@ -78,22 +92,27 @@ def main() -> None:
             )
         return out[0, args.prompt :].tolist()
 
-    def run_ours():
-        return ours.generate(prompt[0], n)
-
     runners = {
-        "attnlab": run_ours,
+        "attnlab (eager, default)": lambda: ours.generate(prompt[0], n),
         "transformers": lambda: run_hf(None),
         "transformers (static cache)": lambda: run_hf("static"),
     }
-    tokens, best = {}, {}
+    compile_s = None
+    if not args.no_compile:  # the compiled fixed-shape step: compile once, then time
+        t = time.perf_counter()
+        ours.generate(prompt[0], 4, compile=True)
+        compile_s = time.perf_counter() - t
+        runners["attnlab (compiled step)"] = lambda: ours.generate(prompt[0], n, compile=True)
+    tokens, times = {}, {}
     for name, fn in runners.items():  # warm up, and check the tokens
         tokens[name] = fn()
-    for _ in range(args.repeats):  # interleaved, best of repeats
+    for _ in range(args.repeats):  # interleaved
         for name, fn in runners.items():
             t = time.perf_counter()
             fn()
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+            times.setdefault(name, []).append(time.perf_counter() - t)
+    best = {name: min(ts) for name, ts in times.items()}
+    median = {name: statistics.median(ts) for name, ts in times.items()}
     bandwidth = copy_bandwidth()
     per_token = bytes_per_token(ours, args.prompt, n)
     print(
@@ -105,31 +124,27 @@ def main() -> None:
         f"memory bandwidth (large tensor copy): {bandwidth / 1e9:.1f} GB/s; "
         f"bytes read per token: {per_token / 1e6:.1f} MB"
     )
+    if compile_s is not None:
+        print(f"compile time of the decode step: {compile_s:.1f} s (once per model and batch)")
     rows = []
     for name in runners:
         tps = n / best[name]
-        same = "yes" if tokens[name] == tokens["attnlab"] else "NO"
+        same = "yes" if tokens[name] == tokens["transformers"] else "NO"
         rows.append(
             [
                 name,
                 f"{tps:.1f}",
+                f"{n / median[name]:.1f}",
                 f"{best['transformers'] / best[name]:.2f}x",
+                f"{median['transformers'] / median[name]:.2f}x",
                 f"{per_token * tps / bandwidth:.0%}",
                 same,
             ]
         )
-    print(
-        table(
-            [
-                "implementation",
-                "tokens/s",
-                "speed vs transformers",
-                "of bandwidth limit",
-                "same tokens",
-            ],
-            rows,
-        )
-    )
+    headers = ["implementation", "tok/s (best)", "tok/s (median)", "vs transformers (best)",
+               "vs transformers (median)", "of bandwidth limit", "same tokens"]  # fmt: skip
+    print(table(headers, rows))
+    print(f"(best and median of {args.repeats} interleaved repeats)")
 
 
 if __name__ == "__main__":

@@ -211,3 +211,23 @@ def test_rope_attention_needs_positions():
     m = MultiHeadAttention(D, AttentionConfig(n_heads=H), rope=RotaryEmbedding(D_H))
     with pytest.raises(ValueError, match="needs positions"):
         m(torch.randn(1, 3, D))
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_fused_qk_rotation_equals_rotating_each(layout):
+    """The fast path rotates q and k as one tensor; the twin splits heads, then rotates."""
+    from attnlab.nn.rope import RotaryEmbedding
+
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(D_H, layout=layout)
+    attn = MultiHeadAttention(D, AttentionConfig(n_heads=H, n_kv_heads=2), rope=rope)
+    x = torch.randn(2, 5, D)
+    tables = rope.tables(torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]))  # per row
+    qkv = attn.qkv(x)
+    q, k, v = attn._project_self(qkv, tables)
+    q_ref, k_ref, v_ref = qkv.split((attn.q_dim, attn.kv_dim, attn.kv_dim), dim=-1)
+    q_ref = tables.rotate(attn._heads(q_ref, H))
+    k_ref = tables.rotate(attn._heads(k_ref, 2))
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, attn._heads(v_ref, 2), rtol=0, atol=0)

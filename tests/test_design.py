@@ -240,3 +240,34 @@ def test_train_with_compile_matches_eager_losses(tmp_path):
     eager = train(cfg, tmp_path / "eager", progress=False).losses
     compiled = train(cfg.override({"train.compile": True}), tmp_path / "c", progress=False)
     assert compiled.losses == pytest.approx(eager, rel=1e-4)
+
+
+def test_static_capacity_buckets():
+    from attnlab.generation import static_capacity
+
+    assert [static_capacity(n, 2048) for n in (1, 64, 65, 200, 256, 257)] == [
+        64, 64, 128, 256, 256, 512,
+    ]  # fmt: skip
+    assert static_capacity(1500, 1024) == 1024  # never beyond max_seq_len
+    assert static_capacity(40, 48) == 48
+
+
+@pytest.mark.slow
+def test_generate_compile_reuses_the_step_within_a_capacity_bucket():
+    model = build_model(get_preset("llama-tiny")).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (9,)).tolist()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    a = model.generate(prompt, 20, compile=True)  # capacity 29 -> bucket 64
+    b = model.generate(prompt[:5], 40, compile=True)  # capacity 45 -> bucket 64
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert a == model.generate(prompt, 20) and b == model.generate(prompt[:5], 40)
+
+
+def test_generate_compile_auto_stays_eager_for_short_generations():
+    model = build_model(get_preset("llama-tiny")).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    assert model.generate(prompt, 6, compile="auto") == model.generate(prompt, 6)
+    assert getattr(model, "_compiled_decode_step", None) is None  # nothing was compiled
+    with pytest.raises(ValueError, match="compile must be"):
+        model.generate(prompt, 2, compile="yes")

@@ -131,14 +131,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "split") -> Te
     pass and shared by every layer). The rotation runs in float32 and casts back."""
     if cos.shape[-1] != x.shape[-1]:
         cos, sin = rope_tables(cos, sin, layout)
-    xf = x.float()
+    xf = x if x.dtype == torch.float32 else x.float()  # (no extra op per call in float32)
     if layout == "split":  # pairs (i, i + d/2): swap the halves
         swapped = xf.roll(x.shape[-1] // 2, dims=-1)
     elif layout == "interleaved":  # pairs (2i, 2i + 1): swap neighbours
         swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     else:
         raise ValueError(f"unknown RoPE layout {layout!r}; use 'split' or 'interleaved'")
-    return (xf * cos + swapped * sin).to(x.dtype)
+    y = xf * cos + swapped * sin
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def interleaved_to_split(d: int) -> Tensor:

@@ -26,6 +26,7 @@ from attnlab.models.outputs import (
     init_residual_projections,
 )
 from attnlab.nn.block import TransformerStack
+from attnlab.nn.dropout import dropout
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
@@ -60,7 +61,7 @@ class DecoderLM(nn.Module):
         self.rope = None
         if cfg.position.kind == "rope":
             self.rope = RotaryEmbedding.from_config(cfg.rope_dim, cfg.position)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = dropout(cfg.dropout)
         self.blocks = TransformerStack(cfg, causal=True, rope=self.rope)
         # Post-norm blocks already end in a norm; pre-norm stacks need a final one.
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()

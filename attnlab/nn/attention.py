@@ -14,7 +14,9 @@ from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV, SinkKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import combine_masks, sink_window_mask, sliding_window_mask
+from attnlab.functional.rope import apply_rope
 from attnlab.functional.sinks import sink_rescale
+from attnlab.nn.dropout import dropout
 from attnlab.nn.linear import Linear
 from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
@@ -60,7 +62,7 @@ class MultiHeadAttention(nn.Module):
         self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
         self.rope = rope
         self.uses_rope = rope is not None
-        self.resid_dropout = nn.Dropout(resid_dropout)
+        self.resid_dropout = dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
         """Dense keys and values for self-attention; a ring of ``window`` entries for a
@@ -102,18 +104,18 @@ class MultiHeadAttention(nn.Module):
             else:
                 k, v = self._project_context(context)
         else:
-            q, k, v = self.qkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
-            q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
-            k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            qkv = self.qkv(x)  # (b, t, (h + 2 h_kv) d_h): [q; k; v]
             if isinstance(cache, SinkKV):  # StreamingLLM: rotates by positions in the cache
+                q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
+                q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
+                k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
                 y = cache.attend(q, k, v, self.rope if self.uses_rope else None)
                 return self.resid_dropout(self.out(y.transpose(1, 2).reshape(b, t, self.q_dim)))
-            if self.uses_rope:
-                if rope is None:
-                    if positions is None:
-                        raise ValueError("RoPE attention needs positions")
-                    rope = self.rope.tables(positions)
-                q, k = rope.rotate(q), rope.rotate(k)
+            if self.uses_rope and rope is None:
+                if positions is None:
+                    raise ValueError("RoPE attention needs positions")
+                rope = self.rope.tables(positions)
+            q, k, v = self._project_self(qkv, rope if self.uses_rope else None)
             if cache is not None:
                 k, v = cache.update(k, v)  # (b, h_kv, s, d_h): all keys so far
                 mask, causal = cache.mask(self.window)
@@ -142,6 +144,19 @@ class MultiHeadAttention(nn.Module):
             y = sink_rescale(y, q, k, self.sink_logit, mask, causal=causal)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
+
+    def _project_self(self, qkv: Tensor, rope: RopeTables | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Split [q; k; v] (b, t, (h + 2 h_kv) d_h) into heads, q and k rotated by ``rope``.
+        q and k are rotated together, as one (b, t, h + h_kv, d_h) tensor: one rotation per
+        layer instead of two (the same elementwise maths; tests compare with rotating each)."""
+        b, t, _ = qkv.shape
+        n_qk = self.n_heads + self.n_kv_heads
+        qk, v = qkv.split((self.q_dim + self.kv_dim, self.kv_dim), dim=-1)
+        qk = qk.view(b, t, n_qk, self.head_dim)  # (b, t, h + h_kv, d_h)
+        if rope is not None:  # tables (b or 1, 1, t, d_h) -> (b or 1, t, 1, d_h)
+            qk = apply_rope(qk, rope.cos.transpose(1, 2), rope.sin.transpose(1, 2), rope.layout)
+        q, k = qk.transpose(1, 2).split((self.n_heads, self.n_kv_heads), dim=1)  # (b, n, t, d_h)
+        return q, k, self._heads(v, self.n_kv_heads)
 
     def _project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
         k, v = self.kv(context).split(self.kv_dim, dim=-1)

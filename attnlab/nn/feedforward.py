@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import FFNConfig
+from attnlab.nn.dropout import dropout as build_dropout
 from attnlab.nn.linear import Linear
 
 ACTIVATIONS = {
@@ -39,7 +40,7 @@ class MLP(nn.Module):
         self.down = Linear(hidden, d_model, bias=bias)
         self.down.residual_projection = True
         self.act = ACTIVATIONS[activation]
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = build_dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.down(self.act(self.up(x))))
@@ -62,7 +63,7 @@ class GatedFFN(nn.Module):
         self.down = Linear(hidden, d_model, bias=bias)
         self.down.residual_projection = True
         self.act = ACTIVATIONS[activation]
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = build_dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (b, t, hidden) each

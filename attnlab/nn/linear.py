@@ -47,7 +47,8 @@ def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     n_out, n_in = weight.shape
     if weight.dtype == torch.float32:  # halves of the input dimension, partial sums added
         half = n_in // 2
-        w_t = weight.t().view(2, half, n_out)  # (2, in/2, out): the two halves of W^T
+        # (2, in/2, out): the two halves of W^T, whose memory is W's (one view op, not two)
+        w_t = weight.as_strided((2, half, n_out), (half * n_out, n_out, 1))
         y = torch.bmm(x.reshape(2, 1, half), w_t).sum(dim=0)  # (1, out)
         if bias is not None:
             y = y + bias

@@ -1,0 +1,105 @@
+"""Training-speed levers for the ``demo`` preset, measured side by side: each variant trains
+its own copy of the model on the same data stream, one step of each in turn (so load on a
+shared machine hits them alike), with the preset's schedule over ``--steps``. Reported: the
+median step time, the speed relative to the preset, and the mean training loss of the last
+tenth of the steps (quality at equal steps; a faster step is only worth it at equal loss).
+
+Variants: the preset (eager, float32, fused AdamW); torch.compile (inductor) of the model;
+bf16 autocast; Muon (torch.optim.Muon) for the hidden weight matrices with AdamW for
+embeddings, norms and biases (the split Muon's authors use).
+
+    python benchmarks/train_levers.py [--steps 300] [--preset demo] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from _common import machine, setup_threads, table
+from attnlab.presets import get_run_preset
+from attnlab.training.evaluate import autocast_context
+from attnlab.training.optim import lr_at, set_lr
+
+
+def muon_optimizers(model, tc, muon_lr: float) -> list[torch.optim.Optimizer]:
+    """Muon for 2-D matrices inside the blocks; AdamW (the preset's) for everything else."""
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    decay = [p for p in rest if p.dim() >= 2]
+    no_decay = [p for p in rest if p.dim() < 2]
+    adam = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True,
+    )  # fmt: skip
+    muon = torch.optim.Muon(hidden, lr=muon_lr, weight_decay=tc.weight_decay,
+                            adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    return [adam, muon]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--variants", nargs="+", default=["preset", "compile", "bf16", "muon"])
+    args = ap.parse_args()
+    setup_threads(args.threads)
+    from attnlab.training.trainer import Trainer
+
+    overrides = {
+        "preset": {},
+        "compile": {"train.compile": True},
+        "bf16": {"train.dtype": "bfloat16"},
+        "muon": {},
+    }
+    runs = {}
+    base = {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": args.steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.variants:
+            cfg = get_run_preset(args.preset).override({**base, **overrides[name]})
+            tr = Trainer(cfg, f"{tmp}/{name}", progress=False)
+            opts = [tr.optimizer]
+            if name == "muon":
+                opts = muon_optimizers(tr.model, tr.tc, tr.tc.lr)
+            runs[name] = (tr, opts, [], [])
+    tc = next(iter(runs.values()))[0].tc
+    for step in range(args.steps):
+        for tr, opts, times, losses in runs.values():
+            t = time.perf_counter()
+            lr = lr_at(step, tr.tc, args.steps)
+            for opt in opts:
+                set_lr(opt, lr)
+            keys = tr.task.sample(tc.batch_size, tr.data_generator)
+            batch = tr.task.batch(keys, tr.device)
+            with autocast_context(tr.device, tr.autocast_dtype):
+                out = tr.task.step(tr.train_model, batch)
+            out.objective.backward()
+            torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tc.grad_clip)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(float(out.loss.detach()))
+            times.append(time.perf_counter() - t)
+    tail = max(1, args.steps // 10)
+    warm = min(10, args.steps // 2)  # compile happens in the first steps
+    med = {name: statistics.median(r[2][warm:]) for name, r in runs.items()}
+    first = next(iter(runs))
+    print(f"machine: {machine()}")
+    print(f"preset {args.preset}: batch {tc.batch_size}, block {tc.block_size}, "
+          f"{args.steps} steps each, interleaved")  # fmt: skip
+    rows = [[name, f"{med[name] * 1e3:.1f}", f"{med[first] / med[name]:.2f}x",
+             f"{sum(r[3][-tail:]) / tail:.4f}", f"{r[2][0]:.1f} s"]
+            for name, r in runs.items()]  # fmt: skip
+    print(table(["variant", "ms/step (median)", "speed", "train loss (last 10%)",
+                 "first step"], rows))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Where the time goes: one decoded token and one training step, taken apart.
+
+Decoding: the ~30M-parameter LLaMA-style model of vs_transformers.py (random weights, same
+shapes), batch 1, float32, one token at a time after a 32-token prompt. The eager step is
+profiled with torch.profiler: the self time of the matmul operators (every weight matrix),
+of the attention operator, and the rest of the measured step (small operators and Python).
+The compiled fixed-shape step (``generate(compile=True)``) is timed whole.
+
+Training: one optimizer step of a run preset (default ``demo``) through attnlab's own
+Trainer pieces, timed phase by phase: data (sample + batch), forward (loss), backward,
+optimizer (clip + AdamW + zero_grad). CPU work is synchronous, so wall clocks split it.
+
+    python benchmarks/where_time_goes.py [--steps 100] [--preset demo] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from _common import copy_bandwidth, machine, setup_threads, table
+from attnlab import build_model
+from attnlab.generation import _compiled_step
+from attnlab.presets import get_run_preset, llama_30m
+
+MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::mv", "aten::addmv"}
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_attention_math",
+    "aten::_softmax",
+}
+
+
+def decode_breakdown(steps: int) -> None:
+    torch.manual_seed(0)
+    model = build_model(llama_30m()).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 32))
+    nxt = torch.tensor([[1]])
+    weights = sum(p.nbytes for p in model.parameters()) - model.tok_emb.weight.nbytes
+    compiled = _compiled_step(model)
+    with torch.inference_mode():
+        eager_cache = model.new_cache(1, 32 + 3 * steps + 16)
+        static_cache = model.new_cache(1, 32 + 3 * steps + 16, static=True)
+        model(prompt, cache=eager_cache, last_only=True)
+        model(prompt, cache=static_cache, last_only=True)
+        t = time.perf_counter()
+        compiled(model, nxt, None, static_cache)  # compiles (or loads inductor's disk cache)
+        compile_s = time.perf_counter() - t
+        eager_ms, compiled_ms = [], []
+        for _ in range(steps):  # interleaved
+            t = time.perf_counter()
+            model(nxt, cache=eager_cache, last_only=True)
+            eager_ms.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            compiled(model, nxt, None, static_cache)
+            compiled_ms.append((time.perf_counter() - t) * 1e3)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                model(nxt, cache=eager_cache, last_only=True)
+            profiled_ms = (time.perf_counter() - t) * 1e3 / steps
+    self_ms = {"matmul": 0.0, "attention": 0.0}
+    for ev in prof.key_averages():
+        if ev.key in MATMUL_OPS:
+            self_ms["matmul"] += ev.self_cpu_time_total / 1e3 / steps
+        elif ev.key in ATTENTION_OPS:
+            self_ms["attention"] += ev.self_cpu_time_total / 1e3 / steps
+    bandwidth = copy_bandwidth()
+    eager = statistics.median(eager_ms)
+    scale = eager / profiled_ms  # the profiler's own overhead, spread in proportion
+    matmul, attention = self_ms["matmul"] * scale, self_ms["attention"] * scale
+    other = eager - matmul - attention
+    print(
+        f"decoding: LLaMA-style 30M (d_model 512, 8 layers, GQA 8/2, vocab 8192), float32, "
+        f"batch 1; weights read per token {weights / 1e6:.0f} MB; copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (bound {weights / bandwidth * 1e3:.2f} ms/token)"
+    )
+    rows = [
+        ["matmuls (weights)", f"{matmul:.2f}", f"{matmul / eager:.0%}",
+         f"{weights / (matmul / 1e3) / 1e9:.1f} GB/s"],
+        ["attention", f"{attention:.2f}", f"{attention / eager:.0%}", ""],
+        ["everything else (small ops, Python)", f"{other:.2f}", f"{other / eager:.0%}", ""],
+        ["eager step (median)", f"{eager:.2f}", "100%", f"{1e3 / eager:.0f} tok/s"],
+        ["compiled step (median)", f"{statistics.median(compiled_ms):.2f}", "",
+         f"{1e3 / statistics.median(compiled_ms):.0f} tok/s; compile {compile_s:.0f} s"],
+    ]  # fmt: skip
+    print(table(["per decoded token", "ms", "share", "note"], rows))
+
+
+def training_breakdown(preset: str, steps: int) -> None:
+    from attnlab.training.optim import set_lr
+    from attnlab.training.trainer import Trainer
+
+    cfg = get_run_preset(preset).override({"train.eval_every": 0, "train.time_budget": None})
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = Trainer(cfg, tmp, progress=False)
+    tc, model, opt = tr.tc, tr.model, tr.optimizer
+    set_lr(opt, tc.lr)
+    phases: dict[str, list[float]] = {k: [] for k in ("data", "forward", "backward", "optimizer")}
+    for i in range(steps + 5):
+        t0 = time.perf_counter()
+        keys = tr.task.sample(tc.batch_size, tr.data_generator)
+        batch = tr.task.batch(keys, tr.device)
+        t1 = time.perf_counter()
+        out = tr.task.step(tr.train_model, batch)
+        t2 = time.perf_counter()
+        out.objective.backward()
+        t3 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        if i >= 5:  # warm-up steps skipped
+            for name, a, b in (("data", t0, t1), ("forward", t1, t2), ("backward", t2, t3),
+                               ("optimizer", t3, t4)):  # fmt: skip
+                phases[name].append((b - a) * 1e3)
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    total = sum(med.values())
+    m = cfg.model
+    print(
+        f"\ntraining: preset {preset} ({m.n_layers}x{m.d_model}, block {tc.block_size}, batch "
+        f"{tc.batch_size}, {tc.dtype}), median of {steps} steps"
+    )
+    rows = [[k, f"{v:.2f}", f"{v / total:.0%}"] for k, v in med.items()]
+    tok_s = tc.batch_size * tc.block_size / total * 1e3
+    rows.append(["step", f"{total:.2f}", f"{tok_s:,.0f} tok/s"])
+    print(table(["per training step", "ms", "share"], rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    setup_threads(args.threads)
+    print(f"machine: {machine()}")
+    decode_breakdown(args.steps)
+    training_breakdown(args.preset, args.steps)
+
+
+if __name__ == "__main__":
+    main()
