@@ -56,7 +56,8 @@ CASES = {
 def small_run(case: str, **train_kw):
     preset, overrides, _ = CASES[case]
     base = {"train.warmup_steps": 5, "train.eval_batches": 2, "train.log_every": 1,
-            "train.seed": 0, "train.device": "cpu"}  # fmt: skip
+            "train.seed": 0, "train.device": "cpu",
+            "train.time_budget": None}  # fixed step counts, not a preset's time budget  # fmt: skip
     train_kw = {f"train.{k}": v for k, v in train_kw.items()}
     return get_run_preset(preset).override({**base, **overrides, **train_kw})
 

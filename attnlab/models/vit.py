@@ -137,13 +137,16 @@ register_model("vit")(VisionTransformer)
 
 def vit_digits() -> ViTConfig:
     """A ViT for scikit-learn's 8 x 8 digits: 2 x 2 patches (16 + [CLS] tokens), d 64,
-    4 layers. ``python benchmarks/vit_digits.py`` trains it (>= 97% test accuracy)."""
+    3 layers, no dropout. ``init_std`` 0.1: with 0.02 the [CLS] token's logits start near
+    zero and the loss sits at chance (ln 10) for ~100 steps. ``python
+    benchmarks/vit_digits.py`` trains it (measured 99% test accuracy in 150 s, 1 thread)."""
     return ViTConfig(
         d_model=64,
-        n_layers=4,
+        n_layers=3,
         attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True),
         ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=128),
-        dropout=0.1,
+        dropout=0.0,
+        init_std=0.1,
         image_size=8,
         channels=1,
         patch_size=2,
