@@ -54,6 +54,7 @@ class RNNSeq2SeqConfig(ModelConfig):
 
     @property
     def tgt_vocab_size(self) -> int:
+        """The target vocabulary size (an alias of ``vocab_size``)."""
         return self.vocab_size
 
     def validate(self, path: str = "") -> None:
@@ -93,6 +94,10 @@ class Memory(NamedTuple):
 
 
 class GRUSeq2Seq(nn.Module):
+    """Bahdanau et al.'s GRU encoder-decoder: a bidirectional GRU encoder, a GRU decoder
+    whose previous state queries the source through additive attention; teacher forcing in
+    ``forward``, greedy and beam decoding in ``generate``."""
+
     def __init__(self, cfg: RNNSeq2SeqConfig) -> None:
         super().__init__()
         cfg.validate()
@@ -243,6 +248,7 @@ class GRUSeq2Seq(nn.Module):
         return [row[0] for row in rows] if n_best == 1 else rows
 
     def num_parameters(self) -> int:
+        """Number of trainable values (tied tensors counted once)."""
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()

@@ -43,6 +43,9 @@ class DigitsOptions(_Config):
 
 
 class ImageClassification(Task):
+    """Classify scikit-learn's 8x8 handwritten digits (random shifts as augmentation);
+    metric: accuracy on the held-out images."""
+
     name = "image-classification"
     unit = "images"
     options = DigitsOptions

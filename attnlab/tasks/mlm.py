@@ -44,6 +44,9 @@ class MLMOptions(_Config):
 
 
 class MaskedLanguageModelling(Task):
+    """BERT-style masked language modelling (80/10/10 masking, [MASK] one id past the
+    tokenizer's); metrics: loss and accuracy on the masked tokens."""
+
     name = "mlm"
     unit = "tokens"
     options = MLMOptions
