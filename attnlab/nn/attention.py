@@ -22,6 +22,12 @@ from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
 
+def split_heads(x: Tensor, n: int, head_dim: int) -> Tensor:
+    """(b, t, n * d_h) -> (b, n, t, d_h)."""
+    b, t, _ = x.shape
+    return x.view(b, t, n, head_dim).transpose(1, 2)
+
+
 @register_attention("mha")
 class MultiHeadAttention(nn.Module):
     """Self-attention (``context=None``) or cross-attention (keys/values from ``context``).
@@ -76,8 +82,7 @@ class MultiHeadAttention(nn.Module):
         return DenseKV(cache, self.n_kv_heads, self.head_dim)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (b, n, t, d_h)
+        return split_heads(x, n, self.head_dim)
 
     def forward(
         self,

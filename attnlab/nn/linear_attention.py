@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from attnlab.cache import Cache, LayerCache, LinearState
 from attnlab.config import AttentionConfig
 from attnlab.functional.linear_attention import causal_linear_attention, elu_feature_map
+from attnlab.nn.attention import split_heads
 from attnlab.nn.linear import Linear
 from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
@@ -58,8 +59,7 @@ class LinearAttention(nn.Module):
         return LinearState(cache, self.n_kv_heads, self.head_dim)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # (b, n, t, d_h)
+        return split_heads(x, n, self.head_dim)  # (b, n, t, d_h)
 
     def forward(
         self,
