@@ -440,7 +440,16 @@ def test_time_budget_schedule_never_rewinds(tmp_path, dataset, monkeypatch):
     assert all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1 :])), lrs  # then only down
     assert result.max_steps <= 30  # fitted on the slow steps, never lengthened
     assert lrs[-1] == pytest.approx(cfg.train.min_lr, rel=0.05)  # the cosine completed
-    assert "schedule fitted to the 3 s time budget" in result.stop_message
+    # The faster steps left time: the run went on at min_lr instead of stopping early.
+    assert result.step > result.max_steps + 20
+    assert all(lr == pytest.approx(cfg.train.min_lr) for lr in lrs[result.max_steps :])
+    assert result.elapsed >= 0.9 * 3.0
+    held = result.step - result.max_steps
+    assert result.stop_message in (
+        "stopped at step {}: 3 s time budget reached".format(result.step),
+        f"stopped at step {result.step}: the schedule fitted to the 3 s time budget "
+        f"({result.max_steps} steps) is complete, then {held} steps at min_lr",
+    ), result.stop_message
 
 
 def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch):

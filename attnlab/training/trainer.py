@@ -33,8 +33,10 @@ Time budget (seconds of the training loop, evaluations and saves included, setup
 after a few timed steps the schedule's length becomes the number of steps that fit (never
 more than ``max_steps``), refitted at each evaluation; refits only ever shorten it, and a
 fitted schedule warms up for at most ``WARMUP_FRACTION`` of its length, so after the
-warm-up the learning rate never increases. The run stops when the time is used. The
-fitted length is saved, so a resumed run keeps its schedule. An explicit ``max_steps``
+warm-up the learning rate never increases. When the steps turn out faster than the fit
+assumed (a machine that was busy at the start), the run goes on at ``min_lr`` after the
+schedule ends, for the steps that still fit. The run stops when the time is used. The
+fitted lengths are saved, so a resumed run keeps its schedule. An explicit ``max_steps``
 without a ``time_budget`` drops the config's budget: the run takes exactly those steps.
 
 Every run ends with one line saying why it stopped (``TrainResult.stop_message``, also the
@@ -511,7 +513,8 @@ class Trainer:
 
         # Progress counters (restored below on resume).
         self.step = 0
-        self.schedule_steps = tc.max_steps
+        self.schedule_steps = tc.max_steps  # the learning-rate schedule's length
+        self.run_steps = tc.max_steps  # steps to take: >= schedule_steps (then at min_lr)
         self.budget_fitted = False
         self.elapsed_before = 0.0
         self.train_time = 0.0  # seconds in optimizer steps (no evaluations, no saves)
@@ -555,9 +558,10 @@ class Trainer:
         self.last_val_step = state.get("val_step")
         self.eval_batches = state.get("eval_batches", self.tc.eval_batches)
         if max_steps_override is not None:
-            self.schedule_steps = max_steps_override
+            self.schedule_steps = self.run_steps = max_steps_override
         elif state["budget_fitted"]:
             self.schedule_steps = int(state["schedule_steps"])
+            self.run_steps = int(state.get("run_steps", self.schedule_steps))
             self.budget_fitted = True
 
     def _trainer_state(self, elapsed: float) -> dict:
@@ -570,6 +574,7 @@ class Trainer:
         return {
             "step": self.step,
             "schedule_steps": self.schedule_steps,
+            "run_steps": self.run_steps,
             "budget_fitted": self.budget_fitted,
             "elapsed": elapsed,
             "train_time": self.train_time,
@@ -748,12 +753,14 @@ class Trainer:
         # Keep room for the final evaluations: the sample and the whole validation set.
         final = eval_time * (1.0 + self._eval_share(None))
         left = tc.time_budget - now - final
-        fitted = self.step + max(0, int(left / per_step))
-        fitted = min(tc.max_steps, max(self.step, fitted))
+        fits = self.step + max(0, int(left / per_step))
+        fits = min(tc.max_steps, max(self.step, fits))
+        schedule = fits
         if self.budget_fitted:
-            fitted = min(fitted, self.schedule_steps)  # refits only shorten: no rewinding
-        (fitted,) = self._all_reduce([float(fitted)], dist.ReduceOp.MIN)
-        self.schedule_steps = int(fitted)
+            schedule = min(fits, self.schedule_steps)  # refits only shorten: no rewinding
+        fits, schedule = self._all_reduce([float(fits), float(schedule)], dist.ReduceOp.MIN)
+        self.schedule_steps = int(schedule)
+        self.run_steps = int(fits)  # past the schedule's end: min_lr
         self.budget_fitted = True
 
     # ------------------------------------------------------------------ loop
@@ -765,7 +772,7 @@ class Trainer:
         elapsed = lambda: self.elapsed_before + _clock() - t_start
         time_up = lambda: tc.time_budget is not None and elapsed() >= tc.time_budget
         bar = tqdm(
-            total=self.schedule_steps,
+            total=self.run_steps,
             initial=self.step,
             disable=not (self.progress and main),
             dynamic_ncols=True,
@@ -785,7 +792,7 @@ class Trainer:
         def fit_budget() -> None:
             timed = (step_times[FIT_SKIP_STEPS:] or step_times)[-FIT_WINDOW:]  # recent speed
             self._fit_budget(sum(timed) / len(timed), eval_time, elapsed())
-            bar.total = self.schedule_steps
+            bar.total = self.run_steps
             bar.refresh()
 
         def evaluate_and_save(save: bool, final: bool = False) -> None:
@@ -813,7 +820,7 @@ class Trainer:
                 full = metrics
             self.last_val_metrics = full or metrics
             val = metrics["loss"]  # best/ is always chosen on the sample
-            if self.budget_fitted and 0 < self.step < self.schedule_steps:
+            if self.budget_fitted and 0 < self.step < self.run_steps:
                 fit_budget()  # refit with more timings (before saving: resume sees it)
             self.last_val_loss = val
             self.last_val_step = self.step
@@ -846,7 +853,7 @@ class Trainer:
             with stop:
                 if not self.resumed and tc.eval_every:
                     evaluate_and_save(save=False)  # the untrained baseline on the curve
-                while self.step < self.schedule_steps:
+                while self.step < self.run_steps:
                     t0 = _clock()
                     result = self._train_step(stop, time_up)
                     dt = _clock() - t0
@@ -869,11 +876,11 @@ class Trainer:
                     if (
                         tc.time_budget is not None
                         and not self.budget_fitted
-                        and (n_timed >= FIT_STEPS or self.step >= self.schedule_steps)
+                        and (n_timed >= FIT_STEPS or self.step >= self.run_steps)
                     ):
                         fit_budget()
 
-                    if self.step % tc.log_every == 0 or self.step >= self.schedule_steps:
+                    if self.step % tc.log_every == 0 or self.step >= self.run_steps:
                         rate = interval_work / max(interval_time, 1e-9)
                         lr = self.optimizer.param_groups[0]["lr"]
                         mean_loss = sum(interval_losses) / len(interval_losses)
@@ -907,7 +914,7 @@ class Trainer:
                         evaluate_and_save(save=True, final=True)
                         break
                     if tc.eval_every and self.step % tc.eval_every == 0:
-                        evaluate_and_save(save=True, final=self.step >= self.schedule_steps)
+                        evaluate_and_save(save=True, final=self.step >= self.run_steps)
                     elif tc.save_every and self.step % tc.save_every == 0:
                         self._save(self.out_dir, elapsed())
                         last_saved = self.step
@@ -954,12 +961,14 @@ class Trainer:
             return f"stopped at step {n}: {signal_name or 'SIGTERM'} received"
         if reason == "time_budget":
             return f"stopped at step {n}: {tc.time_budget:g} s time budget reached"
-        if self.budget_fitted and self.schedule_steps < tc.max_steps:
+        held = self.run_steps - self.schedule_steps
+        then = f", then {held} steps at min_lr" if self.budget_fitted and held > 0 else ""
+        if self.budget_fitted and self.run_steps < tc.max_steps:
             return (
                 f"stopped at step {n}: the schedule fitted to the {tc.time_budget:g} s time "
-                f"budget ({self.schedule_steps} steps) is complete"
+                f"budget ({self.schedule_steps} steps) is complete{then}"
             )
-        return f"stopped at step {n}: max_steps={self.schedule_steps} reached"
+        return f"stopped at step {n}: max_steps={self.run_steps} reached{then}"
 
 
 def train(
