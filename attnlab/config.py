@@ -751,6 +751,7 @@ class TrainConfig(_Config):
     tensorboard: bool = False
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     compile: bool = False
+    optimizer: str = "adamw"  # "adamw", or "muon" (hidden matrices; AdamW for the rest)
 
     def validate(self, path: str = "train") -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_batches", "log_every"):
@@ -768,6 +769,7 @@ class TrainConfig(_Config):
         _positive(f"{path}.block_size", self.block_size)
         _positive(f"{path}.time_budget", self.time_budget)
         _choice(f"{path}.dtype", self.dtype, ("float32", "bfloat16"))
+        _choice(f"{path}.optimizer", self.optimizer, ("adamw", "muon"))
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(f"{path}.{name}", f"must be in [0, 1), got {getattr(self, name)}")

@@ -6,7 +6,10 @@ heads x head dim: attnlab.analysis.flops_per_token) x tokens/s of attnlab's trai
 `train` records of metrics.jsonl, first interval skipped as warm-up). Peak = the best
 float32 (and, where the run uses it, bfloat16) square matmul.
 
-    python benchmarks/mfu.py [--steps 60] [--presets nanogpt-cpu demo llama-30m]
+Each preset runs eager and, with ``--compile``, also under ``train.compile`` (inductor),
+whose fused element-wise kernels cut the time outside the matmuls.
+
+    python benchmarks/mfu.py [--steps 60] [--presets nanogpt-cpu demo llama-30m] [--compile]
 """
 
 from __future__ import annotations
@@ -45,27 +48,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--presets", nargs="+", default=["nanogpt-cpu", "demo", "llama-30m"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="also each preset compiled")
     args = ap.parse_args()
     setup_threads(args.threads)
     peak = {torch.float32: matmul_flops(torch.float32)}
     results = []  # (preset, train FLOPs per token, block, batch, dtype, tokens/s)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.presets:
+        runs = [(name, False) for name in args.presets]
+        runs += [(name, True) for name in args.presets if args.compile]
+        for name, compiled in runs:
             cfg = get_run_preset(name).override(
                 {"train.eval_every": 0, "train.log_every": 10, "train.time_budget": None,
-                 "train.max_steps": args.steps, **EXTRA.get(name, {})}
+                 "train.max_steps": args.steps, "train.compile": compiled,
+                 **EXTRA.get(name, {})}
             )  # fmt: skip
-            out = Path(tmp) / name
+            out = Path(tmp) / f"{name}{'-compiled' if compiled else ''}"
             train(cfg, out, progress=False)
             records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-            rates = [r["tokens_per_second"] for r in records if r["kind"] == "train"][1:]
+            # the first intervals hold the warm-up (and the compilation): skipped
+            rates = [r["tokens_per_second"] for r in records if r["kind"] == "train"][2:]
             saved = json.loads((out / "config.json").read_text())  # vocab set by the tokenizer
             model_cfg = cfg.model.override({"vocab_size": saved["model"]["vocab_size"]})
             block = cfg.train.block_size or cfg.model.max_seq_len
             dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
             peak.setdefault(dtype, matmul_flops(dtype))
             per_token = flops_per_token(model_cfg, block)["training"]
-            results.append((name, per_token, block, cfg.train.batch_size, dtype,
+            label = f"{name} (compiled)" if compiled else name
+            results.append((label, per_token, block, cfg.train.batch_size, dtype,
                             statistics.median(rates)))  # fmt: skip
     for dtype in peak:  # the machine's speed drifts: the best of before and after
         peak[dtype] = max(peak[dtype], matmul_flops(dtype))

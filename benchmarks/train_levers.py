@@ -5,8 +5,8 @@ median step time, the speed relative to the preset, and the mean training loss o
 tenth of the steps (quality at equal steps; a faster step is only worth it at equal loss).
 
 Variants: the preset (eager, float32, fused AdamW); torch.compile (inductor) of the model;
-bf16 autocast; Muon (torch.optim.Muon) for the hidden weight matrices with AdamW for
-embeddings, norms and biases (the split Muon's authors use).
+bf16 autocast; ``train.optimizer=muon`` (torch.optim.Muon for the hidden weight matrices,
+AdamW for embeddings, norms and biases: the split Muon's authors use).
 
     python benchmarks/train_levers.py [--steps 300] [--preset demo] [--threads 2]
 """
@@ -26,23 +26,6 @@ from attnlab.training.evaluate import autocast_context
 from attnlab.training.optim import lr_at, set_lr
 
 
-def muon_optimizers(model, tc, muon_lr: float) -> list[torch.optim.Optimizer]:
-    """Muon for 2-D matrices inside the blocks; AdamW (the preset's) for everything else."""
-    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
-    ids = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    decay = [p for p in rest if p.dim() >= 2]
-    no_decay = [p for p in rest if p.dim() < 2]
-    adam = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tc.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True,
-    )  # fmt: skip
-    muon = torch.optim.Muon(hidden, lr=muon_lr, weight_decay=tc.weight_decay,
-                            adjust_lr_fn="match_rms_adamw")  # fmt: skip
-    return [adam, muon]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
@@ -57,7 +40,7 @@ def main() -> None:
         "preset": {},
         "compile": {"train.compile": True},
         "bf16": {"train.dtype": "bfloat16"},
-        "muon": {},
+        "muon": {"train.optimizer": "muon"},
     }
     runs = {}
     base = {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": args.steps}
@@ -65,10 +48,7 @@ def main() -> None:
         for name in args.variants:
             cfg = get_run_preset(args.preset).override({**base, **overrides[name]})
             tr = Trainer(cfg, f"{tmp}/{name}", progress=False)
-            opts = [tr.optimizer]
-            if name == "muon":
-                opts = muon_optimizers(tr.model, tr.tc, tr.tc.lr)
-            runs[name] = (tr, opts, [], [])
+            runs[name] = (tr, [tr.optimizer], [], [])
     tc = next(iter(runs.values()))[0].tc
     for step in range(args.steps):
         for tr, opts, times, losses in runs.values():

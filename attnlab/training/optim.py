@@ -1,4 +1,5 @@
-"""AdamW with decay / no-decay parameter groups, and the warm-up + cosine learning-rate schedule.
+"""The optimizer (AdamW with decay / no-decay parameter groups, or Muon for the hidden weight
+matrices with AdamW for the rest) and the warm-up + cosine learning-rate schedule.
 
 Schedule (nanoGPT's, with ``step`` the 0-based index of the optimizer step about to be taken):
 
@@ -58,9 +59,30 @@ def _fused_supported(device_type: str) -> bool:
     return device_type in ("cuda", "cpu")
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
-    """AdamW over :func:`parameter_groups`, fused where the device supports it."""
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, device_type: str
+) -> torch.optim.Optimizer | Optimizers:
+    """``cfg.optimizer``: "adamw" is AdamW over :func:`parameter_groups`, fused where the
+    device supports it; "muon" is :func:`muon_parameters` under ``torch.optim.Muon`` (its
+    learning rate scaled to AdamW's update size, so one ``lr`` and schedule serve both)
+    and AdamW for every other parameter."""
+    if cfg.optimizer == "muon":
+        hidden = muon_parameters(model)
+        ids = {id(p) for p in hidden}
+        muon = torch.optim.Muon(
+            hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"
+        )
+        return Optimizers([_adamw(model, cfg, device_type, exclude=ids), muon])
+    return _adamw(model, cfg, device_type)
+
+
+def _adamw(
+    model: nn.Module, cfg: TrainConfig, device_type: str, exclude: set[int] = frozenset()
+) -> torch.optim.AdamW:
     groups = parameter_groups(model, cfg.weight_decay)
+    for group in groups:
+        group["params"] = [p for p in group["params"] if id(p) not in exclude]
+    groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     if _fused_supported(device_type):
         try:
@@ -70,6 +92,57 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> tor
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The hidden weight matrices Muon orthogonalises: the 2-D weights of linear layers,
+    except any shared with an embedding (a tied output head). Embeddings, the output head,
+    norms and biases stay with AdamW, as Muon's authors train them."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(p) for name, p in model.named_parameters() if name.split(".")[0] in _HEADS}
+    found, seen = [], set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            w = module.weight
+            if w.requires_grad and w.dim() == 2 and id(w) not in embedded | heads | seen:
+                seen.add(id(w))
+                found.append(w)
+    return found
+
+
+_HEADS = ("lm_head", "head", "classifier", "output")  # top-level output layers: AdamW
+
+
+class Optimizers:
+    """Several optimizers stepped as one (Muon + AdamW): the optimizer interface the
+    trainer uses (``param_groups``, ``step``, ``zero_grad``, ``state_dict``)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("optimizers", ())) != len(self.optimizers):
+            raise ValueError(
+                "the checkpoint's optimizer state does not match train.optimizer; resume "
+                "with the optimizer it was trained with (or start a new run with --init-from)"
+            )
+        for opt, sub in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(sub)
+
+
+def set_lr(optimizer: torch.optim.Optimizer | Optimizers, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
