@@ -2,19 +2,22 @@
 configuration (`nanogpt-cpu`), trained one after the other on the same machine, corpus
 (the embedded Python Language Reference), tokenizer and validation split.
 
-The baseline runs its full schedule (2000 steps). The demo then gets the same wall-time
-budget (its cosine schedule fitted to it). Both evaluate on the whole validation split (each
-model at its own block size) about 20 times. Reported: the training time (optimizer steps
-only, evaluations excluded, for both) each needs to reach the baseline's final validation
-loss, and the demo's own final loss within the baseline's time.
+The baseline runs its full schedule (2000 steps). Each variant then gets a share of the
+baseline's wall time as its budget (its cosine schedule fitted to it): `demo` the same
+time, the "1/4 budget" rows a quarter of it (the schedule a user picks to finish fast).
+All evaluate on the whole validation split (each model at its own block size) about 20
+times. Reported: the training time (optimizer steps only, evaluations excluded) each needs
+to reach the baseline's final validation loss, and its own final loss; with ``--repeats``
+the rounds run one after the other and the medians are shown.
 
-    python benchmarks/time_to_quality.py
+    python benchmarks/time_to_quality.py [--repeats 3] [--variants ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -46,13 +49,13 @@ def time_to_reach(points: list[tuple[float, float, int]], target: float) -> floa
     return None
 
 
-def run(name: str, out: Path, eval_every: int, budget: float | None):
+def run(preset: str, overrides: dict, out: Path, label: str, eval_every: int, budget):
     # eval_batches beyond the split's size: the whole validation split at every evaluation
-    overrides = {"train.eval_every": eval_every, "train.eval_batches": 10**6}
-    cfg = get_run_preset(name).override({**overrides, "train.time_budget": budget})
-    result = train(cfg, out / name, progress=False, overwrite=True)
-    n_params = load_checkpoint(out / name).model.num_parameters()
-    return cfg, result, curve(out / name), n_params
+    overrides = {**overrides, "train.eval_every": eval_every, "train.eval_batches": 10**6}
+    cfg = get_run_preset(preset).override({**overrides, "train.time_budget": budget})
+    result = train(cfg, out / label, progress=False, overwrite=True)
+    n_params = load_checkpoint(out / label).model.num_parameters()
+    return cfg, result, curve(out / label), n_params
 
 
 def describe(cfg, n_params: int) -> str:
@@ -64,40 +67,72 @@ def describe(cfg, n_params: int) -> str:
     )
 
 
+# name -> (run preset, overrides, time budget as a fraction of the baseline's training time)
+VARIANTS = {
+    "demo": ("demo", {}, 1.0),
+    "demo, 1/4 budget": ("demo", {}, 0.25),
+    "demo + muon, 1/4 budget": ("demo", {"train.optimizer": "muon"}, 0.25),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--baseline-eval-every", type=int, default=100)
     ap.add_argument("--demo-eval-every", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians shown")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here")
     args = ap.parse_args()
     setup_threads(args.threads)
+    rounds = []  # per round: {name: (cfg, result, curve, n_params)}
     with tempfile.TemporaryDirectory() as tmp:
-        out = args.out or Path(tmp)
-        base_cfg, base, base_curve, base_n = run("nanogpt-cpu", out, args.baseline_eval_every, None)
-        demo_cfg, demo, demo_curve, demo_n = run("demo", out, args.demo_eval_every, base.elapsed)
-    target = base_curve[-1][1]
-    base_time = base_curve[-1][0]
-    demo_time = time_to_reach(demo_curve, target)
+        for r in range(args.repeats):
+            out = (args.out or Path(tmp)) / f"round{r}"
+            base = run("nanogpt-cpu", {}, out, "baseline", args.baseline_eval_every, None)
+            runs = {"nanogpt-cpu (baseline)": base}
+            base_time = base[2][-1][0]
+            for name in args.variants:
+                preset, overrides, share = VARIANTS[name]
+                budget = share * base[1].elapsed
+                label = name.replace(", ", "-").replace(" + ", "-").replace("/", "_")
+                runs[name] = run(preset, overrides, out, label, args.demo_eval_every, budget)
+            rounds.append((base_time, runs))
     print(f"machine: {machine()}")
+    targets = [runs["nanogpt-cpu (baseline)"][2][-1][1] for _, runs in rounds]
     print(
-        f"target: the baseline's final validation loss {target:.4f} (whole validation split, "
-        "each model at its own block size); times are optimizer steps, evaluations excluded"
+        f"target: the baseline's final validation loss ({', '.join(f'{t:.4f}' for t in targets)}"
+        f" in {len(rounds)} interleaved round(s); whole validation split, each model at its own "
+        "block size); times are optimizer steps, evaluations excluded; medians over rounds"
     )
-    reach = "never" if demo_time is None else f"{demo_time:.1f}"
-    ratio = "-" if demo_time is None else f"{demo_time / base_time:.2f}x"
-    rows = [
-        ["nanogpt-cpu (baseline)", describe(base_cfg, base_n), base.step, f"{base_time:.1f}",
-         f"{base_time:.1f}", "1.00x", f"{target:.4f}"],
-        ["demo", describe(demo_cfg, demo_n), demo.step, f"{demo_curve[-1][0]:.1f}", reach,
-         ratio, f"{demo_curve[-1][1]:.4f}"],
-    ]  # fmt: skip
-    print(table(["preset", "model and training", "steps", "train s", "s to target",
+    rows = []
+    for name in ["nanogpt-cpu (baseline)", *args.variants]:
+        reach, ratios, finals, train_s, steps = [], [], [], [], []
+        for (base_time, runs), target in zip(rounds, targets):
+            cfg, result, pts, n_params = runs[name]
+            t = time_to_reach(pts, target) if name != "nanogpt-cpu (baseline)" else base_time
+            reach.append(t)
+            ratios.append(None if t is None else t / base_time)
+            finals.append(pts[-1][1])
+            train_s.append(pts[-1][0])
+            steps.append(result.step)
+        reached = [t for t in reach if t is not None]
+        ok = [x for x in ratios if x is not None]
+        missed = len(reach) - len(reached)
+        rows.append([
+            name, describe(cfg, n_params), int(statistics.median(steps)),
+            f"{statistics.median(train_s):.1f}",
+            f"{statistics.median(reached):.1f}" if reached else "never",
+            (f"{statistics.median(ok):.2f}x" if ok else "-")
+            + (f" ({missed} missed)" if missed else ""),
+            f"{statistics.median(finals):.4f}",
+        ])  # fmt: skip
+    print(table(["run", "model and training", "steps", "train s", "s to target",
                  "time vs baseline", "final val loss"], rows))  # fmt: skip
-    print("validation loss by training time:")
-    for name, pts in (("nanogpt-cpu", base_curve), ("demo", demo_curve)):
+    print("validation loss by training time (last round):")
+    for name, (_, _, pts, _) in rounds[-1][1].items():
         marks = [pts[i] for i in sorted({len(pts) * k // 8 for k in range(8)} | {len(pts) - 1})]
-        print(f"  {name:12s} " + "  ".join(f"{t:.0f}s:{v:.3f}" for t, v, _ in marks))
+        print(f"  {name:24s} " + "  ".join(f"{t:.0f}s:{v:.3f}" for t, v, _ in marks))
 
 
 if __name__ == "__main__":
