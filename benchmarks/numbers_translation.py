@@ -1,10 +1,14 @@
-"""Numbers -> English words: the Transformer encoder-decoder (preset transformer-numbers)
-against the GRU encoder-decoder with additive attention (gru-numbers) at a similar
-parameter count, both trained by attnlab's trainer (task seq2seq). Reports exact match of
-greedy decoding (and of beam search) on the test numbers, never seen in training, and the
-training time. Target: >= 98% exact match for the Transformer in a few CPU minutes.
+"""Numbers -> words (English by default, any num2words language with --lang): the
+Transformer encoder-decoder (preset transformer-numbers) against the GRU encoder-decoder
+with additive attention (gru-numbers) at a similar parameter count, both trained by
+attnlab's trainer (task seq2seq). Reports exact match of greedy decoding (and of beam
+search) on the test numbers, never seen in training, and the training time. Target: >= 98%
+exact match for the Transformer in a few CPU minutes.
 
     python benchmarks/numbers_translation.py [--steps 1500] [--threads 2] [--lang en]
+
+Measured in French (--presets transformer-numbers --lang fr --threads 1, 900 steps, one
+run while other jobs loaded the 2 cores): 99.5% greedy, 99.6% beam-4 exact match, 205 s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""``attnlab classify``: classify images with a checkpoint of the image-classification
-task (a ViT). Each image is resized to the model's size; its channel count must be the
-model's (1: grayscale)."""
+"""``attnlab classify``: classify images with a ViT: a checkpoint of the image-classification
+task or an imported one (classes shown by their names, config.json's ``id2label``, where
+the model has them). Each image is resized to the model's size; its channel count must be
+the model's (1: grayscale)."""
 
 from __future__ import annotations
 
@@ -70,12 +71,14 @@ def load_image(path: str, channels: int, height: int, width: int) -> torch.Tenso
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, cfg, _ = load_for_inference(args.ckpt, device)
-    if cfg.task != "image-classification" or cfg.model.arch != "vit":
+    if cfg.model.arch != "vit":  # trained for image-classification, or an imported ViT
         raise CLIError(
-            f"{args.ckpt} was trained for task {cfg.task!r}; classify needs an "
-            "image-classification checkpoint (attnlab train --preset vit-digits)"
+            f"{args.ckpt} holds a {cfg.model.arch!r} model; classify needs an "
+            "image-classification checkpoint (attnlab train --preset vit-digits, or an "
+            "imported ViT)"
         )
     m = cfg.model
+    names = m.class_names or [str(i) for i in range(m.n_classes)]
     images = torch.stack([load_image(p, m.channels, m.image_size, m.width) for p in args.images])
     if args.invert:
         images = 1.0 - images
@@ -89,10 +92,12 @@ def run(args: argparse.Namespace) -> int:
             "class": int(top.indices[0]),
             "top": [[int(i), round(float(p), 4)] for p, i in zip(top.values, top.indices)],
         }
+        if m.class_names:
+            report[path]["label"] = names[int(top.indices[0])]
     if args.json:
         print(json.dumps(report))
     else:
         for path, r in report.items():
-            shown = ", ".join(f"{c}: {p:.3f}" for c, p in r["top"])
-            print(f"{path}\t{r['class']}\t({shown})")
+            shown = ", ".join(f"{names[c]}: {p:.3f}" for c, p in r["top"])
+            print(f"{path}\t{names[r['class']]}\t({shown})")
     return 0

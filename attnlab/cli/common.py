@@ -51,6 +51,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` (or spaces between) -> [1, 2, 3]."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected token ids separated by commas (e.g. 1,2,3), got {text!r}"
+        )
+    return [int(part) for part in parts]
+
+
 def _number(text: str, kind: type) -> Any:
     try:
         return kind(text)
@@ -184,14 +194,17 @@ def load_for_inference(
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if is_hf_dir(path):
         from attnlab.interop import load_hf
+        from attnlab.interop.io import read_config
+        from attnlab.interop.registry import lookup
 
+        family, _ = lookup(read_config(path))
         model = load_hf(path, device=device, dtype=dtype)
         tokenizer = None
         if (path / "tokenizer.json").is_file():
             from attnlab.tokenizers import load_tokenizer
 
             tokenizer = load_tokenizer(path / "tokenizer.json")
-        return model.eval(), RunConfig(model=model.cfg), tokenizer
+        return model.eval(), RunConfig(model=model.cfg, task=family.task(model.cfg)), tokenizer
     from attnlab.training.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(path, device=device, dtype=dtype)

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from attnlab.tokenizers import Tokenizer
 
 
+LM_ARCHS = ("decoder", "xl")  # the models the language-modelling loss applies to
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "eval",
@@ -110,11 +113,39 @@ def _task_metrics(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:
                 f"{cfg.task!r}"
             )
     task = get_task(cfg.task)(cfg, tokenizer=tokenizer)
+    _check_fits(args.ckpt, task, cfg)
     batch_size = args.batch_size or cfg.train.batch_size
     metrics = task.evaluate(
         model, batch_size=batch_size, max_batches=args.max_batches, device=device
     )
     return {"task": cfg.task, **metrics, "source": "validation split"}
+
+
+def _check_fits(ckpt: str, task, cfg: RunConfig) -> None:
+    """The task's data must fit the model (vocabulary, classes, image shape) as it did when
+    the checkpoint was trained; an imported model met none of attnlab's data."""
+    import copy
+    import dataclasses
+
+    from attnlab.config import ConfigError
+
+    wanted = copy.deepcopy(cfg.model)
+    try:
+        task.configure_model(wanted)
+    except ConfigError as e:
+        raise CLIError(
+            f"{ckpt}: the validation data of task {cfg.task!r} does not fit this model ({e}); "
+            "eval measures a checkpoint on the data it was trained for (an imported model "
+            "has none)"
+        ) from None
+    for f in dataclasses.fields(wanted):
+        have, want = getattr(cfg.model, f.name), getattr(wanted, f.name)
+        if have != want:
+            raise CLIError(
+                f"{ckpt}: the model has {f.name}={have} but the validation data of task "
+                f"{cfg.task!r} needs {want}; eval measures a checkpoint on the data it was "
+                "trained for (an imported model has none)"
+            )
 
 
 def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:
@@ -123,6 +154,11 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     from attnlab.data import TokenDataset, prepare_data
     from attnlab.tasks.lm import LanguageModelling
 
+    if cfg.model.arch not in LM_ARCHS:
+        raise CLIError(
+            f"{args.ckpt} holds a {cfg.model.arch!r} model; eval's language-modelling loss "
+            f"needs a language model ({', '.join(LM_ARCHS)})"
+        )
     tokenizer = require_tokenizer(tokenizer, args.ckpt)
     block_size = args.block_size or cfg.train.block_size or cfg.model.max_seq_len
     if block_size > cfg.model.max_seq_len:

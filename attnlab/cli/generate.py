@@ -30,6 +30,7 @@ from attnlab.cli.common import (
     require_tokenizer,
     resolve_device,
     stop_token_ids,
+    token_ids,
     tokenizer_option,
 )
 
@@ -112,16 +113,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "config.json (by default generation stops there)",
     )
     p.set_defaults(handler=run)
-
-
-def token_ids(text: str) -> list[int]:
-    """``"1,2,3"`` (or spaces between) -> [1, 2, 3]."""
-    parts = text.replace(",", " ").split()
-    if not parts or not all(part.isdigit() for part in parts):
-        raise argparse.ArgumentTypeError(
-            f"expected token ids separated by commas (e.g. 1,2,3), got {text!r}"
-        )
-    return [int(part) for part in parts]
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | None) -> tuple[str, list[int]]:

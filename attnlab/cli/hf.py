@@ -83,14 +83,16 @@ def run_import(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(tokenizer_file)
     elif args.tokenizer:
         raise CLIError(f"{tokenizer_file}: tokenizer not found; give a tokenizer.json file")
-    vocab_size = config_from_hf(hf_config).vocab_size
+    model_cfg = config_from_hf(hf_config)
+    # the largest embedding table: a seq2seq model's tokenizer may serve its source only
+    vocab_size = max(model_cfg.vocab_size, getattr(model_cfg, "source_vocab_size", 0))
     if tokenizer is not None and tokenizer.vocab_size > vocab_size:  # fewer: padded embeddings
         raise CLIError(
             f"{tokenizer_file}: {tokenizer.vocab_size} tokens but the model has only "
             f"vocab_size={vocab_size} embeddings; give the model's own tokenizer"
         )
     model = load_hf(src, dtype=DTYPES[args.dtype])
-    save_checkpoint(out, model, RunConfig(model=model.cfg), tokenizer)
+    save_checkpoint(out, model, RunConfig(model=model.cfg, task=family.task(model.cfg)), tokenizer)
     _copy_generation_config(src, out)
     n = sum(p.numel() for p in model.parameters())
     print(f"imported {src} ({n:,} parameters) -> attnlab checkpoint {out}")

@@ -17,6 +17,7 @@ import warnings
 from safetensors import SafetensorError
 
 from attnlab.cli import (
+    attention_map,
     classify,
     demo,
     evaluate,
@@ -30,7 +31,19 @@ from attnlab.cli import (
 )
 from attnlab.cli.common import CLIError
 
-SUBCOMMANDS = (train, generate, translate, classify, evaluate, info, kv, presets, hf, demo)
+SUBCOMMANDS = (
+    train,
+    generate,
+    translate,
+    classify,
+    attention_map,
+    evaluate,
+    info,
+    kv,
+    presets,
+    hf,
+    demo,
+)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # argparse's code for a malformed command line

@@ -11,12 +11,18 @@ Shapes: b batch, h query heads, h_kv key/value heads (h_kv divides h), t query l
 s key length, d_h head dim. Masks broadcast to (b, h, t, s); boolean True = may attend,
 or additive (0 / -inf). ``causal=True`` aligns query i with key s - t + i (bottom-right),
 which is what a KV cache and chunked prefill need.
+
+``recording_weights(sink)``: inside, every ``attend`` call runs ``eager`` whatever the
+backend asked for and hands its softmax weights to ``sink`` (how ``attnlab.attention_maps``
+reads a whole model's attention without a flag in any module).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +222,24 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+# Where attend() hands its weights while recording (None: not recording).
+_WEIGHT_SINK: ContextVar[Callable[[Tensor], None] | None] = ContextVar(
+    "attnlab_attention_weight_sink", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_weights(sink: Callable[[Tensor], None]) -> Iterator[None]:
+    """Inside the block, every :func:`attend` call computes with the ``eager`` backend
+    (whatever backend it names) and calls ``sink(weights)`` with its softmax weights
+    (b, h, t, s). Attention written without ``attend`` is not seen."""
+    token = _WEIGHT_SINK.set(sink)
+    try:
+        yield
+    finally:
+        _WEIGHT_SINK.reset(token)
+
+
 def backend_names() -> tuple[str, ...]:
     """Every registered backend name (configs are validated against this)."""
     return tuple(BACKENDS)
@@ -247,7 +271,8 @@ def attend(
     (b, h, t, s). ``causal`` aligns bottom-right. ``window`` (with causal): each query sees
     its last ``window`` keys. ``doc_ids`` (b, s): no attention across packed documents.
     ``flash`` and ``triton`` skip whole blocks that window and sorted documents rule out;
-    ``eager`` and ``sdpa`` turn them into masks. ``return_weights`` needs ``eager``."""
+    ``eager`` and ``sdpa`` turn them into masks. ``return_weights`` needs ``eager`` (or
+    :func:`recording_weights`, which makes every call eager)."""
     if backend not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
@@ -256,17 +281,22 @@ def attend(
     _check(q, k, v)
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
-    if return_weights:
-        if backend != "eager":
+    # Compiled graphs never record (and dynamo cannot trace ContextVar.get).
+    sink = None if torch.compiler.is_compiling() else _WEIGHT_SINK.get()
+    if return_weights or sink is not None:
+        if sink is None and backend != "eager":
             raise ValueError(
                 f"return_weights=True needs backend='eager' ({backend!r} never forms the weights)"
             )
         mask, causal = _fold_structure(
             mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
         )
-        return eager_attention(
+        out, weights = eager_attention(
             q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, return_weights=True
         )
+        if sink is not None:
+            sink(weights)
+        return (out, weights) if return_weights else out
     if dropout_p > 0.0 and not entry.dropout:
         raise ValueError(
             f"attention dropout needs backend 'eager' or 'sdpa' ({backend!r} has none); "

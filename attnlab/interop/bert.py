@@ -225,4 +225,5 @@ FAMILY = Family(
     exports=exports,
     export_type=export_type,
     ignored=IGNORED,
+    task=lambda cfg: "mlm" if cfg.head == "mlm" else "lm",
 )

@@ -92,10 +92,27 @@ def dtype_entries(dtype: torch.dtype) -> dict[str, str]:
     return {"dtype": name, "torch_dtype": name}  # transformers 5.x, 4.x
 
 
-def label_entries(n: int) -> dict[str, dict]:
-    """``id2label`` / ``label2id`` for ``n`` classes (how transformers counts them)."""
-    labels = {str(i): f"LABEL_{i}" for i in range(n)}
+def label_entries(n: int, names: list[str] | None = None) -> dict[str, dict]:
+    """``id2label`` / ``label2id`` for ``n`` classes: ``names``, else transformers' default
+    ``LABEL_<i>``."""
+    labels = {str(i): names[i] if names else f"LABEL_{i}" for i in range(n)}
     return {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}
+
+
+def label_names(hf: dict[str, Any], n: int) -> list[str] | None:
+    """The class names of config.json's ``id2label`` (class i's name at index i); None
+    when it has none or only transformers' defaults (``LABEL_<i>``)."""
+    id2label = hf.get("id2label") or {}
+    if not isinstance(id2label, dict) or not id2label:
+        return None
+    try:
+        names = {int(k): str(v) for k, v in id2label.items()}
+    except ValueError:
+        raise HFCheckpointError("config.json id2label keys must be class ids 0, 1, ...") from None
+    if sorted(names) != list(range(n)):
+        raise HFCheckpointError(f"config.json id2label must name each class 0 to {n - 1} once")
+    ordered = [names[i] for i in range(n)]
+    return None if ordered == [f"LABEL_{i}" for i in range(n)] else ordered
 
 
 # rope_type -> {HF key: PositionConfig field}
@@ -434,3 +451,6 @@ class Family:
     ignored: re.Pattern[str]
     # Checkpoint name -> the name the mapping uses (one layout for renamed generations).
     rename: Callable[[str], str] | None = None
+    # The attnlab task (``attnlab.tasks.TASKS``) an imported model of this config runs:
+    # recorded in the imported checkpoint's config.json, it picks what ``eval`` measures.
+    task: Callable[[ModelConfig], str] = lambda cfg: "lm"

@@ -3,9 +3,13 @@
 
 Marian is a post-norm encoder–decoder with embeddings scaled by sqrt(d), sinusoidal
 positions in the split layout (all sines, then all cosines), no final norms, one vocabulary
-shared by source, target and output (tied), and a ``final_logits_bias``.
+shared by source, target and output (tied), and a ``final_logits_bias``. With
+``share_encoder_decoder_embeddings=false`` the source (``vocab_size``) and the target
+(``decoder_vocab_size``) have vocabularies of their own, the output tied to the target's.
 
     model.shared (= encoder/decoder embed_tokens, lm_head)   -> src_emb (= tgt_emb, lm_head)
+      unshared: model.encoder.embed_tokens                   -> src_emb (attnlab src_vocab_size)
+                model.decoder.embed_tokens (= lm_head)       -> tgt_emb (= lm_head; vocab_size)
     {encoder,decoder}.layers.i.self_attn.[q; k; v]_proj      -> {encoder,decoder}.i.attn.qkv
     self_attn.out_proj, self_attn_layer_norm                 -> attn.out, attn_norm
     encoder_attn.q_proj, [k_proj; v_proj], out_proj          -> cross_attn.q, cross_attn.kv, .out
@@ -14,7 +18,7 @@ shared by source, target and output (tied), and a ``final_logits_bias``.
     final_logits_bias (1, V)                                 -> logits_bias (V,)
     embed_positions.weight (fixed sinusoids)                 -> recomputed
 
-Shapes: d d_model, V vocabulary size.
+Shapes: d d_model, V target vocabulary size.
 """
 
 from __future__ import annotations
@@ -49,11 +53,14 @@ IGNORED = re.compile(r"^model\.(encoder|decoder)\.embed_positions\.weight$")
 
 
 def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqConfig:
-    V = get(hf, "vocab_size")
-    if hf.get("decoder_vocab_size") not in (None, V) or not hf.get(
-        "share_encoder_decoder_embeddings", True
-    ):
-        raise HFCheckpointError("Marian models with separate source/target vocabularies")
+    src_vocab = get(hf, "vocab_size")
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    V = hf.get("decoder_vocab_size") or src_vocab  # the target vocabulary
+    if shared and V != src_vocab:
+        raise HFCheckpointError(
+            f"decoder_vocab_size={V} differs from vocab_size={src_vocab} but "
+            "share_encoder_decoder_embeddings is true; separate vocabularies need it false"
+        )
     same = [
         ("encoder_attention_heads", "decoder_attention_heads"),
         ("encoder_ffn_dim", "decoder_ffn_dim"),
@@ -86,7 +93,8 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqCon
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         dropout=float(hf.get("dropout", 0.0)),
         init_std=float(hf.get("init_std", 0.02)),
-        share_embeddings=True,
+        share_embeddings=shared,
+        src_vocab_size=None if shared else src_vocab,
         scale_embeddings=bool(hf.get("scale_embedding", False)),
         sinusoid_layout="split",
         final_norm=False,
@@ -108,7 +116,6 @@ def export_type(cfg: ModelConfig) -> str:
         and cfg.norm.kind == "layernorm"
         and cfg.position.kind == "sinusoidal"
         and cfg.sinusoid_layout == "split"
-        and cfg.share_embeddings
         and cfg.final_logits_bias
         and not cfg.final_norm
         and cfg.ffn.kind == "mlp"
@@ -121,8 +128,8 @@ def export_type(cfg: ModelConfig) -> str:
     )
     if not ok:
         raise unrepresentable(
-            "Marian needs post-norm LayerNorm, split sinusoids, shared embeddings, a final "
-            "logits bias, no final norms, an MLP and multi-head attention with biases"
+            "Marian needs post-norm LayerNorm, split sinusoids, a final logits bias, no "
+            "final norms, an MLP and multi-head attention with biases"
         )
     return "marian"
 
@@ -132,7 +139,7 @@ def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dic
     return {
         "model_type": "marian",
         "architectures": ["MarianMTModel"],
-        "vocab_size": cfg.vocab_size,
+        "vocab_size": cfg.source_vocab_size,
         "decoder_vocab_size": cfg.vocab_size,
         "d_model": cfg.d_model,
         "encoder_layers": cfg.n_layers,
@@ -152,7 +159,7 @@ def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dic
         "decoder_start_token_id": cfg.bos_id,
         "eos_token_id": cfg.eos_id,
         "forced_eos_token_id": None,
-        "share_encoder_decoder_embeddings": True,
+        "share_encoder_decoder_embeddings": cfg.share_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings,
         "is_encoder_decoder": True,
         **dtype_entries(dtype),
@@ -177,6 +184,11 @@ _TIED_COPIES = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens
 def _specs(cfg: Seq2SeqConfig) -> Specs:
     """attnlab name -> HF name(s), but for the logits bias (stored (1, V))."""
     specs: Specs = {"src_emb.weight": "model.shared.weight"}
+    if not cfg.share_embeddings:
+        specs = {
+            "src_emb.weight": "model.encoder.embed_tokens.weight",
+            "tgt_emb.weight": "model.decoder.embed_tokens.weight",
+        }
     if not cfg.tie_embeddings:
         specs["lm_head.weight"] = "lm_head.weight"
     for stack, n in (("encoder", cfg.n_layers), ("decoder", cfg.decoder_layers)):
@@ -195,19 +207,21 @@ def _specs(cfg: Seq2SeqConfig) -> Specs:
 def weights_to_attnlab(src: Source, cfg: Seq2SeqConfig) -> Plan:
     plan = src.plan(_specs(cfg))
     plan["logits_bias"] = src.take("final_logits_bias", (1, cfg.vocab_size))
-    for name in _TIED_COPIES + (("lm_head.weight",) if cfg.tie_embeddings else ()):
-        src.tied(name, plan["src_emb.weight"])
+    copies = _TIED_COPIES if cfg.share_embeddings else ()
+    for name in copies + (("lm_head.weight",) if cfg.tie_embeddings else ()):
+        src.tied(name, plan["src_emb.weight" if cfg.share_embeddings else "tgt_emb.weight"])
     return plan  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
 def weights_from_attnlab(
     sd: dict[str, Tensor], cfg: Seq2SeqConfig, model_type: str
 ) -> dict[str, Tensor]:
-    emb = sd["src_emb.weight"]
+    emb = sd["src_emb.weight"] if cfg.share_embeddings else sd["tgt_emb.weight"]  # the target's
     table = sinusoidal_table(torch.arange(cfg.max_seq_len), cfg.d_model)  # interleaved
     table = torch.cat((table[:, 0::2], table[:, 1::2]), dim=-1).to(emb.dtype)  # -> split
     out = unplan(_specs(cfg), sd)
-    out |= dict.fromkeys(_TIED_COPIES, emb)
+    if cfg.share_embeddings:
+        out |= dict.fromkeys(_TIED_COPIES, emb)
     out |= {
         "model.encoder.embed_positions.weight": table,
         "model.decoder.embed_positions.weight": table,
@@ -228,4 +242,5 @@ FAMILY = Family(
     exports=exports,
     export_type=export_type,
     ignored=IGNORED,
+    task=lambda cfg: "seq2seq",
 )

@@ -36,6 +36,7 @@ from attnlab.interop.io import (
     get,
     hf_activation,
     label_entries,
+    label_names,
     n_labels,
     unplan,
     unrepresentable,
@@ -70,6 +71,7 @@ def _size(value: Any) -> tuple[int, int]:
 
 def config_from_hf(hf: dict[str, Any], model_type: str = "vit") -> ViTConfig:
     (h, w), (ph, pw) = _size(hf.get("image_size", 224)), _size(hf.get("patch_size", 16))
+    classes = n_labels(hf)
     if ph != pw:
         raise HFCheckpointError("ViT: rectangular patches are not supported")
     return ViTConfig(
@@ -93,7 +95,8 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "vit") -> ViTConfig:
         image_width=None if w == h else w,
         channels=hf.get("num_channels", 3),
         patch_size=ph,
-        n_classes=n_labels(hf),
+        n_classes=classes,
+        class_names=label_names(hf, classes),
     )
 
 
@@ -139,7 +142,7 @@ def config_to_hf(cfg: ViTConfig, model_type: str, dtype: torch.dtype) -> dict[st
         "patch_size": cfg.patch_size,
         "num_channels": cfg.channels,
         "qkv_bias": a.qkv_bias,
-        **label_entries(cfg.n_classes),
+        **label_entries(cfg.n_classes, cfg.class_names),
         **dtype_entries(dtype),
     }
 
@@ -200,4 +203,5 @@ FAMILY = Family(
     export_type=export_type,
     ignored=IGNORED,
     rename=hub_name,
+    task=lambda cfg: "image-classification",
 )

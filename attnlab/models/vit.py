@@ -35,7 +35,8 @@ from attnlab.nn.norm import build_norm
 @dataclass
 class ViTConfig(ModelConfig):
     """``image_size`` (height; ``image_width`` None: square), ``channels``, ``patch_size``
-    (must divide both sides), ``n_classes``. Defaults follow ViT: pre-norm LayerNorm,
+    (must divide both sides), ``n_classes`` and optionally their names (``class_names``,
+    e.g. an imported model's ``id2label``). Defaults follow ViT: pre-norm LayerNorm,
     GELU MLP, attention biases. ``vocab_size`` and ``max_seq_len`` are unused."""
 
     arch: str = "vit"
@@ -48,6 +49,7 @@ class ViTConfig(ModelConfig):
     channels: int = 3
     patch_size: int = 4
     n_classes: int = 10
+    class_names: list[str] | None = None
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -56,6 +58,12 @@ class ViTConfig(ModelConfig):
             _positive(at(name), getattr(self, name))
         if self.position.kind != "learned":
             _fail(at("position.kind"), "ViT uses learned positions")
+        names = self.class_names
+        if names is not None and len(names) != self.n_classes:
+            _fail(
+                at("class_names"),
+                f"{len(names)} names for n_classes={self.n_classes}; give one per class or null",
+            )
         h, w, p = self.image_size, self.width, self.patch_size
         if h % p or w % p:
             _fail(

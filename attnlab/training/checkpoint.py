@@ -267,11 +267,13 @@ def load_checkpoint(
         except TokenizerError as e:
             raise CheckpointError(str(e)) from None
         # The model may have more ids than the tokenizer (Qwen2 / Llama 3 pad their
-        # vocabulary; a masked LM adds [MASK]), never fewer.
-        if tokenizer.vocab_size > config.model.vocab_size:
+        # vocabulary; a masked LM adds [MASK]), never fewer; a seq2seq model's tokenizer
+        # may serve the source vocabulary only (Marian with separate vocabularies).
+        vocab_size = max(config.model.vocab_size, getattr(config.model, "source_vocab_size", 0))
+        if tokenizer.vocab_size > vocab_size:
             raise CheckpointError(
                 f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model config "
-                f"says vocab_size={config.model.vocab_size}; the files come from different runs"
+                f"says vocab_size={vocab_size}; the files come from different runs"
             )
     model = _load_weights(files[WEIGHTS_FILE], config, state, directory, device, dtype)
     trainer = state["trainer"] if with_state and state and state.get("has_state") else None

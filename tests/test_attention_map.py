@@ -1,0 +1,262 @@
+"""Attention maps (attnlab.attention_maps, ``attnlab attention-map``): the recorded weights
+equal softmax(q k^T / sqrt(d_h)) recomputed from the layer's own projections, and equal
+transformers' ``output_attentions`` for BERT, Marian and ViT built from tiny random
+configs; the CLI writes a PNG grid of the right size; bad input gives one clear error.
+
+Shapes: b batch, L layers, h heads, t queries, s keys."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attnlab.attention_maps import (  # noqa: E402
+    DPI,
+    AttentionMapError,
+    figure_inches,
+    record_attention,
+    stack_layers,
+)
+from attnlab.cli.main import main  # noqa: E402
+from attnlab.config import AttentionConfig, ModelConfig, PositionConfig, RunConfig  # noqa: E402
+from attnlab.models import build_model  # noqa: E402
+
+
+def tiny_decoder(**attention) -> torch.nn.Module:
+    cfg = ModelConfig(
+        vocab_size=20,
+        max_seq_len=12,
+        d_model=32,
+        n_layers=2,
+        attention=AttentionConfig(n_heads=4, **attention),
+        position=PositionConfig(kind="learned"),
+    )
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # larger weights than the init: weights far from uniform
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def test_weights_equal_softmax_recomputed_from_the_projections():
+    model = tiny_decoder(backend="sdpa")  # a fused backend: recording must run eager
+    idx = torch.randint(0, 20, (2, 9))
+    inputs = {}  # each attention module's input x (b, t, d)
+    hooks = [
+        block.attn.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, block in enumerate(model.blocks)
+    ]
+    with torch.no_grad():
+        plain = model(idx).logits
+        with record_attention(model) as maps:
+            recorded = model(idx).logits
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)  # eager == sdpa
+    assert sorted(maps) == ["blocks.0.attn", "blocks.1.attn"]
+    for i, block in enumerate(model.blocks):
+        x, attn = inputs[i], block.attn
+        b, t, _ = x.shape
+        d_h = attn.head_dim
+        q, k, _ = (x @ attn.qkv.weight.T).split(attn.q_dim, dim=-1)  # (b, t, h d_h) each
+        q = q.view(b, t, attn.n_heads, d_h).transpose(1, 2)  # (b, h, t, d_h)
+        k = k.view(b, t, attn.n_heads, d_h).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d_h)  # (b, h, t, t)
+        future = torch.ones(t, t, dtype=torch.bool).triu(1)
+        want = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        got = maps[f"blocks.{i}.attn"]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.sum(-1), torch.ones(b, 4, t))  # rows sum to 1
+        assert bool((got[..., future] == 0).all())  # nothing above the diagonal
+    stacked = stack_layers(maps)
+    assert list(stacked) == ["blocks.attn"] and stacked["blocks.attn"].shape == (2, 2, 4, 9, 9)
+
+
+@pytest.mark.parametrize(
+    "attention, reason",
+    [
+        ({"kind": "linear"}, "no softmax"),
+        ({"kind": "mla", "mla_path": "absorbed"}, "no softmax"),
+        ({"sink_logits": True}, "sink logits"),
+    ],
+)
+def test_kinds_without_softmax_weights_raise(attention, reason):
+    model = tiny_decoder(**attention)
+    with pytest.raises(AttentionMapError, match=reason):
+        with torch.no_grad(), record_attention(model):
+            model(torch.randint(0, 20, (1, 5)))
+
+
+def test_naive_mla_records_its_weights():
+    model = tiny_decoder(kind="mla", mla_path="naive")
+    with torch.no_grad(), record_attention(model) as maps:
+        model(torch.randint(0, 20, (1, 6)))
+    w = stack_layers(maps)["blocks.attn"]  # (L, b, h, t, s)
+    torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
+    assert bool((w[..., torch.ones(6, 6, dtype=torch.bool).triu(1)] == 0).all())
+
+
+# ----------------------------------------------------------------- vs transformers
+
+
+def _hf_model(family: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(attn_implementation="eager")
+    if family == "bert":
+        cfg = transformers.BertConfig(
+            vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=48, max_position_embeddings=32, **common,
+        )  # fmt: skip
+        return transformers.BertForMaskedLM(cfg)
+    if family == "marian":
+        cfg = transformers.MarianConfig(
+            vocab_size=43, decoder_vocab_size=43, d_model=32, encoder_layers=2,
+            decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=1,
+            decoder_start_token_id=1, eos_token_id=2, forced_eos_token_id=None,
+            scale_embedding=True, **common,
+        )  # fmt: skip
+        return transformers.MarianMTModel(cfg)
+    cfg = transformers.ViTConfig(
+        image_size=8, patch_size=2, num_channels=1, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=48, num_labels=3, **common,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(cfg)
+
+
+@pytest.mark.parametrize("family", ["bert", "marian", "vit"])
+def test_recorded_weights_equal_transformers_output_attentions(family, tmp_path):
+    from attnlab.interop import load_hf
+
+    ref = _hf_model(family).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():  # sharper attention than the 0.02 init
+            if p.dim() > 1 and "embed_positions" not in name:  # Marian's are fixed sinusoids
+                p.mul_(8.0)
+    ref.save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    if family == "marian":
+        src = torch.randint(3, 43, (2, 7), generator=g)
+        tgt = torch.randint(3, 43, (2, 5), generator=g)
+        theirs = ref(input_ids=src, decoder_input_ids=tgt, output_attentions=True)
+        expected = {"encoder.attn": theirs.encoder_attentions,
+                    "decoder.attn": theirs.decoder_attentions,
+                    "decoder.cross_attn": theirs.cross_attentions}  # fmt: skip
+        args = (src, tgt)
+    elif family == "bert":
+        idx = torch.randint(0, 40, (2, 9), generator=g)
+        expected = {"blocks.attn": ref(idx, output_attentions=True).attentions}
+        args = (idx,)
+    else:
+        images = torch.rand(2, 1, 8, 8, generator=g)
+        expected = {"blocks.attn": ref(images, output_attentions=True).attentions}
+        args = (images,)
+    with torch.no_grad(), record_attention(model) as maps:
+        model(*args)
+    got = stack_layers(maps)
+    assert set(got) == set(expected)
+    for name, theirs in expected.items():
+        torch.testing.assert_close(got[name], torch.stack(theirs).detach(), atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def decoder_ckpt(tmp_path_factory):
+    from attnlab.tokenizers import train_tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    tokenizer = train_tokenizer("char", ["hello world, attention maps"])
+    model = tiny_decoder()
+    model.cfg.vocab_size = 20
+    assert tokenizer.vocab_size <= 20
+    path = tmp_path_factory.mktemp("decoder")
+    save_checkpoint(path, model, RunConfig(model=model.cfg), tokenizer)
+    return path
+
+
+def _png_size(path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()  # a complete, valid PNG
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        return image.size
+
+
+def _expected_size(rows: int, cols: int) -> tuple[int, int]:
+    w, h = figure_inches(rows, cols)
+    return round(w * DPI), round(h * DPI)
+
+
+def test_cli_draws_a_grid_of_layers_by_heads(decoder_ckpt, tmp_path, capsys):
+    out = tmp_path / "map.png"
+    assert main(["attention-map", "--ckpt", str(decoder_ckpt), "--text", "hello", "--out",
+                 str(out)]) == 0  # fmt: skip
+    assert "8 heatmaps" in capsys.readouterr().out  # 2 layers x 4 heads
+    assert _png_size(out) == _expected_size(2, 4)
+    some = tmp_path / "some.png"
+    assert main(["attention-map", "--ckpt", str(decoder_ckpt), "--ids", "1,2,3", "--out",
+                 str(some), "--layers", "1", "--heads", "0,2"]) == 0  # fmt: skip
+    assert _png_size(some) == _expected_size(1, 2)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--text", "hello world " * 3], "exceed the model's max_seq_len=12"),
+        (["--text", "xyz"], "not in the vocabulary"),
+        (["--ids", "1,99"], "outside the model's vocabulary"),
+        (["--text", "hello", "--heads", "4"], "--heads 4: the model has 4 heads"),
+        (["--text", "hello", "--layers", "2"], "--layers 2: the model has 2 layers"),
+        (["--text", "hello", "--image", "x.png"], "--image is for ViT checkpoints"),
+        ([], "give the input with --text"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_error(decoder_ckpt, tmp_path, capsys, extra, message):
+    out = tmp_path / "map.png"
+    assert main(["attention-map", "--ckpt", str(decoder_ckpt), "--out", str(out), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("attnlab: error:") and message in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_cli_seq2seq_draws_three_kinds_with_the_greedy_target(tmp_path, capsys):
+    from attnlab.data.numbers import CharVocab, CharVocabPair
+    from attnlab.models.seq2seq import Seq2SeqConfig
+    from attnlab.training.checkpoint import save_checkpoint
+
+    vocab = CharVocabPair(CharVocab("0123456789"), CharVocab("abcdefghij -"))
+    cfg = Seq2SeqConfig(vocab_size=len(vocab.target), src_vocab_size=len(vocab.source),
+                        share_embeddings=False, max_seq_len=16, d_model=32, n_layers=2,
+                        n_decoder_layers=1)  # fmt: skip
+    model = build_model(cfg).eval()
+    path = tmp_path / "numbers"
+    save_checkpoint(path, model, RunConfig(model=cfg, task="seq2seq"), vocab)
+    out = tmp_path / "s2s.png"
+    assert main(["attention-map", "--ckpt", str(path), "--text", "123", "--out", str(out),
+                 "--max-new-tokens", "6"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    greedy = vocab.target.decode(model.generate(torch.tensor([[4, 5, 6]]), 6)[0])
+    assert f"target (greedy): {greedy}" in printed
+    # rows: encoder self-attention (2 layers), decoder self- and cross-attention (1 each)
+    assert "16 heatmaps" in printed
+    assert _png_size(out) == _expected_size(4, 4)
+    assert main(["attention-map", "--ckpt", str(path), "--text", "123", "--out", str(out),
+                 "--layers", "1"]) == 0  # fmt: skip
+    assert _png_size(out) == _expected_size(1, 4)  # only the encoder has a layer 1
+    assert main(["attention-map", "--ckpt", str(path), "--text", "123", "--target", "abc",
+                 "--out", str(out)]) == 0  # fmt: skip
+    assert "target (given): abc" in capsys.readouterr().out
+    assert main(["attention-map", "--ckpt", str(path), "--text", "12", "--target", "xyz",
+                 "--out", str(out)]) == 1  # fmt: skip
+    assert "--target 'xyz'" in capsys.readouterr().err

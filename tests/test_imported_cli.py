@@ -1,0 +1,238 @@
+"""Imported checkpoints through the commands that run them: Hugging Face Marian, ViT and
+BERT folders from tiny random transformers models, converted with ``attnlab import-hf``,
+then ``translate`` (text through a tokenizer.json, or token ids), ``classify`` (class
+names from id2label), ``attention-map`` and ``eval``, compared with transformers' own
+outputs where there is one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attnlab.cli.main import main  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+PAD, EOS = 1, 2
+LETTERS = "abcdefghijklmnopqrstuvwxyz0123456789.,!?"  # 40 + <unk>, <pad>, </s>: 43 tokens
+
+
+def _sharpen(model) -> None:
+    """Random weights larger than the init, so outputs differ clearly between inputs."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "embed_positions" not in name:
+                p.mul_(10.0)
+
+
+def _word_tokenizer(path) -> None:
+    """A tokenizer.json (BPE without merges: one token per character) for 43 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<pad>": PAD, "</s>": EOS} | {c: 3 + i for i, c in enumerate(LETTERS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _marian(path, **vocab) -> transformers.MarianMTModel:
+    cfg = transformers.MarianConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+        max_position_embeddings=64, pad_token_id=PAD, decoder_start_token_id=PAD,
+        eos_token_id=EOS, forced_eos_token_id=None, scale_embedding=True, **vocab,
+    )  # fmt: skip
+    model = transformers.MarianMTModel(cfg).eval()
+    _sharpen(model)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """HF folders and their attnlab imports: name -> (transformers model, hf dir, ckpt dir)."""
+    torch.manual_seed(0)
+    out = {}
+    root = tmp_path_factory.mktemp("imported")
+    hf = {name: root / f"hf-{name}" for name in ("marian", "marian-sep", "vit", "bert")}
+    models = {
+        "marian": _marian(hf["marian"], vocab_size=43, decoder_vocab_size=43),
+        "marian-sep": _marian(
+            hf["marian-sep"],
+            vocab_size=43,
+            decoder_vocab_size=29,
+            share_encoder_decoder_embeddings=False,
+        ),  # fmt: skip
+    }
+    _word_tokenizer(hf["marian"])
+    vit = transformers.ViTConfig(
+        image_size=8, patch_size=2, num_channels=1, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=48,
+        id2label={0: "cat", 1: "dog", 2: "owl"}, label2id={"cat": 0, "dog": 1, "owl": 2},
+    )  # fmt: skip
+    models["vit"] = transformers.ViTForImageClassification(vit).eval()
+    bert = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=16,
+    )  # fmt: skip
+    models["bert"] = transformers.BertForMaskedLM(bert).eval()
+    for name in ("vit", "bert"):
+        _sharpen(models[name])
+        models[name].save_pretrained(hf[name])
+    for name, model in models.items():
+        ckpt = root / f"ckpt-{name}"
+        assert main(["import-hf", str(hf[name]), str(ckpt)]) == 0
+        out[name] = (model, hf[name], ckpt)
+    return out
+
+
+def test_import_records_the_task_each_model_runs(folders):
+    task = {name: json.loads((c / "config.json").read_text())["task"]
+            for name, (_, _, c) in folders.items()}  # fmt: skip
+    assert task == {"marian": "seq2seq", "marian-sep": "seq2seq", "vit": "image-classification",
+                    "bert": "mlm"}  # fmt: skip
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    tokens = out[0, 1:].tolist()  # drop the decoder start token
+    return tokens[: tokens.index(EOS)] if EOS in tokens else tokens
+
+
+def test_translate_text_with_the_imported_tokenizer(folders, capsys):
+    from attnlab.tokenizers import load_tokenizer
+
+    ref, hf, ckpt = folders["marian"]
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")  # carried over by import-hf
+    texts = ["hello world", "attention"]
+    assert main(["translate", "--ckpt", str(ckpt), "--json", "--max-new-tokens", "8", *texts]) == 0
+    got = json.loads(capsys.readouterr().out)
+    for text in texts:  # Marian's convention: the source ends with </s>
+        want = _greedy(ref, tokenizer.encode(text) + [EOS], 8)
+        assert got[text] == tokenizer.decode(want)
+    # ids in, ids out; beams run too
+    assert main(["translate", "--ckpt", str(ckpt), "--source-ids", "5,6,7,2", "--max-new-tokens",
+                 "8"]) == 0  # fmt: skip
+    line = capsys.readouterr().out.strip()
+    assert line == f"5,6,7,2\t{tokenizer.decode(_greedy(ref, [5, 6, 7, 2], 8))}"
+    assert main(["translate", "--ckpt", str(ckpt), "--num-beams", "3", "abc"]) == 0
+    assert capsys.readouterr().out.startswith("abc\t")
+
+
+def test_translate_ids_without_a_tokenizer(folders, capsys):
+    ref, _, ckpt = folders["marian-sep"]  # separate vocabularies, no tokenizer.json
+    assert main(["translate", "--ckpt", str(ckpt), "hello"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("attnlab: error:") and "--source-ids" in err
+    args = ["translate", "--ckpt", str(ckpt), "--json", "--max-new-tokens", "8"]
+    assert main([*args, "--source-ids", "40,41,3,2", "--source-ids", "9 8 2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    for source, ids in (("40,41,3,2", [40, 41, 3, 2]), ("9,8,2", [9, 8, 2])):
+        assert got[source] == ",".join(map(str, _greedy(ref, ids, 8)))
+    assert main([*args, "--source-ids", "43"]) == 1  # the source vocabulary has 43 ids
+    assert "outside the model's vocabulary [0, 43)" in capsys.readouterr().err
+
+
+def test_translate_with_a_source_only_tokenizer(folders, tmp_path, capsys):
+    """Separate vocabularies: the 43-token tokenizer encodes the source; the output, in
+    the 29-token target vocabulary, is token ids."""
+    from attnlab.tokenizers import load_tokenizer
+
+    ref, hf, _ = folders["marian-sep"]
+    tokenizer_file = folders["marian"][1] / "tokenizer.json"
+    ckpt = tmp_path / "ckpt"
+    assert main(["import-hf", str(hf), str(ckpt), "--tokenizer", str(tokenizer_file)]) == 0
+    assert main(["translate", "--ckpt", str(ckpt), "--max-new-tokens", "8", "hi there"]) == 0
+    ids = load_tokenizer(tokenizer_file).encode("hi there") + [EOS]
+    want = ",".join(map(str, _greedy(ref, ids, 8)))
+    assert capsys.readouterr().out.splitlines()[-1] == f"hi there\t{want}"
+
+
+def _image(path, seed: int = 0) -> torch.Tensor:
+    from PIL import Image
+
+    from attnlab.cli.classify import load_image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L").save(path)
+    return load_image(str(path), 1, 8, 8)  # what classify feeds the model
+
+
+@pytest.mark.parametrize("which", ["ckpt", "hf"])
+def test_classify_names_classes_from_id2label(folders, tmp_path, capsys, which):
+    ref, hf, ckpt = folders["vit"]
+    folder = ckpt if which == "ckpt" else hf  # the imported checkpoint, or the HF folder
+    paths = [tmp_path / f"{i}.png" for i in range(3)]
+    images = torch.stack([_image(p, seed=i) for i, p in enumerate(paths)])
+    with torch.no_grad():
+        want = ref(images).logits.argmax(-1).tolist()
+    assert main(["classify", "--ckpt", str(folder), "--json", *map(str, paths)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = ["cat", "dog", "owl"]
+    for path, cls in zip(paths, want):
+        assert report[str(path)]["class"] == cls and report[str(path)]["label"] == names[cls]
+    assert main(["classify", "--ckpt", str(folder), str(paths[0])]) == 0
+    assert capsys.readouterr().out.split("\t")[1] == names[want[0]]
+
+
+def test_attention_map_of_imported_models(folders, tmp_path, capsys):
+    from PIL import Image
+
+    image = tmp_path / "x.png"
+    _image(image)
+    runs = {
+        "vit": ["--image", str(image)],
+        "marian": ["--text", "abc", "--target", "xy"],
+        "marian-sep": ["--ids", "40,41,2", "--target-ids", "27,28"],
+        "bert": ["--ids", "2,7,9,3"],
+    }
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.png"
+        assert main(["attention-map", "--ckpt", str(folders[name][2]), "--out", str(out),
+                     "--heads", "0", *extra]) == 0, capsys.readouterr().err  # fmt: skip
+        with Image.open(out) as png:
+            assert png.format == "PNG"
+    capsys.readouterr()
+    bad = {
+        "vit": (["--text", "abc"], "give the image with --image FILE"),
+        "bert": (["--text", "abc"], "has no tokenizer.json"),
+        "marian-sep": (["--text", "abc"], "--ids"),
+    }
+    for name, (extra, message) in bad.items():
+        args = ["attention-map", "--ckpt", str(folders[name][2]), "--out", str(tmp_path / "b.png")]
+        assert main([*args, *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("attnlab: error:") and message in err
+
+
+def test_eval_refuses_data_an_imported_model_never_saw(folders, capsys):
+    assert main(["eval", "--ckpt", str(folders["vit"][2])]) == 1
+    err = capsys.readouterr().err
+    assert "n_classes=3" in err and "image-classification" in err and err.count("\n") == 1
+
+
+def test_eval_of_an_imported_digits_vit(tmp_path, capsys):
+    """A ViT shaped for the digits task (an attnlab export, re-imported) evaluates on the
+    digits as the task itself measures it."""
+    from attnlab.config import RunConfig
+    from attnlab.interop import save_hf
+    from attnlab.models.vit import VisionTransformer, vit_digits
+    from attnlab.tasks import get_task
+
+    model = VisionTransformer(vit_digits()).eval()
+    save_hf(model, tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(tmp_path / "ckpt"), "--max-batches", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cfg = RunConfig(model=model.cfg, task="image-classification")
+    want = get_task(cfg.task)(cfg).evaluate(model, batch_size=cfg.train.batch_size, max_batches=1)
+    assert report["task"] == "image-classification"
+    assert report["accuracy"] == pytest.approx(want["accuracy"])
+    assert report["loss"] == pytest.approx(want["loss"], rel=1e-5)
