@@ -1,6 +1,7 @@
-"""``attnlab classify``: classify images with a checkpoint of the image-classification
-task (a ViT). Each image is resized to the model's size; its channel count must be the
-model's (1: grayscale)."""
+"""``attnlab classify``: classify inputs with a classification checkpoint, by its task:
+images with one of the image-classification task (a ViT; each image is resized to the
+model's size, its channel count must be the model's, 1: grayscale), texts with one of the
+text-classification task (an encoder; the class names are the task's labels)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,21 @@ CHANNELS_OF_MODE = {"1": 1, "L": 1, "I": 1, "I;16": 1, "F": 1, "P": 3, "RGB": 3,
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "classify",
-        help="classify images (an image-classification checkpoint)",
+        help="classify images or texts (an image- or text-classification checkpoint)",
         description="Classify images with a ViT trained for the image-classification task "
-        "(attnlab train --preset vit-digits). Pixels are scaled to [0, 1]; the digits "
-        "were light strokes on a dark ground (use --invert for dark on light).",
+        "(attnlab train --preset vit-digits), or texts with an encoder trained for the "
+        "text-classification task (attnlab train --preset bert-tiny-langid). Pixels are "
+        "scaled to [0, 1]; the digits were light strokes on a dark ground (use --invert for "
+        "dark on light).",
     )
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
-    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
-    p.add_argument("--invert", action="store_true", help="use 1 - pixel (dark on light)")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="image files (PNG, JPEG, ...) for an image classifier, texts for a text classifier",
+    )
+    p.add_argument("--invert", action="store_true", help="images: use 1 - pixel (dark on light)")
     p.add_argument("--top", type=positive_int, default=3, metavar="K", help="classes shown")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,30 +77,59 @@ def load_image(path: str, channels: int, height: int, width: int) -> torch.Tenso
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    model, cfg, _ = load_for_inference(args.ckpt, device)
-    if cfg.task != "image-classification" or cfg.model.arch != "vit":
+    model, cfg, tokenizer = load_for_inference(args.ckpt, device)
+    if cfg.task == "text-classification":
+        if args.invert:
+            raise CLIError("--invert applies to images; this is a text-classification checkpoint")
+        report = classify_texts(model, cfg, tokenizer, args.inputs, args.top, device, args.ckpt)
+    elif cfg.task == "image-classification" and cfg.model.arch == "vit":
+        report = classify_images(model, cfg, args.inputs, args.invert, args.top, device)
+    else:
         raise CLIError(
             f"{args.ckpt} was trained for task {cfg.task!r}; classify needs an "
-            "image-classification checkpoint (attnlab train --preset vit-digits)"
+            "image-classification checkpoint (attnlab train --preset vit-digits) or a "
+            "text-classification one (attnlab train --preset bert-tiny-langid)"
         )
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False))
+    else:
+        for name, r in report.items():
+            shown = ", ".join(f"{c}: {p:.3f}" for c, p in r["top"])
+            print(f"{name}\t{r['class']}\t({shown})")
+    return 0
+
+
+def _top(probs: torch.Tensor, names: list, k: int) -> dict:
+    top = probs.topk(min(k, probs.shape[-1]))
+    ranked = [[names[int(i)], round(float(p), 4)] for p, i in zip(top.values, top.indices)]
+    return {"class": ranked[0][0], "top": ranked}
+
+
+def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: str) -> dict:
+    """path -> {"class": digit, "top": [[digit, prob], ...]} for each image file."""
     m = cfg.model
-    images = torch.stack([load_image(p, m.channels, m.image_size, m.width) for p in args.images])
-    if args.invert:
+    images = torch.stack([load_image(p, m.channels, m.image_size, m.width) for p in paths])
+    if invert:
         images = 1.0 - images
     with torch.no_grad():
         probs = model(images.to(device)).logits.float().softmax(-1).cpu()
-    k = min(args.top, probs.shape[-1])
-    report = {}
-    for path, row in zip(args.images, probs):
-        top = row.topk(k)
-        report[path] = {
-            "class": int(top.indices[0]),
-            "top": [[int(i), round(float(p), 4)] for p, i in zip(top.values, top.indices)],
-        }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for path, r in report.items():
-            shown = ", ".join(f"{c}: {p:.3f}" for c, p in r["top"])
-            print(f"{path}\t{r['class']}\t({shown})")
-    return 0
+    return {path: _top(row, list(range(row.numel())), k) for path, row in zip(paths, probs)}
+
+
+def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str, ckpt) -> dict:
+    """text -> {"class": label name, "top": [[name, prob], ...]} for each text."""
+    from attnlab.cli.common import require_tokenizer
+    from attnlab.tasks import TASKS
+    from attnlab.tasks.text import TextCodec, check_length, pad
+
+    task = TASKS[cfg.task]
+    names = task.label_names(task.data_options(cfg))
+    codec = TextCodec(require_tokenizer(tokenizer, ckpt))
+    rows = [codec.single(codec.encode(text)[0]) for text in texts]
+    for text, row in zip(texts, rows):
+        check_length(len(row), cfg.model.max_seq_len, f"the text {text!r}")
+    idx, valid = pad(rows, codec.pad_id), pad([[1] * len(r) for r in rows], 0)
+    with torch.no_grad():
+        logits = model(idx.to(device), attention_mask=valid.to(device)).logits
+    probs = logits.float().softmax(-1).cpu()
+    return {text: _top(row, names, k) for text, row in zip(texts, probs)}
