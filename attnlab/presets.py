@@ -628,7 +628,7 @@ def bert_tiny_ner_run() -> RunConfig:
     """Named-entity tagging (task token-classification: PER, CITY, DATE, NUM in BIO tags)
     of generated sentences: a 2-layer BERT-style encoder, d_model 64, byte-level BPE of
     at most 1024 tokens trained on the training sentences."""
-    options = {"n_train": 8_000, "n_val": 500, "n_test": 500, "seed": 0, "held_out": 0.25}
+    options = {"n_train": 8_000, "n_val": 500, "n_test": 500, "seed": 0, "held_out": 0.0}
     return RunConfig(
         model=_bert_tiny("token", max_seq_len=64),
         train=_bert_tiny_train(max_steps=800),
@@ -641,7 +641,7 @@ def bert_tiny_qa_run() -> RunConfig:
     """Extractive question answering (task question-answering) on generated facts about
     people: a 2-layer BERT-style encoder, d_model 64, token types for question and
     context, byte-level BPE of at most 1024 tokens trained on the training texts."""
-    options = {"n_train": 8_000, "n_val": 500, "n_test": 500, "seed": 0, "held_out": 0.25,
+    options = {"n_train": 8_000, "n_val": 500, "n_test": 500, "seed": 0, "held_out": 0.0,
                "max_answer_tokens": 30}  # fmt: skip
     return RunConfig(
         model=_bert_tiny("qa", max_seq_len=64, type_vocab_size=2),

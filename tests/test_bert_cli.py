@@ -39,6 +39,17 @@ def run_error(capsys, *argv) -> str:
     return err
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Tiny checkpoints of the three fine-tuning tasks (a few steps: wiring, not quality)."""
+    out = {}
+    for task in ("text-classification", "token-classification", "question-answering"):
+        folder = tmp_path_factory.mktemp(task)
+        train(small_run(task, max_steps=20, eval_every=0), folder, progress=False)
+        out[task] = str(folder)
+    return out
+
+
 # --------------------------------------------------------------------------- fill-mask
 
 
@@ -143,7 +154,7 @@ def test_fill_mask_imported_bert_equals_the_transformers_pipeline(tmp_path, caps
             assert probs == pytest.approx([r["score"] for r in ref], rel=1e-4)
 
 
-def test_fill_mask_errors(tmp_path, capsys):
+def test_fill_mask_errors(tmp_path, capsys, trained):
     mlm_checkpoint(tmp_path / "mlm", "char")
     ckpt = str(tmp_path / "mlm")
     assert "no [MASK] in the text" in run_error(capsys, "fill-mask", "--ckpt", ckpt, "the cat")
@@ -161,24 +172,11 @@ def test_fill_mask_errors(tmp_path, capsys):
                       "--tokenizer", str(tmp_path / "wordpiece.json"), "--json")  # fmt: skip
     assert len(report["masks"]) == 1
     # A model without an MLM head.
-    classifier = tmp_path / "classifier"
-    train(small_run("text-classification", max_steps=1, eval_every=0), classifier, progress=False)
-    err = run_error(capsys, "fill-mask", "--ckpt", str(classifier), "the [MASK]")
+    err = run_error(capsys, "fill-mask", "--ckpt", trained["text-classification"], "a [MASK]")
     assert "no masked-LM head" in err
 
 
 # --------------------------------------------------------------------------- classify, tag, answer
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Tiny checkpoints of the three fine-tuning tasks (a few steps: wiring, not quality)."""
-    out = {}
-    for task in ("text-classification", "token-classification", "question-answering"):
-        folder = tmp_path_factory.mktemp(task)
-        train(small_run(task, max_steps=20, eval_every=0), folder, progress=False)
-        out[task] = str(folder)
-    return out
 
 
 def encoder_logits(ckpt: str, ids: list[int], types: list[int] | None = None) -> torch.Tensor:

@@ -4,10 +4,10 @@ end logits per token), as BERT on SQuAD.
 Examples are generated (``attnlab.data.generated.qa_examples``): a context of three to
 five facts about two or three people ("Alice was born in 1912. Bob lives in Lyon. Alice
 plays the harp.") and a question about one fact ("Where does Bob live?"); the answer is a
-span of the context ("Lyon"). Contexts are distinct and each lies in one split; the
-people and cities of val and test contexts are a quarter of the names and cities
-(``held_out``) that no training context has. Input:
-``[CLS] question [SEP] context [SEP]``, token types 0 then 1; the targets are the first
+span of the context ("Lyon"). Contexts are distinct and each lies in one split; with
+``held_out`` > 0, val and test contexts name only people and cities that no training
+context has. Input: ``[CLS] question [SEP] context [SEP]``, token types 0 then 1; the
+targets are the first
 and last context tokens of the answer. The predicted span is the pair (start <= end <
 start + ``max_answer_tokens``) of context tokens with the highest start + end logit.
 Metrics: exact match and F1 of the predicted text against the answer, over words as in
@@ -43,7 +43,7 @@ class QAOptions(_Config):
     n_val: int = 500
     n_test: int = 500
     seed: int = 0  # the generator's seed (not the run's)
-    held_out: float = 0.25  # of the names and cities: only in val and test examples
+    held_out: float = 0.0  # of the names and cities: only in val and test examples
     max_answer_tokens: int = 30
 
     def validate(self, path: str = "data.options") -> None:

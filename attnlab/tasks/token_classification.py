@@ -4,12 +4,12 @@
 Examples are generated sentences ("On May 3, Alice Martin met Bob in New York.") whose
 entities are people (PER), cities (CITY), dates (DATE) and numbers in digits or words
 (NUM) (``attnlab.data.generated.tagged_sentences``); sentences are distinct and each lies
-in one split, and the people and cities of val and test sentences are a quarter of the
-names and cities (``held_out``) that no training sentence has: the tagger must read the
-context, not recall a list. Every token of ``[CLS] sentence [SEP]`` gets a BIO tag (the specials are
-ignored): a token whose text (without its leading whitespace) starts where an entity
-starts is ``B-X``, one that starts inside it ``I-X`` (a whitespace token inside an
-entity, e.g. the space of "New York" at character level, too), every other token ``O``.
+in one split. With ``held_out`` > 0, val and test sentences name only people and cities
+that no training sentence has (the tagger must read the context, not recall a list).
+Every token of ``[CLS] sentence [SEP]`` gets a BIO tag (the specials are ignored): a
+token whose text (without its leading whitespace) starts where an entity starts is
+``B-X``, one that starts inside it ``I-X`` (a whitespace token inside an entity, e.g. the
+space of "New York" at character level, too), every other token ``O``.
 Metrics: token accuracy, and entity-level precision, recall and F1 where a predicted
 entity counts only if its type and its exact token span equal a gold entity's (entities
 are read from tags as in CoNLL's conlleval: ``B-X``, or an ``I-X`` that does not continue
@@ -41,7 +41,7 @@ class TaggingOptions(_Config):
     n_val: int = 500
     n_test: int = 500
     seed: int = 0  # the generator's seed (not the run's)
-    held_out: float = 0.25  # of the names and cities: only in val and test examples
+    held_out: float = 0.0  # of the names and cities: only in val and test examples
 
     def validate(self, path: str = "data.options") -> None:
         _positive(f"{path}.n_train", self.n_train)
