@@ -573,8 +573,81 @@ def bert_tiny_mlm_run() -> RunConfig:
             eval_every=250,
             eval_batches=8,
         ),
-        data=DataConfig(tokenizer="char", options={"mask_prob": 0.15}),
+        data=DataConfig(tokenizer="char", options={"mask_prob": 0.15, "whole_word": False}),
         task="mlm",
+    )
+
+
+def _bert_tiny(head: str, max_seq_len: int, *, type_vocab_size: int = 0, n_layers: int = 2):
+    """The fine-tuning presets' encoder: BERT's layout (post-norm, learned positions, GELU
+    MLP), d_model 64, 4 heads, FFN 256; vocab_size and n_labels are set by the task."""
+    from attnlab.models.encoder import EncoderConfig
+
+    return EncoderConfig(
+        vocab_size=256,
+        max_seq_len=max_seq_len,
+        d_model=64,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=4, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="learned"),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=256),
+        type_vocab_size=type_vocab_size,
+        head=head,
+    )
+
+
+def _bert_tiny_train(max_steps: int, lr: float = 2e-3) -> TrainConfig:
+    return TrainConfig(
+        batch_size=32,
+        max_steps=max_steps,
+        lr=lr,
+        min_lr=lr / 10,
+        warmup_steps=50,
+        weight_decay=0.01,
+        eval_every=200,
+        eval_batches=8,
+        log_every=20,
+    )
+
+
+def bert_tiny_langid_run() -> RunConfig:
+    """Language identification of numbers written in words (task text-classification:
+    en, fr, de, es, it, pt; numbers below 10,000 split so test numbers are never trained
+    on): a 2-layer BERT-style encoder, d_model 64, character level, pooled [CLS]."""
+    options = {"langs": ["en", "fr", "de", "es", "it", "pt"], "max_number": 10_000,
+               "n_train": 2_000, "n_val": 250, "n_test": 250, "seed": 0}  # fmt: skip
+    return RunConfig(
+        model=_bert_tiny("sequence", max_seq_len=64),
+        train=_bert_tiny_train(max_steps=600),
+        data=DataConfig(tokenizer="char", options=options),
+        task="text-classification",
+    )
+
+
+def bert_tiny_ner_run() -> RunConfig:
+    """Named-entity tagging (task token-classification: PER, CITY, DATE, NUM in BIO tags)
+    of generated sentences: a 2-layer BERT-style encoder, d_model 64, byte-level BPE of
+    at most 1024 tokens trained on the training sentences."""
+    options = {"n_train": 8_000, "n_val": 500, "n_test": 500, "seed": 0, "held_out": 0.0}
+    return RunConfig(
+        model=_bert_tiny("token", max_seq_len=64),
+        train=_bert_tiny_train(max_steps=800),
+        data=DataConfig(tokenizer="bpe", bpe_vocab_size=1024, options=options),
+        task="token-classification",
+    )
+
+
+def bert_tiny_qa_run() -> RunConfig:
+    """Extractive question answering (task question-answering) on generated facts about
+    people: a 2-layer BERT-style encoder, d_model 64, token types for question and
+    context, byte-level BPE of at most 1024 tokens trained on the training texts."""
+    options = {"n_train": 8_000, "n_val": 500, "n_test": 500, "seed": 0, "held_out": 0.0,
+               "max_answer_tokens": 30}  # fmt: skip
+    return RunConfig(
+        model=_bert_tiny("qa", max_seq_len=64, type_vocab_size=2),
+        train=_bert_tiny_train(max_steps=1500),
+        data=DataConfig(tokenizer="bpe", bpe_vocab_size=1024, options=options),
+        task="question-answering",
     )
 
 
@@ -661,6 +734,18 @@ def vit_digits_run() -> RunConfig:
 
 RUN_PRESETS: dict[str, tuple[Callable[[], RunConfig], str]] = {
     "bert-tiny-mlm": (bert_tiny_mlm_run, "BERT-style encoder, 2 layers, d 64: masked LM, chars"),
+    "bert-tiny-langid": (
+        bert_tiny_langid_run,
+        "BERT-style encoder, 2 layers, d 64: language of numbers in words (classification)",
+    ),
+    "bert-tiny-ner": (
+        bert_tiny_ner_run,
+        "BERT-style encoder, 2 layers, d 64: entity tagging of generated sentences, BPE",
+    ),
+    "bert-tiny-qa": (
+        bert_tiny_qa_run,
+        "BERT-style encoder, 2 layers, d 64: extractive QA on generated facts, BPE",
+    ),
     "transformer-numbers": (
         transformer_numbers_run,
         "Transformer encoder-decoder, 2+2 layers, d 64: numbers -> English words",

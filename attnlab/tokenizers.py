@@ -12,6 +12,10 @@ them (and other tools can read it). The hot paths avoid per-token Python work:
   unicode text round-trips exactly. Long texts are cut at safe line breaks and encoded
   with ``encode_batch``, which runs the pieces in parallel and yields the same ids as
   encoding the whole text at once.
+
+A ``tokenizer.json`` of another model type that ships with BERT checkpoints, WordPiece,
+loads too (kind ``wordpiece``: encoded and decoded by its own pipeline, never trained
+here), so imported BERT folders keep their tokenizer.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def split_for_encoding(text: str, chunk_chars: int | None = None) -> list[str]:
 
 
 class Tokenizer:
-    """A trained tokenizer: ``kind`` is "char" or "bpe"; ids are in ``[0, vocab_size)``."""
+    """A trained tokenizer: ``kind`` is "char", "bpe" or "wordpiece" (loaded only); ids are
+    in ``[0, vocab_size)``."""
 
     def __init__(self, hf: HFTokenizer) -> None:
         self.hf = hf
@@ -89,10 +94,12 @@ class Tokenizer:
             self._init_char_tables()
         elif model_type == "BPE":
             self.kind = "bpe"
+        elif model_type == "WordPiece":  # BERT's, loaded from an imported folder
+            self.kind = "wordpiece"
         else:
             raise TokenizerError(
                 f"unsupported tokenizer model {model_type!r}; attnlab uses WordLevel "
-                "(char) or BPE (bpe) tokenizers"
+                "(char), BPE (bpe) or WordPiece (BERT) tokenizers"
             )
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
 

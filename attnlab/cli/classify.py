@@ -1,7 +1,8 @@
-"""``attnlab classify``: classify images with a ViT: a checkpoint of the image-classification
-task or an imported one (classes shown by their names, config.json's ``id2label``, where
-the model has them). Each image is resized to the model's size; its channel count must be
-the model's (1: grayscale)."""
+"""``attnlab classify``: classify inputs with a classification checkpoint, by its task:
+images with a ViT (the image-classification task, or an imported ViT whose classes are
+shown by their names, config.json's ``id2label``; each image is resized to the model's
+size, its channel count must be the model's, 1: grayscale), texts with an encoder of the
+text-classification task (the class names are the task's labels)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,21 @@ CHANNELS_OF_MODE = {"1": 1, "L": 1, "I": 1, "I;16": 1, "F": 1, "P": 3, "RGB": 3,
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "classify",
-        help="classify images (an image-classification checkpoint)",
+        help="classify images or texts (an image- or text-classification checkpoint)",
         description="Classify images with a ViT trained for the image-classification task "
-        "(attnlab train --preset vit-digits). Pixels are scaled to [0, 1]; the digits "
-        "were light strokes on a dark ground (use --invert for dark on light).",
+        "(attnlab train --preset vit-digits), or texts with an encoder trained for the "
+        "text-classification task (attnlab train --preset bert-tiny-langid). Pixels are "
+        "scaled to [0, 1]; the digits were light strokes on a dark ground (use --invert for "
+        "dark on light).",
     )
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
-    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
-    p.add_argument("--invert", action="store_true", help="use 1 - pixel (dark on light)")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="image files (PNG, JPEG, ...) for an image classifier, texts for a text classifier",
+    )
+    p.add_argument("--invert", action="store_true", help="images: use 1 - pixel (dark on light)")
     p.add_argument("--top", type=positive_int, default=3, metavar="K", help="classes shown")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,34 +78,68 @@ def load_image(path: str, channels: int, height: int, width: int) -> torch.Tenso
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    model, cfg, _ = load_for_inference(args.ckpt, device)
-    if cfg.model.arch != "vit":  # trained for image-classification, or an imported ViT
+    model, cfg, tokenizer = load_for_inference(args.ckpt, device)
+    if cfg.task == "text-classification":
+        if args.invert:
+            raise CLIError("--invert applies to images; this is a text-classification checkpoint")
+        report = classify_texts(model, cfg, tokenizer, args.inputs, args.top, device, args.ckpt)
+    elif cfg.model.arch == "vit":  # trained for image-classification, or an imported ViT
+        report = classify_images(model, cfg, args.inputs, args.invert, args.top, device)
+    else:
         raise CLIError(
-            f"{args.ckpt} holds a {cfg.model.arch!r} model; classify needs an "
-            "image-classification checkpoint (attnlab train --preset vit-digits, or an "
-            "imported ViT)"
+            f"{args.ckpt} holds a {cfg.model.arch!r} model for task {cfg.task!r}; classify "
+            "needs an image-classification checkpoint (attnlab train --preset vit-digits, or "
+            "an imported ViT) or a text-classification one (attnlab train --preset "
+            "bert-tiny-langid)"
         )
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False))
+    else:
+        names = cfg.model.class_names if cfg.model.arch == "vit" else None
+        label = (lambda c: names[c]) if names else (lambda c: c)  # noqa: E731
+        for name, r in report.items():
+            shown = ", ".join(f"{label(c)}: {p:.3f}" for c, p in r["top"])
+            print(f"{name}\t{label(r['class'])}\t({shown})")
+    return 0
+
+
+def _top(probs: torch.Tensor, names: list, k: int) -> dict:
+    top = probs.topk(min(k, probs.shape[-1]))
+    ranked = [[names[int(i)], round(float(p), 4)] for p, i in zip(top.values, top.indices)]
+    return {"class": ranked[0][0], "top": ranked}
+
+
+def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: str) -> dict:
+    """path -> {"class": digit, "top": [[digit, prob], ...]} for each image file."""
     m = cfg.model
     names = m.class_names or [str(i) for i in range(m.n_classes)]
-    images = torch.stack([load_image(p, m.channels, m.image_size, m.width) for p in args.images])
-    if args.invert:
+    images = torch.stack([load_image(p, m.channels, m.image_size, m.width) for p in paths])
+    if invert:
         images = 1.0 - images
     with torch.no_grad():
         probs = model(images.to(device)).logits.float().softmax(-1).cpu()
-    k = min(args.top, probs.shape[-1])
     report = {}
-    for path, row in zip(args.images, probs):
-        top = row.topk(k)
-        report[path] = {
-            "class": int(top.indices[0]),
-            "top": [[int(i), round(float(p), 4)] for p, i in zip(top.values, top.indices)],
-        }
+    for path, row in zip(paths, probs):
+        report[path] = _top(row, list(range(row.numel())), k)
         if m.class_names:
-            report[path]["label"] = names[int(top.indices[0])]
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for path, r in report.items():
-            shown = ", ".join(f"{names[c]}: {p:.3f}" for c, p in r["top"])
-            print(f"{path}\t{names[r['class']]}\t({shown})")
-    return 0
+            report[path]["label"] = names[report[path]["class"]]
+    return report
+
+
+def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str, ckpt) -> dict:
+    """text -> {"class": label name, "top": [[name, prob], ...]} for each text."""
+    from attnlab.cli.common import require_tokenizer
+    from attnlab.tasks import TASKS
+    from attnlab.tasks.text import TextCodec, check_length, pad
+
+    task = TASKS[cfg.task]
+    names = task.label_names(task.data_options(cfg))
+    codec = TextCodec(require_tokenizer(tokenizer, ckpt))
+    rows = [codec.single(codec.encode(text)[0]) for text in texts]
+    for text, row in zip(texts, rows):
+        check_length(len(row), cfg.model.max_seq_len, f"the text {text!r}")
+    idx, valid = pad(rows, codec.pad_id), pad([[1] * len(r) for r in rows], 0)
+    with torch.no_grad():
+        logits = model(idx.to(device), attention_mask=valid.to(device)).logits
+    probs = logits.float().softmax(-1).cpu()
+    return {text: _top(row, names, k) for text, row in zip(texts, probs)}

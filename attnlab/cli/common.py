@@ -275,3 +275,23 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+# ------------------------------------------------------------------ encoder text tasks
+
+
+def load_text_task(path: str | Path, device: str, task: str, command: str):
+    """(model, RunConfig, TextCodec, the task's parsed data options) of a checkpoint
+    trained for the encoder text ``task``; one CLIError naming the preset otherwise."""
+    from attnlab.tasks import TASKS
+    from attnlab.tasks.text import TextCodec
+
+    model, cfg, tokenizer = load_for_inference(path, device)
+    if cfg.task != task:
+        preset = TASKS[task].preset
+        raise CLIError(
+            f"{path} was trained for task {cfg.task!r}; {command} needs a {task} checkpoint "
+            f"(attnlab train --preset {preset})"
+        )
+    tokenizer = require_tokenizer(tokenizer, path)
+    return model, cfg, TextCodec(tokenizer), TASKS[task].data_options(cfg)

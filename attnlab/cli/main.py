@@ -17,33 +17,25 @@ import warnings
 from safetensors import SafetensorError
 
 from attnlab.cli import (
+    answer,
     attention_map,
     classify,
     demo,
     evaluate,
+    fill_mask,
     generate,
     hf,
     info,
     kv,
     presets,
+    tag,
     train,
     translate,
 )
 from attnlab.cli.common import CLIError
 
-SUBCOMMANDS = (
-    train,
-    generate,
-    translate,
-    classify,
-    attention_map,
-    evaluate,
-    info,
-    kv,
-    presets,
-    hf,
-    demo,
-)
+SUBCOMMANDS = (train, generate, translate, classify, fill_mask, tag, answer, attention_map,
+               evaluate, info, kv, presets, hf, demo)  # fmt: skip
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # argparse's code for a malformed command line

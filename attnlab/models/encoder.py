@@ -307,11 +307,44 @@ def mask_tokens(
     if special is not None:
         protect = special if special.dtype == torch.bool else torch.isin(idx, special)
         chosen &= ~protect
-    targets = torch.where(chosen, idx, torch.full_like(idx, -100))
     u = rand(idx.shape)
+    random_ids = torch.randint(vocab_size, idx.shape, generator=generator, device=dev)
+    return _replace(idx, chosen, u, random_ids, mask_id)
+
+
+def mask_whole_words(
+    idx: Tensor,
+    word_ids: Tensor,
+    *,
+    mask_id: int,
+    vocab_size: int,
+    mask_prob: float = 0.15,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Whole-word masking (BERT's released WWM models): the rule of :func:`mask_tokens`
+    drawn per word, not per token. ``word_ids`` (b, t) numbers the words of each row
+    0, 1, 2, ... (a word's tokens share its number); each word is chosen with probability
+    ``mask_prob`` (so each token is too: the expected masking rate is unchanged), and all
+    the tokens of a chosen word become ``mask_id`` (80%), random tokens (10%) or stay
+    (10%) together. Returns (inputs, targets) as :func:`mask_tokens`."""
+    if not 0.0 <= mask_prob <= 1.0:
+        raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
+    dev = idx.device
+    n_words = int(word_ids.max()) + 1 if word_ids.numel() else 0
+    per_word = torch.rand((idx.shape[0], n_words), generator=generator, device=dev)  # (b, W)
+    chosen = (per_word < mask_prob).gather(1, word_ids)  # (b, t)
+    u = torch.rand((idx.shape[0], n_words), generator=generator, device=dev).gather(1, word_ids)
+    random_ids = torch.randint(vocab_size, idx.shape, generator=generator, device=dev)
+    return _replace(idx, chosen, u, random_ids, mask_id)
+
+
+def _replace(
+    idx: Tensor, chosen: Tensor, u: Tensor, random_ids: Tensor, mask_id: int
+) -> tuple[Tensor, Tensor]:
+    """80/10/10 at the ``chosen`` positions by the uniform draws ``u``: (inputs, targets)."""
+    targets = torch.where(chosen, idx, torch.full_like(idx, -100))
     to_mask = chosen & (u < 0.8)
     to_random = chosen & (u >= 0.8) & (u < 0.9)
-    random_ids = torch.randint(vocab_size, idx.shape, generator=generator, device=dev)
     inputs = torch.where(to_mask, torch.full_like(idx, mask_id), idx)
     inputs = torch.where(to_random, random_ids, inputs)
     return inputs, targets

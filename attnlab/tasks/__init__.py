@@ -8,6 +8,9 @@ from attnlab.tasks.base import StepOutput, Task, eval_mode, model_extras, shard
 from attnlab.tasks.images import ImageClassification
 from attnlab.tasks.lm import LanguageModelling
 from attnlab.tasks.mlm import MaskedLanguageModelling
+from attnlab.tasks.question_answering import QuestionAnswering
+from attnlab.tasks.text_classification import TextClassification
+from attnlab.tasks.token_classification import TokenClassification
 from attnlab.tasks.translation import NumbersTranslation
 
 TASKS: dict[str, type[Task]] = {
@@ -15,6 +18,9 @@ TASKS: dict[str, type[Task]] = {
     "mlm": MaskedLanguageModelling,
     "seq2seq": NumbersTranslation,
     "image-classification": ImageClassification,
+    "text-classification": TextClassification,
+    "token-classification": TokenClassification,
+    "question-answering": QuestionAnswering,
 }
 
 
@@ -45,8 +51,11 @@ __all__ = [
     "LanguageModelling",
     "MaskedLanguageModelling",
     "NumbersTranslation",
+    "QuestionAnswering",
     "StepOutput",
     "Task",
+    "TextClassification",
+    "TokenClassification",
     "eval_mode",
     "get_task",
     "model_extras",

@@ -5,7 +5,17 @@ The vocabulary is the corpus tokenizer's plus one id, ``[MASK]`` = tokenizer.voc
 (the model's ``vocab_size`` is one larger). Training examples are blocks at uniformly
 drawn starts, masked by BERT's rule (15%: 80% [MASK], 10% random, 10% kept); each key
 carries a seed for its own masking, so a batch depends on its keys only (exact resume,
-any number of processes). The validation set is the first ``batch_size * max_batches``
+any number of processes).
+
+Whole-word masking (``data.options.whole_word=true``) draws that rule per word: a
+word's tokens are chosen, and masked, replaced or kept, together. Words: a token
+continues the word of the token before it when its text begins with a letter and the
+previous token's text ends with one; any other token starts a new word. With the char
+tokenizer a word is a run of letters (every other character is a word of its own); with
+byte-level BPE a token beginning with a space ("Ġcat") or a non-letter starts a word, a
+sub-word piece ("is" after "ĠPar") continues it. "Letter": ``str.isalpha`` or U+FFFD, what
+a token holding part of a multi-byte character decodes to. A block may begin inside a
+word: that part is a word of its own. The validation set is the first ``batch_size * max_batches``
 consecutive blocks of the validation split, each masked with a seed fixed by its index.
 Metrics: the cross-entropy over masked positions (``loss``) and masked-token accuracy.
 
@@ -17,11 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from attnlab.config import ConfigError, _Config, _fail
-from attnlab.models.encoder import mask_tokens
+from attnlab.models.encoder import mask_tokens, mask_whole_words
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
 
 if TYPE_CHECKING:
@@ -37,10 +48,33 @@ class MLMOptions(_Config):
     """``data.options`` of the mlm task."""
 
     mask_prob: float = 0.15
+    whole_word: bool = False  # choose (and mask) a word's tokens together
 
     def validate(self, path: str = "data.options") -> None:
         if not 0.0 < self.mask_prob <= 1.0:
             _fail(f"{path}.mask_prob", f"must be in (0, 1], got {self.mask_prob}")
+
+
+def letter_edges(tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(begins, ends) (V,) bool: whether the text of each token id begins / ends with a
+    letter (``str.isalpha`` or U+FFFD, a piece of a multi-byte character)."""
+    texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+
+    def letter(char: str) -> bool:
+        return char.isalpha() or char == "\ufffd"
+
+    begins = np.array([bool(t) and letter(t[0]) for t in texts])
+    ends = np.array([bool(t) and letter(t[-1]) for t in texts])
+    return begins, ends
+
+
+def word_ids(tokens: Tensor, begins: np.ndarray, ends: np.ndarray) -> Tensor:
+    """(t,) word number of each token of a (t,) row: a token continues the previous
+    token's word when it begins with a letter and that token ends with one."""
+    ids = tokens.numpy()
+    starts = np.ones(len(ids), dtype=bool)
+    starts[1:] = ~(begins[ids[1:]] & ends[ids[:-1]])
+    return torch.from_numpy(np.cumsum(starts) - 1)
 
 
 class MaskedLanguageModelling(Task):
@@ -69,6 +103,7 @@ class MaskedLanguageModelling(Task):
         self.mask_id = self.tokenizer.vocab_size  # one id past the tokenizer's
         self.block_size = cfg.train.block_size or cfg.model.max_seq_len
         data.check_block(self.block_size)
+        self.edges = letter_edges(self.tokenizer) if self.opts.whole_word else None
 
     def configure_model(self, model_cfg: ModelConfig) -> None:
         if model_cfg.arch != "encoder" or getattr(model_cfg, "head", None) != "mlm":
@@ -81,15 +116,16 @@ class MaskedLanguageModelling(Task):
     def mask(self, blocks: Tensor, seeds: Tensor) -> tuple[Tensor, Tensor]:
         """(inputs, targets) (b, t): each row masked by a generator seeded with its seed."""
         inputs, targets = [], []
+        # Random replacements are real tokens (never [MASK]).
+        rule = dict(mask_id=self.mask_id, vocab_size=self.tokenizer.vocab_size,
+                    mask_prob=self.opts.mask_prob)  # fmt: skip
         for row, seed in zip(blocks, seeds.tolist()):
             g = torch.Generator().manual_seed(int(seed))
-            x, y = mask_tokens(
-                row[None],
-                mask_id=self.mask_id,
-                vocab_size=self.tokenizer.vocab_size,  # random replacements are real tokens
-                mask_prob=self.opts.mask_prob,
-                generator=g,
-            )
+            if self.edges is None:
+                x, y = mask_tokens(row[None], generator=g, **rule)
+            else:
+                words = word_ids(row, *self.edges)[None]  # (1, t)
+                x, y = mask_whole_words(row[None], words, generator=g, **rule)
             inputs.append(x)
             targets.append(y)
         return torch.cat(inputs), torch.cat(targets)

@@ -1,0 +1,59 @@
+"""``attnlab answer``: answer a question with a span of a context, with a checkpoint of the
+question-answering task."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from attnlab.cli.common import CLIError, load_text_task, positive_int, resolve_device
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "answer",
+        help="answer a question from a context (a question-answering checkpoint)",
+        description="Find the answer to a question as a span of the context, with an encoder "
+        "trained for the question-answering task (attnlab train --preset bert-tiny-qa). "
+        "The score is p(start) * p(end), softmax over the context tokens.",
+    )
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--context", required=True, metavar="TEXT", help="text holding the answer")
+    p.add_argument("--question", required=True, metavar="TEXT", help="the question")
+    p.add_argument(
+        "--max-answer-tokens",
+        type=positive_int,
+        metavar="N",
+        help="longest answer in tokens (default: the task's max_answer_tokens)",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnlab.tasks.question_answering import encode_question, predict_answer
+    from attnlab.tasks.text import check_length
+
+    device = resolve_device(args.device)
+    model, cfg, codec, opts = load_text_task(args.ckpt, device, "question-answering", "answer")
+    if not args.context.strip():
+        raise CLIError("--context is empty; give the text that holds the answer")
+    ids, types, offset, spans = encode_question(codec, args.question, args.context)
+    check_length(len(ids), cfg.model.max_seq_len, "the question and context")
+    with torch.no_grad():
+        logits = model(
+            torch.tensor([ids], device=device), token_type_ids=torch.tensor([types], device=device)
+        ).logits[0]  # (t, 2)
+    limit = args.max_answer_tokens or opts.max_answer_tokens
+    text, start, end, score = predict_answer(
+        logits.float().cpu(), offset, spans, args.context, limit
+    )
+    report = {"answer": text, "score": round(score, 4), "start": start, "end": end}
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False))
+    else:
+        print(f"{text}\t{score:.3f}")
+    return 0

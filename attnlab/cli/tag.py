@@ -1,0 +1,75 @@
+"""``attnlab tag``: tag the words of texts with a checkpoint of the token-classification
+task (people, cities, dates and numbers in BIO tags) and list the entities found."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import torch
+
+from attnlab.cli.common import load_text_task, resolve_device
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "tag",
+        help="tag entities in text (a token-classification checkpoint)",
+        description="Tag each word of a text (BIO tags of PER, CITY, DATE, NUM) with an "
+        "encoder trained for the token-classification task (attnlab train --preset "
+        "bert-tiny-ner), and list the entities: a word shows the tag of its first token.",
+    )
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to tag")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    p.add_argument("--json", action="store_true", help="print one JSON list, one object a text")
+    p.set_defaults(handler=run)
+
+
+def tag_text(model, codec, text: str, max_seq_len: int, device: str = "cpu") -> dict:
+    """{"text", "tokens", "words", "entities"} of one text: each token and each
+    whitespace-separated word with its tag, and the entities' labels, texts and spans."""
+    from attnlab.tasks.text import check_length
+    from attnlab.tasks.token_classification import TAGS, entity_spans
+
+    ids, spans = codec.encode(text)
+    inputs = codec.single(ids)
+    check_length(len(inputs), max_seq_len, "the text")
+    with torch.no_grad():
+        logits = model(torch.tensor([inputs], device=device)).logits[0, 1:-1]  # (n, tags)
+    tags = [TAGS[i] for i in logits.argmax(-1).tolist()]
+    words = []
+    for word in re.finditer(r"\S+", text):
+        first = next(
+            (i for i, (a, b) in enumerate(spans) if a < b and word.start() <= a < word.end()), None
+        )
+        words.append({"word": word.group(), "tag": tags[first] if first is not None else "O"})
+    entities = []
+    for label, first, last in entity_spans(tags):
+        start, end = spans[first][0], spans[last - 1][1]
+        entities.append({"label": label, "text": text[start:end], "start": start, "end": end})
+    return {
+        "text": text,
+        "tokens": [{"token": codec.token_text(i), "tag": t} for i, t in zip(ids, tags)],
+        "words": words,
+        "entities": entities,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    model, cfg, codec, _ = load_text_task(args.ckpt, device, "token-classification", "tag")
+    reports = [tag_text(model, codec, text, cfg.model.max_seq_len, device) for text in args.texts]
+    if args.json:
+        print(json.dumps(reports, ensure_ascii=False))
+        return 0
+    for i, report in enumerate(reports):
+        if i:
+            print()
+        width = max(len(w["word"]) for w in report["words"]) if report["words"] else 0
+        for w in report["words"]:
+            print(f"{w['word']:<{width}}  {w['tag']}")
+        found = ", ".join(f"{e['label']} {e['text']!r}" for e in report["entities"])
+        print(f"entities: {found or 'none'}")
+    return 0

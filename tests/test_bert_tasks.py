@@ -1,0 +1,383 @@
+"""The encoder (BERT) applications: the generated data of the three fine-tuning tasks
+(splits disjoint, tags aligned with tokens, answers slicing back to their text), their
+metrics on small cases derived by hand, each task learning, checkpointing, evaluating and
+resuming exactly through the real trainer, and whole-word masking for the mlm task."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from attnlab.cli.main import main
+from attnlab.config import ConfigError
+from attnlab.data.generated import (
+    CITIES,
+    EVERYONE,
+    FIRST_NAMES,
+    MONTHS,
+    SURNAMES,
+    WEEKDAYS,
+    number_languages,
+    qa_examples,
+    tagged_sentences,
+)
+from attnlab.data.numbers import number_to_words
+from attnlab.models.encoder import mask_whole_words
+from attnlab.presets import get_run_preset
+from attnlab.tasks import TASKS
+from attnlab.tasks.mlm import letter_edges, word_ids
+from attnlab.tasks.question_answering import (
+    answer_f1,
+    answer_tokens,
+    best_span,
+    encode_question,
+    exact_match,
+)
+from attnlab.tasks.text import TextCodec
+from attnlab.tasks.token_classification import bio_tags, entity_counts, entity_spans, f1_scores
+from attnlab.tokenizers import train_tokenizer
+from attnlab.training import load_checkpoint, train
+from attnlab.training.metrics import read_metrics
+
+# --------------------------------------------------------------------------- generated data
+
+
+def test_languages_are_split_by_number_and_ambiguous_texts_left_out():
+    langs = ["en", "fr", "es", "pt"]
+    data = number_languages(langs, max_number=120, n_train=80, n_val=20, n_test=20, seed=3)
+    # Every number below 120 in every language, read back: text -> (number, language).
+    written = {}
+    for n in range(120):
+        for label, lang in enumerate(langs):
+            written.setdefault(number_to_words(n, lang), []).append((n, label))
+    numbers = {}
+    for split in ("train", "val", "test"):
+        pairs = data.split(split)
+        for text, label in pairs:
+            assert written[text] == [(written[text][0][0], label)]  # unambiguous, right label
+        numbers[split] = {written[text][0][0] for text, _ in pairs}
+    assert not numbers["train"] & numbers["val"] and not numbers["train"] & numbers["test"]
+    assert not numbers["val"] & numbers["test"]
+    assert len(numbers["train"]) == 80  # every number keeps its unambiguous languages
+    shared = {text for text, where in written.items() if len(where) > 1}
+    assert "six" in shared and "cinco" in shared  # en/fr, es/pt
+    kept = {text for split in ("train", "val", "test") for text, _ in data.split(split)}
+    assert not kept & shared
+
+
+def test_tagged_sentences_entities_and_held_out_names():
+    data = tagged_sentences(400, 60, 60, seed=1, held_out=0.25)
+    seen, unseen = EVERYONE.split(0.25, seed=1)
+    texts = {split: {s.text for s in data.split(split)} for split in ("train", "val", "test")}
+    assert len(texts["train"]) == 400 and not texts["train"] & (texts["val"] | texts["test"])
+    assert not texts["val"] & texts["test"]
+    for split in ("train", "val", "test"):
+        names = seen if split == "train" else unseen
+        for sentence in data.split(split):
+            for label, text in sentence.spans():
+                if label == "PER":
+                    first, *last = text.split(" ")
+                    assert first in names.first_names and all(w in names.surnames for w in last)
+                elif label == "CITY":
+                    assert text in names.cities
+                elif label == "DATE":
+                    assert any(w in text for w in MONTHS + WEEKDAYS)
+                else:
+                    assert text[0].isdigit() or text[0].isalpha()
+    assert set(seen.cities) | set(unseen.cities) == set(CITIES)
+    assert not set(seen.first_names) & set(unseen.first_names)
+    assert len(unseen.surnames) == round(0.25 * len(SURNAMES))
+    assert tagged_sentences(50, 5, 5, seed=1) == tagged_sentences(50, 5, 5, seed=1)
+    assert tagged_sentences(50, 5, 5, seed=1) != tagged_sentences(50, 5, 5, seed=2)
+
+
+def test_qa_answers_are_spans_of_their_context():
+    data = qa_examples(300, 40, 40, seed=0, held_out=0.25)
+    _, unseen = EVERYONE.split(0.25, seed=0)
+    contexts = {s: {e.context for e in data.split(s)} for s in ("train", "val", "test")}
+    assert not contexts["train"] & contexts["val"] and not contexts["val"] & contexts["test"]
+    for split in ("train", "val", "test"):
+        for e in data.split(split):
+            assert e.context[e.start : e.end] == e.answer
+            # The fact holding the answer is about the person the question names.
+            sentence = e.context[: e.start].rsplit(". ", 1)[-1]
+            person = next(name for name in FIRST_NAMES if f" {name}" in f" {e.question[:-1]}")
+            assert person in sentence
+            if split != "train":
+                assert person in unseen.first_names
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_tags_are_aligned_with_tokens(kind):
+    data = tagged_sentences(200, 10, 10, seed=0)
+    texts = [s.text for s in data.train]
+    codec = TextCodec(train_tokenizer(kind, texts, vocab_size=400))
+    for sentence in data.train:
+        ids, spans = codec.encode(sentence.text)
+        tags = bio_tags(spans, sentence.entities)
+        assert len(tags) == len(ids)
+        # Reading the entities back from the tags gives each entity's text and label.
+        found = [
+            (label, sentence.text[spans[a][0] : spans[b - 1][1]])
+            for label, a, b in entity_spans(tags)
+        ]
+        assert found == sentence.spans()
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_answer_tokens_slice_back_to_the_answer(kind):
+    data = qa_examples(100, 5, 5, seed=0)
+    texts = [t for e in data.train for t in (e.question, e.context)]
+    codec = TextCodec(train_tokenizer(kind, texts, vocab_size=400))
+    for e in data.train:
+        ids, types, offset, spans = encode_question(codec, e.question, e.context)
+        first, last = answer_tokens(spans, e.start, e.end)
+        assert e.context[spans[first][0] : spans[last][1]] == e.answer
+        assert ids[offset - 1] == codec.sep_id and types[offset] == 1 and types[offset - 1] == 0
+        assert len(ids) == offset + len(spans) + 1
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_entity_spans_read_as_conlleval():
+    tags = ["B-PER", "I-PER", "O", "I-CITY", "I-CITY", "B-DATE", "B-DATE", "I-NUM", "I-DATE"]
+    # B starts; I continues an entity of its type; an I of another type starts a new one.
+    assert entity_spans(tags) == [
+        ("PER", 0, 2), ("CITY", 3, 5), ("DATE", 5, 6), ("DATE", 6, 7), ("NUM", 7, 8),
+        ("DATE", 8, 9),
+    ]  # fmt: skip
+
+
+def test_entity_f1_on_hand_checked_cases():
+    gold = ["B-PER", "I-PER", "O", "B-CITY", "O"]
+    # The PER span is cut short: only CITY matches. 1 of 2 predicted, 1 of 2 gold.
+    assert entity_counts(gold, ["B-PER", "O", "O", "B-CITY", "O"]) == (1, 2, 2)
+    assert f1_scores(1, 2, 2) == {"precision": 0.5, "recall": 0.5, "f1": 0.5}
+    # Both found, plus two spurious entities: precision 2/4, recall 2/2, F1 = 2PR/(P+R).
+    assert entity_counts(gold, ["B-PER", "I-PER", "B-NUM", "B-CITY", "B-DATE"]) == (2, 4, 2)
+    assert f1_scores(2, 4, 2)["f1"] == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    # The right span with the wrong type does not count.
+    assert entity_counts(gold, ["B-NUM", "I-NUM", "O", "B-CITY", "O"]) == (1, 2, 2)
+    assert f1_scores(0, 0, 3) == {"precision": 0.0, "recall": 0.0, "f1": 0.0}
+
+
+def test_answer_metrics_on_hand_checked_cases():
+    assert exact_match("Lyon.", "lyon") == 1.0 and exact_match("in Lyon", "Lyon") == 0.0
+    # "the red car" vs "red car": 2 shared words, precision 2/3, recall 1.
+    assert answer_f1("the red car", "red car") == pytest.approx(2 * (2 / 3) / (2 / 3 + 1))
+    assert answer_f1("blue", "red car") == 0.0 and answer_f1("", "") == 1.0
+
+
+def test_best_span_equals_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for c, limit in ((1, 3), (7, 3), (12, 30), (9, 1)):
+        start, end = torch.randn(c, generator=g), torch.randn(c, generator=g)
+        i, j, score = best_span(start, end, limit)
+        pairs = [(a, b) for a in range(c) for b in range(a, min(c, a + limit))]
+        want = max(pairs, key=lambda p: float(start[p[0]] + end[p[1]]))
+        assert (i, j) == want
+        p = start.softmax(-1)[i] * end.softmax(-1)[j]
+        assert score == pytest.approx(float(p))
+
+
+# --------------------------------------------------------------------------- tasks and trainer
+
+SMALL_MODEL = {"model.d_model": 32, "model.ffn.hidden_dim": 64, "train.batch_size": 8,
+               "train.warmup_steps": 5, "train.eval_batches": 2, "train.log_every": 1,
+               "train.seed": 0, "train.device": "cpu", "train.time_budget": None}  # fmt: skip
+LANGID_DATA = {"data.options.max_number": 400, "data.options.langs": ["en", "de", "it"],
+               "data.options.n_train": 120, "data.options.n_val": 16,
+               "data.options.n_test": 8}  # fmt: skip
+SMALL_DATA = {"data.options.n_train": 200, "data.options.n_val": 24, "data.options.n_test": 24,
+              "data.bpe_vocab_size": 300, "model.max_seq_len": 160}  # fmt: skip
+CASES = {  # task: (preset, metric, overrides)
+    "text-classification": ("bert-tiny-langid", "accuracy", LANGID_DATA),
+    "token-classification": ("bert-tiny-ner", "entity_f1", SMALL_DATA),
+    "question-answering": ("bert-tiny-qa", "exact_match", SMALL_DATA),
+}
+
+
+def small_run(task: str, **train_kw):
+    preset, _, data = CASES[task]
+    train_kw = {f"train.{k}": v for k, v in train_kw.items()}
+    return get_run_preset(preset).override({**SMALL_MODEL, **data, **train_kw})
+
+
+@pytest.mark.parametrize("task", list(CASES))
+def test_task_learns_checkpoints_and_evaluates(task, tmp_path, capsys):
+    cfg = small_run(task, max_steps=40, eval_every=40, lr=3e-3)
+    assert cfg.task == task
+    result = train(cfg, tmp_path, progress=False)
+    val = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "val"]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.2, val  # it learns
+    metric = CASES[task][1]
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.config.task == task
+    assert ckpt.config.model.vocab_size == ckpt.tokenizer.vocab_size + 4  # + the 4 specials
+    code = main(["eval", "--ckpt", str(tmp_path), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["task"] == task and metric in report
+    assert report[metric] == pytest.approx(result.val_metrics[metric])
+    assert report["loss"] == pytest.approx(
+        val[-1].get("val_full_loss", val[-1]["val_loss"]), rel=1e-4
+    )
+    # The test split is scored the same way (never seen in training).
+    task_obj = TASKS[task](ckpt.config, tokenizer=ckpt.tokenizer)
+    test = task_obj.evaluate_split(ckpt.model, "test")
+    assert test["examples"] == len(task_obj.data.test) and 0.0 <= test[metric] <= 1.0
+
+
+def interrupted(cls, at: int):
+    """``cls`` that sends SIGTERM to this process while fetching its ``at``-th batch."""
+
+    class Interrupted(cls):
+        calls = 0
+
+        def batch(self, keys, device=None):
+            type(self).calls += 1
+            if type(self).calls == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().batch(keys, device)
+
+    return Interrupted
+
+
+def resumes_exactly(cfg, tmp_path, monkeypatch):
+    straight = train(cfg, tmp_path / "straight", progress=False)
+    task_cls = TASKS[cfg.task]
+    monkeypatch.setitem(TASKS, cfg.task, interrupted(task_cls, at=7))
+    first = train(cfg, tmp_path / "run", progress=False)
+    assert first.interrupted == "SIGTERM" and first.step == 4
+    monkeypatch.setitem(TASKS, cfg.task, task_cls)
+    second = train(None, tmp_path / "run", resume=tmp_path / "run", progress=False)
+    assert second.step == 8
+    assert first.losses + second.losses == straight.losses
+    a, b = load_checkpoint(tmp_path / "run").model, load_checkpoint(tmp_path / "straight").model
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("task", list(CASES))
+def test_task_resumes_exactly_after_sigterm(task, tmp_path, monkeypatch):
+    cfg = small_run(task, max_steps=8, eval_every=4, grad_accum=2)
+    cfg.model.dropout = 0.1  # every random stream matters
+    resumes_exactly(cfg, tmp_path, monkeypatch)
+
+
+def test_task_configs_are_checked():
+    cfg = get_run_preset("bert-tiny-ner")
+    with pytest.raises(ConfigError, match="data.options.held_out"):
+        cfg.override({"data.options.held_out": 1.0}).validate()
+    with pytest.raises(ConfigError, match="data.options.langs"):
+        get_run_preset("bert-tiny-langid").override({"data.options.langs": ["en"]}).validate()
+    with pytest.raises(ConfigError, match="data.options.langs"):
+        get_run_preset("bert-tiny-langid").override({"data.options.langs": ["en", "xx"]}).validate()
+    with pytest.raises(ConfigError, match="data.options.max_answer_tokens"):
+        get_run_preset("bert-tiny-qa").override({"data.options.max_answer_tokens": 0}).validate()
+    wrong_head = small_run("question-answering").override({"model.head": "token"})
+    with pytest.raises(ConfigError, match="'qa' head.*bert-tiny-qa"):
+        train(wrong_head, "unused", progress=False, max_steps=1)
+    short = small_run("question-answering").override({"model.max_seq_len": 16})
+    with pytest.raises(ConfigError, match="model.max_seq_len=16 is shorter"):
+        train(short, "unused", progress=False, max_steps=1)
+
+
+# --------------------------------------------------------------------------- whole-word masking
+
+
+def test_word_ids_char_and_bpe():
+    char = train_tokenizer("char", ["ab, cd\n"])
+    begins, ends = letter_edges(char)
+    row = torch.tensor(char.encode("ab, cd"))
+    # a b | , | ' ' | c d: runs of letters, every other character a word of its own.
+    assert word_ids(row, begins, ends).tolist() == [0, 0, 1, 2, 3, 3]
+    text = " ".join(random.Random(0).choices(["cat", "catalogue", "dog", "dogma", "zebra"], k=300))
+    bpe = train_tokenizer("bpe", [text], vocab_size=270)  # few merges: words split in pieces
+    ids = bpe.encode(text)
+    words = word_ids(torch.tensor(ids), *letter_edges(bpe)).tolist()
+    assert len(ids) > len(text.split())  # some words are several tokens
+    pieces = {}
+    for token, word in zip(ids, words):
+        pieces[word] = pieces.get(word, "") + bpe.decode([token])
+    assert [pieces[w].strip() for w in sorted(pieces)] == text.split()
+
+
+def test_whole_word_masking_covers_words_at_the_masking_rate():
+    mlm = get_run_preset("bert-tiny-mlm").override({"data.options.whole_word": True})
+    task = TASKS["mlm"](mlm)
+    blocks, _ = task.data.batch("train", torch.arange(0, 400 * 64, 64), 64)  # (400, 64)
+    seeds = torch.arange(400) * 7919
+    inputs, targets = task.mask(blocks, seeds)
+    chosen = targets != -100
+    masked = inputs == task.mask_id
+    words_chosen = words_masked = n_words = 0
+    for row, pick, hidden in zip(blocks, chosen, masked):
+        words = word_ids(row, *task.edges)
+        for w in range(int(words.max()) + 1):
+            at = words == w
+            assert pick[at].all() or not pick[at].any()  # the whole word or none of it
+            assert hidden[at].all() or not hidden[at].any()
+            n_words += 1
+            words_chosen += int(pick[at].all())
+            words_masked += int(hidden[at].all())
+    assert chosen.float().mean() == pytest.approx(0.15, abs=0.02)  # per token, as mask_prob
+    assert words_chosen / n_words == pytest.approx(0.15, abs=0.02)
+    assert words_masked / words_chosen == pytest.approx(0.8, abs=0.05)
+    assert (
+        torch.equal(targets[chosen], blocks[chosen]) and (inputs[~chosen] == blocks[~chosen]).all()
+    )
+    # Deterministic per key seed: the same seeds give the same masks, others do not.
+    again = task.mask(blocks[:50], seeds[:50])
+    assert all(torch.equal(x, y) for x, y in zip(again, (inputs[:50], targets[:50])))
+    other = task.mask(blocks[:50], seeds[:50] + 1)
+    assert not torch.equal(other[1], targets[:50])
+
+
+def test_mask_whole_words_matches_a_per_word_reading():
+    """mask_whole_words against its definition: draw per word, spread to the tokens."""
+    idx = torch.randint(0, 50, (3, 20))
+    words = torch.tensor([[0, 0, 1, 2, 2, 2, 3, 4, 5, 5, 6, 7, 8, 9, 9, 10, 11, 12, 13, 14]] * 3)
+    x, y = mask_whole_words(idx, words, mask_id=99, vocab_size=50, mask_prob=0.5,
+                            generator=torch.Generator().manual_seed(5))  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    pick = torch.rand((3, 15), generator=g) < 0.5
+    u = torch.rand((3, 15), generator=g)
+    random_ids = torch.randint(50, (3, 20), generator=g)
+    for b in range(3):
+        for t in range(20):
+            w = int(words[b, t])
+            want_y = int(idx[b, t]) if pick[b, w] else -100
+            if not pick[b, w] or u[b, w] >= 0.9:
+                want_x = int(idx[b, t])
+            elif u[b, w] < 0.8:
+                want_x = 99
+            else:
+                want_x = int(random_ids[b, t])
+            assert (int(x[b, t]), int(y[b, t])) == (want_x, want_y)
+
+
+def test_whole_word_mlm_resumes_exactly(tmp_path, monkeypatch):
+    cfg = get_run_preset("bert-tiny-mlm").override(
+        {
+            "model.max_seq_len": 32,
+            "train.block_size": 32,
+            "model.d_model": 32,
+            "model.ffn.hidden_dim": 64,
+            "train.batch_size": 8,
+            "train.max_steps": 8,
+            "train.eval_every": 4,
+            "train.eval_batches": 2,
+            "train.grad_accum": 2,
+            "train.warmup_steps": 2,
+            "train.seed": 0,
+            "train.device": "cpu",
+            "data.options.whole_word": True,
+        }  # fmt: skip
+    )
+    resumes_exactly(cfg, tmp_path, monkeypatch)
