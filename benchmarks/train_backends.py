@@ -127,12 +127,12 @@ def main() -> None:
     data = prepare_data(base.data)
 
     runs: list[Run] = []
-    skipped: list[list] = []
+    skipped: dict[str, str] = {}
     for name, backend, packing in VARIANTS:
         if name not in args.variants:
             continue
         if backend == "triton" and device.type != "cuda":
-            skipped.append([name, "skipped: needs a GPU (CPU runs only the slow interpreter)"])
+            skipped[name] = "skipped: no GPU"
             continue
         cfg = base.override(
             {"model.attention.backend": backend,
@@ -169,24 +169,23 @@ def main() -> None:
     tokens = args.batch * args.block
     ref = next((r for r in runs if r.name == "sdpa"), None)
     ref_step = statistics.median(ref.step_s) if ref is not None else None
-    rows = []
+    rows = {name: [name, why, "-", "-", "-", "-"] for name, why in skipped.items()}
     for run in runs:
         fwd = statistics.median(run.forward_s) * 1e3
         if run.optimizer is None:
-            rows.append([run.name, "n/a: no backward on CPU", "-", "-", f"{fwd:.0f}", "-"])
+            rows[run.name] = [run.name, "n/a: no CPU backward", "-", "-", f"{fwd:.0f}", "-"]
             continue
         step = statistics.median(run.step_s)
         ratio = f"{step / ref_step:.2f}x" if ref_step else "-"
-        rows.append([run.name, f"{step * 1e3:.0f}", f"{tokens / step:,.0f}", ratio,
-                     f"{fwd:.0f}", f"{run.peak / 2**20:,.0f}"])  # fmt: skip
-    for name, why in skipped:
-        rows.append([name, why, "-", "-", "-", "-"])
+        rows[run.name] = [run.name, f"{step * 1e3:.0f}", f"{tokens / step:,.0f}", ratio,
+                          f"{fwd:.0f}", f"{run.peak / 2**20:,.0f}"]  # fmt: skip
     n_params = sum(p.numel() for p in runs[0].model.parameters())
     print(f"# {machine()}; device {device}")
     print(f"# demo model ({n_params / 1e6:.2f}M parameters), block {args.block}, batch "
           f"{args.batch}, float32, AdamW; {args.repeats} interleaved repeats, medians")  # fmt: skip
+    order = [name for name, _, _ in VARIANTS if name in rows]
     print(table(["variant", "ms/step", "tokens/s", "step vs sdpa", "forward ms (no grad)",
-                 "peak MiB (step)"], rows))  # fmt: skip
+                 "peak MiB (step)"], [rows[name] for name in order]))  # fmt: skip
     print("step: forward + backward + clip + AdamW. Peak: extra tensor memory of one step.")
 
 
