@@ -10,8 +10,8 @@ alike); reported: the median ms per step, tokens per second, the time relative t
 one step (``attnlab.memory.PeakTensorMemory`` on CPU, ``max_memory_allocated`` on CUDA).
 
 Packed variants: ``corpus`` keeps the corpus's own documents apart (the LM task with
-``data.options.pack_documents=true``; the embedded corpus's topics are about 5,000
-characters long, so most blocks hold one or two); ``N-token docs`` gives every block
+``data.options.pack_documents=true``; the embedded corpus's 79 topics average about
+5,900 tokens, so most blocks hold one document); ``N-token docs`` gives every block
 documents of N tokens (synthetic ids on the same tokens), where flash skips the tiles
 between documents. ``flex`` has no backward on CPU: only its forward is timed there.
 ``triton`` needs a GPU (or the slow interpreter): skipped without CUDA.
