@@ -170,7 +170,8 @@ class _Config:
         return cls.from_dict(data)  # type: ignore[attr-defined]
 
     def override(self: T, assignments: dict[str, Any]) -> T:
-        """Return a copy with dotted keys replaced: ``{"attention.n_heads": 8}``."""
+        """Return a copy with dotted keys replaced: ``{"attention.n_heads": 8}``. Keys of a
+        free mapping field (``data.options``) may be added: their owner checks them."""
         data = self.to_dict()  # type: ignore[attr-defined]
         for dotted, value in assignments.items():
             node = data
@@ -179,7 +180,10 @@ class _Config:
                 if not isinstance(node.get(part), dict):
                     _fail(".".join(parents[: i + 1]), "unknown section")
                 node = node[part]
-            if leaf not in node:
+            owner: Any = self
+            for part in parents:
+                owner = owner.get(part) if isinstance(owner, dict) else getattr(owner, part, None)
+            if leaf not in node and not isinstance(owner, dict):
                 close = difflib.get_close_matches(leaf, list(node), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 section = ".".join(parents) or "the top level"

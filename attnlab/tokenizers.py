@@ -148,6 +148,19 @@ class Tokenizer:
             )
         return self._sorted_ids[where]
 
+    def token_lengths(self) -> np.ndarray:
+        """(vocab_size,) int64: how much text each id stands for, in characters (``char``)
+        or UTF-8 bytes (``bpe``: a byte-level token's string has one symbol per byte). The
+        running sum over a token stream gives each token's offset in the text."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self.hf.get_vocab(with_added_tokens=True).items():
+            lengths[i] = len(token)
+        return lengths
+
+    def text_length(self, text: str) -> int:
+        """The length of ``text`` in the units of :meth:`token_lengths`."""
+        return len(text) if self.kind == "char" else len(text.encode("utf-8", "surrogatepass"))
+
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 

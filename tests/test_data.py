@@ -11,6 +11,7 @@ import torch
 import attnlab.data.lm as lm
 from attnlab.config import DataConfig
 from attnlab.data import (
+    DOCUMENT_SEPARATOR,
     EMBEDDED_NAME,
     DataError,
     TokenDataset,
@@ -64,7 +65,9 @@ def test_default_corpus_is_the_pydoc_topics():
     assert 200_000 < len(text) < 2_000_000
     for name in ("if", "class", "lambda"):
         assert topics[name].strip("\n") in text
-    assert read_corpus(None) == [(EMBEDDED_NAME, text)]
+    docs = read_corpus(None)  # one document per topic, joined into the same text
+    assert [name for name, _ in docs] == [f"{EMBEDDED_NAME}/{name}" for name in sorted(topics)]
+    assert DOCUMENT_SEPARATOR.join(doc for _, doc in docs) == text
 
 
 def test_read_corpus_folder_is_recursive_sorted_and_txt_only(corpus_dir):
@@ -250,7 +253,8 @@ def test_given_tokenizer_missing_characters_is_a_data_error(corpus_dir, tmp_path
 
 def test_embedded_corpus_prepares(tmp_path):
     ds = prepare_data(DataConfig(), cache_dir=tmp_path)
-    assert ds.sources == [EMBEDDED_NAME]
+    assert ds.sources == [name for name, _ in read_corpus(None)]  # one per topic
+    assert ds.sources[0].startswith(EMBEDDED_NAME) and len(ds.doc_starts) == len(ds.sources)
     assert ds.n_tokens == len(default_corpus())  # char: one token per character
 
 

@@ -108,6 +108,19 @@ def test_flash_general_masks(kind):
         torch.testing.assert_close(a, e, **TOL)
 
 
+def test_flash_value_head_dim_may_differ():
+    """MLA attends with values narrower than its query/key heads (d_v != d_h)."""
+    q, k, _ = _qkv(b=2, h=4, h_kv=2, t=40, s=40, d_h=24, grad=True)
+    v = torch.randn(2, 2, 40, 16, requires_grad=True)
+    doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 30 + [1] * 10])
+    out = flash_attention(q, k, v, causal=True, doc_ids=doc, block_q=8, block_k=16)
+    ref = attend(q, k, v, causal=True, doc_ids=doc, backend="eager")
+    assert out.shape == (2, 4, 40, 16)
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, e in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        torch.testing.assert_close(a, e, **TOL)
+
+
 def test_flash_fully_masked_rows_give_zeros_and_zero_query_grads():
     b, t = 2, 6
     q, k, v = _qkv(b=b, h=2, h_kv=2, t=t, s=t, grad=True)

@@ -176,6 +176,7 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     else:
         data = prepare_data(cfg.data, tokenizer=tokenizer)
         source = f"validation split of {cfg.data.path or 'the embedded corpus'}"
+    task = None
     if args.stride is not None:
         result = _strided(args, model, data.val, block_size, batch_size, device)
     else:
@@ -186,8 +187,20 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
             model, batch_size=batch_size, max_batches=args.max_batches, device=device
         )
     # Block j's targets are tokens[j t + 1 : (j + 1) t + 1], so the targets evaluated are
-    # exactly tokens[1 : 1 + n]; their text gives the characters predicted.
-    characters = len(tokenizer.decode(data.val[1 : 1 + result["tokens"]]))
+    # exactly tokens[1 : 1 + n]; their text gives the characters predicted. Packed
+    # documents: n blocks' targets less each document's first token (not scored).
+    if task is not None and task.pack_documents:
+        import torch
+
+        walked = task.n_eval_blocks(batch_size, args.max_batches) * block_size
+        targets = data.val[1 : 1 + walked]
+        docs = data.document_ids("val", torch.zeros(1, dtype=torch.int64), walked + 1)[0]
+        firsts = targets[(docs[1:] != docs[:-1]).numpy()]
+        characters = len(tokenizer.decode(targets)) - sum(
+            len(tokenizer.decode([i])) for i in firsts
+        )
+    else:
+        characters = len(tokenizer.decode(data.val[1 : 1 + result["tokens"]]))
     total_bits = result["loss"] * result["tokens"] / math.log(2.0)
     return {
         "task": "lm",

@@ -5,6 +5,7 @@ from attnlab.data.corpus import (
     EMBEDDED_NAME,
     DataError,
     default_corpus,
+    default_documents,
     read_corpus,
 )
 from attnlab.data.lm import TokenDataset, default_cache_dir, prepare_data, token_dtype
@@ -16,6 +17,7 @@ __all__ = [
     "TokenDataset",
     "default_cache_dir",
     "default_corpus",
+    "default_documents",
     "prepare_data",
     "read_corpus",
     "token_dtype",

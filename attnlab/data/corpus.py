@@ -1,5 +1,9 @@
 """Text corpora: the embedded default (CPython's Language Reference topics), a text file,
-or a folder whose .txt and .md files are read recursively in sorted order."""
+or a folder whose .txt and .md files are read recursively in sorted order.
+
+A corpus is a list of documents: each topic of the embedded corpus, each file of a folder,
+or the one file given. They are joined by ``DOCUMENT_SEPARATOR`` into one token stream
+whose document boundaries are kept (``TokenDataset.doc_starts``)."""
 
 from __future__ import annotations
 
@@ -17,13 +21,18 @@ class DataError(ValueError):
     """The data cannot be used: missing or empty, undecodable, or too short."""
 
 
-def default_corpus() -> str:
-    """The Python Language Reference topics that ship with CPython (``pydoc_data``), about
-    0.5 MB of English prose and code, joined in sorted topic order so it is deterministic
-    for a given Python version."""
+def default_documents() -> list[tuple[str, str]]:
+    """(topic name, text) of each Python Language Reference topic that ships with CPython
+    (``pydoc_data``), in sorted topic order: deterministic for a given Python version."""
     from pydoc_data.topics import topics
 
-    return DOCUMENT_SEPARATOR.join(topics[name].strip("\n") for name in sorted(topics))
+    return [(name, topics[name].strip("\n")) for name in sorted(topics)]
+
+
+def default_corpus() -> str:
+    """The embedded corpus as one text: the topics of :func:`default_documents`, about
+    0.5 MB of English prose and code, joined by ``DOCUMENT_SEPARATOR``."""
+    return DOCUMENT_SEPARATOR.join(text for _, text in default_documents())
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,11 @@ class RawSource:
 
 def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
     """Read the raw bytes of every document of a corpus (see ``read_corpus``)."""
-    if path is None:
-        return [RawSource(EMBEDDED_NAME, EMBEDDED_NAME, default_corpus().encode("utf-8"))]
+    if path is None:  # one document per topic
+        return [
+            RawSource(f"{EMBEDDED_NAME}/{name}", f"{EMBEDDED_NAME}/{name}", text.encode("utf-8"))
+            for name, text in default_documents()
+        ]
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(

@@ -1,5 +1,7 @@
 """Language-modelling data: a corpus tokenised once into a cached token stream, split into
-train and validation, and sampled as (x, y) blocks where y is x shifted by one token.
+train and validation, and sampled as (x, y) blocks where y is x shifted by one token. The
+stream remembers where each document of the corpus starts (``doc_starts``), so a block can
+tell its packed documents apart (``document_ids``).
 
 Shapes: n sequences in a batch, t = block_size tokens per sequence.
 """
@@ -59,6 +61,9 @@ class TokenDataset:
     train: np.ndarray
     val: np.ndarray
     sources: list[str] = field(default_factory=list)  # document names, in stream order
+    # Token index (in the whole stream, train then val) where each document starts, sorted;
+    # None: the stream is one document.
+    doc_starts: np.ndarray | None = None
     n_chars: int | None = None  # characters in the joined corpus
     from_cache: bool = False  # True when the token stream was read from the cache
     cache_file: Path | None = None
@@ -123,6 +128,19 @@ class TokenDataset:
             x, y = x.to(device), y.to(device)
         return x, y
 
+    def document_ids(self, split: str, starts: Tensor, length: int) -> Tensor:
+        """(n, length) int64: the index of the document each of tokens[s : s + length] of
+        ``split`` belongs to, counted from the document of the row's first token (rows are
+        non-decreasing: 0, 0, 1, 1, 1, 2, ...)."""
+        self.split(split)  # checks the name
+        offset = 0 if split == "train" else len(self.train)
+        index = starts.detach().cpu().to(torch.int64).reshape(-1, 1) + torch.arange(length)
+        if self.doc_starts is None:
+            return torch.zeros_like(index)
+        bounds = torch.from_numpy(np.asarray(self.doc_starts, dtype=np.int64))
+        ids = torch.searchsorted(bounds, index + offset, right=True)  # (n, length)
+        return ids - ids[:, :1]
+
     def n_eval_blocks(self, split: str, block_size: int) -> int:
         """How many non-overlapping blocks ``iter_eval`` walks over."""
         return max(0, (len(self.split(split)) - 1) // block_size)
@@ -158,6 +176,25 @@ def _encode_corpus(tokenizer: Tokenizer, text: str) -> np.ndarray:
     return tokenizer.encode_array(text)
 
 
+def document_starts(tokenizer: Tokenizer, ids: np.ndarray, texts: list[str]) -> np.ndarray:
+    """Token index where each of ``texts`` starts in ``ids``, the tokens of the texts joined
+    by ``DOCUMENT_SEPARATOR``: the first token that begins at or after the document's first
+    character. (A token spanning a boundary, which byte-level BPE can make of the separator
+    and a leading space, stays with the document it begins in.)"""
+    lengths = tokenizer.token_lengths()[np.asarray(ids, dtype=np.int64)]  # (n,)
+    ends = np.cumsum(lengths)
+    sizes = np.array([tokenizer.text_length(text) for text in texts], dtype=np.int64)
+    sep = tokenizer.text_length(DOCUMENT_SEPARATOR)
+    first = np.concatenate(([0], np.cumsum(sizes[:-1] + sep)))  # (n_docs,) text offsets
+    total = int(sizes.sum()) + sep * (len(texts) - 1)
+    if (int(ends[-1]) if len(ends) else 0) != total:
+        raise DataError(
+            f"the token stream covers {int(ends[-1]) if len(ends) else 0} units of text but "
+            f"the corpus has {total}; the tokenizer does not reproduce the text exactly"
+        )
+    return np.searchsorted(ends - lengths, first, side="left").astype(np.int64)
+
+
 def _save_array_atomic(target: Path, array: np.ndarray) -> None:
     with atomic_path(target) as tmp, open(tmp, "wb") as file:  # np.save(path) adds ".npy"
         np.save(file, array)
@@ -182,13 +219,19 @@ class _Corpus:
         self.sources = sources
         self.errors = errors
         self.digest = sources_digest(sources)
+        self._texts: list[str] | None = None
         self._text: str | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        if self._texts is None:
+            self._texts = [decode_source(source, self.errors) for source in self.sources]
+        return self._texts
 
     @property
     def text(self) -> str:
         if self._text is None:
-            texts = [decode_source(source, self.errors) for source in self.sources]
-            self._text = DOCUMENT_SEPARATOR.join(texts)
+            self._text = DOCUMENT_SEPARATOR.join(self.texts)
         return self._text
 
 
@@ -236,13 +279,16 @@ def prepare_data(
     dtype = token_dtype(tokenizer.vocab_size)
 
     tokens = _load_cached_tokens(tokens_file, dtype)
-    from_cache = tokens is not None
     n_chars: int | None = None
-    if from_cache and meta_file.is_file():
+    doc_starts: np.ndarray | None = None
+    if tokens is not None:
         try:
-            n_chars = json.loads(meta_file.read_text())["n_chars"]
-        except (OSError, ValueError, KeyError):
-            n_chars = None
+            meta = json.loads(meta_file.read_text())
+            n_chars = meta["n_chars"]
+            doc_starts = np.asarray(meta["doc_starts"], dtype=np.int64)
+        except (OSError, ValueError, KeyError, TypeError):
+            tokens = None  # a stream cached without its document starts: encode again
+    from_cache = tokens is not None
     if tokens is None:
         try:
             ids = _encode_corpus(tokenizer, corpus.text)
@@ -250,9 +296,14 @@ def prepare_data(
             raise DataError(f"the corpus cannot be encoded with this tokenizer: {e}") from None
         tokens = ids.astype(dtype)
         n_chars = len(corpus.text)
+        doc_starts = document_starts(tokenizer, ids, corpus.texts)
         try:
             # The meta file first: a token file present means its meta file was written.
-            meta = {"sources": [s.name for s in corpus.sources], "n_chars": n_chars}
+            meta = {
+                "sources": [s.name for s in corpus.sources],
+                "n_chars": n_chars,
+                "doc_starts": doc_starts.tolist(),
+            }
             atomic_write_text(meta_file, json.dumps(meta, indent=1) + "\n")
             _save_array_atomic(tokens_file, tokens)
         except OSError as e:
@@ -266,6 +317,7 @@ def prepare_data(
         train=tokens[:n_train],
         val=tokens[n_train:],
         sources=[source.name for source in corpus.sources],
+        doc_starts=doc_starts,
         n_chars=n_chars,
         from_cache=from_cache,
         cache_file=tokens_file,

@@ -173,8 +173,9 @@ def _safe(m: Tensor) -> Tensor:
 
 
 class FlashAttention(torch.autograd.Function):
-    """q (b, h_kv, g, t, d_h), k and v (b, h_kv, 1, s, d_h) -> out like q (the 5-D views
-    let query head j read kv head j // g without copying K or V)."""
+    """q (b, h_kv, g, t, d_h), k (b, h_kv, 1, s, d_h), v (b, h_kv, 1, s, d_v) -> out
+    (b, h_kv, g, t, d_v) (the 5-D views let query head j read kv head j // g without
+    copying K or V)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask5, causal, window, doc_ids, scale, block_q, block_k):
@@ -182,7 +183,7 @@ class FlashAttention(torch.autograd.Function):
         stats = q.shape[:-1] + (1,)
         m = torch.full(stats, float("-inf"), dtype=torch.float32, device=q.device)
         l = torch.zeros(stats, dtype=torch.float32, device=q.device)
-        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(stats[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
         for tile in prob.tiles:
             rows = slice(tile.q0, tile.q1)
             kb, vb = k[..., tile.k0 : tile.k1, :], v[..., tile.k0 : tile.k1, :]
@@ -261,4 +262,4 @@ def flash_attention(
     k5, v5 = k[:, :, None], v[:, :, None]  # (b, h_kv, 1, s, d_h)
     mask5 = None if mask is None else _mask5(mask, h_kv, g)
     out = FlashAttention.apply(q5, k5, v5, mask5, causal, window, doc_ids, scale, block_q, block_k)
-    return out.reshape(b, h, t, d_h)
+    return out.reshape(b, h, t, v.shape[-1])  # the value width may differ (MLA)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from attnlab.cache import Cache, CacheError
 from attnlab.config import ModelConfig
-from attnlab.functional.masks import padding_mask, positions_from_padding
+from attnlab.functional.masks import document_positions, padding_mask, positions_from_padding
 from attnlab.models.outputs import (
     LMOutput,
     aux_modules,
@@ -30,6 +30,7 @@ from attnlab.nn.dropout import dropout
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
+from attnlab.nn.registry import ATTENTION, attention_kinds
 from attnlab.nn.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -43,7 +44,21 @@ class DecoderLM(nn.Module):
 
     ``model(idx, targets=...)`` returns :class:`LMOutput` (``logits, loss = ...``);
     ``new_cache`` makes the cache that ``forward(cache=...)``, ``generate`` and ``stream``
-    decode with."""
+    decode with; ``forward(doc_ids=...)`` trains on packed documents."""
+
+    @classmethod
+    def documents_unsupported(cls, cfg: ModelConfig) -> str | None:
+        """Why a model of ``cfg`` cannot keep packed documents apart (``forward(doc_ids=)``),
+        or None when it can: its attention kind must take document ids."""
+        kind = cfg.attention.kind
+        attention_kinds()  # registers the built-in kinds
+        if getattr(ATTENTION.get(kind), "supports_documents", False):
+            return None
+        able = [name for name, c in ATTENTION.items() if getattr(c, "supports_documents", False)]
+        return (
+            f"attention kind {kind!r} cannot keep packed documents apart; "
+            f"use model.attention.kind {' or '.join(repr(n) for n in able)}"
+        )
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -73,6 +88,7 @@ class DecoderLM(nn.Module):
         self._aux = aux_modules(self)
         # A module training alone (DSA's dense warm-up) freezes the rest: see outputs.py.
         self._trains_alone = any(getattr(m, "trains_alone", False) for _, m in self._aux)
+        self._no_documents = self.documents_unsupported(cfg)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -137,14 +153,27 @@ class DecoderLM(nn.Module):
         attention_mask: Tensor | None = None,
         targets: Tensor | None = None,
         last_only: bool = False,
+        doc_ids: Tensor | None = None,
     ) -> LMOutput:
         """idx (b, t) token ids. ``attention_mask`` (b, t): 1 for real tokens, 0 for (left)
         padding. ``positions`` (b, t) default to counting real tokens, continuing from the
         cache. ``targets`` (b, t): the next token at each position (-100 = ignore).
-        ``last_only`` computes logits for the last position only (decoding)."""
+        ``last_only`` computes logits for the last position only (decoding). ``doc_ids``
+        (b, t) non-decreasing per row: packed documents; no token attends across a document
+        boundary and positions restart at 0 in each document (no cache)."""
         b, t = idx.shape
         if last_only and targets is not None:
             raise ValueError("last_only=True keeps one position's logits; the loss needs all")
+        if doc_ids is not None:
+            if self._no_documents:
+                raise ValueError(f"doc_ids: {self._no_documents}")
+            if cache is not None or doc_ids.shape != (b, t):
+                raise ValueError(
+                    f"doc_ids must be ({b}, {t}) like idx, without a cache; got "
+                    f"{tuple(doc_ids.shape)}{' and a cache' if cache is not None else ''}"
+                )
+            if positions is None:
+                positions = document_positions(doc_ids)  # (b, t): 0 at each document start
         if isinstance(self.pos_emb, LearnedPositionalEmbedding) and not (
             cache is not None and cache.static  # fixed shapes: its caller checks lengths
         ):
@@ -167,7 +196,7 @@ class DecoderLM(nn.Module):
             x = x + self.pos_emb(positions).to(x.dtype)
         x = self.drop(x)
         rope = self.rope.tables(positions) if self.rope is not None else None
-        x = self.blocks(x, positions=positions, rope=rope, cache=cache, mask=mask)
+        x = self.blocks(x, positions=positions, rope=rope, cache=cache, mask=mask, doc_ids=doc_ids)
         if cache is not None:
             cache.commit()
         if last_only:

@@ -13,7 +13,12 @@ from torch import Tensor, nn
 from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV, SinkKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
-from attnlab.functional.masks import combine_masks, sink_window_mask, sliding_window_mask
+from attnlab.functional.masks import (
+    combine_masks,
+    document_mask,
+    sink_window_mask,
+    sliding_window_mask,
+)
 from attnlab.functional.rope import apply_rope
 from attnlab.functional.sinks import sink_rescale
 from attnlab.nn.dropout import dropout
@@ -35,8 +40,11 @@ class MultiHeadAttention(nn.Module):
     Self-attention projects q, k, v with one fused matmul; cross-attention projects q from x
     and k, v from the context. ``causal`` applies to self-attention only. Positions enter
     through RoPE tables computed once per forward pass by the model (``rope``), or from
-    ``positions`` with the module's own :class:`RotaryEmbedding`.
+    ``positions`` with the module's own :class:`RotaryEmbedding`. ``doc_ids`` keeps packed
+    documents apart (``supports_documents``).
     """
+
+    supports_documents = True  # forward takes doc_ids (packed documents)
 
     def __init__(
         self,
@@ -93,12 +101,16 @@ class MultiHeadAttention(nn.Module):
         cache: LayerCache | None = None,
         mask: Tensor | None = None,
         context: Tensor | None = None,
+        doc_ids: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d); positions (b, t) absolute positions (for RoPE, unless ``rope``
         tables are given); cache: this layer's entry of a :class:`Cache`; mask: extra mask
         broadcastable to (b, h, t, s), e.g. key padding (under a cache the cache supplies
-        it); context (b, s, d_c) for cross-attention."""
+        it); context (b, s, d_c) for cross-attention; doc_ids (b, t): packed documents,
+        no attention across them (self-attention without a cache)."""
         b, t, _ = x.shape
+        if doc_ids is not None and (cache is not None or self.cross):
+            raise ValueError("doc_ids (packed documents) apply to self-attention without a cache")
         causal, window = self.causal, None
         if self.cross:
             q = self._heads(self.q(x), self.n_heads)
@@ -135,6 +147,8 @@ class MultiHeadAttention(nn.Module):
                     s = k.shape[-2]
                     win = sliding_window_mask(t, s, self.window, device=x.device)
                     mask, causal = combine_masks(mask, win), False
+        if doc_ids is not None and self.sink_logit is not None:  # the rescaling needs a mask
+            mask, doc_ids = combine_masks(mask, document_mask(doc_ids)), None
         y = attend(
             q,
             k,
@@ -144,6 +158,7 @@ class MultiHeadAttention(nn.Module):
             window=window,
             backend=self.backend,
             dropout_p=self.attn_dropout if self.training else 0.0,
+            doc_ids=doc_ids,
         )  # (b, h, t, d_h)
         if self.sink_logit is not None:
             y = sink_rescale(y, q, k, self.sink_logit, mask, causal=causal)

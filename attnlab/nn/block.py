@@ -70,9 +70,20 @@ class TransformerBlock(nn.Module):
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
         cross_cache: LayerCache | None = None,
+        doc_ids: Tensor | None = None,
     ) -> Tensor:
+        """x (b, t, d) -> (b, t, d). ``doc_ids`` (b, t): packed documents, no attention
+        across them; passed only when given, to attention kinds with ``supports_documents``."""
+        docs = {} if doc_ids is None else {"doc_ids": doc_ids}
         x = self._residual(
-            x, self.attn_norm, self.attn, positions=positions, rope=rope, cache=cache, mask=mask
+            x,
+            self.attn_norm,
+            self.attn,
+            positions=positions,
+            rope=rope,
+            cache=cache,
+            mask=mask,
+            **docs,
         )
         if self.cross_attn is not None:
             x = self._residual(
@@ -127,7 +138,9 @@ class TransformerStack(nn.ModuleList):
         mask: Tensor | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        doc_ids: Tensor | None = None,
     ) -> Tensor:
+        """Run every block in order; arguments as :meth:`TransformerBlock.forward`."""
         for i, block in enumerate(self):
             x = block(
                 x,
@@ -138,5 +151,6 @@ class TransformerStack(nn.ModuleList):
                 context=context,
                 context_mask=context_mask,
                 cross_cache=None if cache is None else cache.cross[i],
+                doc_ids=doc_ids,
             )
         return x

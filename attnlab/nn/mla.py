@@ -35,7 +35,12 @@ from torch import Tensor, nn
 from attnlab.cache import Cache, LatentKV, LayerCache
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
-from attnlab.functional.masks import causal_mask, combine_masks, sliding_window_mask
+from attnlab.functional.masks import (
+    causal_mask,
+    combine_masks,
+    document_mask,
+    sliding_window_mask,
+)
 from attnlab.functional.softmax import masked_softmax
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import RMSNorm
@@ -49,7 +54,10 @@ LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a RMSNorms use this, whatever the 
 class MultiHeadLatentAttention(nn.Module):
     """Causal self-attention with a latent key/value cache. Parameter names follow the
     DeepSeek checkpoints (``q_proj`` or ``q_a_proj``/``q_a_norm``/``q_b_proj``,
-    ``kv_a_proj``, ``kv_a_norm``, ``kv_b_proj``) so that they map one to one."""
+    ``kv_a_proj``, ``kv_a_norm``, ``kv_b_proj``) so that they map one to one. ``doc_ids``
+    keeps packed documents apart on both paths (``supports_documents``)."""
+
+    supports_documents = True  # forward takes doc_ids (packed documents)
 
     def __init__(
         self,
@@ -122,7 +130,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _dims(self) -> tuple[int, int, int]:
         return self.nope_dim, self.rope_dim, self.v_dim
 
-    def _naive(self, q_nope, q_rope, latent, mask, causal) -> Tensor:
+    def _naive(self, q_nope, q_rope, latent, mask, causal, doc_ids=None) -> Tensor:
         b, h, _, _ = q_nope.shape
         s = latent.shape[-2]
         c_kv, k_rope = latent.split((self.kv_lora_rank, self.rope_dim), dim=-1)  # (b, 1, s, .)
@@ -133,7 +141,7 @@ class MultiHeadLatentAttention(nn.Module):
             (k_nope, k_rope.expand(b, h, s, self.rope_dim)), dim=-1
         )  # (b, h, s, d_n + d_r)
         q = torch.cat((q_nope, q_rope), dim=-1)  # (b, h, t, d_n + d_r)
-        return self._attend(q, k, v, mask, causal)  # (b, h, t, d_v)
+        return self._attend(q, k, v, mask, causal, doc_ids)  # (b, h, t, d_v)
 
     def _absorbed(self, q_nope, q_rope, latent, mask, causal) -> Tensor:
         w_uk, w_uv = self._up_weights()
@@ -160,7 +168,7 @@ class MultiHeadLatentAttention(nn.Module):
         values = keys[..., : self.kv_lora_rank]  # (b, s, d_c)
         return torch.matmul(weights.view(b, h * t, s), values).view(b, h, t, -1)
 
-    def _attend(self, q, k, v, mask, causal) -> Tensor:
+    def _attend(self, q, k, v, mask, causal, doc_ids=None) -> Tensor:
         return attend(
             q,
             k,
@@ -170,6 +178,7 @@ class MultiHeadLatentAttention(nn.Module):
             scale=self.scale,
             backend=self.backend,
             dropout_p=self.attn_dropout if self.training else 0.0,
+            doc_ids=doc_ids,
         )
 
     def _project(
@@ -215,12 +224,16 @@ class MultiHeadLatentAttention(nn.Module):
         cache: LayerCache | None = None,
         mask: Tensor | None = None,
         context: Tensor | None = None,
+        doc_ids: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d); positions (b, t) (for RoPE, unless ``rope`` tables are given);
         cache: this layer's :class:`LatentKV`; mask: extra mask broadcastable to
-        (b, h, t, s), e.g. key padding (under a cache the cache supplies it)."""
+        (b, h, t, s), e.g. key padding (under a cache the cache supplies it); doc_ids
+        (b, t): packed documents, no attention across them (without a cache)."""
         if context is not None:
             raise ValueError("multi-head latent attention is self-attention only")
+        if doc_ids is not None and cache is not None:
+            raise ValueError("doc_ids (packed documents) apply without a cache")
         b, t, _ = x.shape
         h = self.n_heads
         q_nope, q_rope, c_kv, k_rope, _ = self._project(x, positions, rope)
@@ -234,8 +247,12 @@ class MultiHeadLatentAttention(nn.Module):
                 mask = combine_masks(mask, sliding_window_mask(t, t, self.window, device=x.device))
                 causal = False
         path = self.choose_path(t, latent.shape[-2], cache is not None)
-        run = self._absorbed if path == "absorbed" else self._naive
-        y = run(q_nope, q_rope, latent, mask, causal)  # (b, h, t, d_v)
+        if path == "absorbed" and doc_ids is not None:  # latent attention takes masks only
+            mask, doc_ids = combine_masks(mask, document_mask(doc_ids)), None
+        if path == "absorbed":
+            y = self._absorbed(q_nope, q_rope, latent, mask, causal)  # (b, h, t, d_v)
+        else:
+            y = self._naive(q_nope, q_rope, latent, mask, causal, doc_ids)
         y = y.transpose(1, 2).reshape(b, t, h * self.v_dim)  # (b, t, h d_v)
         return self.resid_dropout(self.out(y))
 

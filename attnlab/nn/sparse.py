@@ -132,6 +132,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
     those only, so core attention costs O(k) per token whatever the context."""
 
     has_aux = True
+    supports_documents = False  # the indexer's top-k would select across packed documents
 
     def __init__(self, d_model: int, cfg: AttentionConfig, **kwargs):
         super().__init__(d_model, cfg, **kwargs)

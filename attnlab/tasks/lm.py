@@ -7,6 +7,13 @@ time, spread over the whole split, each smaller sample a subset of every larger 
 and ``max_batches=None`` takes them all. The metric is the token-weighted mean
 cross-entropy (nats), with perplexity and bits per token.
 
+Packed documents (``data.options.pack_documents=true``): blocks still start anywhere in
+the stream, but the corpus's documents (each file of a folder, each topic of the embedded
+corpus; a single file is one document) are kept apart inside a block: the model gets
+document ids, so no token attends across a boundary and positions restart at 0 in each
+document, and the first token of a document is not a target (predicting it from the
+previous document's context means nothing), in training and evaluation alike.
+
 Shapes: b batch, t block size.
 """
 
@@ -14,12 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.config import ConfigError, _Config
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
 
 if TYPE_CHECKING:
@@ -126,11 +135,24 @@ def lm_summary(total: float, count: int) -> dict[str, float]:
     }
 
 
+@dataclass
+class LMOptions(_Config):
+    """``data.options`` of the lm task: ``pack_documents`` keeps the corpus's documents
+    apart inside each block (document mask, positions restarting per document)."""
+
+    pack_documents: bool = False
+
+    def validate(self, path: str = "data.options") -> None:
+        """Nothing to check beyond the type (a bool)."""
+
+
 class LanguageModelling(Task):
-    """Decoder-only next-token prediction; the model takes ``(x, targets=y)``."""
+    """Decoder-only next-token prediction; the model takes ``(x, targets=y)``, and
+    ``doc_ids`` too with ``data.options.pack_documents``."""
 
     name = "lm"
     unit = "tokens"
+    options = LMOptions
 
     def __init__(
         self,
@@ -142,6 +164,7 @@ class LanguageModelling(Task):
         eval_sample: bool = True,
     ) -> None:
         super().__init__(cfg, tokenizer=tokenizer, data=data)
+        self.pack_documents = self.data_options(cfg).pack_documents
         if data is None:
             from attnlab.data import prepare_data
 
@@ -153,7 +176,35 @@ class LanguageModelling(Task):
         data.check_block(self.block_size)
 
     def configure_model(self, model_cfg: ModelConfig) -> None:
+        """Set the vocabulary size; with packed documents, check the model can take
+        document ids (ConfigError naming ``data.options.pack_documents`` otherwise)."""
         model_cfg.vocab_size = self.tokenizer.vocab_size
+        if self.pack_documents:
+            from attnlab.models.build import MODELS
+
+            check = getattr(MODELS.get(model_cfg.arch), "documents_unsupported", None)
+            reason = (
+                f"model arch {model_cfg.arch!r} takes no document ids"
+                if check is None
+                else check(model_cfg)
+            )
+            if reason:
+                raise ConfigError(
+                    f"data.options.pack_documents: {reason}, or set "
+                    "data.options.pack_documents=false"
+                )
+
+    def blocks(
+        self, split: str, starts: Tensor, device: torch.device | str | None = None
+    ) -> tuple[Tensor, ...]:
+        """The blocks at ``starts``: (x, y) (b, t), or with packed documents (x, y, doc_ids),
+        y ignoring (-100) the first token of each document."""
+        x, y = self.data.batch(split, starts, self.block_size)
+        if not self.pack_documents:
+            return x.to(device), y.to(device)
+        docs = self.data.document_ids(split, starts, self.block_size + 1)  # (b, t + 1)
+        y = y.masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE_INDEX)  # a new document starts
+        return x.to(device), y.to(device), docs[:, :-1].to(device)
 
     # ------------------------------------------------------------ training
 
@@ -161,11 +212,11 @@ class LanguageModelling(Task):
         return self.data.sample_starts("train", n, self.block_size, generator)  # (n,)
 
     def batch(self, keys: Tensor, device: torch.device | str | None = None) -> Any:
-        return self.data.batch("train", keys, self.block_size, device)  # x, y: (b, t)
+        return self.blocks("train", keys, device)  # x, y (, doc_ids): (b, t)
 
     def step(self, model: nn.Module, batch: Any) -> StepOutput:
-        x, y = batch
-        out = model(x, targets=y)
+        x, y, *docs = batch
+        out = model(x, targets=y, **({"doc_ids": docs[0]} if docs else {}))
         aux_loss, metrics = model_extras(out)
         return StepOutput(loss=out.loss, count=y.numel(), aux_loss=aux_loss, metrics=metrics)
 
@@ -229,13 +280,14 @@ class LanguageModelling(Task):
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | str | None = None,
-    ) -> Iterable[tuple[Tensor, Tensor]]:
-        """This process's (x, y) batches: block j covers x = tokens[j t : (j + 1) t]."""
+    ) -> Iterable[tuple[Tensor, ...]]:
+        """This process's (x, y) batches (x, y, doc_ids with packed documents): block j
+        covers x = tokens[j t : (j + 1) t]."""
         blocks = self.eval_block_indices(batch_size, max_batches)
         mine = shard(len(blocks), rank, world_size)
         starts = blocks[mine.start : mine.stop] * self.block_size
         for chunk in starts.split(batch_size):
-            yield self.data.batch("val", chunk, self.block_size, device)
+            yield self.blocks("val", chunk, device)
 
     def eval_sums(
         self,
@@ -250,14 +302,15 @@ class LanguageModelling(Task):
         if device is None:
             device = next(model.parameters()).device
         total, count, blocks, block_sum, block_sq = 0.0, 0, 0, 0.0, 0.0
-        for x, y in self.eval_batches(batch_size, max_batches, rank, world_size, device):
-            logits = model(x).logits  # (b, t, V)
+        for x, y, *docs in self.eval_batches(batch_size, max_batches, rank, world_size, device):
+            logits = model(x, **({"doc_ids": docs[0]} if docs else {})).logits  # (b, t, V)
             losses = F.cross_entropy(
                 logits.float().flatten(0, 1), y.flatten(), reduction="none"
-            ).view(y.shape)  # (b, t)
-            per_block = losses.mean(dim=1)  # (b,)
+            ).view(y.shape)  # (b, t); ignored targets give 0
+            scored = (y != IGNORE_INDEX).sum(dim=1)  # (b,)
+            per_block = losses.sum(dim=1) / scored.clamp(min=1)  # (b,)
             total += float(losses.sum())
-            count += y.numel()
+            count += int(scored.sum())
             blocks += len(per_block)
             block_sum += float(per_block.sum())
             block_sq += float((per_block * per_block).sum())
