@@ -7,11 +7,13 @@ from __future__ import annotations
 from attnlab.tasks.base import StepOutput, Task, eval_mode, model_extras, shard
 from attnlab.tasks.images import ImageClassification
 from attnlab.tasks.lm import LanguageModelling
+from attnlab.tasks.lm_stream import StreamingLanguageModelling
 from attnlab.tasks.mlm import MaskedLanguageModelling
 from attnlab.tasks.translation import NumbersTranslation
 
 TASKS: dict[str, type[Task]] = {
     "lm": LanguageModelling,
+    "lm-stream": StreamingLanguageModelling,
     "mlm": MaskedLanguageModelling,
     "seq2seq": NumbersTranslation,
     "image-classification": ImageClassification,
@@ -46,6 +48,7 @@ __all__ = [
     "MaskedLanguageModelling",
     "NumbersTranslation",
     "StepOutput",
+    "StreamingLanguageModelling",
     "Task",
     "eval_mode",
     "get_task",
