@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from _common import machine, setup_threads, table
 from attnlab import build_model
+from attnlab.functional.attention import attend
 from attnlab.presets import get_run_preset
 from attnlab.training import load_checkpoint, train
 
@@ -88,27 +89,71 @@ def dense(model: torch.nn.Module, tokens: torch.Tensor) -> np.ndarray:
     return token_losses(model(tokens[None, :-1]).logits[0], tokens[1:])
 
 
+@torch.inference_mode()
+def first_token_attention(
+    model: torch.nn.Module, windows: torch.Tensor
+) -> list[tuple[float, float]]:
+    """Per layer: (the attention weight on position 0, averaged over the queries at
+    positions w/2..w-1 of ``windows`` (n, w), for the head that gives it most; the same
+    average of 1 / (p + 1), what uniform attention would give). An attention sink is a
+    head whose weight on the first token is far above uniform."""
+    w = model.cfg.max_seq_len
+    inputs: list = []
+    hooks = [
+        block.attn.register_forward_pre_hook(
+            lambda mod, args, kwargs: inputs.append((mod, args[0], kwargs["rope"])),
+            with_kwargs=True,
+        )
+        for block in model.blocks
+    ]
+    try:
+        model(windows)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = []
+    later = torch.arange(w // 2, w)
+    uniform = float((1.0 / (later + 1)).mean())
+    for attn, x, rope in inputs:
+        q, k, v = attn._project_self(attn.qkv(x), rope)  # (1, h, w, d_h), RoPE applied
+        _, weights = attend(q, k, v, causal=True, backend="eager", return_weights=True)
+        on_first = weights[:, :, w // 2 :, 0].mean((0, 2))  # (h,)
+        out.append((float(on_first.max()), uniform))
+    return out
+
+
 def plot(curves: dict[str, np.ndarray], window: int, path: Path) -> None:
+    """Top: the smoothed loss of each reader by position; bottom: each bounded reader minus
+    recompute (the top curves of the three can lie on top of each other)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
     kernel = np.ones(SMOOTH) / SMOOTH
-    for name, losses in curves.items():
-        smooth = np.convolve(losses, kernel, mode="valid")
-        ax.plot(np.arange(len(smooth)) + SMOOTH, smooth, label=name, lw=1.4)
-    ax.axvline(window, color="grey", ls=":", lw=1)
-    ax.text(window, ax.get_ylim()[1], " cache full / trained length", va="top", fontsize=8)
-    ax.set_xlabel("position of the predicted token")
-    ax.set_ylabel(f"loss (nats), {SMOOTH}-token moving average")
-    ax.set_title("Reading 10x the trained length: window vs attention sinks")
-    ax.legend()
+    smooth = {name: np.convolve(c, kernel, mode="valid") for name, c in curves.items()}
+    x = np.arange(len(next(iter(smooth.values())))) + SMOOTH
+    styles = {"window": "-", "sinks": "--", "recompute": ":", "dense": "-"}
+    for name, y in smooth.items():
+        top.plot(x, y, styles.get(name, "-"), label=name, lw=1.6)
+    for name in ("window", "sinks"):
+        bottom.plot(x, smooth[name] - smooth["recompute"], styles[name], label=name, lw=1.4)
+    for ax in (top, bottom):
+        ax.axvline(window, color="grey", ls=":", lw=1)
+    top.set_ylabel(f"loss (nats), {SMOOTH}-token mean")
+    top.set_title(f"Reading 10x the trained length of {window} tokens")
+    top.legend(loc="upper left", ncol=4, fontsize=8)
+    bottom.axhline(0, color="black", lw=0.6)
+    bottom.set_ylabel("minus recompute")
+    bottom.set_xlabel(f"position of the predicted token (dotted: {window}, the cache is full)")
+    bottom.legend(loc="upper left", ncol=2, fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    print(f"saved {path.relative_to(ROOT)}")
+    print(f"saved {path}")
 
 
 def main() -> None:
@@ -162,6 +207,22 @@ def main() -> None:
     rows.append(["all"] + [f"{curves[name].mean():.3f}" for name in readers])
     rows.append(["seconds"] + [f"{seconds[name]:.1f}" for name in readers])
     print(table(["positions", *readers], rows))
+    print("\n(seconds: measured while other jobs shared the CPU)")
+    starts = [i * (length + 1) for i in range(args.texts)]  # the texts' first windows
+    windows = torch.stack([torch.as_tensor(val[s : s + window].astype(np.int64)) for s in starts])
+    first = first_token_attention(model, windows)
+    print(
+        f"\nattention weight on the first token of the texts' first windows, queries at "
+        f"positions {window // 2}-"
+        f"{window - 1}, the most attentive head of each layer (an attention sink would be far "
+        "above uniform)\n"
+    )
+    print(
+        table(
+            ["layer", "weight on token 0", "uniform"],
+            [[i, f"{a:.4f}", f"{u:.4f}"] for i, (a, u) in enumerate(first)],
+        )
+    )
     plot(curves, window, args.plot)
 
 
