@@ -229,7 +229,9 @@ class GlobalWindowKV(LayerCache):
         return [self.global_k, self.global_v, *self.ring.tensors()]
 
     def reorder(self, index: Tensor, batch: int) -> None:
-        super().reorder(index, batch)
+        # Explicit: global_pos (g,) is not batch-first, even when g equals the batch.
+        for name in ("global_k", "global_v", "global_valid"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
         self.ring.reorder(index, batch)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -177,3 +177,17 @@ def test_kv_bytes_count_the_global_entries(capsys):
     assert after["bytes"]["8192"] - before["bytes"]["8192"] == 4 * before["bytes_per_token"]
     assert main([*argv, "--set", "train.lr=1"]) == 1
     assert "kv only uses model.* fields" in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_reordered_cache_equals_one_built_for_the_new_rows():
+    """Beam search reorders rows: the global keys and the ring follow them."""
+    model = decoder()
+    idx = torch.randint(0, 40, (2, 9))
+    cache = model.new_cache(2, 16)
+    model(idx, cache=cache)
+    cache.reorder(torch.tensor([1, 0, 1]))
+    fresh = model.new_cache(3, 16)
+    model(idx[[1, 0, 1]], cache=fresh)
+    nxt = torch.randint(0, 40, (3, 1))
+    torch.testing.assert_close(model(nxt, cache=cache).logits, model(nxt, cache=fresh).logits)
