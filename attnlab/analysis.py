@@ -217,9 +217,11 @@ def kv_cache_bytes(
 
 def windowed_kv_entries(cfg: ModelConfig, seq_len: int) -> int:
     """Token entries held over all layers for a context of ``seq_len``: a local
-    (sliding-window) layer keeps min(window, T) (its ring), a global layer T."""
+    (sliding-window) layer keeps min(window, T) (its ring) plus one entry per
+    ``attention.global_tokens`` position (kept for good), a global layer T."""
     windows = [cfg.attention.window_of(layer) for layer in range(cfg.n_layers)]
-    return sum(seq_len if w is None else min(w, seq_len) for w in windows)
+    n_global = len(cfg.attention.global_tokens)
+    return sum(seq_len if w is None else min(w, seq_len) + n_global for w in windows)
 
 
 def weights_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:

@@ -188,6 +188,82 @@ class RollingKV(LayerCache):
         return mask, False
 
 
+class GlobalWindowKV(LayerCache):
+    """A sliding-window layer with global tokens (``attention.global_tokens``, Longformer):
+    the ring of the last ``window`` tokens (a :class:`RollingKV`) and, kept for good, the
+    keys and values of the global positions, stored rotated at their own positions (not
+    re-placed like :class:`SinkKV`'s), so decoding equals the full forward pass's
+    :func:`~attnlab.functional.masks.global_window_mask` attention however long it runs.
+    A global query sees every earlier token: the ring still holds them all when every
+    global position lies inside the first window, which the constructor requires.
+    Shapes: global keys (b, h_kv, g, d_h), ring (b, h_kv, w, d_h)."""
+
+    shared_slots = False
+
+    def __init__(
+        self, cache: Cache, n_kv_heads: int, head_dim: int, window: int, global_tokens: list[int]
+    ):
+        super().__init__(cache)
+        late = [p for p in global_tokens if p >= window]
+        if late:
+            raise CacheError(
+                f"attention.global_tokens: position {late[0]} >= sliding_window={window}: a "
+                "global query attends to every earlier token, which a windowed cache does "
+                "not keep; cached decoding needs global positions below the window"
+            )
+        self.window = window
+        self.ring = RollingKV(cache, n_kv_heads, head_dim, window)
+        self.global_pos = torch.tensor(global_tokens, dtype=torch.long, device=cache.device)
+        self._shapes = (n_kv_heads, head_dim)
+        self.reset()
+
+    def reset(self) -> None:
+        b, (h_kv, d_h), g = self.cache.batch, self._shapes, len(self.global_pos)
+        kw = dict(dtype=self.cache.dtype, device=self.cache.device)
+        self.global_k = torch.zeros(b, h_kv, g, d_h, **kw)
+        self.global_v = torch.zeros(b, h_kv, g, d_h, **kw)
+        self.global_valid = torch.zeros(b, g, dtype=torch.bool, device=self.cache.device)
+        self.ring.reset()
+
+    def tensors(self) -> list[Tensor]:
+        return [self.global_k, self.global_v, *self.ring.tensors()]
+
+    def reorder(self, index: Tensor, batch: int) -> None:
+        # Explicit: global_pos (g,) is not batch-first, even when g equals the batch.
+        for name in ("global_k", "global_v", "global_valid"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        self.ring.reorder(index, batch)
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep the new global tokens' keys/values (b, h_kv, t, d_h), write the ring; return
+        [global; ring; new] (b, h_kv, g + w + t, d_h) to attend to."""
+        step = self.cache._step
+        if step is None:
+            raise CacheError("cache.begin(t) must come before a layer writes to the cache")
+        p = step.positions  # (b, t)
+        valid = step.valid if step.valid is not None else torch.ones_like(p, dtype=torch.bool)
+        onehot = valid[:, :, None] & (p[:, :, None] == self.global_pos)  # (b, t, g)
+        hit = onehot.any(1)[:, None, :, None]  # (b, 1, g, 1)
+        w = onehot.to(self.global_k.dtype)
+        new_k = torch.einsum("btg,bhtd->bhgd", w, k.to(w.dtype))
+        new_v = torch.einsum("btg,bhtd->bhgd", w, v.to(w.dtype))
+        self.global_k.copy_(torch.where(hit, new_k, self.global_k))
+        self.global_v.copy_(torch.where(hit, new_v, self.global_v))
+        self.global_valid |= onehot.any(1)
+        ring_k, ring_v = self.ring.update(k, v)  # (b, h_kv, w + t, d_h)
+        return torch.cat((self.global_k, ring_k), 2), torch.cat((self.global_v, ring_v), 2)
+
+    def mask(self, window: int | None = None) -> tuple[Tensor | None, bool]:
+        """(b, 1, t, g + w + t): the global keys up to the query, and the window over the
+        ring and the new tokens without the global ones (held once, above)."""
+        ring_mask, _ = self.ring.mask(window)  # (b, 1, t, w + t)
+        k_pos = self.ring._keys[0]  # (b, w + t)
+        ring_mask = ring_mask & ~torch.isin(k_pos, self.global_pos)[:, None, None, :]
+        q_pos = self.cache._step.positions[:, None, :, None]  # (b, 1, t, 1)
+        g_mask = self.global_valid[:, None, None, :] & (self.global_pos <= q_pos)  # (b, 1, t, g)
+        return torch.cat((g_mask, ring_mask), -1), False
+
+
 class SinkKV(LayerCache):
     """StreamingLLM (Xiao et al. 2023): the first ``sinks`` tokens of each row, kept for
     good, plus a ring of the last ``window - sinks``. Keys are stored un-rotated and given

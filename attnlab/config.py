@@ -251,6 +251,12 @@ class AttentionConfig(_Config):
     # sliding_window - sink_tokens tokens). Decoding keeps un-rotated keys and places them
     # at their positions within the cache, as the paper does.
     sink_tokens: int = 0
+    # Global tokens (Longformer, Beltagy et al. 2020): these absolute positions attend to
+    # every position and every position attends to them, beside the local sliding_window
+    # (which they need: without a window every causal query already sees them). Distinct,
+    # increasing, below max_seq_len. Cached decoding keeps their keys for good (like
+    # sinks, at their own positions), so they must lie inside the first window there.
+    global_tokens: list[int] = field(default_factory=list)
     # Learned sink logit per head (GPT-OSS): one more softmax column with no value.
     sink_logits: bool = False
     backend: str = "sdpa"
@@ -429,6 +435,7 @@ class AttentionConfig(_Config):
             )
         if self.sink_logits and self.sink_tokens:
             _fail(f"{path}.sink_logits", "cannot be combined with sink_tokens (yet)")
+        self._validate_global(path)
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.kind == "linear":  # a running sum over every past token: no window, no sinks
@@ -441,6 +448,20 @@ class AttentionConfig(_Config):
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
                 "use a divisor of n_heads (n_heads for MHA, 1 for MQA)",
             )
+
+    def _validate_global(self, path: str) -> None:
+        g, at = self.global_tokens, f"{path}.global_tokens"
+        if not g:
+            return
+        if any(p < 0 for p in g) or any(a >= b for a, b in zip(g, g[1:])):
+            _fail(at, f"must be distinct positions >= 0 in increasing order, got {g}")
+        if self.sliding_window is None:
+            _fail(at, "global tokens only change a windowed layer; set attention.sliding_window")
+        if self.kind != "mha":
+            _fail(at, f"is implemented by attention.kind='mha' only, not {self.kind!r}")
+        for name in ("sink_tokens", "sink_logits"):
+            if getattr(self, name):
+                _fail(at, f"cannot be combined with {name} (leading global tokens are sinks)")
 
     @property
     def kv_heads(self) -> int:
@@ -459,9 +480,13 @@ class AttentionConfig(_Config):
         if self.layer_pattern is None:
             return self
         window = self.window_of(layer)
-        sinks = self.sink_tokens if window is not None else 0  # global layers see everything
+        local = window is not None  # global layers see everything: no sinks, no global tokens
         return dataclasses.replace(
-            self, sliding_window=window, layer_pattern=None, sink_tokens=sinks
+            self,
+            sliding_window=window,
+            layer_pattern=None,
+            sink_tokens=self.sink_tokens if local else 0,
+            global_tokens=list(self.global_tokens) if local else [],
         )
 
 
@@ -653,6 +678,12 @@ class ModelConfig(_Config):
             _fail(
                 at("attention.head_dim"),
                 f"RoPE rotates pairs of dimensions, so head_dim must be even, got {self.head_dim}",
+            )
+        if self.attention.global_tokens and self.attention.global_tokens[-1] >= self.max_seq_len:
+            _fail(
+                at("attention.global_tokens"),
+                f"position {self.attention.global_tokens[-1]} is not below max_seq_len="
+                f"{self.max_seq_len}",
             )
         window = self.attention.sliding_window
         if window is not None and self.position.kind == "learned" and window >= self.max_seq_len:

@@ -544,6 +544,31 @@ def nanogpt_cpu_run() -> RunConfig:
     )
 
 
+def xl_tiny_run() -> RunConfig:
+    """Transformer-XL as its paper trains it (task lm-stream): each of the 16 batch rows
+    reads its own contiguous part of the embedded corpus (character level) in consecutive
+    segments of 64 tokens, the memory of 64 hidden states per layer carried from one step
+    to the next; validation reads the validation split the same way."""
+    return RunConfig(
+        model=xl_tiny(),
+        train=TrainConfig(
+            batch_size=16,
+            block_size=64,
+            max_steps=1500,
+            lr=2e-3,
+            min_lr=2e-4,
+            warmup_steps=50,
+            weight_decay=0.1,
+            eval_every=100,
+            eval_batches=8,
+            log_every=10,
+            time_budget=120.0,
+        ),
+        data=DataConfig(tokenizer="char"),
+        task="lm-stream",
+    )
+
+
 def bert_tiny_mlm_run() -> RunConfig:
     """A BERT-style encoder (post-norm, learned positions, GELU MLP, tied MLM decoder), 2
     layers, d_model 64, masked LM on the embedded corpus at character level, block 64."""
@@ -733,6 +758,10 @@ def vit_digits_run() -> RunConfig:
 
 
 RUN_PRESETS: dict[str, tuple[Callable[[], RunConfig], str]] = {
+    "xl-tiny": (
+        xl_tiny_run,
+        "Transformer-XL, 2 layers, d 64, memory 64: streamed chars, memory carried; 120 s CPU",
+    ),
     "bert-tiny-mlm": (bert_tiny_mlm_run, "BERT-style encoder, 2 layers, d 64: masked LM, chars"),
     "bert-tiny-langid": (
         bert_tiny_langid_run,

@@ -71,7 +71,7 @@ def describe(cfg, n_params: int) -> str:
 VARIANTS = {
     "demo": ("demo", {}, 1.0),
     "demo, 1/4 budget": ("demo", {}, 0.25),
-    "demo + muon, 1/4 budget": ("demo", {"train.optimizer": "muon"}, 0.25),
+    "demo + muon, 1/4 budget": ("demo", {"train.optimizer": "muon", "train.lr": 0.01}, 0.25),
 }
 
 

@@ -40,7 +40,7 @@ def main() -> None:
         "preset": {},
         "compile": {"train.compile": True},
         "bf16": {"train.dtype": "bfloat16"},
-        "muon": {"train.optimizer": "muon"},
+        "muon": {"train.optimizer": "muon", "train.lr": 0.01},  # its best of 3e-3, 6e-3, 1e-2
     }
     runs = {}
     base = {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": args.steps}

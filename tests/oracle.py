@@ -77,6 +77,35 @@ def sliding_window_allowed(t: int, s: int, window: int) -> Tensor:
     return allowed
 
 
+def global_window_allowed(
+    positions: Tensor,
+    window: int,
+    global_positions: list[int],
+    *,
+    causal: bool = True,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """(b, 1, t, t) bool over tokens at absolute ``positions`` (b, t), Longformer's rule
+    one pair at a time: a key is visible when it lies in the query's window (causal: the
+    last ``window`` positions, the query's own included; else within ``window - 1`` on
+    either side) or when the key or the query is global; causal hides later keys; keys
+    that are not ``valid`` (b, t) (padding) are hidden."""
+    b, t = positions.shape
+    allowed = torch.zeros(b, 1, t, t, dtype=torch.bool)
+    for r in range(b):
+        for i in range(t):
+            p = int(positions[r, i])
+            for j in range(t):
+                q = int(positions[r, j])
+                if valid is not None and not valid[r, j]:
+                    continue
+                if causal and q > p:
+                    continue
+                local = 0 <= p - q < window if causal else abs(p - q) < window
+                allowed[r, 0, i, j] = local or p in global_positions or q in global_positions
+    return allowed
+
+
 def sinusoid_table(n_positions: int, d: int) -> Tensor:
     """(n_positions, d): p[i, 2j] = sin(i / 10000^(2j/d)), p[i, 2j+1] = cos(i / 10000^(2j/d))."""
     table = torch.zeros(n_positions, d, dtype=torch.float64)

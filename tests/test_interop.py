@@ -361,8 +361,9 @@ def test_config_rope_forms():
     qwen = {**base, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4}
     assert config_from_hf(qwen).attention.sliding_window is None
     mixed = {**qwen, "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 2}
-    with pytest.raises(HFCheckpointError, match="some layers"):
-        config_from_hf(mixed)
+    assert config_from_hf(mixed).attention.layer_pattern == "GL"  # layer 0 global
+    with pytest.raises(HFCheckpointError, match="layer_types=.*full_attention or sliding"):
+        config_from_hf({**mixed, "layer_types": ["sliding_attention", "chunked_attention"]})
 
 
 def test_config_errors():

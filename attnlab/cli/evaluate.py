@@ -1,5 +1,7 @@
 """``attnlab eval``: a checkpoint's task metrics on its validation set; for language
-models the held-out loss, perplexity and bits per token / character, also of any text."""
+models the held-out loss, perplexity and bits per token / character, also of any text.
+A model with a segment memory (Transformer-XL) reads the text as one stream, segment by
+segment, its memory carried from each segment to the next."""
 
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
+LM_TASKS = ("lm", "lm-stream")  # evaluated as language models, of any text
+
+
 def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> np.ndarray:
     from attnlab.data import DOCUMENT_SEPARATOR, read_corpus
     from attnlab.tokenizers import TokenizerError
@@ -74,14 +79,14 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.model.vocab_size)
-    if cfg.task == "lm":
+    if cfg.task in LM_TASKS:
         report = _language_modelling(args, model, cfg, tokenizer, device)
     else:
         report = _task_metrics(args, model, cfg, tokenizer, device)
     if args.json:
         print(json.dumps(report))
         return 0
-    if cfg.task != "lm":
+    if cfg.task not in LM_TASKS:
         for name, value in report.items():
             shown = f"{value:.4f}" if isinstance(value, float) else str(value)
             print(f"{name:<15} {shown}")
@@ -91,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"tokens          {report['tokens']:,} ({characters:,} characters, "
         f"block {report['block_size']}"
-        + (f", stride {report['stride']})" if report.get("stride") else ")")
+        + (f", stride {report['stride']}" if report.get("stride") else "")
+        + (f", memory {report['memory']} carried" if report.get("memory") else "")
+        + ")"
     )
     print(f"loss            {report['loss']:.4f} nats/token")
     print(f"perplexity      {report['perplexity']:.3f}")
@@ -177,7 +184,10 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         data = prepare_data(cfg.data, tokenizer=tokenizer)
         source = f"validation split of {cfg.data.path or 'the embedded corpus'}"
     task = None
-    if args.stride is not None:
+    memory = getattr(model.cfg, "mem_len", None) if hasattr(model, "new_memory") else None
+    if memory is not None:
+        result = _with_memory(args, model, data.val, block_size, device)
+    elif args.stride is not None:
         result = _strided(args, model, data.val, block_size, batch_size, device)
     else:
         task = LanguageModelling(
@@ -212,8 +222,31 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         "bits_per_char": total_bits / characters if characters else None,
         "block_size": block_size,
         "stride": args.stride,
+        "memory": memory,
         "source": source,
     }
+
+
+def _with_memory(args, model, tokens, block_size: int, device: str) -> dict:
+    """The whole text as one stream in consecutive segments of ``block_size``, the model's
+    memory carried from each to the next (Transformer-XL); ``--max-batches`` segments."""
+    import torch
+
+    from attnlab.tasks.base import eval_mode
+    from attnlab.tasks.lm import lm_summary
+    from attnlab.tasks.lm_stream import stream_loss_sums
+
+    if args.stride is not None:
+        raise CLIError(
+            "--stride: this model reads the text in segments with its memory carried, not "
+            "in overlapping windows; drop --stride"
+        )
+    stream = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]  # (1, n)
+    with eval_mode(model):
+        total, count = stream_loss_sums(
+            model, stream, block_size, max_segments=args.max_batches, device=device
+        )
+    return lm_summary(total, count)
 
 
 def _strided(args, model, tokens, block_size: int, batch_size: int, device: str) -> dict:

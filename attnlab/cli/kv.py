@@ -13,7 +13,14 @@ import json
 
 import torch
 
-from attnlab.cli.common import positive_float, positive_int, run_preset
+from attnlab.cli.common import (
+    CLIError,
+    parse_assignments,
+    positive_float,
+    positive_int,
+    run_preset,
+)
+from attnlab.config import RunConfig
 
 KV_DTYPES = {
     "float32": torch.float32,
@@ -45,6 +52,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="sequence length (repeatable; default 4096)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a model field of every preset, e.g. model.attention.sliding_window=4096 "
+        "(repeatable)",
+    )
     p.add_argument("--batch", type=positive_int, default=1, help="sequences per cache")
     p.add_argument("--dtype", choices=list(KV_DTYPES), default="bfloat16", help="cache dtype")
     p.add_argument(
@@ -58,7 +72,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def model_report(
-    name: str, seq_lens: list[int], batch: int, dtype: torch.dtype, gpu_gb: float
+    name: str,
+    seq_lens: list[int],
+    batch: int,
+    dtype: torch.dtype,
+    gpu_gb: float,
+    overrides: dict | None = None,
 ) -> dict:
     from attnlab.analysis import (
         count_parameters,
@@ -69,6 +88,11 @@ def model_report(
     )
 
     cfg = run_preset(name).model
+    if overrides:
+        bad = [key for key in overrides if not key.startswith("model.")]
+        if bad:
+            raise CLIError(f"--set {bad[0]}: kv only uses model.* fields")
+        cfg = RunConfig(model=cfg).override(overrides).model
     itemsize = torch.empty((), dtype=dtype).element_size()
     params = count_parameters(cfg)["total"]
     weights = params * itemsize
@@ -93,7 +117,10 @@ def model_report(
 def run(args: argparse.Namespace) -> int:
     seq_lens = args.seq_len or [4096]
     dtype = KV_DTYPES[args.dtype]
-    reports = [model_report(n, seq_lens, args.batch, dtype, args.gpu_gb) for n in args.preset]
+    overrides = parse_assignments(args.set)
+    reports = [
+        model_report(n, seq_lens, args.batch, dtype, args.gpu_gb, overrides) for n in args.preset
+    ]
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0

@@ -58,21 +58,28 @@ def global_window_mask(
     else within ``window - 1`` positions on either side), or when the key or the query is
     global: global tokens attend everywhere and are attended by every position. ``causal``
     then still hides keys after the query. ``global_tokens``: the number of leading global
-    positions, or a bool tensor (s,) marking them (Longformer's task tokens, BigBird-ITC).
+    positions, or a bool tensor (s,) marking them (Longformer's task tokens, BigBird-ITC),
+    or (b, s) marking them per row (left-padded rows), which gives a (b, 1, t, s) mask.
     In a causal decoder leading global tokens are StreamingLLM's attention sinks
     (:func:`sink_window_mask` with ``sinks`` more positions in its window)."""
     q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
     k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
     if isinstance(global_tokens, Tensor):
-        is_global = global_tokens.to(device=k_pos.device, dtype=torch.bool)  # (s,)
-        if is_global.shape != (s,):
-            raise ValueError(f"global_tokens must have shape ({s},), got {tuple(is_global.shape)}")
+        is_global = global_tokens.to(device=k_pos.device, dtype=torch.bool)  # (s,) or (b, s)
+        if is_global.shape[-1:] != (s,) or is_global.dim() > 2:
+            raise ValueError(
+                f"global_tokens must have shape ({s},) or (b, {s}), got {tuple(is_global.shape)}"
+            )
     else:
         is_global = torch.arange(s, device=device) < global_tokens  # (s,)
     dist = q_pos - k_pos  # (t, s)
     local = (dist >= 0) & (dist < window) if causal else dist.abs() < window
-    mask = local | is_global[None, :] | is_global[s - t :, None]  # key or query global
-    return mask & (dist >= 0) if causal else mask
+    key_global = is_global[..., None, :]  # (.., 1, s)
+    query_global = is_global[..., s - t :, None]  # (.., t, 1)
+    mask = local | key_global | query_global  # (t, s) or (b, t, s)
+    if causal:
+        mask = mask & (dist >= 0)
+    return mask if is_global.dim() == 1 else mask[:, None]  # (b, 1, t, s)
 
 
 def positions_from_padding(

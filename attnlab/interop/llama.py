@@ -55,11 +55,14 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 # --------------------------------------------------------------------------- configs
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, str | None]:
+    """(sliding_window, layer_pattern): Mistral windows every layer; Qwen2 only with
+    use_sliding_window, on the layers ``layer_types`` (or max_window_layers) names, which
+    become an attnlab layer pattern (L local, G global) when some layers are global."""
     if model_type == "mistral":
-        return hf.get("sliding_window")
+        return hf.get("sliding_window"), None
     if model_type != "qwen2" or not hf.get("use_sliding_window", False):
-        return None  # LLaMA has no window; Qwen2 ignores sliding_window unless enabled
+        return None, None  # LLaMA has no window; Qwen2 ignores sliding_window unless enabled
     window = hf.get("sliding_window")
     n_layers = get(hf, "num_hidden_layers")
     first = hf.get("max_window_layers", 28)
@@ -68,14 +71,15 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
         for i in range(n_layers)
     ]
     kinds = set(layer_types)
+    if kinds - {"full_attention", "sliding_attention"} or len(layer_types) != n_layers:
+        raise HFCheckpointError(
+            f"layer_types={layer_types}: expected {n_layers} of full_attention or sliding_attention"
+        )
     if kinds <= {"full_attention"} or window is None:
-        return None
+        return None, None
     if kinds == {"sliding_attention"}:
-        return window
-    raise HFCheckpointError(
-        f"Qwen2 with a sliding window on some layers only (layer_types={layer_types}) is not "
-        "supported; attnlab uses one window for every layer"
-    )
+        return window, None
+    return window, "".join("L" if k == "sliding_attention" else "G" for k in layer_types)
 
 
 def _biases(model_type: str, qkv: bool, out: bool, mlp: bool) -> tuple[bool, bool, bool]:
@@ -94,6 +98,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
     qkv_bias, out_bias, mlp_bias = _biases(
         model_type, attention_bias, attention_bias, bool(hf.get("mlp_bias", False))
     )
+    window, layer_pattern = _sliding_window(hf, model_type)
     return ModelConfig(
         vocab_size=get(hf, "vocab_size"),
         max_seq_len=get(hf, "max_position_embeddings"),
@@ -106,7 +111,8 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
             qkv_bias=qkv_bias,
             out_bias=out_bias,
             dropout=hf.get("attention_dropout", 0.0),
-            sliding_window=_sliding_window(hf, model_type),
+            sliding_window=window,
+            layer_pattern=layer_pattern,
         ),
         position=PositionConfig(kind="rope", rope_layout="split", **rope_settings(hf, _ROPE_TYPES)),
         ffn=FFNConfig(
@@ -136,6 +142,12 @@ def export_type(cfg: ModelConfig) -> str:
         return "qwen2" if qwen_biases else "llama"
     if qwen_biases:
         return "qwen2"
+    mixed = att.layer_pattern is not None and len(set(att.layer_pattern)) > 1
+    if mixed:
+        raise unrepresentable(
+            "local and global layers (attention.layer_pattern) export as Qwen2 only: "
+            "q/k/v biases and no others"
+        )
     if not (att.qkv_bias or att.out_bias or cfg.ffn.bias):
         return "mistral"
     raise unrepresentable(
@@ -168,13 +180,13 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         hf["pretraining_tp"] = 1
     elif model_type == "mistral":
         hf["sliding_window"] = att.sliding_window
-    else:  # qwen2: one window for every layer, or none
+    else:  # qwen2: the window on the local layers of attention.layer_pattern (or all)
         window = att.sliding_window
+        local = [att.window_of(i) is not None for i in range(cfg.n_layers)]
         hf["use_sliding_window"] = window is not None
         hf["sliding_window"] = window
-        hf["max_window_layers"] = 0 if window is not None else cfg.n_layers
-        kind = "sliding_attention" if window is not None else "full_attention"
-        hf["layer_types"] = [kind] * cfg.n_layers
+        hf["max_window_layers"] = local.index(True) if any(local) else cfg.n_layers
+        hf["layer_types"] = ["sliding_attention" if w else "full_attention" for w in local]
     return hf
 
 

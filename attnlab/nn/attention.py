@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnlab.cache import Cache, CrossKV, DenseKV, LayerCache, RollingKV, SinkKV
+from attnlab.cache import Cache, CrossKV, DenseKV, GlobalWindowKV, LayerCache, RollingKV, SinkKV
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import (
     combine_masks,
     document_mask,
+    global_window_mask,
     sink_window_mask,
     sliding_window_mask,
 )
@@ -62,6 +63,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = cfg.head_dim or d_model // cfg.n_heads
         self.causal, self.cross = causal and not cross, cross
         self.window, self.sinks = cfg.sliding_window, cfg.sink_tokens
+        self.global_tokens = list(cfg.global_tokens)  # Longformer positions, beside the window
         self.backend, self.attn_dropout = cfg.backend, cfg.dropout
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
@@ -85,6 +87,10 @@ class MultiHeadAttention(nn.Module):
             return CrossKV(cache)
         if self.sinks:
             return SinkKV(cache, self.n_kv_heads, self.head_dim, self.window, self.sinks)
+        if self.global_tokens:
+            return GlobalWindowKV(
+                cache, self.n_kv_heads, self.head_dim, self.window, self.global_tokens
+            )
         if self.window is not None:
             return RollingKV(cache, self.n_kv_heads, self.head_dim, self.window)
         return DenseKV(cache, self.n_kv_heads, self.head_dim)
@@ -140,6 +146,8 @@ class MultiHeadAttention(nn.Module):
                 s = k.shape[-2]
                 win = sink_window_mask(t, s, self.window, self.sinks, device=x.device)
                 mask, causal = combine_masks(mask, win), False
+            elif self.global_tokens and k.shape[-2] > self.window:
+                mask, causal = combine_masks(mask, self._global_mask(positions, t, x.device)), False
             elif self.window is not None and k.shape[-2] > self.window:
                 if self.sink_logit is None:  # attend's window: flash skips the blocks outside
                     window = self.window
@@ -164,6 +172,15 @@ class MultiHeadAttention(nn.Module):
             y = sink_rescale(y, q, k, self.sink_logit, mask, causal=causal)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
+
+    def _global_mask(self, positions: Tensor | None, t: int, device: torch.device) -> Tensor:
+        """(b or 1, 1, t, t): the local window plus ``global_tokens``, picked by the tokens'
+        absolute positions (left padding shifts them)."""
+        if positions is None:
+            positions = torch.arange(t, device=device)[None, :]  # (1, t)
+        wanted = torch.tensor(self.global_tokens, device=positions.device)
+        is_global = torch.isin(positions, wanted)  # (b or 1, t)
+        return global_window_mask(t, t, self.window, is_global, causal=self.causal)
 
     def _project_self(self, qkv: Tensor, rope: RopeTables | None) -> tuple[Tensor, Tensor, Tensor]:
         """Split [q; k; v] (b, t, (h + 2 h_kv) d_h) into heads, q and k rotated by ``rope``.

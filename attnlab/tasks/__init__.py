@@ -7,6 +7,7 @@ from __future__ import annotations
 from attnlab.tasks.base import StepOutput, Task, eval_mode, model_extras, shard
 from attnlab.tasks.images import ImageClassification
 from attnlab.tasks.lm import LanguageModelling
+from attnlab.tasks.lm_stream import StreamingLanguageModelling
 from attnlab.tasks.mlm import MaskedLanguageModelling
 from attnlab.tasks.question_answering import QuestionAnswering
 from attnlab.tasks.text_classification import TextClassification
@@ -15,6 +16,7 @@ from attnlab.tasks.translation import NumbersTranslation
 
 TASKS: dict[str, type[Task]] = {
     "lm": LanguageModelling,
+    "lm-stream": StreamingLanguageModelling,
     "mlm": MaskedLanguageModelling,
     "seq2seq": NumbersTranslation,
     "image-classification": ImageClassification,
@@ -53,6 +55,7 @@ __all__ = [
     "NumbersTranslation",
     "QuestionAnswering",
     "StepOutput",
+    "StreamingLanguageModelling",
     "Task",
     "TextClassification",
     "TokenClassification",

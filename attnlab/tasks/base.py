@@ -11,7 +11,9 @@ Training batches. ``sample(n, generator)`` draws the keys of ``n`` training exam
 lays the ``n = grad_accum * world_size * batch_size`` keys out as
 ``(grad_accum, world_size, batch_size, ...)`` and each process takes its column, so a
 run's data depends on the global batch only (exact resume, DDP equal to one process).
-``batch(keys, device)`` turns one micro-batch of keys into tensors.
+``batch(keys, device)`` turns one micro-batch of keys into tensors. A task that carries
+state from step to step (a streamed memory) saves it through ``state_dict`` and
+``load_state_dict``, which the trainer keeps in every checkpoint.
 
 Evaluation. ``eval_sums`` returns additive totals over this process's slice of one fixed
 validation set (its size must not depend on the number of processes); the trainer adds
@@ -129,6 +131,16 @@ class Task:
     def step(self, model: nn.Module, batch: Any) -> StepOutput:
         """Forward ``batch`` through ``model`` (train mode, gradients on)."""
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """This process's part of the task's training state (what it carries from one step
+        to the next, e.g. a model's memory), saved in every checkpoint: tensors, numbers,
+        strings, None and lists/dicts of them. Stateless tasks (the default): {}."""
+        return {}
+
+    def load_state_dict(self, parts: list[dict[str, Any]]) -> None:
+        """Restore a checkpoint's state: ``parts`` holds every process's :meth:`state_dict`
+        of the saved run, one per process (their number may differ from this run's)."""
 
     # ------------------------------------------------------------ evaluation
 

@@ -557,6 +557,7 @@ class Trainer:
         self.last_train_loss = state["train_loss"]
         self.last_val_step = state.get("val_step")
         self.eval_batches = state.get("eval_batches", self.tc.eval_batches)
+        self.task.load_state_dict(state.get("task", []))
         if max_steps_override is not None:
             self.schedule_steps = self.run_steps = max_steps_override
         elif state["budget_fitted"]:
@@ -565,12 +566,12 @@ class Trainer:
             self.budget_fitted = True
 
     def _trainer_state(self, elapsed: float) -> dict:
-        rng = _rng_state(self.device)
+        mine = (_rng_state(self.device), self.task.state_dict())
         if self.dist.enabled:
             gathered: list = [None] * self.dist.world_size
-            dist.all_gather_object(gathered, rng)
+            dist.all_gather_object(gathered, mine)
         else:
-            gathered = [rng]
+            gathered = [mine]
         return {
             "step": self.step,
             "schedule_steps": self.schedule_steps,
@@ -580,7 +581,8 @@ class Trainer:
             "train_time": self.train_time,
             "optimizer": self.optimizer.state_dict(),
             "data_rng": self.data_generator.get_state(),
-            "rng": gathered,  # one {"cpu", "cuda"?} per process
+            "rng": [rng for rng, _ in gathered],  # one {"cpu", "cuda"?} per process
+            "task": [task for _, task in gathered],  # Task.state_dict() of each process
             "world_size": self.dist.world_size,
             "best_val_loss": self.best_val_loss,
             "val_loss": self.last_val_loss,
