@@ -391,6 +391,15 @@ def length_penalty(length: int, alpha: float, style: str = "transformers") -> fl
     return float(length) ** alpha
 
 
+def block_tokens(scores: Tensor, ids: Sequence[int]) -> Tensor:
+    """``scores`` (..., V) with -inf at the token ``ids``, which are then never chosen
+    (transformers' ``bad_words_ids`` of single tokens: Marian's pad token)."""
+    if not ids:
+        return scores
+    index = torch.tensor(list(ids), dtype=torch.long, device=scores.device)
+    return scores.index_fill(-1, index, float("-inf"))
+
+
 def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: float, style: str):
     if style not in BEAM_STYLES:
         raise ValueError(f"style must be one of {', '.join(BEAM_STYLES)}, got {style!r}")
@@ -414,6 +423,8 @@ def beam_search_core(
     length_penalty: float = 1.0,
     n_best: int = 1,
     style: str = "transformers",
+    blocked_ids: Sequence[int] = (),
+    renormalize: bool = False,
 ) -> list[list[Hypothesis]]:
     """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
     input and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
@@ -421,7 +432,9 @@ def beam_search_core(
     (b * beams, V). ``eos_id``: the end token(s). The number of beams per row is
     ``num_beams`` (fewer at first when the vocabulary is small). Returns, per row, its
     ``n_best`` best hypotheses, best first (scoring and stopping: the comment above,
-    ``style``)."""
+    ``style``). ``blocked_ids`` are never chosen: as in transformers, their log-probabilities
+    become -inf after the log-softmax, and with ``renormalize`` the rest are log-softmaxed
+    again (``renormalize_logits``), else they keep the mass the blocked tokens had."""
     k, alpha = num_beams, length_penalty
     check_beam_search(k, max_new_tokens, n_best, alpha, style)
     gnmt = style == "gnmt"
@@ -436,7 +449,10 @@ def beam_search_core(
     done = [False] * b
     for step in range(max_new_tokens):
         beams = scores.shape[1]
-        logp = torch.log_softmax(logits.float(), dim=-1).view(b, beams, V) + scores[..., None]
+        logp = block_tokens(torch.log_softmax(logits.float(), dim=-1), blocked_ids)
+        if renormalize and blocked_ids:
+            logp = torch.log_softmax(logp, dim=-1)
+        logp = logp.view(b, beams, V) + scores[..., None]  # (b, beams, V)
         n_cand = min(2 * k, beams * V)
         top, flat = logp.view(b, beams * V).topk(n_cand, dim=-1)  # (b, C)
         beam, tok = flat // V, flat % V

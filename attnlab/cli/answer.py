@@ -1,5 +1,5 @@
 """``attnlab answer``: answer a question with a span of a context, with a checkpoint of the
-question-answering task."""
+question-answering task or an imported ``BertForQuestionAnswering`` (its own tokenizer)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import json
 
 import torch
 
-from attnlab.cli.common import CLIError, load_text_task, positive_int, resolve_device
+from attnlab.cli.common import (
+    CLIError,
+    add_tokenizer_argument,
+    load_text_task,
+    positive_int,
+    resolve_device,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -16,7 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "answer",
         help="answer a question from a context (a question-answering checkpoint)",
         description="Find the answer to a question as a span of the context, with an encoder "
-        "trained for the question-answering task (attnlab train --preset bert-tiny-qa). "
+        "trained for the question-answering task (attnlab train --preset bert-tiny-qa) or an "
+        "imported BertForQuestionAnswering. "
         "The score is p(start) * p(end), softmax over the context tokens.",
     )
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
@@ -28,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="longest answer in tokens (default: the task's max_answer_tokens)",
     )
+    add_tokenizer_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
@@ -38,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.tasks.text import check_length
 
     device = resolve_device(args.device)
-    model, cfg, codec, opts = load_text_task(args.ckpt, device, "question-answering", "answer")
+    model, cfg, codec, opts = load_text_task(
+        args.ckpt, device, "question-answering", "answer", args.tokenizer
+    )
     if not args.context.strip():
         raise CLIError("--context is empty; give the text that holds the answer")
     ids, types, offset, spans = encode_question(codec, args.question, args.context)

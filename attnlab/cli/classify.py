@@ -2,7 +2,9 @@
 images with a ViT (the image-classification task, or an imported ViT whose classes are
 shown by their names, config.json's ``id2label``; each image is resized to the model's
 size, its channel count must be the model's, 1: grayscale), texts with an encoder of the
-text-classification task (the class names are the task's labels)."""
+text-classification task (the class names are the task's labels) or an imported
+``BertForSequenceClassification`` (its id2label's names, its own WordPiece tokenizer and
+special tokens)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnlab.cli.common import CLIError, load_for_inference, positive_int, resolve_device
+from attnlab.cli.common import (
+    CLIError,
+    add_tokenizer_argument,
+    load_for_inference,
+    positive_int,
+    resolve_device,
+    tokenizer_option,
+)
 
 CHANNELS_OF_MODE = {"1": 1, "L": 1, "I": 1, "I;16": 1, "F": 1, "P": 3, "RGB": 3, "RGBA": 4,
                     "LA": 2, "CMYK": 4, "YCbCr": 3}  # fmt: skip
@@ -24,8 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "classify",
         help="classify images or texts (an image- or text-classification checkpoint)",
         description="Classify images with a ViT trained for the image-classification task "
-        "(attnlab train --preset vit-digits), or texts with an encoder trained for the "
-        "text-classification task (attnlab train --preset bert-tiny-langid). Pixels are "
+        "(attnlab train --preset vit-digits) or an imported ViT, or texts with an encoder "
+        "trained for the text-classification task (attnlab train --preset bert-tiny-langid) "
+        "or an imported BertForSequenceClassification. Pixels are "
         "scaled to [0, 1]; the digits were light strokes on a dark ground (use --invert for "
         "dark on light).",
     )
@@ -38,6 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--invert", action="store_true", help="images: use 1 - pixel (dark on light)")
     p.add_argument("--top", type=positive_int, default=3, metavar="K", help="classes shown")
+    add_tokenizer_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
@@ -82,15 +93,18 @@ def run(args: argparse.Namespace) -> int:
     if cfg.task == "text-classification":
         if args.invert:
             raise CLIError("--invert applies to images; this is a text-classification checkpoint")
+        tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.model.vocab_size)
         report = classify_texts(model, cfg, tokenizer, args.inputs, args.top, device, args.ckpt)
     elif cfg.model.arch == "vit":  # trained for image-classification, or an imported ViT
+        if args.tokenizer:
+            raise CLIError("--tokenizer applies to texts; this is an image classifier")
         report = classify_images(model, cfg, args.inputs, args.invert, args.top, device)
     else:
         raise CLIError(
             f"{args.ckpt} holds a {cfg.model.arch!r} model for task {cfg.task!r}; classify "
             "needs an image-classification checkpoint (attnlab train --preset vit-digits, or "
             "an imported ViT) or a text-classification one (attnlab train --preset "
-            "bert-tiny-langid)"
+            "bert-tiny-langid) or an imported BertForSequenceClassification"
         )
     if args.json:
         print(json.dumps(report, ensure_ascii=False))
@@ -127,14 +141,18 @@ def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: 
 
 
 def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str, ckpt) -> dict:
-    """text -> {"class": label name, "top": [[name, prob], ...]} for each text."""
-    from attnlab.cli.common import require_tokenizer
-    from attnlab.tasks import TASKS
-    from attnlab.tasks.text import TextCodec, check_length, pad
+    """text -> {"class": label name, "top": [[name, prob], ...]} for each text: softmax
+    over the classes of ``[CLS] text [SEP]`` (the texts padded to one batch)."""
+    from attnlab.cli.common import label_names, require_tokenizer, text_codec
+    from attnlab.tasks.text import check_length, pad
 
-    task = TASKS[cfg.task]
-    names = task.label_names(task.data_options(cfg))
-    codec = TextCodec(require_tokenizer(tokenizer, ckpt))
+    if cfg.model.n_labels == 1:
+        raise CLIError(
+            f"{ckpt}: the model has one output (a regression head, n_labels=1); classify needs "
+            "a classifier of two or more classes"
+        )
+    names = label_names(cfg)
+    codec = text_codec(require_tokenizer(tokenizer, ckpt), cfg.model.vocab_size)
     rows = [codec.single(codec.encode(text)[0]) for text in texts]
     for text, row in zip(texts, rows):
         check_length(len(row), cfg.model.max_seq_len, f"the text {text!r}")

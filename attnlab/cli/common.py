@@ -280,18 +280,48 @@ def human_bytes(n: float) -> str:
 # ------------------------------------------------------------------ encoder text tasks
 
 
-def load_text_task(path: str | Path, device: str, task: str, command: str):
-    """(model, RunConfig, TextCodec, the task's parsed data options) of a checkpoint
-    trained for the encoder text ``task``; one CLIError naming the preset otherwise."""
+def load_text_task(path: str | Path, device: str, task: str, command: str, tokenizer_file=None):
+    """(model, RunConfig, TextCodec, the task's parsed data options) of a checkpoint of the
+    encoder text ``task`` (trained, or an imported Hugging Face BERT with that head), its
+    tokenizer replaced by ``tokenizer_file`` when given; one CLIError naming the preset
+    otherwise."""
     from attnlab.tasks import TASKS
-    from attnlab.tasks.text import TextCodec
 
     model, cfg, tokenizer = load_for_inference(path, device)
     if cfg.task != task:
         preset = TASKS[task].preset
         raise CLIError(
             f"{path} was trained for task {cfg.task!r}; {command} needs a {task} checkpoint "
-            f"(attnlab train --preset {preset})"
+            f"(attnlab train --preset {preset}) or an imported Hugging Face BERT of that task"
         )
-    tokenizer = require_tokenizer(tokenizer, path)
-    return model, cfg, TextCodec(tokenizer), TASKS[task].data_options(cfg)
+    tokenizer = tokenizer_option(tokenizer_file, tokenizer, cfg.model.vocab_size)
+    codec = text_codec(require_tokenizer(tokenizer, path), cfg.model.vocab_size)
+    return model, cfg, codec, TASKS[task].data_options(cfg)
+
+
+def text_codec(tokenizer: Tokenizer, vocab_size: int):
+    """The :class:`~attnlab.tasks.text.TextCodec` of ``tokenizer`` for a model of
+    ``vocab_size`` embeddings (see :func:`attnlab.tasks.text.text_codec`); a CLIError when
+    its special ids do not fit the model."""
+    from attnlab.tasks import text
+
+    codec = text.text_codec(tokenizer)
+    if codec.vocab_size > vocab_size:
+        raise CLIError(
+            f"the tokenizer ({tokenizer.vocab_size} tokens) has no [CLS], [SEP] and [PAD] of "
+            f"its own and the model no ids past it (vocab_size={vocab_size}); give the "
+            "model's own tokenizer.json with --tokenizer FILE"
+        )
+    return codec
+
+
+def label_names(cfg: RunConfig) -> list[str]:
+    """The names of an encoder head's labels, in label order: the model's ``label_names``
+    (an imported model's id2label), else those of the task it was trained for."""
+    from attnlab.tasks import TASKS
+
+    names = getattr(cfg.model, "label_names", None)
+    if names is not None:
+        return list(names)
+    task = TASKS[cfg.task]
+    return list(task.label_names(task.data_options(cfg)))

@@ -26,6 +26,9 @@ from attnlab.cli.common import DTYPES, CLIError, add_dtype_argument, check_dir, 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # which transformers class runs tokenizer.json
 GENERATION_CONFIG = "generation_config.json"  # eos_token_id, read by ``generate``
+# config.json's special token ids, which transformers' generate takes from
+# generation_config.json alone when there is one
+TOKEN_ID_KEYS = ("bos_token_id", "decoder_start_token_id", "pad_token_id", "eos_token_id")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +67,7 @@ def _refuse_same(src: Path, out: Path) -> None:
 def run_import(args: argparse.Namespace) -> int:
     from attnlab.config import RunConfig
     from attnlab.interop import config_from_hf, load_hf
-    from attnlab.interop.io import read_config
+    from attnlab.interop.io import read_config, with_generation_config
     from attnlab.interop.registry import lookup
     from attnlab.tokenizers import load_tokenizer
     from attnlab.training.checkpoint import save_checkpoint
@@ -75,7 +78,7 @@ def run_import(args: argparse.Namespace) -> int:
         raise CLIError(
             f"{src}: not a Hugging Face model folder (needs a config.json with model_type)"
         )
-    hf_config = read_config(src)
+    hf_config = with_generation_config(src, read_config(src))
     family, _ = lookup(hf_config)  # the family and config, before the weights
     tokenizer_file = Path(args.tokenizer) if args.tokenizer else src / TOKENIZER_FILE
     tokenizer = None
@@ -107,6 +110,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from attnlab.interop import save_hf
+    from attnlab.interop.io import GENERATION_KEYS, read_config
     from attnlab.training.checkpoint import load_checkpoint
 
     ckpt_dir, out = check_dir(args.ckpt, "checkpoint folder"), Path(args.out)
@@ -114,8 +118,14 @@ def run_export(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(ckpt_dir)
     save_hf(ckpt.model, out)
     written = ["config.json", "model.safetensors"]
-    eos = _copy_generation_config(ckpt_dir, out)
-    if eos:
+    # transformers reads generation settings from generation_config.json alone when there
+    # is one: the settings save_hf put in config.json (Marian's blocked pad token) and its
+    # special token ids (Marian's decoder start) go there too
+    hf_config = read_config(out)
+    settings = {k: hf_config[k] for k in GENERATION_KEYS if k in hf_config}
+    token_ids = {k: hf_config[k] for k in TOKEN_ID_KEYS if hf_config.get(k) is not None}
+    eos = _copy_generation_config(ckpt_dir, out, settings, token_ids)
+    if (out / GENERATION_CONFIG).is_file():
         written.append(GENERATION_CONFIG)
     if ckpt.tokenizer is not None:
         ckpt.tokenizer.save(out / TOKENIZER_FILE)
@@ -149,19 +159,25 @@ def _write_tokenizer_config(out: Path, tokenizer, max_seq_len: int, eos: list[in
     atomic_write_text(out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
 
 
-def _copy_generation_config(src: Path, out: Path) -> list[int]:
+def _copy_generation_config(
+    src: Path, out: Path, settings: dict | None = None, token_ids: dict | None = None
+) -> list[int]:
     """Carry the end-of-sequence tokens (``eos_token_id`` of generation_config.json, else of
     an HF config.json) from ``src`` to ``out``/generation_config.json, where ``generate``
-    looks for them; returns them ([] when ``src`` has none)."""
+    looks for them; with them, or with generation ``settings`` (an exported Marian's
+    blocked tokens), the file also gets ``settings`` and ``token_ids`` (the exported
+    config.json's). Returns the end-of-sequence tokens ([] when ``src`` has none)."""
     import json
 
     from attnlab.fileio import atomic_write_text
     from attnlab.interop.io import eos_token_ids
 
     eos = eos_token_ids(src)
-    if not eos:
+    if not eos and not settings:
         (out / GENERATION_CONFIG).unlink(missing_ok=True)  # none left from an older export
         return []
-    data = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
+    data = {**(token_ids or {}), **(settings or {})}
+    if eos:
+        data["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     atomic_write_text(out / GENERATION_CONFIG, json.dumps(data, indent=2) + "\n")
     return eos

@@ -1,15 +1,18 @@
 """``attnlab tag``: tag the words of texts with a checkpoint of the token-classification
-task (people, cities, dates and numbers in BIO tags) and list the entities found."""
+task (people, cities, dates and numbers in BIO tags), or an imported
+``BertForTokenClassification`` (its id2label's tags, its own tokenizer), and list the
+entities found (read from BIO tags; labels of another scheme give none)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
+from collections.abc import Sequence
 
 import torch
 
-from attnlab.cli.common import load_text_task, resolve_device
+from attnlab.cli.common import add_tokenizer_argument, label_names, load_text_task, resolve_device
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -18,27 +21,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tag entities in text (a token-classification checkpoint)",
         description="Tag each word of a text (BIO tags of PER, CITY, DATE, NUM) with an "
         "encoder trained for the token-classification task (attnlab train --preset "
-        "bert-tiny-ner), and list the entities: a word shows the tag of its first token.",
+        "bert-tiny-ner) or an imported BertForTokenClassification, and list the entities: "
+        "a word shows the tag of its first token.",
     )
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
     p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to tag")
+    add_tokenizer_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON list, one object a text")
     p.set_defaults(handler=run)
 
 
-def tag_text(model, codec, text: str, max_seq_len: int, device: str = "cpu") -> dict:
-    """{"text", "tokens", "words", "entities"} of one text: each token and each
-    whitespace-separated word with its tag, and the entities' labels, texts and spans."""
+def tag_text(
+    model,
+    codec,
+    text: str,
+    max_seq_len: int,
+    device: str = "cpu",
+    labels: Sequence[str] | None = None,
+) -> dict:
+    """{"text", "tokens", "words", "entities"} of one text: each token (with its character
+    span) and each whitespace-separated word with its tag, and the entities' labels, texts
+    and spans. ``labels``: the names of the model's labels (default: the task's BIO tags)."""
     from attnlab.tasks.text import check_length
     from attnlab.tasks.token_classification import TAGS, entity_spans
+
+    labels = TAGS if labels is None else labels
 
     ids, spans = codec.encode(text)
     inputs = codec.single(ids)
     check_length(len(inputs), max_seq_len, "the text")
     with torch.no_grad():
         logits = model(torch.tensor([inputs], device=device)).logits[0, 1:-1]  # (n, tags)
-    tags = [TAGS[i] for i in logits.argmax(-1).tolist()]
+    tags = [labels[i] for i in logits.argmax(-1).tolist()]
     words = []
     for word in re.finditer(r"\S+", text):
         first = next(
@@ -51,7 +66,10 @@ def tag_text(model, codec, text: str, max_seq_len: int, device: str = "cpu") -> 
         entities.append({"label": label, "text": text[start:end], "start": start, "end": end})
     return {
         "text": text,
-        "tokens": [{"token": codec.token_text(i), "tag": t} for i, t in zip(ids, tags)],
+        "tokens": [
+            {"token": codec.token_text(i), "tag": t, "start": a, "end": b}
+            for i, t, (a, b) in zip(ids, tags, spans)
+        ],
         "words": words,
         "entities": entities,
     }
@@ -59,8 +77,13 @@ def tag_text(model, codec, text: str, max_seq_len: int, device: str = "cpu") -> 
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    model, cfg, codec, _ = load_text_task(args.ckpt, device, "token-classification", "tag")
-    reports = [tag_text(model, codec, text, cfg.model.max_seq_len, device) for text in args.texts]
+    model, cfg, codec, _ = load_text_task(
+        args.ckpt, device, "token-classification", "tag", args.tokenizer
+    )
+    labels = label_names(cfg)
+    reports = [
+        tag_text(model, codec, text, cfg.model.max_seq_len, device, labels) for text in args.texts
+    ]
     if args.json:
         print(json.dumps(reports, ensure_ascii=False))
         return 0

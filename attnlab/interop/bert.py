@@ -1,7 +1,11 @@
 """BERT (``model_type`` bert) <-> attnlab :class:`~attnlab.models.encoder.EncoderModel`; the
 head follows config.json's ``architectures``: ``BertForMaskedLM`` (mlm),
 ``BertForSequenceClassification`` (sequence), ``BertForTokenClassification`` (token),
-``BertForQuestionAnswering`` (qa), ``BertModel`` (none).
+``BertForQuestionAnswering`` (qa), ``BertModel`` (none). The classifiers' label names
+(config.json's ``id2label``) become ``EncoderConfig.label_names`` (the label ids as text where
+id2label has none or only transformers' ``LABEL_<i>``) and are written back on export; the
+imported checkpoint records the task its head serves (:data:`TASK_OF_HEAD`), so ``classify``,
+``tag``, ``answer`` and ``fill-mask`` run it.
 
 Layouts (attnlab Linear weights are (out, in), like transformers'):
 
@@ -38,6 +42,7 @@ from attnlab.interop.io import (
     get,
     hf_activation,
     label_entries,
+    label_names,
     n_labels,
     unplan,
     unrepresentable,
@@ -53,6 +58,15 @@ HEAD_ARCHITECTURES = {
 }
 ARCHITECTURES = {"bert": tuple(HEAD_ARCHITECTURES)}
 ARCHITECTURE_OF_HEAD = {head: arch for arch, head in HEAD_ARCHITECTURES.items()}
+# The attnlab task (``attnlab.tasks.TASKS``) of each head; "lm" for none (no task runs it).
+TASK_OF_HEAD = {
+    "mlm": "mlm",
+    "sequence": "text-classification",
+    "token": "token-classification",
+    "qa": "question-answering",
+    "none": "lm",
+}
+NAMED_HEADS = ("sequence", "token")  # heads whose labels have names (id2label)
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 # Buffers transformers saves (position and token-type ids); recomputed, never loaded.
 IGNORED = re.compile(r"^(bert\.)?embeddings\.(position_ids|token_type_ids)$")
@@ -65,6 +79,10 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfi
     labels = n_labels(hf)
     if arch == "BertForQuestionAnswering" and labels != 2:
         raise HFCheckpointError(f"a QA model has 2 outputs (start, end), got num_labels={labels}")
+    head = HEAD_ARCHITECTURES[arch]
+    names = None
+    if head in NAMED_HEADS:
+        names = label_names(hf, labels) or numbered(labels)
     return EncoderConfig(
         vocab_size=get(hf, "vocab_size"),
         max_seq_len=get(hf, "max_position_embeddings"),
@@ -89,10 +107,16 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfi
         dropout=float(hf.get("hidden_dropout_prob", 0.0)),
         init_std=float(hf.get("initializer_range", 0.02)),
         type_vocab_size=hf.get("type_vocab_size", 2),
-        head=HEAD_ARCHITECTURES[arch],
+        head=head,
         n_labels=labels,
         classifier_dropout=hf.get("classifier_dropout"),
+        label_names=names,
     )
+
+
+def numbered(n: int) -> list[str]:
+    """The label names of a classifier whose labels have none: its label ids as text."""
+    return [str(i) for i in range(n)]
 
 
 def exports(cfg: ModelConfig) -> bool:
@@ -141,9 +165,16 @@ def config_to_hf(cfg: EncoderConfig, model_type: str, dtype: torch.dtype) -> dic
         "classifier_dropout": cfg.classifier_dropout,
         "position_embedding_type": "absolute",
         "pad_token_id": 0,
-        **label_entries(2 if cfg.head == "qa" else cfg.n_labels),
+        **label_entries(2 if cfg.head == "qa" else cfg.n_labels, _names(cfg)),
         **dtype_entries(dtype),
     }
+
+
+def _names(cfg: EncoderConfig) -> list[str] | None:
+    """The id2label names export writes: the labels' names (transformers' defaults where
+    they are only numbered)."""
+    names = cfg.label_names
+    return None if names is None or names == numbered(cfg.n_labels) else names
 
 
 # (attnlab suffix, HF suffix) of each block's single-tensor parameters
@@ -225,5 +256,5 @@ FAMILY = Family(
     exports=exports,
     export_type=export_type,
     ignored=IGNORED,
-    task=lambda cfg: "mlm" if cfg.head == "mlm" else "lm",
+    task=lambda cfg: TASK_OF_HEAD[cfg.head],
 )

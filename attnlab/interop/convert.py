@@ -17,6 +17,7 @@ from attnlab.interop.io import (
     read_config,
     unrepresentable,
     weight_files,
+    with_generation_config,
     write_folder,
 )
 from attnlab.interop.registry import FAMILIES, lookup
@@ -84,12 +85,14 @@ def load_hf(
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
     LLaMA, Mistral, Qwen2, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for BERT,
     ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
-    ``from_pretrained`` does. ``dtype`` defaults to float32 whatever the checkpoint stores;
+    ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
+    blocked pad token, from generation_config.json or else config.json, as transformers
+    reads them). ``dtype`` defaults to float32 whatever the checkpoint stores;
     ``device`` defaults to the CPU. The model is built on the meta device and each
     parameter is allocated once, in ``dtype`` on ``device``, and read from the files:
     loading needs about the memory of the loaded model, not twice it."""
     path = Path(path)
-    hf_config = read_config(path)
+    hf_config = with_generation_config(path, read_config(path))
     cfg = config_from_hf(hf_config)
     family, _ = lookup(hf_config)
     rename = family.rename or (lambda name: name)

@@ -223,6 +223,28 @@ def read_config(path: Path) -> dict[str, Any]:
         raise HFCheckpointError(f"{config_file}: not valid JSON ({e})") from None
 
 
+# Generation settings a family maps (Marian's blocked pad token), read as transformers reads
+# them: from generation_config.json where the folder has one, else from config.json.
+GENERATION_KEYS = ("bad_words_ids", "renormalize_logits")
+
+
+def with_generation_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` (folder ``path``'s config.json) with the :data:`GENERATION_KEYS` of its
+    generation_config.json in place of its own where the folder has that file
+    (transformers then ignores config.json's), else ``hf`` unchanged."""
+    file = path / GENERATION_CONFIG_NAME
+    if not file.is_file():
+        return hf
+    try:
+        generation = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(generation, dict):
+        raise HFCheckpointError(f"{file}: expected a JSON object")
+    out = {k: v for k, v in hf.items() if k not in GENERATION_KEYS}
+    return out | {k: generation[k] for k in GENERATION_KEYS if k in generation}
+
+
 def _eos_of(data: Any) -> list[int] | None:
     eos = data.get("eos_token_id") if isinstance(data, dict) else None
     if eos is None:

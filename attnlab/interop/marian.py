@@ -6,6 +6,9 @@ positions in the split layout (all sines, then all cosines), no final norms, one
 shared by source, target and output (tied), and a ``final_logits_bias``. With
 ``share_encoder_decoder_embeddings=false`` the source (``vocab_size``) and the target
 (``decoder_vocab_size``) have vocabularies of their own, the output tied to the target's.
+Opus-mt models ask generation never to emit the pad token (``bad_words_ids: [[pad]]``, with
+``renormalize_logits``): single-token entries become ``Seq2SeqConfig.blocked_ids`` (the
+end-of-sequence token left out, as transformers does), written back on export.
 
     model.shared (= encoder/decoder embed_tokens, lm_head)   -> src_emb (= tgt_emb, lm_head)
       unshared: model.encoder.embed_tokens                   -> src_emb (attnlab src_vocab_size)
@@ -71,6 +74,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqCon
     if get(hf, "d_model") % 2:
         raise HFCheckpointError("an odd d_model is not supported")
     pad = get(hf, "pad_token_id")
+    eos = get(hf, "eos_token_id")
     return Seq2SeqConfig(
         vocab_size=V,
         max_seq_len=get(hf, "max_position_embeddings"),
@@ -101,8 +105,31 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqCon
         final_logits_bias=True,
         pad_id=pad,
         bos_id=hf.get("decoder_start_token_id", pad),
-        eos_id=get(hf, "eos_token_id"),
+        eos_id=eos,
+        blocked_ids=blocked_ids(hf.get("bad_words_ids"), eos),
+        renormalize_logits=bool(hf.get("renormalize_logits", False)),
     )
+
+
+def blocked_ids(bad_words_ids: Any, eos: int) -> list[int]:
+    """The tokens of ``bad_words_ids`` ([[id], ...]; None: none) but ``eos``, which
+    transformers never blocks."""
+    if bad_words_ids is None:
+        return []
+    ok = isinstance(bad_words_ids, list) and all(
+        isinstance(w, list) and all(isinstance(i, int) for i in w) for w in bad_words_ids
+    )
+    if not ok:
+        raise HFCheckpointError(
+            f"bad_words_ids must be a list of lists of ids, got {bad_words_ids!r}"
+        )
+    longer = [w for w in bad_words_ids if len(w) != 1]
+    if longer:
+        raise HFCheckpointError(
+            f"bad_words_ids: only single tokens are supported, got {longer[0]}; remove the "
+            "longer entries from config.json / generation_config.json"
+        )
+    return sorted({w[0] for w in bad_words_ids} - {eos})
 
 
 def exports(cfg: ModelConfig) -> bool:
@@ -162,8 +189,17 @@ def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dic
         "share_encoder_decoder_embeddings": cfg.share_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings,
         "is_encoder_decoder": True,
+        **generation_entries(cfg),
         **dtype_entries(dtype),
     }
+
+
+def generation_entries(cfg: Seq2SeqConfig) -> dict[str, Any]:
+    """The blocked tokens as transformers' generation settings (none when none)."""
+    if not cfg.blocked_ids:
+        return {}
+    bad = [[i] for i in cfg.blocked_ids]
+    return {"bad_words_ids": bad, "renormalize_logits": cfg.renormalize_logits}
 
 
 _LAYER = [

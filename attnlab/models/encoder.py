@@ -46,7 +46,9 @@ class EncoderConfig(ModelConfig):
     every projection, GELU MLP, learned positions, token types, a LayerNorm on the
     embeddings. ``head``: ``mlm`` (masked LM, tied decoder + bias), ``sequence`` (pooled
     [CLS] -> n_labels; n_labels 1 is regression), ``token`` (a label per token), ``qa``
-    (start/end logits), ``none`` (hidden states)."""
+    (start/end logits), ``none`` (hidden states). ``label_names``: the names of the
+    ``sequence``/``token`` head's labels in label order (an imported model's id2label);
+    None: the names of the task the model was trained for."""
 
     arch: str = "encoder"
     attention: AttentionConfig = field(
@@ -58,6 +60,7 @@ class EncoderConfig(ModelConfig):
     head: str = "mlm"
     n_labels: int = 2
     classifier_dropout: float | None = None  # None: dropout
+    label_names: list[str] | None = None
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -70,6 +73,14 @@ class EncoderConfig(ModelConfig):
         p = self.classifier_dropout
         if p is not None and not 0.0 <= p < 1.0:
             _fail(at("classifier_dropout"), f"must be in [0, 1), got {p}")
+        names = self.label_names
+        if names is not None and self.head not in ("sequence", "token"):
+            _fail(at("label_names"), f"head {self.head!r} has no named labels; set it to null")
+        if names is not None and len(names) != self.n_labels:
+            _fail(
+                at("label_names"),
+                f"{len(names)} names for n_labels={self.n_labels}; give one per label or null",
+            )
 
 
 register_model_config("encoder", EncoderConfig)

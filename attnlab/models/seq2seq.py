@@ -50,7 +50,11 @@ class Seq2SeqConfig(ModelConfig):
     ``n_layers`` counts encoder layers, ``n_decoder_layers`` decoder layers (None: the
     same). ``sinusoid_layout``: ``interleaved`` (sin, cos pairs: Vaswani) or ``split``
     (all sines then all cosines: fairseq, Marian). ``final_norm``: a norm after each stack
-    (None: for pre-norm only; torch.nn.Transformer has one for post-norm too)."""
+    (None: for pre-norm only; torch.nn.Transformer has one for post-norm too).
+    ``blocked_ids``: tokens decoding never emits (Marian's ``bad_words_ids``: its pad
+    token); ``renormalize_logits``: beam search renormalizes the log-probabilities once
+    they are blocked (transformers' option of that name), else it scores with the
+    unblocked softmax's."""
 
     arch: str = "seq2seq"
     attention: AttentionConfig = field(
@@ -70,6 +74,8 @@ class Seq2SeqConfig(ModelConfig):
     pad_id: int = 0
     bos_id: int = 1  # the decoder's start token
     eos_id: int = 2
+    blocked_ids: list[int] = field(default_factory=list)
+    renormalize_logits: bool = False
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -91,6 +97,13 @@ class Seq2SeqConfig(ModelConfig):
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
                 _fail(at(name), f"must be a token id in [0, {self.vocab_size}), got {value}")
+        for value in self.blocked_ids:
+            if not 0 <= value < self.vocab_size:
+                _fail(
+                    at("blocked_ids"), f"must hold token ids in [0, {self.vocab_size}), got {value}"
+                )
+        if self.eos_id in self.blocked_ids:
+            _fail(at("blocked_ids"), f"holds eos_id={self.eos_id}: decoding could never end")
 
     @property
     def decoder_layers(self) -> int:
@@ -242,7 +255,7 @@ class Seq2SeqModel(nn.Module):
         Returns the new tokens of each row (``eos_id`` not included), or with ``n_best`` > 1
         a list of the n best per row, best first. See :func:`beam_search_core` for the
         scoring (``style``: that of transformers' ``generate(early_stopping=True)``, or
-        GNMT's)."""
+        GNMT's). Tokens of ``cfg.blocked_ids`` are never generated."""
         from attnlab.generation import beam_search_core
 
         was_training = self.training
@@ -274,6 +287,8 @@ class Seq2SeqModel(nn.Module):
                 length_penalty=length_penalty,
                 n_best=n_best,
                 style=style,
+                blocked_ids=self.cfg.blocked_ids,
+                renormalize=self.cfg.renormalize_logits,
             )
         finally:
             self.train(was_training)
@@ -282,6 +297,8 @@ class Seq2SeqModel(nn.Module):
         return [[h.tokens for h in row] for row in hyps]
 
     def _greedy(self, start, memory, src_mask, max_new_tokens, use_cache) -> list[list[int]]:
+        from attnlab.generation import block_tokens
+
         b, eos = start.shape[0], self.cfg.eos_id
         cache = self.new_cache(b, max_new_tokens + 1) if use_cache else None
         seq, done = start, torch.zeros(b, dtype=torch.bool, device=start.device)
@@ -293,7 +310,7 @@ class Seq2SeqModel(nn.Module):
             else:
                 h = self.decode(step_in, mem, src_mask, cache=cache)
                 mem = None  # cross keys/values are cached
-            nxt = self.logits(h[:, -1]).argmax(-1)  # (b,)
+            nxt = block_tokens(self.logits(h[:, -1]), self.cfg.blocked_ids).argmax(-1)  # (b,)
             done_now = done | (nxt == eos)
             for i in range(b):
                 if not done_now[i]:

@@ -6,7 +6,9 @@ a batch of logits is scored.
 Special tokens take the ids just past the tokenizer's: ``[MASK]`` = V (as in the mlm
 task), ``[CLS]`` = V + 1, ``[SEP]`` = V + 2, ``[PAD]`` = V + 3; the model's vocabulary is
 V + 4. A single text is fed as ``[CLS] text [SEP]``, a pair as ``[CLS] a [SEP] b [SEP]``
-with token types 0 for the first part and 1 for the second (BERT's layout).
+with token types 0 for the first part and 1 for the second (BERT's layout). A tokenizer
+with these tokens of its own (an imported Hugging Face BERT's WordPiece ``tokenizer.json``)
+keeps its ids for them, in the same layout: :func:`text_codec` picks the codec.
 
 The tokenizer of a fresh run is trained on the task's generated texts with
 ``data.tokenizer``: ``char`` on the characters of every split (the alphabet: a test text
@@ -78,6 +80,42 @@ class TextCodec:
         """(``[CLS] first [SEP] second [SEP]``, token types: 0 up to the first [SEP], then 1)."""
         ids = [self.cls_id, *first, self.sep_id, *second, self.sep_id]
         return ids, [0] * (len(first) + 2) + [1] * (len(second) + 1)
+
+
+class OwnSpecialsCodec(TextCodec):
+    """A tokenizer that has BERT's special tokens itself (the WordPiece tokenizer.json of an
+    imported Hugging Face BERT): ``[CLS]``, ``[SEP]``, ``[PAD]`` (and ``[MASK]`` where it
+    has one) are its own ids, as transformers' BERT tokenizer lays them out; the model's
+    vocabulary is the tokenizer's."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.mask_id, self.cls_id, self.sep_id, self.pad_id = own_special_ids(tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary (its special tokens included)."""
+        return self.tokenizer.vocab_size
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry of one id (WordPiece's "##" marks a word's continuation)."""
+        return self.tokenizer.hf.id_to_token(token)
+
+
+def own_special_ids(tokenizer: Tokenizer) -> list[int | None]:
+    """The ids of ``SPECIAL_TOKENS`` in ``tokenizer``'s own vocabulary (None where it has
+    none; a character tokenizer has none: "[CLS]" would be five characters)."""
+    if tokenizer.kind == "char":
+        return [None] * len(SPECIAL_TOKENS)
+    return [tokenizer.hf.token_to_id(token) for token in SPECIAL_TOKENS]
+
+
+def text_codec(tokenizer: Tokenizer) -> TextCodec:
+    """The codec of ``tokenizer``: its own [CLS], [SEP] and [PAD] where it has all three (a
+    Hugging Face BERT tokenizer), else attnlab's special ids past the tokenizer's."""
+    if all(i is not None for i in own_special_ids(tokenizer)[1:]):
+        return OwnSpecialsCodec(tokenizer)
+    return TextCodec(tokenizer)
 
 
 def pad(rows: Sequence[Sequence[int]], value: int) -> Tensor:
