@@ -92,6 +92,7 @@ class Linear(nn.Linear):
             and x.device.type == "cpu"
             and is_input_major(w)  # (not e.g. a tied embedding)
             and can_split(w)
+            and not torch.compiler.is_compiling()  # inductor plans its own products
         ):
             return split_vecmat(x, w, self.bias)
         return F.linear(x, w, self.bias)
