@@ -12,15 +12,24 @@ The model: the ``demo`` run preset (LLaMA-style, RoPE, 4 layers, d_model 128, bl
 character level on the embedded corpus) trained for ``--seconds``; the texts: ``--texts``
 disjoint stretches of 10 x 128 tokens of the validation split.
 
-    python benchmarks/attention_sinks.py [--seconds 60] [--texts 8] [--ckpt DIR]
+    python benchmarks/attention_sinks.py [--seconds 60] [--texts 8] [--ckpt DIR] [--bos]
 
 Prints the mean loss per 128-token span of positions and saves the smoothed curves to
 docs/img/attention_sinks.png. ``--ckpt`` reuses a trained checkpoint.
+
+``--bos`` is the paper's setting: every training and validation block starts with the
+same token, a BOS id one past the tokenizer's (the model's vocabulary is one larger), as
+LLMs see <s> at the start of every sequence. Each text is then read as [BOS] + text:
+``window`` evicts BOS once the cache is full, ``sinks`` keeps it (4 sinks: BOS + the
+text's first 3 tokens; ``sinks1``: BOS alone + the last 127), ``recompute`` re-encodes
+[BOS] + the last 127 tokens for every token (the blocks the model was trained on). The
+plot goes to docs/img/attention_sinks_bos.png, the run to runs/attention_sinks_bos.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -30,8 +39,10 @@ import torch.nn.functional as F
 
 from _common import machine, setup_threads, table
 from attnlab import build_model
+from attnlab.data import TokenDataset, prepare_data
 from attnlab.functional.attention import attend
 from attnlab.presets import get_run_preset
+from attnlab.tokenizers import Tokenizer
 from attnlab.training import load_checkpoint, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,11 +51,47 @@ SPAN = 128  # positions per row of the table
 SMOOTH = 64  # moving average of the plotted curves, in tokens
 
 
-def train_model(out: Path, seconds: float) -> None:
+class BOSTokenizer(Tokenizer):
+    """The corpus tokenizer plus one id past its own, ``bos``: ``vocab_size`` (which the lm
+    task gives the model) counts it; the saved tokenizer.json is the corpus tokenizer's (a
+    checkpoint's model may have more ids than its tokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer.hf)
+        self.bos = self.vocab_size
+        self.vocab_size += 1
+
+
+@dataclasses.dataclass
+class BOSDataset(TokenDataset):
+    """A TokenDataset whose blocks all start with BOS: x = [BOS, tokens[s : s + t - 1]],
+    y = tokens[s : s + t] (the first text token is predicted from BOS alone)."""
+
+    @classmethod
+    def wrap(cls, data: TokenDataset) -> BOSDataset:
+        """``data``'s token streams, with a :class:`BOSTokenizer`."""
+        fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+        return cls(**{**fields, "tokenizer": BOSTokenizer(data.tokenizer)})
+
+    def batch(
+        self,
+        split: str,
+        starts: torch.Tensor,
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks at ``starts`` -> x, y (n, t) int64, x opening with BOS."""
+        x, y = super().batch(split, starts, block_size, device)  # (n, t)
+        bos = torch.full_like(x[:, :1], self.tokenizer.bos)  # (n, 1)
+        return torch.cat([bos, x[:, :-1]], dim=1), x
+
+
+def train_model(out: Path, seconds: float, bos: bool) -> None:
     cfg = get_run_preset("demo")
     cfg.train.time_budget = seconds
+    dataset = BOSDataset.wrap(prepare_data(cfg.data)) if bos else None
     t0 = time.perf_counter()
-    result = train(cfg, out, progress=False, overwrite=True)
+    result = train(cfg, out, progress=False, overwrite=True, dataset=dataset)
     print(
         f"trained {result.step} steps in {time.perf_counter() - t0:.0f} s: "
         f"val loss {result.val_loss:.3f} ({result.val_coverage})"
@@ -74,12 +121,20 @@ def cached(model: torch.nn.Module, tokens: torch.Tensor, chunk: int) -> np.ndarr
 
 
 @torch.inference_mode()
-def recompute(model: torch.nn.Module, tokens: torch.Tensor, window: int) -> np.ndarray:
+def recompute(
+    model: torch.nn.Module, tokens: torch.Tensor, window: int, keep_first: bool = False
+) -> np.ndarray:
     """Each token predicted from the last ``window`` tokens encoded afresh (positions
-    0..window-1); the first window in one pass (its prefixes are its causal rows)."""
+    0..window-1); the first window in one pass (its prefixes are its causal rows).
+    ``keep_first``: the window is tokens[0] (BOS) + the last ``window - 1`` tokens."""
     x = tokens[:-1]
     first = model(x[None, :window]).logits[0]  # (w, V)
-    windows = x.unfold(0, window, 1)[1:]  # (n - w, w): the window ending at each later token
+    if keep_first:
+        recent = x[1:].unfold(0, window - 1, 1)[1:]  # (n - w, w - 1): ending at each later token
+        head = x[:1].expand(len(recent), 1)  # (n - w, 1)
+        windows = torch.cat([head, recent], dim=1)  # (n - w, w)
+    else:
+        windows = x.unfold(0, window, 1)[1:]  # (n - w, w): the window ending at each later token
     last = [model(batch).logits[:, -1] for batch in windows.split(64)]
     return token_losses(torch.cat([first, *last]), tokens[1:])
 
@@ -122,7 +177,7 @@ def first_token_attention(
     return out
 
 
-def plot(curves: dict[str, np.ndarray], window: int, path: Path) -> None:
+def plot(curves: dict[str, np.ndarray], window: int, path: Path, title: str = "") -> None:
     """Top: the smoothed loss of each reader by position; bottom: each bounded reader minus
     recompute (the top curves of the three can lie on top of each other)."""
     import matplotlib
@@ -136,20 +191,20 @@ def plot(curves: dict[str, np.ndarray], window: int, path: Path) -> None:
     kernel = np.ones(SMOOTH) / SMOOTH
     smooth = {name: np.convolve(c, kernel, mode="valid") for name, c in curves.items()}
     x = np.arange(len(next(iter(smooth.values())))) + SMOOTH
-    styles = {"window": "-", "sinks": "--", "recompute": ":", "dense": "-"}
+    styles = {"window": "-", "sinks": "--", "sinks1": "-.", "recompute": ":", "dense": "-"}
     for name, y in smooth.items():
         top.plot(x, y, styles.get(name, "-"), label=name, lw=1.6)
-    for name in ("window", "sinks"):
+    for name in [n for n in ("window", "sinks", "sinks1") if n in smooth]:
         bottom.plot(x, smooth[name] - smooth["recompute"], styles[name], label=name, lw=1.4)
     for ax in (top, bottom):
         ax.axvline(window, color="grey", ls=":", lw=1)
     top.set_ylabel(f"loss (nats), {SMOOTH}-token mean")
-    top.set_title(f"Reading 10x the trained length of {window} tokens")
-    top.legend(loc="upper left", ncol=4, fontsize=8)
+    top.set_title(f"Reading 10x the trained length of {window} tokens{title}")
+    top.legend(loc="upper left", ncol=len(curves), fontsize=8)
     bottom.axhline(0, color="black", lw=0.6)
     bottom.set_ylabel("minus recompute")
     bottom.set_xlabel(f"position of the predicted token (dotted: {window}, the cache is full)")
-    bottom.legend(loc="upper left", ncol=2, fontsize=8)
+    bottom.legend(loc="upper left", ncol=3, fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -161,42 +216,61 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="training time budget")
     p.add_argument("--texts", type=int, default=8, help="validation texts averaged")
     p.add_argument("--ckpt", type=Path, help="a trained checkpoint (skips training)")
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "attention_sinks")
+    p.add_argument("--bos", action="store_true", help="train and read with a BOS token")
+    p.add_argument("--out", type=Path, help="the run folder (default runs/attention_sinks[_bos])")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "attention_sinks.png")
+    p.add_argument("--plot", type=Path, help="default docs/img/attention_sinks[_bos].png")
     args = p.parse_args()
+    suffix = "_bos" if args.bos else ""
+    args.out = args.out or ROOT / "runs" / f"attention_sinks{suffix}"
+    args.plot = args.plot or ROOT / "docs" / "img" / f"attention_sinks{suffix}.png"
     setup_threads(args.threads)
     print(f"# {machine()}")
     if args.ckpt is None:
-        train_model(args.out, args.seconds)
+        train_model(args.out, args.seconds, args.bos)
         args.ckpt = args.out
     ckpt = load_checkpoint(args.ckpt)
     model = ckpt.model.eval()
+    bos = ckpt.tokenizer.vocab_size  # BOSTokenizer's extra id
+    if (model.cfg.vocab_size == bos + 1) != args.bos:
+        trained = "with" if model.cfg.vocab_size == bos + 1 else "without"
+        raise SystemExit(
+            f"--ckpt {args.ckpt} was trained {trained} a BOS token: "
+            f"{'pass' if trained == 'with' else 'drop'} --bos"
+        )
     window = model.cfg.max_seq_len
     length = 10 * window
-    val = load_validation(ckpt)
+    val = prepare_data(ckpt.config.data, tokenizer=ckpt.tokenizer).val
     if len(val) < args.texts * (length + 1):
         raise SystemExit(f"the validation split holds {len(val)} tokens: use fewer --texts")
-    readers = {
-        "window": lambda x: cached(with_attention(model, sliding_window=window), x, window),
-        "sinks": lambda x: cached(
-            with_attention(model, sliding_window=window, sink_tokens=SINKS), x, window
-        ),
-        "recompute": lambda x: recompute(model, x, window),
-        "dense": lambda x: dense(model, x),
-    }
+
+    def sinks(n: int):
+        other = with_attention(model, sliding_window=window, sink_tokens=n)
+        return lambda x: cached(other, x, window)
+
+    windowed = with_attention(model, sliding_window=window)
+    readers = {"window": lambda x: cached(windowed, x, window), "sinks": sinks(SINKS)}
+    if args.bos:
+        readers["sinks1"] = sinks(1)
+    readers["recompute"] = lambda x: recompute(model, x, window, keep_first=args.bos)
+    readers["dense"] = lambda x: dense(model, x)
     curves = {name: np.zeros(length) for name in readers}
     seconds = dict.fromkeys(readers, 0.0)
     for i in range(args.texts):
-        tokens = torch.as_tensor(val[i * (length + 1) : (i + 1) * (length + 1)].astype(np.int64))
+        text = torch.as_tensor(val[i * (length + 1) : (i + 1) * (length + 1)].astype(np.int64))
+        # With BOS: [BOS] + the text's first ``length`` tokens, the same ``length`` targets
+        # counted from the text's first token.
+        tokens = torch.cat([torch.tensor([bos]), text[:-1]]) if args.bos else text
         for name, read in readers.items():
             t0 = time.perf_counter()
             curves[name] += read(tokens) / args.texts
             seconds[name] += time.perf_counter() - t0
+    opening = "[BOS] + " if args.bos else ""
     print(
-        f"\nmean loss (nats/char) of {args.texts} validation texts of {length} tokens, by the "
-        f"position of the predicted token; trained length {window}, cache {window} tokens"
-        f" ({SINKS} sinks + {window - SINKS} recent for sinks)\n"
+        f"\nmean loss (nats/char) of {args.texts} validation texts of {length} tokens read as "
+        f"{opening}text, by the position of the predicted token; trained length {window}, "
+        f"cache {window} tokens ({SINKS} sinks + {window - SINKS} recent for sinks"
+        + (f", 1 + {window - 1} for sinks1)\n" if args.bos else ")\n")
     )
     rows = []
     for start in range(0, length, SPAN):
@@ -209,13 +283,14 @@ def main() -> None:
     print(table(["positions", *readers], rows))
     print("\n(seconds: measured while other jobs shared the CPU)")
     starts = [i * (length + 1) for i in range(args.texts)]  # the texts' first windows
-    windows = torch.stack([torch.as_tensor(val[s : s + window].astype(np.int64)) for s in starts])
-    first = first_token_attention(model, windows)
+    first_window = [torch.as_tensor(val[s : s + window].astype(np.int64)) for s in starts]
+    if args.bos:
+        first_window = [torch.cat([torch.tensor([bos]), w[:-1]]) for w in first_window]
+    first = first_token_attention(model, torch.stack(first_window))
     print(
-        f"\nattention weight on the first token of the texts' first windows, queries at "
-        f"positions {window // 2}-"
-        f"{window - 1}, the most attentive head of each layer (an attention sink would be far "
-        "above uniform)\n"
+        f"\nattention weight on {'BOS' if args.bos else 'the first token'} of the texts' "
+        f"first windows, queries at positions {window // 2}-{window - 1}, the most attentive "
+        "head of each layer (an attention sink would be far above uniform)\n"
     )
     print(
         table(
@@ -223,13 +298,7 @@ def main() -> None:
             [[i, f"{a:.4f}", f"{u:.4f}"] for i, (a, u) in enumerate(first)],
         )
     )
-    plot(curves, window, args.plot)
-
-
-def load_validation(ckpt) -> np.ndarray:
-    from attnlab.data import prepare_data
-
-    return prepare_data(ckpt.config.data, tokenizer=ckpt.tokenizer).val
+    plot(curves, window, args.plot, ", BOS-trained" if args.bos else "")
 
 
 if __name__ == "__main__":
