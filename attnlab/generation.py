@@ -114,11 +114,9 @@ def stream(
 
     ``compile=True`` decodes with a fixed-shape cache and a ``torch.compile``d step
     (compiled once per model, batch size and capacity bucket; worth it for long
-    generations). ``compile="auto"`` compiles only where it pays off: when this model
-    already has a compiled step, or on a GPU for at least ``AUTO_COMPILE_MIN_TOKENS`` new
-    tokens (batch x max_new_tokens). On CPU it stays eager: the measured gain depends on
-    the model (1.14x for a 5M model, 0.84x for a 30M one whose eager step uses the
-    two-thread weight product; benchmarks/compile_decode.py, vs_transformers.py)."""
+    generations). ``compile="auto"`` compiles only where the compile time pays off: when
+    this model already has a compiled step, or for at least ``AUTO_COMPILE_MIN_TOKENS``
+    new tokens (batch x max_new_tokens)."""
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     check_sampling(temperature, top_k, top_p)
@@ -157,10 +155,9 @@ def stream(
         generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long)
     if compile == "auto":
-        on_gpu = model.tok_emb.weight.device.type == "cuda"
         compile = use_cache and (
             getattr(model, "_compiled_decode_step", None) is not None
-            or (on_gpu and len(rows) * max_new_tokens >= AUTO_COMPILE_MIN_TOKENS)
+            or len(rows) * max_new_tokens >= AUTO_COMPILE_MIN_TOKENS
         )
     return _decode(
         model,
@@ -178,11 +175,11 @@ def stream(
 
 OVERFLOW_MODES = ("slide", "roll", "stop")
 
-# compile="auto" on a GPU: the new tokens from which compiling the decode step (with CUDA
-# graphs removing the per-kernel launches) is taken to pay for its compile time. Break-even
-# = compile time / time saved per token; not measured on a GPU here (on CPU, "auto" stays
-# eager: see generate's docstring).
-AUTO_COMPILE_MIN_TOKENS = 4096
+# compile="auto": the new tokens from which compiling the decode step pays for itself.
+# Break-even = compile time / time saved per token. Measured on a 2-core CPU
+# (benchmarks/where_time_goes.py, compile_decode.py): ~23 s to compile, saving 1.9 ms per
+# token for a 30M model (11.3 -> 9.5 ms) and 1.2 ms for a 5M one: 12K to 20K tokens.
+AUTO_COMPILE_MIN_TOKENS = 16384
 
 
 def _decode(

@@ -80,8 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="decode with a torch.compile'd fixed-shape step (for long generations; on CPU it "
-        "paid off for small models only, see the README's compiled-decoding figures)",
+        help="decode with a torch.compile'd fixed-shape step (pays off for long generations)",
     )
     p.add_argument(
         "--overflow",
