@@ -622,3 +622,18 @@ def test_finetune_defaults_and_python_api(tmp_path):
     assert again.step == 2
     weights = load_checkpoint(tmp_path / "b").model.state_dict()
     assert weights.keys() == load_checkpoint(tmp_path / "a").model.state_dict().keys()
+
+
+def test_threads_option_sets_torch_threads(capsys, monkeypatch):
+    """``attnlab --threads N`` sets torch's thread count before the subcommand runs; a
+    count below 1 is one usage error."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, out, _ = run_main(["--threads", "1", "presets"], capsys)
+        assert code == 0 and out and torch.get_num_threads() == 1
+        code, _, err = run_main(["--threads", "0", "presets"], capsys)
+        assert_one_line_error(code, err, "--threads must be a positive integer")
+    finally:
+        torch.set_num_threads(before)

@@ -57,12 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
     from attnlab import __version__
 
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    parser.add_argument(
+        "--threads",
+        type=_thread_count,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch (default: torch's, one per core); use 1 when other "
+        "jobs share a small machine: threads waiting on a busy core can make steps 20x slower",
+    )
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", required=True, parser_class=Parser
     )
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)
     return parser
+
+
+def _thread_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be a positive integer, got {text!r}")
+    return n
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -80,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.showwarning = _one_line_warning
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
