@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="CPU threads for torch (default: torch's, one per core); use 1 when other "
-        "jobs share a small machine: threads waiting on a busy core can make steps 20x slower",
+        "jobs share a small machine: threads waiting on a busy core slow every step",
     )
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", required=True, parser_class=Parser

@@ -1,0 +1,69 @@
+"""Quality at equal steps: training variants of the ``demo`` preset, each run for a fixed
+number of steps with its cosine schedule over them, scored on the whole validation split
+half-way and at the end. Losses at a given step do not depend on the machine's load, so
+this compares what each variant learns per step (or, with the batch varied, per token);
+step times come from train_levers.py and time_to_quality.py.
+
+    python benchmarks/equal_steps.py [--variants adamw muon-1e-2 ...] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from _common import machine, setup_threads
+from attnlab.presets import get_run_preset
+from attnlab.training.optim import lr_at, set_lr
+from attnlab.training.trainer import Trainer
+
+# name -> (steps, overrides of the demo preset)
+VARIANTS = {
+    "adamw": (400, {}),
+    "adamw-lr6e-3": (400, {"train.lr": 0.006}),
+    "muon-3e-3": (400, {"train.optimizer": "muon"}),
+    "muon-6e-3": (400, {"train.optimizer": "muon", "train.lr": 0.006}),
+    "muon-1e-2": (400, {"train.optimizer": "muon", "train.lr": 0.01}),
+    "batch16": (200, {"train.batch_size": 16}),
+    "batch4-lr2e-3": (800, {"train.batch_size": 4, "train.lr": 0.002}),
+}
+
+
+def run(name: str, steps: int, overrides: dict) -> dict:
+    base = {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": steps}
+    cfg = get_run_preset("demo").override({**base, **overrides})
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = Trainer(cfg, tmp, progress=False)
+        tc, val = tr.tc, {}
+        t0 = time.perf_counter()
+        for step in range(steps):
+            set_lr(tr.optimizer, lr_at(step, tc, steps))
+            keys = tr.task.sample(tc.batch_size * tc.grad_accum, tr.data_generator)
+            out = tr.task.step(tr.train_model, tr.task.batch(keys, tr.device))
+            out.objective.backward()
+            torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tc.grad_clip)
+            tr.optimizer.step()
+            tr.optimizer.zero_grad(set_to_none=True)
+            if step + 1 in (steps // 2, steps):
+                metrics, _ = tr._evaluate(None)  # the whole validation split
+                val[step + 1] = round(metrics["loss"], 4)
+    return {"name": name, "steps": steps, "val": val, "s": round(time.perf_counter() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    setup_threads(args.threads)
+    print(f"machine: {machine()}")
+    for name in args.variants:  # one JSON line per variant: val loss by step
+        print(json.dumps(run(name, *VARIANTS[name])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
