@@ -4,10 +4,12 @@ model of vs_transformers.py (same weights, float32, greedy, same threads).
 Decoding: batch 1, 8 and 32 prompts of 32 tokens, 64 new tokens each: generated tokens/s
 (all rows). Prefill: one forward pass over a 512- and a 2048-token prompt, keeping the last
 position's logits (what generation needs): prompt tokens/s. attnlab decodes with its
-default eager path; transformers with ``generate`` (dynamic cache) and a plain forward
-(``logits_to_keep=1``) for prefill. The tokens must agree.
+default eager path and with its compiled step (``generate(compile=True)``, compiled once
+per batch size before timing; ``--no-compile`` skips it); transformers with ``generate``
+(dynamic cache) and a plain forward (``logits_to_keep=1``) for prefill. The tokens must
+agree.
 
-    python benchmarks/throughput.py [--repeats 3] [--threads 2]
+    python benchmarks/throughput.py [--repeats 3] [--threads 2] [--no-compile]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled decode step")
     args = ap.parse_args()
     setup_threads(args.threads)
     hf, ours = build_pair()
@@ -57,10 +60,16 @@ def main() -> None:
         def run_ours(prompt=prompt):
             return ours.generate(prompt, n)
 
-        same = run_hf() == run_ours()
-        best = best_time({"hf": run_hf, "ours": run_ours}, args.repeats)
+        fns = {"hf": run_hf, "ours": run_ours}
+        if not args.no_compile:
+            fns["compiled"] = lambda prompt=prompt: ours.generate(prompt, n, compile=True)
+        tokens = {name: fn() for name, fn in fns.items()}  # also compiles, once per batch
+        same = all(t == tokens["hf"] for t in tokens.values())
+        best = best_time(fns, args.repeats)
+        compiled = [f"{b * n / best['compiled']:,.0f}", f"{best['hf'] / best['compiled']:.2f}x"]
         rows.append([f"decode, batch {b}", f"{b * n / best['ours']:,.0f}",
                      f"{b * n / best['hf']:,.0f}", f"{best['hf'] / best['ours']:.2f}x",
+                     *(["-", "-"] if args.no_compile else compiled),
                      "yes" if same else "NO"])  # fmt: skip
     for t in args.prefill:
         prompt = torch.randint(0, vocab, (1, t))
@@ -76,9 +85,10 @@ def main() -> None:
         same = bool(pre_hf().argmax(-1).eq(pre_ours().argmax(-1)).all())
         best = best_time({"hf": pre_hf, "ours": pre_ours}, args.repeats)
         rows.append([f"prefill, {t} tokens", f"{t / best['ours']:,.0f}",
-                     f"{t / best['hf']:,.0f}", f"{best['hf'] / best['ours']:.2f}x",
+                     f"{t / best['hf']:,.0f}", f"{best['hf'] / best['ours']:.2f}x", "-", "-",
                      "yes" if same else "NO"])  # fmt: skip
-    headers = ["workload", "attnlab tok/s", "transformers tok/s", "speed-up", "same tokens"]
+    headers = ["workload", "attnlab tok/s", "transformers tok/s", "speed-up",
+               "attnlab compiled tok/s", "compiled speed-up", "same tokens"]  # fmt: skip
     print(table(headers, rows))
     print(f"(best of {args.repeats} interleaved repeats; decode: 32-token prompts, {n} new)")
 

@@ -325,3 +325,32 @@ def test_linear_split_product_error_no_worse_than_f_linear(dtype, bias, monkeypa
     # separately: errors of ~1e-6 (F.linear's order is MKL's), within 1.5x.
     slack = 1.5 if dtype == torch.float32 else 1.01
     assert errors["split"] <= slack * errors["F.linear"], errors
+
+
+def test_linear_compiled_vector_product_is_one_operator():
+    """Under torch.compile without gradients a one-vector product is the opaque
+    attnlab::split_vecmat operator (its fake kernel gives the shape), equal to F.linear; with
+    gradients, or for a batch, the graph holds plain products."""
+    from attnlab.nn.linear import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(512, 256)  # 131,072 weights: at the split threshold
+    torch.nn.init.normal_(lin.bias)
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the traced operators, runs them as traced
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    f = torch.compile(lin, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=backend))
+    for shape, grad in (((1, 1, 512), False), ((3, 512), False), ((1, 512), True)):
+        x = torch.randn(*shape)
+        with torch.set_grad_enabled(grad):
+            y = f(x)
+        ref = torch.nn.functional.linear(x, lin.weight.detach().contiguous(), lin.bias.detach())
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        uses_op = any("attnlab.split_vecmat" in t for t in graphs[-1])
+        assert uses_op == (shape == (1, 1, 512) and not grad), (shape, grad, graphs[-1])
