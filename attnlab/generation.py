@@ -91,7 +91,7 @@ def stream(
     stop_tokens: Sequence[int] | None = None,
     use_cache: bool = True,
     pad_id: int = 0,
-    compile: bool | str = False,
+    compile: bool | str = "auto",
     overflow: str = "slide",
 ) -> Iterator[int] | Iterator[list[int | None]]:
     """Yield tokens as they are produced: an int per step for a single prompt, a list with
@@ -114,9 +114,10 @@ def stream(
 
     ``compile=True`` decodes with a fixed-shape cache and a ``torch.compile``d step
     (compiled once per model, batch size and capacity bucket; worth it for long
-    generations). ``compile="auto"`` compiles only where the compile time pays off: when
-    this model already has a compiled step, or for at least ``AUTO_COMPILE_MIN_TOKENS``
-    new tokens (batch x max_new_tokens)."""
+    generations). ``compile="auto"`` (the default) compiles only where the compile time
+    pays off: when this model already has a compiled step, or for at least
+    ``AUTO_COMPILE_MIN_TOKENS`` new tokens (batch x max_new_tokens); if compiling fails
+    there (e.g. no C++ compiler for inductor), it warns once and decodes eagerly."""
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     check_sampling(temperature, top_k, top_p)
@@ -154,10 +155,15 @@ def stream(
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long)
+    fallback = compile == "auto"
     if compile == "auto":
-        compile = use_cache and (
-            getattr(model, "_compiled_decode_step", None) is not None
-            or len(rows) * max_new_tokens >= AUTO_COMPILE_MIN_TOKENS
+        compile = (
+            use_cache
+            and not getattr(model, "_compile_failed", False)
+            and (
+                getattr(model, "_compiled_decode_step", None) is not None
+                or len(rows) * max_new_tokens >= AUTO_COMPILE_MIN_TOKENS
+            )
         )
     return _decode(
         model,
@@ -170,6 +176,7 @@ def stream(
         dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
         compile,
         overflow == "roll",
+        fallback,
     )
 
 
@@ -177,13 +184,23 @@ OVERFLOW_MODES = ("slide", "roll", "stop")
 
 # compile="auto": the new tokens from which compiling the decode step pays for itself.
 # Break-even = compile time / time saved per token. Measured on a 2-core CPU
-# (benchmarks/where_time_goes.py, compile_decode.py): ~23 s to compile, saving 1.9 ms per
-# token for a 30M model (11.3 -> 9.5 ms) and 1.2 ms for a 5M one: 12K to 20K tokens.
+# (benchmarks/where_time_goes.py, compile_decode.py): 13-24 s to compile, saving about
+# 2 ms per token for a 30M model (9.1 -> 7.1 ms) and 0.7-1.4 ms for a 5M one: 7K to 30K.
 AUTO_COMPILE_MIN_TOKENS = 16384
 
 
 def _decode(
-    model, rows, single, max_new_tokens, use_cache, pad_id, stops, sampling, compile, roll=False
+    model,
+    rows,
+    single,
+    max_new_tokens,
+    use_cache,
+    pad_id,
+    stops,
+    sampling,
+    compile,
+    roll=False,
+    fallback=False,
 ):
     device = model.tok_emb.weight.device
     b, limit = len(rows), model.cfg.max_seq_len
@@ -219,6 +236,8 @@ def _decode(
         cache = model.new_cache(b, capacity, static=compile, rolling=roll)
         if compile:
             step_fn = _compiled_step(model)
+            if fallback:
+                step_fn = _eager_if_compile_fails(step_fn)
     if max_new_tokens > 0:
         ids, mask = window()
         logits = _forward_last(model, ids, mask, cache)  # prefill
@@ -279,6 +298,30 @@ def static_capacity(needed: int, limit: int) -> int:
     return min(bucket, limit)
 
 
+def _eager_if_compile_fails(step_fn):
+    """``step_fn``, or the eager step (on the same static cache) from the first call on
+    where compiling fails; the model remembers the failure, so "auto" stops trying."""
+    failed = False
+
+    def step(model, ids, mask, cache):
+        nonlocal failed
+        if not failed:
+            try:
+                return step_fn(model, ids, mask, cache)
+            except Exception as e:  # inductor's compiler errors have no common base class
+                failed = True
+                object.__setattr__(model, "_compile_failed", True)
+                warnings.warn(
+                    f"compiling the decode step failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); decoding eagerly "
+                    "(pass compile=False to skip the attempt)",
+                    stacklevel=2,
+                )
+        return _forward_last(model, ids, mask, cache)
+
+    return step
+
+
 def _compiled_step(model):
     """One decode step compiled with fullgraph=True (kept on the model: compiled once)."""
     step = getattr(model, "_compiled_decode_step", None)
@@ -313,7 +356,9 @@ def generate(
     batch, single = _as_batch(prompts)
     if num_beams > 1:
         allowed = {"stop_tokens", "pad_id", "use_cache"}
-        sampling = {k: v for k, v in kwargs.items() if k not in allowed and v not in (None, 0.0)}
+        sampling = {
+            k: v for k, v in kwargs.items() if k not in allowed and v not in (None, 0.0, "auto")
+        }
         if sampling or kwargs.get("use_cache") is False:
             raise ValueError(
                 f"beam search (num_beams={num_beams}) is deterministic and cached; drop "

@@ -10,7 +10,11 @@ times. Reported: the training time (optimizer steps only, evaluations excluded) 
 to reach the baseline's final validation loss, and its own final loss; with ``--repeats``
 the rounds run one after the other and the medians are shown.
 
-    python benchmarks/time_to_quality.py [--repeats 3] [--variants ...]
+``--corpus stdlib`` repeats the comparison on another plain-text corpus of about the same
+size: the source of CPython's own standard library (the first public ASCII modules of its
+top folder in sorted order, about 0.5 MB, one document per module).
+
+    python benchmarks/time_to_quality.py [--repeats 3] [--variants ...] [--corpus stdlib]
 """
 
 from __future__ import annotations
@@ -49,9 +53,30 @@ def time_to_reach(points: list[tuple[float, float, int]], target: float) -> floa
     return None
 
 
+def stdlib_corpus(folder: Path, size: int) -> Path:
+    """Write the first public ASCII modules of CPython's standard library (sorted by name;
+    private ones such as the generated _sysconfigdata left out) to
+    ``folder`` as .txt files, until they hold at least ``size`` characters."""
+    import sysconfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for src in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = src.read_text(encoding="utf-8", errors="replace")
+        if src.name.startswith("_") or not text.isascii() or len(text) < 2000:
+            continue
+        (folder / f"{src.stem}.txt").write_text(text)
+        total += len(text)
+        if total >= size:
+            break
+    return folder
+
+
 def run(preset: str, overrides: dict, out: Path, label: str, eval_every: int, budget):
     # eval_batches beyond the split's size: the whole validation split at every evaluation
     overrides = {**overrides, "train.eval_every": eval_every, "train.eval_batches": 10**6}
+    if DATA_PATH is not None:
+        overrides["data.path"] = DATA_PATH
     cfg = get_run_preset(preset).override({**overrides, "train.time_budget": budget})
     result = train(cfg, out / label, progress=False, overwrite=True)
     n_params = load_checkpoint(out / label).model.num_parameters()
@@ -67,11 +92,15 @@ def describe(cfg, n_params: int) -> str:
     )
 
 
+DATA_PATH: str | None = None  # None: the embedded corpus
+
 # name -> (run preset, overrides, time budget as a fraction of the baseline's training time)
 VARIANTS = {
     "demo": ("demo", {}, 1.0),
     "demo, 1/4 budget": ("demo", {}, 0.25),
     "demo + muon, 1/4 budget": ("demo", {"train.optimizer": "muon", "train.lr": 0.01}, 0.25),
+    "demo, batch 4": ("demo", {"train.batch_size": 4, "train.lr": 0.002}, 1.0),
+    "demo, batch 4, 1/4 budget": ("demo", {"train.batch_size": 4, "train.lr": 0.002}, 0.25),
 }
 
 
@@ -83,10 +112,16 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here")
+    ap.add_argument("--corpus", choices=["embedded", "stdlib"], default="embedded")
     args = ap.parse_args()
     setup_threads(args.threads)
+    global DATA_PATH
     rounds = []  # per round: {name: (cfg, result, curve, n_params)}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.corpus == "stdlib":
+            from attnlab.data.corpus import default_corpus
+
+            DATA_PATH = str(stdlib_corpus(Path(tmp) / "stdlib", len(default_corpus())))
         for r in range(args.repeats):
             out = (args.out or Path(tmp)) / f"round{r}"
             base = run("nanogpt-cpu", {}, out, "baseline", args.baseline_eval_every, None)
@@ -99,6 +134,7 @@ def main() -> None:
                 runs[name] = run(preset, overrides, out, label, args.demo_eval_every, budget)
             rounds.append((base_time, runs))
     print(f"machine: {machine()}")
+    print(f"corpus: {'embedded (pydoc_data.topics)' if DATA_PATH is None else 'stdlib sources'}")
     targets = [runs["nanogpt-cpu (baseline)"][2][-1][1] for _, runs in rounds]
     print(
         f"target: the baseline's final validation loss ({', '.join(f'{t:.4f}' for t in targets)}"

@@ -3,8 +3,8 @@
 Decoding: the ~30M-parameter LLaMA-style model of vs_transformers.py (random weights, same
 shapes), batch 1, float32, one token at a time after a 32-token prompt. The eager step is
 profiled with torch.profiler: the self time of the matmul operators (every weight matrix),
-of the attention operator, and the rest of the measured step (small operators and Python).
-The compiled fixed-shape step (``generate(compile=True)``) is timed whole.
+of the attention operator, and the rest of the measured step (small operators and Python);
+the compiled fixed-shape step (``generate(compile=True)``) likewise, beside it.
 
 Training: one optimizer step of a run preset (default ``demo``) through attnlab's own
 Trainer pieces, timed phase by phase: data (sample + batch), forward (loss), backward,
@@ -59,37 +59,48 @@ def decode_breakdown(steps: int) -> None:
             t = time.perf_counter()
             compiled(model, nxt, None, static_cache)
             compiled_ms.append((time.perf_counter() - t) * 1e3)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t = time.perf_counter()
-            for _ in range(steps):
-                model(nxt, cache=eager_cache, last_only=True)
-            profiled_ms = (time.perf_counter() - t) * 1e3 / steps
-    self_ms = {"matmul": 0.0, "attention": 0.0}
-    for ev in prof.key_averages():
-        if ev.key in MATMUL_OPS:
-            self_ms["matmul"] += ev.self_cpu_time_total / 1e3 / steps
-        elif ev.key in ATTENTION_OPS:
-            self_ms["attention"] += ev.self_cpu_time_total / 1e3 / steps
+
+        def parts(step, cache, median_ms):
+            """(matmul, attention, other) ms of one step: profiled self times, scaled to
+            the unprofiled median (the profiler's own overhead spread in proportion)."""
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t = time.perf_counter()
+                for _ in range(steps):
+                    step(cache)
+                profiled_ms = (time.perf_counter() - t) * 1e3 / steps
+            self_ms = {"matmul": 0.0, "attention": 0.0}
+            for ev in prof.key_averages():
+                if ev.key in MATMUL_OPS:
+                    self_ms["matmul"] += ev.self_cpu_time_total / 1e3 / steps
+                elif ev.key in ATTENTION_OPS:
+                    self_ms["attention"] += ev.self_cpu_time_total / 1e3 / steps
+            scale = median_ms / profiled_ms
+            matmul, attention = self_ms["matmul"] * scale, self_ms["attention"] * scale
+            return matmul, attention, median_ms - matmul - attention
+
+        eager, compiled_med = statistics.median(eager_ms), statistics.median(compiled_ms)
+        e_parts = parts(lambda c: model(nxt, cache=c, last_only=True), eager_cache, eager)
+        c_parts = parts(lambda c: compiled(model, nxt, None, c), static_cache, compiled_med)
     bandwidth = copy_bandwidth()
-    eager = statistics.median(eager_ms)
-    scale = eager / profiled_ms  # the profiler's own overhead, spread in proportion
-    matmul, attention = self_ms["matmul"] * scale, self_ms["attention"] * scale
-    other = eager - matmul - attention
     print(
         f"decoding: LLaMA-style 30M (d_model 512, 8 layers, GQA 8/2, vocab 8192), float32, "
         f"batch 1; weights read per token {weights / 1e6:.0f} MB; copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s (bound {weights / bandwidth * 1e3:.2f} ms/token)"
+        f"{bandwidth / 1e9:.1f} GB/s (bound {weights / bandwidth * 1e3:.2f} ms/token); "
+        f"compile {compile_s:.0f} s"
     )
-    rows = [
-        ["matmuls (weights)", f"{matmul:.2f}", f"{matmul / eager:.0%}",
-         f"{weights / (matmul / 1e3) / 1e9:.1f} GB/s"],
-        ["attention", f"{attention:.2f}", f"{attention / eager:.0%}", ""],
-        ["everything else (small ops, Python)", f"{other:.2f}", f"{other / eager:.0%}", ""],
-        ["eager step (median)", f"{eager:.2f}", "100%", f"{1e3 / eager:.0f} tok/s"],
-        ["compiled step (median)", f"{statistics.median(compiled_ms):.2f}", "",
-         f"{1e3 / statistics.median(compiled_ms):.0f} tok/s; compile {compile_s:.0f} s"],
-    ]  # fmt: skip
-    print(table(["per decoded token", "ms", "share", "note"], rows))
+
+    def cells(value, total):
+        return [f"{value:.2f}", f"{value / total:.0%}"]
+
+    names = ["matmuls (weights)", "attention", "everything else (small ops, Python)"]
+    rows = [[name, *cells(e, eager), *cells(c, compiled_med)]
+            for name, e, c in zip(names, e_parts, c_parts)]  # fmt: skip
+    rows.append(["step (median)", f"{eager:.2f}", f"{1e3 / eager:.0f} tok/s",
+                 f"{compiled_med:.2f}", f"{1e3 / compiled_med:.0f} tok/s"])  # fmt: skip
+    rows.append(["weights read by the matmuls", f"{weights / (e_parts[0] / 1e3) / 1e9:.1f} GB/s",
+                 "", f"{weights / (c_parts[0] / 1e3) / 1e9:.1f} GB/s", ""])  # fmt: skip
+    headers = ["per decoded token", "eager ms", "share", "compiled ms", "share"]
+    print(table(headers, rows))
 
 
 def training_breakdown(preset: str, steps: int) -> None:

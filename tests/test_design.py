@@ -6,6 +6,8 @@ Shapes: b batch, t length, V vocabulary size.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -276,3 +278,36 @@ def test_generate_compile_auto_stays_eager_for_short_generations():
     assert getattr(model, "_compiled_decode_step", None) is None  # nothing was compiled
     with pytest.raises(ValueError, match="compile must be"):
         model.generate(prompt, 2, compile="yes")
+
+
+def test_generate_compiles_by_default_only_when_long_and_falls_back_to_eager(monkeypatch):
+    """The default compile="auto" leaves short generations eager; where it compiles and the
+    compilation fails, it warns once and decodes eagerly on the same static cache (same
+    tokens), and stops trying for that model. compile=True raises instead."""
+    import attnlab.generation as gen
+
+    model = build_model(get_preset("llama-tiny")).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    expected = model.generate(prompt, 6, compile=False)
+    assert model.generate(prompt, 6) == expected
+    assert getattr(model, "_compiled_decode_step", None) is None  # nothing was compiled
+
+    def failing_step(model):
+        def step(*args):
+            calls.append(1)
+            raise RuntimeError("no C++ compiler found\nmore detail")
+
+        return step
+
+    calls = []
+    monkeypatch.setattr(gen, "AUTO_COMPILE_MIN_TOKENS", 1)  # every generation "long"
+    monkeypatch.setattr(gen, "_compiled_step", failing_step)
+    with pytest.warns(UserWarning, match="compiling the decode step failed .*no C\\+\\+ compiler"):
+        assert model.generate(prompt, 6) == expected
+    assert len(calls) == 1  # tried once, then eager for the rest of the generation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        assert model.generate(prompt, 6) == expected
+    assert len(calls) == 1
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        model.generate(prompt, 6, compile=True)

@@ -79,8 +79,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cache", action="store_true", help="recompute the context every step")
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="decode with a torch.compile'd fixed-shape step (pays off for long generations)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode with a torch.compile'd fixed-shape step; default: only for generations "
+        "long enough to repay the compile time (batch x new tokens >= 16,384)",
     )
     p.add_argument(
         "--overflow",
@@ -222,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         use_cache=not args.no_cache,
         overflow=args.overflow,
-        compile=args.compile,
+        compile="auto" if args.compile is None else args.compile,
         stop_tokens=stops,
     )
     if args.num_beams > 1:
