@@ -323,7 +323,8 @@ def _eager_if_compile_fails(step_fn):
 
 
 def _compiled_step(model):
-    """One decode step compiled with fullgraph=True (kept on the model: compiled once)."""
+    """One decode step compiled with fullgraph=True (kept on the model: compiled once), in
+    eval mode like the eager step (a model in training mode is switched for the call)."""
     step = getattr(model, "_compiled_decode_step", None)
     if step is None:
 
@@ -334,7 +335,13 @@ def _compiled_step(model):
 
         @torch.inference_mode()
         def step(model, ids, mask, cache):
-            return compiled(model, ids, None, cache)
+            if not model.training:
+                return compiled(model, ids, None, cache)
+            model.eval()
+            try:
+                return compiled(model, ids, None, cache)
+            finally:
+                model.train()
 
         object.__setattr__(model, "_compiled_decode_step", step)  # not a submodule
     return step

@@ -311,3 +311,18 @@ def test_generate_compiles_by_default_only_when_long_and_falls_back_to_eager(mon
     assert len(calls) == 1
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         model.generate(prompt, 6, compile=True)
+
+
+def test_compiled_decode_step_runs_in_eval_mode_like_the_eager_step(monkeypatch):
+    """A model left in training mode (dropout on) decodes the same with the compiled step as
+    with the eager one: both run in eval mode, and the model is back in training mode after.
+    (torch.compile replaced by the identity: this checks the step's wrapper, not inductor.)"""
+    import attnlab.generation as gen
+
+    model = build_model(get_preset("llama-tiny").override({"dropout": 0.5}))
+    assert model.training
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    eager = model.generate(prompt, 8, compile=False)
+    monkeypatch.setattr(gen.torch, "compile", lambda fn, **kw: fn)
+    assert model.generate(prompt, 8, compile=True) == eager
+    assert model.training and all(m.training for m in model.modules())
