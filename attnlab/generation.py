@@ -184,8 +184,8 @@ OVERFLOW_MODES = ("slide", "roll", "stop")
 
 # compile="auto": the new tokens from which compiling the decode step pays for itself.
 # Break-even = compile time / time saved per token. Measured on a 2-core CPU
-# (benchmarks/where_time_goes.py, compile_decode.py): 13-24 s to compile, saving about
-# 2 ms per token for a 30M model (9.1 -> 7.1 ms) and 0.7-1.4 ms for a 5M one: 7K to 30K.
+# (benchmarks/where_time_goes.py, compile_decode.py): 13-14 s to compile, saving about
+# 2 ms per token for a 30M model (9.1 -> 7.1 ms) and 0.7-1.4 ms for a 5M one: 7K to 19K.
 AUTO_COMPILE_MIN_TOKENS = 16384
 
 
