@@ -75,14 +75,15 @@ def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
 # alone (the views and the sum left to inductor) measured slower: 0.93x the eager step.
 # Registered with torch.library.Library rather than @custom_op: its per-call overhead is
 # about a quarter (~9 us against ~35 us), which counts ~30 times a token.
-_LIB = torch.library.Library("attnlab", "DEF")
-_LIB.define("split_vecmat(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
-_LIB.impl("split_vecmat", split_vecmat, "CPU")
-
-
-@torch.library.register_fake("attnlab::split_vecmat", lib=_LIB)
 def _split_vecmat_fake(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on a reload)
+    _LIB = torch.library.Library("attnlab", "FRAGMENT")
+    _LIB.define("split_vecmat(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+    _LIB.impl("split_vecmat", split_vecmat, "CPU")
+    torch.library.register_fake("attnlab::split_vecmat", _split_vecmat_fake, lib=_LIB)
 
 
 def can_split(weight: Tensor) -> bool:
