@@ -299,25 +299,29 @@ def static_capacity(needed: int, limit: int) -> int:
 
 
 def _eager_if_compile_fails(step_fn):
-    """``step_fn``, or the eager step (on the same static cache) from the first call on
-    where compiling fails; the model remembers the failure, so "auto" stops trying."""
-    failed = False
+    """``step_fn``, or the eager step (on the same static cache) if its first call, which
+    compiles, fails; the model remembers the failure, so "auto" stops trying. Errors of
+    later calls are not caught."""
+    state = {"first": True, "eager": False}
 
     def step(model, ids, mask, cache):
-        nonlocal failed
-        if not failed:
-            try:
-                return step_fn(model, ids, mask, cache)
-            except Exception as e:  # inductor's compiler errors have no common base class
-                failed = True
-                object.__setattr__(model, "_compile_failed", True)
-                warnings.warn(
-                    f"compiling the decode step failed ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); decoding eagerly "
-                    "(pass compile=False to skip the attempt)",
-                    stacklevel=2,
-                )
-        return _forward_last(model, ids, mask, cache)
+        if state["eager"]:
+            return _forward_last(model, ids, mask, cache)
+        if not state["first"]:
+            return step_fn(model, ids, mask, cache)
+        state["first"] = False
+        try:
+            return step_fn(model, ids, mask, cache)
+        except Exception as e:  # inductor's compiler errors have no common base class
+            state["eager"] = True
+            object.__setattr__(model, "_compile_failed", True)
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            warnings.warn(
+                f"compiling the decode step failed ({type(e).__name__}: {first_line}); "
+                "decoding eagerly (pass compile=False to skip the attempt)",
+                stacklevel=2,
+            )
+            return _forward_last(model, ids, mask, cache)
 
     return step
 

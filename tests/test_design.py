@@ -326,3 +326,28 @@ def test_compiled_decode_step_runs_in_eval_mode_like_the_eager_step(monkeypatch)
     monkeypatch.setattr(gen.torch, "compile", lambda fn, **kw: fn)
     assert model.generate(prompt, 8, compile=True) == eager
     assert model.training and all(m.training for m in model.modules())
+
+
+def test_compile_fallback_catches_only_the_compiling_call(monkeypatch):
+    """An error after the compiled step has run once is the model's error: it propagates."""
+    import attnlab.generation as gen
+
+    model = build_model(get_preset("llama-tiny")).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+
+    def flaky_step(model):
+        calls = []
+
+        def step(model, ids, mask, cache):
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("a later failure")
+            return gen._forward_last(model, ids, mask, cache)
+
+        return step
+
+    monkeypatch.setattr(gen, "AUTO_COMPILE_MIN_TOKENS", 1)
+    monkeypatch.setattr(gen, "_compiled_step", flaky_step)
+    with pytest.raises(RuntimeError, match="a later failure"):
+        model.generate(prompt, 6)
+    assert not getattr(model, "_compile_failed", False)
