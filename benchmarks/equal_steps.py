@@ -30,6 +30,12 @@ VARIANTS = {
     "muon-1e-2": (400, {"train.optimizer": "muon", "train.lr": 0.01}),
     "batch16": (200, {"train.batch_size": 16}),
     "batch4-lr2e-3": (800, {"train.batch_size": 4, "train.lr": 0.002}),
+    "heads2": (400, {"model.attention.n_heads": 2, "model.attention.n_kv_heads": 2}),
+    "no-weight-decay": (400, {"train.weight_decay": 0.0}),
+    "to-zero-lr": (400, {"train.min_lr": 0.0}),
+    "beta2-0.95": (400, {"train.beta2": 0.95}),
+    "warmup-20": (400, {"train.warmup_steps": 20}),
+    "d192-3-layers": (400, {"model.d_model": 192, "model.n_layers": 3, "model.attention.n_heads": 3}),
 }
 
 
