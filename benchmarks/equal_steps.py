@@ -35,7 +35,10 @@ VARIANTS = {
     "to-zero-lr": (400, {"train.min_lr": 0.0}),
     "beta2-0.95": (400, {"train.beta2": 0.95}),
     "warmup-20": (400, {"train.warmup_steps": 20}),
-    "d192-3-layers": (400, {"model.d_model": 192, "model.n_layers": 3, "model.attention.n_heads": 3}),
+    "d192-3-layers": (
+        400,
+        {"model.d_model": 192, "model.n_layers": 3, "model.attention.n_heads": 3},
+    ),
 }
 
 

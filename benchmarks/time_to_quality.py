@@ -89,6 +89,7 @@ def describe(cfg, n_params: int) -> str:
     return (
         f"{arch}, {m.n_layers}x{m.d_model}, {n_params / 1e6:.2f}M params, block "
         f"{t.block_size}, batch {t.batch_size}, lr {t.lr:g}, {t.dtype}"
+        + (", compiled" if t.compile else "")
     )
 
 
@@ -99,6 +100,7 @@ VARIANTS = {
     "demo": ("demo", {}, 1.0),
     "demo, 1/4 budget": ("demo", {}, 0.25),
     "demo + muon, 1/4 budget": ("demo", {"train.optimizer": "muon", "train.lr": 0.01}, 0.25),
+    "demo + compile": ("demo", {"train.compile": True}, 1.0),
     "demo, batch 4": ("demo", {"train.batch_size": 4, "train.lr": 0.002}, 1.0),
     "demo, batch 4, 1/4 budget": ("demo", {"train.batch_size": 4, "train.lr": 0.002}, 0.25),
 }
