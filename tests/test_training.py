@@ -4,6 +4,7 @@ data parallelism."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -485,6 +486,29 @@ def test_time_budget_schedule_never_rewinds(tmp_path, dataset, monkeypatch):
     ), result.stop_message
 
 
+@pytest.mark.parametrize("later", [0.02, 0.3])
+def test_time_budget_refits_without_evaluations(tmp_path, dataset, monkeypatch, later):
+    """No evaluations on the way (eval_every=0): periodic refits still follow the steps'
+    speed. Steps faster than at the first fit: the run goes on at min_lr past the fitted
+    schedule instead of stopping at its end. Slower: the schedule is shortened, and the
+    budget is not passed. (The first fit reserves time for the final evaluation of the
+    whole validation split, estimated from the step time: about 12 s of the 30.)"""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "REFIT_EVERY", 5)
+    cost = lambda split, n: (0.1 if n <= 6 else later) if split == "train" else 0.001  # noqa: E731
+    data = TimedDataset(dataset, clock, cost)
+    cfg = tiny_run(max_steps=1000, time_budget=30.0, eval_every=0, log_every=1)
+    result = train(cfg, tmp_path, dataset=data, progress=False)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert result.elapsed <= 30.0 + later + 0.4 + 1e-9
+    if later < 0.1:  # fitted to ~180 steps of 0.1 s; ran far more at min_lr
+        assert result.max_steps < 200 and result.step > result.max_steps + 300
+        assert all(lr == pytest.approx(cfg.train.min_lr) for lr in lrs[result.max_steps :])
+    else:  # without the refits the schedule would have stayed ~180 steps long
+        assert result.max_steps < 60
+
+
 def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
@@ -611,7 +635,7 @@ def test_explicit_gpu_under_torchrun_is_refused(monkeypatch):
 # --------------------------------------------------------------------------- presets
 
 
-@pytest.mark.parametrize("name", ["demo", "nanogpt-cpu"])
+@pytest.mark.parametrize("name", ["demo", "quick", "nanogpt-cpu"])
 def test_run_presets_train(tmp_path, dataset, name):
     cfg = get_run_preset(name)
     cfg.train.eval_batches = 1  # keep the test quick
@@ -621,6 +645,17 @@ def test_run_presets_train(tmp_path, dataset, name):
     assert result.step == 2 and math.isfinite(result.val_loss)
     saved = load_checkpoint(tmp_path).config
     assert saved.train.max_steps == 2 and saved.model.vocab_size == dataset.tokenizer.vocab_size
+
+
+def test_quick_preset_is_the_demo_made_shallow_with_the_same_tokens_per_step():
+    demo, quick = get_run_preset("demo"), get_run_preset("quick")
+    assert (quick.model.n_layers, quick.train.block_size, quick.model.max_seq_len) == (2, 64, 64)
+    tokens = lambda c: c.train.batch_size * c.train.block_size * c.train.grad_accum
+    assert tokens(quick) == tokens(demo) == 1024
+    assert quick.model == demo.model.override({"n_layers": 2, "max_seq_len": 64})
+    assert quick.train == dataclasses.replace(
+        demo.train, block_size=64, batch_size=16, time_budget=30.0
+    )
 
 
 def test_get_run_preset_wraps_model_presets():

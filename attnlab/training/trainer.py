@@ -31,7 +31,8 @@ optimizer touches the weights and without saving.
 
 Time budget (seconds of the training loop, evaluations and saves included, setup not):
 after a few timed steps the schedule's length becomes the number of steps that fit (never
-more than ``max_steps``), refitted at each evaluation; refits only ever shorten it, and a
+more than ``max_steps``), refitted every ``REFIT_EVERY`` steps and at each evaluation (a
+run without evaluations follows the machine's speed too); refits only ever shorten it, and a
 fitted schedule warms up for at most ``WARMUP_FRACTION`` of its length, so after the
 warm-up the learning rate never increases. When the steps turn out faster than the fit
 assumed (a machine that was busy at the start), the run goes on at ``min_lr`` after the
@@ -80,6 +81,7 @@ BEST_DIR = "best"
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
 FIT_STEPS = 5  # steps timed before the first fit to a time budget
 FIT_WINDOW = 50  # refits use the mean time of the last this many steps
+REFIT_EVERY = 25  # steps between refits (also at each evaluation): runs without any follow speed
 WARMUP_FRACTION = 0.1  # a schedule fitted to a time budget warms up for at most this share
 EVAL_REL_TOL = 0.01  # periodic validation samples agree with the whole set within 1%
 
@@ -875,10 +877,12 @@ class Trainer:
                     bar.update(1)
 
                     n_timed = len(step_times) - FIT_SKIP_STEPS
-                    if (
-                        tc.time_budget is not None
-                        and not self.budget_fitted
-                        and (n_timed >= FIT_STEPS or self.step >= self.run_steps)
+                    if tc.time_budget is not None and (
+                        (
+                            not self.budget_fitted
+                            and (n_timed >= FIT_STEPS or self.step >= self.run_steps)
+                        )
+                        or (self.budget_fitted and self.step % REFIT_EVERY == 0)
                     ):
                         fit_budget()
 
