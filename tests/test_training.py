@@ -509,6 +509,27 @@ def test_time_budget_refits_without_evaluations(tmp_path, dataset, monkeypatch, 
         assert result.max_steps < 60
 
 
+def test_time_budget_refits_may_lengthen_the_schedule_during_the_warm_up(
+    tmp_path, dataset, monkeypatch
+):
+    """The first fit is made on 5 slow steps (0.1 s), the rest take 0.05 s: refits while the
+    learning rate still warms up (20 steps) lengthen the schedule to the faster pace; after
+    the warm-up they only shorten it, and the learning rate never rises again."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "REFIT_EVERY", 5)
+    cost = lambda split, n: (0.1 if n <= 6 else 0.05) if split == "train" else 0.001  # noqa: E731
+    data = TimedDataset(dataset, clock, cost)
+    cfg = tiny_run(max_steps=1000, time_budget=30.0, eval_every=0, warmup_steps=20, log_every=1)
+    result = train(cfg, tmp_path, dataset=data, progress=False)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    # fitted on the slow steps alone: (30 s - ~12 s kept for the final evaluation) / 0.1 s
+    assert result.max_steps > 200
+    peak = lrs.index(max(lrs))
+    assert peak <= 20 and all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1 :]))
+    assert result.elapsed <= 30.0 + 0.05 + 0.4 + 1e-9
+
+
 def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)

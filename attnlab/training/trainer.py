@@ -32,9 +32,10 @@ optimizer touches the weights and without saving.
 Time budget (seconds of the training loop, evaluations and saves included, setup not):
 after a few timed steps the schedule's length becomes the number of steps that fit (never
 more than ``max_steps``), refitted every ``REFIT_EVERY`` steps and at each evaluation (a
-run without evaluations follows the machine's speed too); refits only ever shorten it, and a
-fitted schedule warms up for at most ``WARMUP_FRACTION`` of its length, so after the
-warm-up the learning rate never increases. When the steps turn out faster than the fit
+run without evaluations follows the machine's speed too). A fitted schedule warms up for
+at most ``WARMUP_FRACTION`` of its length; refits during the warm-up may lengthen it (the
+first fit is made on a few steps, often slower than the rest), later ones only shorten
+it, so after the warm-up the learning rate never increases. When the steps turn out faster than the fit
 assumed (a machine that was busy at the start), the run goes on at ``min_lr`` after the
 schedule ends, for the steps that still fit. The run stops when the time is used. The
 fitted lengths are saved, so a resumed run keeps its schedule. An explicit ``max_steps``
@@ -760,8 +761,11 @@ class Trainer:
         fits = self.step + max(0, int(left / per_step))
         fits = min(tc.max_steps, max(self.step, fits))
         schedule = fits
-        if self.budget_fitted:
-            schedule = min(fits, self.schedule_steps)  # refits only shorten: no rewinding
+        if self.budget_fitted and self.step >= self.warmup_steps:
+            # Past the warm-up refits only shorten: lengthening would raise the decaying
+            # learning rate again. Within it (the rate still rising, the cosine not begun) a
+            # refit may lengthen a first fit made on a few slow steps.
+            schedule = min(fits, self.schedule_steps)
         fits, schedule = self._all_reduce([float(fits), float(schedule)], dist.ReduceOp.MIN)
         self.schedule_steps = int(schedule)
         self.run_steps = int(fits)  # past the schedule's end: min_lr
