@@ -43,7 +43,6 @@ from attnlab.training import (
 from attnlab.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-FIT_STEPS = trainer_module.FIT_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -445,6 +444,7 @@ def test_time_budget_stops_when_steps_slow_down(tmp_path, dataset, monkeypatch):
     schedule, and the run stops with a final evaluation once the 3 s are used."""
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
     cost = lambda split, n: (0.1 if n <= 6 else 0.3) if split == "train" else 0.001  # noqa: E731
     data = TimedDataset(dataset, clock, cost)
     cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=10, eval_batches=2)
@@ -463,6 +463,7 @@ def test_time_budget_schedule_never_rewinds(tmp_path, dataset, monkeypatch):
     tenth of the fitted length."""
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
     cost = lambda split, n: (0.1 if n <= 6 else 0.02) if split == "train" else 0.001  # noqa: E731
     data = TimedDataset(dataset, clock, cost)
     cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=5, warmup_steps=50, log_every=1)
@@ -470,7 +471,7 @@ def test_time_budget_schedule_never_rewinds(tmp_path, dataset, monkeypatch):
     lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     peak = lrs.index(max(lrs))
     # The warm-up ends once the schedule is fitted (after the first timed steps).
-    assert peak <= max(0.1 * result.max_steps, FIT_STEPS + trainer_module.FIT_SKIP_STEPS)
+    assert peak <= max(0.1 * result.max_steps, 5 + trainer_module.FIT_SKIP_STEPS)
     assert all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1 :])), lrs  # then only down
     assert result.max_steps <= 30  # fitted on the slow steps, never lengthened
     assert lrs[-1] == pytest.approx(cfg.train.min_lr, rel=0.05)  # the cosine completed
@@ -496,6 +497,7 @@ def test_time_budget_refits_without_evaluations(tmp_path, dataset, monkeypatch, 
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
     monkeypatch.setattr(trainer_module, "REFIT_EVERY", 5)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
     cost = lambda split, n: (0.1 if n <= 6 else later) if split == "train" else 0.001  # noqa: E731
     data = TimedDataset(dataset, clock, cost)
     cfg = tiny_run(max_steps=1000, time_budget=30.0, eval_every=0, log_every=1)
@@ -518,6 +520,7 @@ def test_time_budget_refits_may_lengthen_the_schedule_during_the_warm_up(
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
     monkeypatch.setattr(trainer_module, "REFIT_EVERY", 5)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
     cost = lambda split, n: (0.1 if n <= 6 else 0.05) if split == "train" else 0.001  # noqa: E731
     data = TimedDataset(dataset, clock, cost)
     cfg = tiny_run(max_steps=1000, time_budget=30.0, eval_every=0, warmup_steps=20, log_every=1)

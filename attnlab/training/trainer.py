@@ -81,7 +81,7 @@ from attnlab.training.optim import build_optimizer, lr_at, set_lr
 
 BEST_DIR = "best"
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
-FIT_STEPS = 5  # steps timed before the first fit to a time budget
+FIT_STEPS = 20  # steps timed before the first fit (fewer: a few slow ones shortened it)
 FIT_WINDOW = 50  # refits use the mean time of the last this many steps
 REFIT_EVERY = 25  # steps between refits (also at each evaluation): runs without any follow speed
 WARMUP_FRACTION = 0.1  # a schedule fitted to a time budget warms up for at most this share
