@@ -481,8 +481,9 @@ def demo_run() -> RunConfig:
     here (val 1.54 vs 2.09 after 400 steps), for ~12% more time per step. Batch 8 with lr
     3e-3 reached nanogpt-cpu's final loss sooner than batch 16 or 12 with lr 4e-3 to 6e-3
     (benchmarks/time_to_quality.py: about 53 s against 60-77 s). float32: bf16 autocast
-    was ~10x slower on the AVX2-only CPU it was tuned on (no AVX-512 BF16/AMX); use
-    --set train.dtype=bfloat16 where the CPU has those."""
+    was ~10x slower on the AVX2-only CPU it was tuned on (no AVX-512 BF16/AMX), and only
+    1.04x faster on an AVX-512 BF16 one (benchmarks/train_levers.py); --set
+    train.dtype=bfloat16 where that pays."""
     model = llama_style(
         vocab_size=256,
         max_seq_len=128,
@@ -517,11 +518,13 @@ def quick_run() -> RunConfig:
     """The ``demo`` recipe shaped for budgets of a few tens of seconds: 2 layers instead of
     4, block 64 and batch 16 (the same 1,024 tokens a step); a 30-second budget.
 
-    Short budgets favour shallow models that take many steps: in 18-second runs on a 2-core
-    CPU (the cosine schedule fitted to the budget), 2 layers at block 64, batch 16 reached a
-    validation loss of 1.40-1.47 in 470-620 steps, where the 4-layer demo reached 1.68 in
-    280, 3 layers 1.55, 1 layer 1.46, and 2 layers with block 128 and batch 8 1.52.
-    benchmarks/time_to_quality.py compares it with the demo and nanoGPT's CPU run."""
+    Short budgets favour shallow models that take many steps. Trained for 20 s each on a
+    2-core CPU (benchmarks/short_budget.py, medians of 2 rounds, the cosine schedule fitted
+    to the budget): this shape took 627 steps to a validation loss of 1.401, the 4-layer
+    demo 306 steps to 1.630; 1 layer 1.471, 3 layers 1.548, block 128 x batch 8 1.440,
+    block 32 x batch 32 1.439, 2 heads of 64 1.420, d_model 192 1.576, lr 2e-3 1.397 and
+    5e-3 1.424 (within run-to-run noise of the preset's 3e-3).
+    benchmarks/time_to_quality.py compares it with nanoGPT's CPU run."""
     cfg = demo_run()
     cfg.model.n_layers = 2
     cfg.model.max_seq_len = 64
