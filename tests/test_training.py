@@ -439,16 +439,28 @@ def test_time_budget_fits_the_schedule(tmp_path, dataset, monkeypatch):
     assert resumed.max_steps == result.max_steps  # the fitted length is kept on resume
 
 
+def slowdown_run(tmp_path, dataset, monkeypatch, later: float, refit_every=None, **train_kw):
+    """A run under a fake clock whose first fit (FIT_STEPS pinned to 5: steps 2-6) sees
+    0.1 s steps, every later step taking ``later`` s (evaluation batches 1 ms): the
+    config, the result and the learning rate of every step."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)
+    if refit_every is not None:
+        monkeypatch.setattr(trainer_module, "REFIT_EVERY", refit_every)
+    cost = lambda split, n: (0.1 if n <= 6 else later) if split == "train" else 0.001  # noqa: E731
+    cfg = tiny_run(max_steps=1000, **train_kw)
+    result = train(cfg, tmp_path, dataset=TimedDataset(dataset, clock, cost), progress=False)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    return cfg, result, lrs
+
+
 def test_time_budget_stops_when_steps_slow_down(tmp_path, dataset, monkeypatch):
     """Steps take 0.1 s while the schedule is fitted, then 0.3 s: the refits shorten the
     schedule, and the run stops with a final evaluation once the 3 s are used."""
-    clock = FakeClock()
-    monkeypatch.setattr(trainer_module, "_clock", clock)
-    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
-    cost = lambda split, n: (0.1 if n <= 6 else 0.3) if split == "train" else 0.001  # noqa: E731
-    data = TimedDataset(dataset, clock, cost)
-    cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=10, eval_batches=2)
-    result = train(cfg, tmp_path, dataset=data, progress=False)
+    _, result, _ = slowdown_run(
+        tmp_path, dataset, monkeypatch, 0.3, time_budget=3.0, eval_every=10, eval_batches=2
+    )
     assert result.stop_reason == "time_budget" and result.step <= result.max_steps < 28
     # Stopped after the step that used up the budget, plus the final evaluations.
     assert 3.0 <= result.elapsed <= 3.0 + 0.3 + 0.4 + 1e-9
@@ -461,14 +473,9 @@ def test_time_budget_schedule_never_rewinds(tmp_path, dataset, monkeypatch):
     evaluations must not lengthen the schedule (that restarted the cosine, raising the
     learning rate mid-run), and the warm-up (50 steps configured) is bounded by a
     tenth of the fitted length."""
-    clock = FakeClock()
-    monkeypatch.setattr(trainer_module, "_clock", clock)
-    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
-    cost = lambda split, n: (0.1 if n <= 6 else 0.02) if split == "train" else 0.001  # noqa: E731
-    data = TimedDataset(dataset, clock, cost)
-    cfg = tiny_run(max_steps=1000, time_budget=3.0, eval_every=5, warmup_steps=50, log_every=1)
-    result = train(cfg, tmp_path, dataset=data, progress=False)
-    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    cfg, result, lrs = slowdown_run(
+        tmp_path, dataset, monkeypatch, 0.02, time_budget=3.0, eval_every=5, warmup_steps=50
+    )
     peak = lrs.index(max(lrs))
     # The warm-up ends once the schedule is fitted (after the first timed steps).
     assert peak <= max(0.1 * result.max_steps, 5 + trainer_module.FIT_SKIP_STEPS)
@@ -494,15 +501,9 @@ def test_time_budget_refits_without_evaluations(tmp_path, dataset, monkeypatch, 
     schedule instead of stopping at its end. Slower: the schedule is shortened, and the
     budget is not passed. (The first fit reserves time for the final evaluation of the
     whole validation split, estimated from the step time: about 12 s of the 30.)"""
-    clock = FakeClock()
-    monkeypatch.setattr(trainer_module, "_clock", clock)
-    monkeypatch.setattr(trainer_module, "REFIT_EVERY", 5)
-    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
-    cost = lambda split, n: (0.1 if n <= 6 else later) if split == "train" else 0.001  # noqa: E731
-    data = TimedDataset(dataset, clock, cost)
-    cfg = tiny_run(max_steps=1000, time_budget=30.0, eval_every=0, log_every=1)
-    result = train(cfg, tmp_path, dataset=data, progress=False)
-    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    cfg, result, lrs = slowdown_run(
+        tmp_path, dataset, monkeypatch, later, refit_every=5, time_budget=30.0, eval_every=0
+    )
     assert result.elapsed <= 30.0 + later + 0.4 + 1e-9
     if later < 0.1:  # fitted to ~180 steps of 0.1 s; ran far more at min_lr
         assert result.max_steps < 200 and result.step > result.max_steps + 300
@@ -517,15 +518,9 @@ def test_time_budget_refits_may_lengthen_the_schedule_during_the_warm_up(
     """The first fit is made on 5 slow steps (0.1 s), the rest take 0.05 s: refits while the
     learning rate still warms up (20 steps) lengthen the schedule to the faster pace; after
     the warm-up they only shorten it, and the learning rate never rises again."""
-    clock = FakeClock()
-    monkeypatch.setattr(trainer_module, "_clock", clock)
-    monkeypatch.setattr(trainer_module, "REFIT_EVERY", 5)
-    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)  # first fit after steps 2-6
-    cost = lambda split, n: (0.1 if n <= 6 else 0.05) if split == "train" else 0.001  # noqa: E731
-    data = TimedDataset(dataset, clock, cost)
-    cfg = tiny_run(max_steps=1000, time_budget=30.0, eval_every=0, warmup_steps=20, log_every=1)
-    result = train(cfg, tmp_path, dataset=data, progress=False)
-    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    _, result, lrs = slowdown_run(
+        tmp_path, dataset, monkeypatch, 0.05, refit_every=5, time_budget=30.0, warmup_steps=20
+    )
     # fitted on the slow steps alone: (30 s - ~12 s kept for the final evaluation) / 0.1 s
     assert result.max_steps > 200
     peak = lrs.index(max(lrs))
