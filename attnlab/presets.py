@@ -482,7 +482,7 @@ def demo_run() -> RunConfig:
     3e-3 reached nanogpt-cpu's final loss sooner than batch 16 or 12 with lr 4e-3 to 6e-3
     (benchmarks/time_to_quality.py: about 53 s against 60-77 s). float32: bf16 autocast
     was ~10x slower on the AVX2-only CPU it was tuned on (no AVX-512 BF16/AMX), and only
-    1.04x faster on an AVX-512 BF16 one (benchmarks/train_levers.py); --set
+    1.03-1.04x faster on an AVX-512 BF16 one (benchmarks/train_levers.py); --set
     train.dtype=bfloat16 where that pays."""
     model = llama_style(
         vocab_size=256,
