@@ -90,8 +90,7 @@ def main() -> None:
                 peak[dtype] = max(peak[dtype], matmul_flops(dtype))
                 peaks.setdefault(dtype, []).append(peak[dtype])
             for label, (per_token, _, _, dtype) in info.items():
-                if len(mfus.get(label, [])) < r + 1:
-                    mfus.setdefault(label, []).append(per_token * rates[label][r] / peak[dtype])
+                mfus.setdefault(label, []).append(per_token * rates[label][-1] / peak[dtype])
     rows = []
     for label, (per_token, block, batch, dtype) in info.items():
         tok_s = statistics.median(rates[label])

@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     setup_threads(args.threads)
-    results: dict[str, list[tuple[int, float, float]]] = {name: [] for name in args.variants}
+    results: dict[str, list[tuple[int, float]]] = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             for i, name in enumerate(args.variants):
@@ -57,7 +57,7 @@ def main() -> None:
                 )
                 res = train(cfg, Path(tmp) / f"{r}-{i}", progress=False, overwrite=True)
                 full = res.val_metrics["loss"]  # the final evaluation: whole validation split
-                results[name].append((res.step, res.elapsed, full))
+                results[name].append((res.step, full))
     print(f"machine: {machine()}")
     print(
         f"budget: {args.budget:g} s per run (schedule fitted to it, final evaluation included); "
@@ -65,7 +65,7 @@ def main() -> None:
     )
     rows = []
     for name, runs in results.items():
-        steps, _, losses = zip(*runs)
+        steps, losses = zip(*runs)
         rows.append([name, int(statistics.median(steps)), f"{statistics.median(losses):.4f}"])
     print(table(["variant", "steps", "final val loss (whole split)"], rows))
 

@@ -83,7 +83,7 @@ BEST_DIR = "best"
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
 FIT_STEPS = 20  # steps timed before the first fit (fewer: a few slow ones shortened it)
 FIT_WINDOW = 50  # refits use the mean time of the last this many steps
-REFIT_EVERY = 25  # steps between refits (also at each evaluation): runs without any follow speed
+REFIT_EVERY = 25  # steps between refits, evaluations or not (each evaluation refits too)
 WARMUP_FRACTION = 0.1  # a schedule fitted to a time budget warms up for at most this share
 EVAL_REL_TOL = 0.01  # periodic validation samples agree with the whole set within 1%
 
