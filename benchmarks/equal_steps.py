@@ -1,10 +1,12 @@
-"""Quality at equal steps: training variants of the ``demo`` preset, each run for a fixed
-number of steps with its cosine schedule over them, scored on the whole validation split
+"""Quality at equal steps: training variants of a run preset (``demo`` unless ``--preset``),
+each run for a fixed number of steps (the variant's, or ``--steps``) with its cosine schedule
+over them, scored on the whole validation split
 half-way and at the end. Losses at a given step do not depend on the machine's load, so
 this compares what each variant learns per step (or, with the batch varied, per token);
 step times come from train_levers.py and time_to_quality.py.
 
     python benchmarks/equal_steps.py [--variants adamw muon-1e-2 ...] [--threads 1]
+        [--preset demo] [--steps N] [--seed S]
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from attnlab.presets import get_run_preset
 from attnlab.training.optim import lr_at, set_lr
 from attnlab.training.trainer import Trainer
 
-# name -> (steps, overrides of the demo preset)
+# name -> (steps, overrides of the preset)
 VARIANTS = {
     "adamw": (400, {}),
+    "adamw-lr4e-3": (400, {"train.lr": 0.004}),
     "adamw-lr6e-3": (400, {"train.lr": 0.006}),
     "muon-3e-3": (400, {"train.optimizer": "muon"}),
     "muon-6e-3": (400, {"train.optimizer": "muon", "train.lr": 0.006}),
@@ -32,6 +35,7 @@ VARIANTS = {
     "batch4-lr2e-3": (800, {"train.batch_size": 4, "train.lr": 0.002}),
     "heads2": (400, {"model.attention.n_heads": 2, "model.attention.n_kv_heads": 2}),
     "no-weight-decay": (400, {"train.weight_decay": 0.0}),
+    "no-weight-decay-lr4e-3": (400, {"train.weight_decay": 0.0, "train.lr": 0.004}),
     "to-zero-lr": (400, {"train.min_lr": 0.0}),
     "beta2-0.95": (400, {"train.beta2": 0.95}),
     "warmup-20": (400, {"train.warmup_steps": 20}),
@@ -42,9 +46,11 @@ VARIANTS = {
 }
 
 
-def run(name: str, steps: int, overrides: dict) -> dict:
+def run(name: str, preset: str, steps: int, overrides: dict, seed: int | None) -> dict:
     base = {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": steps}
-    cfg = get_run_preset("demo").override({**base, **overrides})
+    if seed is not None:
+        base["train.seed"] = seed
+    cfg = get_run_preset(preset).override({**base, **overrides})
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(cfg, tmp, progress=False)
         tc, val = tr.tc, {}
@@ -67,11 +73,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--steps", type=int, default=None, help="every variant's step count")
+    ap.add_argument("--seed", type=int, default=None, help="train.seed (default: the preset's)")
     args = ap.parse_args()
     setup_threads(args.threads)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; preset {args.preset}")
     for name in args.variants:  # one JSON line per variant: val loss by step
-        print(json.dumps(run(name, *VARIANTS[name])), flush=True)
+        steps, overrides = VARIANTS[name]
+        result = run(name, args.preset, args.steps or steps, overrides, args.seed)
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

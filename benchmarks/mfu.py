@@ -2,41 +2,51 @@
 both measured in this run.
 
 Achieved FLOP/s = training FLOPs per token (6 x matmul parameters + 12 x layers x context x
-heads x head dim: attnlab.analysis.flops_per_token) x tokens/s of attnlab's trainer (the
-`train` records of metrics.jsonl, first interval skipped as warm-up). Peak = the best
-float32 (and, where the run uses it, bfloat16) square matmul.
+heads x head dim: attnlab.analysis.flops_per_token) x tokens/s of attnlab's trainer step
+(``Trainer._train_step``: data, forward, backward, clip, optimizer, and the step's loss and
+gradient norm read back). Peak = the best float32 (and, where the run uses it, bfloat16)
+square matmul.
 
 Each preset runs eager and, with ``--compile``, also under ``train.compile`` (inductor),
 whose fused element-wise kernels cut the time outside the matmuls. A shared machine's speed
-drifts between runs: ``--rounds N`` runs them all N times in turn, each round measuring its
-own matmul peak, and shows the medians.
+drifts within minutes, so every run gets its own trainer and they take turns: ``--chunks``
+rounds of ``--steps`` steps each, the matmul peak measured just before and after every
+chunk, each chunk's MFU taken against the better of those two. Medians are shown. The first
+``--warmup`` steps of each trainer (and its compilation) are not timed.
 
-    python benchmarks/mfu.py [--steps 60] [--presets nanogpt-cpu demo llama-30m] [--compile]
-        [--rounds 1]
+    python benchmarks/mfu.py [--steps 20] [--chunks 5] [--warmup 10] [--compile]
+        [--presets nanogpt-cpu demo llama-30m]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from _common import machine, setup_threads, table
 from attnlab.analysis import flops_per_token
 from attnlab.presets import get_run_preset
-from attnlab.training import train
+from attnlab.training.trainer import Trainer, _StopRequest
 
 # A larger model than the CPU presets, to show utilisation where matmuls dominate.
 EXTRA = {"llama-30m": {"train.batch_size": 4, "train.block_size": 256, "train.lr": 3e-4}}
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+@functools.cache
+def operands(dtype: torch.dtype, n: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+
+
+def matmul_flops(dtype: torch.dtype, repeats: int = 3) -> float:
+    """Best FLOP/s of a square matmul; the operands are made once (fresh 16 MB allocations
+    between chunks would disturb the allocator the training steps use)."""
+    a, b = operands(dtype)
+    n = a.shape[0]
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -48,59 +58,61 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per chunk")
+    ap.add_argument("--chunks", type=int, default=5, help="timed chunks per run, in turn")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed first steps per run")
     ap.add_argument("--presets", nargs="+", default=["nanogpt-cpu", "demo", "llama-30m"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="also each preset compiled")
-    ap.add_argument("--rounds", type=int, default=1, help="all runs again; medians shown")
     args = ap.parse_args()
     setup_threads(args.threads)
+    # Several models compile in this one process: without this, the second shape seen would
+    # turn dynamo's graphs dynamic (slower) for every preset after the first.
+    torch._dynamo.config.automatic_dynamic_shapes = False
     runs = [(name, False) for name in args.presets]
     runs += [(name, True) for name in args.presets if args.compile]
-    info = {}  # label -> (train FLOPs per token, block, batch, dtype)
-    rates: dict[str, list[float]] = {}  # label -> tokens/s of each round
-    mfus: dict[str, list[float]] = {}  # label -> achieved / that round's matmul peak
-    peaks: dict[torch.dtype, list[float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):  # the machine's speed drifts: rounds, medians
-            peak = {torch.float32: matmul_flops(torch.float32)}
-            for name, compiled in runs:
-                cfg = get_run_preset(name).override(
-                    {"train.eval_every": 0, "train.log_every": 10, "train.time_budget": None,
-                     "train.max_steps": args.steps, "train.compile": compiled,
-                     **EXTRA.get(name, {})}
-                )  # fmt: skip
-                out = Path(tmp) / f"{name}{'-compiled' if compiled else ''}-{r}"
-                train(cfg, out, progress=False)
-                records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-                # the first intervals hold the warm-up (and the compilation): skipped
-                tok_s = statistics.median(
-                    [x["tokens_per_second"] for x in records if x["kind"] == "train"][2:]
-                )
-                saved = json.loads((out / "config.json").read_text())  # vocab: the tokenizer's
-                model_cfg = cfg.model.override({"vocab_size": saved["model"]["vocab_size"]})
-                block = cfg.train.block_size or cfg.model.max_seq_len
-                dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-                peak.setdefault(dtype, matmul_flops(dtype))
-                per_token = flops_per_token(model_cfg, block)["training"]
-                label = f"{name} (compiled)" if compiled else name
-                info[label] = (per_token, block, cfg.train.batch_size, dtype)
-                rates.setdefault(label, []).append(tok_s)
-            for dtype in peak:  # the best of before and after the round's runs
-                peak[dtype] = max(peak[dtype], matmul_flops(dtype))
-                peaks.setdefault(dtype, []).append(peak[dtype])
-            for label, (per_token, _, _, dtype) in info.items():
-                mfus.setdefault(label, []).append(per_token * rates[label][-1] / peak[dtype])
+    total = args.warmup + args.steps * args.chunks
+    trainers: dict[str, tuple[Trainer, int, torch.dtype]] = {}  # label -> trainer, FLOPs, dtype
+    stop, never = _StopRequest(), lambda: False
+    with tempfile.TemporaryDirectory() as tmp:  # the trainers' (unused) run directories
+        for name, compiled in runs:
+            cfg = get_run_preset(name).override(
+                {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": total,
+                 "train.compile": compiled, **EXTRA.get(name, {})}
+            )  # fmt: skip
+            label = f"{name} (compiled)" if compiled else name
+            tr = Trainer(cfg, f"{tmp}/{len(trainers)}", progress=False)
+            block = tr.tc.block_size or tr.cfg.model.max_seq_len
+            per_token = flops_per_token(tr.cfg.model, block)["training"]  # tokenizer's vocab
+            dtype = torch.bfloat16 if tr.tc.dtype == "bfloat16" else torch.float32
+            trainers[label] = (tr, per_token, dtype)
+            for _ in range(args.warmup):
+                tr._train_step(stop, never)
+        rates: dict[str, list[float]] = {label: [] for label in trainers}  # tokens/s per chunk
+        mfus: dict[str, list[float]] = {label: [] for label in trainers}
+        peaks: dict[torch.dtype, list[float]] = {}
+        for _ in range(args.chunks):
+            for label, (tr, per_token, dtype) in trainers.items():
+                before = matmul_flops(dtype)
+                t, tokens = time.perf_counter(), 0.0
+                for _ in range(args.steps):
+                    tokens += tr._train_step(stop, never).count
+                rate = tokens / (time.perf_counter() - t)
+                peak = max(before, matmul_flops(dtype))
+                rates[label].append(rate)
+                mfus[label].append(per_token * rate / peak)
+                peaks.setdefault(dtype, []).append(peak)
     rows = []
-    for label, (per_token, block, batch, dtype) in info.items():
+    for label, (tr, per_token, dtype) in trainers.items():
         tok_s = statistics.median(rates[label])
-        rows.append([label, f"{per_token / 1e6:.2f}M", block, batch, str(dtype).split(".")[-1],
-                     f"{tok_s:,.0f}", f"{per_token * tok_s / 1e9:.1f}",
+        rows.append([label, f"{per_token / 1e6:.2f}M", tr.tc.block_size, tr.tc.batch_size,
+                     str(dtype).split(".")[-1], f"{tok_s:,.0f}", f"{per_token * tok_s / 1e9:.1f}",
                      f"{statistics.median(peaks[dtype]) / 1e9:.1f}",
                      f"{statistics.median(mfus[label]):.0%}"])  # fmt: skip
     print(f"machine: {machine()}")
     print(
-        f"medians over {args.rounds} round(s) of every run in turn; MFU against each round's peak"
+        f"{args.chunks} chunks of {args.steps} steps per run, the runs in turn; medians; each "
+        "chunk's MFU against the matmul peak measured around it"
     )
     print(table(["preset", "train FLOPs/token", "block", "batch", "dtype", "tokens/s",
                  "achieved GFLOP/s", "matmul GFLOP/s", "MFU"], rows))  # fmt: skip

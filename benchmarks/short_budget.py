@@ -36,6 +36,17 @@ VARIANTS = {
     "quick, lr 2e-3": ("quick", {"train.lr": 2e-3}),
     "quick, lr 5e-3": ("quick", {"train.lr": 5e-3}),
     "quick, d_model 192": ("quick", {"model.d_model": 192}),
+    "quick, Muon": ("quick", {"train.optimizer": "muon"}),
+    "quick, no weight decay": ("quick", {"train.weight_decay": 0.0}),
+    "quick, warm-up 20": ("quick", {"train.warmup_steps": 20}),
+    "quick, untied embeddings": ("quick", {"model.tie_embeddings": False}),
+    "quick, batch 8 (512 tokens)": ("quick", {"train.batch_size": 8}),
+    "quick, compiled": ("quick", {"train.compile": True}),
+    "quick, min_lr 0": ("quick", {"train.min_lr": 0.0}),
+    "quick, beta2 0.95": ("quick", {"train.beta2": 0.95}),
+    "quick, no weight decay, min_lr 0": ("quick", {"train.weight_decay": 0.0, "train.min_lr": 0.0}),
+    "quick, no weight decay, lr 4e-3": ("quick", {"train.weight_decay": 0.0, "train.lr": 4e-3}),
+    "quick, no grad clip": ("quick", {"train.grad_clip": 0.0}),
 }
 
 
