@@ -198,6 +198,12 @@ class _Config:
         pass
 
 
+def _lr_schedules() -> tuple[str, ...]:
+    from attnlab.training.optim import SCHEDULES  # the registry of learning-rate schedules
+
+    return tuple(SCHEDULES)
+
+
 def _attention_kinds() -> tuple[str, ...]:
     from attnlab.nn.registry import attention_kinds  # the registry of attention modules
 
@@ -772,6 +778,8 @@ class TrainConfig(_Config):
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
+    schedule: str = "cosine"  # after the warm-up: "cosine", or "wsd" (constant, linear decay)
+    decay_fraction: float = 0.3  # wsd: the share of the post-warm-up steps spent decaying
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
@@ -805,6 +813,9 @@ class TrainConfig(_Config):
         _positive(f"{path}.time_budget", self.time_budget)
         _choice(f"{path}.dtype", self.dtype, ("float32", "bfloat16"))
         _choice(f"{path}.optimizer", self.optimizer, ("adamw", "muon"))
+        _choice(f"{path}.schedule", self.schedule, _lr_schedules())
+        if not 0.0 < self.decay_fraction <= 1.0:
+            _fail(f"{path}.decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(f"{path}.{name}", f"must be in [0, 1), got {getattr(self, name)}")

@@ -524,6 +524,12 @@ def quick_run() -> RunConfig:
     demo 306 steps to 1.630; 1 layer 1.471, 3 layers 1.548, block 128 x batch 8 1.440,
     block 32 x batch 32 1.439, 2 heads of 64 1.420, d_model 192 1.576, lr 2e-3 1.397 and
     5e-3 1.424 (within run-to-run noise of the preset's 3e-3).
+
+    The schedule is WSD (``train.schedule``): the peak rate held, then a linear decay over
+    the second half of the steps. At 650 steps it ended lower than the cosine for each of
+    four seeds (benchmarks/equal_steps.py --preset quick --steps 650 --variants cosine
+    wsd-half: 1.385 against 1.397 on average), and under a time budget its stable phase
+    lets the refits follow the machine's speed until the decay begins.
     benchmarks/time_to_quality.py compares it with nanoGPT's CPU run."""
     cfg = demo_run()
     cfg.model.n_layers = 2
@@ -531,6 +537,8 @@ def quick_run() -> RunConfig:
     cfg.train.block_size = 64
     cfg.train.batch_size = 16
     cfg.train.time_budget = 30.0
+    cfg.train.schedule = "wsd"
+    cfg.train.decay_fraction = 0.5
     return cfg
 
 

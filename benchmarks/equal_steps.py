@@ -37,6 +37,9 @@ VARIANTS = {
     "no-weight-decay": (400, {"train.weight_decay": 0.0}),
     "no-weight-decay-lr4e-3": (400, {"train.weight_decay": 0.0, "train.lr": 0.004}),
     "to-zero-lr": (400, {"train.min_lr": 0.0}),
+    "cosine": (400, {"train.schedule": "cosine"}),
+    "wsd": (400, {"train.schedule": "wsd", "train.decay_fraction": 0.3}),
+    "wsd-half": (400, {"train.schedule": "wsd", "train.decay_fraction": 0.5}),
     "beta2-0.95": (400, {"train.beta2": 0.95}),
     "warmup-20": (400, {"train.warmup_steps": 20}),
     "d192-3-layers": (

@@ -82,6 +82,22 @@ def test_inconsistent_values_rejected(data, match):
         ModelConfig.from_dict(data)
 
 
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (
+            {"schedule": "linear"},
+            r"train.schedule: unknown value 'linear'; choose one of cosine, wsd",
+        ),
+        ({"decay_fraction": 0.0}, r"train.decay_fraction: must be in \(0, 1\], got 0.0"),
+        ({"decay_fraction": 1.5}, r"train.decay_fraction: must be in \(0, 1\], got 1.5"),
+    ],
+)
+def test_schedule_settings_checked(data, match):
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_dict({"train": data})
+
+
 def test_head_dim_override_allows_indivisible_d_model():
     cfg = ModelConfig.from_dict({"d_model": 100, "attention": {"n_heads": 3, "head_dim": 32}})
     assert cfg.head_dim == 32

@@ -41,6 +41,7 @@ from attnlab.training import (
     train,
 )
 from attnlab.training.metrics import read_metrics
+from attnlab.training.optim import decaying
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,6 +125,37 @@ def test_schedule_matches_formula():
     assert lr_at(60, cfg, total_steps=210) == pytest.approx(
         1e-4 + 9e-4 * math.cos(math.pi * 0.25 / 2) ** 2
     )
+
+
+def test_wsd_schedule_matches_formula():
+    """Warm-up, stable, decay: the peak rate held until the last decay_fraction of the
+    post-warm-up steps, then a straight line down to min_lr."""
+    cfg = TrainConfig(
+        lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110, schedule="wsd", decay_fraction=0.3
+    )
+    for step in range(10):  # the same warm-up as the cosine's
+        assert lr_at(step, cfg) == pytest.approx(1e-3 * (step + 1) / 11, rel=1e-12)
+    for step in range(10, 81):  # stable: 70 of the 100 post-warm-up steps
+        assert lr_at(step, cfg) == pytest.approx(1e-3, rel=1e-12)
+        assert not decaying(step, cfg)
+    for step in range(81, 111):  # the line through (80, lr) and (110, min_lr)
+        expected = 1e-3 + (1e-4 - 1e-3) * (step - 80) / 30
+        assert lr_at(step, cfg) == pytest.approx(expected, rel=1e-12)
+        assert decaying(step, cfg)
+    assert lr_at(95, cfg) == pytest.approx(5.5e-4)  # half way down: the mean
+    assert lr_at(500, cfg) == 1e-4
+    # A shorter schedule starts its decay sooner: never a higher rate at a given step.
+    for total in (30, 60, 90, 109):
+        assert all(lr_at(s, cfg, total) <= lr_at(s, cfg) + 1e-18 for s in range(10, 200))
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_decaying_marks_where_the_rate_falls(schedule):
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110, schedule=schedule)
+    lrs = [lr_at(s, cfg) for s in range(130)]
+    for s in range(130):
+        assert decaying(s, cfg) == (s >= 10 and lrs[s] < 1e-3 * (1 - 1e-12)), s
+    assert all(b <= a for a, b in zip(lrs[10:], lrs[11:]))  # after the warm-up: only down
 
 
 def test_parameter_groups_follow_nanogpt():
@@ -439,16 +471,18 @@ def test_time_budget_fits_the_schedule(tmp_path, dataset, monkeypatch):
     assert resumed.max_steps == result.max_steps  # the fitted length is kept on resume
 
 
-def slowdown_run(tmp_path, dataset, monkeypatch, later: float, refit_every=None, **train_kw):
+def slowdown_run(
+    tmp_path, dataset, monkeypatch, later: float, refit_every=None, slow_until=6, **train_kw
+):
     """A run under a fake clock whose first fit (FIT_STEPS pinned to 5: steps 2-6) sees
-    0.1 s steps, every later step taking ``later`` s (evaluation batches 1 ms): the
-    config, the result and the learning rate of every step."""
+    0.1 s steps, every step after ``slow_until`` taking ``later`` s (evaluation batches
+    1 ms): the config, the result and the learning rate of every step."""
     clock = FakeClock()
     monkeypatch.setattr(trainer_module, "_clock", clock)
     monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)
     if refit_every is not None:
         monkeypatch.setattr(trainer_module, "REFIT_EVERY", refit_every)
-    cost = lambda split, n: (0.1 if n <= 6 else later) if split == "train" else 0.001  # noqa: E731
+    cost = lambda split, n: (0.1 if n <= slow_until else later) if split == "train" else 0.001  # noqa: E731
     cfg = tiny_run(max_steps=1000, **train_kw)
     result = train(cfg, tmp_path, dataset=TimedDataset(dataset, clock, cost), progress=False)
     lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
@@ -526,6 +560,30 @@ def test_time_budget_refits_may_lengthen_the_schedule_during_the_warm_up(
     peak = lrs.index(max(lrs))
     assert peak <= 20 and all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1 :]))
     assert result.elapsed <= 30.0 + 0.05 + 0.4 + 1e-9
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_time_budget_wsd_refits_lengthen_until_the_decay(tmp_path, dataset, monkeypatch, schedule):
+    """Steps take 0.1 s for the first 40 (past the 5-step warm-up), then 0.05 s. The cosine
+    decays from the end of the warm-up: its refits may only shorten, so the faster steps
+    run on at min_lr after the schedule fitted on slow steps. WSD holds the peak rate until
+    its last decay_fraction: refits in that stable phase lengthen the schedule to the
+    faster pace, and the decay, once begun, is never undone."""
+    cfg, result, lrs = slowdown_run(
+        tmp_path, dataset, monkeypatch, 0.05, refit_every=5, slow_until=40,
+        time_budget=30.0, eval_every=0, warmup_steps=5, schedule=schedule,
+    )  # fmt: skip
+    peak = lrs.index(max(lrs))
+    assert peak <= 5 and all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1 :]))
+    assert result.elapsed <= 30.0 + 0.05 + 0.4 + 1e-9
+    # fitted on 0.1 s steps: about (30 s - ~12 s kept for the final evaluation) / 0.1 s
+    if schedule == "cosine":
+        assert result.max_steps < 200 and result.step > result.max_steps + 50
+    else:  # the stable phase followed the 0.05 s steps: the schedule filled the budget
+        assert result.max_steps > 250 and result.step <= result.max_steps + 5
+        assert lrs[result.max_steps - 1] < 1.1 * cfg.train.min_lr  # the decay completed
+        decay_start = 5 + int(0.7 * (result.max_steps - 5))
+        assert all(lr == pytest.approx(cfg.train.lr) for lr in lrs[5 : decay_start - 10])
 
 
 def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch):
@@ -666,14 +724,19 @@ def test_run_presets_train(tmp_path, dataset, name):
     assert saved.train.max_steps == 2 and saved.model.vocab_size == dataset.tokenizer.vocab_size
 
 
-def test_quick_preset_is_the_demo_made_shallow_with_the_same_tokens_per_step():
+def test_quick_preset_is_the_demo_made_shallow_with_the_same_tokens_per_step_and_wsd():
     demo, quick = get_run_preset("demo"), get_run_preset("quick")
     assert (quick.model.n_layers, quick.train.block_size, quick.model.max_seq_len) == (2, 64, 64)
     tokens = lambda c: c.train.batch_size * c.train.block_size * c.train.grad_accum
     assert tokens(quick) == tokens(demo) == 1024
     assert quick.model == demo.model.override({"n_layers": 2, "max_seq_len": 64})
     assert quick.train == dataclasses.replace(
-        demo.train, block_size=64, batch_size=16, time_budget=30.0
+        demo.train,
+        block_size=64,
+        batch_size=16,
+        time_budget=30.0,
+        schedule="wsd",
+        decay_fraction=0.5,
     )
 
 

@@ -1,12 +1,20 @@
 """The optimizer (AdamW with decay / no-decay parameter groups, or Muon for the hidden weight
-matrices with AdamW for the rest) and the warm-up + cosine learning-rate schedule.
+matrices with AdamW for the rest) and the warm-up + decay learning-rate schedule.
 
-Schedule (nanoGPT's, with ``step`` the 0-based index of the optimizer step about to be taken):
+Schedule, with ``step`` the 0-based index of the optimizer step about to be taken and
+``r = (step - warmup) / (total - warmup)`` the progress after the warm-up:
 
     lr(step) = lr * (step + 1) / (warmup + 1)                        step < warmup
-             = min_lr + (lr - min_lr) * (1 + cos(pi * r)) / 2        r = (step - warmup) /
-                                                                         (total - warmup)
+             = min_lr + (lr - min_lr) * decay(r)                     warmup <= step < total
              = min_lr                                                step >= total
+
+``decay`` falls from 1 to 0 (``train.schedule``, the registry :data:`SCHEDULES`):
+
+    cosine  (1 + cos(pi r)) / 2                          nanoGPT's
+    wsd     1 for r <= 1 - f, then (1 - r) / f           warm-up, stable, decay: the rate
+                                                         held at its peak, then a linear
+                                                         decay over the last f (train.
+                                                         decay_fraction) of the steps
 """
 
 from __future__ import annotations
@@ -17,6 +25,18 @@ import torch
 from torch import nn
 
 from attnlab.config import TrainConfig
+
+
+def cosine_decay(r: float, cfg: TrainConfig) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * r))
+
+
+def wsd_decay(r: float, cfg: TrainConfig) -> float:
+    return min(1.0, (1.0 - r) / cfg.decay_fraction)
+
+
+# name -> decay(r, cfg): 1 at r = 0, 0 at r = 1, never increasing in r
+SCHEDULES = {"cosine": cosine_decay, "wsd": wsd_decay}
 
 
 def lr_at(
@@ -32,9 +52,22 @@ def lr_at(
         return cfg.lr * (step + 1) / (warmup + 1)
     if step >= total:
         return cfg.min_lr
-    decay_ratio = (step - warmup) / max(1, total - warmup)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, decay_ratio)))  # 1 -> 0
-    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+    r = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cfg.min_lr + SCHEDULES[cfg.schedule](r, cfg) * (cfg.lr - cfg.min_lr)
+
+
+def decaying(
+    step: int, cfg: TrainConfig, total_steps: int | None = None, warmup_steps: int | None = None
+) -> bool:
+    """Whether step ``step`` falls in the decay (the warm-up over, the rate below its peak):
+    from there a longer schedule would raise the rate again. Cosine decays from the first
+    step after the warm-up; WSD only over its last ``decay_fraction``."""
+    total = cfg.max_steps if total_steps is None else total_steps
+    warmup = cfg.warmup_steps if warmup_steps is None else warmup_steps
+    if step < warmup:
+        return False
+    r = min(1.0, (step - warmup) / max(1, total - warmup))
+    return step >= total or SCHEDULES[cfg.schedule](r, cfg) < 1.0
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -1,7 +1,7 @@
-"""The training loop: AdamW, warm-up + cosine schedule, gradient accumulation and clipping,
-bf16 autocast, periodic validation, crash-safe checkpoints, exact resume, time budgets and
-data-parallel training under torchrun. It knows nothing of the task: the data, the loss
-and the metrics come from the run's task (``attnlab.tasks``, ``RunConfig.task``).
+"""The training loop: AdamW, warm-up + decay schedule (cosine or WSD), gradient accumulation
+and clipping, bf16 autocast, periodic validation, crash-safe checkpoints, exact resume, time
+budgets and data-parallel training under torchrun. It knows nothing of the task: the data,
+the loss and the metrics come from the run's task (``attnlab.tasks``, ``RunConfig.task``).
 
 Batches. ``train.batch_size`` examples per process per micro-step, so one optimizer step
 sees a global batch of ``batch_size * grad_accum * world_size`` examples. Every process
@@ -33,9 +33,10 @@ Time budget (seconds of the training loop, evaluations and saves included, setup
 after a few timed steps the schedule's length becomes the number of steps that fit (never
 more than ``max_steps``), refitted every ``REFIT_EVERY`` steps and at each evaluation (a
 run without evaluations follows the machine's speed too). A fitted schedule warms up for
-at most ``WARMUP_FRACTION`` of its length; refits during the warm-up may lengthen it (the
-first fit is made on a few steps, often slower than the rest), later ones only shorten
-it, so after the warm-up the learning rate never increases. When the steps turn out
+at most ``WARMUP_FRACTION`` of its length; refits before the decay begins (during the
+warm-up, and WSD's stable phase) may lengthen it (the first fit is made on a few steps,
+often slower than the rest), later ones only shorten it, so once the learning rate falls
+it never increases again. When the steps turn out
 faster than the fit assumed (a machine that was busy at the start), the run goes on at
 ``min_lr`` after the schedule ends, for the steps that still fit. The run stops when the
 time is used. The fitted lengths are saved, so a resumed run keeps its schedule. An
@@ -77,7 +78,7 @@ from attnlab.training.checkpoint import (
 )
 from attnlab.training.evaluate import autocast_context
 from attnlab.training.metrics import METRICS_FILE, MetricsLogger, read_metrics
-from attnlab.training.optim import build_optimizer, lr_at, set_lr
+from attnlab.training.optim import build_optimizer, decaying, lr_at, set_lr
 
 BEST_DIR = "best"
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
@@ -762,10 +763,10 @@ class Trainer:
         fits = self.step + max(0, int(left / per_step))
         fits = min(tc.max_steps, max(self.step, fits))
         schedule = fits
-        if self.budget_fitted and self.step >= self.warmup_steps:
-            # Past the warm-up refits only shorten: lengthening would raise the decaying
-            # learning rate again. Within it (the rate still rising, the cosine not begun) a
-            # refit may lengthen a first fit made on a few slow steps.
+        if self.budget_fitted and decaying(self.step, tc, self.schedule_steps, self.warmup_steps):
+            # Once the decay has begun refits only shorten: lengthening would raise the
+            # learning rate again. Before it (the warm-up; WSD's stable phase) a refit may
+            # lengthen a fit made on slower steps.
             schedule = min(fits, self.schedule_steps)
         fits, schedule = self._all_reduce([float(fits), float(schedule)], dist.ReduceOp.MIN)
         self.schedule_steps = int(schedule)
