@@ -40,6 +40,8 @@ VARIANTS = {
     "cosine": (400, {"train.schedule": "cosine"}),
     "wsd": (400, {"train.schedule": "wsd", "train.decay_fraction": 0.3}),
     "wsd-half": (400, {"train.schedule": "wsd", "train.decay_fraction": 0.5}),
+    "wsd-0.7": (400, {"train.schedule": "wsd", "train.decay_fraction": 0.7}),
+    "linear": (400, {"train.schedule": "wsd", "train.decay_fraction": 1.0}),
     "beta2-0.95": (400, {"train.beta2": 0.95}),
     "warmup-20": (400, {"train.warmup_steps": 20}),
     "d192-3-layers": (
