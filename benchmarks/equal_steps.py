@@ -1,9 +1,10 @@
 """Quality at equal steps: training variants of a run preset (``demo`` unless ``--preset``),
-each run for a fixed number of steps (the variant's, or ``--steps``) with its cosine schedule
-over them, scored on the whole validation split
-half-way and at the end. Losses at a given step do not depend on the machine's load, so
-this compares what each variant learns per step (or, with the batch varied, per token);
-step times come from train_levers.py and time_to_quality.py.
+each run for a fixed number of steps (the variant's, or ``--steps``) with its schedule over
+them, scored on the whole validation split half-way and at the end. Losses at a given step
+do not depend on the machine's load, so this compares what each variant learns per step
+(or, with the batch varied, per token); step times come from train_levers.py and
+time_to_quality.py. ``--seed`` changes the initialisation and the data order: run a few to
+see how far the seed alone moves the loss.
 
     python benchmarks/equal_steps.py [--variants adamw muon-1e-2 ...] [--threads 1]
         [--preset demo] [--steps N] [--seed S]

@@ -36,12 +36,11 @@ run without evaluations follows the machine's speed too). A fitted schedule warm
 at most ``WARMUP_FRACTION`` of its length; refits before the decay begins (during the
 warm-up, and WSD's stable phase) may lengthen it (the first fit is made on a few steps,
 often slower than the rest), later ones only shorten it, so once the learning rate falls
-it never increases again. When the steps turn out
-faster than the fit assumed (a machine that was busy at the start), the run goes on at
-``min_lr`` after the schedule ends, for the steps that still fit. The run stops when the
-time is used. The fitted lengths are saved, so a resumed run keeps its schedule. An
-explicit ``max_steps`` without a ``time_budget`` drops the config's budget: the run takes
-exactly those steps.
+it never increases again. When the steps turn out faster than the fit assumed (a machine
+that was busy at the start), the run goes on at ``min_lr`` after the schedule ends, for
+the steps that still fit. The run stops when the time is used. The fitted lengths are
+saved, so a resumed run keeps its schedule. An explicit ``max_steps`` without a
+``time_budget`` drops the config's budget: the run takes exactly those steps.
 
 Every run ends with one line saying why it stopped (``TrainResult.stop_message``, also the
 ``"stop"`` record of metrics.jsonl): max_steps reached, the fitted schedule completed,
