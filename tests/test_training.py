@@ -737,6 +737,7 @@ def test_quick_preset_is_the_demo_made_shallow_with_the_same_tokens_per_step_and
         time_budget=30.0,
         schedule="wsd",
         decay_fraction=0.5,
+        beta2=0.95,
     )
 
 
