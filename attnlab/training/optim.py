@@ -39,6 +39,17 @@ def wsd_decay(r: float, cfg: TrainConfig) -> float:
 SCHEDULES = {"cosine": cosine_decay, "wsd": wsd_decay}
 
 
+def _progress(
+    step: int, cfg: TrainConfig, total_steps: int | None, warmup_steps: int | None
+) -> tuple[int, int, float]:
+    """(total, warmup, r): the schedule's length and warm-up (the config's by default) and
+    the progress r in [0, 1] of ``step`` after the warm-up (0 within it)."""
+    total = cfg.max_steps if total_steps is None else total_steps
+    warmup = cfg.warmup_steps if warmup_steps is None else warmup_steps
+    r = min(1.0, max(0, step - warmup) / max(1, total - warmup))
+    return total, warmup, r
+
+
 def lr_at(
     step: int, cfg: TrainConfig, total_steps: int | None = None, warmup_steps: int | None = None
 ) -> float:
@@ -46,13 +57,11 @@ def lr_at(
     (default ``cfg.max_steps``) warming up for ``warmup_steps`` (default
     ``cfg.warmup_steps``). After the warm-up it never increases with ``step``, and for a
     fixed step it never increases when ``total_steps`` or ``warmup_steps`` shrink."""
-    total = cfg.max_steps if total_steps is None else total_steps
-    warmup = cfg.warmup_steps if warmup_steps is None else warmup_steps
+    total, warmup, r = _progress(step, cfg, total_steps, warmup_steps)
     if step < warmup:
         return cfg.lr * (step + 1) / (warmup + 1)
     if step >= total:
         return cfg.min_lr
-    r = min(1.0, (step - warmup) / max(1, total - warmup))
     return cfg.min_lr + SCHEDULES[cfg.schedule](r, cfg) * (cfg.lr - cfg.min_lr)
 
 
@@ -62,11 +71,9 @@ def decaying(
     """Whether step ``step`` falls in the decay (the warm-up over, the rate below its peak):
     from there a longer schedule would raise the rate again. Cosine decays from the first
     step after the warm-up; WSD only over its last ``decay_fraction``."""
-    total = cfg.max_steps if total_steps is None else total_steps
-    warmup = cfg.warmup_steps if warmup_steps is None else warmup_steps
+    total, warmup, r = _progress(step, cfg, total_steps, warmup_steps)
     if step < warmup:
         return False
-    r = min(1.0, (step - warmup) / max(1, total - warmup))
     return step >= total or SCHEDULES[cfg.schedule](r, cfg) < 1.0
 
 
