@@ -46,6 +46,23 @@ VARIANTS = {
     "linear": (400, {"train.schedule": "wsd", "train.decay_fraction": 1.0}),
     "beta2-0.95": (400, {"train.beta2": 0.95}),
     "warmup-20": (400, {"train.warmup_steps": 20}),
+    "warmup-100": (400, {"train.warmup_steps": 100}),
+    "beta1-0.7": (400, {"train.beta1": 0.7}),
+    "beta1-0.8": (400, {"train.beta1": 0.8}),
+    "beta1-0.85": (400, {"train.beta1": 0.85}),
+    "init-0.01": (400, {"model.init_std": 0.01}),
+    "gpt2-init-beta1-0.9": (400, {"model.init_std": 0.02, "train.beta1": 0.9}),
+    "init-0.03": (400, {"model.init_std": 0.03}),
+    "init-0.04": (400, {"model.init_std": 0.04}),
+    "init-0.05": (400, {"model.init_std": 0.05}),
+    "init-0.06": (400, {"model.init_std": 0.06}),
+    "init-0.08": (400, {"model.init_std": 0.08}),
+    "init-0.1": (400, {"model.init_std": 0.1}),
+    "init-0.12": (400, {"model.init_std": 0.12}),
+    "weight-decay-0.3": (400, {"train.weight_decay": 0.3}),
+    "heads8": (400, {"model.attention.n_heads": 8, "model.attention.n_kv_heads": 8}),
+    "gelu-mlp": (400, {"model.ffn.kind": "mlp", "model.ffn.activation": "gelu"}),
+    "relu-mlp": (400, {"model.ffn.kind": "mlp", "model.ffn.activation": "relu"}),
     "d192-3-layers": (
         400,
         {"model.d_model": 192, "model.n_layers": 3, "model.attention.n_heads": 3},
@@ -76,9 +93,24 @@ def run(name: str, preset: str, steps: int, overrides: dict, seed: int | None) -
     return {"name": name, "steps": steps, "val": val, "s": round(time.perf_counter() - t0, 1)}
 
 
+def variant(name: str) -> str:
+    unknown = [part for part in name.split("+") if part not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)} (join with +)"
+        )
+    return name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        type=variant,
+        help="names from VARIANTS; join several with + to combine their overrides",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--steps", type=int, default=None, help="every variant's step count")
@@ -87,7 +119,9 @@ def main() -> None:
     setup_threads(args.threads)
     print(f"machine: {machine()}; preset {args.preset}")
     for name in args.variants:  # one JSON line per variant: val loss by step
-        steps, overrides = VARIANTS[name]
+        parts = [VARIANTS[part] for part in name.split("+")]
+        steps = max(part_steps for part_steps, _ in parts)
+        overrides = {key: value for _, part in parts for key, value in part.items()}
         result = run(name, args.preset, args.steps or steps, overrides, args.seed)
         print(json.dumps(result), flush=True)
 

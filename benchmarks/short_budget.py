@@ -47,6 +47,11 @@ VARIANTS = {
     "quick, no weight decay, min_lr 0": ("quick", {"train.weight_decay": 0.0, "train.min_lr": 0.0}),
     "quick, no weight decay, lr 4e-3": ("quick", {"train.weight_decay": 0.0, "train.lr": 4e-3}),
     "quick, no grad clip": ("quick", {"train.grad_clip": 0.0}),
+    "quick, init 0.04, beta1 0.8": ("quick", {"model.init_std": 0.04, "train.beta1": 0.8}),
+    "quick, init 0.04, beta1 0.8, 8 heads": (
+        "quick",
+        {"model.init_std": 0.04, "train.beta1": 0.8, "model.attention.n_heads": 8},
+    ),
 }
 
 

@@ -110,6 +110,8 @@ VARIANTS = {
     "demo, batch 4": ("demo", {"train.batch_size": 4, "train.lr": 0.002}, 1.0),
     "demo, batch 4, 1/4 budget": ("demo", {"train.batch_size": 4, "train.lr": 0.002}, 0.25),
     "quick, 1/4 budget": ("quick", {}, 0.25),
+    "quick, 1/5 budget": ("quick", {}, 0.2),
+    "quick, 1/6 budget": ("quick", {}, 1 / 6),
     "quick, 0.3 budget": ("quick", {}, 0.3),
     "quick, 0.35 budget": ("quick", {}, 0.35),
 }
