@@ -729,7 +729,8 @@ def test_quick_preset_is_the_demo_made_shallow_with_the_same_tokens_per_step_and
     assert (quick.model.n_layers, quick.train.block_size, quick.model.max_seq_len) == (2, 64, 64)
     tokens = lambda c: c.train.batch_size * c.train.block_size * c.train.grad_accum
     assert tokens(quick) == tokens(demo) == 1024
-    assert quick.model == demo.model.override({"n_layers": 2, "max_seq_len": 64, "init_std": 0.04})
+    shallow = {"n_layers": 2, "max_seq_len": 64, "init_std": 0.04, "attention.n_heads": 8}
+    assert quick.model == demo.model.override(shallow)
     assert quick.train == dataclasses.replace(
         demo.train,
         block_size=64,
