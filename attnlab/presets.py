@@ -531,7 +531,7 @@ def quick_run() -> RunConfig:
     a validation loss of 1.353, the 4-layer demo 1.498; 1 layer 1.399, 3 layers 1.384,
     block 128 x batch 8 1.359, d_model 192 1.474. Eight heads ended lower than four in
     each of three such comparisons (by 0.007-0.027, for up to 8% fewer steps) and at 650
-    equal steps for each of four seeds (by 0.006 on average; --variants adamw heads8).
+    equal steps for each of four seeds (by 0.006 on average; --variants heads4 adamw).
 
     The schedule is WSD (``train.schedule``): the peak rate held, then a linear decay over
     the second half of the steps. At 650 steps it ended lower than the cosine for each of
@@ -543,7 +543,7 @@ def quick_run() -> RunConfig:
 
     Like the demo, Adam's beta1 is 0.8 and the weights start larger than GPT-2's 0.02, here
     at std 0.04: with the demo's earlier 0.02 and beta1 0.9 the loss at 650 steps was 0.055
-    higher, for each of four seeds (--variants gpt2-init-beta1-0.9 adamw: 1.379 against
+    higher, for each of four seeds (--variants gpt2-init-beta1-0.9+heads4 heads4: 1.379 vs
     1.324 on average); std 0.03-0.06 and beta1 0.7-0.85 within 0.01 of 0.04 and 0.8.
     benchmarks/time_to_quality.py compares it with nanoGPT's CPU run: it reaches that
     run's final loss in a quarter of its time."""

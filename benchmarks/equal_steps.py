@@ -60,6 +60,7 @@ VARIANTS = {
     "init-0.1": (400, {"model.init_std": 0.1}),
     "init-0.12": (400, {"model.init_std": 0.12}),
     "weight-decay-0.3": (400, {"train.weight_decay": 0.3}),
+    "heads4": (400, {"model.attention.n_heads": 4, "model.attention.n_kv_heads": 4}),
     "heads8": (400, {"model.attention.n_heads": 8, "model.attention.n_kv_heads": 8}),
     "gelu-mlp": (400, {"model.ffn.kind": "mlp", "model.ffn.activation": "gelu"}),
     "relu-mlp": (400, {"model.ffn.kind": "mlp", "model.ffn.activation": "relu"}),
