@@ -838,7 +838,7 @@ RUN_PRESETS: dict[str, tuple[Callable[[], RunConfig], str]] = {
     ),
     "quick": (
         quick_run,
-        "char-level LLaMA-style, 2 layers, d_model 128, block 64, batch 16: a 30 s CPU budget",
+        "char-level LLaMA-style, 2 layers, 8 heads, d_model 128, block 64: a 30 s CPU budget",
     ),
     "nanogpt-cpu": (
         nanogpt_cpu_run,
