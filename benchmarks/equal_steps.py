@@ -62,8 +62,6 @@ VARIANTS = {
     "weight-decay-0.3": (400, {"train.weight_decay": 0.3}),
     "heads4": (400, {"model.attention.n_heads": 4, "model.attention.n_kv_heads": 4}),
     "heads8": (400, {"model.attention.n_heads": 8, "model.attention.n_kv_heads": 8}),
-    "gelu-mlp": (400, {"model.ffn.kind": "mlp", "model.ffn.activation": "gelu"}),
-    "relu-mlp": (400, {"model.ffn.kind": "mlp", "model.ffn.activation": "relu"}),
     "d192-3-layers": (
         400,
         {"model.d_model": 192, "model.n_layers": 3, "model.attention.n_heads": 3},
