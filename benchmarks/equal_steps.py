@@ -28,6 +28,7 @@ from attnlab.training.trainer import Trainer
 VARIANTS = {
     "adamw": (400, {}),
     "adamw-lr2e-3": (400, {"train.lr": 0.002}),
+    "adamw-lr3e-3": (400, {"train.lr": 0.003}),
     "adamw-lr4e-3": (400, {"train.lr": 0.004}),
     "adamw-lr6e-3": (400, {"train.lr": 0.006}),
     "muon-3e-3": (400, {"train.optimizer": "muon"}),

@@ -735,6 +735,7 @@ def test_quick_preset_is_the_demo_made_shallow_with_the_same_tokens_per_step_and
         demo.train,
         block_size=64,
         batch_size=16,
+        lr=3e-3,
         time_budget=30.0,
         schedule="wsd",
         decay_fraction=0.5,
