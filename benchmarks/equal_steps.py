@@ -36,7 +36,6 @@ VARIANTS = {
     "muon-1e-2": (400, {"train.optimizer": "muon", "train.lr": 0.01}),
     "batch16": (200, {"train.batch_size": 16}),
     "batch4-lr2e-3": (800, {"train.batch_size": 4, "train.lr": 0.002}),
-    "heads2": (400, {"model.attention.n_heads": 2, "model.attention.n_kv_heads": 2}),
     "no-weight-decay": (400, {"train.weight_decay": 0.0}),
     "no-weight-decay-lr4e-3": (400, {"train.weight_decay": 0.0, "train.lr": 0.004}),
     "to-zero-lr": (400, {"train.min_lr": 0.0}),
@@ -48,26 +47,23 @@ VARIANTS = {
     "beta2-0.95": (400, {"train.beta2": 0.95}),
     "warmup-20": (400, {"train.warmup_steps": 20}),
     "warmup-100": (400, {"train.warmup_steps": 100}),
-    "beta1-0.7": (400, {"train.beta1": 0.7}),
-    "beta1-0.8": (400, {"train.beta1": 0.8}),
-    "beta1-0.85": (400, {"train.beta1": 0.85}),
-    "init-0.01": (400, {"model.init_std": 0.01}),
     "gpt2-init-beta1-0.9": (400, {"model.init_std": 0.02, "train.beta1": 0.9}),
-    "init-0.03": (400, {"model.init_std": 0.03}),
-    "init-0.04": (400, {"model.init_std": 0.04}),
-    "init-0.05": (400, {"model.init_std": 0.05}),
-    "init-0.06": (400, {"model.init_std": 0.06}),
-    "init-0.08": (400, {"model.init_std": 0.08}),
-    "init-0.1": (400, {"model.init_std": 0.1}),
-    "init-0.12": (400, {"model.init_std": 0.12}),
     "weight-decay-0.3": (400, {"train.weight_decay": 0.3}),
-    "heads4": (400, {"model.attention.n_heads": 4, "model.attention.n_kv_heads": 4}),
-    "heads8": (400, {"model.attention.n_heads": 8, "model.attention.n_kv_heads": 8}),
     "d192-3-layers": (
         400,
         {"model.d_model": 192, "model.n_layers": 3, "model.attention.n_heads": 3},
     ),
 }
+# One-setting sweeps, 400 steps each: init-<std> (weights' initial std), beta1-<b>, heads<n>.
+for _std in (0.01, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.12):
+    VARIANTS[f"init-{_std:g}"] = (400, {"model.init_std": _std})
+for _beta1 in (0.7, 0.8, 0.85):
+    VARIANTS[f"beta1-{_beta1:g}"] = (400, {"train.beta1": _beta1})
+for _heads in (2, 4, 8):
+    VARIANTS[f"heads{_heads}"] = (
+        400,
+        {"model.attention.n_heads": _heads, "model.attention.n_kv_heads": _heads},
+    )
 
 
 def run(name: str, preset: str, steps: int, overrides: dict, seed: int | None) -> dict:

@@ -5,7 +5,7 @@ configuration (`nanogpt-cpu`), trained one after the other on the same machine, 
 The baseline runs its full schedule (2000 steps). Each variant then gets a budget (its
 schedule fitted to it): `demo` the baseline's wall time, evaluating on the whole
 validation split (each model at its own block size) about 20 times on the way; the "1/4
-budget" (0.3, 0.35) rows that share of the baseline's training time, evaluations
+budget" (1/5, 1/6, 0.3, 0.35) rows that share of the baseline's training time, evaluations
 excluded (the schedule a user picks to finish fast), and evaluate once, at the end (the
 trainer keeps room in the budget for that evaluation, so they train a few percent less
 than the share). `quick` is the 2-layer preset shaped for such budgets. Reported: the
