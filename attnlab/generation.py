@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from attnlab.nn.linear import set_layout
+
 if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
 
@@ -328,9 +330,13 @@ def _eager_if_compile_fails(step_fn):
 
 def _compiled_step(model):
     """One decode step compiled with fullgraph=True (kept on the model: compiled once), in
-    eval mode like the eager step (a model in training mode is switched for the call)."""
+    eval mode like the eager step (a model in training mode is switched for the call).
+    On CPU the model's Linear weights are first re-stored row-major, in place (the layout
+    the compiled one-vector products read fastest, see ``attnlab.nn.linear``)."""
     step = getattr(model, "_compiled_decode_step", None)
     if step is None:
+        if next(model.parameters()).device.type == "cpu":
+            set_layout(model, "rows")
 
         def decode_one(model, ids, mask, cache):
             return model(ids, cache=cache, last_only=True).logits[:, -1]

@@ -3,9 +3,11 @@ decode step over a static cache, as gpt-fast does), same weights, same tokens.
 
 On CPU, inductor fuses the small per-layer operations (norms, RoPE, residuals, softmax) that
 dominate the step of a small model; on a GPU the same path also removes kernel launches.
-A third row compiles a copy of the model whose weight products are plain ``F.linear``
-calls: what the compiled step gains from calling attnlab's two-thread vector product as
-one opaque operator (``torch.ops.attnlab.split_vecmat``) instead.
+The compiled step re-stores the weights row-major and writes each one-vector product as a
+sum over the rows, which inductor turns into its own loops. Two more rows compile the
+other ways of doing the products, on copies of the model: attnlab's two-thread product of
+the input-major weights as one opaque operator (``torch.ops.attnlab.split_vecmat``), and
+plain ``F.linear`` calls (MKL).
 
     python benchmarks/compile_decode.py [--model 5m|30m] [--new-tokens 256] [--threads 2]
 """
@@ -15,21 +17,29 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from _common import machine, setup_threads, table
-from attnlab import build_model
+from attnlab import build_model, generation
 from attnlab.nn.linear import Linear
 from attnlab.presets import llama_30m, llama_style
 
 
 class PlainLinear(Linear):
-    """attnlab's Linear (same input-major weight) without the split vector product."""
+    """attnlab's Linear without its one-vector products: every product is F.linear."""
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+def compiled_keeping_layout(model):
+    """The compiled step of ``model`` with its weights left input-major (so the products
+    are the opaque split operator)."""
+    with mock.patch.object(generation, "set_layout", lambda model, layout: 0):
+        return generation._compiled_step(model)
 
 
 def model_config(name: str):
@@ -52,10 +62,13 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = model_config(args.model)
     model = build_model(cfg).eval().to(args.device)
+    operator = copy.deepcopy(model)
+    compiled_keeping_layout(operator)  # made (not yet compiled) with the layout kept
     plain = copy.deepcopy(model)
     for m in plain.modules():
         if type(m) is Linear:
             m.__class__ = PlainLinear
+    eager = copy.deepcopy(model)  # the model itself is re-stored by its compiled step
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,)).tolist()
     n = args.new_tokens
     print(
@@ -65,8 +78,9 @@ def main() -> None:
     )
     print(f"machine: {machine()}, device {args.device}")
     runs = {
-        "eager": lambda: model.generate(prompt, n),
+        "eager": lambda: eager.generate(prompt, n),
         "compiled (static cache)": lambda: model.generate(prompt, n, compile=True),
+        "compiled, input-major operator": lambda: operator.generate(prompt, n, compile=True),
         "compiled, F.linear products": lambda: plain.generate(prompt, n, compile=True),
     }
     compile_s, outs = {}, {}

@@ -4,7 +4,9 @@ Decoding: the ~30M-parameter LLaMA-style model of vs_transformers.py (random wei
 shapes), batch 1, float32, one token at a time after a 32-token prompt. The eager step is
 profiled with torch.profiler: the self time of the matmul operators (every weight matrix),
 of the attention operator, and the rest of the measured step (small operators and Python);
-the compiled fixed-shape step (``generate(compile=True)``) likewise, beside it.
+the compiled fixed-shape step (``generate(compile=True)``) likewise, beside it. In the
+compiled step the weight products are inductor's own loops, fused with their neighbours,
+so its "matmuls" are the same 33 one-vector products compiled and timed alone.
 
 Training: one optimizer step of a run preset (default ``demo``) through attnlab's own
 Trainer pieces, timed phase by phase: data (sample + batch), forward (loss), backward,
@@ -16,6 +18,7 @@ optimizer (clip + AdamW + zero_grad). CPU work is synchronous, so wall clocks sp
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 import time
@@ -42,27 +45,38 @@ def decode_breakdown(steps: int) -> None:
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 32))
     nxt = torch.tensor([[1]])
     weights = sum(p.nbytes for p in model.parameters()) - model.tok_emb.weight.nbytes
-    compiled = _compiled_step(model)
+    twin = copy.deepcopy(model)  # compiling re-stores its weights row-major; model stays
+    compiled = _compiled_step(twin)
     with torch.inference_mode():
         eager_cache = model.new_cache(1, 32 + 3 * steps + 16)
-        static_cache = model.new_cache(1, 32 + 3 * steps + 16, static=True)
+        static_cache = twin.new_cache(1, 32 + 3 * steps + 16, static=True)
         model(prompt, cache=eager_cache, last_only=True)
-        model(prompt, cache=static_cache, last_only=True)
+        twin(prompt, cache=static_cache, last_only=True)
         t = time.perf_counter()
-        compiled(model, nxt, None, static_cache)  # compiles (or loads inductor's disk cache)
+        compiled(twin, nxt, None, static_cache)  # compiles (or loads inductor's disk cache)
         compile_s = time.perf_counter() - t
-        eager_ms, compiled_ms = [], []
+        linears = [m for m in twin.modules() if isinstance(m, torch.nn.Linear)]
+        vectors = [torch.randn(1, 1, m.in_features) for m in linears]
+        products = torch.compile(
+            lambda xs: [m(x) for m, x in zip(linears, xs)], fullgraph=True, dynamic=False
+        )
+        products(vectors)
+        eager_ms, compiled_ms, products_ms = [], [], []
         for _ in range(steps):  # interleaved
             t = time.perf_counter()
             model(nxt, cache=eager_cache, last_only=True)
             eager_ms.append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
-            compiled(model, nxt, None, static_cache)
+            compiled(twin, nxt, None, static_cache)
             compiled_ms.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            products(vectors)
+            products_ms.append((time.perf_counter() - t) * 1e3)
 
-        def parts(step, cache, median_ms):
+        def parts(step, cache, median_ms, matmul_ms=None):
             """(matmul, attention, other) ms of one step: profiled self times, scaled to
-            the unprofiled median (the profiler's own overhead spread in proportion)."""
+            the unprofiled median (the profiler's own overhead spread in proportion);
+            ``matmul_ms`` replaces the profiled matmul time where given."""
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t = time.perf_counter()
                 for _ in range(steps):
@@ -76,11 +90,14 @@ def decode_breakdown(steps: int) -> None:
                     self_ms["attention"] += ev.self_cpu_time_total / 1e3 / steps
             scale = median_ms / profiled_ms
             matmul, attention = self_ms["matmul"] * scale, self_ms["attention"] * scale
+            if matmul_ms is not None:
+                matmul = matmul_ms
             return matmul, attention, median_ms - matmul - attention
 
         eager, compiled_med = statistics.median(eager_ms), statistics.median(compiled_ms)
         e_parts = parts(lambda c: model(nxt, cache=c, last_only=True), eager_cache, eager)
-        c_parts = parts(lambda c: compiled(model, nxt, None, c), static_cache, compiled_med)
+        alone = statistics.median(products_ms)
+        c_parts = parts(lambda c: compiled(twin, nxt, None, c), static_cache, compiled_med, alone)
     bandwidth = copy_bandwidth()
     print(
         f"decoding: LLaMA-style 30M (d_model 512, 8 layers, GQA 8/2, vocab 8192), float32, "

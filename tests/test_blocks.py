@@ -11,9 +11,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from oracle import sinusoid_table
 from torch import nn
 
+from attnlab import build_model
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
 from attnlab.nn import (
     MLP,
@@ -26,6 +28,7 @@ from attnlab.nn import (
     build_norm,
 )
 from attnlab.nn.embedding import sinusoidal_table
+from attnlab.presets import get_preset
 
 D = 16
 
@@ -246,16 +249,20 @@ def test_block_dropout_train_vs_eval():
 # --------------------------------------------------------------------------- Linear
 
 
+@pytest.mark.parametrize("layout", ["input", "rows"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1), (1,), (3, 5), (1, 1, 1)])
-def test_linear_fast_path_equals_f_linear(bias, shape, monkeypatch):
-    """attnlab's Linear (input-major weight, split vector product for one vector) equals
-    F.linear on the same weights, for one vector and for batches."""
+def test_linear_fast_path_equals_f_linear(bias, shape, layout, monkeypatch):
+    """attnlab's Linear (input-major weight, or row-major after set_layout; split vector
+    product for one vector) equals F.linear on the same weights, for one vector and for
+    batches."""
     import attnlab.nn.linear as linear_module
-    from attnlab.nn.linear import Linear
+    from attnlab.nn.linear import Linear, set_layout
 
     lin = Linear(64, 48, bias=bias)
     assert lin.weight.shape == (48, 64) and lin.weight.stride() == (1, 48)
+    assert set_layout(lin, layout) == (layout == "rows")
+    assert lin.weight.stride() == {"input": (1, 48), "rows": (64, 1)}[layout]
     x = torch.randn(*shape, 64, requires_grad=True)
     calls = []
     split = linear_module.split_vecmat
@@ -327,11 +334,62 @@ def test_linear_split_product_error_no_worse_than_f_linear(dtype, bias, monkeypa
     assert errors["split"] <= slack * errors["F.linear"], errors
 
 
+def test_set_layout_restores_weights_in_place_and_leaves_ties_alone():
+    """set_layout re-stores every Linear weight (same Parameter objects, same values, same
+    state dict, still trainable) and leaves a weight tied to an embedding as it is."""
+    from attnlab.nn.linear import is_input_major, set_layout
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("gpt2-tiny"))  # tied head: the embedding's weight
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    with torch.inference_mode():  # as generate() calls it: the new tensors stay normal
+        assert set_layout(model, "rows") > 0
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.is_contiguous() for m in linears)
+    assert set_layout(model, "rows") == 0  # already there
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    model(idx, targets=idx).loss.backward()  # trainable (not inference tensors)
+    assert set_layout(model, "input") > 0
+    assert model.lm_head.weight is model.tok_emb.weight and model.tok_emb.weight.is_contiguous()
+    assert all(is_input_major(m.weight) for m in linears if m.weight is not model.tok_emb.weight)
+    with pytest.raises(ValueError, match="unknown weight layout 'cols'"):
+        set_layout(model, "cols")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_compiled_row_product_equals_f_linear(dtype):
+    """The compiled one-vector product of a row-major weight (inductor's own loops over
+    (W * x).sum(-1), accumulated in float32) is as exact as F.linear against float64."""
+    from attnlab.nn.linear import Linear, set_layout
+
+    torch.manual_seed(0)
+    lin = Linear(512, 384).to(dtype)
+    torch.nn.init.normal_(lin.bias)
+    set_layout(lin, "rows")
+    torch._dynamo.reset()
+    f = torch.compile(lin, fullgraph=True, dynamic=False)
+    errors = {"compiled": 0.0, "F.linear": 0.0}
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, 512).to(dtype)
+            ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+            errors["compiled"] += (f(x).double() - ref).abs().mean().item()
+            errors["F.linear"] += (
+                (F.linear(x, lin.weight, lin.bias).double() - ref).abs().mean().item()
+            )
+    assert errors["compiled"] <= 1.5 * errors["F.linear"], errors
+
+
 def test_linear_compiled_vector_product_is_one_operator():
     """Under torch.compile without gradients a one-vector product is the opaque
     attnlab::split_vecmat operator (its fake kernel gives the shape), equal to F.linear; with
-    gradients, or for a batch, the graph holds plain products."""
-    from attnlab.nn.linear import Linear
+    gradients, or for a batch, the graph holds plain products; a row-major weight's is a
+    product and a sum (inductor's own loops)."""
+    from attnlab.nn.linear import Linear, set_layout
 
     torch.manual_seed(0)
     lin = Linear(512, 256)  # 131,072 weights: at the split threshold
@@ -354,3 +412,13 @@ def test_linear_compiled_vector_product_is_one_operator():
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
         uses_op = any("attnlab.split_vecmat" in t for t in graphs[-1])
         assert uses_op == (shape == (1, 1, 512) and not grad), (shape, grad, graphs[-1])
+    # row-major (the compiled decode step's layout): a product and a sum, no matmul
+    set_layout(lin, "rows")
+    with torch.no_grad():
+        x = torch.randn(1, 1, 512)
+        y = f(x)
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    ops = " ".join(graphs[-1])
+    assert "aten.sum" in ops and "aten.mul" in ops, graphs[-1]
+    assert not any(k in ops for k in ("mm", "split_vecmat", "linear")), graphs[-1]

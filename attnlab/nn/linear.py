@@ -23,7 +23,16 @@ through, its two half-products were fused into inductor's own loops, slower than
 The layout survives ``load_state_dict`` (also with ``assign=True``) and the meta-device
 loaders (they allocate each weight with the strides the module was built with).
 
-``python benchmarks/linear_layout.py`` measures both; tests compare with ``F.linear``.
+The compiled decode step reads the other layout: there a one-vector product of a row-major
+weight is written as a sum over each row, ``(W * x).sum(-1)`` (:func:`rows_vecmat`), which
+inductor turns into its own vectorised loops that stream the weight in order on every
+thread: about 40 GB/s where MKL's vector products reach 20-30 on a 2-core CPU. So
+``generate(compile=True)`` re-stores a model's weights row-major once (:func:`set_layout`,
+in place, same values) before compiling; eager one-vector products of row-major weights
+split the output rows between two threads instead.
+
+``python benchmarks/linear_layout.py`` and ``benchmarks/compile_decode.py`` measure them;
+tests compare with ``F.linear``.
 """
 
 from __future__ import annotations
@@ -47,10 +56,11 @@ def is_input_major(weight: Tensor) -> bool:
 
 
 def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., in) holding one vector, weight (out, in) input-major -> (..., out). Needs an
-    even ``in`` for float32, an even ``out`` otherwise (see :func:`can_split`)."""
+    """x (..., in) holding one vector, weight (out, in) -> (..., out), as two half-products
+    in one batched matmul (two threads). Needs an even ``in`` for an input-major float32
+    weight, an even ``out`` otherwise (see :func:`can_split`)."""
     n_out, n_in = weight.shape
-    if weight.dtype == torch.float32:  # halves of the input dimension, partial sums added
+    if weight.dtype == torch.float32 and is_input_major(weight):  # halves of the input
         half = n_in // 2
         # (2, in/2, out): the two halves of W^T, whose memory is W's (one view op, not two)
         w_t = weight.as_strided((2, half, n_out), (half * n_out, n_out, 1))
@@ -59,13 +69,28 @@ def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
             y = y + bias
         return y.view(*x.shape[:-1], n_out)
     half = n_out // 2  # halves of the output dimension: each output rounded once
-    w_t = weight.t().view(n_in, 2, half).transpose(0, 1)  # (2, in, out/2): column halves
+    if is_input_major(weight):
+        w_t = weight.t().view(n_in, 2, half).transpose(0, 1)  # (2, in, out/2): column halves
+    else:  # row-major: the two halves of the rows, each read in order
+        w_t = weight.view(2, half, n_in).transpose(1, 2)  # (2, in, out/2)
     x2 = x.reshape(1, 1, n_in).expand(2, 1, n_in)
     if bias is None:
         y = torch.bmm(x2, w_t)  # (2, 1, out/2)
     else:  # the bias inside the product, rounded once with it (as F.linear does)
         y = torch.baddbmm(bias.view(2, 1, half), x2, w_t)
     return y.reshape(*x.shape[:-1], n_out)  # [first half, second half]
+
+
+def rows_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) holding one vector, weight (out, in) -> (..., out) as a sum over each
+    row of ``W * x``, in float32 (one rounding per output in lower precision, as F.linear).
+    Written for inductor, which fuses it into one vectorised, multi-threaded loop over a
+    row-major weight; run eagerly it would materialise ``W * x``."""
+    n_out, n_in = weight.shape
+    y = (weight.float() * x.reshape(1, n_in).float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], n_out)
 
 
 # split_vecmat as one opaque operator for torch.compile: inductor calls it as it is. Traced
@@ -88,7 +113,36 @@ if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on 
 
 def can_split(weight: Tensor) -> bool:
     n_out, n_in = weight.shape
-    return (n_in if weight.dtype == torch.float32 else n_out) % 2 == 0
+    if weight.dtype == torch.float32 and is_input_major(weight):
+        return n_in % 2 == 0
+    return n_out % 2 == 0 and (is_input_major(weight) or weight.is_contiguous())
+
+
+def set_layout(model: nn.Module, layout: str) -> int:
+    """Store the weight of every attnlab :class:`Linear` in ``model`` ``"rows"`` (row-major,
+    the compiled decode step's layout) or ``"input"`` (input-major, the eager one). In
+    place: the same Parameter objects and values (state dicts, optimizers and ties are
+    unaffected). Returns how many weights were re-stored."""
+    if layout not in ("rows", "input"):
+        raise ValueError(f"unknown weight layout {layout!r}; choose 'rows' or 'input'")
+    # a weight tied to another kind of module (an embedding) keeps that module's layout
+    tied = {
+        id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(False)
+    }
+    changed = 0
+    with torch.inference_mode(False), torch.no_grad():  # normal tensors, trainable later
+        for m in model.modules():
+            w = m.weight if isinstance(m, Linear) else None
+            if w is None or id(w) in tied or w.device.type == "meta" or min(w.shape) < 2:
+                continue
+            if layout == "rows" and not w.is_contiguous():
+                w.data = w.data.contiguous()
+            elif layout == "input" and not is_input_major(w):
+                w.data = input_major(w.data)
+            else:
+                continue
+            changed += 1
+    return changed
 
 
 class Linear(nn.Linear):
@@ -113,11 +167,13 @@ class Linear(nn.Linear):
             x.numel() == self.in_features  # one vector: decoding a single token
             and w.numel() >= SPLIT_MIN_NUMEL
             and x.device.type == "cpu"
-            and is_input_major(w)  # (not e.g. a tied embedding)
-            and can_split(w)
         ):
             if not torch.compiler.is_compiling():
-                return split_vecmat(x, w, self.bias)
-            if not torch.is_grad_enabled():  # compiled decoding: one opaque call
-                return torch.ops.attnlab.split_vecmat(x, w, self.bias)
+                if can_split(w):  # (not e.g. a weight tied to a transposed tensor)
+                    return split_vecmat(x, w, self.bias)
+            elif not torch.is_grad_enabled():  # the compiled decode step
+                if is_input_major(w) and can_split(w):  # one opaque call
+                    return torch.ops.attnlab.split_vecmat(x, w, self.bias)
+                if w.is_contiguous():  # inductor's own loops over the rows
+                    return rows_vecmat(x, w, self.bias)
         return F.linear(x, w, self.bias)
