@@ -186,9 +186,11 @@ OVERFLOW_MODES = ("slide", "roll", "stop")
 
 # compile="auto": the new tokens from which compiling the decode step pays for itself.
 # Break-even = compile time / time saved per token. Measured on a 2-core CPU
-# (benchmarks/where_time_goes.py, compile_decode.py): 13-14 s to compile, saving about
-# 2 ms per token for a 30M model (9.1 -> 7.1 ms) and 0.7-1.4 ms for a 5M one: 7K to 19K.
-AUTO_COMPILE_MIN_TOKENS = 16384
+# (benchmarks/compile_decode.py, row-major compiled products): 6-14 s to compile, saving
+# 3.2 ms per token for a 30M model (7.7 -> 4.5 ms: 2K-4K tokens) and 0.9 ms for a 5M one
+# (2.1 -> 1.2 ms, 11 s: 12K). From 8K the 30M model gains 20% of its time and more, the
+# 5M one loses at most 20%.
+AUTO_COMPILE_MIN_TOKENS = 8192
 
 
 def _decode(

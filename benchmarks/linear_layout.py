@@ -1,6 +1,8 @@
 """One token through every weight matrix of a decoder: the vector-matrix products that bound
-decoding speed. Compares nn.Linear's row-major weight, attnlab's input-major weight, and
-attnlab's split two-thread product (attnlab.nn.linear), all side by side in one run.
+decoding speed. Compares nn.Linear's row-major weight, attnlab's input-major weight,
+attnlab's split two-thread product (attnlab.nn.linear) of input-major and of row-major
+weights, and the compiled decode step's products (row-major weights, each product a sum
+over the rows that inductor compiles into its own loops), all side by side in one run.
 
 The matrices are those of the ~30M-parameter LLaMA-style model of vs_transformers.py (8
 layers of qkv, out, gate_up, down, and the 8192 x 512 output head): 108 MB per pass, far
@@ -12,13 +14,14 @@ more than the CPU's caches, as in real decoding.
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
 import torch.nn.functional as F
 
 from _common import copy_bandwidth, machine, setup_threads, table
-from attnlab.nn.linear import Linear
+from attnlab.nn.linear import Linear, set_layout
 
 SHAPES = [(768, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(8192, 512)]
 
@@ -38,16 +41,23 @@ def main() -> None:
     in_major = [lin.weight.detach() for lin in ours]
     x = {n_in: torch.randn(1, n_in) for _, n_in in SHAPES}
     nbytes = sum(lin.weight.nbytes for lin in row_major)
+    ours_rows = torch.nn.ModuleList(copy.deepcopy(ours))
+    set_layout(ours_rows, "rows")  # as the compiled decode step stores them
+    compiled = torch.compile(
+        lambda: [m(x[m.in_features]) for m in ours_rows], fullgraph=True, dynamic=False
+    )
     variants = {
         "nn.Linear (row-major weight)": lambda: [m(x[m.in_features]) for m in row_major],
         "input-major weight": lambda: [F.linear(x[w.shape[1]], w) for w in in_major],
         "input-major + split product (attnlab)": lambda: [m(x[m.in_features]) for m in ours],
+        "row-major + split product (attnlab)": lambda: [m(x[m.in_features]) for m in ours_rows],
+        "row-major, compiled sums (attnlab)": compiled,
     }
     with torch.no_grad():
-        for a, b in zip(variants["input-major + split product (attnlab)"](),
-                        variants["nn.Linear (row-major weight)"]()):  # fmt: skip
-            # N(0, 1/in) init; float32 summation order differs between the kernels
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for fn in variants.values():  # (compiles the last one)
+            for a, b in zip(fn(), variants["nn.Linear (row-major weight)"]()):
+                # N(0, 1/in) init; float32 summation order differs between the kernels
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     best = {}
     for _ in range(args.repeats):  # interleaved, best of repeats
         for name, fn in variants.items():

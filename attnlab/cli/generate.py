@@ -82,7 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="decode with a torch.compile'd fixed-shape step; default: only for generations "
-        "long enough to repay the compile time (batch x new tokens >= 16,384)",
+        "long enough to repay the compile time (batch x new tokens >= 8,192)",
     )
     p.add_argument(
         "--overflow",
