@@ -251,6 +251,31 @@ def test_train_with_compile_matches_eager_losses(tmp_path):
     assert compiled.losses == pytest.approx(eager, rel=1e-4)
 
 
+def test_compiled_step_restores_the_weights_row_major_once(monkeypatch):
+    """Making the compiled decode step (compilation itself waits for the first call)
+    re-stores every Linear weight row-major in place: the same parameters, the same
+    logits from the eager path, which now takes the row-major split product."""
+    import attnlab.generation as gen
+    import attnlab.nn.linear as linear_module
+    from attnlab.nn.linear import is_input_major
+
+    monkeypatch.setattr(linear_module, "SPLIT_MIN_NUMEL", 0)  # one token: the split product
+
+    model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert any(is_input_major(m.weight) for m in linears)
+    params = list(model.parameters())
+    idx = torch.randint(0, model.cfg.vocab_size, (1, 7))
+    with torch.no_grad():
+        before = [model(idx[:, :1]).logits, model(idx).logits]
+        gen._compiled_step(model)
+        after = [model(idx[:, :1]).logits, model(idx).logits]
+    assert all(m.weight.is_contiguous() for m in linears)
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_static_capacity_buckets():
     from attnlab.generation import static_capacity
 
