@@ -177,11 +177,13 @@ def test_training_forward_has_no_graph_breaks(name):
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "deepseek-moe-tiny"])
 @torch.no_grad()
-def test_decode_step_compiles_with_fullgraph_and_matches_eager():
+def test_decode_step_compiles_with_fullgraph_and_matches_eager(name):
     """The static-cache decode step traces as one graph (backend 'eager' checks the
-    tracing without paying for code generation) and gives the eager step's logits."""
-    model = build_model(get_preset("llama-tiny")).eval()
+    tracing without paying for code generation) and gives the eager step's logits; for
+    experts too (their compiled path gathers each token's experts: static shapes)."""
+    model = build_model(get_preset(name)).eval()
     prompt = torch.randint(0, model.cfg.vocab_size, (2, 5))
 
     def step(model, ids, cache):
@@ -209,6 +211,15 @@ def test_generate_compile_equals_eager_generate(monkeypatch):
     monkeypatch.setattr(linear_module, "SPLIT_MIN_NUMEL", 0)
     torch._dynamo.reset()
     model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (9,)).tolist()
+    assert model.generate(prompt, 12, compile=True) == model.generate(prompt, 12)
+
+
+@pytest.mark.slow
+def test_generate_compile_equals_eager_generate_with_experts():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(get_preset("deepseek-moe-tiny").override({"init_std": 0.2})).eval()
     prompt = torch.randint(0, model.cfg.vocab_size, (9,)).tolist()
     assert model.generate(prompt, 12, compile=True) == model.generate(prompt, 12)
 

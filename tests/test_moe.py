@@ -54,6 +54,22 @@ def test_grouped_experts_equal_a_loop_over_tokens(router_kw):
     torch.testing.assert_close(moe(x), _loop_reference(moe, x), rtol=1e-5, atol=1e-6)
 
 
+@torch.no_grad()
+def test_gathered_experts_equal_the_grouped_ones():
+    """The compiled decode path (each token's chosen experts' weights gathered) computes
+    what the grouped loop does, on fresh random inputs."""
+    moe = _moe(n_routed_experts=8, n_activated_experts=3, router="deepseek-v3")
+    for n in (1, 2, 5):
+        x = torch.randn(n, D)
+        weights, experts, _ = moe.gate(x)
+        torch.testing.assert_close(
+            moe.experts.gathered(x, experts, weights),
+            moe.experts(x, experts, weights),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
 def _hf_router_config(**kw):
     from transformers import DeepseekV3Config
 

@@ -15,7 +15,9 @@ Every expert is a gated FFN (SwiGLU). Routers, by name:
 
 Both multiply the weights by routed_scaling_factor. Experts run on the tokens routed to
 them, grouped by sorting the (token, expert) pairs by expert: a loop over experts, never
-over tokens.
+over tokens. Under torch.compile, when the tokens choose no more (token, expert) pairs than
+there are experts (a decode step), each token's k experts' weights are gathered instead:
+static shapes (the group sizes of the loop are data), reading only the chosen experts.
 
 Shapes: b batch, t length, d d_model, N = b t tokens, E routed experts, k experts per token,
 f expert hidden size.
@@ -111,6 +113,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """x (N, d); experts, weights (N, k) -> sum_j weights[:, j] expert_{experts[:, j]}(x)."""
         N, k = experts.shape
+        if torch.compiler.is_compiling() and N * k <= self.n_experts:
+            return self.gathered(x, experts, weights)
         flat = experts.flatten()  # (N k,): pair p is token p // k
         order = flat.argsort(stable=True)  # pairs grouped by expert
         token = order // k  # (N k,) the token of each sorted pair
@@ -119,6 +123,14 @@ class Experts(nn.Module):
         out = torch.cat([self.expert(e, xs) for e, xs in enumerate(chunks)])  # (N k, d)
         out = out * weights.flatten()[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)  # (N, d)
+
+    def gathered(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """:meth:`forward` with the chosen experts' weights gathered per token: (N, k, 2f, d)
+        and (N, k, d, f). Static shapes, for compiled decoding of a few tokens."""
+        h = torch.einsum("nkfd,nd->nkf", self.gate_up[experts], x)  # (N, k, 2f)
+        gate, up = h.split(self.hidden, dim=-1)
+        y = torch.einsum("nkdf,nkf->nkd", self.down[experts], self.act(gate) * up)
+        return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # (N, d)
 
 
 class MoE(nn.Module):
@@ -154,7 +166,11 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         with torch.no_grad():
-            load = torch.bincount(experts.flatten(), minlength=self.n_experts).float()
+            # tokens per expert (a fixed-size count: no data-dependent shape when compiled)
+            flat_experts = experts.flatten()
+            load = torch.zeros(self.n_experts, device=x.device).index_add_(
+                0, flat_experts, torch.ones(flat_experts.shape, device=x.device)
+            )
             if self.training:
                 self.load += load
             self.aux_metrics = {"max_vio": load.max() / load.mean() - 1}
