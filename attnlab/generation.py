@@ -304,8 +304,8 @@ def static_capacity(needed: int, limit: int) -> int:
 
 def _eager_if_compile_fails(step_fn):
     """``step_fn``, or the eager step (on the same static cache) if its first call, which
-    compiles, fails; the model remembers the failure, so "auto" stops trying. Errors of
-    later calls are not caught."""
+    compiles, fails; the model remembers the failure, so "auto" stops trying, and gets its
+    eager weight layout back. Errors of later calls are not caught."""
     state = {"first": True, "eager": False}
 
     def step(model, ids, mask, cache):
@@ -319,6 +319,8 @@ def _eager_if_compile_fails(step_fn):
         except Exception as e:  # inductor's compiler errors have no common base class
             state["eager"] = True
             object.__setattr__(model, "_compile_failed", True)
+            if next(model.parameters()).device.type == "cpu":
+                set_layout(model, "input")  # the eager layout back
             first_line = str(e).splitlines()[0] if str(e) else ""
             warnings.warn(
                 f"compiling the decode step failed ({type(e).__name__}: {first_line}); "

@@ -321,8 +321,10 @@ def test_generate_compile_auto_stays_eager_for_short_generations():
 def test_generate_compiles_by_default_only_when_long_and_falls_back_to_eager(monkeypatch):
     """The default compile="auto" leaves short generations eager; where it compiles and the
     compilation fails, it warns once and decodes eagerly on the same static cache (same
-    tokens), and stops trying for that model. compile=True raises instead."""
+    tokens) with the eager weight layout back, and stops trying for that model.
+    compile=True raises instead."""
     import attnlab.generation as gen
+    from attnlab.nn.linear import is_input_major, set_layout
 
     model = build_model(get_preset("llama-tiny")).eval()
     prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
@@ -331,6 +333,8 @@ def test_generate_compiles_by_default_only_when_long_and_falls_back_to_eager(mon
     assert getattr(model, "_compiled_decode_step", None) is None  # nothing was compiled
 
     def failing_step(model):
+        set_layout(model, "rows")  # as the real one does before compiling
+
         def step(*args):
             calls.append(1)
             raise RuntimeError("no C++ compiler found\nmore detail")
@@ -343,6 +347,7 @@ def test_generate_compiles_by_default_only_when_long_and_falls_back_to_eager(mon
     with pytest.warns(UserWarning, match="compiling the decode step failed .*no C\\+\\+ compiler"):
         assert model.generate(prompt, 6) == expected
     assert len(calls) == 1  # tried once, then eager for the rest of the generation
+    assert all(is_input_major(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second attempt, no second warning
         assert model.generate(prompt, 6) == expected
