@@ -177,13 +177,21 @@ def test_training_forward_has_no_graph_breaks(name):
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "deepseek-moe-tiny"])
+@pytest.mark.parametrize(
+    "name, override",
+    [
+        ("llama-tiny", {}),
+        ("deepseek-moe-tiny", {}),  # experts: each token's chosen experts gathered
+        ("deepseek-v32-tiny", {}),  # DSA: top-k ties settled without a host read
+        ("llama-tiny", {"attention.kind": "nsa"}),
+    ],
+)
 @torch.no_grad()
-def test_decode_step_compiles_with_fullgraph_and_matches_eager(name):
+def test_decode_step_compiles_with_fullgraph_and_matches_eager(name, override):
     """The static-cache decode step traces as one graph (backend 'eager' checks the
-    tracing without paying for code generation) and gives the eager step's logits; for
-    experts too (their compiled path gathers each token's experts: static shapes)."""
-    model = build_model(get_preset(name)).eval()
+    tracing without paying for code generation) and gives the eager step's logits, for
+    dense, expert and sparse-attention models."""
+    model = build_model(get_preset(name).override(override)).eval()
     prompt = torch.randint(0, model.cfg.vocab_size, (2, 5))
 
     def step(model, ids, cache):

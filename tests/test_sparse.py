@@ -15,7 +15,13 @@ import torch
 from attnlab.analysis import kv_cache_bytes, kv_cache_bytes_per_token
 from attnlab.cache import IndexedLatentKV
 from attnlab.config import ConfigError
-from attnlab.functional.selection import fake_fp8, hadamard, index_scores
+from attnlab.functional.selection import (
+    fake_fp8,
+    hadamard,
+    index_scores,
+    selection_mask,
+    topk_select,
+)
 from attnlab.models import build_model
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.sparse import NativeSparseAttention
@@ -58,6 +64,25 @@ def test_indexer_scores_match_the_formula_written_out():
                     dot = float(q[bi, ti, j] @ k[bi, si]) * d**-0.5
                     want[bi, ti, si] += float(w[bi, ti, j]) * max(dot, 0.0)
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_topk_ties_settle_by_position_the_same_when_compiled():
+    """A tie at the k-th place goes to the earliest key, eagerly (a sort when any query
+    has one) and compiled (no host read: the sorted picks where tied), on fresh scores
+    full of ties (ReLU zeros) and with a mask."""
+    torch.manual_seed(0)
+    scores = torch.randn(2, 6, 40).relu().round()  # many exact ties, at 0 and above
+    mask = torch.rand(2, 6, 40) > 0.3
+    compiled = torch.compile(topk_select, fullgraph=True, backend="eager", dynamic=False)
+    for m in (None, mask):
+        eager_idx, eager_valid = topk_select(scores, m, 7)
+        comp_idx, comp_valid = compiled(scores, m, 7)
+        assert torch.equal(
+            selection_mask(eager_idx, eager_valid, 40), selection_mask(comp_idx, comp_valid, 40)
+        )
+        first = scores.masked_fill(~m, float("-inf")) if m is not None else scores
+        order = first.sort(dim=-1, descending=True, stable=True).indices[..., :7]
+        assert torch.equal(eager_idx.sort(-1).values, order.sort(-1).values)
 
 
 @pytest.mark.parametrize("path", ["naive", "absorbed"])

@@ -45,7 +45,11 @@ def topk_select(scores: Tensor, mask: Tensor | None, topk: int) -> tuple[Tensor,
     values, indices = scores.topk(min(k + 1, s), dim=-1)  # (b, t, k + 1)
     if k < s:
         kth, next_ = values[..., k - 1], values[..., k]
-        if bool(((kth == next_) & kth.isfinite()).any()):  # rare: settle ties by position
+        tie = (kth == next_) & kth.isfinite()  # (b, t): the k-th place is shared
+        if torch.compiler.is_compiling():  # no host read: the settled picks where tied
+            by_position = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+            indices = torch.where(tie[..., None], by_position, indices[..., :k])
+        elif bool(tie.any()):  # rare: settle ties by position
             indices = scores.sort(dim=-1, descending=True, stable=True).indices
         indices = indices[..., :k]
     if mask is None:
