@@ -184,6 +184,10 @@ def test_training_forward_has_no_graph_breaks(name):
         ("deepseek-moe-tiny", {}),  # experts: each token's chosen experts gathered
         ("deepseek-v32-tiny", {}),  # DSA: top-k ties settled without a host read
         ("llama-tiny", {"attention.kind": "nsa"}),
+        ("deepseek-tiny", {}),  # MLA
+        ("llama-tiny", {"attention.kind": "linear"}),
+        ("llama-tiny", {"attention.n_kv_heads": 1, "attention.sliding_window": 4}),
+        ("llama-tiny", {"attention.sliding_window": 4, "attention.global_tokens": [0, 1]}),
     ],
 )
 @torch.no_grad()
