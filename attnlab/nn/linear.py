@@ -15,10 +15,10 @@ invisible to state dicts and checkpoints (the weight keeps its logical shape (ou
    dimension instead, y = [x W^T[:, :out/2], x W^T[:, out/2:]], so every output is one
    product rounded once, bit-identical to ``F.linear``.
 
-Under ``torch.compile`` without gradients (the compiled decode step) the split product is
-the operator ``torch.ops.attnlab.split_vecmat``, which inductor calls as it is: traced
-through, its two half-products were fused into inductor's own loops, slower than one
-``F.linear``.
+Under ``torch.compile`` without gradients (the compiled decode step) the split product of
+an input-major weight is the operator ``torch.ops.attnlab.split_vecmat``, which inductor
+calls as it is: traced through, its two half-products were fused into inductor's own loops,
+slower than one ``F.linear``.
 
 The layout survives ``load_state_dict`` (also with ``assign=True``) and the meta-device
 loaders (they allocate each weight with the strides the module was built with).
@@ -98,6 +98,7 @@ def rows_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
 # products the compiled step of a 30M model ran at 1.01x the eager one, with the operator
 # at 1.20x (benchmarks/compile_decode.py --model 30m). An operator for the batched product
 # alone (the views and the sum left to inductor) measured slower: 0.93x the eager step.
+# (Row-major weights with rows_vecmat, the compiled step's default since, gave 1.58-1.72x.)
 # Registered with torch.library.Library rather than @custom_op: its per-call overhead is
 # about a quarter (~9 us against ~35 us), which counts ~30 times a token.
 def _split_vecmat_fake(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
