@@ -189,7 +189,7 @@ OVERFLOW_MODES = ("slide", "roll", "stop")
 # (benchmarks/compile_decode.py, row-major compiled products): 6-14 s to compile, saving
 # 3.2 ms per token for a 30M model (7.7 -> 4.5 ms: 2K-4K tokens) and 0.9 ms for a 5M one
 # (2.1 -> 1.2 ms, 11 s: 12K). From 8K the 30M model gains 20% of its time and more, the
-# 5M one loses at most 20%.
+# 5M one loses about 20%.
 AUTO_COMPILE_MIN_TOKENS = 8192
 
 
