@@ -163,3 +163,32 @@ def test_module_fast_rotation_equals_apply_rope(layout):
     cos, sin = cos[:, None], sin[:, None]
     torch.testing.assert_close(fast_q, apply_rope(q, cos, sin, layout), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast_k, apply_rope(k, cos, sin, layout), rtol=1e-5, atol=1e-6)
+
+
+def _rotation_matrices(positions: torch.Tensor, d: int, layout: str) -> torch.Tensor:
+    """(t, d, d): each pair (a, b) of the layout turned by its angle, one 2x2 block each."""
+    cos, sin = rope_angles(positions, rope_inv_freq(d))  # (t, d/2)
+    first = torch.arange(d // 2) if layout == "split" else torch.arange(0, d, 2)
+    second = first + d // 2 if layout == "split" else first + 1
+    r = torch.zeros(positions.shape[0], d, d)
+    r[:, first, first], r[:, first, second] = cos, -sin
+    r[:, second, first], r[:, second, second] = sin, cos
+    return r
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_rotation_and_its_gradient_equal_the_rotation_matrices(layout):
+    """apply_rope, eager and compiled (inductor), equals multiplying by explicit 2x2
+    rotation blocks, and so does its gradient."""
+    pos = torch.arange(11) * 7
+    x = torch.randn(2, 3, 11, D_H, requires_grad=True)
+    grad = torch.randn(2, 3, 11, D_H)
+    r = _rotation_matrices(pos, D_H, layout)
+    want = torch.einsum("tij,bhtj->bhti", r, x)
+    (want_grad,) = torch.autograd.grad(want, x, grad)
+    cos, sin = rope_angles(pos, rope_inv_freq(D_H))
+    for rotate in (apply_rope, torch.compile(apply_rope, fullgraph=True)):
+        got = rotate(x, cos, sin, layout)
+        (got_grad,) = torch.autograd.grad(got, x, grad)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)

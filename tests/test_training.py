@@ -24,6 +24,7 @@ import attnlab.training.trainer as trainer_module
 from attnlab.config import ConfigError, DataConfig, RunConfig, TrainConfig
 from attnlab.data import prepare_data
 from attnlab.models import LMOutput, build_model
+from attnlab.nn.linear import Linear
 from attnlab.presets import (
     get_preset,
     get_run_preset,
@@ -175,6 +176,27 @@ def test_parameter_groups_follow_nanogpt():
     optimizer = build_optimizer(model, tiny_run().train, "cpu")
     assert optimizer.defaults["fused"] is True  # torch >= 2.4 has fused AdamW on CPU
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+def test_weights_train_row_major_and_match_input_major_training(dataset, tmp_path, monkeypatch):
+    """The trainer stores Linear weights row-major, so fused AdamW finds contiguous
+    parameters, gradients and moments; the steps equal those of input-major weights."""
+    from attnlab.training.trainer import Trainer
+
+    cfg = tiny_run(max_steps=6)
+    trainer = Trainer(cfg, tmp_path / "rows", progress=False, dataset=dataset)
+    linear = [m.weight for m in trainer.model.modules() if isinstance(m, Linear)]
+    assert linear and all(w.is_contiguous() for w in linear)
+    trainer.run()
+    for state in trainer.optimizer.state.values():
+        assert state["exp_avg"].is_contiguous() and state["exp_avg_sq"].is_contiguous()
+    monkeypatch.setattr("attnlab.training.trainer.set_layout", lambda model, layout: 0)
+    twin = Trainer(cfg, tmp_path / "input", progress=False, dataset=dataset)
+    assert not twin.model.blocks[0].attn.qkv.weight.is_contiguous()  # input-major
+    twin.run()
+    assert_weights_close(
+        final_weights(tmp_path / "rows"), final_weights(tmp_path / "input"), tol=1e-5
+    )
 
 
 def test_evaluate_is_token_weighted(dataset):
