@@ -6,7 +6,9 @@ tenth of the steps (quality at equal steps; a faster step is only worth it at eq
 
 Variants: the preset (eager, float32, fused AdamW); torch.compile (inductor) of the model;
 bf16 autocast; ``train.optimizer=muon`` (torch.optim.Muon for the hidden weight matrices,
-AdamW for embeddings, norms and biases: the split Muon's authors use).
+AdamW for embeddings, norms and biases: the split Muon's authors use); ``input-major`` and
+``compile-input-major``: the weights stored input-major (the eager decoding layout) instead
+of the row-major layout the trainer gives them.
 
     python benchmarks/train_levers.py [--steps 300] [--preset demo] [--threads 2]
 """
@@ -21,6 +23,7 @@ import time
 import torch
 
 from _common import machine, setup_threads, table
+from attnlab.nn.linear import set_layout
 from attnlab.presets import get_run_preset
 from attnlab.training.evaluate import autocast_context
 from attnlab.training.optim import lr_at, set_lr
@@ -41,6 +44,8 @@ def main() -> None:
         "compile": {"train.compile": True},
         "bf16": {"train.dtype": "bfloat16"},
         "muon": {"train.optimizer": "muon", "train.lr": 0.01},  # its best of 3e-3, 6e-3, 1e-2
+        "input-major": {},
+        "compile-input-major": {"train.compile": True},
     }
     runs = {}
     base = {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": args.steps}
@@ -48,6 +53,8 @@ def main() -> None:
         for name in args.variants:
             cfg = get_run_preset(args.preset).override({**base, **overrides[name]})
             tr = Trainer(cfg, f"{tmp}/{name}", progress=False)
+            if name.endswith("input-major"):
+                set_layout(tr.model, "input")
             runs[name] = (tr, [tr.optimizer], [], [])
     tc = next(iter(runs.values()))[0].tc
     for step in range(args.steps):
