@@ -11,8 +11,13 @@ so its "matmuls" are the same 33 one-vector products compiled and timed alone.
 Training: one optimizer step of a run preset (default ``demo``) through attnlab's own
 Trainer pieces, timed phase by phase: data (sample + batch), forward (loss), backward,
 optimizer (clip + AdamW + zero_grad). CPU work is synchronous, so wall clocks split it.
+The same step compiled (``train.compile``) is profiled by kind of work: the matrix
+products, attention (forward and backward kernels), inductor's fused element-wise kernels
+(timed one by one: ``cpp.enable_kernel_profile``), the AdamW step, and the rest (the
+compiled graphs' Python wrappers, autograd, gradient clipping, the step's other Python).
 
     python benchmarks/where_time_goes.py [--steps 100] [--preset demo] [--threads 2]
+        [--only decoding|training] [--kernels 0]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from attnlab.presets import get_run_preset, llama_30m
 MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::mv", "aten::addmv"}
 ATTENTION_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
     "aten::_scaled_dot_product_attention_math",
     "aten::_softmax",
 }
@@ -160,16 +166,73 @@ def training_breakdown(preset: str, steps: int) -> None:
     print(table(["per training step", "ms", "share"], rows))
 
 
+def compiled_training_breakdown(preset: str, steps: int, kernels: int = 0) -> None:
+    from attnlab.training.trainer import Trainer, _StopRequest
+
+    torch._inductor.config.cpp.enable_kernel_profile = True  # each fused kernel an event
+    cfg = get_run_preset(preset).override(
+        {"train.eval_every": 0, "train.time_budget": None, "train.compile": True,
+         "train.max_steps": 2 * steps + 20}
+    )  # fmt: skip
+    stop, never = _StopRequest(), lambda: False
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = Trainer(cfg, tmp, progress=False)
+        for _ in range(15):  # compiles in the first steps
+            tr._train_step(stop, never)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            tr._train_step(stop, never)
+            times.append(time.perf_counter() - t)
+        profiled = min(steps, 20)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(profiled):
+                tr._train_step(stop, never)
+    kinds = {k: 0.0 for k in ("matmuls", "attention", "fused element-wise", "AdamW", "rest")}
+    fused: list[tuple[float, int, str]] = []  # ms per step, calls per step, kernel
+    for e in prof.key_averages():
+        if e.key in MATMUL_OPS:
+            kind = "matmuls"
+        elif e.key in ATTENTION_OPS:
+            kind = "attention"
+        elif e.key.startswith("graph_") and "cpp_fused" in e.key:
+            kind = "fused element-wise"
+            fused.append((e.self_cpu_time_total / 1e3 / profiled, e.count // profiled, e.key))
+        elif e.key in ("aten::_fused_adamw_", "Optimizer.step#AdamW.step"):
+            kind = "AdamW"
+        else:
+            kind = "rest"
+        kinds[kind] += e.self_cpu_time_total / 1e3 / profiled
+    total = sum(kinds.values())
+    tc = tr.tc
+    print(
+        f"\ntraining, compiled: preset {preset}, profile of {profiled} steps (self times); "
+        f"median step {statistics.median(times) * 1e3:.1f} ms over {steps} steps"
+    )
+    rows = [[k, f"{v:.2f}", f"{v / total:.0%}"] for k, v in kinds.items()]
+    tok_s = tc.batch_size * tc.block_size / total * 1e3
+    rows.append(["step (profiled)", f"{total:.2f}", f"{tok_s:,.0f} tok/s"])
+    print(table(["per compiled training step", "ms", "share"], rows))
+    if kernels:
+        rows = [[f"{ms:.2f}", calls, name[:110]] for ms, calls, name in sorted(fused)[::-1]]
+        print(table(["ms per step", "calls", "fused kernel"], rows[:kernels]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--only", choices=["decoding", "training"], default=None)
+    ap.add_argument("--kernels", type=int, default=0, help="list the N slowest fused kernels")
     args = ap.parse_args()
     setup_threads(args.threads)
     print(f"machine: {machine()}")
-    decode_breakdown(args.steps)
-    training_breakdown(args.preset, args.steps)
+    if args.only != "training":
+        decode_breakdown(args.steps)
+    if args.only != "decoding":
+        training_breakdown(args.preset, args.steps)
+        compiled_training_breakdown(args.preset, args.steps, args.kernels)
 
 
 if __name__ == "__main__":
