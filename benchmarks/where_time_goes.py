@@ -153,17 +153,21 @@ def training_breakdown(preset: str, steps: int) -> None:
             for name, a, b in (("data", t0, t1), ("forward", t1, t2), ("backward", t2, t3),
                                ("optimizer", t3, t4)):  # fmt: skip
                 phases[name].append((b - a) * 1e3)
-    med = {k: statistics.median(v) for k, v in phases.items()}
-    total = sum(med.values())
     m = cfg.model
     print(
         f"\ntraining: preset {preset} ({m.n_layers}x{m.d_model}, block {tc.block_size}, batch "
         f"{tc.batch_size}, {tc.dtype}), median of {steps} steps"
     )
-    rows = [[k, f"{v:.2f}", f"{v / total:.0%}"] for k, v in med.items()]
-    tok_s = tc.batch_size * tc.block_size / total * 1e3
-    rows.append(["step", f"{total:.2f}", f"{tok_s:,.0f} tok/s"])
-    print(table(["per training step", "ms", "share"], rows))
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    print_shares("per training step", "step", med, tc.batch_size * tc.block_size)
+
+
+def print_shares(what: str, step: str, ms: dict[str, float], tokens: int) -> None:
+    """A table of ms per part, each part's share, and the whole step's ms and tokens/s."""
+    total = sum(ms.values())
+    rows = [[k, f"{v:.2f}", f"{v / total:.0%}"] for k, v in ms.items()]
+    rows.append([step, f"{total:.2f}", f"{tokens / total * 1e3:,.0f} tok/s"])
+    print(table([what, "ms", "share"], rows))
 
 
 def compiled_training_breakdown(preset: str, steps: int, kernels: int = 0) -> None:
@@ -203,16 +207,12 @@ def compiled_training_breakdown(preset: str, steps: int, kernels: int = 0) -> No
         else:
             kind = "rest"
         kinds[kind] += e.self_cpu_time_total / 1e3 / profiled
-    total = sum(kinds.values())
-    tc = tr.tc
     print(
         f"\ntraining, compiled: preset {preset}, profile of {profiled} steps (self times); "
         f"median step {statistics.median(times) * 1e3:.1f} ms over {steps} steps"
     )
-    rows = [[k, f"{v:.2f}", f"{v / total:.0%}"] for k, v in kinds.items()]
-    tok_s = tc.batch_size * tc.block_size / total * 1e3
-    rows.append(["step (profiled)", f"{total:.2f}", f"{tok_s:,.0f} tok/s"])
-    print(table(["per compiled training step", "ms", "share"], rows))
+    tokens = tr.tc.batch_size * tr.tc.block_size
+    print_shares("per compiled training step", "step (profiled)", kinds, tokens)
     if kernels:
         rows = [[f"{ms:.2f}", calls, name[:110]] for ms, calls, name in sorted(fused)[::-1]]
         print(table(["ms per step", "calls", "fused kernel"], rows[:kernels]))
