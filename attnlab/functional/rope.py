@@ -136,9 +136,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "split") -> Te
         half = x.shape[-1] // 2
         if torch.compiler.is_compiling():
             # Inductor vectorises the backward of a cat of slices; roll's wrapped index
-            # gave a scalar loop, 4% of the demo's compiled training step.
+            # gave a scalar loop, 4% of the demo's compiled training step
+            # (benchmarks/where_time_goes.py --kernels).
             swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
-        else:  # one kernel, ~15% faster than the cat eagerly
+        else:  # one kernel, faster than the cat eagerly
             swapped = xf.roll(half, dims=-1)
     elif layout == "interleaved":  # pairs (2i, 2i + 1): swap neighbours
         swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)

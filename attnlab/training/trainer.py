@@ -501,9 +501,9 @@ class Trainer:
             model = build_model(cfg.model)
         self.model = model.to(self.device).train()
         # Weights are trained row-major (contiguous): fused AdamW copies every non-contiguous
-        # parameter, gradient and moment to contiguous scratch and back at each step, which
-        # tripled its time on the demo (0.9-1.0 against 0.35 ms); the products run at the
-        # same speed in either layout. Eager decoding prefers input-major weights:
+        # parameter, gradient and moment to contiguous scratch and back at each step, and
+        # the products run at the same speed in either layout (benchmarks/train_levers.py,
+        # input-major variants). Eager decoding prefers input-major weights:
         # ``set_layout(model, "input")`` after training, as loading a checkpoint does.
         set_layout(self.model, "rows")
         self._after_step = [m for m in model.modules() if hasattr(m, "after_optimizer_step")]
