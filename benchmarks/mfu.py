@@ -11,7 +11,8 @@ Each preset runs eager and, with ``--compile``, also under ``train.compile`` (in
 whose fused element-wise kernels cut the time outside the matmuls. A shared machine's speed
 drifts within minutes, so every run gets its own trainer and they take turns: ``--chunks``
 rounds of ``--steps`` steps each, the matmul peak measured just before and after every
-chunk, each chunk's MFU taken against the better of those two. Medians are shown. The first
+chunk, each chunk's MFU taken against the better of those two. Medians are shown, and the
+lowest and highest chunk's MFU. The first
 ``--warmup`` steps of each trainer (and its compilation) are not timed.
 
     python benchmarks/mfu.py [--steps 20] [--chunks 5] [--warmup 10] [--compile]
@@ -108,14 +109,15 @@ def main() -> None:
         rows.append([label, f"{per_token / 1e6:.2f}M", tr.tc.block_size, tr.tc.batch_size,
                      str(dtype).split(".")[-1], f"{tok_s:,.0f}", f"{per_token * tok_s / 1e9:.1f}",
                      f"{statistics.median(peaks[dtype]) / 1e9:.1f}",
-                     f"{statistics.median(mfus[label]):.0%}"])  # fmt: skip
+                     f"{statistics.median(mfus[label]):.0%}",
+                     f"{min(mfus[label]):.0%}-{max(mfus[label]):.0%}"])  # fmt: skip
     print(f"machine: {machine()}")
     print(
         f"{args.chunks} chunks of {args.steps} steps per run, the runs in turn; medians; each "
-        "chunk's MFU against the matmul peak measured around it"
+        "chunk's MFU against the matmul peak measured around it; chunks: lowest-highest MFU"
     )
     print(table(["preset", "train FLOPs/token", "block", "batch", "dtype", "tokens/s",
-                 "achieved GFLOP/s", "matmul GFLOP/s", "MFU"], rows))  # fmt: skip
+                 "achieved GFLOP/s", "matmul GFLOP/s", "MFU", "chunks"], rows))  # fmt: skip
 
 
 if __name__ == "__main__":
