@@ -12,8 +12,8 @@ whose fused element-wise kernels cut the time outside the matmuls. A shared mach
 drifts within minutes, so every run gets its own trainer and they take turns: ``--chunks``
 rounds of ``--steps`` steps each, the matmul peak measured just before and after every
 chunk, each chunk's MFU taken against the better of those two. Medians are shown, and the
-lowest and highest chunk's MFU. The first
-``--warmup`` steps of each trainer (and its compilation) are not timed.
+lowest and highest chunk's MFU. The first ``--warmup`` steps of each trainer (and its
+compilation) are not timed.
 
     python benchmarks/mfu.py [--steps 20] [--chunks 5] [--warmup 10] [--compile]
         [--presets nanogpt-cpu demo llama-30m]
