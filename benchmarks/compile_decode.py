@@ -4,7 +4,9 @@ decode step over a static cache, as gpt-fast does), same weights, same tokens.
 On CPU, inductor fuses the small per-layer operations (norms, RoPE, residuals, softmax) that
 dominate the step of a small model; on a GPU the same path also removes kernel launches.
 The compiled step re-stores the weights row-major and writes each one-vector product as a
-sum over the rows, which inductor turns into its own loops. Two more rows compile the
+sum over the rows, which inductor turns into its own loops; within one ``generate`` call only
+its first step checks dynamo's guards (the row "guards every step" checks them at every
+step, as ``stream()`` does, with the same compiled graph). Two more rows compile the
 other ways of doing the products, on copies of the model: attnlab's two-thread product of
 the input-major weights as one opaque operator (``torch.ops.attnlab.split_vecmat``), and
 plain ``F.linear`` calls (MKL).
@@ -80,6 +82,10 @@ def main() -> None:
     runs = {
         "eager": lambda: eager.generate(prompt, n),
         "compiled (static cache)": lambda: model.generate(prompt, n, compile=True),
+        # the same compiled step, its guards checked at every step (as stream() does)
+        "compiled, guards every step": lambda: list(
+            generation.stream(model, prompt, n, compile=True)
+        ),
         "compiled, input-major operator": lambda: operator.generate(prompt, n, compile=True),
         "compiled, F.linear products": lambda: plain.generate(prompt, n, compile=True),
     }

@@ -347,7 +347,7 @@ def test_generate_compiles_by_default_only_when_long_and_falls_back_to_eager(mon
     def failing_step(model):
         set_layout(model, "rows")  # as the real one does before compiling
 
-        def step(*args):
+        def step(*args, **kw):
             calls.append(1)
             raise RuntimeError("no C++ compiler found\nmore detail")
 
@@ -393,7 +393,7 @@ def test_compile_fallback_catches_only_the_compiling_call(monkeypatch):
     def flaky_step(model):
         calls = []
 
-        def step(model, ids, mask, cache):
+        def step(model, ids, mask, cache, skip_guards=False):
             calls.append(1)
             if len(calls) > 1:
                 raise RuntimeError("a later failure")
@@ -406,3 +406,43 @@ def test_compile_fallback_catches_only_the_compiling_call(monkeypatch):
     with pytest.raises(RuntimeError, match="a later failure"):
         model.generate(prompt, 6)
     assert not getattr(model, "_compile_failed", False)
+
+
+def test_generate_skips_guards_after_the_first_step_and_keeps_each_models_graph(monkeypatch):
+    """Inside generate() only the first compiled step of a call (and the first after the
+    cache is re-encoded) checks dynamo's guards; the rest skip them. Two models of the same
+    shapes but different constants (RMSNorm eps), batch sizes 1 and 2 and two capacity
+    buckets, in turns: every call decodes what the eager step decodes, so skipping never
+    runs another variant's graph. stream() checks the guards at every step. (dynamo with
+    its eager backend: this checks guard handling, not inductor.)"""
+    import attnlab.generation as gen
+
+    real_compile, stances = torch.compile, []
+    monkeypatch.setattr(
+        gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw)
+    )
+    real_stance = torch.compiler.set_stance
+
+    def recording_stance(*args, **kw):
+        stances.append(kw.get("skip_guard_eval_unsafe", False))
+        return real_stance(*args, **kw)
+
+    monkeypatch.setattr(gen.torch.compiler, "set_stance", recording_stance)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    models = [
+        build_model(get_preset("llama-tiny").override({"init_std": 0.3, "norm.eps": eps})).eval()
+        for eps in (1e-6, 0.5)
+    ]
+    one = torch.randint(0, models[0].cfg.vocab_size, (7,)).tolist()
+    two = [one, one[::-1]]
+    calls = [(m, p, n) for p, n in ((one, 10), (two, 6), (one, 70)) for m in models]
+    expected = [m.generate(p, n, compile=False) for m, p, n in calls]
+    for (m, p, n), want in zip(calls * 2, expected * 2):
+        stances.clear()
+        assert m.generate(p, n, compile=True) == want
+        assert len(stances) == n - 2  # steps 2 .. n-1 skip; the first step checks
+    assert expected[0] != expected[1]  # the eps makes the two models decode differently
+    stances.clear()
+    assert [t for t in gen.stream(models[0], one, 10, compile=True)] == expected[0]
+    assert stances == []
