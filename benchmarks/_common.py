@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -27,6 +28,26 @@ def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
         b.copy_(a)
         best = min(best, time.perf_counter() - t)
     return 2 * a.nbytes / best
+
+
+@functools.cache
+def _big(mbytes: int) -> torch.Tensor:
+    return torch.ones(mbytes * 2**20 // 4)
+
+
+def read_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of reading a large tensor (its maximum: nothing written), best of
+    ``repeats``: the rate a workload that only reads, such as decoding reading the weights,
+    can reach. On some machines it is well below the copy bandwidth (which counts the
+    bytes written too)."""
+    a = _big(mbytes)
+    a.max()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.max()
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best
 
 
 def machine() -> str:

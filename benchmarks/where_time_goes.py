@@ -31,7 +31,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _common import copy_bandwidth, machine, setup_threads, table
+from _common import copy_bandwidth, machine, read_bandwidth, setup_threads, table
 from attnlab import build_model
 from attnlab.generation import _compiled_step
 from attnlab.presets import get_run_preset, llama_30m
@@ -104,11 +104,12 @@ def decode_breakdown(steps: int) -> None:
         e_parts = parts(lambda c: model(nxt, cache=c, last_only=True), eager_cache, eager)
         alone = statistics.median(products_ms)
         c_parts = parts(lambda c: compiled(twin, nxt, None, c), static_cache, compiled_med, alone)
-    bandwidth = copy_bandwidth()
+    bandwidth, read = copy_bandwidth(), read_bandwidth()
     print(
         f"decoding: LLaMA-style 30M (d_model 512, 8 layers, GQA 8/2, vocab 8192), float32, "
         f"batch 1; weights read per token {weights / 1e6:.0f} MB; copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s (bound {weights / bandwidth * 1e3:.2f} ms/token); "
+        f"{bandwidth / 1e9:.1f} GB/s (bound {weights / bandwidth * 1e3:.2f} ms/token), "
+        f"reading alone {read / 1e9:.1f} GB/s ({weights / read * 1e3:.2f} ms/token); "
         f"compile {compile_s:.0f} s"
     )
 
