@@ -2,7 +2,9 @@
 decoding speed. Compares nn.Linear's row-major weight, attnlab's input-major weight,
 attnlab's split two-thread product (attnlab.nn.linear) of input-major and of row-major
 weights, and the compiled decode step's products (row-major weights, each product a sum
-over the rows that inductor compiles into its own loops), all side by side in one run.
+over the rows that inductor compiles into its own loops), all side by side in one run. A
+last row reads the same row-major weights without multiplying (the maximum of every row,
+compiled alike): how fast this machine reads them with nothing else to do.
 
 The matrices are those of the ~30M-parameter LLaMA-style model of vs_transformers.py (8
 layers of qkv, out, gate_up, down, and the 8192 x 512 output head): 108 MB per pass, far
@@ -58,6 +60,10 @@ def main() -> None:
             for a, b in zip(fn(), variants["nn.Linear (row-major weight)"]()):
                 # N(0, 1/in) init; float32 summation order differs between the kernels
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        weights = [m.weight.detach() for m in ours_rows]
+        reads = torch.compile(lambda: [w.amax(-1) for w in weights], fullgraph=True)
+        reads()
+    variants["row-major, read alone (no product)"] = reads
     best = {}
     for _ in range(args.repeats):  # interleaved, best of repeats
         for name, fn in variants.items():
