@@ -422,3 +422,17 @@ def test_linear_compiled_vector_product_is_one_operator():
     ops = " ".join(graphs[-1])
     assert "aten.sum" in ops and "aten.mul" in ops, graphs[-1]
     assert not any(k in ops for k in ("mm", "split_vecmat", "linear")), graphs[-1]
+    # a row-major weight below the split threshold too (the 5M model's 256 x 256 products):
+    # inductor's loops, not an MKL call
+    small = Linear(256, 256)
+    set_layout(small, "rows")
+    g = torch.compile(
+        small, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=backend)
+    )
+    with torch.no_grad():
+        x = torch.randn(1, 1, 256)
+        torch.testing.assert_close(
+            g(x), F.linear(x, small.weight, small.bias), rtol=1e-5, atol=1e-5
+        )
+    ops = " ".join(graphs[-1])
+    assert "aten.sum" in ops and not any(k in ops for k in ("mm", "split_vecmat")), graphs[-1]
