@@ -229,11 +229,19 @@ def _decode(
         [max(f, f + len(r) - limit) for f, r in zip(first_real, rows)], device=device
     )
 
+    min_start = int(starts.min())
+    length = longest  # columns of seq, with the tokens not yet appended to it
+    pending: list[Tensor] = []  # new tokens (b,) not yet in seq: appended when needed
+
     def window():
-        lo = int(starts.min())
-        cols = torch.arange(lo, seq.shape[1], device=device)
-        w_valid = valid[:, lo:] & (cols[None, :] >= starts[:, None])
-        return seq[:, lo:], (w_valid if not bool(w_valid.all()) else None)
+        nonlocal seq, valid
+        if pending:  # one append for the tokens decoded since the last window
+            seq = torch.cat((seq, torch.stack(pending, dim=1)), dim=1)
+            valid = torch.cat((valid, valid.new_ones((b, len(pending)))), dim=1)
+            pending.clear()
+        cols = torch.arange(min_start, seq.shape[1], device=device)
+        w_valid = valid[:, min_start:] & (cols[None, :] >= starts[:, None])
+        return seq[:, min_start:], (w_valid if not bool(w_valid.all()) else None)
 
     cache = None
     step_fn = _forward_last
@@ -248,7 +256,7 @@ def _decode(
                 step_fn = _eager_if_compile_fails(step_fn)
     # Inside generate()'s own loop nothing the compiled graph depends on changes between
     # steps (same model, cache and shapes; only tensor values move), so once its guards have
-    # passed, the following steps skip checking them (~0.3 ms a token for a 30M model).
+    # passed, the following steps skip checking them (benchmarks/compile_decode.py: 4-11%).
     # stream()'s caller runs code between tokens: there every step checks them.
     guards_passed = False
 
@@ -265,24 +273,27 @@ def _decode(
         logits = _forward_last(model, ids, mask, cache)  # prefill
     for step in range(max_new_tokens):
         nxt = sample_next(logits, **sampling)  # (b,)
-        if stops.numel():
+        if stops.numel():  # (without stop tokens no row is ever done)
             done = done | torch.isin(nxt, stops)
-        out = [None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist())]
-        if all(o is None for o in out):
-            return
+            out = [None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist())]
+            if all(o is None for o in out):
+                return
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        else:
+            out = nxt.tolist()
         yield out[0] if single else out
         if step == max_new_tokens - 1:
             return
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         if roll:  # the cache holds the context: nothing grows, nothing is re-encoded
             logits = decode_one(nxt)
             continue
-        seq = torch.cat((seq, nxt[:, None]), dim=1)
-        valid = torch.cat((valid, torch.ones_like(valid[:, :1])), dim=1)
-        full = seq.shape[1] - starts > limit  # (b,) rows whose context overflows
-        slide = bool(full.any())
+        pending.append(nxt)
+        length += 1
+        slide = length - min_start > limit  # some row's context overflows
         if slide:
-            starts = torch.where(full, seq.shape[1] - keep, starts)
+            full = length - starts > limit  # (b,) those rows
+            starts = torch.where(full, length - keep, starts)
+            min_start = int(starts.min())
         if cache is None:
             ids, mask = window()
             logits = _forward_last(model, ids, mask, None)
