@@ -189,10 +189,10 @@ OVERFLOW_MODES = ("slide", "roll", "stop")
 
 # compile="auto": the new tokens from which compiling the decode step pays for itself.
 # Break-even = compile time / time saved per token. Measured on a 2-core CPU
-# (benchmarks/compile_decode.py, row-major compiled products): 6-14 s to compile, saving
-# 3.2 ms per token for a 30M model (7.7 -> 4.5 ms: 2K-4K tokens) and 0.9 ms for a 5M one
-# (2.1 -> 1.2 ms, 11 s: 12K). From 8K the 30M model gains 20% of its time and more, the
-# 5M one loses about 20%.
+# (benchmarks/compile_decode.py, row-major compiled products): 10-15 s to compile (cold),
+# saving 3-3.5 ms per token for a 30M model (3K-5K tokens) and about 1 ms for a 5M one
+# (10K-15K). From 8K the 30M model gains a fifth of its time and more; the 5M one about
+# breaks even from there to 15K.
 AUTO_COMPILE_MIN_TOKENS = 8192
 
 
