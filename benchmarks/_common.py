@@ -38,8 +38,7 @@ def _big(mbytes: int) -> torch.Tensor:
 def read_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
     """Bytes/s of reading a large tensor (its maximum: nothing written), best of
     ``repeats``: the rate a workload that only reads, such as decoding reading the weights,
-    can reach. On some machines it is well below the copy bandwidth (which counts the
-    bytes written too)."""
+    can reach (the copy bandwidth counts the bytes written too)."""
     a = _big(mbytes)
     a.max()
     best = float("inf")
