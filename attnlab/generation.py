@@ -256,7 +256,7 @@ def _decode(
                 step_fn = _eager_if_compile_fails(step_fn)
     # Inside generate()'s own loop nothing the compiled graph depends on changes between
     # steps (same model, cache and shapes; only tensor values move), so once its guards have
-    # passed, the following steps skip checking them (benchmarks/compile_decode.py: 0.5-11%
+    # passed, the following steps skip checking them (benchmarks/compile_decode.py: 0.5-12%
     # of the step).
     # stream()'s caller runs code between tokens: there every step checks them.
     guards_passed = False
