@@ -10,7 +10,12 @@ The matrices are those of the ~30M-parameter LLaMA-style model of vs_transformer
 layers of qkv, out, gate_up, down, and the 8192 x 512 output head): 108 MB per pass, far
 more than the CPU's caches, as in real decoding.
 
-    python benchmarks/linear_layout.py [--repeats 20] [--threads 2]
+``--rows N`` multiplies N vectors at once, as a decode step of a batch of N does: there
+attnlab's eager products are F.linear (MKL; the split product is for one vector), and the
+compiled ones are inductor's loops up to ``ROWS_MATMUL_MAX`` vectors (each row of W read
+once for all of them), F.linear beyond.
+
+    python benchmarks/linear_layout.py [--rows 1] [--repeats 20] [--threads 2]
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", type=int, default=1, help="vectors per product (batch size)")
     args = ap.parse_args()
     setup_threads(args.threads)
     torch.manual_seed(0)
@@ -41,7 +47,7 @@ def main() -> None:
         for lin, theirs in zip(ours, row_major):
             lin.weight.copy_(theirs.weight)  # same values, input-major storage
     in_major = [lin.weight.detach() for lin in ours]
-    x = {n_in: torch.randn(1, n_in) for _, n_in in SHAPES}
+    x = {n_in: torch.randn(args.rows, n_in) for _, n_in in SHAPES}
     nbytes = sum(lin.weight.nbytes for lin in row_major)
     ours_rows = torch.nn.ModuleList(copy.deepcopy(ours))
     set_layout(ours_rows, "rows")  # as the compiled decode step stores them
@@ -55,6 +61,14 @@ def main() -> None:
         "row-major + split product (attnlab)": lambda: [m(x[m.in_features]) for m in ours_rows],
         "row-major, compiled sums (attnlab)": compiled,
     }
+    if args.rows > 1:  # the split products are for one vector: these two are F.linear
+        del variants["input-major + split product (attnlab)"]
+        del variants["row-major + split product (attnlab)"]
+        variants["row-major, compiled F.linear (MKL)"] = torch.compile(
+            lambda: [F.linear(x[m.in_features], m.weight) for m in ours_rows],
+            fullgraph=True,
+            dynamic=False,
+        )
     with torch.no_grad():
         for fn in variants.values():  # (compiles the last one)
             for a, b in zip(fn(), variants["nn.Linear (row-major weight)"]()):
@@ -72,14 +86,22 @@ def main() -> None:
                 fn()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
     bandwidth = copy_bandwidth()
-    print(f"{len(SHAPES)} weight matrices, {nbytes / 1e6:.0f} MB float32, one token")
+    vectors = "one token" if args.rows == 1 else f"{args.rows} tokens (one per batch row)"
+    print(f"{len(SHAPES)} weight matrices, {nbytes / 1e6:.0f} MB float32, {vectors}")
     print(f"machine: {machine()}; large-copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     base = best["nn.Linear (row-major weight)"]
+    flops = 2 * args.rows * nbytes / 4  # a multiply and an add per weight and vector
     rows = [
-        [name, f"{t * 1e3:.2f}", f"{nbytes / t / 1e9:.1f}", f"{base / t:.2f}x"]
+        [
+            name,
+            f"{t * 1e3:.2f}",
+            f"{nbytes / t / 1e9:.1f}",
+            "-" if "read alone" in name else f"{flops / t / 1e9:.1f}",
+            f"{base / t:.2f}x",
+        ]
         for name, t in best.items()
     ]
-    print(table(["weights", "ms per token", "GB/s read", "speed-up"], rows))
+    print(table(["weights", "ms per pass", "GB/s read", "GFLOP/s", "speed-up"], rows))
 
 
 if __name__ == "__main__":

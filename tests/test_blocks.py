@@ -360,10 +360,12 @@ def test_set_layout_restores_weights_in_place_and_leaves_ties_alone():
         set_layout(model, "cols")
 
 
+@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_compiled_row_product_equals_f_linear(dtype):
-    """The compiled one-vector product of a row-major weight (inductor's own loops over
-    (W * x).sum(-1), accumulated in float32) is as exact as F.linear against float64."""
+def test_linear_compiled_row_product_equals_f_linear(dtype, rows):
+    """The compiled product of a row-major weight with one vector or a few (a batched decode
+    step; inductor's own loops over (W[:, None] * x).sum(-1), accumulated in float32) is as
+    exact as F.linear against float64."""
     from attnlab.nn.linear import Linear, set_layout
 
     torch.manual_seed(0)
@@ -375,7 +377,7 @@ def test_linear_compiled_row_product_equals_f_linear(dtype):
     errors = {"compiled": 0.0, "F.linear": 0.0}
     with torch.no_grad():
         for _ in range(4):
-            x = torch.randn(1, 512).to(dtype)
+            x = torch.randn(rows, 512).to(dtype)
             ref = x.double() @ lin.weight.double().t() + lin.bias.double()
             errors["compiled"] += (f(x).double() - ref).abs().mean().item()
             errors["F.linear"] += (
@@ -436,3 +438,38 @@ def test_linear_compiled_vector_product_is_one_operator():
         )
     ops = " ".join(graphs[-1])
     assert "aten.sum" in ops and not any(k in ops for k in ("mm", "split_vecmat")), graphs[-1]
+
+
+@pytest.mark.parametrize("layout", ["rows", "input"])
+def test_linear_compiled_small_batch_product_is_a_sum_over_rows(layout):
+    """Under torch.compile without gradients a product of a few vectors (a batched decode
+    step, up to ROWS_MATMUL_MAX) with a row-major weight is inductor's sum over W's rows,
+    equal to F.linear; more vectors, an input-major weight or gradients keep F.linear."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from attnlab.nn.linear import ROWS_MATMUL_MAX, Linear, set_layout
+
+    torch.manual_seed(0)
+    lin = Linear(96, 80)
+    torch.nn.init.normal_(lin.bias)
+    set_layout(lin, layout)
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the traced operators, runs them as traced
+        graphs.append(" ".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lin, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=backend))
+    cases = [((3, 1, 96), False), ((2, 4, 96), False), ((ROWS_MATMUL_MAX, 96), False)]
+    cases += [((ROWS_MATMUL_MAX + 1, 96), False), ((3, 96), True)]
+    for shape, grad in cases:
+        x = torch.randn(*shape)
+        with torch.set_grad_enabled(grad):
+            y = f(x)
+        ref = F.linear(x, lin.weight.detach().contiguous(), lin.bias.detach())
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        rows = x.numel() // 96
+        summed = layout == "rows" and not grad and rows <= ROWS_MATMUL_MAX
+        assert ("aten.sum" in graphs[-1]) == summed, (shape, grad, graphs[-1])
+        assert ("mm" in graphs[-1]) == (not summed), (shape, grad, graphs[-1])

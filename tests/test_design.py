@@ -228,6 +228,17 @@ def test_generate_compile_equals_eager_generate(monkeypatch):
 
 
 @pytest.mark.slow
+def test_generate_compile_equals_eager_generate_for_a_padded_batch():
+    """A batch of left-padded prompts: the compiled step's products of a few vectors are
+    inductor's sums over the weight rows (attnlab.nn.linear.rows_matmul); same tokens."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,)).tolist() for n in (9, 4, 6)]
+    assert model.generate(prompts, 12, compile=True) == model.generate(prompts, 12)
+
+
+@pytest.mark.slow
 def test_generate_compile_equals_eager_generate_with_experts():
     torch._dynamo.reset()
     torch.manual_seed(0)
