@@ -11,9 +11,8 @@ layers of qkv, out, gate_up, down, and the 8192 x 512 output head): 108 MB per p
 more than the CPU's caches, as in real decoding.
 
 ``--rows N`` multiplies N vectors at once, as a decode step of a batch of N does: there
-attnlab's eager products are F.linear (MKL; the split product is for one vector), and the
-compiled ones are inductor's loops up to ``ROWS_MATMUL_MAX`` vectors (each row of W read
-once for all of them), F.linear beyond.
+attnlab's products are oneDNN's, eager and compiled (float32 on CPU; the split product and
+the compiled sums are for one vector).
 
     python benchmarks/linear_layout.py [--rows 1] [--repeats 20] [--threads 2]
 """
@@ -61,9 +60,14 @@ def main() -> None:
         "row-major + split product (attnlab)": lambda: [m(x[m.in_features]) for m in ours_rows],
         "row-major, compiled sums (attnlab)": compiled,
     }
-    if args.rows > 1:  # the split products are for one vector: these two are F.linear
+    if args.rows > 1:  # the split products are for one vector: attnlab's Linear is oneDNN's
         del variants["input-major + split product (attnlab)"]
         del variants["row-major + split product (attnlab)"]
+        variants["input-major, oneDNN (attnlab)"] = lambda: [m(x[m.in_features]) for m in ours]
+        # compiled, attnlab's Linear calls oneDNN for several vectors too
+        variants["row-major, compiled oneDNN (attnlab)"] = variants.pop(
+            "row-major, compiled sums (attnlab)"
+        )
         variants["row-major, compiled F.linear (MKL)"] = torch.compile(
             lambda: [F.linear(x[m.in_features], m.weight) for m in ours_rows],
             fullgraph=True,

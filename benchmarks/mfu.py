@@ -5,7 +5,8 @@ Achieved FLOP/s = training FLOPs per token (6 x matmul parameters + 12 x layers 
 heads x head dim: attnlab.analysis.flops_per_token) x tokens/s of attnlab's trainer step
 (``Trainer._train_step``: data, forward, backward, clip, optimizer, and the step's loss and
 gradient norm read back). Peak = the best float32 (and, where the run uses it, bfloat16)
-square matmul.
+square matmul, by MKL or oneDNN, whichever is faster (on an AMD CPU with AVX-512, oneDNN's
+float32 product is over twice MKL's).
 
 Each preset runs eager and, with ``--compile``, also under ``train.compile`` (inductor),
 whose fused element-wise kernels cut the time outside the matmuls. A shared machine's speed
@@ -31,6 +32,7 @@ import torch
 
 from _common import machine, setup_threads, table
 from attnlab.analysis import flops_per_token
+from attnlab.nn.linear import ONEDNN, onednn_mm
 from attnlab.presets import get_run_preset
 from attnlab.training.trainer import Trainer, _StopRequest
 
@@ -44,16 +46,22 @@ def operands(dtype: torch.dtype, n: int = 2048) -> tuple[torch.Tensor, torch.Ten
 
 
 def matmul_flops(dtype: torch.dtype, repeats: int = 3) -> float:
-    """Best FLOP/s of a square matmul; the operands are made once (fresh 16 MB allocations
-    between chunks would disturb the allocator the training steps use)."""
+    """Best FLOP/s of a square matmul, by torch's default kernel (MKL's sgemm in float32)
+    and, in float32, by oneDNN (attnlab's products of several vectors on CPU): the faster
+    is the peak. The operands are made once (fresh 16 MB allocations between chunks would
+    disturb the allocator the training steps use)."""
     a, b = operands(dtype)
     n = a.shape[0]
-    a @ b
+    products = [lambda: a @ b]
+    if dtype == torch.float32 and ONEDNN:
+        products.append(lambda: onednn_mm(a, b))  # a @ b^T: the same FLOPs
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
+    for product in products:
+        product()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
 
 

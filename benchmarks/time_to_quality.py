@@ -2,7 +2,9 @@
 configuration (`nanogpt-cpu`), trained one after the other on the same machine, corpus
 (the embedded Python Language Reference), tokenizer and validation split.
 
-The baseline runs its full schedule (2000 steps). Each variant then gets a budget (its
+The baseline runs its full schedule (2000 steps), its linear layers' products by F.linear
+(MKL's sgemm), as nanoGPT's nn.Linear does; attnlab's runs use its own (oneDNN's in
+float32 on CPU: attnlab.nn.linear). Each variant then gets a budget (its
 schedule fitted to it): `demo` the baseline's wall time, evaluating on the whole
 validation split (each model at its own block size) about 20 times on the way; the "1/4
 budget" (1/5, 1/6, 0.3, 0.35) rows that share of the baseline's training time, evaluations
@@ -28,6 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import attnlab.nn.linear as linear_module
 from _common import machine, setup_threads, table
 from attnlab.presets import get_run_preset
 from attnlab.training import load_checkpoint, train
@@ -84,7 +87,12 @@ def run(preset: str, overrides: dict, out: Path, label: str, eval_every: int, bu
     if DATA_PATH is not None:
         overrides["data.path"] = DATA_PATH
     cfg = get_run_preset(preset).override({**overrides, "train.time_budget": budget})
-    result = train(cfg, out / label, progress=False, overwrite=True)
+    onednn = linear_module.ONEDNN
+    linear_module.ONEDNN = onednn and preset != "nanogpt-cpu"  # the baseline: nn.Linear's
+    try:
+        result = train(cfg, out / label, progress=False, overwrite=True)
+    finally:
+        linear_module.ONEDNN = onednn
     n_params = load_checkpoint(out / label).model.num_parameters()
     return cfg, result, curve(out / label), n_params
 

@@ -8,7 +8,8 @@ Variants: the preset (eager, float32, fused AdamW); torch.compile (inductor) of 
 bf16 autocast; ``train.optimizer=muon`` (torch.optim.Muon for the hidden weight matrices,
 AdamW for embeddings, norms and biases: the split Muon's authors use); ``input-major`` and
 ``compile-input-major``: the weights stored input-major (the eager decoding layout) instead
-of the row-major layout the trainer gives them.
+of the row-major layout the trainer gives them; ``mkl`` and ``compile-mkl``: the linear
+layers' products by F.linear (MKL's sgemm) instead of oneDNN's (``attnlab.nn.linear.ONEDNN``).
 
     python benchmarks/train_levers.py [--steps 300] [--preset demo] [--threads 2]
 """
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+import attnlab.nn.linear as linear_module
 from _common import machine, setup_threads, table
 from attnlab.nn.linear import set_layout
 from attnlab.presets import get_run_preset
@@ -46,7 +48,10 @@ def main() -> None:
         "muon": {"train.optimizer": "muon", "train.lr": 0.01},  # its best of 3e-3, 6e-3, 1e-2
         "input-major": {},
         "compile-input-major": {"train.compile": True},
+        "mkl": {},
+        "compile-mkl": {"train.compile": True},
     }
+    onednn = linear_module.ONEDNN
     runs = {}
     base = {"train.eval_every": 0, "train.time_budget": None, "train.max_steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,7 +63,8 @@ def main() -> None:
             runs[name] = (tr, [tr.optimizer], [], [])
     tc = next(iter(runs.values()))[0].tc
     for step in range(args.steps):
-        for tr, opts, times, losses in runs.values():
+        for name, (tr, opts, times, losses) in runs.items():
+            linear_module.ONEDNN = onednn and not name.endswith("mkl")
             t = time.perf_counter()
             lr = lr_at(step, tr.tc, args.steps)
             for opt in opts:

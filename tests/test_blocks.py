@@ -8,6 +8,7 @@ Shapes: b batch, t length, d d_model.
 from __future__ import annotations
 
 import math
+import unittest.mock
 
 import pytest
 import torch
@@ -363,9 +364,9 @@ def test_set_layout_restores_weights_in_place_and_leaves_ties_alone():
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_compiled_row_product_equals_f_linear(dtype, rows):
-    """The compiled product of a row-major weight with one vector or a few (a batched decode
-    step; inductor's own loops over (W[:, None] * x).sum(-1), accumulated in float32) is as
-    exact as F.linear against float64."""
+    """The compiled product of a row-major weight with one vector (inductor's own loops
+    over (W * x).sum(-1), accumulated in float32) or a few (oneDNN's in float32) is as exact
+    as F.linear against float64."""
     from attnlab.nn.linear import Linear, set_layout
 
     torch.manual_seed(0)
@@ -441,35 +442,46 @@ def test_linear_compiled_vector_product_is_one_operator():
 
 
 @pytest.mark.parametrize("layout", ["rows", "input"])
-def test_linear_compiled_small_batch_product_is_a_sum_over_rows(layout):
-    """Under torch.compile without gradients a product of a few vectors (a batched decode
-    step, up to ROWS_MATMUL_MAX) with a row-major weight is inductor's sum over W's rows,
-    equal to F.linear; more vectors, an input-major weight or gradients keep F.linear."""
-    from torch._dynamo.backends.common import aot_autograd
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_linear_products_of_several_vectors_are_onednn_and_equal_f_linear(layout, bias, compiled):
+    """Products of several float32 vectors on CPU (a batch, a prompt, training) are oneDNN's,
+    eager and compiled (inductor), with and without gradients: outputs and the gradients of
+    input, weight and bias equal F.linear's; one vector keeps its own products, and with
+    ONEDNN off every product is F.linear's."""
+    import attnlab.nn.linear as linear_module
+    from attnlab.nn.linear import Linear, set_layout
 
-    from attnlab.nn.linear import ROWS_MATMUL_MAX, Linear, set_layout
-
+    if not linear_module.ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
     torch.manual_seed(0)
-    lin = Linear(96, 80)
-    torch.nn.init.normal_(lin.bias)
+    lin = Linear(96, 80, bias=bias)
+    if bias:
+        torch.nn.init.normal_(lin.bias)
     set_layout(lin, layout)
-    graphs = []
-
-    def backend(gm, example_inputs):  # records the traced operators, runs them as traced
-        graphs.append(" ".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
-        return gm.forward
-
+    plain = torch.nn.Linear(96, 80, bias=bias)
+    plain.load_state_dict({k: v.contiguous() for k, v in lin.state_dict().items()})
+    calls = []
+    real = linear_module.onednn_linear
+    spy = lambda *a: calls.append(1) or real(*a)  # noqa: E731
     torch._dynamo.reset()
-    f = torch.compile(lin, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=backend))
-    cases = [((3, 1, 96), False), ((2, 4, 96), False), ((ROWS_MATMUL_MAX, 96), False)]
-    cases += [((ROWS_MATMUL_MAX + 1, 96), False), ((3, 96), True)]
-    for shape, grad in cases:
-        x = torch.randn(*shape)
-        with torch.set_grad_enabled(grad):
+    f = torch.compile(lin, fullgraph=True, dynamic=False) if compiled else lin
+    with unittest.mock.patch.object(linear_module, "onednn_linear", spy):
+        for shape in ((2, 7, 96), (5, 96), (1, 96)):
+            x = torch.randn(*shape, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            calls.clear()
             y = f(x)
-        ref = F.linear(x, lin.weight.detach().contiguous(), lin.bias.detach())
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-        rows = x.numel() // 96
-        summed = layout == "rows" and not grad and rows <= ROWS_MATMUL_MAX
-        assert ("aten.sum" in graphs[-1]) == summed, (shape, grad, graphs[-1])
-        assert ("mm" in graphs[-1]) == (not summed), (shape, grad, graphs[-1])
+            ref = plain(x_ref)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+            (y * torch.arange(80.0)).sum().backward()
+            (ref * torch.arange(80.0)).sum().backward()
+            torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+            for p, q in zip(lin.parameters(), plain.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-4)
+                p.grad = q.grad = None
+            assert bool(calls) == (x.numel() > 96), shape
+    with torch.no_grad(), unittest.mock.patch.object(linear_module, "ONEDNN", False):
+        x = torch.randn(5, 96)
+        with unittest.mock.patch.object(linear_module, "onednn_linear", None):
+            torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-5)

@@ -229,8 +229,8 @@ def test_generate_compile_equals_eager_generate(monkeypatch):
 
 @pytest.mark.slow
 def test_generate_compile_equals_eager_generate_for_a_padded_batch():
-    """A batch of left-padded prompts: the compiled step's products of a few vectors are
-    inductor's sums over the weight rows (attnlab.nn.linear.rows_matmul); same tokens."""
+    """A batch of left-padded prompts (the compiled step's products of several vectors are
+    oneDNN's): the same tokens as eager decoding."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()

@@ -24,14 +24,15 @@ The layout survives ``load_state_dict`` (also with ``assign=True``) and the meta
 loaders (they allocate each weight with the strides the module was built with).
 
 The compiled decode step reads the other layout: there a one-vector product of a row-major
-weight is written as a sum over each row, ``(W * x).sum(-1)`` (:func:`rows_matmul`), which
+weight is written as a sum over each row, ``(W * x).sum(-1)`` (:func:`rows_vecmat`), which
 inductor turns into its own vectorised loops that stream the weight in order on every
 thread: about 40 GB/s where MKL's vector products reach 20-30 on a 2-core CPU. So
 ``generate(compile=True)`` re-stores a model's weights row-major once (:func:`set_layout`,
 in place, same values) before compiling; eager one-vector products of row-major weights
-split the output rows between two threads instead. A batched decode step multiplies a few
-vectors (up to ``ROWS_MATMUL_MAX``) the same way, each row of W read once for all of them:
-MKL reads the weights of such small products at about 10 GB/s (it is built for large ones).
+split the output rows between two threads instead.
+
+Products of several vectors (a batch, a prompt, training) in float32 on CPU are oneDNN's
+(:func:`onednn_linear`), eager and compiled, forward and backward: see the note below.
 
 ``python benchmarks/linear_layout.py`` and ``benchmarks/compile_decode.py`` measure them;
 tests compare with ``F.linear``.
@@ -39,9 +40,12 @@ tests compare with ``F.linear``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.flop_counter import register_flop_formula
 
 # Below about 130 thousand weights (512 KB in float32) a second thread's start-up costs more
 # than it saves (measured with benchmarks/linear_layout.py on a 2-core CPU).
@@ -83,33 +87,16 @@ def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return y.reshape(*x.shape[:-1], n_out)  # [first half, second half]
 
 
-# The most vectors a compiled product without gradients multiplies with rows_matmul (more go
-# to F.linear, MKL). benchmarks/linear_layout.py --rows N, the 30M model's 33 weights on a
-# 2-core AVX-512 CPU: 2.9x MKL's speed for 8 vectors, 2.5x for 16, 1.6x for 32 (and still
-# 1.5x for 64-128, where MKL may do better on other CPUs: kept to decode-sized batches).
-ROWS_MATMUL_MAX = 32
-
-
-def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., in) holding n vectors (one, or a few: a batched decode step), weight (out, in)
-    -> (..., out): each row of W times every vector, summed, ``(W[:, None, :] * x).sum(-1)``,
-    in float32 (one rounding per output in lower precision, as F.linear). Written for
-    inductor: the rows of W are the outer loop, split between the threads, so a row-major
-    weight is streamed in order once and each row is reused from cache for the n vectors.
-    Run eagerly it would materialise ``W * x``."""
+def rows_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) holding one vector, weight (out, in) -> (..., out) as a sum over each
+    row of ``W * x``, in float32 (one rounding per output in lower precision, as F.linear).
+    Written for inductor, which fuses it into one vectorised, multi-threaded loop over a
+    row-major weight; run eagerly it would materialise ``W * x``."""
     n_out, n_in = weight.shape
-    xs = x.reshape(1, -1, n_in).float()  # (1, n, in)
-    if xs.shape[1] > 1 and torch.compiler.is_compiling():
-        # Inductor would compute x's producer (a norm, SwiGLU's SiLU) inside the product's
-        # loop, again for every weight: free for one vector, which waits on memory, but it
-        # made 8 vectors 10x slower. The opaque copy makes x a buffer computed once.
-        xs = torch.ops.attnlab.realize(xs)
-    y = (weight.float()[:, None, :] * xs).sum(-1)  # (out, n)
+    y = (weight.float() * x.reshape(1, n_in).float()).sum(-1)
     if bias is not None:
-        y = y + bias.float()[:, None]
-    # (n, out) stored row by row: attention's q, k, v views need a unit last stride for
-    # SDPA's fused kernel (the transposed view traced SDPA's slower unfused maths)
-    return y.t().contiguous().to(x.dtype).reshape(*x.shape[:-1], n_out)
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], n_out)
 
 
 # split_vecmat as one opaque operator for torch.compile: inductor calls it as it is. Traced
@@ -117,7 +104,7 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
 # products the compiled step of a 30M model ran at 1.01x the eager one, with the operator
 # at 1.20x (benchmarks/compile_decode.py --model 30m). An operator for the batched product
 # alone (the views and the sum left to inductor) measured slower: 0.93x the eager step.
-# (Row-major weights with rows_matmul, the compiled step's default since, gave 1.58-1.72x.)
+# (Row-major weights with rows_vecmat, the compiled step's default since, gave 1.58-1.72x.)
 # Registered with torch.library.Library rather than @custom_op: its per-call overhead is
 # about a quarter (~9 us against ~35 us), which counts ~30 times a token.
 def _split_vecmat_fake(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -129,10 +116,78 @@ if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on 
     _LIB.define("split_vecmat(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
     _LIB.impl("split_vecmat", split_vecmat, "CPU")
     torch.library.register_fake("attnlab::split_vecmat", _split_vecmat_fake, lib=_LIB)
-    # a contiguous copy that inductor cannot see into (see rows_matmul)
-    _LIB.define("realize(Tensor x) -> Tensor")
-    _LIB.impl("realize", lambda x: x.contiguous().clone(), "CPU")
-    torch.library.register_fake("attnlab::realize", lambda x: x.new_empty(x.shape), lib=_LIB)
+
+
+# ----------------------------------------------------------------------------- oneDNN
+#
+# Products of several vectors (training, prefill, batched eager decoding) in float32 on CPU
+# go to oneDNN, the library torch ships for its CPU kernels, instead of F.linear's MKL sgemm:
+# on an AMD CPU with AVX-512 MKL runs a slower code path, and oneDNN's float32 products
+# (IEEE float32, no reduced-precision maths) ran 2.0-2.3x faster there, forward and
+# backward, at every size from 2 rows to thousands (benchmarks/linear_layout.py --rows N,
+# benchmarks/train_levers.py). ``ONEDNN = False`` turns it off (F.linear everywhere).
+ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def onednn_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) @ weight (out, in)^T + bias, by oneDNN; any strides (no copies)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _onednn_mm_fake(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# torch's own registration of the oneDNN product serves inductor's frozen (constant) weights
+# only; as attnlab's operator inductor calls it as it is, weights and all.
+if not hasattr(torch.ops.attnlab, "onednn_mm"):
+    _ONEDNN_LIB = torch.library.Library("attnlab", "FRAGMENT")
+    _ONEDNN_LIB.define("onednn_mm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+    _ONEDNN_LIB.impl("onednn_mm", onednn_mm, "CPU")
+    torch.library.register_fake("attnlab::onednn_mm", _onednn_mm_fake, lib=_ONEDNN_LIB)
+
+    @register_flop_formula(torch.ops.attnlab.onednn_mm)
+    def _onednn_mm_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+        """torch.utils.flop_counter counts it as the matrix product it is."""
+        return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x W^T + b with oneDNN products forward and backward: dx = dy W, dW = dy^T x
+    (transposed views, no copies), db = the sum of dy over its rows."""
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return torch.ops.attnlab.onednn_mm(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (rows, out)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.attnlab.onednn_mm(dy, weight.t())  # (..., in)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.attnlab.onednn_mm(dy2.t(), x.reshape(-1, x.shape[-1]).t())  # (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear by oneDNN (float32 CPU tensors), differentiable."""
+    needs_grad = (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if torch.is_grad_enabled() and needs_grad:
+        return _OneDNNLinear.apply(x, weight, bias)
+    return torch.ops.attnlab.onednn_mm(x, weight, bias)
 
 
 def can_split(weight: Tensor) -> bool:
@@ -200,6 +255,8 @@ class Linear(nn.Linear):
                     return torch.ops.attnlab.split_vecmat(x, w, self.bias)
                 # Inductor's own loops over the rows, whatever the size (a small weight as
                 # an MKL call, F.linear, slowed a 5M model's step down by about a tenth)
-                if w.is_contiguous() and rows <= ROWS_MATMUL_MAX:
-                    return rows_matmul(x, w, self.bias)
+                if w.is_contiguous() and rows == 1:
+                    return rows_vecmat(x, w, self.bias)
+            if ONEDNN and rows > 1 and x.dtype == w.dtype == torch.float32:
+                return onednn_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
