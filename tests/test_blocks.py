@@ -481,6 +481,10 @@ def test_linear_products_of_several_vectors_are_onednn_and_equal_f_linear(layout
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-4)
                 p.grad = q.grad = None
             assert bool(calls) == (x.numel() > 96), shape
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's products stay F.linear's
+        x = torch.randn(5, 96)
+        assert lin(x).dtype == plain(x).dtype == torch.bfloat16
+        torch.testing.assert_close(lin(x), plain(x), rtol=0, atol=0)
     with torch.no_grad(), unittest.mock.patch.object(linear_module, "ONEDNN", False):
         x = torch.randn(5, 96)
         with unittest.mock.patch.object(linear_module, "onednn_linear", None):

@@ -258,5 +258,6 @@ class Linear(nn.Linear):
                 if w.is_contiguous() and rows == 1:
                     return rows_vecmat(x, w, self.bias)
             if ONEDNN and rows > 1 and x.dtype == w.dtype == torch.float32:
-                return onednn_linear(x, w, self.bias)
+                if not torch.is_autocast_enabled("cpu"):  # (autocast: F.linear's bf16)
+                    return onednn_linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
