@@ -7,7 +7,7 @@ The baseline runs its full schedule (2000 steps), its linear layers' products by
 float32 on CPU: attnlab.nn.linear). Each variant then gets a budget (its
 schedule fitted to it): `demo` the baseline's wall time, evaluating on the whole
 validation split (each model at its own block size) about 20 times on the way; the "1/4
-budget" (1/5, 1/6, 0.3, 0.35) rows that share of the baseline's training time, evaluations
+budget" (1/5 to 1/8, 0.3, 0.35) rows that share of the baseline's training time, evaluations
 excluded (the schedule a user picks to finish fast), and evaluate once, at the end (the
 trainer keeps room in the budget for that evaluation, so they train a few percent less
 than the share). `quick` is the 2-layer preset shaped for such budgets. Reported: the
@@ -120,6 +120,8 @@ VARIANTS = {
     "quick, 1/4 budget": ("quick", {}, 0.25),
     "quick, 1/5 budget": ("quick", {}, 0.2),
     "quick, 1/6 budget": ("quick", {}, 1 / 6),
+    "quick, 1/7 budget": ("quick", {}, 1 / 7),
+    "quick, 1/8 budget": ("quick", {}, 1 / 8),
     "quick, 0.3 budget": ("quick", {}, 0.3),
     "quick, 0.35 budget": ("quick", {}, 0.35),
 }

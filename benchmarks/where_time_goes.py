@@ -37,6 +37,7 @@ from attnlab.generation import _compiled_step
 from attnlab.presets import get_run_preset, llama_30m
 
 MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::mv", "aten::addmv"}
+MATMUL_OPS |= {"attnlab::onednn_mm", "mkldnn::_linear_pointwise"}  # attnlab's float32 products
 ATTENTION_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
