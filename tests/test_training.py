@@ -199,6 +199,29 @@ def test_weights_train_row_major_and_match_input_major_training(dataset, tmp_pat
     )
 
 
+def test_training_with_onednn_products_matches_f_linear(dataset, tmp_path, monkeypatch):
+    """Six steps whose products are oneDNN's (float32 on CPU, the default where torch has
+    oneDNN) end at the weights of six steps with F.linear's (MKL's) products."""
+    import attnlab.nn.linear as linear_module
+    from attnlab.training.trainer import Trainer
+
+    if not linear_module.ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
+    cfg = tiny_run(max_steps=6)
+    calls = []
+    real = linear_module.onednn_linear
+    monkeypatch.setattr(linear_module, "onednn_linear", lambda *a: calls.append(1) or real(*a))
+    Trainer(cfg, tmp_path / "onednn", progress=False, dataset=dataset).run()
+    assert calls  # the products were oneDNN's
+    monkeypatch.setattr(linear_module, "ONEDNN", False)
+    calls.clear()
+    Trainer(cfg, tmp_path / "mkl", progress=False, dataset=dataset).run()
+    assert not calls
+    assert_weights_close(
+        final_weights(tmp_path / "onednn"), final_weights(tmp_path / "mkl"), tol=1e-5
+    )
+
+
 def test_evaluate_is_token_weighted(dataset):
     torch.manual_seed(0)
     model = build_model(tiny_run().model.override({"vocab_size": dataset.tokenizer.vocab_size}))
