@@ -1,4 +1,5 @@
-"""Linear layer tuned for single-token decoding on CPU.
+"""Linear layer tuned for single-token decoding on CPU, with oneDNN's float32 products for
+several tokens.
 
 Decoding multiplies one token's vector by every weight matrix: a memory-bound vector-matrix
 product whose speed is the memory bandwidth it reaches. Two changes from ``nn.Linear``, both
@@ -120,17 +121,19 @@ if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on 
 
 # ----------------------------------------------------------------------------- oneDNN
 #
-# Products of several vectors (training, prefill, batched eager decoding) in float32 on CPU
-# go to oneDNN, the library torch ships for its CPU kernels, instead of F.linear's MKL sgemm:
-# on an AMD CPU with AVX-512 MKL runs a slower code path, and oneDNN's float32 products
-# (IEEE float32, no reduced-precision maths) ran 2.0-2.3x faster there, forward and
-# backward, at every size from 2 rows to thousands (benchmarks/linear_layout.py --rows N,
-# benchmarks/train_levers.py). ``ONEDNN = False`` turns it off (F.linear everywhere).
+# Products of several vectors (training, prefill, batched decoding, eager or compiled) in
+# float32 on CPU go to oneDNN, the library torch ships for its CPU kernels, instead of
+# F.linear's MKL sgemm: on an AMD CPU with AVX-512 MKL runs a slower code path, and oneDNN's
+# float32 products (IEEE float32, no reduced-precision maths) ran 1.6x faster there for 8
+# vectors and 2.2-2.3x for large products; weight gradients 1.1-2x, oneDNN copying their
+# transposed operands first (benchmarks/linear_layout.py --rows N, mfu.py, train_levers.py:
+# the compiled demo training step 1.3x). ``ONEDNN = False`` turns it off (F.linear).
 ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def onednn_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., in) @ weight (out, in)^T + bias, by oneDNN; any strides (no copies)."""
+    """x (..., in) @ weight (out, in)^T + bias, by oneDNN (any strides: non-contiguous
+    operands are copied first)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -154,7 +157,7 @@ if not hasattr(torch.ops.attnlab, "onednn_mm"):
 
 class _OneDNNLinear(torch.autograd.Function):
     """y = x W^T + b with oneDNN products forward and backward: dx = dy W, dW = dy^T x
-    (transposed views, no copies), db = the sum of dy over its rows."""
+    (transposed views), db = the sum of dy over its rows."""
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
