@@ -11,8 +11,8 @@ layers of qkv, out, gate_up, down, and the 8192 x 512 output head): 108 MB per p
 more than the CPU's caches, as in real decoding.
 
 ``--rows N`` multiplies N vectors at once, as a decode step of a batch of N does: there
-attnlab's products are oneDNN's, eager and compiled (float32 on CPU; the split product and
-the compiled sums are for one vector).
+attnlab's products are oneDNN's (float32 on CPU; the split product is for one vector),
+compiled too beyond ``ROWS_MATMUL_MAX`` vectors (up to it, the compiled sums over the rows).
 
     python benchmarks/linear_layout.py [--rows 1] [--repeats 20] [--threads 2]
 """
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import copy_bandwidth, machine, setup_threads, table
-from attnlab.nn.linear import Linear, set_layout
+from attnlab.nn.linear import ROWS_MATMUL_MAX, Linear, set_layout
 
 SHAPES = [(768, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(8192, 512)]
 
@@ -64,10 +64,10 @@ def main() -> None:
         del variants["input-major + split product (attnlab)"]
         del variants["row-major + split product (attnlab)"]
         variants["input-major, oneDNN (attnlab)"] = lambda: [m(x[m.in_features]) for m in ours]
-        # compiled, attnlab's Linear calls oneDNN for several vectors too
-        variants["row-major, compiled oneDNN (attnlab)"] = variants.pop(
-            "row-major, compiled sums (attnlab)"
-        )
+        if args.rows > ROWS_MATMUL_MAX:  # compiled, more vectors are oneDNN's too
+            variants["row-major, compiled oneDNN (attnlab)"] = variants.pop(
+                "row-major, compiled sums (attnlab)"
+            )
         variants["row-major, compiled F.linear (MKL)"] = torch.compile(
             lambda: [F.linear(x[m.in_features], m.weight) for m in ours_rows],
             fullgraph=True,

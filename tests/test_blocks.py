@@ -361,12 +361,12 @@ def test_set_layout_restores_weights_in_place_and_leaves_ties_alone():
         set_layout(model, "cols")
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_compiled_row_product_equals_f_linear(dtype, rows):
-    """The compiled product of a row-major weight with one vector (inductor's own loops
-    over (W * x).sum(-1), accumulated in float32) or a few (oneDNN's in float32) is as exact
-    as F.linear against float64."""
+    """The compiled product of a row-major weight with one vector or a few (inductor's own
+    loops over (W[:, None] * x).sum(-1), accumulated in float32), or more (oneDNN's in
+    float32, F.linear's in bfloat16), is as exact as F.linear against float64."""
     from attnlab.nn.linear import Linear, set_layout
 
     torch.manual_seed(0)
@@ -439,6 +439,42 @@ def test_linear_compiled_vector_product_is_one_operator():
         )
     ops = " ".join(graphs[-1])
     assert "aten.sum" in ops and not any(k in ops for k in ("mm", "split_vecmat")), graphs[-1]
+
+
+def test_linear_compiled_small_batch_product_is_a_sum_over_rows():
+    """Under torch.compile without gradients a product of a few vectors (a small batch's
+    decode step, up to ROWS_MATMUL_MAX) with a row-major weight is inductor's sum over W's
+    rows, equal to F.linear; more vectors, or gradients, are oneDNN's product (F.linear's
+    without oneDNN)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    import attnlab.nn.linear as linear_module
+    from attnlab.nn.linear import ROWS_MATMUL_MAX, Linear, set_layout
+
+    torch.manual_seed(0)
+    lin = Linear(96, 80)
+    torch.nn.init.normal_(lin.bias)
+    set_layout(lin, "rows")
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the traced operators, runs them as traced
+        graphs.append(" ".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lin, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=backend))
+    cases = [((2, 1, 96), False), ((ROWS_MATMUL_MAX, 1, 96), False)]
+    cases += [((ROWS_MATMUL_MAX + 1, 96), False), ((3, 96), True)]
+    for shape, grad in cases:
+        x = torch.randn(*shape)
+        with torch.set_grad_enabled(grad):
+            y = f(x)
+        ref = F.linear(x, lin.weight.detach(), lin.bias.detach())
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        summed = not grad and x.numel() // 96 <= ROWS_MATMUL_MAX
+        product = "onednn_mm" if linear_module.ONEDNN else "mm"
+        assert ("aten.sum" in graphs[-1]) == summed, (shape, grad, graphs[-1])
+        assert (product in graphs[-1]) == (not summed), (shape, grad, graphs[-1])
 
 
 @pytest.mark.parametrize("layout", ["rows", "input"])

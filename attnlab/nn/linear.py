@@ -25,12 +25,13 @@ The layout survives ``load_state_dict`` (also with ``assign=True``) and the meta
 loaders (they allocate each weight with the strides the module was built with).
 
 The compiled decode step reads the other layout: there a one-vector product of a row-major
-weight is written as a sum over each row, ``(W * x).sum(-1)`` (:func:`rows_vecmat`), which
+weight is written as a sum over each row, ``(W * x).sum(-1)`` (:func:`rows_matmul`), which
 inductor turns into its own vectorised loops that stream the weight in order on every
 thread: about 40 GB/s where MKL's vector products reach 20-30 on a 2-core CPU. So
 ``generate(compile=True)`` re-stores a model's weights row-major once (:func:`set_layout`,
 in place, same values) before compiling; eager one-vector products of row-major weights
-split the output rows between two threads instead.
+split the output rows between two threads instead. A compiled decode step of a small batch
+(up to ``ROWS_MATMUL_MAX`` rows) multiplies its few vectors the same way.
 
 Products of several vectors (a batch, a prompt, training) in float32 on CPU are oneDNN's
 (:func:`onednn_linear`), eager and compiled, forward and backward: see the note below.
@@ -88,16 +89,33 @@ def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return y.reshape(*x.shape[:-1], n_out)  # [first half, second half]
 
 
-def rows_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., in) holding one vector, weight (out, in) -> (..., out) as a sum over each
-    row of ``W * x``, in float32 (one rounding per output in lower precision, as F.linear).
-    Written for inductor, which fuses it into one vectorised, multi-threaded loop over a
-    row-major weight; run eagerly it would materialise ``W * x``."""
+# The most vectors a compiled product without gradients multiplies with rows_matmul (more go
+# to oneDNN). `benchmarks/throughput.py --batches 2 4 8 16` with 4 and with 1 (oneDNN from
+# two vectors on), compiled decoding of the 30M model: 569 against 400 tok/s at batch 2,
+# 947 against 643 at batch 4; at batch 8 rows_matmul only equalled oneDNN, at 16 it lost.
+ROWS_MATMUL_MAX = 4
+
+
+def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) holding n vectors (one, or a few: a small batch's decode step), weight
+    (out, in) -> (..., out): each row of W times every vector, summed,
+    ``(W[:, None, :] * x).sum(-1)``, in float32 (one rounding per output in lower precision,
+    as F.linear). Written for inductor: the rows of W are the outer loop, split between the
+    threads, so a row-major weight is streamed in order once and each row is reused from
+    cache for the n vectors. Run eagerly it would materialise ``W * x``."""
     n_out, n_in = weight.shape
-    y = (weight.float() * x.reshape(1, n_in).float()).sum(-1)
+    xs = x.reshape(1, -1, n_in).float()  # (1, n, in)
+    if xs.shape[1] > 1 and torch.compiler.is_compiling():
+        # Inductor would compute x's producer (a norm, SwiGLU's SiLU) inside the product's
+        # loop, again for every weight: free for one vector, which waits on memory, but it
+        # made 8 vectors 10x slower. The opaque copy makes x a buffer computed once.
+        xs = torch.ops.attnlab.realize(xs)
+    y = (weight.float()[:, None, :] * xs).sum(-1)  # (out, n)
     if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], n_out)
+        y = y + bias.float()[:, None]
+    # (n, out) stored row by row: attention's q, k, v views need a unit last stride for
+    # SDPA's fused kernel (the transposed view traced SDPA's slower unfused maths)
+    return y.t().contiguous().to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 # split_vecmat as one opaque operator for torch.compile: inductor calls it as it is. Traced
@@ -105,7 +123,7 @@ def rows_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
 # products the compiled step of a 30M model ran at 1.01x the eager one, with the operator
 # at 1.20x (benchmarks/compile_decode.py --model 30m). An operator for the batched product
 # alone (the views and the sum left to inductor) measured slower: 0.93x the eager step.
-# (Row-major weights with rows_vecmat, the compiled step's default since, gave 1.58-1.72x.)
+# (Row-major weights with rows_matmul, the compiled step's default since, gave 1.58-1.72x.)
 # Registered with torch.library.Library rather than @custom_op: its per-call overhead is
 # about a quarter (~9 us against ~35 us), which counts ~30 times a token.
 def _split_vecmat_fake(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -117,6 +135,10 @@ if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on 
     _LIB.define("split_vecmat(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
     _LIB.impl("split_vecmat", split_vecmat, "CPU")
     torch.library.register_fake("attnlab::split_vecmat", _split_vecmat_fake, lib=_LIB)
+    # a contiguous copy that inductor cannot see into (see rows_matmul)
+    _LIB.define("realize(Tensor x) -> Tensor")
+    _LIB.impl("realize", lambda x: x.contiguous().clone(), "CPU")
+    torch.library.register_fake("attnlab::realize", lambda x: x.new_empty(x.shape), lib=_LIB)
 
 
 # ----------------------------------------------------------------------------- oneDNN
@@ -265,8 +287,8 @@ class Linear(nn.Linear):
                     return torch.ops.attnlab.split_vecmat(x, w, self.bias)
                 # Inductor's own loops over the rows, whatever the size (a small weight as
                 # an MKL call, F.linear, slowed a 5M model's step down by about a tenth)
-                if w.is_contiguous() and rows == 1:
-                    return rows_vecmat(x, w, self.bias)
+                if w.is_contiguous() and rows <= ROWS_MATMUL_MAX:
+                    return rows_matmul(x, w, self.bias)
             if ONEDNN and rows > 1 and x.dtype == w.dtype == torch.float32:
                 if not torch.is_autocast_enabled("cpu"):  # (autocast: F.linear's bf16)
                     return onednn_linear(x, w, self.bias)
