@@ -33,8 +33,9 @@ in place, same values) before compiling; eager one-vector products of row-major 
 split the output rows between two threads instead. A compiled decode step of a small batch
 (up to ``ROWS_MATMUL_MAX`` rows) multiplies its few vectors the same way.
 
-Products of several vectors (a batch, a prompt, training) in float32 on CPU are oneDNN's
-(:func:`onednn_linear`), eager and compiled, forward and backward: see the note below.
+Other products of several vectors (a batch, a prompt, training) in float32 on CPU are
+oneDNN's (:func:`onednn_linear`), eager and compiled, forward and backward: see the note
+below.
 
 ``python benchmarks/linear_layout.py`` and ``benchmarks/compile_decode.py`` measure them;
 tests compare with ``F.linear``.
@@ -143,8 +144,9 @@ if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on 
 
 # ----------------------------------------------------------------------------- oneDNN
 #
-# Products of several vectors (training, prefill, batched decoding, eager or compiled) in
-# float32 on CPU go to oneDNN, the library torch ships for its CPU kernels, instead of
+# Products of several vectors (training, prefill, batched decoding: compiled, from
+# ROWS_MATMUL_MAX + 1 rows) in float32 on CPU go to oneDNN, the library torch ships for its
+# CPU kernels, instead of
 # F.linear's MKL sgemm: on an AMD CPU with AVX-512 MKL runs a slower code path, and oneDNN's
 # float32 products (IEEE float32, no reduced-precision maths) ran 1.6x faster there for 8
 # vectors and 2.2-2.3x for 512 (benchmarks/linear_layout.py --rows N); weight gradients
