@@ -144,14 +144,13 @@ if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on 
 
 # ----------------------------------------------------------------------------- oneDNN
 #
-# Products of several vectors (training, prefill, batched decoding: compiled, from
+# Products of several vectors (training, prefill, batched decoding; compiled, from
 # ROWS_MATMUL_MAX + 1 rows) in float32 on CPU go to oneDNN, the library torch ships for its
-# CPU kernels, instead of
-# F.linear's MKL sgemm: on an AMD CPU with AVX-512 MKL runs a slower code path, and oneDNN's
-# float32 products (IEEE float32, no reduced-precision maths) ran 1.6x faster there for 8
-# vectors and 2.2-2.3x for 512 (benchmarks/linear_layout.py --rows N); weight gradients
-# gain less, oneDNN copying their transposed operands first (the compiled demo training
-# step: 1.3x, train_levers.py). ``ONEDNN = False`` turns it off (F.linear everywhere).
+# CPU kernels, instead of F.linear's MKL sgemm: on an AMD CPU with AVX-512 MKL runs a slower
+# code path, and oneDNN's float32 products (IEEE float32, no reduced-precision maths) ran
+# 1.6x faster there for 8 vectors and 2.2-2.3x for 512 (benchmarks/linear_layout.py
+# --rows N); the demo's training step 1.2x eagerly and 1.46x compiled (train_levers.py).
+# ``ONEDNN = False`` turns it off (F.linear everywhere).
 ONEDNN = torch.backends.mkldnn.is_available()
 
 
