@@ -10,6 +10,7 @@ per batch size before timing; ``--no-compile`` skips it); transformers with ``ge
 agree.
 
     python benchmarks/throughput.py [--repeats 3] [--threads 2] [--no-compile]
+        [--batches 1 8 32] [--prefill 512 2048] [--rows-matmul-max N]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import torch
 from vs_transformers import build_pair
 
+import attnlab.nn.linear as linear_module
 from _common import machine, setup_threads, table
 
 
@@ -42,8 +44,17 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled decode step")
+    ap.add_argument(
+        "--rows-matmul-max",
+        type=int,
+        default=None,
+        help="compiled step: products of up to this many vectors as sums over the weight rows, "
+        "more by oneDNN (default: attnlab.nn.linear.ROWS_MATMUL_MAX)",
+    )
     args = ap.parse_args()
     setup_threads(args.threads)
+    if args.rows_matmul_max is not None:
+        linear_module.ROWS_MATMUL_MAX = args.rows_matmul_max
     hf, ours = build_pair()
     ours_compiled = copy.deepcopy(ours)  # compiling re-stores its weights row-major; ours stays
     vocab, n = hf.config.vocab_size, args.new_tokens

@@ -229,8 +229,9 @@ def test_generate_compile_equals_eager_generate(monkeypatch):
 
 @pytest.mark.slow
 def test_generate_compile_equals_eager_generate_for_a_padded_batch():
-    """A batch of left-padded prompts (the compiled step's products of several vectors are
-    oneDNN's): the same tokens as eager decoding."""
+    """A batch of three left-padded prompts (the compiled step's products of three vectors
+    are sums over the weight rows, attnlab.nn.linear.rows_matmul): the same tokens as eager
+    decoding."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()

@@ -91,9 +91,10 @@ def split_vecmat(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
 
 
 # The most vectors a compiled product without gradients multiplies with rows_matmul (more go
-# to oneDNN). `benchmarks/throughput.py --batches 2 4 8 16` with 4 and with 1 (oneDNN from
-# two vectors on), compiled decoding of the 30M model: 569 against 400 tok/s at batch 2,
-# 947 against 643 at batch 4; at batch 8 rows_matmul only equalled oneDNN, at 16 it lost.
+# to oneDNN). `benchmarks/throughput.py --batches 2 4 8 16 --rows-matmul-max 4` and `... 1`
+# (oneDNN from two vectors on), compiled decoding of the 30M model: 569 against 400 tok/s at
+# batch 2, 947 against 643 at batch 4; at batch 8 rows_matmul only equalled oneDNN, at 16 it
+# lost.
 ROWS_MATMUL_MAX = 4
 
 
@@ -138,7 +139,7 @@ if not hasattr(torch.ops.attnlab, "split_vecmat"):  # once per process (also on 
     torch.library.register_fake("attnlab::split_vecmat", _split_vecmat_fake, lib=_LIB)
     # a contiguous copy that inductor cannot see into (see rows_matmul)
     _LIB.define("realize(Tensor x) -> Tensor")
-    _LIB.impl("realize", lambda x: x.contiguous().clone(), "CPU")
+    _LIB.impl("realize", lambda x: x.clone(memory_format=torch.contiguous_format), "CPU")
     torch.library.register_fake("attnlab::realize", lambda x: x.new_empty(x.shape), lib=_LIB)
 
 
