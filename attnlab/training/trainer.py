@@ -70,6 +70,7 @@ from attnlab.config import AttentionConfig, RunConfig
 from attnlab.models import build_model
 from attnlab.nn.linear import set_layout
 from attnlab.tasks import Task, eval_mode, get_task
+from attnlab.training.allocator import keep_freed_memory
 from attnlab.training.checkpoint import (
     CHECKPOINT_FILES,
     Checkpoint,
@@ -441,6 +442,8 @@ class Trainer:
         device = resolve_device(cfg.train.device, cuda_available=torch.cuda.is_available())
         check_memory(cfg.model, device)  # before building or allocating anything
         self.dist, self.device = _setup_distributed(cfg.train.device)
+        if self.device.type == "cpu" and cfg.train.keep_freed_memory:
+            keep_freed_memory()  # without it each step page-faults its memory back in
 
         cfg = _copy_config(cfg)
         if max_steps is not None:
