@@ -145,3 +145,41 @@ def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatc
     capsys.readouterr()
     assert main(["eval", "--ckpt", str(tmp_path / "run"), "--max-batches", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
+    gen = ["generate", "--ckpt", str(tmp_path / "run"), "--prompt", "def f"]
+    assert main([*gen, "--max-new-tokens", "40"]) == 0  # past max_seq_len (32): the memory
+    assert capsys.readouterr().out.startswith("def f")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_greedy_generation_with_memory_equals_full_passes(placement):
+    """While the memory holds every earlier token, each new token (one-token segments)
+    is the argmax of one forward pass over the whole sequence."""
+    model = tiny(mem_len=64, norm=NormConfig(placement=placement)).eval()
+    prompt = torch.randint(0, 40, (9,)).tolist()
+    got = model.generate(prompt, 30)
+    ids = list(prompt)
+    for _ in range(30):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert got == ids[len(prompt) :]
+    assert model.generate([prompt, prompt[:4]], 30)[0] == got  # rows keep their own memory
+    # a prompt longer than max_seq_len is read in segments of it, the memory carried
+    model = tiny(mem_len=64, norm=NormConfig(placement=placement), max_seq_len=16).eval()
+    long_prompt = torch.randint(0, 40, (60,)).tolist()
+    first = model(torch.tensor([long_prompt])).logits[0, -1].argmax()
+    assert model.generate(long_prompt, 1) == [int(first)]
+
+
+def test_generation_options_and_errors():
+    model = tiny(mem_len=8).train()  # dropout 0: the same tokens in either mode
+    prompt = [1, 2, 3]
+    a = model.generate(prompt, 12, temperature=1.0, top_k=5, seed=3)
+    assert a == model.generate(prompt, 12, temperature=1.0, top_k=5, seed=3) and len(a) == 12
+    greedy = model.generate(prompt, 12)
+    stop = greedy[4]
+    assert model.generate(prompt, 12, stop_tokens=[stop]) == greedy[: greedy.index(stop)]
+    assert model.training  # the mode it was in
+    with pytest.raises(ValueError, match="use_cache=True"):
+        model.stream(prompt, 4, use_cache=False)
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 40\)"):
+        model.stream([99], 4)

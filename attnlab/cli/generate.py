@@ -216,7 +216,14 @@ def run(args: argparse.Namespace) -> int:
         shown, ids = encode_prompt(
             require_tokenizer(tokenizer, args.ckpt, alternatives), args.prompt
         )
-    ids, max_new_tokens = plan_length(ids, args.max_new_tokens, cfg.max_seq_len, args.overflow)
+    if getattr(model, "unbounded_context", False):  # Transformer-XL: its memory carries on
+        max_new_tokens = args.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        if args.num_beams > 1:
+            raise CLIError(f"--num-beams: beam search needs a decoder checkpoint ({cfg.arch})")
+    else:
+        ids, max_new_tokens = plan_length(ids, args.max_new_tokens, cfg.max_seq_len, args.overflow)
     options = dict(
         temperature=args.temperature,
         top_k=args.top_k,

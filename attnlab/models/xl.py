@@ -175,6 +175,98 @@ class TransformerXL(nn.Module):
         p = self.tok_emb.weight
         return [p.new_zeros(batch, 0, self.cfg.d_model) for _ in self.blocks]
 
+    # Generation reads the prompt in segments of max_seq_len, then one token per segment,
+    # the memory carried all along: each new token sees its own segment and mem_len hidden
+    # states per layer (more through the layers), however long the stream grows.
+    unbounded_context = True  # no max_seq_len window: the CLI plans no slide
+
+    def stream(
+        self,
+        prompts,
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        stop_tokens=None,
+        use_cache: bool = True,
+        compile: bool | str = False,
+        overflow: str = "slide",
+    ):
+        """Yield new tokens as :meth:`DecoderLM.stream` does (an int per step for one prompt,
+        a list with an int or None per row for a batch), decoding with the segment memory.
+        The memory is this model's cache (``use_cache=False`` is refused) and its steps run
+        eagerly (``compile`` is accepted and ignored); ``overflow`` does not apply."""
+        from attnlab.generation import _as_batch, check_sampling
+
+        check_sampling(temperature, top_k, top_p)
+        if not use_cache:
+            raise ValueError("Transformer-XL decodes with its segment memory: use_cache=True")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        rows, single = _as_batch(prompts)
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("every prompt needs at least one token")
+        if any(not 0 <= tok < self.cfg.vocab_size for r in rows for tok in r):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=self.tok_emb.weight.device).manual_seed(seed)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        return self._stream(rows, single, max_new_tokens, sampling, set(stop_tokens or ()))
+
+    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
+        """The new tokens of :meth:`stream`: a list for one prompt, a list of lists for a
+        batch (each row ends before its first stop token)."""
+        steps = list(self.stream(prompts, max_new_tokens, **kwargs))
+        if not steps or isinstance(steps[0], int):
+            return steps
+        return [[s[i] for s in steps if s[i] is not None] for i in range(len(steps[0]))]
+
+    @torch.inference_mode()
+    def _stream(self, rows, single, max_new_tokens, sampling, stops):
+        from attnlab.generation import sample_next
+
+        was_training = self.training
+        self.eval()
+        try:
+            device, seg = self.tok_emb.weight.device, self.cfg.max_seq_len
+            # rows of different lengths keep their own memory: each row is a batch of one
+            state = []  # per row: (memory, logits of its last position)
+            for r in rows:
+                ids, mem = torch.tensor([r], device=device), None
+                for start in range(0, len(r), seg):
+                    out = self(ids[:, start : start + seg], memory=mem, last_only=True)
+                    mem = out.memory
+                state.append([mem, out.logits[:, -1]])
+            live = [True] * len(rows)
+            for n in range(max_new_tokens):
+                step: list[int | None] = []
+                for i, (mem, logits) in enumerate(state):
+                    if not live[i]:
+                        step.append(None)
+                        continue
+                    token = int(sample_next(logits, **sampling))
+                    if token in stops:
+                        live[i] = False
+                        step.append(None)
+                        continue
+                    if n + 1 < max_new_tokens:  # the next token's logits
+                        out = self(torch.tensor([[token]], device=device), memory=mem)
+                        state[i] = [out.memory, out.logits[:, -1]]
+                    step.append(token)
+                if not any(live):
+                    return
+                if single:
+                    if step[0] is None:
+                        return
+                    yield step[0]
+                else:
+                    yield step
+        finally:
+            self.train(was_training)
+
 
 @torch.no_grad()
 def xl_loss_sums(
