@@ -81,6 +81,24 @@ def _as_batch(prompts: Prompts) -> tuple[list[list[int]], bool]:
     raise ValueError("prompts must be a list of token ids, a list of such lists, or a tensor")
 
 
+def check_request(
+    model, prompts: Prompts, max_new_tokens: int, seed: int | None, generator
+) -> tuple[list[list[int]], bool, torch.Generator | None]:
+    """The checks every language model's ``stream`` makes of its request: (prompt rows,
+    whether one prompt was given, the generator ``seed`` makes when none is given)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    rows, single = _as_batch(prompts)
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token")
+    vocab = model.cfg.vocab_size
+    if any(not 0 <= tok < vocab for r in rows for tok in r):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
+    return rows, single, generator
+
+
 def stream(
     model: DecoderLM,
     prompts: Prompts,
@@ -132,14 +150,7 @@ def stream(
             "overflow='roll' decodes with a rolling cache: it needs use_cache=True and relative "
             f"positions (rope or none); this model uses {model.cfg.position.kind!r} positions"
         )
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    rows, single = _as_batch(prompts)
-    if any(len(r) == 0 for r in rows):
-        raise ValueError("every prompt needs at least one token")
-    vocab = model.cfg.vocab_size
-    if any(not 0 <= tok < vocab for r in rows for tok in r):
-        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    rows, single, generator = check_request(model, prompts, max_new_tokens, seed, generator)
     limit = model.cfg.max_seq_len
     if any(len(r) > limit for r in rows):
         warnings.warn(
@@ -156,8 +167,6 @@ def stream(
             f"slides to its last {limit - limit // 2} tokens",
             stacklevel=2,
         )
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long)
     fallback = compile == "auto"
     if compile == "auto":

@@ -199,20 +199,12 @@ class TransformerXL(nn.Module):
         a list with an int or None per row for a batch), decoding with the segment memory.
         The memory is this model's cache (``use_cache=False`` is refused) and its steps run
         eagerly (``compile`` is accepted and ignored); ``overflow`` does not apply."""
-        from attnlab.generation import _as_batch, check_sampling
+        from attnlab.generation import check_request, check_sampling
 
         check_sampling(temperature, top_k, top_p)
         if not use_cache:
             raise ValueError("Transformer-XL decodes with its segment memory: use_cache=True")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        rows, single = _as_batch(prompts)
-        if any(len(r) == 0 for r in rows):
-            raise ValueError("every prompt needs at least one token")
-        if any(not 0 <= tok < self.cfg.vocab_size for r in rows for tok in r):
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=self.tok_emb.weight.device).manual_seed(seed)
+        rows, single, generator = check_request(self, prompts, max_new_tokens, seed, generator)
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         return self._stream(rows, single, max_new_tokens, sampling, set(stop_tokens or ()))
 
