@@ -179,6 +179,8 @@ def test_generation_options_and_errors():
     stop = greedy[4]
     assert model.generate(prompt, 12, stop_tokens=[stop]) == greedy[: greedy.index(stop)]
     assert model.training  # the mode it was in
+    with pytest.raises(ValueError, match="overflow one of slide, roll, stop"):
+        model.stream(prompt, 4, overflow="wrap")
     with pytest.raises(ValueError, match="use_cache=True"):
         model.stream(prompt, 4, use_cache=False)
     with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 40\)"):

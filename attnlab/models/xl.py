@@ -199,9 +199,14 @@ class TransformerXL(nn.Module):
         a list with an int or None per row for a batch), decoding with the segment memory.
         The memory is this model's cache (``use_cache=False`` is refused) and its steps run
         eagerly (``compile`` is accepted and ignored); ``overflow`` does not apply."""
-        from attnlab.generation import check_request, check_sampling
+        from attnlab.generation import OVERFLOW_MODES, check_request, check_sampling
 
         check_sampling(temperature, top_k, top_p)
+        if compile not in (True, False, "auto") or overflow not in OVERFLOW_MODES:
+            raise ValueError(
+                f"compile must be True, False or 'auto' (got {compile!r}) and overflow one of "
+                f"{', '.join(OVERFLOW_MODES)} (got {overflow!r})"
+            )
         if not use_cache:
             raise ValueError("Transformer-XL decodes with its segment memory: use_cache=True")
         rows, single, generator = check_request(self, prompts, max_new_tokens, seed, generator)
@@ -250,12 +255,7 @@ class TransformerXL(nn.Module):
                     step.append(token)
                 if not any(live):
                     return
-                if single:
-                    if step[0] is None:
-                        return
-                    yield step[0]
-                else:
-                    yield step
+                yield step[0] if single else step
         finally:
             self.train(was_training)
 
