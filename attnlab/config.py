@@ -795,7 +795,7 @@ class TrainConfig(_Config):
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     compile: bool = False
     optimizer: str = "adamw"  # "adamw", or "muon" (hidden matrices; AdamW for the rest)
-    # CPU: malloc keeps the memory a step frees for the next (glibc; training/allocator.py)
+    # CPU: malloc keeps the memory a step frees for the next (glibc; attnlab/allocator.py)
     keep_freed_memory: bool = True
 
     def validate(self, path: str = "train") -> None:

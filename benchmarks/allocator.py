@@ -1,14 +1,15 @@
 """Page faults and step time of CPU training with glibc's default malloc settings and with
-the ones the trainer sets (``train.keep_freed_memory``: attnlab/training/allocator.py).
+the ones the trainer sets (``train.keep_freed_memory``: attnlab/allocator.py).
 
 A malloc setting is process-wide and cannot be undone, so every measurement is its own
 process (this script run with ``--child``): it builds the preset's trainer, runs
 ``--warmup`` steps (compiling, for ``compile``), then times ``--steps`` steps with
-attnlab's trainer step and counts the minor page faults they took (``getrusage``). The two
+attnlab's trainer step (``eval``: forward passes of 4 batches without gradients, as
+evaluation runs them) and counts the minor page faults they took (``getrusage``). The two
 settings take turns, ``--rounds`` times; medians are shown.
 
     python benchmarks/allocator.py [--presets demo llama-30m] [--steps 40] [--rounds 3]
-        [--variants eager compile] [--threads 2]
+        [--variants eager compile eval] [--threads 2]
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import torch
 
 from _common import machine, setup_threads, table
 
@@ -46,13 +49,24 @@ def child(args: argparse.Namespace) -> None:
     stop, never = _StopRequest(), lambda: False
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(cfg, tmp, progress=False)
+        step = lambda: tr._train_step(stop, never)  # noqa: E731
+        if args.variant == "eval":  # a forward pass of a batch, as evaluation runs them
+            tr.model.eval()
+            batches = [tr.task.batch(tr.task.sample(tr.tc.batch_size, tr.data_generator), "cpu")
+                       for _ in range(4)]  # fmt: skip
+
+            @torch.inference_mode()
+            def step():
+                for batch in batches:
+                    tr.task.step(tr.model, batch)
+
         for _ in range(args.warmup):
-            tr._train_step(stop, never)
+            step()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         times = []
         for _ in range(args.steps):
             t = time.perf_counter()
-            tr._train_step(stop, never)
+            step()
             times.append(time.perf_counter() - t)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     ms = statistics.median(times) * 1e3
@@ -104,8 +118,8 @@ def main() -> None:
                      f"{med(k, 'ms'):.1f}", f"{med(k, 'faults'):,.0f}",
                      f"{med(d, 'ms') / med(k, 'ms'):.2f}x"])  # fmt: skip
     print(
-        f"training step, median of {args.rounds} processes per cell ({args.steps} steps each, "
-        f"after {args.warmup}); page faults per step"
+        f"training step (eval: forward passes of 4 batches), median of {args.rounds} processes "
+        f"per cell ({args.steps} steps each, after {args.warmup}); page faults per step"
     )
     headers = ["preset", "run", "default ms", "faults", "kept ms", "faults", "speed-up"]
     print(table(headers, rows))

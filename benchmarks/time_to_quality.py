@@ -5,7 +5,7 @@ configuration (`nanogpt-cpu`), trained one after the other on the same machine, 
 The baseline runs its full schedule (2000 steps), its linear layers' products by F.linear
 (MKL's sgemm), as nanoGPT's nn.Linear does; attnlab's runs use its own (oneDNN's in
 float32 on CPU: attnlab.nn.linear). Every run, the baseline included, trains with the
-malloc settings attnlab's trainer applies on CPU (attnlab/training/allocator.py: they are
+malloc settings attnlab's trainer applies on CPU (attnlab/allocator.py: they are
 process-wide, and they make the baseline faster too). Each variant then gets a budget (its
 schedule fitted to it): `demo` the baseline's wall time, evaluating on the whole
 validation split (each model at its own block size) about 20 times on the way; the "1/4

@@ -1,7 +1,7 @@
-"""The trainer's malloc settings (attnlab/training/allocator.py): with them, memory freed and
-allocated again is not page-faulted back in; the trainer applies them on CPU when
-``train.keep_freed_memory`` is on. Each malloc measurement runs in a fresh process (the
-settings are process-wide and cannot be undone)."""
+"""The malloc settings of attnlab/allocator.py: with them, memory freed and allocated again
+is not page-faulted back in; the trainer applies them on CPU when
+``train.keep_freed_memory`` is on, the command line for its other commands. Each malloc
+measurement runs in a fresh process (the settings are process-wide and cannot be undone)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import textwrap
 
 import pytest
 
+import attnlab.allocator as allocator_module
 import attnlab.training.trainer as trainer_module
+from attnlab.cli.main import main
 from attnlab.presets import get_run_preset
 from attnlab.training.trainer import Trainer
 
@@ -22,7 +24,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, resource, sys
     import torch
-    from attnlab.training.allocator import keep_freed_memory
+    from attnlab.allocator import keep_freed_memory
     applied = keep_freed_memory() if sys.argv[1] == "kept" else None
     torch.manual_seed(0)
     nn = torch.nn
@@ -69,3 +71,19 @@ def test_trainer_applies_the_settings_on_cpu_when_enabled(tmp_path, monkeypatch,
     )
     Trainer(cfg, tmp_path, progress=False)
     assert calls == ([1] if enabled else [])
+
+
+@pytest.mark.parametrize("command", ["info", "train"])
+def test_the_command_line_applies_them_for_commands_other_than_train(
+    monkeypatch, capsys, tmp_path, command
+):
+    calls = []
+    monkeypatch.setattr(allocator_module, "keep_freed_memory", lambda: calls.append(1))
+    if command == "info":
+        argv = ["info", "--preset", "demo"]
+    else:  # the trainer decides (train.keep_freed_memory), not the command line
+        argv = ["train", "--preset", "quick", "--max-steps", "1", "--quiet"]
+        argv += ["--set", "train.eval_every=0", "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert calls == ([1] if command == "info" else [])

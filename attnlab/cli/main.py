@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.showwarning = _one_line_warning
+    if args.command != "train":  # the trainer applies it itself (train.keep_freed_memory)
+        from attnlab.allocator import keep_freed_memory
+
+        keep_freed_memory()  # model runs reuse freed memory (attnlab/allocator.py)
     if args.threads is not None:
         import torch
 

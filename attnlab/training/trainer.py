@@ -66,11 +66,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from attnlab.allocator import keep_freed_memory
 from attnlab.config import AttentionConfig, RunConfig
 from attnlab.models import build_model
 from attnlab.nn.linear import set_layout
 from attnlab.tasks import Task, eval_mode, get_task
-from attnlab.training.allocator import keep_freed_memory
 from attnlab.training.checkpoint import (
     CHECKPOINT_FILES,
     Checkpoint,

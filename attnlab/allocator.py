@@ -1,4 +1,5 @@
-"""Keep the memory one training step frees for the next (glibc's malloc, Linux).
+"""Keep the memory one training step (or forward pass) frees for the next (glibc's malloc,
+Linux).
 
 A training step on CPU allocates its activations and gradients and frees them again: tens of
 MB, every step. With its default settings glibc's malloc hands memory freed at the top of
@@ -12,14 +13,16 @@ with ``getrusage``. Two ``mallopt`` settings keep that memory in the process ins
   freed memory is reused;
 - ``M_TRIM_THRESHOLD`` = 1 GiB: freed memory at the heap's top stays mapped (up to 1 GiB).
 
-With them the demo's step took 0-16 page faults and ran 1.26x faster eagerly and 1.31x
-compiled; llama-30m's compiled step 1.12x (``python benchmarks/allocator.py``, which runs each
-setting in its own process). The price: memory a run frees stays with the process for its
-next step rather than going back to the system, as PyTorch's CUDA caching allocator keeps
-GPU memory.
+With them the demo's step took 0-16 page faults and ran 1.26-1.28x faster eagerly and
+1.31-1.36x compiled, llama-30m's compiled step 1.07-1.12x, and forward passes without
+gradients (evaluation) 1.88x for the demo's model and 1.40x for llama-30m's (``python
+benchmarks/allocator.py --variants eager compile eval``, which runs each setting in its own
+process). The price: memory a run frees stays with the process for its next step rather
+than going back to the system, as PyTorch's CUDA caching allocator keeps GPU memory.
 
-The trainer applies them on CPU unless ``train.keep_freed_memory`` is false; they hold for
-the rest of the process (and turn off glibc's dynamic adjustment of both thresholds).
+The trainer applies them on CPU unless ``train.keep_freed_memory`` is false, and the
+``attnlab`` command line for its other commands; they hold for the rest of the process (and
+turn off glibc's dynamic adjustment of both thresholds).
 Elsewhere (macOS, musl, Windows) nothing changes.
 """
 
