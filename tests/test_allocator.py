@@ -22,19 +22,19 @@ GLIBC = sys.platform.startswith("linux") and "glibc" in " ".join(__import__("pla
 
 SCRIPT = textwrap.dedent(
     """
-    import json, resource, sys
+    import ctypes, json, resource, sys
     import torch
-    from attnlab.allocator import keep_freed_memory
-    applied = keep_freed_memory() if sys.argv[1] == "kept" else None
-    torch.manual_seed(0)
-    nn = torch.nn
-    net = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-    opt = torch.optim.AdamW(net.parameters())
-    x = torch.randn(512, 256)
-    def step():  # activations of 2 MB, allocated and freed every step
-        net(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    from attnlab.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
+    if sys.argv[1] == "kept":
+        applied = keep_freed_memory()
+    else:  # glibc's starting thresholds (128 KiB), held fixed: its dynamic ones depend on
+        # what the process freed before (importing torch), which made the test flaky
+        mallopt = ctypes.CDLL(None).mallopt
+        applied = bool(mallopt(M_MMAP_THRESHOLD, 128 << 10))
+        applied = applied and bool(mallopt(M_TRIM_THRESHOLD, 128 << 10))
+    def step():  # like a training step: several blocks written, then all freed
+        blocks = [torch.ones(1 << 20) for _ in range(4)]  # 4 x 4 MB
+        return sum(float(b[-1]) for b in blocks)
     for _ in range(3):
         step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -56,10 +56,10 @@ def _faults(setting: str) -> dict:
 @pytest.mark.skipif(not GLIBC, reason="the settings are glibc's")
 def test_kept_memory_is_not_page_faulted_back_in():
     default, kept = _faults("default"), _faults("kept")
-    assert kept["applied"] is True
-    step_pages = 2 * (512 * 1024 * 4) // 4096  # two of the step's 2 MB activations
-    assert default["faults"] > 20 * step_pages  # by default freed memory comes back as new pages
-    assert kept["faults"] < default["faults"] / 10
+    assert default["applied"] is True and kept["applied"] is True
+    pages = 20 * 4 * (4 << 20) // 4096  # every block of every step, in 4 KB pages
+    assert default["faults"] > 0.9 * pages  # given back to the kernel, faulted in again
+    assert kept["faults"] < 0.01 * pages  # reused in place
 
 
 @pytest.mark.parametrize("enabled", [True, False])
