@@ -447,11 +447,17 @@ def generate(
         )
         rows = [row[0].tokens for row in hyps]
         return rows[0] if single else rows
-    it = stream(model, prompts, max_new_tokens, _closed_loop=True, **kwargs)
+    steps = stream(model, prompts, max_new_tokens, _closed_loop=True, **kwargs)
+    return collect(steps, single, len(batch))
+
+
+def collect(steps: Iterator, single: bool, n_rows: int) -> list[int] | list[list[int]]:
+    """What a ``stream`` yielded, as ``generate`` returns it: the tokens of one prompt, or a
+    list per row of a batch (the None after a row's stop token left out)."""
     if single:
-        return list(it)
-    rows: list[list[int]] = [[] for _ in batch]
-    for step in it:
+        return list(steps)
+    rows: list[list[int]] = [[] for _ in range(n_rows)]
+    for step in steps:
         for r, tok in zip(rows, step):
             if tok is not None:
                 r.append(tok)

@@ -49,17 +49,13 @@ def child(args: argparse.Namespace) -> None:
     stop, never = _StopRequest(), lambda: False
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(cfg, tmp, progress=False)
-        step = lambda: tr._train_step(stop, never)  # noqa: E731
-        if args.variant == "eval":  # a forward pass of a batch, as evaluation runs them
+        if args.variant == "eval":  # forward passes of 4 batches, as evaluation runs them
             tr.model.eval()
             batches = [tr.task.batch(tr.task.sample(tr.tc.batch_size, tr.data_generator), "cpu")
                        for _ in range(4)]  # fmt: skip
-
-            @torch.inference_mode()
-            def step():
-                for batch in batches:
-                    tr.task.step(tr.model, batch)
-
+            step = torch.inference_mode()(lambda: [tr.task.step(tr.model, b) for b in batches])
+        else:
+            step = lambda: tr._train_step(stop, never)  # noqa: E731
         for _ in range(args.warmup):
             step()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -163,6 +163,7 @@ def test_greedy_generation_with_memory_equals_full_passes(placement):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert got == ids[len(prompt) :]
     assert model.generate([prompt, prompt[:4]], 30)[0] == got  # rows keep their own memory
+    assert model.generate([prompt, prompt[:4]], 0) == [[], []]
     # a prompt longer than max_seq_len is read in segments of it, the memory carried
     model = tiny(mem_len=64, norm=NormConfig(placement=placement), max_seq_len=16).eval()
     long_prompt = torch.randint(0, 40, (60,)).tolist()

@@ -216,10 +216,10 @@ class TransformerXL(nn.Module):
     def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
         """The new tokens of :meth:`stream`: a list for one prompt, a list of lists for a
         batch (each row ends before its first stop token)."""
-        steps = list(self.stream(prompts, max_new_tokens, **kwargs))
-        if not steps or isinstance(steps[0], int):
-            return steps
-        return [[s[i] for s in steps if s[i] is not None] for i in range(len(steps[0]))]
+        from attnlab.generation import _as_batch, collect
+
+        rows, single = _as_batch(prompts)
+        return collect(self.stream(prompts, max_new_tokens, **kwargs), single, len(rows))
 
     @torch.inference_mode()
     def _stream(self, rows, single, max_new_tokens, sampling, stops):
