@@ -5,11 +5,13 @@ On CPU, inductor fuses the small per-layer operations (norms, RoPE, residuals, s
 dominate the step of a small model; on a GPU the same path also removes kernel launches.
 The compiled step re-stores the weights row-major and writes each one-vector product as a
 sum over the rows, which inductor turns into its own loops; within one ``generate`` call only
-its first step checks dynamo's guards (the row "guards every step" checks them at every
-step, as ``stream()`` does, with the same compiled graph). Two more rows compile the
-other ways of doing the products, on copies of the model: attnlab's two-thread product of
-the input-major weights as one opaque operator (``torch.ops.attnlab.split_vecmat``), and
-plain ``F.linear`` calls (MKL).
+its first step goes through dynamo and its guards, the rest call the code that ran directly
+(the row "guards every step" goes through dynamo at every step, as ``stream()`` does, with
+the same compiled graph). Two more rows compile the other ways of doing the products, on
+copies of the model: attnlab's two-thread product of the input-major weights as one opaque
+operator (``torch.ops.attnlab.split_vecmat``), and plain ``F.linear`` calls (MKL). The
+last compiles the attention of the step's one query as SDPA's fused kernel instead of the
+sums inductor fuses (``attnlab.functional.attention.one_query_attention``).
 
     python benchmarks/compile_decode.py [--model 5m|30m] [--new-tokens 256] [--threads 2]
 """

@@ -86,7 +86,7 @@ def decode_breakdown(steps: int) -> None:
             model(nxt, cache=eager_cache, last_only=True)
             eager_ms.append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
-            compiled(twin, nxt, None, static_cache)
+            compiled(twin, nxt, None, static_cache, skip_guards=True)  # as generate() does
             compiled_ms.append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
             products(vectors)
@@ -121,7 +121,9 @@ def decode_breakdown(steps: int) -> None:
         eager, compiled_med = statistics.median(eager_ms), statistics.median(compiled_ms)
         e_parts = parts(lambda c: model(nxt, cache=c, last_only=True), eager_cache, eager)
         alone = statistics.median(products_ms), statistics.median(attention_ms)
-        c_parts = parts(lambda c: compiled(twin, nxt, None, c), static_cache, compiled_med, *alone)
+        c_parts = parts(
+            lambda c: compiled(twin, nxt, None, c, True), static_cache, compiled_med, *alone
+        )
     bandwidth, read = copy_bandwidth(), read_bandwidth()
     print(
         f"decoding: LLaMA-style 30M (d_model 512, 8 layers, GQA 8/2, vocab 8192), float32, "

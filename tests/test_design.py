@@ -422,24 +422,32 @@ def test_compile_fallback_catches_only_the_compiling_call(monkeypatch):
 
 def test_generate_skips_guards_after_the_first_step_and_keeps_each_models_graph(monkeypatch):
     """Inside generate() only the first compiled step of a call (and the first after the
-    cache is re-encoded) checks dynamo's guards; the rest skip them. Two models of the same
-    shapes but different constants (RMSNorm eps), batch sizes 1 and 2 and two capacity
-    buckets, in turns: every call decodes what the eager step decodes, so skipping never
-    runs another variant's graph. stream() checks the guards at every step. (dynamo with
-    its eager backend: this checks guard handling, not inductor.)"""
+    cache is re-encoded) goes through dynamo and its guards; the rest call the code that
+    ran then directly. Two models of the same shapes but different constants (RMSNorm
+    eps), batch sizes 1 and 2 and two capacity buckets, in turns: every call decodes what
+    the eager step decodes, so a direct call never runs another variant's graph. stream()
+    goes through dynamo at every step. (dynamo with its eager backend: this checks guard
+    handling, not inductor.)"""
     import attnlab.generation as gen
 
-    real_compile, stances = torch.compile, []
+    real_compile, calls = torch.compile, {"guarded": 0, "direct": 0}
     monkeypatch.setattr(
         gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw)
     )
-    real_stance = torch.compiler.set_stance
+    real_code_that_ran = gen._code_that_ran
 
-    def recording_stance(*args, **kw):
-        stances.append(kw.get("skip_guard_eval_unsafe", False))
-        return real_stance(*args, **kw)
+    def counting(fn, *args):
+        calls["guarded"] += 1
+        code = real_code_that_ran(fn, *args)
+        assert code is not None  # torch 2.13 keeps its entries where this finds them
 
-    monkeypatch.setattr(gen.torch.compiler, "set_stance", recording_stance)
+        def direct(*a):
+            calls["direct"] += 1
+            return code(*a)
+
+        return direct
+
+    monkeypatch.setattr(gen, "_code_that_ran", counting)
     torch._dynamo.reset()
     torch.manual_seed(0)
     models = [
@@ -448,13 +456,30 @@ def test_generate_skips_guards_after_the_first_step_and_keeps_each_models_graph(
     ]
     one = torch.randint(0, models[0].cfg.vocab_size, (7,)).tolist()
     two = [one, one[::-1]]
-    calls = [(m, p, n) for p, n in ((one, 10), (two, 6), (one, 70)) for m in models]
-    expected = [m.generate(p, n, compile=False) for m, p, n in calls]
-    for (m, p, n), want in zip(calls * 2, expected * 2):
-        stances.clear()
+    runs = [(m, p, n) for p, n in ((one, 10), (two, 6), (one, 70)) for m in models]
+    expected = [m.generate(p, n, compile=False) for m, p, n in runs]
+    for (m, p, n), want in zip(runs * 2, expected * 2):
+        calls.update(guarded=0, direct=0)
         assert m.generate(p, n, compile=True) == want
-        assert len(stances) == n - 2  # steps 2 .. n-1 skip; the first step checks
+        assert calls == {"guarded": 1, "direct": n - 2}  # n - 1 decode steps
     assert expected[0] != expected[1]  # the eps makes the two models decode differently
-    stances.clear()
+    calls.update(guarded=0, direct=0)
     assert [t for t in gen.stream(models[0], one, 10, compile=True)] == expected[0]
-    assert stances == []
+    assert calls == {"guarded": 9, "direct": 0}
+
+
+def test_compiled_step_goes_through_dynamo_where_its_entries_are_not_found(monkeypatch):
+    """Without torch's cache-entry internals (another torch version) the direct calls are
+    off: every step goes through dynamo, with the same tokens."""
+    import attnlab.generation as gen
+
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw)
+    )
+    monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    torch._dynamo.reset()
+    model = build_model(get_preset("llama-tiny").override({"init_std": 0.3})).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (7,)).tolist()
+    assert gen._code_that_ran(lambda x: x, 1) is None
+    assert model.generate(prompt, 9, compile=True) == model.generate(prompt, 9, compile=False)
