@@ -13,6 +13,11 @@ operator (``torch.ops.attnlab.split_vecmat``), and plain ``F.linear`` calls (MKL
 last compiles the attention of the step's one query as SDPA's fused kernel instead of the
 sums inductor fuses (``attnlab.functional.attention.one_query_attention``).
 
+A second table times single steps, one step of each row in turn, a few thousand times: the
+machine's memory bandwidth drifts by tens of percent within seconds, and steps taken side by
+side meet the same bandwidth, so the median of their paired ratios separates differences of
+a few percent that whole runs cannot.
+
     python benchmarks/compile_decode.py [--model 5m|30m] [--new-tokens 256] [--threads 2]
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 from unittest import mock
 
@@ -68,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paired-steps", type=int, default=2000, help="0: skip the step table")
     args = ap.parse_args()
     setup_threads(args.threads)
     torch.manual_seed(0)
@@ -120,6 +127,54 @@ def main() -> None:
              "-" if name == "eager" else f"{compile_s[name]:.0f} s"] for name in runs]  # fmt: skip
     print(table(["decode step", "tokens/s", "speed vs eager", "first run (compiles)"], rows))
     print(f"(best of {args.repeats} interleaved runs; tokens identical: {'yes' if same else 'NO'})")
+    if args.paired_steps:
+        # (without "guards every step": interleaved, dynamo's guards for this model would
+        # first rule out the other rows' compiled variants of the same function each step)
+        models = {"eager": eager, "compiled (static cache)": model,
+                  "compiled, input-major operator": operator,
+                  "compiled, F.linear products": plain,
+                  "compiled, SDPA kernel for the query": kernel}  # fmt: skip
+        cap = generation.static_capacity(args.prompt + n, cfg.max_seq_len)
+        ms = step_by_step(models, torch.tensor([prompt]), cap, args.paired_steps)
+        ref = ms["compiled (static cache)"]
+        rows = [[name, f"{statistics.median(t) * 1e3:.3f}",
+                 f"{statistics.median([b / a for a, b in zip(ref, t)]):.3f}"]
+                for name, t in ms.items()]  # fmt: skip
+        print(table(["decode step", "ms per step (median)", "time vs compiled (paired)"], rows))
+        print(f"({args.paired_steps} steps of each, one of each in turn; static capacity {cap})")
+
+
+@torch.inference_mode()
+def step_by_step(models: dict, prompt: torch.Tensor, capacity: int, steps: int) -> dict:
+    """Seconds of each of ``steps`` single decode steps per row, one step of every row in
+    turn. Each row decodes greedily on its own cache, prefilled with ``prompt`` and
+    prefilled again when full."""
+
+    def start(name):
+        m = models[name]
+        eager = name == "eager"
+        cache = m.new_cache(1, capacity, static=not eager)
+        nxt = m(prompt, cache=cache, last_only=True).logits[:, -1].argmax(-1, keepdim=True)
+        return {"cache": cache, "ids": nxt, "left": capacity - prompt.shape[1], "first": True}
+
+    def one_step(name, state):
+        m, c, ids = models[name], state["cache"], state["ids"]
+        if name == "eager":
+            return m(ids, cache=c, last_only=True).logits[:, -1]
+        first, state["first"] = state["first"], False
+        return generation._compiled_step(m)(m, ids, None, c, skip_guards=not first)
+
+    states = {name: start(name) for name in models}
+    times = {name: [] for name in models}
+    for _ in range(steps):
+        for name, state in states.items():
+            if state["left"] == 0:
+                state = states[name] = start(name)
+            t = time.perf_counter()
+            logits = one_step(name, state)
+            times[name].append(time.perf_counter() - t)
+            state["ids"], state["left"] = logits.argmax(-1, keepdim=True), state["left"] - 1
+    return times
 
 
 if __name__ == "__main__":
