@@ -16,7 +16,8 @@ sums inductor fuses (``attnlab.functional.attention.one_query_attention``).
 A second table times single steps, one step of each row in turn, a few thousand times: the
 machine's memory bandwidth drifts by tens of percent within seconds, and steps taken side by
 side meet the same bandwidth, so the median of their paired ratios separates differences of
-a few percent that whole runs cannot.
+a few percent that whole runs cannot. (Two identical copies of one model differed by up to
+2% there: where each copy's weights lie in memory matters at that level.)
 
     python benchmarks/compile_decode.py [--model 5m|30m] [--new-tokens 256] [--threads 2]
 """
@@ -166,8 +167,10 @@ def step_by_step(models: dict, prompt: torch.Tensor, capacity: int, steps: int) 
 
     states = {name: start(name) for name in models}
     times = {name: [] for name in models}
-    for _ in range(steps):
-        for name, state in states.items():
+    names = list(models)
+    for i in range(steps):
+        for name in names if i % 2 == 0 else names[::-1]:  # no row always goes first
+            state = states[name]
             if state["left"] == 0:
                 state = states[name] = start(name)
             t = time.perf_counter()
