@@ -9,9 +9,7 @@ its first step goes through dynamo and its guards, the rest call the code that r
 (the row "guards every step" goes through dynamo at every step, as ``stream()`` does, with
 the same compiled graph). Two more rows compile the other ways of doing the products, on
 copies of the model: attnlab's two-thread product of the input-major weights as one opaque
-operator (``torch.ops.attnlab.split_vecmat``), and plain ``F.linear`` calls (MKL). The
-last compiles the attention of the step's one query as SDPA's fused kernel instead of the
-sums inductor fuses (``attnlab.functional.attention.one_query_attention``).
+operator (``torch.ops.attnlab.split_vecmat``), and plain ``F.linear`` calls (MKL).
 
 A second table times single steps, one step of each row in turn, a few thousand times: the
 machine's memory bandwidth drifts by tens of percent within seconds, and steps taken side by
@@ -35,7 +33,6 @@ import torch.nn.functional as F
 
 from _common import machine, setup_threads, table
 from attnlab import build_model, generation
-from attnlab.functional import attention as attention_fn
 from attnlab.nn.linear import Linear
 from attnlab.presets import llama_30m, llama_style
 
@@ -45,12 +42,6 @@ class PlainLinear(Linear):
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
-
-
-def sdpa_kernel(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
-    """The ``sdpa`` backend without the compiled one-query sums: SDPA's kernel always."""
-    assert window is None and doc_ids is None  # (this benchmark's models have neither)
-    return attention_fn.sdpa_attention(q, k, v, mask, causal=causal, scale=scale)
 
 
 def compiled_keeping_layout(model):
@@ -87,11 +78,6 @@ def main() -> None:
     for m in plain.modules():
         if type(m) is Linear:
             m.__class__ = PlainLinear
-    attention_fn.BACKENDS["sdpa-kernel"] = attention_fn.Backend(sdpa_kernel, "SDPA's kernel")
-    kernel = copy.deepcopy(model)
-    for m in kernel.modules():
-        if getattr(m, "backend", None) == "sdpa":
-            m.backend = "sdpa-kernel"
     eager = copy.deepcopy(model)  # the model itself is re-stored by its compiled step
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,)).tolist()
     n = args.new_tokens
@@ -110,7 +96,6 @@ def main() -> None:
         ),
         "compiled, input-major operator": lambda: operator.generate(prompt, n, compile=True),
         "compiled, F.linear products": lambda: plain.generate(prompt, n, compile=True),
-        "compiled, SDPA kernel for the query": lambda: kernel.generate(prompt, n, compile=True),
     }
     compile_s, outs = {}, {}
     for name, fn in runs.items():  # compiles each step once (and warms up)
@@ -133,8 +118,7 @@ def main() -> None:
         # first rule out the other rows' compiled variants of the same function each step)
         models = {"eager": eager, "compiled (static cache)": model,
                   "compiled, input-major operator": operator,
-                  "compiled, F.linear products": plain,
-                  "compiled, SDPA kernel for the query": kernel}  # fmt: skip
+                  "compiled, F.linear products": plain}  # fmt: skip
         cap = generation.static_capacity(args.prompt + n, cfg.max_seq_len)
         ms = step_by_step(models, torch.tensor([prompt]), cap, args.paired_steps)
         ref = ms["compiled (static cache)"]
@@ -169,7 +153,8 @@ def step_by_step(models: dict, prompt: torch.Tensor, capacity: int, steps: int) 
     times = {name: [] for name in models}
     names = list(models)
     for i in range(steps):
-        for name in names if i % 2 == 0 else names[::-1]:  # no row always goes first
+        turn = i % len(names)  # a rotation: no row always goes first, none runs twice in a row
+        for name in names[turn:] + names[:turn]:
             state = states[name]
             if state["left"] == 0:
                 state = states[name] = start(name)

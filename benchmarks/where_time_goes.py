@@ -5,10 +5,8 @@ shapes), batch 1, float32, one token at a time after a 32-token prompt. The eage
 profiled with torch.profiler: the self time of the matmul operators (every weight matrix),
 of the attention operator, and the rest of the measured step (small operators and Python);
 the compiled fixed-shape step (``generate(compile=True)``) likewise, beside it. In the
-compiled step the weight products and the attention of the one query are inductor's own
-loops, fused with their neighbours, so its "matmuls" are the same 33 one-vector products
-compiled and timed alone, and its "attention" the 8 layers' attention over the same static
-cache, compiled and timed alone.
+compiled step the weight products are inductor's own loops, fused with their neighbours,
+so its "matmuls" are the same 33 one-vector products compiled and timed alone.
 
 Training: one optimizer step of a run preset (default ``demo``) through attnlab's own
 Trainer pieces, timed phase by phase: data (sample + batch), forward (loss), backward,
@@ -35,7 +33,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from _common import copy_bandwidth, machine, read_bandwidth, setup_threads, table
 from attnlab import build_model
-from attnlab.functional import attend
 from attnlab.generation import _compiled_step
 from attnlab.presets import get_run_preset, llama_30m
 
@@ -71,16 +68,7 @@ def decode_breakdown(steps: int) -> None:
             lambda xs: [m(x) for m, x in zip(linears, xs)], fullgraph=True, dynamic=False
         )
         products(vectors)
-        # the attention of the compiled step: its query against every layer's static cache
-        layers = [(entry.k, entry.v) for entry in static_cache.layers]
-        attn_mod = twin.blocks[0].attn
-        query = torch.randn(1, attn_mod.n_heads, 1, attn_mod.head_dim)
-        valid = static_cache.key_valid[:, None, None, :]  # (1, 1, 1, capacity)
-        attentions = torch.compile(
-            lambda q, kv, m: [attend(q, k, v, m) for k, v in kv], fullgraph=True, dynamic=False
-        )
-        attentions(query, layers, valid)
-        eager_ms, compiled_ms, products_ms, attention_ms = [], [], [], []
+        eager_ms, compiled_ms, products_ms = [], [], []
         for _ in range(steps):  # interleaved
             t = time.perf_counter()
             model(nxt, cache=eager_cache, last_only=True)
@@ -91,14 +79,11 @@ def decode_breakdown(steps: int) -> None:
             t = time.perf_counter()
             products(vectors)
             products_ms.append((time.perf_counter() - t) * 1e3)
-            t = time.perf_counter()
-            attentions(query, layers, valid)
-            attention_ms.append((time.perf_counter() - t) * 1e3)
 
-        def parts(step, cache, median_ms, matmul_ms=None, attention_ms=None):
+        def parts(step, cache, median_ms, matmul_ms=None):
             """(matmul, attention, other) ms of one step: profiled self times, scaled to
             the unprofiled median (the profiler's own overhead spread in proportion);
-            ``matmul_ms`` and ``attention_ms`` replace the profiled times where given."""
+            ``matmul_ms`` replaces the profiled matmul time where given."""
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t = time.perf_counter()
                 for _ in range(steps):
@@ -114,15 +99,13 @@ def decode_breakdown(steps: int) -> None:
             matmul, attention = self_ms["matmul"] * scale, self_ms["attention"] * scale
             if matmul_ms is not None:
                 matmul = matmul_ms
-            if attention_ms is not None:
-                attention = attention_ms
             return matmul, attention, median_ms - matmul - attention
 
         eager, compiled_med = statistics.median(eager_ms), statistics.median(compiled_ms)
         e_parts = parts(lambda c: model(nxt, cache=c, last_only=True), eager_cache, eager)
-        alone = statistics.median(products_ms), statistics.median(attention_ms)
+        alone = statistics.median(products_ms)
         c_parts = parts(
-            lambda c: compiled(twin, nxt, None, c, True), static_cache, compiled_med, *alone
+            lambda c: compiled(twin, nxt, None, c, True), static_cache, compiled_med, alone
         )
     bandwidth, read = copy_bandwidth(), read_bandwidth()
     print(

@@ -18,7 +18,6 @@ from attnlab.functional import (
     stable_softmax,
     to_additive,
 )
-from attnlab.functional.attention import one_query_attention
 from attnlab.functional.masks import sliding_window_mask
 from attnlab.functional.softmax import attention_online, softmax_3pass, softmax_online
 
@@ -304,64 +303,3 @@ def test_attend_bf16_close_to_float32(backend):
     assert out.dtype == torch.bfloat16
     # bf16 keeps 8 bits of mantissa: inputs and outputs round at ~4e-3 relative.
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-
-
-# ------------------------------------------------------ one query (the compiled decode step)
-
-
-@pytest.mark.parametrize("h_kv", [4, 2, 1])
-@pytest.mark.parametrize("kind", ["none", "bool", "bool-per-head", "additive+bias", "empty-row"])
-def test_one_query_attention_equals_naive(h_kv, kind):
-    b, h, s = 3, 4, 9
-    q, k, v = _qkv(b=b, h=h, h_kv=h_kv, t=1, s=s)
-    allowed, bias, mask = None, None, None
-    if kind != "none":
-        allowed = torch.rand(b, h if kind == "bool-per-head" else 1, 1, s) > 0.4
-        allowed[..., -1] = True
-        if kind == "empty-row":
-            allowed[1] = False  # row 1 may attend to nothing: zeros
-        mask = allowed
-    if kind == "additive+bias":
-        bias = torch.randn(b, h, 1, s)
-        mask = bias + to_additive(allowed)
-    expected = naive_attention(q, k, v, allowed, bias, scale=0.3)
-    out = one_query_attention(q, k, v, mask, scale=0.3)
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
-    if kind == "empty-row":
-        assert (out[1] == 0).all()
-    if h_kv == 2:  # inductor's loops (as in the compiled decode step), each mask kind once
-        torch._dynamo.reset()  # a fresh compile for each case (dynamo's recompile limit)
-        compiled = torch.compile(one_query_attention, fullgraph=True, dynamic=False)
-        out = compiled(q, k, v, mask, scale=0.3)
-        torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
-    with pytest.raises(ValueError, match="one query per row"):
-        one_query_attention(torch.cat((q, q), 2), k, v)
-
-
-def test_compiled_sdpa_backend_takes_one_query_sums_on_cpu(monkeypatch):
-    """Inside torch.compile a one-query CPU call of the sdpa backend is one_query_attention
-    (the same values as SDPA's kernel); a longer query or an eager call is SDPA's."""
-    import attnlab.functional.attention as attention
-
-    calls = []
-    real = attention.one_query_attention
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[-2])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "one_query_attention", spy)
-    q, k, v = _qkv(b=2, h=4, h_kv=2, t=1, s=7)
-    mask = torch.rand(2, 1, 1, 7) > 0.3
-    mask[..., -1] = True
-    expected = naive_attention(q, k, v, mask)
-    torch.testing.assert_close(attend(q, k, v, mask), expected)
-    assert calls == []  # eager: SDPA
-    torch._dynamo.reset()
-    compiled = torch.compile(attend, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(q, k, v, mask), expected)
-    assert calls == [1]
-    q2 = _qkv(b=2, h=4, h_kv=2, t=2, s=7)[0]
-    compiled(q2, k, v, mask)
-    assert calls == [1]  # two queries: SDPA
-    torch._dynamo.reset()

@@ -134,43 +134,6 @@ def sdpa_attention(
     return out
 
 
-def one_query_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, scale: float | None = None
-) -> Tensor:
-    """Attention of a single query per row, q (b, h, 1, d_h), written as elementwise
-    products and sums: scores = (q * k).sum(-1), then softmax, then (p * v).sum over the
-    keys, in float32 (returned in q's dtype). Query head j reads key/value head j // (h /
-    h_kv), as :func:`repeat_kv`, without repeating anything. ``mask`` bool or additive,
-    broadcastable to (b, h, 1, s); a row that may attend to nothing gives zeros.
-
-    Written for inductor: under ``torch.compile`` on CPU the whole of it becomes a few loops
-    over the cache, which beat SDPA's fused kernel for one query (in the compiled decode
-    step, 35 against 44 us for 512 keys of a 30M model's layer; benchmarks/compile_decode.py).
-    Run eagerly it materialises the (b, h, s, d_h) products: use SDPA there."""
-    b, h, t, d = q.shape
-    if t != 1:
-        raise ValueError(f"one_query_attention takes one query per row, got {t}")
-    h_kv, s = k.shape[1], k.shape[2]
-    r = h // h_kv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qg = q.reshape(b, h_kv, r, 1, d).float()  # the r query heads of each kv head
-    scores = (qg * k.float()[:, :, None]).sum(-1) * scale  # (b, h_kv, r, s)
-    keep = None
-    if mask is not None:
-        mask = mask.expand(b, h, 1, s).reshape(b, h_kv, r, s)
-        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
-        keep = allowed.any(dim=-1, keepdim=True)  # (b, h_kv, r, 1): rows with some key
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~(allowed | ~keep), float("-inf"))
-        else:
-            scores = scores + torch.where(keep, mask.float(), 0.0)
-    p = torch.softmax(scores, dim=-1)
-    out = (p[..., None] * v.float()[:, :, None]).sum(-2)  # (b, h_kv, r, d_v)
-    if keep is not None:
-        out = out * keep
-    return out.reshape(b, h, 1, v.shape[-1]).to(q.dtype)
-
-
 # ---------------------------------------------------------------------------- registry
 
 
@@ -203,10 +166,6 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
     mask, causal = _fold_structure(
         mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
     )
-    one_query = q.shape[-2] == 1 and not dropout_p and q.device.type == "cpu"
-    if one_query and torch.compiler.is_compiling():
-        # a compiled decode step: one query, the newest position (causal hides nothing)
-        return one_query_attention(q, k, v, mask, scale=scale)
     return sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
 
 
