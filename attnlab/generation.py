@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -386,22 +387,26 @@ def _compiled_step(model):
             return model(ids, cache=cache, last_only=True).logits[:, -1]
 
         compiled = torch.compile(decode_one, fullgraph=True, dynamic=False)
-        last_ran = None  # dynamo's code for the last guarded call, as a plain function
+        # per cache (each generate call has its own): the code dynamo ran at its last
+        # guarded call, as a plain function
+        last_ran: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
         @torch.inference_mode()
         def step(model, ids, mask, cache, skip_guards=False):
             """``skip_guards``: the caller vouches that nothing but tensor values changed
             since this step last ran (and passed its guards) with this model and cache;
             the step then calls the code dynamo ran then directly, without its guards."""
-            nonlocal last_ran
             training = model.training
             if training:
                 model.eval()
             try:
-                if skip_guards and last_ran is not None:
-                    return last_ran(model, ids, None, cache)
+                code = last_ran.get(cache) if skip_guards else None
+                if code is not None:
+                    return code(model, ids, None, cache)
                 out = compiled(model, ids, None, cache)
-                last_ran = _code_that_ran(decode_one, model, ids, None, cache)
+                code = _code_that_ran(decode_one, model, ids, None, cache)
+                if code is not None:
+                    last_ran[cache] = code
                 return out
             finally:
                 if training:

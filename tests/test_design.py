@@ -483,3 +483,34 @@ def test_compiled_step_goes_through_dynamo_where_its_entries_are_not_found(monke
     prompt = torch.randint(0, model.cfg.vocab_size, (7,)).tolist()
     assert gen._code_that_ran(lambda x: x, 1) is None
     assert model.generate(prompt, 9, compile=True) == model.generate(prompt, 9, compile=False)
+
+
+def test_compiled_step_keeps_the_code_that_ran_per_cache(monkeypatch):
+    """Two decodes in turns (as two threads could interleave them) with caches of batch 1
+    and 2: each cache's direct calls run the code compiled for its own shapes, and the
+    logits equal the eager step's."""
+    import attnlab.generation as gen
+
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw)
+    )
+    torch._dynamo.reset()
+    model = build_model(get_preset("llama-tiny")).eval()
+    step = gen._compiled_step(model)
+    runs = []
+    for b in (1, 2):
+        prompt = torch.randint(0, model.cfg.vocab_size, (b, 5))
+        static, eager = model.new_cache(b, 16, static=True), model.new_cache(b, 16)
+        with torch.no_grad():
+            model(prompt, cache=static)
+            model(prompt, cache=eager)
+        runs.append([static, eager, prompt[:, -1:], True])
+    for _ in range(4):
+        for run in runs:
+            static, eager, ids, first = run
+            got = step(model, ids, None, static, skip_guards=not first)
+            with torch.no_grad():
+                want = model(ids, cache=eager, last_only=True).logits[:, -1]
+            torch.testing.assert_close(got, want, **TOL)
+            run[2:] = [want.argmax(-1, keepdim=True), False]
