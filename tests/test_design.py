@@ -514,3 +514,22 @@ def test_compiled_step_keeps_the_code_that_ran_per_cache(monkeypatch):
                 want = model(ids, cache=eager, last_only=True).logits[:, -1]
             torch.testing.assert_close(got, want, **TOL)
             run[2:] = [want.argmax(-1, keepdim=True), False]
+
+
+@pytest.mark.filterwarnings("ignore:prompt \\+ max_new_tokens exceeds max_seq_len")
+def test_compiled_generate_slides_its_context_like_eager(monkeypatch):
+    """Past max_seq_len the context slides and the cache is re-encoded: the next compiled
+    step goes through dynamo again, then calls directly; tokens equal eager decoding's,
+    for one slide and for several."""
+    import attnlab.generation as gen
+
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw)
+    )
+    torch._dynamo.reset()
+    cfg = get_preset("llama-tiny").override({"init_std": 0.3, "max_seq_len": 24})
+    model = build_model(cfg).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (7,)).tolist()
+    for n in (30, 50):  # 7 + n tokens overflow 24 once and more than once
+        assert model.generate(prompt, n, compile=True) == model.generate(prompt, n)
