@@ -533,3 +533,32 @@ def test_compiled_generate_slides_its_context_like_eager(monkeypatch):
     prompt = torch.randint(0, model.cfg.vocab_size, (7,)).tolist()
     for n in (30, 50):  # 7 + n tokens overflow 24 once and more than once
         assert model.generate(prompt, n, compile=True) == model.generate(prompt, n)
+
+
+@pytest.mark.parametrize(
+    "name, override",
+    [
+        ("deepseek-moe-tiny", {}),
+        ("deepseek-v32-tiny", {}),
+        ("llama-tiny", {"attention.kind": "nsa"}),
+        ("deepseek-tiny", {}),
+        ("llama-tiny", {"attention.kind": "linear"}),
+        ("llama-tiny", {"attention.n_kv_heads": 1, "attention.sliding_window": 4}),
+        ("llama-tiny", {"attention.sliding_window": 4, "attention.global_tokens": [0, 1]}),
+    ],
+)
+def test_compiled_generate_equals_eager_for_every_attention_kind(monkeypatch, name, override):
+    """generate(compile=True), its steps after the first called directly (dynamo with its
+    eager backend: the direct calls, not inductor), decodes what eager decoding does for
+    expert, MLA, sparse, linear and windowed models, a batch of two prompts."""
+    import attnlab.generation as gen
+
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw)
+    )
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(get_preset(name).override({**override, "init_std": 0.2})).eval()
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,)).tolist() for n in (6, 3)]
+    assert model.generate(prompts, 9, compile=True) == model.generate(prompts, 9)
