@@ -201,7 +201,7 @@ OVERFLOW_MODES = ("slide", "roll", "stop")
 # Break-even = compile time / time saved per token. Measured on a 2-core CPU
 # (benchmarks/compile_decode.py, row-major compiled products): 10-15 s to compile (cold),
 # saving 2-3.5 ms per token for a 30M model (3K-7K tokens) and about 1 ms for a 5M one
-# (10K-19K). From 8K the 30M model gains and more; the 5M one is slower there (by up to
+# (10K-19K). From 8K on the 30M model comes out ahead; the 5M one is slower there (by up to
 # half) until 10K-19K.
 AUTO_COMPILE_MIN_TOKENS = 8192
 
