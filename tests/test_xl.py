@@ -130,26 +130,6 @@ def test_bad_xl_configs_name_the_field(change, message):
         ModelConfig.from_dict({"arch": "xl", **change})
 
 
-def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
-    cfg = get_preset("xl-tiny")
-    assert isinstance(ModelConfig.from_dict(cfg.to_dict()), XLConfig)
-    argv = ["train", "--preset", "xl-tiny", "--set", "model.mem_len=16"]
-    argv += ["--set", "train.batch_size=4", "--set", "train.block_size=32"]
-    argv += ["--set", "train.eval_batches=1", "--max-steps", "3", "--quiet"]
-    argv += ["--out", str(tmp_path / "run")]
-    assert main(argv) == 0
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["model"]["arch"] == "xl" and saved["model"]["mem_len"] == 16
-    capsys.readouterr()
-    assert main(["eval", "--ckpt", str(tmp_path / "run"), "--max-batches", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] > 0
-    gen = ["generate", "--ckpt", str(tmp_path / "run"), "--prompt", "def f"]
-    assert main([*gen, "--max-new-tokens", "40"]) == 0  # past max_seq_len (32): the memory
-    assert capsys.readouterr().out.startswith("def f")
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("placement", ["pre", "post"])
 def test_greedy_generation_with_memory_equals_full_passes(placement):
@@ -186,3 +166,23 @@ def test_generation_options_and_errors():
         model.stream(prompt, 4, use_cache=False)
     with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 40\)"):
         model.stream([99], 4)
+
+
+def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    cfg = get_preset("xl-tiny")
+    assert isinstance(ModelConfig.from_dict(cfg.to_dict()), XLConfig)
+    argv = ["train", "--preset", "xl-tiny", "--set", "model.mem_len=16"]
+    argv += ["--set", "train.batch_size=4", "--set", "train.block_size=32"]
+    argv += ["--set", "train.eval_batches=1", "--max-steps", "3", "--quiet"]
+    argv += ["--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["arch"] == "xl" and saved["model"]["mem_len"] == 16
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(tmp_path / "run"), "--max-batches", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] > 0
+    gen = ["generate", "--ckpt", str(tmp_path / "run"), "--prompt", "def f"]
+    assert main([*gen, "--max-new-tokens", "40"]) == 0  # past max_seq_len (32): the memory
+    assert capsys.readouterr().out.startswith("def f")
