@@ -7,6 +7,14 @@ language model :class:`DecoderLM` and its decoding :class:`Cache`. Checkpoints:
 ``attnlab.interop.load_hf`` / ``save_hf``.
 """
 
+import os as _os
+
+if _os.environ.get("ATTNLAB_MKL_ANY_CPU"):  # before anything imports torch
+    from attnlab import mkl_any_cpu as _mkl_any_cpu  # (not imported otherwise: python -m)
+
+    if _mkl_any_cpu.requested():
+        _mkl_any_cpu.enable()
+
 from attnlab.cache import Cache
 from attnlab.config import (
     AttentionConfig,

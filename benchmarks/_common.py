@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from attnlab.mkl_any_cpu import mkl_code_path
+
 
 def setup_threads(threads: int | None) -> int:
     if threads:
@@ -52,7 +54,9 @@ def read_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {threads} threads"
+    mkl = mkl_code_path()  # 0: MKL's generic path (its choice on non-Intel CPUs)
+    path = "" if mkl is None else f", MKL code path {mkl}" + (" (generic)" if mkl == 0 else "")
+    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {threads} threads{path}"
 
 
 def table(headers: list[str], rows: list[list]) -> str:
