@@ -68,6 +68,7 @@ def enable() -> bool:
     """Load the library ahead of PyTorch; True when it is in place for this process. Warns
     (and returns False) when torch is already imported or the library cannot be built."""
     if sys.platform != "linux":
+        warnings.warn(f"{ENV}=1 works on Linux only; it has no effect here", stacklevel=2)
         return False
     if LIBRARY in os.environ.get("LD_PRELOAD", ""):
         return True  # loaded by the dynamic linker already

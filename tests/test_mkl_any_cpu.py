@@ -101,6 +101,12 @@ def test_a_missing_compiler_warns_and_changes_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "attnlab").iterdir()) == []  # no half-built file left
 
 
+def test_other_systems_warn(monkeypatch):
+    monkeypatch.setattr(mkl_any_cpu.sys, "platform", "darwin")
+    with pytest.warns(UserWarning, match="Linux only"):
+        assert mkl_any_cpu.enable() is False
+
+
 @needs_cc
 def test_the_library_is_built_once(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
