@@ -89,7 +89,12 @@ def enable() -> bool:
             stacklevel=2,
         )
         return False
-    ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)  # ahead of libtorch_cpu in symbol lookup
+    try:
+        ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)  # ahead of libtorch_cpu in symbol lookup
+    except OSError as err:  # e.g. a damaged file in the cache: delete it to rebuild
+        warnings.warn(f"{ENV}=1: could not load {path} ({err}); delete it to rebuild it",
+                      stacklevel=2)  # fmt: skip
+        return False
     return True
 
 

@@ -101,6 +101,16 @@ def test_a_missing_compiler_warns_and_changes_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "attnlab").iterdir()) == []  # no half-built file left
 
 
+def test_a_damaged_library_in_the_cache_warns_instead_of_failing_the_import(tmp_path):
+    lib = tmp_path / "cache" / "attnlab" / mkl_any_cpu.LIBRARY
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"not an ELF file")
+    code = "import attnlab, torch; print(1)"
+    run = _child(tmp_path, {mkl_any_cpu.ENV: "1"}, code)
+    assert run["result"] == 1
+    assert f"could not load {lib}" in run["stderr"] and "delete it to rebuild" in run["stderr"]
+
+
 def test_other_systems_warn(monkeypatch):
     monkeypatch.setattr(mkl_any_cpu.sys, "platform", "darwin")
     with pytest.warns(UserWarning, match="Linux only"):
