@@ -457,6 +457,12 @@ class Cache:
         ``max_len``)."""
         return (int(self._slot) if self.static else self._length) > self.max_len
 
+    def tensors(self) -> list[Tensor]:
+        """Every tensor this cache holds: the shared bookkeeping and each entry's."""
+        shared = [self._slot, self.key_valid, self.slot_pos, self.next_position]
+        entries = [*self.layers, *(c for c in self.cross if c is not None)]
+        return shared + [t for entry in entries for t in entry.tensors()]
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated by every layer's entry (full capacity)."""

@@ -262,6 +262,8 @@ def _decode(
         cache = model.new_cache(b, capacity, static=compile, rolling=roll)
         if compile:
             step_fn = _compiled_step(model)
+            if getattr(step_fn, "cuda_graphs", False):
+                _mark_static(cache)
             if fallback:
                 step_fn = _eager_if_compile_fails(step_fn)
     # Inside generate()'s own loop nothing the compiled graph depends on changes between
@@ -279,6 +281,10 @@ def _decode(
         guards_passed = closed_loop
         return logits
 
+    # generate()'s own loop without stop tokens never needs a token on the host before the
+    # end: it yields the device tensors and reads them all at once (collect), so a GPU runs
+    # step after step without waiting for the host to read each token.
+    on_device = closed_loop and not stops.numel()
     if max_new_tokens > 0:
         ids, mask = window()
         logits = _forward_last(model, ids, mask, cache)  # prefill
@@ -291,7 +297,7 @@ def _decode(
                 return
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         else:
-            out = nxt.tolist()
+            out = nxt if on_device else nxt.tolist()
         yield out[0] if single else out
         if step == max_new_tokens - 1:
             return
@@ -373,14 +379,33 @@ def _eager_if_compile_fails(step_fn):
     return step
 
 
+# On CUDA the compiled decode step replays a CUDA graph (inductor's cudagraph trees, as
+# torch.compile's mode="reduce-overhead"): one launch per token instead of one per kernel.
+# False: compiled kernels launched one by one (for comparison, benchmarks/vs_transformers.py).
+CUDA_GRAPHS = True
+
+
+def _mark_static(cache) -> None:
+    """Tell the CUDA graphs that the cache's tensors (written in place at every step) keep
+    their addresses while this generation runs. Unguarded: a later generation's fresh cache
+    re-records the graph (milliseconds) instead of recompiling the step."""
+    for t in cache.tensors():
+        torch._dynamo.mark_static_address(t, guard=False)
+
+
 def _compiled_step(model):
     """One decode step compiled with fullgraph=True (kept on the model: compiled once), in
     eval mode like the eager step (a model in training mode is switched for the call).
     On CPU the model's Linear weights are first re-stored row-major, in place (the layout
-    the compiled one-vector products read fastest, see ``attnlab.nn.linear``)."""
+    the compiled one-vector products read fastest, see ``attnlab.nn.linear``); on CUDA the
+    step is a CUDA graph (``CUDA_GRAPHS``)."""
     step = getattr(model, "_compiled_decode_step", None)
+    device = next(model.parameters()).device.type
+    cuda_graphs = CUDA_GRAPHS and device == "cuda"
+    if step is not None and getattr(step, "cuda_graphs", cuda_graphs) != cuda_graphs:
+        step = None  # CUDA_GRAPHS changed since this model's step was compiled
     if step is None:
-        if next(model.parameters()).device.type == "cpu":
+        if device == "cpu":
             set_layout(model, "rows")
 
         def decode_one(model, ids, mask, cache):
@@ -389,7 +414,7 @@ def _compiled_step(model):
         # Inductor's per-call asserts of every input's size and stride repeat what dynamo's
         # guards check before a guarded call, and a direct call (below) reuses only code
         # whose guards passed for that cache: off, 1.6% of a 30M model's step.
-        options = {"size_asserts": False}
+        options = {"size_asserts": False, "triton.cudagraphs": cuda_graphs}
         compiled = torch.compile(decode_one, fullgraph=True, dynamic=False, options=options)
         # per cache (each generate call has its own): the code dynamo ran at its last
         # guarded call, as a plain function
@@ -416,6 +441,7 @@ def _compiled_step(model):
                 if training:
                     model.train()
 
+        step.cuda_graphs = cuda_graphs
         object.__setattr__(model, "_compiled_decode_step", step)  # not a submodule
     return step
 
@@ -484,7 +510,11 @@ def generate(
 
 def collect(steps: Iterator, single: bool, n_rows: int) -> list[int] | list[list[int]]:
     """What a ``stream`` yielded, as ``generate`` returns it: the tokens of one prompt, or a
-    list per row of a batch (the None after a row's stop token left out)."""
+    list per row of a batch (the None after a row's stop token left out). Steps may also be
+    tensors (generate's loop without stop tokens, read from the device once, here)."""
+    steps = list(steps)
+    if steps and isinstance(steps[0], Tensor):  # (b,) per step, or 0-d for one prompt
+        return torch.stack(steps, dim=-1).tolist()
     if single:
         return list(steps)
     rows: list[list[int]] = [[] for _ in range(n_rows)]

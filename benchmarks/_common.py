@@ -18,40 +18,57 @@ def setup_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
+def sync(device: torch.device | str = "cpu") -> None:
+    """Wait for the device's queued work (a no-op on CPU): timings on a GPU need it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(mbytes: int = 512, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s of a large tensor copy (read + write), best of ``repeats``: the practical
-    memory-bandwidth limit of this machine."""
-    a = torch.ones(mbytes * 2**20 // 4)
+    memory-bandwidth limit of this machine (or of the GPU ``device``)."""
+    a = torch.ones(mbytes * 2**20 // 4, device=device)
     b = torch.empty_like(a)
     b.copy_(a)  # touch the pages
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         b.copy_(a)
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * a.nbytes / best
 
 
 @functools.cache
-def _big(mbytes: int) -> torch.Tensor:
-    return torch.ones(mbytes * 2**20 // 4)
+def _big(mbytes: int, device: str = "cpu") -> torch.Tensor:
+    return torch.ones(mbytes * 2**20 // 4, device=device)
 
 
-def read_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
+def read_bandwidth(mbytes: int = 512, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s of reading a large tensor (its maximum: nothing written), best of
     ``repeats``: the rate a workload that only reads, such as decoding reading the weights,
     can reach (the copy bandwidth counts the bytes written too)."""
-    a = _big(mbytes)
+    a = _big(mbytes, device)
     a.max()
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         a.max()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return a.nbytes / best
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
+    """The machine in one line; for a GPU ``device``, the GPU and its software too."""
+    if torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return (
+            f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs), "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, {os.cpu_count()} CPUs"
+        )
     cpu = platform.processor() or platform.machine()
     threads = torch.get_num_threads()
     mkl = mkl_code_path()  # 0: MKL's generic path (its choice on non-Intel CPUs)

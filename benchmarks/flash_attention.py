@@ -16,8 +16,14 @@ Timing runs separately, outside the tracker.
 
 Eager is skipped where its estimate (its 1K peak times (T / 1K)^2) exceeds --eager-limit-gb.
 
+On a GPU (``--device cuda``) the Triton kernels (backend ``triton``, which the ``flash``
+backend runs on CUDA) take flash's place in the table, and the timings wait for the GPU
+(forward + backward, best of --repeats after a warm-up run that also autotunes the kernels).
+
     python benchmarks/flash_attention.py                 # the README table, ~4 minutes
     python benchmarks/flash_attention.py --lengths 1024 2048 --threads 2
+    python benchmarks/flash_attention.py --device cuda --dtype bfloat16 --batch 4 --heads 16 \
+        --repeats 5 --no-flex
 """
 
 from __future__ import annotations
@@ -29,17 +35,21 @@ import warnings
 
 import torch
 
-from _common import machine, setup_threads, table
+from _common import machine, setup_threads, sync, table
 from attnlab.functional.attention import attend
 from attnlab.functional.flex import flex_attention
 from attnlab.memory import PeakTensorMemory
 
-B, H, D_H = 1, 4, 64
+SHAPE = {"batch": 1, "heads": 4, "head_dim": 64, "device": "cpu", "dtype": torch.float32}
 
 
 def inputs(t: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(t)
-    return tuple(torch.randn(B, H, t, D_H, generator=g).requires_grad_(True) for _ in range(3))
+    shape = (SHAPE["batch"], SHAPE["heads"], t, SHAPE["head_dim"])
+    return tuple(
+        torch.randn(shape, generator=g).to(SHAPE["device"], SHAPE["dtype"]).requires_grad_(True)
+        for _ in range(3)
+    )
 
 
 def fwd_bwd(backend: str, q, k, v) -> None:
@@ -58,8 +68,10 @@ def peak_bytes(backend: str, t: int) -> int:
 def seconds(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
+        sync(SHAPE["device"])
         start = time.perf_counter()
         fn()
+        sync(SHAPE["device"])
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -76,19 +88,32 @@ def main() -> None:
         action="store_true",
         help="time torch.compile'd flex (fused, ~20 s compile per length)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (adds the Triton kernels)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args()
     setup_threads(args.threads)
-    print(f"# {machine()}; batch {B}, {H} heads, head dim {D_H}, causal, float32\n")
+    SHAPE.update(batch=args.batch, heads=args.heads, device=args.device,
+                 dtype=getattr(torch, args.dtype))  # fmt: skip
+    gpu = torch.device(args.device).type == "cuda"
+    # On CUDA the flash backend runs the Triton kernels: they take its place in the table.
+    tiled = "triton" if gpu else "flash"
+    backends = ["eager", "sdpa", tiled]
+    print(
+        f"# {machine(args.device)}; batch {args.batch}, {args.heads} heads, head dim "
+        f"{SHAPE['head_dim']}, causal, {args.dtype}\n"
+    )
     eager_1k = peak_bytes("eager", 1024)
     rows = []
     wall = time.perf_counter()
     for t in args.lengths:
         run_eager = eager_1k * (t / 1024) ** 2 <= args.eager_limit_gb * 2**30
         mem, sec = {}, {}
-        for backend in ("eager", "sdpa", "flash"):
+        for backend in backends:
             if backend == "eager" and not run_eager:
                 continue
-            mem[backend] = peak_bytes(backend, t)
+            mem[backend] = peak_bytes(backend, t)  # (also the warm-up: compiles, autotunes)
             q, k, v = inputs(t)
             sec[backend] = seconds(lambda: fwd_bwd(backend, q, k, v), args.repeats)  # noqa: B023
         flex = "-"
@@ -102,32 +127,20 @@ def main() -> None:
                     run()  # compile outside the timing
                 flex = f"{seconds(run, args.repeats):.2f}"
         mb = lambda b, mem=mem: f"{mem[b] / 2**20:,.0f}" if b in mem else "skipped"  # noqa: E731
-        s = lambda b, sec=sec: f"{sec[b]:.2f}" if b in sec else "skipped"  # noqa: E731
+        n = 4 if gpu else 2
+        s = lambda b, sec=sec, n=n: f"{sec[b]:.{n}f}" if b in sec else "skipped"  # noqa: E731
         rows.append(
-            [
-                t,
-                mb("eager"),
-                mb("sdpa"),
-                mb("flash"),
-                f"{mem['eager'] / mem['flash']:.1f}x" if "eager" in mem else "-",
-                s("eager"),
-                s("sdpa"),
-                s("flash"),
-                f"{sec['flash'] / sec['sdpa']:.2f}x",
-                flex,
-            ]
-        )
+            [t, *map(mb, backends),
+             f"{mem['eager'] / mem[tiled]:.1f}x" if "eager" in mem else "-",
+             *map(s, backends), f"{sec[tiled] / sec['sdpa']:.2f}x", flex]
+        )  # fmt: skip
         print(f"T={t} done ({time.perf_counter() - wall:.0f} s)", file=sys.stderr)
     headers = [
         "T",
-        "eager MiB",
-        "sdpa MiB",
-        "flash MiB",
-        "eager/flash mem",
-        "eager s",
-        "sdpa s",
-        "flash s",
-        "flash/sdpa time",
+        *(f"{b} MiB" for b in backends),
+        f"eager/{tiled} mem",
+        *(f"{b} s" for b in backends),
+        f"{tiled}/sdpa time",
         f"flex fwd s{' (compiled)' if args.flex_compile else ' (eager)'}",
     ]
     print(table(headers, rows))

@@ -1,8 +1,13 @@
 """attnlab vs Hugging Face transformers: greedy decoding on the same LLaMA-style model.
 
-Both run the identical ~30M-parameter model (d_model 512, 8 layers, 8 heads, 2 KV heads;
-transformers' weights copied into attnlab through attnlab.interop), float32, CPU, batch 1,
-a 32-token prompt, 256 new tokens, the same thread count. The tokens must be identical.
+Both run the identical model (transformers' weights copied into attnlab through
+attnlab.interop), batch 1, a 32-token prompt, 256 new tokens, greedy. ``--size 30m``
+(default): ~30M parameters (d_model 512, 8 layers, 8 heads, 2 KV heads), float32, on the
+CPU with the same thread count; the tokens must be identical. ``--size 1b``: TinyLlama's
+1.1B shape (d_model 2048, 22 layers, 32 heads, 4 KV heads), meant for a GPU in bfloat16
+(``--device cuda --dtype bfloat16``); there two correct bf16 implementations round
+differently, so "same tokens" counts how many of the first tokens agree.
+
 Also prints the fraction of the memory-bandwidth limit reached: bytes of weights and KV
 cache read per token x tokens/s / bandwidth of a large tensor copy (read + write bytes), and
 the same against the rate of only reading a large tensor (decoding only reads). A shared
@@ -11,10 +16,13 @@ round of repeats, and each run is set against the better of the two around it; t
 shows the median over the repeats and the lowest and highest.
 
 Rows: attnlab's default eager decoding and its compiled fixed-shape step
-(``generate(compile=True)``; compile time printed, not counted), transformers' default
-and static caches.
+(``generate(compile=True)``, on CUDA replayed as a CUDA graph, and on CUDA also without the
+graph; compile time printed, not counted), transformers' default and static caches (on CUDA
+transformers compiles the static-cache forward itself, with CUDA graphs; its first call,
+which compiles, is not timed).
 
     python benchmarks/vs_transformers.py [--new-tokens 256] [--repeats 5] [--threads 2]
+    python benchmarks/vs_transformers.py --device cuda --dtype bfloat16 --size 1b
 """
 
 from __future__ import annotations
@@ -32,8 +40,16 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from _common import copy_bandwidth, machine, read_bandwidth, setup_threads, table  # noqa: E402
+import attnlab.generation  # noqa: E402
+from _common import copy_bandwidth, machine, read_bandwidth, setup_threads, sync, table  # noqa: E402
 from attnlab.interop import load_hf  # noqa: E402
+
+SIZES = {  # LlamaConfig fields
+    "30m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=2, vocab_size=8192),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
+}  # fmt: skip
 
 
 def bytes_per_token(model, prompt_len: int, new_tokens: int) -> float:
@@ -41,25 +57,21 @@ def bytes_per_token(model, prompt_len: int, new_tokens: int) -> float:
     plus the KV cache read, averaged over the steps."""
     cfg = model.cfg
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = model.tok_emb.weight.element_size()
     if not cfg.tie_embeddings:  # the input embedding is a lookup of one row
-        weights -= model.tok_emb.weight.numel() * 4 - cfg.d_model * 4
-    per_slot = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # k and v, float32
+        weights -= model.tok_emb.weight.numel() * size - cfg.d_model * size
+    per_slot = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * size  # k and v
     mean_len = prompt_len + (new_tokens - 1) / 2
     return weights + per_slot * mean_len
 
 
-def build_pair():
+def build_pair(size: str, dtype: torch.dtype, device: str):
     """transformers' LlamaForCausalLM (random weights, seeded) and the same weights loaded
-    into attnlab, both in eval mode."""
+    into attnlab, both in eval mode, in ``dtype`` on ``device``."""
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        **SIZES[size],
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -67,11 +79,21 @@ def build_pair():
         eos_token_id=None,
         pad_token_id=None,
     )
-    hf = LlamaForCausalLM(hf_cfg).eval()
+    with torch.device(device):  # a 1B model initialises much faster on a GPU
+        hf = LlamaForCausalLM(hf_cfg)
+    hf = hf.to(dtype).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        ours = load_hf(tmp).eval()
+        ours = load_hf(tmp, dtype=dtype, device=device).eval()
     return hf, ours
+
+
+def agreement(tokens: list[int], reference: list[int]) -> str:
+    """'yes' when identical, else how many of the first tokens agree."""
+    if tokens == reference:
+        return "yes"
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(tokens))
+    return f"first {same} of {len(reference)}"
 
 
 def main() -> None:
@@ -80,13 +102,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled row")
+    ap.add_argument("--size", choices=list(SIZES), default="30m")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
     args = ap.parse_args()
     threads = setup_threads(args.threads)
-    hf, ours = build_pair()
+    device, dtype = args.device, getattr(torch, args.dtype)
+    cuda = torch.device(device).type == "cuda"
+    hf, ours = build_pair(args.size, dtype, device)
     hf_cfg = hf.config
     n_params = ours.num_parameters()
-    prompt = torch.randint(0, hf_cfg.vocab_size, (1, args.prompt))
+    prompt = torch.randint(0, hf_cfg.vocab_size, (1, args.prompt), device=device)
     n = args.new_tokens
 
     def run_hf(cache: str | None):
@@ -97,31 +124,49 @@ def main() -> None:
             )
         return out[0, args.prompt :].tolist()
 
+    def run_ours(model, compile: bool, cuda_graphs: bool = True):
+        attnlab.generation.CUDA_GRAPHS = cuda_graphs
+        return model.generate(prompt[0], n, compile=compile)
+
     runners = {
-        "attnlab (eager, default)": lambda: ours.generate(prompt[0], n),
+        "attnlab (eager, default)": lambda: run_ours(ours, False),
         "transformers": lambda: run_hf(None),
         "transformers (static cache)": lambda: run_hf("static"),
     }
-    compile_s = None
+    compile_s = {}
     if not args.no_compile:  # the compiled fixed-shape step: compile once, then time
-        # a copy: compiling re-stores its weights row-major, the eager row keeps its layout
-        compiled = copy.deepcopy(ours)
-        t = time.perf_counter()
-        compiled.generate(prompt[0], 4, compile=True)
-        compile_s = time.perf_counter() - t
-        runners["attnlab (compiled step)"] = lambda: compiled.generate(prompt[0], n, compile=True)
+        variants = {"attnlab (compiled step)": True}
+        if cuda:
+            variants = {"attnlab (compiled step, CUDA graph)": True,
+                        "attnlab (compiled step, no CUDA graph)": False}  # fmt: skip
+        # a copy per variant, made before anything compiles (each keeps its compiled step);
+        # on CPU compiling re-stores the weights row-major, the eager row keeps its layout
+        models = {name: copy.deepcopy(ours) for name in variants}
+        for name, graphs in variants.items():
+            model = models[name]
+            t = time.perf_counter()
+            run_ours(model, True, graphs)
+            sync(device)
+            compile_s[name] = time.perf_counter() - t
+            runners[name] = lambda m=model, g=graphs: run_ours(m, True, g)
     tokens, times = {}, {}
-    for name, fn in runners.items():  # warm up, and check the tokens
+    for name, fn in runners.items():  # warm up (transformers compiles on CUDA), check tokens
+        t = time.perf_counter()
         tokens[name] = fn()
-    bandwidths = [copy_bandwidth(repeats=3)]
-    reads = [read_bandwidth(repeats=3)]
+        if name.startswith("transformers (static") and cuda:
+            compile_s[name] = time.perf_counter() - t
+    mb = 2048 if cuda else 512  # far beyond the GPU's L2 cache
+    bandwidths = [copy_bandwidth(mb, repeats=3, device=device)]
+    reads = [read_bandwidth(mb, repeats=3, device=device)]
     for _ in range(args.repeats):  # interleaved, the bandwidths between rounds
         for name, fn in runners.items():
+            sync(device)
             t = time.perf_counter()
             fn()
+            sync(device)
             times.setdefault(name, []).append(time.perf_counter() - t)
-        bandwidths.append(copy_bandwidth(repeats=3))
-        reads.append(read_bandwidth(repeats=3))
+        bandwidths.append(copy_bandwidth(mb, repeats=3, device=device))
+        reads.append(read_bandwidth(mb, repeats=3, device=device))
     best = {name: min(ts) for name, ts in times.items()}
     median = {name: statistics.median(ts) for name, ts in times.items()}
     per_token = bytes_per_token(ours, args.prompt, n)
@@ -133,21 +178,20 @@ def main() -> None:
         return f"{statistics.median(s):.0%} ({min(s):.0%}-{max(s):.0%})"
 
     print(
-        f"model: LLaMA-style, {n_params / 1e6:.1f}M parameters, float32, batch 1, "
+        f"model: LLaMA-style, {n_params / 1e6:.1f}M parameters, {args.dtype}, batch 1, "
         f"{args.prompt}-token prompt, {n} new tokens, greedy"
     )
-    print(f"machine: {machine()}; threads: {threads}")
+    print(f"machine: {machine(device)}" + ("" if cuda else f"; threads: {threads}"))
     print(
         f"memory bandwidth over the run: large tensor copy {min(bandwidths) / 1e9:.1f}-"
         f"{max(bandwidths) / 1e9:.1f} GB/s, reading alone {min(reads) / 1e9:.1f}-"
         f"{max(reads) / 1e9:.1f} GB/s; bytes read per token: {per_token / 1e6:.1f} MB"
     )
-    if compile_s is not None:
-        print(f"compile time of the decode step: {compile_s:.1f} s (once per model and batch)")
+    for name, seconds in compile_s.items():
+        print(f"compile time, {name}: {seconds:.1f} s (once per model and batch)")
     rows = []
     for name in runners:
         tps = n / best[name]
-        same = "yes" if tokens[name] == tokens["transformers"] else "NO"
         rows.append(
             [
                 name,
@@ -157,7 +201,7 @@ def main() -> None:
                 f"{median['transformers'] / median[name]:.2f}x",
                 shares(name, bandwidths),
                 shares(name, reads),
-                same,
+                agreement(tokens[name], tokens["transformers"]),
             ]
         )
     headers = ["implementation", "tok/s (best)", "tok/s (median)", "vs transformers (best)",

@@ -140,6 +140,30 @@ def test_stream_yields_what_generate_returns(model):
     assert rows == model.generate(prompts, 8)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_generate_reads_the_tokens_from_the_device_once(model, monkeypatch, compile):
+    """Without stop tokens generate() never needs a token on the host before the end, so
+    it reads them all at once (a GPU then runs step after step without waiting): as many
+    reads for 40 new tokens as for 4, and the tokens stream() yields one by one."""
+    torch._dynamo.reset()  # (each model compiles its own step: stay under dynamo's limit)
+    one, batch = _prompt(5, 5), [_prompt(5, 5), _prompt(2, 6)]
+    want_one = list(model.stream(one, 40, compile=compile))
+    want_batch = [list(row) for row in zip(*model.stream(batch, 40, compile=compile))]
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+
+    def generate(prompts, n):
+        reads.clear()
+        return model.generate(prompts, n, compile=compile), len(reads)
+
+    for prompts, want in ((one, want_one), (batch, want_batch)):
+        (short, few), (long, many) = generate(prompts, 4), generate(prompts, 40)
+        assert few == many
+        assert long == want
+        assert short == (want[:4] if prompts is one else [row[:4] for row in want])
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_batched_left_padded_prompts_equal_each_prompt_alone(model, use_cache):
     prompts = [_prompt(n, 10 + n) for n in (3, 9, 6, 1)]
