@@ -62,6 +62,11 @@ class LayerCache:
     def tensors(self) -> list[Tensor]:
         return []
 
+    def state(self) -> list[Tensor]:
+        """Every tensor decoding writes in place; all zeros in a fresh entry (see
+        ``Cache.reset(in_place=True)``). The stored tokens, unless an entry says more."""
+        return self.tensors()
+
     def mask(self, window: int | None = None) -> tuple[Tensor | None, bool]:
         """The shared (mask, causal) of this step: see :meth:`Cache.mask`."""
         return self.cache.mask(window)
@@ -103,6 +108,9 @@ class CrossKV(LayerCache):
 
     def tensors(self) -> list[Tensor]:
         return [t for t in (self.k, self.v) if t is not None]
+
+    def state(self) -> list[Tensor]:  # projected from the context, none written in place
+        return []
 
     def get(self, context: Tensor | None, project) -> tuple[Tensor, Tensor]:
         if self.k is None:
@@ -155,6 +163,9 @@ class RollingKV(LayerCache):
 
     def tensors(self) -> list[Tensor]:
         return [self.k, self.v]
+
+    def state(self) -> list[Tensor]:
+        return [self.k, self.v, self.pos, self.valid, self.written]
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Take the new keys/values (b, h_kv, t, d_h); return the w + t to attend to."""
@@ -228,6 +239,9 @@ class GlobalWindowKV(LayerCache):
     def tensors(self) -> list[Tensor]:
         return [self.global_k, self.global_v, *self.ring.tensors()]
 
+    def state(self) -> list[Tensor]:  # (global_pos is configuration, not state)
+        return [self.global_k, self.global_v, self.global_valid, *self.ring.state()]
+
     def reorder(self, index: Tensor, batch: int) -> None:
         # Explicit: global_pos (g,) is not batch-first, even when g equals the batch.
         for name in ("global_k", "global_v", "global_valid"):
@@ -299,6 +313,9 @@ class SinkKV(LayerCache):
 
     def tensors(self) -> list[Tensor]:
         return [self.sink_k, self.sink_v, self.k, self.v]
+
+    def state(self) -> list[Tensor]:
+        return [*self.tensors(), self.sink_valid, self.pos, self.valid, self.written]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, rope, scale: float | None = None) -> Tensor:
         """q (b, h, t, d_h), k, v (b, h_kv, t, d_h), all un-rotated; ``rope`` a
@@ -424,9 +441,20 @@ class Cache:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def reset(self) -> None:
-        """Forget every token. Fresh tensors, not in-place fills: these may have been made
-        under inference_mode (by a forward pass) and this may run outside it."""
+    def reset(self, in_place: bool = False) -> None:
+        """Forget every token. Fresh tensors by default, not in-place fills: these may have
+        been made under inference_mode (by a forward pass) and this may run outside it.
+        ``in_place``: zero the same tensors instead (under inference_mode), so that a CUDA
+        graph that writes them finds them at the same addresses."""
+        if in_place:
+            with torch.inference_mode():
+                for t in self.state():
+                    t.zero_()
+            for entry in self.cross:  # projections of the context: made again
+                if entry is not None:
+                    entry.reset()
+            self._length, self.has_padding, self._step = 0, False, None
+            return
         L, dev = self.max_len, self.device
         self._length = 0  # dynamic mode: slots written so far (ever, when rolling)
         self._slot = torch.zeros((), dtype=torch.long, device=dev)  # static mode's twin
@@ -457,11 +485,12 @@ class Cache:
         ``max_len``)."""
         return (int(self._slot) if self.static else self._length) > self.max_len
 
-    def tensors(self) -> list[Tensor]:
-        """Every tensor this cache holds: the shared bookkeeping and each entry's."""
+    def state(self) -> list[Tensor]:
+        """Every tensor decoding writes in place: the shared bookkeeping and each entry's
+        state; all zeros in a fresh cache."""
         shared = [self._slot, self.key_valid, self.slot_pos, self.next_position]
         entries = [*self.layers, *(c for c in self.cross if c is not None)]
-        return shared + [t for entry in entries for t in entry.tensors()]
+        return shared + [t for entry in entries for t in entry.state()]
 
     @property
     def nbytes(self) -> int:

@@ -255,17 +255,20 @@ def _decode(
 
     cache = None
     step_fn = _forward_last
+    graphs = False  # the compiled step replays a CUDA graph
     if use_cache and max_new_tokens > 0:
         capacity = limit if roll else min(limit, longest + max_new_tokens)
         if compile and not roll:
             capacity = static_capacity(capacity, limit)
-        cache = model.new_cache(b, capacity, static=compile, rolling=roll)
         if compile:
             step_fn = _compiled_step(model)
-            if getattr(step_fn, "cuda_graphs", False):
-                _mark_static(cache)
+            graphs = getattr(step_fn, "cuda_graphs", False)
             if fallback:
                 step_fn = _eager_if_compile_fails(step_fn)
+        if graphs:
+            cache, give_back = _graph_cache(model, b, capacity)
+        else:
+            cache = model.new_cache(b, capacity, static=compile, rolling=roll)
     # Inside generate()'s own loop nothing the compiled graph depends on changes between
     # steps (same model, cache and shapes; only tensor values move), so once its guards have
     # passed, the following steps call the code that ran directly, without dynamo
@@ -285,42 +288,46 @@ def _decode(
     # end: it yields the device tensors and reads them all at once (collect), so a GPU runs
     # step after step without waiting for the host to read each token.
     on_device = closed_loop and not stops.numel()
-    if max_new_tokens > 0:
-        ids, mask = window()
-        logits = _forward_last(model, ids, mask, cache)  # prefill
-    for step in range(max_new_tokens):
-        nxt = sample_next(logits, **sampling)  # (b,)
-        if stops.numel():  # (without stop tokens no row is ever done)
-            done = done | torch.isin(nxt, stops)
-            out = [None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist())]
-            if all(o is None for o in out):
+    try:
+        if max_new_tokens > 0:
+            ids, mask = window()
+            logits = _forward_last(model, ids, mask, cache)  # prefill
+        for step in range(max_new_tokens):
+            nxt = sample_next(logits, **sampling)  # (b,)
+            if stops.numel():  # (without stop tokens no row is ever done)
+                done = done | torch.isin(nxt, stops)
+                out = [None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist())]
+                if all(o is None for o in out):
+                    return
+                nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            else:
+                out = nxt if on_device else nxt.tolist()
+            yield out[0] if single else out
+            if step == max_new_tokens - 1:
                 return
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        else:
-            out = nxt if on_device else nxt.tolist()
-        yield out[0] if single else out
-        if step == max_new_tokens - 1:
-            return
-        if roll:  # the cache holds the context: nothing grows, nothing is re-encoded
-            logits = decode_one(nxt)
-            continue
-        pending.append(nxt)
-        length += 1
-        slide = length - min_start > limit  # some row's context overflows
-        if slide:
-            full = length - starts > limit  # (b,) those rows
-            starts = torch.where(full, length - keep, starts)
-            min_start = int(starts.min())
-        if cache is None:
-            ids, mask = window()
-            logits = _forward_last(model, ids, mask, None)
-        elif not slide:
-            logits = decode_one(nxt)
-        else:  # re-encode the kept tokens: positions restart, so the cache does too
-            cache.reset()
-            guards_passed = False  # fresh cache tensors: the next step checks them
-            ids, mask = window()
-            logits = _forward_last(model, ids, mask, cache)
+            if roll:  # the cache holds the context: nothing grows, nothing is re-encoded
+                logits = decode_one(nxt)
+                continue
+            pending.append(nxt)
+            length += 1
+            slide = length - min_start > limit  # some row's context overflows
+            if slide:
+                full = length - starts > limit  # (b,) those rows
+                starts = torch.where(full, length - keep, starts)
+                min_start = int(starts.min())
+            if cache is None:
+                ids, mask = window()
+                logits = _forward_last(model, ids, mask, None)
+            elif not slide:
+                logits = decode_one(nxt)
+            else:  # re-encode the kept tokens: positions restart, so the cache does too
+                cache.reset(in_place=graphs)
+                guards_passed = False  # fresh cache tensors: the next step checks them
+                ids, mask = window()
+                logits = _forward_last(model, ids, mask, cache)
+    finally:
+        if graphs:
+            give_back()  # for the next generation of this shape
 
 
 @torch.inference_mode()
@@ -385,12 +392,23 @@ def _eager_if_compile_fails(step_fn):
 CUDA_GRAPHS = True
 
 
-def _mark_static(cache) -> None:
-    """Tell the CUDA graphs that the cache's tensors (written in place at every step) keep
-    their addresses while this generation runs. Unguarded: a later generation's fresh cache
-    re-records the graph (milliseconds) instead of recompiling the step."""
-    for t in cache.tensors():
-        torch._dynamo.mark_static_address(t, guard=False)
+def _graph_cache(model, batch: int, capacity: int):
+    """The static cache of a CUDA-graph decode, and a function that gives it back: one per
+    shape, kept on the model and zeroed in place for its next generation, so the graph
+    replays at the same addresses (as transformers' StaticCache). A fresh cache each time
+    would make the graph re-record, and after 128 re-records torch stops using it. A
+    generation holds the cache until it ends; one running beside it gets a fresh one."""
+    pool = model.__dict__.setdefault("_graph_caches", {})
+    p = model.tok_emb.weight
+    key = (batch, capacity, p.dtype, p.device)
+    cache = pool.pop(key, None)
+    if cache is None:
+        cache = model.new_cache(batch, capacity, static=True)
+        for t in cache.state():  # written in place at every step, at fixed addresses
+            torch._dynamo.mark_static_address(t, guard=False)
+    else:
+        cache.reset(in_place=True)
+    return cache, lambda: pool.setdefault(key, cache)
 
 
 def _compiled_step(model):

@@ -33,12 +33,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
 triton.__version__, 'transformers', transformers.__version__)"
 
-want decode && part decode 240 $PY benchmarks/vs_transformers.py --device cuda \
+want tests && part tests 120 $PY -m pytest -q -n 4 tests/test_gpu.py tests/test_flash_triton.py
+want decode && part decode 270 $PY benchmarks/vs_transformers.py --device cuda \
     --dtype bfloat16 --size 1b --repeats 3
-want tests && part tests 150 $PY -m pytest -q -x -n 4 tests/test_gpu.py \
-    tests/test_flash_triton.py
-want mfu && part mfu 170 $PY benchmarks/mfu.py --device cuda --compile --no-eager \
+want mfu && part mfu 200 $PY benchmarks/mfu.py --device cuda --compile --no-eager \
     --presets demo llama-30m gpt2 --warmup 3 --chunks 3 --steps 10
-want flash && part flash 90 $PY benchmarks/flash_attention.py --device cuda --dtype bfloat16 \
+want flash && part flash 80 $PY benchmarks/flash_attention.py --device cuda --dtype bfloat16 \
     --batch 4 --heads 16 --repeats 5 --no-flex
 exit 0

@@ -31,6 +31,7 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -110,7 +111,9 @@ def main() -> None:
     threads = setup_threads(args.threads)
     device, dtype = args.device, getattr(torch, args.dtype)
     cuda = torch.device(device).type == "cuda"
+    t = time.perf_counter()
     hf, ours = build_pair(args.size, dtype, device)
+    print(f"built both models: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     hf_cfg = hf.config
     n_params = ours.num_parameters()
     prompt = torch.randint(0, hf_cfg.vocab_size, (1, args.prompt), device=device)
@@ -148,6 +151,7 @@ def main() -> None:
             run_ours(model, True, graphs)
             sync(device)
             compile_s[name] = time.perf_counter() - t
+            print(f"compiled {name}: {compile_s[name]:.1f} s", file=sys.stderr, flush=True)
             runners[name] = lambda m=model, g=graphs: run_ours(m, True, g)
     tokens, times = {}, {}
     for name, fn in runners.items():  # warm up (transformers compiles on CUDA), check tokens
@@ -155,6 +159,7 @@ def main() -> None:
         tokens[name] = fn()
         if name.startswith("transformers (static") and cuda:
             compile_s[name] = time.perf_counter() - t
+        print(f"warm-up {name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     mb = 2048 if cuda else 512  # far beyond the GPU's L2 cache
     bandwidths = [copy_bandwidth(mb, repeats=3, device=device)]
     reads = [read_bandwidth(mb, repeats=3, device=device)]

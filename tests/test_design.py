@@ -122,6 +122,46 @@ def test_static_cache_equals_dynamic_cache_and_full_forward(position, window):
         assert cache.length == 12
 
 
+# One per kind of cache entry: dense, ring (window), sinks + ring, global tokens + ring,
+# linear-attention state, MLA latent, MLA latent + indexer keys (DSA).
+ENTRY_KINDS = {
+    "dense": ("llama-tiny", {}),
+    "window": ("llama-tiny", {"attention.sliding_window": 6}),
+    "sinks": ("llama-tiny", {"attention.sliding_window": 6, "attention.sink_tokens": 2}),
+    "global": ("llama-tiny", {"attention.sliding_window": 6, "attention.global_tokens": [0, 2]}),
+    "linear": ("llama-tiny", {"attention.kind": "linear"}),
+    "latent": ("deepseek-tiny", {}),
+    "indexed latent": ("deepseek-v32-tiny", {}),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", list(ENTRY_KINDS))
+def test_in_place_reset_leaves_a_fresh_static_cache_at_the_same_addresses(kind):
+    """reset(in_place=True) (the CUDA-graph decode reuses its cache so) zeroes the same
+    tensors, and decoding then gives what a fresh cache gives, for every kind of entry."""
+    name, override = ENTRY_KINDS[kind]
+    model = build_model(get_preset(name).override(override)).eval()
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 11))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :2] = 0  # row 1 left padded
+
+    def decode(cache, ids):
+        out = [model(ids[:, :4], cache=cache, attention_mask=mask[:, :4]).logits]
+        out += [model(ids[:, i : i + 1], cache=cache).logits for i in range(4, 11)]
+        return torch.cat(out, dim=1)
+
+    want = decode(model.new_cache(2, 16, static=True), idx)
+    cache = model.new_cache(2, 16, static=True)
+    decode(cache, idx.flip(1))  # other tokens first: the reset must forget them
+    addresses = [t.data_ptr() for t in cache.state()]
+    assert any(t.any() for t in cache.state())
+    cache.reset(in_place=True)
+    assert [t.data_ptr() for t in cache.state()] == addresses
+    assert not any(t.any() for t in cache.state())
+    torch.testing.assert_close(decode(cache, idx), want, **TOL)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("static", [False, True])
 def test_rolling_cache_equals_sliding_window_attention_over_the_stream(static):

@@ -37,6 +37,19 @@ def test_cuda_graph_decode_gives_the_eager_tokens(preset):
     assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     # one graph per batch size: the later generations of batch 1 did not recompile
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    # and one kept cache per shape, reused in place (the graph replays at its addresses)
+    pool = model.__dict__["_graph_caches"]
+    assert sorted(key[:2] for key in pool) == [(1, 64), (2, 64)]
+    kept = next(c for key, c in pool.items() if key[0] == 1)
+    addresses = [t.data_ptr() for t in kept.state()]
+    model.generate(prompts[0], 8, compile=True)
+    assert next(c for key, c in pool.items() if key[0] == 1) is kept
+    assert [t.data_ptr() for t in kept.state()] == addresses
+    # a generation running beside another gets a cache of its own: the same tokens
+    first = model.stream(prompts[0], 10, compile=True)
+    head = next(first)
+    beside = list(model.stream(prompts[0], 10, compile=True))
+    assert [head, *first] == beside == model.generate(prompts[0], 10)
 
 
 def test_cuda_graphs_off_compiles_a_plain_step():
