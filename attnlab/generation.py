@@ -322,7 +322,7 @@ def _decode(
                 logits = decode_one(nxt)
             else:  # re-encode the kept tokens: positions restart, so the cache does too
                 cache.reset(in_place=graphs)
-                guards_passed = False  # fresh cache tensors: the next step checks them
+                guards_passed = False  # a reset cache: the next step checks its guards
                 ids, mask = window()
                 logits = _forward_last(model, ids, mask, cache)
     finally:
@@ -434,8 +434,8 @@ def _compiled_step(model):
         # whose guards passed for that cache: off, 1.6% of a 30M model's step.
         options = {"size_asserts": False, "triton.cudagraphs": cuda_graphs}
         compiled = torch.compile(decode_one, fullgraph=True, dynamic=False, options=options)
-        # per cache (each generate call has its own): the code dynamo ran at its last
-        # guarded call, as a plain function
+        # per cache object: the code dynamo ran at its last guarded call with it, as a
+        # plain function
         last_ran: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
         @torch.inference_mode()
