@@ -266,7 +266,7 @@ def _decode(
             if fallback:
                 step_fn = _eager_if_compile_fails(step_fn)
         if graphs:
-            cache, give_back = _graph_cache(model, b, capacity)
+            cache, give_back = _graph_cache(model, b, capacity, roll)
         else:
             cache = model.new_cache(b, capacity, static=compile, rolling=roll)
     # Inside generate()'s own loop nothing the compiled graph depends on changes between
@@ -359,7 +359,8 @@ def static_capacity(needed: int, limit: int) -> int:
 def _eager_if_compile_fails(step_fn):
     """``step_fn``, or the eager step (on the same static cache) if its first call, which
     compiles, fails; the model remembers the failure, so "auto" stops trying, and gets its
-    eager weight layout back. Errors of later calls are not caught."""
+    eager weight layout back. Errors of later calls are not caught (on CUDA that includes
+    the recording of the CUDA graph, which cudagraph trees do at a later call)."""
     state = {"first": True, "eager": False}
 
     def step(model, ids, mask, cache, skip_guards=False):
@@ -392,18 +393,19 @@ def _eager_if_compile_fails(step_fn):
 CUDA_GRAPHS = True
 
 
-def _graph_cache(model, batch: int, capacity: int):
+def _graph_cache(model, batch: int, capacity: int, rolling: bool):
     """The static cache of a CUDA-graph decode, and a function that gives it back: one per
     shape, kept on the model and zeroed in place for its next generation, so the graph
-    replays at the same addresses (as transformers' StaticCache). A fresh cache each time
-    would make the graph re-record, and after 128 re-records torch stops using it. A
-    generation holds the cache until it ends; one running beside it gets a fresh one."""
+    replays at the same addresses (as transformers' StaticCache). With a fresh cache each
+    time torch would record the graph again for every generation and keep every recording
+    (some torch versions stop using the graph after 128 re-records). A generation
+    holds the cache until it ends; one running beside it gets a fresh one."""
     pool = model.__dict__.setdefault("_graph_caches", {})
     p = model.tok_emb.weight
-    key = (batch, capacity, p.dtype, p.device)
+    key = (batch, capacity, rolling, p.dtype, p.device)
     cache = pool.pop(key, None)
     if cache is None:
-        cache = model.new_cache(batch, capacity, static=True)
+        cache = model.new_cache(batch, capacity, static=True, rolling=rolling)
         for t in cache.state():  # written in place at every step, at fixed addresses
             torch._dynamo.mark_static_address(t, guard=False)
     else:
@@ -469,20 +471,36 @@ def _code_that_ran(fn, *args):
     function to call without dynamo: no cache lookup, no guards, no frame hooks, so
     1-2 tenths of a millisecond less per step of a 30M model on CPU (benchmarks/
     compile_decode.py). It is the bytecode dynamo itself runs (inputs gathered, the
-    compiled graph called, Python side effects replayed); None where torch offers no
-    such entry (the caller then keeps calling through dynamo)."""
+    compiled graph called, Python side effects replayed), and each call counts itself as
+    dynamo's entry does: CUDA graphs (cudagraph trees) tell one call from the next by that
+    count, and without it would record each step as a new graph chained to the last.
+    None where torch offers no such entry (the caller then keeps calling through dynamo)."""
     try:
+        tracker = torch._dynamo.mutation_guard.GenerationTracker
+        if not isinstance(tracker.generation, int):
+            return None
         entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
         names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
         f_locals = dict(zip(names, args))
         for entry in entries:  # dynamo's own order: the first whose guards pass runs
             if entry.guard_manager.check(f_locals):
-                return types.FunctionType(
+                code = types.FunctionType(
                     entry.code, fn.__globals__, fn.__name__, None, fn.__closure__
                 )
+                return _counted(code, tracker)
     except (AttributeError, TypeError, RuntimeError):  # another torch's internals
         pass
     return None
+
+
+def _counted(code, tracker):
+    """``code`` that first counts a new invocation, as dynamo's entry does."""
+
+    def call(*args):
+        tracker.generation += 1
+        return code(*args)
+
+    return call
 
 
 def generate(

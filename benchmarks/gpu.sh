@@ -26,14 +26,16 @@ part() {  # name, time limit (s), command...
     tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 
-want() { [ $# -eq 0 ] || [[ " $PARTS " == *" $1 "* ]]; }
 PARTS="$*"
+want() { [ -z "$PARTS" ] || [[ " $PARTS " == *" $1 "* ]]; }
+# the tests in 4 processes where pytest-xdist is installed (Triton's autotuning is slow)
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 4")
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
 triton.__version__, 'transformers', transformers.__version__)"
 
-want tests && part tests 120 $PY -m pytest -q -n 4 tests/test_gpu.py tests/test_flash_triton.py
+want tests && part tests 240 $PY -m pytest -q $XDIST tests/test_gpu.py tests/test_flash_triton.py
 want decode && part decode 270 $PY benchmarks/vs_transformers.py --device cuda \
     --dtype bfloat16 --size 1b --repeats 3
 want mfu && part mfu 200 $PY benchmarks/mfu.py --device cuda --compile --no-eager \

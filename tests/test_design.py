@@ -465,9 +465,10 @@ def test_generate_skips_guards_after_the_first_step_and_keeps_each_models_graph(
     cache is re-encoded) goes through dynamo and its guards; the rest call the code that
     ran then directly. Two models of the same shapes but different constants (RMSNorm
     eps), batch sizes 1 and 2 and two capacity buckets, in turns: every call decodes what
-    the eager step decodes, so a direct call never runs another variant's graph. stream()
-    goes through dynamo at every step. (dynamo with its eager backend: this checks guard
-    handling, not inductor.)"""
+    the eager step decodes, so a direct call never runs another variant's graph, and each
+    direct call counts itself in dynamo's invocation count as a call through dynamo does
+    (cudagraph trees tell steps apart by it). stream() goes through dynamo at every step.
+    (dynamo with its eager backend: this checks guard handling, not inductor.)"""
     import attnlab.generation as gen
 
     real_compile, calls = torch.compile, {"guarded": 0, "direct": 0}
@@ -498,14 +499,62 @@ def test_generate_skips_guards_after_the_first_step_and_keeps_each_models_graph(
     two = [one, one[::-1]]
     runs = [(m, p, n) for p, n in ((one, 10), (two, 6), (one, 70)) for m in models]
     expected = [m.generate(p, n, compile=False) for m, p, n in runs]
-    for (m, p, n), want in zip(runs * 2, expected * 2):
+    tracker = torch._dynamo.mutation_guard.GenerationTracker
+    for i, ((m, p, n), want) in enumerate(zip(runs * 2, expected * 2)):
         calls.update(guarded=0, direct=0)
+        before = tracker.generation
         assert m.generate(p, n, compile=True) == want
         assert calls == {"guarded": 1, "direct": n - 2}  # n - 1 decode steps
+        if i >= len(runs):  # (compiled by now) each step counts as one call into dynamo,
+            assert tracker.generation - before == n - 1  # direct ones too: CUDA graphs
     assert expected[0] != expected[1]  # the eps makes the two models decode differently
     calls.update(guarded=0, direct=0)
     assert [t for t in gen.stream(models[0], one, 10, compile=True)] == expected[0]
     assert calls == {"guarded": 9, "direct": 0}
+
+
+@pytest.mark.filterwarnings("ignore:prompt \\+ max_new_tokens exceeds max_seq_len")
+def test_cuda_graph_decode_cache_logic_on_cpu(monkeypatch):
+    """The CUDA-graph decode's kept caches, with the eager step standing in for the graph:
+    the same tokens as eager decoding when the context slides or rolls past max_seq_len
+    (a window wider than max_seq_len keeps its full ring when rolling), for a batch, with
+    stop tokens; one cache per shape, reused in place by the next generation."""
+    import attnlab.generation as gen
+
+    def graph_step(model):
+        def step(model, ids, mask, cache, skip_guards=False):
+            return gen._forward_last(model, ids, mask, cache)
+
+        step.cuda_graphs = True
+        return step
+
+    cfg = get_preset("llama-tiny").override({"max_seq_len": 16, "attention.sliding_window": 24})
+    model = build_model(cfg).eval()
+    vocab = model.cfg.vocab_size
+    one, two = torch.randint(0, vocab, (5,)).tolist(), torch.randint(0, vocab, (9,)).tolist()
+    cases = [
+        (one, 40, {}),  # slides twice
+        (one, 40, {"overflow": "roll"}),
+        ([one, two], 30, {}),
+        ([one, two], 30, {"overflow": "roll"}),
+        (two, 12, {"stop_tokens": [one[0], two[0]]}),
+    ]
+    expected = [model.generate(p, n, compile=False, **kw) for p, n, kw in cases]
+    monkeypatch.setattr(gen, "_compiled_step", graph_step)
+    for _ in range(2):
+        for (p, n, kw), want in zip(cases, expected):
+            assert model.generate(p, n, compile=True, **kw) == want
+    pool = model.__dict__["_graph_caches"]
+    assert sorted(k[:3] for k in pool) == [
+        (1, 16, False),
+        (1, 16, True),
+        (2, 16, False),
+        (2, 16, True),
+    ]
+    kept = pool[(1, 16, True, torch.float32, torch.device("cpu"))]
+    assert kept.layers[0].size == 24  # the rolling ring keeps the whole window
+    model.generate(one, 40, compile=True, overflow="roll")
+    assert pool[(1, 16, True, torch.float32, torch.device("cpu"))] is kept
 
 
 def test_compiled_step_goes_through_dynamo_where_its_entries_are_not_found(monkeypatch):
