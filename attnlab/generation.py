@@ -552,7 +552,7 @@ def collect(steps: Iterator, single: bool, n_rows: int) -> list[int] | list[list
     if steps and isinstance(steps[0], Tensor):  # (b,) per step, or 0-d for one prompt
         return torch.stack(steps, dim=-1).tolist()
     if single:
-        return list(steps)
+        return steps
     rows: list[list[int]] = [[] for _ in range(n_rows)]
     for step in steps:
         for r, tok in zip(rows, step):
