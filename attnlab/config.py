@@ -441,6 +441,11 @@ class AttentionConfig(_Config):
             )
         if self.sink_logits and self.sink_tokens:
             _fail(f"{path}.sink_logits", "cannot be combined with sink_tokens (yet)")
+        if self.kind in LATENT_KINDS:  # sinks are multi-head attention's (nn/attention.py)
+            for name in ("sink_tokens", "sink_logits"):
+                if getattr(self, name):
+                    _fail(f"{path}.{name}", f"is implemented by attention.kind='mha' only, "
+                          f"not {self.kind!r}")  # fmt: skip
         self._validate_global(path)
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")

@@ -223,3 +223,20 @@ def test_gpt2_is_124m():
     # 50257 x 768 tokens + 1024 x 768 positions + 12 layers x (12 d^2 + 13 d) + final LayerNorm.
     assert n == 50257 * d + 1024 * d + n_layers * (12 * d * d + 13 * d) + 2 * d
     assert round(n / 1e6) == 124
+
+
+@pytest.mark.parametrize("kind", ["mla", "dsa"])
+@pytest.mark.parametrize(
+    "sinks",
+    [{"sink_logits": True}, {"sliding_window": 8, "sink_tokens": 2}],
+    ids=["logits", "tokens"],
+)
+def test_latent_attention_refuses_sinks_it_does_not_implement(kind, sinks):
+    """Sinks are multi-head attention's: on latent attention they would be silently ignored
+    (no sink parameter, no kept sink keys), so the config says so."""
+    attention = {"kind": kind, "q_lora_rank": 24, **sinks}
+    name = next(iter(k for k in sinks if k.startswith("sink")))
+    with pytest.raises(ConfigError, match=rf"attention\.{name}: is implemented by .*'mha' only"):
+        ModelConfig.from_dict({"d_model": 64, "attention": attention}).validate()
+    attention = {k: v for k, v in attention.items() if not k.startswith("sink")}
+    ModelConfig.from_dict({"d_model": 64, "attention": attention}).validate()

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attnlab.config import ConfigError, ModelConfig  # noqa: E402
-from attnlab.interop import load_hf, save_hf  # noqa: E402
+from attnlab.interop import HFCheckpointError, load_hf, save_hf  # noqa: E402
 from attnlab.models import build_model  # noqa: E402
 from attnlab.models.encoder import EncoderConfig, EncoderModel, mask_tokens  # noqa: E402
 
@@ -88,6 +88,37 @@ def test_bert_loads_and_saves_with_equal_logits(name, tmp_path):
     with torch.no_grad():
         again = CLASSES[name](back(input_ids=idx, token_type_ids=types, attention_mask=mask))
     torch.testing.assert_close(again, expected, atol=TOL, rtol=TOL)
+
+
+def test_untied_mlm_head_adds_its_decoder_bias(tmp_path):
+    """With tie_word_embeddings=false transformers 5 ties nothing: the MLM head's output is
+    its own weight plus cls.predictions.decoder.bias, and cls.predictions.bias (stored
+    beside it) goes unused."""
+    ref = transformers.BertForMaskedLM(_bert_config(tie_word_embeddings=False)).eval()
+    _randomize(ref, 2)  # every tensor its own values: the two biases differ
+    assert not torch.equal(ref.cls.predictions.bias, ref.cls.predictions.decoder.bias)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    idx, types, mask = _inputs(1)
+    with torch.no_grad():
+        expected = ref(input_ids=idx, token_type_ids=types, attention_mask=mask).logits
+        out = model(idx, token_type_ids=types, attention_mask=mask).logits
+        real = mask.bool()
+        torch.testing.assert_close(out[real], expected[real], atol=TOL, rtol=TOL)
+        save_hf(model, tmp_path / "ours")
+        back = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours").eval()
+        again = back(input_ids=idx, token_type_ids=types, attention_mask=mask).logits
+    torch.testing.assert_close(again[real], expected[real], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_causal_or_cross_attending_bert_is_refused(cross, tmp_path):
+    """transformers runs such a BERT causally (and with cross-attention): refused, not
+    imported as a bidirectional encoder."""
+    cfg = _bert_config(is_decoder=True, add_cross_attention=cross)
+    transformers.BertModel(cfg).save_pretrained(tmp_path)
+    with pytest.raises(HFCheckpointError, match="is_decoder=true is not supported"):
+        load_hf(tmp_path)
 
 
 def test_bert_losses_match_transformers(tmp_path):

@@ -332,6 +332,37 @@ def test_export_unrepresentable(tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
+_MLA = {
+    "attention.kind": "mla",
+    "attention.n_kv_heads": None,
+    "position.rope_layout": "interleaved",
+}
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"attention.sink_logits": True}, "sink_logits"),
+        ({"attention.sliding_window": 6, "attention.sink_tokens": 2}, "sink_tokens"),
+        ({"attention.sliding_window": 6, "attention.global_tokens": [0, 3]}, "global_tokens"),
+        ({**_MLA, "attention.sliding_window": 5}, "sliding_window"),
+    ],
+    ids=["sink_logits", "sink_tokens", "global_tokens", "mla_window"],
+)
+def test_export_refuses_attention_it_would_drop(changes, named, tmp_path):
+    """Features no exported architecture has are refused by name, never written without
+    them (transformers would load such a folder and give other logits)."""
+    bases = [_llama()] + ([] if "attention.kind" in changes else [EXPORTS["gpt2"][1]])
+    for base in bases:
+        cfg = _with(base, **changes)
+        with pytest.raises(HFCheckpointError, match=named):
+            save_hf(DecoderLM(cfg), tmp_path)
+        assert not (tmp_path / "config.json").exists()
+    # without the feature the same model exports
+    plain = {k: v for k, v in changes.items() if k in _MLA}
+    assert hf_model_type(_with(_llama(), **plain)) in ("llama", "deepseek_v3")
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -364,6 +395,30 @@ def test_config_rope_forms():
     assert config_from_hf(mixed).attention.layer_pattern == "GL"  # layer 0 global
     with pytest.raises(HFCheckpointError, match="layer_types=.*full_attention or sliding"):
         config_from_hf({**mixed, "layer_types": ["sliding_attention", "chunked_attention"]})
+
+
+@pytest.mark.parametrize("given", [None, 12])
+@pytest.mark.parametrize("rope_type", ["llama3", "yarn"])
+def test_config_rope_original_context_as_transformers_reads_it(rope_type, given):
+    """Scaled RoPE's pre-training context: the RoPE parameters' original_max_position_
+    embeddings, else max_position_embeddings (transformers' reading of the same dict is the
+    reference; LLaMA for llama3, DeepSeek-V3 for YaRN)."""
+    params = {"rope_type": rope_type, "rope_theta": 500.0, "factor": 4.0}
+    hf = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "max_position_embeddings": 48}  # fmt: skip
+    if rope_type == "llama3":
+        params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        model_type, cls = "llama", transformers.LlamaConfig
+    else:
+        hf |= {"num_key_value_heads": 2, "kv_lora_rank": 8, "q_lora_rank": None,
+               "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}  # fmt: skip
+        model_type, cls = "deepseek_v3", transformers.DeepseekV3Config
+    if given is not None:
+        params["original_max_position_embeddings"] = given
+    hf["rope_parameters"] = params
+    ours = config_from_hf({**hf, "model_type": model_type}).position.rope_original_max_seq_len
+    theirs = cls(**hf).rope_parameters["original_max_position_embeddings"]  # (fills in hf's)
+    assert ours == theirs == (given or 48)
 
 
 def test_config_errors():

@@ -179,3 +179,33 @@ def test_unsupported_config_is_refused():
         config_from_hf({**base, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
     with pytest.raises(HFCheckpointError, match="kv_lora_rank"):
         config_from_hf({**base, "kv_lora_rank": None})
+
+
+@torch.no_grad()
+def test_v2_router_never_renormalises_as_transformers(tmp_path):
+    """transformers' DeepSeek-V2 router ignores norm_topk_prob (its top-k weights are the
+    softmax scores times routed_scaling_factor): the import follows it, with a warning, and
+    the export refuses a V2 router that renormalises rather than write a flag transformers
+    would ignore."""
+    import transformers
+
+    extra = dict(q_lora_rank=None, n_shared_experts=1, norm_topk_prob=True, initializer_range=0.3)
+    cfg = transformers.DeepseekV2Config(**{**COMMON, **extra})
+    cfg._attn_implementation = "eager"
+    hf = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    with pytest.warns(UserWarning, match="norm_topk_prob=true is ignored"):
+        ours = load_hf(_state_dict_folder(hf, tmp_path / "sd"))
+    assert ours.cfg.ffn.norm_topk_prob is False
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref = hf(idx).logits
+    torch.testing.assert_close(ours(idx).logits, ref, rtol=1e-4, atol=1e-4)
+
+    renormalising = DecoderLM(ours.cfg.override({"ffn.norm_topk_prob": True})).eval()
+    renormalising.load_state_dict(ours.state_dict())
+    assert (renormalising(idx).logits - ref).abs().max() > 1e-2  # the flag matters here
+    with pytest.raises(HFCheckpointError, match="norm_topk_prob"):
+        save_hf(renormalising, tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()
+    save_hf(ours, tmp_path / "out")  # without it, the same weights export
+    back = transformers.DeepseekV2ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(back(idx).logits, ref, rtol=1e-5, atol=1e-5)

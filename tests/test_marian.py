@@ -17,10 +17,8 @@ transformers = pytest.importorskip("transformers")
 V, PAD, EOS = 43, 1, 2
 
 
-@pytest.fixture(scope="module")
-def marian(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.MarianConfig(
+def _config(**kw):
+    return transformers.MarianConfig(
         vocab_size=V,
         decoder_vocab_size=V,
         d_model=32,
@@ -39,8 +37,14 @@ def marian(tmp_path_factory):
         activation_function="swish",
         dropout=0.0,
         attn_implementation="eager",
+        **kw,
     )
-    ref = transformers.MarianMTModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory):
+    torch.manual_seed(0)
+    ref = transformers.MarianMTModel(_config()).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if "embed_positions" in name:
@@ -101,3 +105,27 @@ def test_marian_beam_search_equals_transformers(marian, k, lp):
     for mine, seq in zip(rows, out[:, 1:].tolist()):  # drop the decoder start token
         assert seq[: len(mine)] == mine
         assert all(tok in (EOS, PAD) for tok in seq[len(mine) :])
+
+
+def test_untied_marian_has_three_tables(tmp_path):
+    """With tie_word_embeddings=false transformers 5 ties nothing, not even the encoder's
+    and decoder's tables to ``model.shared``: each is its own (and ``shared`` unused)."""
+    torch.manual_seed(1)
+    ref = transformers.MarianMTModel(_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for table in (ref.model.encoder.embed_tokens, ref.model.decoder.embed_tokens, ref.lm_head):
+            table.weight.normal_(std=0.3)
+    assert not torch.equal(ref.model.encoder.embed_tokens.weight, ref.model.shared.weight)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert not model.cfg.share_embeddings and not model.cfg.tie_embeddings
+    src, mask, tgt = _batch()
+    with torch.no_grad():
+        expected = ref(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+        torch.testing.assert_close(
+            model(src, tgt, src_mask=mask).logits, expected, atol=1e-4, rtol=1e-4
+        )
+        save_hf(model, tmp_path / "ours")
+        back = transformers.MarianMTModel.from_pretrained(tmp_path / "ours").eval()
+        again = back(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+    torch.testing.assert_close(again, expected, atol=1e-4, rtol=1e-4)

@@ -76,6 +76,9 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfi
     arch = (hf.get("architectures") or ["BertModel"])[0]
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise HFCheckpointError("BERT: only absolute position embeddings are supported")
+    for key in ("is_decoder", "add_cross_attention"):  # causal / cross-attending BERT
+        if hf.get(key):
+            raise HFCheckpointError(f"BERT: {key}=true is not supported (encoders only)")
     labels = n_labels(hf)
     if arch == "BertForQuestionAnswering" and labels != 2:
         raise HFCheckpointError(f"a QA model has 2 outputs (start, end), got num_labels={labels}")
@@ -228,7 +231,12 @@ def weights_to_attnlab(src: Source, cfg: EncoderConfig) -> Plan:
         for s in ("weight", "bias"):
             src.skip(f"{b}pooler.dense.{s}")
     if cfg.head == "mlm":  # stored copies: the decoder bias, the tied decoder weight
-        src.tied("cls.predictions.decoder.bias", plan["head.bias"])
+        decoder_bias = "cls.predictions.decoder.bias"
+        if not cfg.tie_embeddings and src.has(decoder_bias):
+            # untied (transformers 5 ties neither): the forward adds the decoder's own bias,
+            # and cls.predictions.bias, already taken above, goes unused
+            plan["head.bias"] = src.take(decoder_bias, (cfg.vocab_size,))
+        src.tied(decoder_bias, plan["head.bias"])
         if cfg.tie_embeddings:
             src.tied("cls.predictions.decoder.weight", plan["tok_emb.weight"])
     return plan  # type: ignore[return-value]  # None entries only with src.missing/wrong

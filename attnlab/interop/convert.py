@@ -36,10 +36,33 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+# model types whose attention has a sliding window (the only windowed ones attnlab writes)
+WINDOWED_TYPES = ("mistral", "qwen2")
+
+
+def _check_attention(cfg: ModelConfig) -> None:
+    """Refuse attention features that no exported architecture has, rather than write a
+    folder that transformers loads without them (and so with other logits)."""
+    att = cfg.attention
+    if att.sink_logits:
+        raise unrepresentable("attention.sink_logits (a learned sink logit per head)")
+    if att.sink_tokens:
+        raise unrepresentable("attention.sink_tokens (StreamingLLM's attention sinks)")
+    if att.global_tokens:
+        raise unrepresentable("attention.global_tokens (Longformer's global attention)")
+
+
 def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
+    _check_attention(cfg)
     for family in FAMILIES:
         if family.exports(cfg):
-            return family, family.export_type(cfg)
+            model_type = family.export_type(cfg)
+            if cfg.attention.sliding_window is not None and model_type not in WINDOWED_TYPES:
+                raise unrepresentable(
+                    f"attention.sliding_window ({model_type} attends to every position; "
+                    f"windows export as {' or '.join(WINDOWED_TYPES)})"
+                )
+            return family, model_type
     if cfg.arch != "decoder":
         raise unrepresentable(f"arch={cfg.arch!r}")
     if cfg.norm.placement != "pre":

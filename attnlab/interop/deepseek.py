@@ -27,6 +27,7 @@ Shapes: d d_model, f (expert) hidden size, E routed experts, V vocabulary size.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -71,6 +72,21 @@ def _position(hf: dict[str, Any], model_type: str) -> PositionConfig:
     )
 
 
+def _norm_topk_prob(hf: dict[str, Any], v3: bool) -> bool:
+    """Whether the chosen experts' weights are renormalised: V3's flag; never for V2, whose
+    router in transformers ignores the flag (the weights are the softmax scores times
+    routed_scaling_factor), so an imported model gives transformers' outputs."""
+    if v3:
+        return bool(hf.get("norm_topk_prob", True))
+    if hf.get("norm_topk_prob"):
+        warnings.warn(
+            "config.json: norm_topk_prob=true is ignored for deepseek_v2, as transformers "
+            "ignores it (the top-k weights are not renormalised)",
+            stacklevel=2,
+        )
+    return False
+
+
 def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
     if hf.get("mlp_bias"):
         raise HFCheckpointError("config.json: mlp_bias=true is not supported")
@@ -99,7 +115,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
             "router": "deepseek-v3" if v3 else "deepseek-v2",
             "n_groups": (hf.get("n_group") or 1) if grouped else 1,
             "topk_groups": (hf.get("topk_group") or 1) if grouped else 1,
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", v3)),
+            "norm_topk_prob": _norm_topk_prob(hf, v3),
             "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         }
     bias = bool(hf.get("attention_bias", False))
@@ -145,6 +161,11 @@ def export_type(cfg: ModelConfig) -> str:
     v2 = ffn.kind == "moe" and ffn.router == "deepseek-v2"
     if v2 and pos.rope_layout != "interleaved":
         raise unrepresentable("DeepSeek-V2 rotates interleaved RoPE pairs only")
+    if v2 and ffn.norm_topk_prob:
+        raise unrepresentable(
+            "the DeepSeek-V2 router with ffn.norm_topk_prob=true (transformers' DeepSeek-V2 "
+            "never renormalises the top-k weights); set ffn.norm_topk_prob=false"
+        )
     return "deepseek_v2" if v2 else "deepseek_v3"
 
 

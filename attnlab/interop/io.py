@@ -169,6 +169,14 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
         for hf_key, ours in ROPE_KEYS[rope_type].items():
             if params.get(hf_key) is not None:
                 out[ours] = params[hf_key]
+    if rope_type in ("llama3", "yarn"):
+        # as transformers reads it: without one in the RoPE parameters, the pre-training
+        # context is the model's own (not attnlab's default)
+        original = params.get("original_max_position_embeddings") or hf.get(
+            "max_position_embeddings"
+        )
+        if original is not None:
+            out["rope_original_max_seq_len"] = original
     return out
 
 

@@ -6,6 +6,8 @@ positions in the split layout (all sines, then all cosines), no final norms, one
 shared by source, target and output (tied), and a ``final_logits_bias``. With
 ``share_encoder_decoder_embeddings=false`` the source (``vocab_size``) and the target
 (``decoder_vocab_size``) have vocabularies of their own, the output tied to the target's.
+With ``tie_word_embeddings=false`` transformers ties nothing: the encoder, the decoder and
+the output have tables of their own (``model.shared`` is then stored but unused).
 Opus-mt models ask generation never to emit the pad token (``bad_words_ids: [[pad]]``, with
 ``renormalize_logits``): single-token entries become ``Seq2SeqConfig.blocked_ids`` (the
 end-of-sequence token left out, as transformers does), written back on export.
@@ -57,7 +59,10 @@ IGNORED = re.compile(r"^model\.(encoder|decoder)\.embed_positions\.weight$")
 
 def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqConfig:
     src_vocab = get(hf, "vocab_size")
+    # transformers 5 shares the tables through weight tying: untied, the encoder's and the
+    # decoder's tables are their own (equal copies in a checkpoint of earlier versions)
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    tie = bool(hf.get("tie_word_embeddings", True))
     V = hf.get("decoder_vocab_size") or src_vocab  # the target vocabulary
     if shared and V != src_vocab:
         raise HFCheckpointError(
@@ -94,11 +99,11 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqCon
             hidden_dim=hf["encoder_ffn_dim"],
         ),
         norm=NormConfig(kind="layernorm", eps=1e-5, placement="post"),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        tie_embeddings=tie,
         dropout=float(hf.get("dropout", 0.0)),
         init_std=float(hf.get("init_std", 0.02)),
-        share_embeddings=shared,
-        src_vocab_size=None if shared else src_vocab,
+        share_embeddings=shared and tie,
+        src_vocab_size=None if shared and tie else src_vocab,
         scale_embeddings=bool(hf.get("scale_embedding", False)),
         sinusoid_layout="split",
         final_norm=False,
@@ -242,6 +247,8 @@ def _specs(cfg: Seq2SeqConfig) -> Specs:
 
 def weights_to_attnlab(src: Source, cfg: Seq2SeqConfig) -> Plan:
     plan = src.plan(_specs(cfg))
+    if not cfg.share_embeddings:  # shared=true, untied: transformers' forward skips `shared`
+        src.skip("model.shared.weight")
     plan["logits_bias"] = src.take("final_logits_bias", (1, cfg.vocab_size))
     copies = _TIED_COPIES if cfg.share_embeddings else ()
     for name in copies + (("lm_head.weight",) if cfg.tie_embeddings else ()):
