@@ -65,6 +65,8 @@ CASES = {
         ),
     ),
     "v2-moe-greedy": ("v2", dict(q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.5)),
+    # no shared experts: transformers still stores them, with zero rows
+    "v3-moe-no-shared": ("v3", dict(q_lora_rank=None, n_shared_experts=0, n_group=2, topk_group=1)),
     "v2-moe-group-qlora-yarn": (
         "v2",
         dict(

@@ -269,6 +269,9 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
     for name in list(src.left):  # multi-token-prediction layers: not the language model
         if (m := _LAYER.match(name)) and int(m.group(2)) >= cfg.n_layers:
             src.skip(name)
+    for name, shape in list(src.left.items()):  # n_shared_experts=0: transformers keeps
+        if ".mlp.shared_experts." in name and 0 in shape:  # empty shared experts
+            src.skip(name)
     p = "model." if src.has("model.embed_tokens.weight") else ""
     # A transformers model's own state dict stacks the experts; checkpoint files do not.
     fused = any(name.endswith("mlp.experts.gate_up_proj") for name in src.left)
