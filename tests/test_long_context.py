@@ -261,6 +261,24 @@ def test_sink_model_equals_full_forward_until_the_window_fills():
     torch.testing.assert_close(got[0, 2:], full[0, 2:], **TOL)
 
 
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_sinks_of_a_left_padded_row_are_its_first_real_tokens(position):
+    """Without a cache, past the window: a left-padded row gives the logits of its prompt
+    alone (its sinks are its first real tokens, not the pad columns)."""
+    cfg = tiny(window=6, max_seq_len=64, position=position).cfg.override(
+        {"attention.sink_tokens": 2}
+    )
+    torch.manual_seed(1)
+    model = DecoderLM(cfg).eval()
+    idx = torch.randint(0, 40, (2, 14))
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :4] = 0  # row 1: 10 real tokens, more than the window
+    with torch.no_grad():
+        batch = model(idx, attention_mask=mask).logits
+        alone = model(idx[1:, 4:]).logits
+    torch.testing.assert_close(batch[1, 4:], alone[0], **TOL)
+
+
 def test_sink_generation_runs_10x_past_max_seq_len_with_flat_memory():
     torch.manual_seed(0)
     cfg = tiny(window=6, max_seq_len=8, n_layers=2).cfg

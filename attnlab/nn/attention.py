@@ -17,7 +17,6 @@ from attnlab.functional.masks import (
     combine_masks,
     document_mask,
     global_window_mask,
-    sink_window_mask,
     sliding_window_mask,
 )
 from attnlab.functional.rope import apply_rope
@@ -143,9 +142,7 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(k, v)  # (b, h_kv, s, d_h): all keys so far
                 mask, causal = cache.mask(self.window)
             elif self.sinks and k.shape[-2] > self.window - self.sinks:
-                s = k.shape[-2]
-                win = sink_window_mask(t, s, self.window, self.sinks, device=x.device)
-                mask, causal = combine_masks(mask, win), False
+                mask, causal = combine_masks(mask, self._sink_mask(positions, t, x.device)), False
             elif self.global_tokens and k.shape[-2] > self.window:
                 mask, causal = combine_masks(mask, self._global_mask(positions, t, x.device)), False
             elif self.window is not None and k.shape[-2] > self.window:
@@ -172,6 +169,15 @@ class MultiHeadAttention(nn.Module):
             y = sink_rescale(y, q, k, self.sink_logit, mask, causal=causal)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
+
+    def _sink_mask(self, positions: Tensor | None, t: int, device: torch.device) -> Tensor:
+        """(b or 1, 1, t, t): StreamingLLM's pattern, the sinks picked by the tokens'
+        absolute positions (a left-padded row's sinks are its first real tokens): the
+        sinks are global tokens beside a local window of the other window - sinks."""
+        if positions is None:
+            positions = torch.arange(t, device=device)[None, :]  # (1, t)
+        is_sink = positions < self.sinks  # (b or 1, t)
+        return global_window_mask(t, t, self.window - self.sinks, is_sink, causal=True)
 
     def _global_mask(self, positions: Tensor | None, t: int, device: torch.device) -> Tensor:
         """(b or 1, 1, t, t): the local window plus ``global_tokens``, picked by the tokens'
