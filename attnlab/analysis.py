@@ -206,7 +206,7 @@ def kv_cache_bytes(
     if cfg.attention.kind not in _KV_FORMULA_KINDS:
         cache = _meta_model(cfg).new_cache(batch, held, dtype, device="meta")
         return int(cache.nbytes)
-    if window is not None:  # local layers hold their window, global ones everything
+    if window is not None and cfg.attention.kind == "mha":  # local layers: their window
         per_layer = kv_cache_bytes_per_token(cfg, dtype) // cfg.n_layers
         return batch * windowed_kv_entries(cfg, seq_len) * per_layer
     return batch * seq_len * kv_cache_bytes_per_token(cfg, dtype)
@@ -217,11 +217,20 @@ def kv_cache_bytes(
 
 def windowed_kv_entries(cfg: ModelConfig, seq_len: int) -> int:
     """Token entries held over all layers for a context of ``seq_len``: a local
-    (sliding-window) layer keeps min(window, T) (its ring) plus one entry per
-    ``attention.global_tokens`` position (kept for good), a global layer T."""
+    (sliding-window) layer of multi-head attention keeps min(window, T) (its ring; with
+    ``attention.sink_tokens`` the whole window, sinks and ring preallocated) plus one entry
+    per ``attention.global_tokens`` position (kept for good), a global layer T. Latent
+    attention (MLA, DSA) keeps every token on every layer: its window only masks."""
+    if cfg.attention.kind != "mha":
+        return cfg.n_layers * seq_len
     windows = [cfg.attention.window_of(layer) for layer in range(cfg.n_layers)]
     n_global = len(cfg.attention.global_tokens)
-    return sum(seq_len if w is None else min(w, seq_len) + n_global for w in windows)
+    sinks = cfg.attention.sink_tokens > 0
+
+    def held(w: int) -> int:
+        return (w if sinks else min(w, seq_len)) + n_global
+
+    return sum(seq_len if w is None else held(w) for w in windows)
 
 
 def weights_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:

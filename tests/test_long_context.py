@@ -104,6 +104,24 @@ def test_kv_cache_bytes_are_window_bounded_on_local_layers(pattern, seq_len):
     assert want == 2 * entries * 2 * 2 * 8 * 4  # batch, k+v, h_kv, d_h, float32
 
 
+@pytest.mark.parametrize("seq_len", [3, 16])
+@pytest.mark.parametrize(
+    "preset, changes",
+    [
+        ("llama-tiny", {"attention.sink_tokens": 2}),  # sinks and ring preallocated
+        ("deepseek-tiny", {}),  # latent attention keeps every token: its window only masks
+        ("deepseek-v32-tiny", {}),
+    ],
+    ids=["sinks", "mla", "dsa"],
+)
+def test_kv_cache_bytes_equal_what_a_windowed_cache_allocates(preset, changes, seq_len):
+    from attnlab.presets import get_preset
+
+    cfg = get_preset(preset).override({"attention.sliding_window": 8, **changes})
+    model = DecoderLM(cfg)
+    assert kv_cache_bytes(cfg, seq_len, batch=2) == model.new_cache(2, seq_len).nbytes
+
+
 # --------------------------------------------------------------------------- generation
 
 
