@@ -413,6 +413,11 @@ def _graph_cache(model, batch: int, capacity: int, rolling: bool):
     return cache, lambda: pool.setdefault(key, cache)
 
 
+# Compiled versions of one model's decode step (batch sizes x capacity buckets) before
+# dynamo refuses to compile another (its default, 8, is a handful of batch sizes).
+RECOMPILE_LIMIT = 64
+
+
 def _compiled_step(model):
     """One decode step compiled with fullgraph=True (kept on the model: compiled once), in
     eval mode like the eager step (a model in training mode is switched for the call).
@@ -430,6 +435,12 @@ def _compiled_step(model):
 
         def decode_one(model, ids, mask, cache):
             return model(ids, cache=cache, last_only=True).logits[:, -1]
+
+        # A code object of its own per model: dynamo keeps, and limits, the versions it
+        # compiles (one per batch size and capacity bucket) per code object.
+        decode_one = types.FunctionType(
+            decode_one.__code__.replace(), decode_one.__globals__, "decode_one"
+        )
 
         # Inductor's per-call asserts of every input's size and stride repeat what dynamo's
         # guards check before a guarded call, and a direct call (below) reuses only code
@@ -452,7 +463,9 @@ def _compiled_step(model):
                 code = last_ran.get(cache) if skip_guards else None
                 if code is not None:
                     return code(model, ids, None, cache)
-                out = compiled(model, ids, None, cache)
+                limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    out = compiled(model, ids, None, cache)
                 code = _code_that_ran(decode_one, model, ids, None, cache)
                 if code is not None:
                     last_ran[cache] = code

@@ -373,6 +373,22 @@ def test_generate_compile_reuses_the_step_within_a_capacity_bucket():
     assert a == model.generate(prompt, 20) and b == model.generate(prompt[:5], 40)
 
 
+def test_generate_compile_is_not_stopped_by_dynamos_recompile_limit():
+    """Each batch size compiles its own version of the decode step: dynamo's limit on
+    versions per function (8 by default; 1 here, as if other shapes and models had used it
+    up) must not turn a new shape into an error."""
+    torch._dynamo.reset()
+    model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()
+    other = build_model(get_preset("llama-tiny")).eval()  # its own step, its own versions
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        other.generate(prompt, 3, compile=True)
+        for batch in (1, 2):
+            prompts = [prompt] * batch
+            assert model.generate(prompts, 3, compile=True) == model.generate(prompts, 3)
+    assert other._compiled_decode_step is not model._compiled_decode_step
+
+
 def test_generate_compile_auto_stays_eager_for_short_generations():
     model = build_model(get_preset("llama-tiny")).eval()
     prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
