@@ -146,6 +146,11 @@ def stream(
     check_sampling(temperature, top_k, top_p)
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
+    if overflow == "roll" and model.cfg.attention.kind == "nsa":
+        raise ValueError(
+            "overflow='roll' is not available for native sparse attention: its blocks lie "
+            "over cache slots from slot 0, which a rolling cache wraps; use overflow='slide'"
+        )
     if overflow == "roll" and not (use_cache and model.relative_positions):
         raise ValueError(
             "overflow='roll' decodes with a rolling cache: it needs use_cache=True and relative "
@@ -530,6 +535,10 @@ def generate(
     ``num_beams`` > 1 the best beam of :func:`beam_search` (``stop_tokens`` end beams;
     deterministic, so no sampling options; prompt + new tokens must fit max_seq_len)."""
     batch, single = _as_batch(prompts)
+    if model.cfg.attention.kind == "nsa" and len({len(r) for r in batch}) > 1:
+        # native sparse attention takes no left padding (its blocks start at slot 0)
+        kw = dict(num_beams=num_beams, length_penalty=length_penalty, **kwargs)
+        return [generate(model, row, max_new_tokens, **kw) for row in batch]
     if num_beams > 1:
         allowed = {"stop_tokens", "pad_id", "use_cache"}
         sampling = {

@@ -396,6 +396,31 @@ def test_nsa_no_look_ahead_and_cached_decoding():
     torch.testing.assert_close(torch.cat(parts, 1), full, **TOL)
 
 
+def test_nsa_refuses_left_padding_and_a_rolling_cache_but_generates_rows_alone():
+    """Its blocks lie over key slots from slot 0: a left-padded row (which starts later) is
+    refused rather than summarised with pad keys; generate() decodes prompts of different
+    lengths one at a time, each as it would alone; overflow='roll' (wrapping slots) is
+    refused."""
+    torch.manual_seed(0)
+    model = build_model(_nsa_cfg(**{"init_std": 0.2})).eval()
+    idx = torch.randint(0, V, (2, 13))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="left-padded rows"):
+        model(idx, attention_mask=mask)
+    with pytest.raises(ValueError, match="left-padded rows"):
+        model(idx, attention_mask=mask, cache=model.new_cache(2, 16))
+    model(idx, attention_mask=torch.ones_like(mask))  # no padding: fine
+    prompts = [idx[0].tolist(), idx[1, 3:].tolist()]
+    alone = [model.generate(p, 6) for p in prompts]
+    assert model.generate(prompts, 6) == alone
+    assert model.generate(prompts, 6, num_beams=2) == [
+        model.generate(p, 6, num_beams=2) for p in prompts
+    ]
+    with pytest.raises(ValueError, match="overflow='roll' is not available"):
+        model.generate(prompts[0], 4, overflow="roll")
+
+
 def test_nsa_learns():
     torch.manual_seed(0)
     model = build_model(_nsa_cfg(**{"max_seq_len": 32})).train()

@@ -272,7 +272,9 @@ class NativeSparseAttention(nn.Module):
     y = g_cmp o_cmp + g_slc o_slc + g_win o_win. (The paper gives each branch its own keys
     and values; here they share one projection, so the parameter count stays near MHA's.)
 
-    Blocks are laid over key slots from slot 0 (a cache's slots, a sequence's tokens).
+    Blocks are laid over key slots from slot 0 (a cache's slots, a sequence's tokens), so
+    a row must start at slot 0: left-padded rows are refused (``generate`` decodes prompts
+    of different lengths one at a time), as is a rolling cache, whose slots wrap.
     Decoding keeps dense keys/values (:class:`DenseKV`) and recomputes the block summaries
     from them at every step: O(s) compression work per token, exact, simple."""
 
@@ -400,6 +402,14 @@ class NativeSparseAttention(nn.Module):
             k, v = cache.update(k, v)  # (b, h_kv, s, d_h)
             mask, causal = cache.mask(None)
         allowed = allowed_keys(mask, causal, b, t, k.shape[2], x.device)  # (b, t, s)
+        if mask is not None:
+            seen = allowed.any(dim=1)  # (b, s): keys some query reads
+            if bool((seen.any(dim=1) & ~seen[:, 0]).any()):  # a row that starts later
+                raise ValueError(
+                    "native sparse attention lays its blocks over key slots from slot 0, so "
+                    "it cannot take left-padded rows; run prompts of different lengths one "
+                    "at a time"
+                )
         o_cmp, p_cmp = self.compressed(q, k, v, allowed)
         o_slc = self._attend(q, k, v, self.select_blocks(p_cmp, allowed))
         o_win = self._attend(q, k, v, self.window_keys(allowed)[:, None])
