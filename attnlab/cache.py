@@ -569,6 +569,14 @@ class Cache:
         store.index_copy_(2, step.slots, new.to(store.dtype))
         return store
 
+    def key_positions(self) -> Tensor | None:
+        """(b, L) the positions of the keys :meth:`write` returned where their slot order
+        is not position order (a rolling cache, whose ring wraps); None where it is."""
+        step = self._step
+        if step is None or step.slots is None or not self.rolling:
+            return None
+        return self.slot_pos
+
     def mask(self, window: int | None = None) -> tuple[Tensor | None, bool]:
         """(mask, causal) for this step's queries over the keys :meth:`write` returned:
         a boolean mask broadcastable to (b, h, t, s) or None, and whether attention must

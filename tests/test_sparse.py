@@ -167,6 +167,38 @@ def test_left_padded_decoding_equals_each_row_alone():
     torch.testing.assert_close(steps[1], dsa(torch.cat((long, new[1]))[None]).logits[0, -3:], **TOL)
 
 
+def test_topk_ties_settle_by_the_given_positions():
+    scores = torch.tensor([[[0.0, 2.0, 0.0, 0.0, 1.0]]])  # (b, t, s): three keys tie at 0
+    order = torch.tensor([[7, 3, 9, 5, 4]])  # positions of the keys (a wrapped ring)
+    picks, _ = topk_select(scores, None, 3, order)
+    assert picks[0, 0].tolist() == [1, 4, 3]  # 2.0, 1.0, then the tied key at position 5
+    picks, _ = topk_select(scores, None, 3)
+    assert picks[0, 0].tolist() == [1, 4, 0]  # without positions: the earliest index
+
+
+@torch.no_grad()
+def test_rolling_cache_settles_index_ties_by_position_like_the_full_pass():
+    """With a silent indexer every score ties, so each query reads the k earliest keys of
+    its window: once a rolling cache wraps, slot order is not position order, and the picks
+    must still be those of a full pass over the last max_seq_len tokens."""
+    L = 12
+    same = {"init_std": 0.2, "attention.index_topk": 5}
+    model = _dsa(**{"max_seq_len": L, **same})
+    for block in model.blocks:
+        for p in block.attn.indexer.parameters():
+            p.zero_()  # every score exactly 0
+    prompt = torch.randint(0, V, (5,)).tolist()
+    tokens = model.generate(prompt, 20, overflow="roll")
+    stream = prompt + tokens
+    ref = build_model(_dsa_cfg(**{"max_seq_len": 64, **same})).eval()
+    ref.load_state_dict(model.state_dict())
+    for block in ref.blocks:
+        block.attn.window = L  # each layer sees the last L tokens, as the ring holds them
+    for i, tok in enumerate(tokens):
+        ids = torch.tensor([stream[: len(prompt) + i]])
+        assert int(ref(ids).logits[0, -1].argmax()) == tok, i
+
+
 def test_indexer_key_cache_bytes():
     cfg = _dsa_cfg(**{"attention.index_head_dim": 16})
     cache = build_model(cfg).new_cache(3, 40, dtype=torch.bfloat16)

@@ -29,14 +29,28 @@ def index_scores(q: Tensor, k: Tensor, weights: Tensor, scale: float) -> Tensor:
     return torch.einsum("btj,btjs->bts", weights.float(), dots.relu())  # (b, t, s)
 
 
-def topk_select(scores: Tensor, mask: Tensor | None, topk: int) -> tuple[Tensor, Tensor]:
+def _by_score_then_position(scores: Tensor, order: Tensor | None) -> Tensor:
+    """(b, t, s) key indices by descending score, equal scores by ascending position:
+    ``order`` (b, s) the keys' positions, None when the index is the position."""
+    if order is None:
+        return scores.sort(dim=-1, descending=True, stable=True).indices
+    perm = order.argsort(dim=-1, stable=True)[:, None, :].expand_as(scores)  # by position
+    ranked = scores.gather(-1, perm).sort(dim=-1, descending=True, stable=True).indices
+    return perm.gather(-1, ranked)
+
+
+def topk_select(
+    scores: Tensor, mask: Tensor | None, topk: int, order: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The min(topk, s) best keys of each query among those ``mask`` allows.
 
     scores (b, t, s); mask bool broadcastable to (b, t, s). Returns indices (b, t, k) long
     and valid (b, t, k) bool: False where a query has fewer than k allowed keys and the
     pick is a masked one (those must stay masked). A tie at the k-th place (ReLU scores
     are often exactly 0) goes to the earliest key, so the choice does not depend on how
-    many keys follow (a cache's length): decoding equals the full forward pass."""
+    many keys follow (a cache's length): decoding equals the full forward pass. ``order``
+    (b, s): the keys' positions where index order is not position order (a rolling cache's
+    wrapped slots)."""
     if mask is not None:
         mask = mask.expand_as(scores)
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -47,10 +61,10 @@ def topk_select(scores: Tensor, mask: Tensor | None, topk: int) -> tuple[Tensor,
         kth, next_ = values[..., k - 1], values[..., k]
         tie = (kth == next_) & kth.isfinite()  # (b, t): the k-th place is shared
         if torch.compiler.is_compiling():  # no host read: the settled picks where tied
-            by_position = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+            by_position = _by_score_then_position(scores, order)[..., :k]
             indices = torch.where(tie[..., None], by_position, indices[..., :k])
         elif bool(tie.any()):  # rare: settle ties by position
-            indices = scores.sort(dim=-1, descending=True, stable=True).indices
+            indices = _by_score_then_position(scores, order)
         indices = indices[..., :k]
     if mask is None:
         return indices, torch.ones_like(indices, dtype=torch.bool)

@@ -223,7 +223,8 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         s = latent.shape[-2]
         allowed = allowed_keys(mask, causal, b, t, s, x.device)  # (b, t, s)
         scores = self.indexer.scores(iq, index_keys, iw)  # (b, t, s)
-        indices, valid = topk_select(scores, allowed, self.topk)  # (b, t, k)
+        order = cache.cache.key_positions() if cache is not None else None  # ring: wrapped
+        indices, valid = topk_select(scores, allowed, self.topk, order)  # (b, t, k)
         self.last_selection = (indices, valid)
         if self.stage == "warmup":  # dense attention while the indexer learns to mimic it
             path = self.choose_path(t, s, cache is not None)
