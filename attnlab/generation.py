@@ -126,7 +126,8 @@ def stream(
     the last ``max_seq_len - max_seq_len // 2`` tokens (re-encoded once into the cache), so
     it always sees between half and all of ``max_seq_len`` recent tokens and each new token
     costs O(1) forward tokens on average (re-encoding every step would cost max_seq_len).
-    Cached and uncached decoding follow the same windows and agree.
+    Cached and uncached decoding follow the same windows and agree (but for attention sinks
+    with RoPE past the window, where the cache re-positions its keys, as StreamingLLM does).
 
     ``overflow`` says what happens when the context fills up: ``"slide"`` (above, the
     default), ``"roll"`` (decode on with a rolling cache: each layer keeps its last
