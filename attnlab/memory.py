@@ -30,15 +30,22 @@ class PeakTensorMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output on an input's storage (a view, an in-place result) is no allocation:
+        # counted already if the block made that storage, never if it existed before
+        inputs = {
+            x.untyped_storage().data_ptr()
+            for x in tree_flatten((args, kwargs))[0]
+            if isinstance(x, torch.Tensor)
+        }
         for x in tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor):
-                self._track(x)
+                self._track(x, inputs)
         return out
 
-    def _track(self, x: torch.Tensor) -> None:
+    def _track(self, x: torch.Tensor, inputs: set[int]) -> None:
         storage = x.untyped_storage()
         key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in self.live:
+        if size == 0 or key in self.live or key in inputs:
             return
         self.live[key] = size
         self.current += size
