@@ -27,6 +27,7 @@ variants are added to the library.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from attnlab.config import ModelConfig, NormConfig
 
@@ -41,7 +42,21 @@ _KV_FORMULA_KINDS = (
 
 def _formula_applies(cfg: ModelConfig) -> bool:
     """True when the parameter/FLOP formulas describe cfg (else a meta model is measured)."""
-    return cfg.attention.kind in _FORMULA_KINDS and cfg.ffn.kind in ("mlp", "glu")
+    return (
+        cfg.arch == "decoder"
+        and cfg.attention.kind in _FORMULA_KINDS
+        and not cfg.attention.sink_logits  # (a learned logit per head and layer)
+        and cfg.ffn.kind in ("mlp", "glu")
+    )
+
+
+def _check_decoder(cfg: ModelConfig, what: str) -> None:
+    """The FLOP and KV-cache formulas describe decoder-only language models."""
+    if cfg.arch != "decoder":
+        raise ValueError(
+            f"{what} describe decoder-only language models, not arch {cfg.arch!r} "
+            "(parameter counts cover every model)"
+        )
 
 
 def _norm_params(norm: NormConfig, d: int) -> int:
@@ -90,13 +105,20 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     head = 0 if cfg.tie_embeddings else d * V
     if not _formula_applies(cfg):
         model = _meta_model(cfg)
-        total = model.num_parameters()
-        non_embedding = model.num_parameters(exclude_embeddings=True)
+        total = sum(p.numel() for p in model.parameters())  # tied ones once
+        if cfg.arch == "decoder":
+            non_embedding = model.num_parameters(exclude_embeddings=True)
+        else:  # other architectures: their embedding tables
+            tables = {
+                id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)
+            }
+            non_embedding = total - sum(w.numel() for w in tables.values())
+        heads = [p for n, p in model.named_parameters() if n.startswith("lm_head.")]
         return {
             "total": total,
             "embedding": total - non_embedding,
             "non_embedding": non_embedding,
-            "lm_head": head,
+            "lm_head": sum(p.numel() for p in heads),  # untied only (tied: listed once)
         }
     embedding = V * d + (cfg.max_seq_len * d if cfg.position.kind == "learned" else 0)
     block, _ = _block_counts(cfg)
@@ -140,14 +162,23 @@ def _attention_widths(cfg: ModelConfig) -> tuple[int, int]:
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, int]:
     """FLOPs per token for a forward pass over ``seq_len`` tokens (default max_seq_len),
     and for training; see the module docstring for the convention (MLA: its naive path,
-    query/key width d_n + d_r and value width d_v)."""
+    query/key width d_n + d_r and value width d_v; DSA: that plus the lightning indexer,
+    2 n_I (d_I + 1) per key; linear attention: its recurrent form, a d_h x d_h state
+    updated and read per token, 4 h d_h^2 per layer whatever T)."""
     cfg.validate()
+    _check_decoder(cfg, "FLOPs per token")
     T = cfg.max_seq_len if seq_len is None else seq_len
     if T < 1:
         raise ValueError(f"seq_len must be >= 1, got {T}")
     dense = 2 * matmul_parameters(cfg)
     qk, v = _attention_widths(cfg)
-    attention = 2 * cfg.n_layers * T * cfg.n_heads * (qk + v)
+    att, L = cfg.attention, cfg.n_layers
+    if att.kind == "linear":
+        attention = 2 * L * cfg.n_heads * (qk * v + qk * v)  # S += k^T v; y = q S
+    else:
+        attention = 2 * L * T * cfg.n_heads * (qk + v)
+    if att.kind == "dsa":  # the indexer scores every key: n_I dot products, then weighted
+        attention += 2 * L * T * att.index_n_heads * (att.index_dim(cfg.d_model) + 1)
     forward = dense + attention
     return {
         "dense": dense,
@@ -187,6 +218,9 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float3
     """Bytes of keys and values stored per token per sequence (see
     :func:`kv_cache_values_per_token`) x itemsize."""
     cfg.validate()
+    _check_decoder(cfg, "KV-cache sizes")
+    if cfg.attention.kind == "linear":
+        return 0  # a fixed-size state: nothing grows with the tokens
     if cfg.attention.kind not in _KV_FORMULA_KINDS:
         return kv_cache_bytes(cfg, 1, 1, dtype)
     return kv_cache_values_per_token(cfg) * _itemsize(dtype)
@@ -199,9 +233,16 @@ def kv_cache_bytes(
     values of ``model.new_cache(batch, seq_len, dtype)``). Sliding-window layers need only
     the last ``sliding_window`` tokens (``model.new_cache(batch, window, rolling=True)``)."""
     cfg.validate()
+    _check_decoder(cfg, "KV-cache sizes")
     if seq_len < 1 or batch < 1:
         raise ValueError(f"seq_len and batch must be >= 1, got {seq_len} and {batch}")
     window = cfg.attention.sliding_window
+    late = [p for p in cfg.attention.global_tokens if window is not None and p >= window]
+    if late:  # as new_cache refuses them: a ring would have overwritten them
+        raise ValueError(
+            f"attention.global_tokens: position {late[0]} >= sliding_window={window}: "
+            "cached decoding needs global positions below the window (no cache holds it)"
+        )
     held = min(seq_len, window) if window is not None else seq_len
     if cfg.attention.kind not in _KV_FORMULA_KINDS:
         cache = _meta_model(cfg).new_cache(batch, held, dtype, device="meta")

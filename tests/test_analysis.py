@@ -200,3 +200,56 @@ def test_moe_matmul_parameters_count_only_active_experts():
 )
 def test_published_parameter_totals(name, total):
     assert count_parameters(get_preset(name))["total"] == total
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_parameter_count_of_every_preset_equals_its_built_model(name):
+    """Every architecture (encoders, encoder-decoders, ViT, Transformer-XL, the GRU model):
+    the total is the built model's (tied weights once), the parts add up."""
+    cfg = get_preset(name)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    counts = count_parameters(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["embedding"] + counts["non_embedding"] == counts["total"]
+
+
+def test_sink_logits_are_counted():
+    cfg = _cfg("llama-tiny", {"attention.sink_logits": True})
+    built = sum(p.numel() for p in build_model(cfg).parameters())
+    assert count_parameters(cfg)["total"] == built
+    assert built == count_parameters(get_preset("llama-tiny"))["total"] + 2 * 4  # L x h
+
+
+def test_flops_and_kv_are_refused_for_models_that_are_not_decoders():
+    for name in ("bert-tiny-mlm", "transformer-numbers", "vit-digits", "xl-tiny"):
+        cfg = get_preset(name)
+        for fn in (flops_per_token, kv_cache_bytes_per_token):
+            with pytest.raises(ValueError, match=f"decoder-only.*{cfg.arch}"):
+                fn(cfg)
+
+
+@torch.no_grad()
+def test_dsa_flops_count_the_lightning_indexer():
+    """DeepSeek sparse attention (eager backend: every product visible to the counter):
+    the MLA formula plus the indexer's n_I dot products and their weighting per key."""
+    cfg = _cfg("deepseek-v32-tiny", {"attention.backend": "eager"})
+    model = build_model(cfg).eval()
+    batch, seq_len = 2, 23
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    counted = _counted_flops(model, idx, backward=False)
+    assert counted == batch * seq_len * flops_per_token(cfg, seq_len)["forward"]
+
+
+def test_linear_attention_flops_and_cache_do_not_grow_with_the_context():
+    cfg = _cfg("llama-tiny", {"attention.kind": "linear"})
+    short, long = flops_per_token(cfg, 16), flops_per_token(cfg, 4096)
+    assert short == long and short["attention"] == 2 * 2 * 2 * 4 * 16 * 16  # 2 2 L h d_h^2
+    assert kv_cache_bytes_per_token(cfg) == 0  # a fixed-size state
+    assert kv_cache_bytes(cfg, 16) == kv_cache_bytes(cfg, 4096) > 0
+
+
+def test_kv_bytes_refuse_global_tokens_no_cache_can_hold():
+    cfg = _cfg("llama-tiny", {"attention.sliding_window": 16, "attention.global_tokens": [20]})
+    with pytest.raises(ValueError, match="global_tokens: position 20 >= sliding_window=16"):
+        kv_cache_bytes(cfg, 128)

@@ -54,3 +54,23 @@ def test_kv_bad_input_is_one_error_line(capsys):
     assert code == 1 and err.count("\n") == 1 and "unknown preset" in err
     code, _, err = _run(["kv", "--preset", "gpt2-tiny", "--seq-len", "0"], capsys)
     assert code == 2
+
+
+def test_info_and_kv_on_models_without_a_kv_formula(capsys):
+    """An encoder has parameters but no decoding cache or decoder FLOP formula: info says
+    so (and JSON has nulls), kv refuses in one line; linear attention caches nothing per
+    token; an infinite GPU is no GPU size."""
+    code, out, _ = _run(["info", "--preset", "bert-tiny-mlm"], capsys)
+    assert code == 0 and "FLOPs, KV     - (the formulas describe decoder-only" in out
+    code, out, _ = _run(["info", "--preset", "bert-tiny-mlm", "--json"], capsys)
+    report = json.loads(out)
+    assert report["flops_per_token"] is None and report["kv_cache_bytes"] is None
+    assert report["parameters"] == count_parameters(get_preset("bert-tiny-mlm"))
+    code, _, err = _run(["kv", "--preset", "bert-tiny-mlm"], capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "decoder-only" in err
+    argv = ["kv", "--preset", "llama-tiny", "--set", "model.attention.kind=linear", "--json"]
+    code, out, _ = _run(argv, capsys)
+    (report,) = json.loads(out)
+    assert code == 0 and report["bytes_per_token"] == 0 and report["mha_ratio"] is None
+    code, _, err = _run(["kv", "--preset", "llama-tiny", "--gpu-gb", "inf"], capsys)
+    assert code != 0 and "finite number > 0" in err

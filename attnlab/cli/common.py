@@ -46,8 +46,8 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     value = _number(text, float)
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    if not 0 < value < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 

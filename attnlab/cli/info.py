@@ -77,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or cfg.max_seq_len
     dtype = DTYPES[args.dtype]
     params = analysis.count_parameters(cfg)
-    flops = analysis.flops_per_token(cfg, seq_len)
-    kv_token = analysis.kv_cache_bytes_per_token(cfg, dtype)
-    kv_total = analysis.kv_cache_bytes(cfg, seq_len, args.batch, dtype)
+    decoder = cfg.arch == "decoder"  # the FLOP and KV formulas describe decoders only
+    flops = analysis.flops_per_token(cfg, seq_len) if decoder else None
+    kv_token = analysis.kv_cache_bytes_per_token(cfg, dtype) if decoder else None
+    kv_total = analysis.kv_cache_bytes(cfg, seq_len, args.batch, dtype) if decoder else None
     weights = analysis.weights_bytes(cfg, dtype)
     if args.json:
         report = {
@@ -97,17 +98,28 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     att = cfg.attention
+    if att.kind in ("mla", "dsa"):  # one shared latent, heads of two widths
+        dims = att.mla_dims(cfg.d_model)
+        heads = (
+            f"{att.n_heads} heads x (q/k {dims.qk_nope_head_dim + dims.qk_rope_head_dim}, "
+            f"v {dims.v_head_dim}) over a latent of {dims.kv_lora_rank} + "
+            f"{dims.qk_rope_head_dim} (RoPE key)"
+        )
+    else:
+        heads = f"{att.n_heads} heads ({cfg.n_kv_heads} kv) x {cfg.head_dim}"
     print(f"model         {source}")
     print(
-        f"shape         {cfg.n_layers} layers, d_model {cfg.d_model}, {att.n_heads} heads "
-        f"({cfg.n_kv_heads} kv) x {cfg.head_dim}, vocab {cfg.vocab_size}, "
-        f"max_seq_len {cfg.max_seq_len}"
+        f"shape         {cfg.n_layers} layers, d_model {cfg.d_model}, {heads}, "
+        f"vocab {cfg.vocab_size}, max_seq_len {cfg.max_seq_len}"
     )
     print(
         f"parameters    {params['total']:,} total ({human_count(params['total'])}), "
         f"{params['non_embedding']:,} non-embedding, {params['embedding']:,} embedding"
     )
     print(f"weights       {human_bytes(weights)} in {args.dtype}")
+    if not decoder:
+        print(f"FLOPs, KV     - (the formulas describe decoder-only models; arch {cfg.arch})")
+        return 0
     print(
         f"FLOPs/token   forward {human_count(flops['forward'])} "
         f"(dense {human_count(flops['dense'])} + attention {human_count(flops['attention'])} "

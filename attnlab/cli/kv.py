@@ -105,7 +105,12 @@ def model_report(
         "dtype": str(dtype).removeprefix("torch."),
         "batch": batch,
         "bytes_per_token": kv_cache_bytes_per_token(cfg, dtype),
-        "mha_ratio": mha_kv_values_per_token(cfg) / kv_cache_values_per_token(cfg),
+        # None where nothing is cached per token (linear attention's fixed-size state)
+        "mha_ratio": (
+            mha_kv_values_per_token(cfg) / kv_cache_values_per_token(cfg)
+            if cfg.attention.kind != "linear"
+            else None
+        ),
         "bytes": {str(n): b for n, b in per_seq.items()},
         "weights_bytes": weights,
         "gpu_gb": gpu_gb,
@@ -134,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             r["model"],
             r["attention"],
             f"{r['bytes_per_token']:,}",
-            f"{r['mha_ratio']:.2f}x",
+            "-" if r["mha_ratio"] is None else f"{r['mha_ratio']:.2f}x",
             *(f"{r['bytes'][str(n)] / GB:.3g}" for n in seq_lens),
             *(f"{r['fit'][str(n)]:,}" for n in seq_lens),
         ]
