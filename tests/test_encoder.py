@@ -229,3 +229,23 @@ def test_mlm_learns():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-10:]) / 10 < 0.3 * sum(losses[:10]) / 10
+
+
+@torch.no_grad()
+def test_qa_loss_of_an_example_does_not_depend_on_its_padding():
+    """Padding is no candidate start or end: the same example alone and padded in a batch
+    has the same loss (transformers' BERT lets the padded positions into its softmax)."""
+    from attnlab.presets import get_preset
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("bert-tiny-qa").override({"dropout": 0.0})).eval()
+    V = model.cfg.vocab_size
+    idx = torch.randint(5, V, (1, 6))
+    targets = torch.tensor([[2, 4]])
+    alone = model(idx, targets=targets).loss
+    padded = torch.cat((idx, torch.randint(5, V, (1, 5))), dim=1)  # right padding
+    mask = torch.ones_like(padded)
+    mask[:, 6:] = 0
+    loss = model(padded, attention_mask=mask, targets=targets).loss
+    torch.testing.assert_close(loss, alone)
+    assert model(padded, targets=targets).loss > alone  # unmasked, the pads take mass

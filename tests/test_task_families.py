@@ -238,3 +238,25 @@ def test_decoder_generate_with_beams_and_cache_reorder(tmp_path, capsys):
     cache.reorder(torch.tensor([1, 1, 0]))
     assert cache.batch == 3 and torch.equal(cache[0].k, k0[[1, 1, 0]])
     assert cache.next_position.tolist() == [3, 3, 3]
+
+
+@pytest.mark.parametrize("case", ["transformer", "mlm"])
+def test_the_same_config_resumes(case, tmp_path):
+    """``--resume DIR`` appended to the same command: the model fields the task fills in
+    (vocabularies, special tokens) are compared as the task fills them, not as unset."""
+    cfg = small_run(case, max_steps=2)
+    train(cfg, tmp_path, progress=False)
+    assert train(cfg, tmp_path, resume=tmp_path, max_steps=3, progress=False).step == 3
+
+
+@torch.no_grad()
+def test_mlm_batch_without_a_masked_token_has_zero_loss_not_nan():
+    from attnlab.models.encoder import MaskedLMHead
+
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    none = torch.full((2, 5), -100)
+    assert MaskedLMHead.loss(logits, none).item() == 0.0
+    some = none.clone()
+    some[1, 2] = 4
+    expected = torch.nn.functional.cross_entropy(logits[1, 2][None], torch.tensor([4]))
+    torch.testing.assert_close(MaskedLMHead.loss(logits, some), expected)

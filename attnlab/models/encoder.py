@@ -107,8 +107,13 @@ class MaskedLMHead(nn.Module):
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        """targets (b, t): the original token at masked positions, -100 elsewhere."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        """targets (b, t): the original token at masked positions, -100 elsewhere. A batch
+        with no masked position (a short one can draw none) has loss 0: no gradient, where
+        the mean over nothing would be NaN."""
+        total = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return total / (targets != -100).sum().clamp(min=1)  # (no host read)
 
 
 class SequenceClassificationHead(nn.Module):
@@ -150,6 +155,14 @@ class TokenClassificationHead(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
+def mask_padding(logits: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """logits (b, t, ...) with the padded positions (``attention_mask`` 0) at -inf."""
+    if attention_mask is None:
+        return logits
+    pad = ~attention_mask.bool().view(*attention_mask.shape, *([1] * (logits.dim() - 2)))
+    return logits.float().masked_fill(pad, float("-inf"))
+
+
 class QuestionAnsweringHead(nn.Module):
     """Start and end logits of the answer span: logits (b, t, 2), [..., 0] start, [..., 1] end."""
 
@@ -161,11 +174,14 @@ class QuestionAnsweringHead(nn.Module):
         return self.span(h)
 
     @staticmethod
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+    def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """targets (b, 2): start and end token index; indices outside the sequence are
-        ignored (as in BERT's SQuAD fine-tuning). The loss is the mean of the two."""
+        ignored (as in BERT's SQuAD fine-tuning). The loss is the mean of the two. Padding
+        (``attention_mask`` 0) is no candidate position, so an example's loss does not
+        depend on the batch it is padded in (transformers' BERT counts it)."""
         t = logits.shape[1]
         targets = targets.clamp(0, t)  # t: ignored
+        logits = mask_padding(logits, attention_mask)
         start = F.cross_entropy(logits[..., 0].float(), targets[:, 0], ignore_index=t)
         end = F.cross_entropy(logits[..., 1].float(), targets[:, 1], ignore_index=t)
         return (start + end) / 2
@@ -278,7 +294,11 @@ class EncoderModel(nn.Module):
             idx, attention_mask=attention_mask, token_type_ids=token_type_ids, positions=positions
         )
         logits = self.head(h)
-        loss = self.head.loss(logits, targets) if targets is not None else None
+        loss = None
+        if targets is not None and isinstance(self.head, QuestionAnsweringHead):
+            loss = self.head.loss(logits, targets, attention_mask)
+        elif targets is not None:
+            loss = self.head.loss(logits, targets)
         return ModelOutput(logits, loss)
 
     def num_parameters(self) -> int:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from attnlab.config import _Config, _fail, _positive
 from attnlab.data.generated import QAExample, Splits, qa_examples
+from attnlab.models.encoder import mask_padding
 from attnlab.tasks.text import EncoderTextTask, Features, TextCodec
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -153,6 +154,7 @@ class QuestionAnswering(EncoderTextTask):
 
     def batch_sums(self, logits: Tensor, batch: dict[str, Tensor], features: list[Features]):
         targets = batch["targets"]  # (b, 2)
+        logits = mask_padding(logits, batch.get("attention_mask"))  # as the model's loss
         loss = (
             F.cross_entropy(logits[..., 0], targets[:, 0], reduction="sum")
             + F.cross_entropy(logits[..., 1], targets[:, 1], reduction="sum")
