@@ -342,6 +342,22 @@ def test_resume_equals_uninterrupted(tmp_path, dataset):
     assert steps == list(range(1, 11))
 
 
+def test_a_log_interval_cut_by_a_stop_is_logged_as_if_uninterrupted(tmp_path, dataset):
+    """log_every=5, SIGTERM during step 4: the resumed run's step-5 record is the mean over
+    steps 1-5, as the uninterrupted run's (the interval's sums travel in the checkpoint)."""
+    cfg = tiny_run(max_steps=10, log_every=5)
+    train(cfg, tmp_path / "straight", dataset=dataset, progress=False)
+    stopping = InterruptingDataset(dataset, at=4)
+    train(cfg, tmp_path / "run", dataset=stopping, progress=False)
+    train(cfg, tmp_path / "run", resume=tmp_path / "run", dataset=dataset, progress=False)
+
+    def records(run):
+        rows = read_metrics(tmp_path / run / "metrics.jsonl")
+        return [(r["step"], r["train_loss"]) for r in rows if r["kind"] == "train"]
+
+    assert records("run") == records("straight") and len(records("run")) == 2
+
+
 def test_muon_trains_and_resumes_exactly(tmp_path, dataset):
     """train.optimizer=muon: Muon takes exactly the hidden linear weights (not the
     embeddings or the tied head), the loss falls, and a run stopped at step 5 and resumed

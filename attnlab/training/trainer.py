@@ -284,6 +284,12 @@ def _check_resume_config(
             )
 
 
+def _new_interval() -> dict:
+    """A log interval's running sums: step losses, seconds, work, the model's metrics
+    (name -> [sum, n], this process's)."""
+    return {"losses": [], "time": 0.0, "work": 0.0, "metrics": {}}
+
+
 TRAIN_BYTES_PER_PARAMETER = 16  # float32 weights 4 + gradients 4 + AdamW's two moments 8
 
 
@@ -541,6 +547,7 @@ class Trainer:
         self.budget_fitted = False
         self.elapsed_before = 0.0
         self.train_time = 0.0  # seconds in optimizer steps (no evaluations, no saves)
+        self.interval = _new_interval()  # the log interval in progress
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.last_val_step: int | None = None
@@ -575,6 +582,11 @@ class Trainer:
         _set_rng_state(rng[self.dist.rank], self.device)
         self.elapsed_before = float(state["elapsed"])
         self.train_time = float(state.get("train_time", 0.0))
+        if "interval" in state:  # the log interval a stop cut short: logged as if it was not
+            interval = state["interval"]
+            own = state["interval_metrics"]
+            metrics = own[self.dist.rank] if len(own) == self.dist.world_size else {}
+            self.interval = {**interval, "metrics": metrics}
         self.best_val_loss = state["best_val_loss"]
         self.last_val_loss = state["val_loss"]
         self.last_train_loss = state["train_loss"]
@@ -589,7 +601,8 @@ class Trainer:
             self.budget_fitted = True
 
     def _trainer_state(self, elapsed: float) -> dict:
-        mine = (_rng_state(self.device), self.task.state_dict())
+        metrics = {k: [float(total), n] for k, (total, n) in self.interval["metrics"].items()}
+        mine = (_rng_state(self.device), self.task.state_dict(), metrics)
         if self.dist.enabled:
             gathered: list = [None] * self.dist.world_size
             dist.all_gather_object(gathered, mine)
@@ -604,8 +617,10 @@ class Trainer:
             "train_time": self.train_time,
             "optimizer": self.optimizer.state_dict(),
             "data_rng": self.data_generator.get_state(),
-            "rng": [rng for rng, _ in gathered],  # one {"cpu", "cuda"?} per process
-            "task": [task for _, task in gathered],  # Task.state_dict() of each process
+            "rng": [rng for rng, _, _ in gathered],  # one {"cpu", "cuda"?} per process
+            "task": [task for _, task, _ in gathered],  # Task.state_dict() of each process
+            "interval": {k: self.interval[k] for k in ("losses", "time", "work")},
+            "interval_metrics": [metrics for _, _, metrics in gathered],  # per process
             "world_size": self.dist.world_size,
             "best_val_loss": self.best_val_loss,
             "val_loss": self.last_val_loss,
@@ -810,9 +825,7 @@ class Trainer:
         step_times: list[float] = []  # this call's step durations, evaluation excluded
         work_done = 0.0  # units of work of this call's steps, all processes
         eval_time: float | None = None
-        interval_losses: list[float] = []
-        interval_time, interval_work = 0.0, 0.0
-        interval_metrics: dict[str, list] = {}  # the model's metrics: name -> [sum, n]
+        iv = self.interval  # this log interval so far (a resumed run's carries on)
         last_saved = self.step if self.resumed else -1
         stop_reason = "max_steps"
         stop = _StopRequest()
@@ -891,11 +904,11 @@ class Trainer:
                     work_done += result.count
                     self.train_time += dt
                     self.last_train_loss = loss
-                    interval_losses.append(loss)
-                    interval_time += dt
-                    interval_work += result.count
+                    iv["losses"].append(loss)
+                    iv["time"] += dt
+                    iv["work"] += result.count
                     for name, (total, n) in result.metrics.items():
-                        entry = interval_metrics.setdefault(name, [0.0, 0])
+                        entry = iv["metrics"].setdefault(name, [0.0, 0])
                         entry[0] += total
                         entry[1] += n
                     bar.update(1)
@@ -911,10 +924,10 @@ class Trainer:
                         fit_budget()
 
                     if self.step % tc.log_every == 0 or self.step >= self.run_steps:
-                        rate = interval_work / max(interval_time, 1e-9)
+                        rate = iv["work"] / max(iv["time"], 1e-9)
                         lr = self.optimizer.param_groups[0]["lr"]
-                        mean_loss = sum(interval_losses) / len(interval_losses)
-                        model_metrics = self._reduce_metrics(interval_metrics)  # collective
+                        mean_loss = sum(iv["losses"]) / len(iv["losses"])
+                        model_metrics = self._reduce_metrics(iv["metrics"])  # collective
                         if main:
                             self.logger.log(
                                 "train",
@@ -933,8 +946,7 @@ class Trainer:
                                 f"{unit}/s": f"{rate:.0f}",
                             }
                         )
-                        interval_losses, interval_time, interval_work = [], 0.0, 0.0
-                        interval_metrics = {}
+                        iv = self.interval = _new_interval()
 
                     if result.signalled:
                         stop_reason = "signal"
