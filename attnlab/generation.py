@@ -48,13 +48,14 @@ def sample_next(
 ) -> Tensor:
     """logits (b, V) -> next tokens (b,). A temperature of 0 (or below
     ``GREEDY_BELOW_TEMPERATURE``) is greedy (argmax). ``top_k`` keeps exactly k tokens
-    (ties at the k-th logit broken by index, as ``torch.topk`` does)."""
+    (ties at the k-th logit go to the lowest index, as argmax's: top_k=1 is greedy)."""
     if temperature < GREEDY_BELOW_TEMPERATURE:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep.scatter_(-1, torch.topk(logits, top_k, dim=-1).indices, True)  # k per row
+        best = logits.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+        keep.scatter_(-1, best, True)  # k per row (topk's order among ties is unspecified)
         logits = logits.masked_fill(~keep, float("-inf"))
     if top_p is not None and top_p < 1.0:
         # Keep the smallest set of most likely tokens whose probability reaches top_p.
@@ -691,7 +692,9 @@ def beam_search_core(
         if renormalize and blocked_ids:
             logp = torch.log_softmax(logp, dim=-1)
         logp = logp.view(b, beams, V) + scores[..., None]  # (b, beams, V)
-        n_cand = min(2 * k, beams * V)
+        # enough candidates that k beams live on even if every stop token is among them
+        # (transformers keeps max(2, 1 + n_eos) * k)
+        n_cand = min(max(2, 1 + len(stops)) * k, beams * V)
         top, flat = logp.view(b, beams * V).topk(n_cand, dim=-1)  # (b, C)
         beam, tok = flat // V, flat % V
         cand = torch.cat((seqs.gather(1, beam[..., None].expand(-1, -1, step)), tok[..., None]), 2)

@@ -231,3 +231,18 @@ def test_fused_qk_rotation_equals_rotating_each(layout):
     torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(v, attn._heads(v_ref, 2), rtol=0, atol=0)
+
+
+def test_eager_attention_keeps_float64():
+    """The reference backend upcasts half precision for its softmax but never downcasts
+    float64 (a float64 check then holds to 1e-12, not float32's 1e-7)."""
+    from attnlab.functional.attention import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    scores = q @ k.transpose(-2, -1) / 8**0.5
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    expected = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    out = attend(q, k, v, causal=True, backend="eager")
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

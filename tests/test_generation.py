@@ -243,3 +243,56 @@ def test_generation_beyond_max_seq_len_cache_equals_no_cache(name):
         warnings.simplefilter("ignore")
         single = list(m.stream(prompts[1], 25))
     assert single == cached[1] == _greedy_cropped(m, prompts[1], 25)
+
+
+@torch.no_grad()
+def test_beam_search_with_several_stop_tokens_equals_transformers(tmp_path):
+    """With three stop tokens among the best candidates, k beams must still live on: a
+    LLaMA with its layers zeroed is an exact bigram table, whose beam search transformers
+    runs the same way (n-best tokens and scores)."""
+    import math
+
+    transformers = pytest.importorskip("transformers")
+    from attnlab.generation import beam_search
+    from attnlab.interop import load_hf
+
+    V, D, EOS, S, A, B = 40, 48, [5, 6, 7], 10, 11, 12
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(0))  # logits[last, next]
+    p = torch.full((V,), 0.01 / (V - 5))
+    p[[5, A, 6, 7, B]] = torch.tensor([0.28, 0.25, 0.20, 0.15, 0.11])  # from S: 3 stops in 4
+    table[S] = p.log()
+    table[B] = -20.0
+    table[B, 5] = 0.0  # B ends at once
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        bos_token_id=None, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )  # fmt: skip
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    for name, param in ref.named_parameters():
+        param.fill_(1.0) if "norm" in name else param.zero_()
+    ref.model.embed_tokens.weight[:, :V] = torch.eye(V)
+    ref.lm_head.weight[:, :V] = table.T / math.sqrt(D)  # logits = table[last token]
+    ref.save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    out = ref.generate(
+        torch.tensor([[S]]), attention_mask=torch.ones(1, 1, dtype=torch.long),
+        max_new_tokens=4, num_beams=2, num_return_sequences=2, length_penalty=1.0,
+        early_stopping=True, do_sample=False, pad_token_id=0, eos_token_id=EOS,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    theirs = [[t for t in row if t not in EOS] for row in out.sequences[:, 1:].tolist()]
+    hyps = beam_search(model, [[S]], 4, num_beams=2, eos_id=EOS, n_best=2)[0]
+    assert [h.tokens for h in hyps] == theirs == [[B], []]
+    assert [h.score for h in hyps] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+    assert model.generate([S], 4, num_beams=2, stop_tokens=EOS) == [B]
+
+
+def test_top_k_ties_go_to_the_lowest_index_so_top_k_1_is_greedy():
+    logits = torch.zeros(3, 8)
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        assert sample_next(logits, temperature=1.0, top_k=1, generator=g).tolist() == [0, 0, 0]
+        two = sample_next(logits, temperature=1.0, top_k=2, generator=g)
+        assert set(two.tolist()) <= {0, 1}

@@ -36,7 +36,7 @@ from attnlab.functional.masks import (
     document_mask,
     sliding_window_mask,
 )
-from attnlab.functional.softmax import masked_softmax
+from attnlab.functional.softmax import masked_softmax, softmax_dtype
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -77,7 +77,7 @@ def eager_attention(
     if causal:
         mask = combine_masks(mask, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
     scores = (q @ k.transpose(-2, -1)) * scale  # (b, h, t, s)
-    weights = masked_softmax(scores.float(), mask).to(q.dtype)
+    weights = masked_softmax(softmax_dtype(scores), mask).to(q.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     out = weights @ v  # (b, h, t, d_h)

@@ -10,6 +10,12 @@ import torch
 from torch import Tensor
 
 
+def softmax_dtype(x: Tensor) -> Tensor:
+    """``x`` in the precision a softmax runs in: half precision up to float32, float64
+    kept (an upcast, never a downcast)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def stable_softmax(x: Tensor, dim: int = -1) -> Tensor:
     """Softmax that subtracts the maximum first. Rows of all -inf give zeros, not NaN."""
     m = x.amax(dim=dim, keepdim=True)

@@ -41,7 +41,7 @@ from attnlab.functional.masks import (
     document_mask,
     sliding_window_mask,
 )
-from attnlab.functional.softmax import masked_softmax
+from attnlab.functional.softmax import masked_softmax, softmax_dtype
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import RMSNorm
 from attnlab.nn.registry import register_attention
@@ -162,7 +162,7 @@ class MultiHeadLatentAttention(nn.Module):
         scores = scores.view(b, h, t, s) * self.scale
         if causal and t > 1:  # one query is the newest position: it may see every key
             mask = combine_masks(mask, causal_mask(t, s, device=q.device))
-        weights = masked_softmax(scores.float(), mask).to(q.dtype)  # (b, h, t, s)
+        weights = masked_softmax(softmax_dtype(scores), mask).to(q.dtype)  # (b, h, t, s)
         if self.training and self.attn_dropout > 0:
             weights = F.dropout(weights, p=self.attn_dropout)
         values = keys[..., : self.kv_lora_rank]  # (b, s, d_c)

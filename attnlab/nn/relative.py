@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import AttentionConfig
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.nn.linear import Linear
 
 
@@ -90,7 +91,7 @@ class RelativeMultiHeadAttention(nn.Module):
         allowed = torch.arange(s, device=x.device)[None, :] <= q_pos  # (t, s) causal
         if mask is not None:
             allowed = allowed & mask
-        weights = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1)
+        weights = softmax_dtype(scores).masked_fill(~allowed, float("-inf")).softmax(-1)
         weights = self.attn_dropout(weights.to(q.dtype))
         y = (weights @ v).transpose(1, 2).reshape(b, t, -1)  # (b, t, h d_h)
         return self.resid_dropout(self.out(y))
