@@ -54,6 +54,19 @@ def _describe_char(char: str) -> str:
     return f"{char!r} (U+{ord(char):04X})"
 
 
+def check_encodable(text: str) -> str:
+    """``text`` if a Rust tokenizer can take it: no lone surrogates (which an undecodable
+    byte in a file or on the command line becomes); else a TokenizerError naming it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(
+            f"the text holds {_describe_char(text[e.start])} at position {e.start}, a lone "
+            "surrogate (a byte that is not UTF-8); pass UTF-8 text"
+        ) from None
+    return text
+
+
 def _code_points(text: str) -> np.ndarray:
     """Text -> (n,) uint32 code points, without a Python loop over characters."""
     # surrogatepass keeps lone surrogates (which str may hold) as their own code points.
@@ -127,7 +140,7 @@ class Tokenizer:
         """Text -> (n,) int64 ids, fast on long texts (the path the data pipeline uses)."""
         if self.kind == "char":
             return self._encode_char(text)
-        pieces = split_for_encoding(text)
+        pieces = split_for_encoding(check_encodable(text))
         encodings = self.hf.encode_batch(pieces, add_special_tokens=False)
         arrays = [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
         return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)

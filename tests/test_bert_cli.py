@@ -201,6 +201,9 @@ def test_classify_texts(trained, capsys):
         )
     assert main(["classify", "--ckpt", ckpt, "ventuno"]) == 0
     assert capsys.readouterr().out.startswith("ventuno\t")
+    assert main(["classify", "--ckpt", ckpt, "ventuno", "dos", "ventuno"]) == 0
+    lines = capsys.readouterr().out.splitlines()  # one line per input, repeats included
+    assert [line.split("\t")[0] for line in lines] == ["ventuno", "dos", "ventuno"]
     assert "max_seq_len" in run_error(capsys, "classify", "--ckpt", ckpt, "tre" * 40)
     assert "not in the vocabulary" in run_error(capsys, "classify", "--ckpt", ckpt, "douze!")
     assert "--invert applies to images" in run_error(

@@ -227,6 +227,44 @@ def test_generate_greedy_without_cache_and_default_prompt(work, capsys):
     assert out == "\n" + ckpt.tokenizer.decode(greedy) + "\n"
 
 
+def test_generate_with_beams_prints_the_best_beam(work, capsys):
+    ckpt = load_checkpoint(work / "run")
+    prompt = "The cat"
+    ids = ckpt.tokenizer.encode(prompt)
+    for extra in (["--max-new-tokens", "8"], []):  # without: the default length
+        argv = ["generate", "--ckpt", str(work / "run"), "--prompt", prompt, "--num-beams", "3"]
+        code, out, err = run_main([*argv, *extra], capsys)
+        assert code == 0, err
+        n = 8 if extra else min(256, ckpt.model.cfg.max_seq_len - len(ids))
+        best = ckpt.model.generate(ids, n, num_beams=3)
+        assert out == prompt + ckpt.tokenizer.decode(best) + "\n"
+
+
+def test_continuation_is_decoded_after_the_prompt():
+    """A SentencePiece-style decoder strips the leading space of what it decodes: the
+    continuation is the text the new tokens add to the prompt's, not their text alone."""
+    from attnlab.cli.generate import continuation
+
+    class Metaspace:  # "\u2581" marks a space; the decoded text's first one is dropped
+        pieces = ["\u2581The", "\u2581cat", "\u2581sat", "s"]
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids).replace("\u2581", " ").removeprefix(" ")
+
+    tok = Metaspace()
+    assert tok.decode([2]) == "sat"  # alone: no space
+    assert continuation(tok, [0, 1], [2, 3]) == " sats"
+    assert continuation(tok, [0, 1], []) == ""
+
+
+def test_a_lone_surrogate_is_a_tokenizer_error_not_a_crash():
+    from attnlab.tokenizers import TokenizerError, train_tokenizer
+
+    bpe = train_tokenizer("bpe", ["abc abd"], 300)
+    with pytest.raises(TokenizerError, match="U\\+DCFF"):
+        bpe.encode("a\udcff")
+
+
 def _direct_loss(model, ids: list[int], block: int, n_blocks: int) -> float:
     """Mean cross-entropy over consecutive blocks, written out here."""
     total, count = 0.0, 0

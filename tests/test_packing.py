@@ -325,6 +325,15 @@ def test_cli_trains_packed_and_evaluates(tmp_path, folder, capsys, monkeypatch):
     ids = data.document_ids("val", torch.tensor([0]), walked + 1)[0]
     assert result["tokens"] == walked - int((ids[1:] != ids[:-1]).sum())
     assert result["characters"] == result["tokens"]  # char tokens: one character each
+    # --data FOLDER: its documents apart too (each first token not a target)
+    assert main(["eval", "--ckpt", str(tmp_path / "run"), "--data", str(folder), "--json"]) == 0
+    on_folder = json.loads(capsys.readouterr().out)
+    from attnlab.data import DOCUMENT_SEPARATOR, read_corpus
+
+    texts = [text for _, text in read_corpus(str(folder))]
+    starts = np.cumsum([len(t) + len(DOCUMENT_SEPARATOR) for t in texts[:-1]])  # char level
+    walked = (len(DOCUMENT_SEPARATOR.join(texts)) - 1) // 24 * 24  # targets 1..walked
+    assert on_folder["tokens"] == walked - int(((starts >= 1) & (starts <= walked)).sum())
 
     bad = argv[:6] + [str(tmp_path / "bad"), *argv[7:], "--set", "model.attention.kind=linear"]
     assert main(bad) != 0

@@ -106,12 +106,13 @@ def run(args: argparse.Namespace) -> int:
             "an imported ViT) or a text-classification one (attnlab train --preset "
             "bert-tiny-langid) or an imported BertForSequenceClassification"
         )
-    if args.json:
+    if args.json:  # one entry per distinct input (a repeated one has the same result)
         print(json.dumps(report, ensure_ascii=False))
-    else:
+    else:  # one line per input, in order, repeats included
         names = cfg.model.class_names if cfg.model.arch == "vit" else None
         label = (lambda c: names[c]) if names else (lambda c: c)  # noqa: E731
-        for name, r in report.items():
+        for name in args.inputs:
+            r = report[name]
             shown = ", ".join(f"{label(c)}: {p:.3f}" for c, p in r["top"])
             print(f"{name}\t{label(r['class'])}\t({shown})")
     return 0

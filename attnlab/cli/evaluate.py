@@ -64,13 +64,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 LM_TASKS = ("lm", "lm-stream")  # evaluated as language models, of any text
 
 
-def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> np.ndarray:
+def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> tuple[np.ndarray, list]:
+    """The tokens of a file or folder's documents joined as training joins them, and the
+    documents' texts."""
     from attnlab.data import DOCUMENT_SEPARATOR, read_corpus
     from attnlab.tokenizers import TokenizerError
 
-    text = DOCUMENT_SEPARATOR.join(doc for _, doc in read_corpus(path, errors=errors))
+    texts = [doc for _, doc in read_corpus(path, errors=errors)]
     try:
-        return tokenizer.encode_array(text)
+        return tokenizer.encode_array(DOCUMENT_SEPARATOR.join(texts)), texts
     except TokenizerError as e:
         raise CLIError(f"--data {path}: {e}") from None
 
@@ -159,6 +161,7 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     """Loss, perplexity and bits per token and per character, on the validation split or
     on any text (``--data``)."""
     from attnlab.data import TokenDataset, prepare_data
+    from attnlab.data.lm import DataError, document_starts
     from attnlab.tasks.lm import LanguageModelling
 
     if cfg.model.arch not in LM_ARCHS:
@@ -174,11 +177,19 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     if args.data is not None:
         if not Path(args.data).exists():
             raise CLIError(f"--data {args.data}: no such file or folder")
-        tokens = _tokens_of_file(args.data, tokenizer, cfg.data.errors)
+        tokens, texts = _tokens_of_file(args.data, tokenizer, cfg.data.errors)
         if len(tokens) < 2:
             raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
         block_size = min(block_size, len(tokens) - 1)  # short texts: one shorter block
-        data = TokenDataset(tokenizer=tokenizer, train=tokens, val=tokens)
+        doc_starts = None
+        packed = cfg.task == "lm" and LanguageModelling.data_options(cfg).pack_documents
+        if packed:  # the documents apart, as in training
+            try:
+                starts = document_starts(tokenizer, tokens, texts)
+            except DataError as e:
+                raise CLIError(f"--data {args.data}: {e}") from None
+            doc_starts = np.concatenate((starts, starts + len(tokens)))  # (train, then val)
+        data = TokenDataset(tokenizer=tokenizer, train=tokens, val=tokens, doc_starts=doc_starts)
         source = args.data
     else:
         data = prepare_data(cfg.data, tokenizer=tokenizer)

@@ -61,7 +61,10 @@ def masked_ids(
     pieces = text.split(MASK)
     hf_mask = tokenizer.hf.token_to_id(MASK) if tokenizer.kind != "char" else None
     if hf_mask is not None:
-        return tokenizer.hf.encode(text, add_special_tokens=True).ids, pieces, hf_mask
+        from attnlab.tokenizers import check_encodable
+
+        ids = tokenizer.hf.encode(check_encodable(text), add_special_tokens=True).ids
+        return ids, pieces, hf_mask
     mask_id = tokenizer.vocab_size
     if vocab_size <= mask_id:
         raise CLIError(

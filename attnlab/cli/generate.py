@@ -141,6 +141,15 @@ def _print(text: str) -> None:
     sys.stdout.flush()
 
 
+def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text ``new_ids`` add after ``prompt_ids``: decoded together, less the prompt's
+    text (decoded alone, a SentencePiece-style decoder strips the continuation's leading
+    space, and byte-level pieces may join across the boundary)."""
+    base = tokenizer.decode(prompt_ids)
+    full = tokenizer.decode(list(prompt_ids) + list(new_ids))
+    return full[len(base) :] if full.startswith(base) else tokenizer.decode(new_ids)
+
+
 def plan_length(
     ids: list[int], max_new_tokens: int | None, max_seq_len: int, overflow: str
 ) -> tuple[list[int], int]:
@@ -234,23 +243,30 @@ def run(args: argparse.Namespace) -> int:
         compile="auto" if args.compile is None else args.compile,
         stop_tokens=stops,
     )
-    if args.num_beams > 1:
+    beams = args.num_beams > 1
+    if beams:
         if args.stream:
             raise CLIError("--stream and --num-beams exclude each other: beams end together")
-        options = dict(
-            num_beams=args.num_beams, length_penalty=args.length_penalty, stop_tokens=stops
-        )
-        if len(ids) + args.max_new_tokens > model.cfg.max_seq_len:
+        if len(ids) + max_new_tokens > model.cfg.max_seq_len:
             raise CLIError(
-                f"--num-beams: prompt ({len(ids)} tokens) + --max-new-tokens "
-                f"{args.max_new_tokens} exceed max_seq_len={model.cfg.max_seq_len}"
+                f"--num-beams: prompt ({len(ids)} tokens) + {max_new_tokens} new tokens "
+                f"exceed max_seq_len={model.cfg.max_seq_len}; lower --max-new-tokens"
             )
     if args.seed is not None:
         torch.manual_seed(args.seed)
     with warnings.catch_warnings():
         # plan_length said it already: the library's own notes would come mid-output
         warnings.filterwarnings("ignore", message="prompt ", category=UserWarning)
-        tokens = model.stream(ids, max_new_tokens, **options)  # checks, before any output
+        if beams:  # the best beam, once all have ended
+            tokens = model.generate(
+                ids,
+                max_new_tokens,
+                num_beams=args.num_beams,
+                length_penalty=args.length_penalty,
+                stop_tokens=stops,
+            )
+        else:
+            tokens = model.stream(ids, max_new_tokens, **options)  # checks, before any output
         if shown is None:
             _print(",".join(map(str, args.prompt_ids)))
             if not args.stream:
@@ -261,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         _print(shown)
         if not args.stream:
-            _print(tokenizer.decode(list(tokens)) + "\n")
+            _print(continuation(tokenizer, ids, list(tokens)) + "\n")
             return 0
         # Decode the whole continuation each step and print what is new: one token may be
         # part of a multi-byte character (byte-level BPE), shown once it is complete.
@@ -269,10 +285,10 @@ def run(args: argparse.Namespace) -> int:
         printed = ""
         for token in tokens:
             new_ids.append(token)
-            text = tokenizer.decode(new_ids)
+            text = continuation(tokenizer, ids, new_ids)
             if text.endswith("\ufffd") or not text.startswith(printed):
                 continue
             _print(text[len(printed) :])
             printed = text
-        _print(tokenizer.decode(new_ids)[len(printed) :] + "\n")
+        _print(continuation(tokenizer, ids, new_ids)[len(printed) :] + "\n")
     return 0

@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
     outputs = [text.decode_target(tokens) for tokens in out]
     outputs = [",".join(map(str, t)) if o is None else o for o, t in zip(outputs, out)]
-    if args.json:
+    if args.json:  # one entry per distinct input (a repeated one has the same output)
         print(json.dumps(dict(zip(shown, outputs)), ensure_ascii=False))
     else:
         for source, output in zip(shown, outputs):

@@ -59,7 +59,9 @@ class TextCodec:
             ids = self.tokenizer.encode(text)
             offsets = [(i, i + 1) for i in range(len(text))]
         else:
-            encoding = self.tokenizer.hf.encode(text, add_special_tokens=False)
+            from attnlab.tokenizers import check_encodable
+
+            encoding = self.tokenizer.hf.encode(check_encodable(text), add_special_tokens=False)
             ids, offsets = list(encoding.ids), list(encoding.offsets)
         spans = []
         for start, end in offsets:

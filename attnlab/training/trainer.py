@@ -255,11 +255,17 @@ def _differences(mine: dict, theirs: dict, prefix: str) -> list[str]:
     return out
 
 
+# Model fields a task fills in from its tokenizer and data (Task.configure_model): before
+# the task is built, a config may hold them unset.
+TASK_FILLED_FIELDS = ("vocab_size", "src_vocab_size", "pad_id", "bos_id", "eos_id", "n_labels")
+
+
 def _check_resume_config(
     cfg: RunConfig, saved: RunConfig, resume: Path, sections: tuple[str, ...] = ("model", "data")
 ) -> None:
-    """The task, model and data of a resumed run must be the checkpoint's (the model's
-    once the task has filled in what it sets: vocabularies, labels, special tokens)."""
+    """The task, model and data of a resumed run must be the checkpoint's. Before the task
+    has configured the model (``sections`` with "data"), the fields it fills in are left
+    out; the trainer compares the whole model again once it has."""
     if cfg.task != saved.task:
         raise TrainingError(
             f"resume: the checkpoint in {resume} was trained on task {saved.task!r}, not "
@@ -267,8 +273,10 @@ def _check_resume_config(
         )
     for section in sections:
         mine, theirs = getattr(cfg, section).to_dict(), getattr(saved, section).to_dict()
-        if section == "model":
-            mine["vocab_size"] = theirs["vocab_size"]  # set from the tokenizer anyway
+        if section == "model" and "data" in sections:  # the task has not configured it yet
+            for name in TASK_FILLED_FIELDS:
+                if name in mine and name in theirs:
+                    mine[name] = theirs[name]
             for name in AttentionConfig.STAGE_FIELDS:  # training stages: same parameters
                 if "attention" in theirs and name in theirs["attention"]:
                     theirs = {
@@ -437,7 +445,7 @@ class Trainer:
                 )
             if cfg is None:
                 cfg = ckpt.config
-            _check_resume_config(cfg, ckpt.config, resume, sections=("data",))
+            _check_resume_config(cfg, ckpt.config, resume)
             if init_from is not None:
                 raise TrainingError("resume and init_from exclude each other")
         elif cfg is None and init_from is None:
