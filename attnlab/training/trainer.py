@@ -277,6 +277,7 @@ def _check_resume_config(
             for name in TASK_FILLED_FIELDS:
                 if name in mine and name in theirs:
                     mine[name] = theirs[name]
+        if section == "model":
             for name in AttentionConfig.STAGE_FIELDS:  # training stages: same parameters
                 if "attention" in theirs and name in theirs["attention"]:
                     theirs = {
