@@ -79,7 +79,7 @@ def child(args: argparse.Namespace) -> None:
                 ms = median_ms(functools.partial(tr._train_step, stop, never), args.steps)
                 block = tr.tc.block_size or tr.cfg.model.max_seq_len
                 per_token = flops_per_token(tr.cfg.model, block)["training"]
-                per_step = per_token * block * tr.tc.batch_size
+                per_step = per_token * block * tr.tc.batch_size * tr.tc.grad_accum
             label = f"{preset} step{' (compiled)' if compiled else ''}"
             out[f"{label} ms"] = ms
             out[f"{label} MFU"] = per_step / (ms * 1e-3) / peak

@@ -55,7 +55,7 @@ def main() -> None:
     setup_threads(args.threads)
     if args.rows_matmul_max is not None:
         linear_module.ROWS_MATMUL_MAX = args.rows_matmul_max
-    hf, ours = build_pair()
+    hf, ours = build_pair("30m", torch.float32, "cpu")
     ours_compiled = copy.deepcopy(ours)  # compiling re-stores its weights row-major; ours stays
     vocab, n = hf.config.vocab_size, args.new_tokens
     print(f"model: LLaMA-style 30.9M, float32, greedy; machine: {machine()}")

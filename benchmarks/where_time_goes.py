@@ -161,11 +161,19 @@ def training_breakdown(preset: str, steps: int) -> None:
                 phases[name].append((b - a) * 1e3)
     m = cfg.model
     print(
-        f"\ntraining: preset {preset} ({m.n_layers}x{m.d_model}, block {tc.block_size}, batch "
+        f"\ntraining: preset {preset} ({m.n_layers}x{m.d_model}, block "
+        f"{tc.block_size or m.max_seq_len}, batch "
         f"{tc.batch_size}, {tc.dtype}), median of {steps} steps"
     )
     med = {k: statistics.median(v) for k, v in phases.items()}
-    print_shares("per training step", "step", med, tc.batch_size * tc.block_size)
+    print_shares("per training step", "step", med, tokens_per_step(tr, micro_steps=1))
+
+
+def tokens_per_step(tr, micro_steps: int | None = None) -> int:
+    """Tokens one timed step trains on: batch x block (the model's context where the preset
+    leaves the block unset) x micro-steps (the run's gradient accumulation by default)."""
+    block = tr.tc.block_size or tr.cfg.model.max_seq_len
+    return tr.tc.batch_size * block * (tr.tc.grad_accum if micro_steps is None else micro_steps)
 
 
 def print_shares(what: str, step: str, ms: dict[str, float], tokens: int) -> None:
@@ -217,7 +225,7 @@ def compiled_training_breakdown(preset: str, steps: int, kernels: int = 0) -> No
         f"\ntraining, compiled: preset {preset}, profile of {profiled} steps (self times); "
         f"median step {statistics.median(times) * 1e3:.1f} ms over {steps} steps"
     )
-    tokens = tr.tc.batch_size * tr.tc.block_size
+    tokens = tokens_per_step(tr)
     print_shares("per compiled training step", "step (profiled)", kinds, tokens)
     if kernels:
         rows = [[f"{ms:.2f}", calls, name[:110]] for ms, calls, name in sorted(fused)[::-1]]
