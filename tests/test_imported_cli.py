@@ -236,3 +236,18 @@ def test_eval_of_an_imported_digits_vit(tmp_path, capsys):
     assert report["task"] == "image-classification"
     assert report["accuracy"] == pytest.approx(want["accuracy"])
     assert report["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode, channels", [("L", 1), ("LA", 2), ("RGB", 3), ("RGBA", 4)])
+def test_8_bit_images_of_every_mode_scale_to_0_1(tmp_path, mode, channels):
+    """Pixels are divided by 255 for every 8-bit mode (with or without alpha), not clamped."""
+    from PIL import Image
+
+    from attnlab.cli.classify import load_image
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (8, 8, channels), dtype=np.uint8)
+    Image.fromarray(raw[..., 0] if channels == 1 else raw, mode).save(tmp_path / "x.png")
+    x = load_image(str(tmp_path / "x.png"), channels, 8, 8)
+    want = torch.from_numpy(raw.astype(np.float32) / 255).permute(2, 0, 1)
+    torch.testing.assert_close(x, want)

@@ -76,7 +76,8 @@ def load_image(path: str, channels: int, height: int, width: int) -> torch.Tenso
     if image.mode == "P":
         image = image.convert("RGB")
     # The largest pixel value of the mode: pixels become [0, 1] (float images are taken as is).
-    top = {"1": 1.0, "L": 255.0, "RGB": 255.0, "I": 65535.0, "I;16": 65535.0}.get(image.mode)
+    eight_bit = dict.fromkeys(("L", "LA", "RGB", "RGBA", "CMYK", "YCbCr"), 255.0)
+    top = {"1": 1.0, "I": 65535.0, "I;16": 65535.0, **eight_bit}.get(image.mode)
     array = np.asarray(image, dtype=np.float32)
     x = torch.from_numpy(array / top if top else array)
     x = x[None] if x.dim() == 2 else x.permute(2, 0, 1)  # (C, H, W)
