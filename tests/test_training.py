@@ -695,7 +695,7 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, dataset, cache_dir)
     (tmp_path / "cfg.json").write_text(per_process.to_json())
     (tmp_path / "child.py").write_text(DDP_CHILD)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run(
+    proc = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -708,11 +708,12 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, dataset, cache_dir)
             str(tmp_path / "ddp"),
             str(tmp_path / "ddp.json"),
         ],
-        check=True,
         env=env,
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the processes' own errors, if any
     ddp = json.loads((tmp_path / "ddp.json").read_text())
     single = train(
         tiny_run(max_steps=4, batch_size=6, grad_accum=2, eval_every=4, eval_batches=2),
