@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnlab.cache import check_global_tokens
 from attnlab.config import ModelConfig, NormConfig
 
 _FORMULA_KINDS = ("mha",)  # attention kinds whose structure the formulas below describe
@@ -237,17 +238,13 @@ def kv_cache_bytes(
     if seq_len < 1 or batch < 1:
         raise ValueError(f"seq_len and batch must be >= 1, got {seq_len} and {batch}")
     window = cfg.attention.sliding_window
-    late = [p for p in cfg.attention.global_tokens if window is not None and p >= window]
-    if late:  # as new_cache refuses them: a ring would have overwritten them
-        raise ValueError(
-            f"attention.global_tokens: position {late[0]} >= sliding_window={window}: "
-            "cached decoding needs global positions below the window (no cache holds it)"
-        )
+    if window is not None:  # the global tokens new_cache refuses
+        check_global_tokens(cfg.attention.global_tokens, window)
     held = min(seq_len, window) if window is not None else seq_len
     if cfg.attention.kind not in _KV_FORMULA_KINDS:
         cache = _meta_model(cfg).new_cache(batch, held, dtype, device="meta")
         return int(cache.nbytes)
-    if window is not None and cfg.attention.kind == "mha":  # local layers: their window
+    if window is not None:  # local layers hold their window, global ones everything
         per_layer = kv_cache_bytes_per_token(cfg, dtype) // cfg.n_layers
         return batch * windowed_kv_entries(cfg, seq_len) * per_layer
     return batch * seq_len * kv_cache_bytes_per_token(cfg, dtype)

@@ -36,6 +36,17 @@ class CacheError(ValueError):
     """A cache is used beyond what it holds."""
 
 
+def check_global_tokens(global_tokens: list[int], window: int) -> None:
+    """Global positions a windowed cache can keep: those inside the first window."""
+    late = [p for p in global_tokens if p >= window]
+    if late:
+        raise CacheError(
+            f"attention.global_tokens: position {late[0]} >= sliding_window={window}: a "
+            "global query attends to every earlier token, which a windowed cache does "
+            "not keep; cached decoding needs global positions below the window"
+        )
+
+
 class CacheStep(NamedTuple):
     positions: Tensor  # (b, t) absolute positions of the new tokens
     slots: Tensor | None  # (t,) slots written (static or wrapped), None: [start, start + t)
@@ -215,13 +226,7 @@ class GlobalWindowKV(LayerCache):
         self, cache: Cache, n_kv_heads: int, head_dim: int, window: int, global_tokens: list[int]
     ):
         super().__init__(cache)
-        late = [p for p in global_tokens if p >= window]
-        if late:
-            raise CacheError(
-                f"attention.global_tokens: position {late[0]} >= sliding_window={window}: a "
-                "global query attends to every earlier token, which a windowed cache does "
-                "not keep; cached decoding needs global positions below the window"
-            )
+        check_global_tokens(global_tokens, window)
         self.window = window
         self.ring = RollingKV(cache, n_kv_heads, head_dim, window)
         self.global_pos = torch.tensor(global_tokens, dtype=torch.long, device=cache.device)

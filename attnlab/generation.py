@@ -53,9 +53,12 @@ def sample_next(
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        best = logits.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
-        keep.scatter_(-1, best, True)  # k per row (topk's order among ties is unspecified)
+        # exactly k per row: those above the k-th logit, then the lowest-index ties with it
+        # (topk's own order among ties is unspecified)
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (b, 1)
+        above, tied = logits > kth, logits == kth
+        room = top_k - above.sum(dim=-1, keepdim=True)
+        keep = above | (tied & (tied.cumsum(dim=-1) <= room))
         logits = logits.masked_fill(~keep, float("-inf"))
     if top_p is not None and top_p < 1.0:
         # Keep the smallest set of most likely tokens whose probability reaches top_p.

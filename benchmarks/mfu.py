@@ -118,7 +118,7 @@ def main() -> None:
             )  # fmt: skip
             label = f"{name} (compiled)" if compiled else name
             tr = Trainer(cfg, f"{tmp}/{len(trainers)}", progress=False)
-            block = tr.tc.block_size or tr.cfg.model.max_seq_len
+            block = tr.task.block_size
             per_token = flops_per_token(tr.cfg.model, block)["training"]  # tokenizer's vocab
             dtype = torch.bfloat16 if tr.tc.dtype == "bfloat16" else torch.float32
             trainers[label] = (tr, per_token, dtype)
@@ -146,7 +146,7 @@ def main() -> None:
     rows = []
     for label, (tr, per_token, dtype) in trainers.items():
         tok_s = statistics.median(rates[label])
-        rows.append([label, f"{per_token / 1e6:.2f}M", tr.tc.block_size, tr.tc.batch_size,
+        rows.append([label, f"{per_token / 1e6:.2f}M", tr.task.block_size, tr.tc.batch_size,
                      str(dtype).split(".")[-1], f"{tok_s:,.0f}", f"{per_token * tok_s / 1e9:.1f}",
                      f"{statistics.median(peaks[dtype]) / 1e9:.1f}",
                      f"{statistics.median(mfus[label]):.0%}",

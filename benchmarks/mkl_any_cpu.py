@@ -77,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
                 for _ in range(args.warmup):
                     tr._train_step(stop, never)
                 ms = median_ms(functools.partial(tr._train_step, stop, never), args.steps)
-                block = tr.tc.block_size or tr.cfg.model.max_seq_len
+                block = tr.task.block_size
                 per_token = flops_per_token(tr.cfg.model, block)["training"]
                 per_step = per_token * block * tr.tc.batch_size * tr.tc.grad_accum
             label = f"{preset} step{' (compiled)' if compiled else ''}"

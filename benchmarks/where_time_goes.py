@@ -162,7 +162,7 @@ def training_breakdown(preset: str, steps: int) -> None:
     m = cfg.model
     print(
         f"\ntraining: preset {preset} ({m.n_layers}x{m.d_model}, block "
-        f"{tc.block_size or m.max_seq_len}, batch "
+        f"{tr.task.block_size}, batch "
         f"{tc.batch_size}, {tc.dtype}), median of {steps} steps"
     )
     med = {k: statistics.median(v) for k, v in phases.items()}
@@ -170,10 +170,10 @@ def training_breakdown(preset: str, steps: int) -> None:
 
 
 def tokens_per_step(tr, micro_steps: int | None = None) -> int:
-    """Tokens one timed step trains on: batch x block (the model's context where the preset
-    leaves the block unset) x micro-steps (the run's gradient accumulation by default)."""
-    block = tr.tc.block_size or tr.cfg.model.max_seq_len
-    return tr.tc.batch_size * block * (tr.tc.grad_accum if micro_steps is None else micro_steps)
+    """Tokens one timed step trains on: batch x the task's block x micro-steps (the run's
+    gradient accumulation by default)."""
+    micro_steps = tr.tc.grad_accum if micro_steps is None else micro_steps
+    return tr.tc.batch_size * tr.task.block_size * micro_steps
 
 
 def print_shares(what: str, step: str, ms: dict[str, float], tokens: int) -> None:

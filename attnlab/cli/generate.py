@@ -141,11 +141,14 @@ def _print(text: str) -> None:
     sys.stdout.flush()
 
 
-def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+def continuation(
+    tokenizer, prompt_ids: list[int], new_ids: list[int], base: str | None = None
+) -> str:
     """The text ``new_ids`` add after ``prompt_ids``: decoded together, less the prompt's
-    text (decoded alone, a SentencePiece-style decoder strips the continuation's leading
-    space, and byte-level pieces may join across the boundary)."""
-    base = tokenizer.decode(prompt_ids)
+    text ``base`` (decoded alone, a SentencePiece-style decoder strips the continuation's
+    leading space, and byte-level pieces may join across the boundary)."""
+    if base is None:
+        base = tokenizer.decode(prompt_ids)
     full = tokenizer.decode(list(prompt_ids) + list(new_ids))
     return full[len(base) :] if full.startswith(base) else tokenizer.decode(new_ids)
 
@@ -282,13 +285,13 @@ def run(args: argparse.Namespace) -> int:
         # Decode the whole continuation each step and print what is new: one token may be
         # part of a multi-byte character (byte-level BPE), shown once it is complete.
         new_ids: list[int] = []
-        printed = ""
+        printed, base = "", tokenizer.decode(ids)
         for token in tokens:
             new_ids.append(token)
-            text = continuation(tokenizer, ids, new_ids)
+            text = continuation(tokenizer, ids, new_ids, base)
             if text.endswith("\ufffd") or not text.startswith(printed):
                 continue
             _print(text[len(printed) :])
             printed = text
-        _print(continuation(tokenizer, ids, new_ids)[len(printed) :] + "\n")
+        _print(continuation(tokenizer, ids, new_ids, base)[len(printed) :] + "\n")
     return 0

@@ -106,7 +106,7 @@ class MaskedLMHead(nn.Module):
         return self.decoder(self.norm(self.act(self.transform(h)))) + self.bias
 
     @staticmethod
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+    def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """targets (b, t): the original token at masked positions, -100 elsewhere. A batch
         with no masked position (a short one can draw none) has loss 0: no gradient, where
         the mean over nothing would be NaN."""
@@ -132,7 +132,7 @@ class SequenceClassificationHead(nn.Module):
         return self.classifier(self.dropout(pooled))
 
     @staticmethod
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+    def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """targets (b,) class ids; with one label, (b,) real values (mean squared error)."""
         if logits.shape[-1] == 1:
             return F.mse_loss(logits.squeeze(-1).float(), targets.float())
@@ -150,7 +150,7 @@ class TokenClassificationHead(nn.Module):
         return self.classifier(self.dropout(h))
 
     @staticmethod
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+    def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """targets (b, t) label ids, -100 for ignored tokens (padding, sub-words)."""
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
@@ -195,7 +195,7 @@ class NoHead(nn.Module):
         return h
 
     @staticmethod
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+    def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         raise ValueError("an encoder with head 'none' has no loss; pick a head")
 
 
@@ -294,11 +294,8 @@ class EncoderModel(nn.Module):
             idx, attention_mask=attention_mask, token_type_ids=token_type_ids, positions=positions
         )
         logits = self.head(h)
-        loss = None
-        if targets is not None and isinstance(self.head, QuestionAnsweringHead):
-            loss = self.head.loss(logits, targets, attention_mask)
-        elif targets is not None:
-            loss = self.head.loss(logits, targets)
+        # every head's loss takes the padding; question answering's leaves it out of its span
+        loss = self.head.loss(logits, targets, attention_mask) if targets is not None else None
         return ModelOutput(logits, loss)
 
     def num_parameters(self) -> int:

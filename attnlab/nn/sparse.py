@@ -403,14 +403,18 @@ class NativeSparseAttention(nn.Module):
             k, v = cache.update(k, v)  # (b, h_kv, s, d_h)
             mask, causal = cache.mask(None)
         allowed = allowed_keys(mask, causal, b, t, k.shape[2], x.device)  # (b, t, s)
-        if mask is not None and not torch.compiler.is_compiling():  # (a host read)
+        if cache is not None:  # the cache knows (no device read per decoding step)
+            late_start = cache.cache.has_padding
+        elif mask is not None and not torch.compiler.is_compiling():  # (a host read)
             seen = allowed.any(dim=1)  # (b, s): keys some query reads
-            if bool((seen.any(dim=1) & ~seen[:, 0]).any()):  # a row that starts later
-                raise ValueError(
-                    "native sparse attention lays its blocks over key slots from slot 0, so "
-                    "it cannot take left-padded rows; run prompts of different lengths one "
-                    "at a time"
-                )
+            late_start = bool((seen.any(dim=1) & ~seen[:, 0]).any())  # a row starts later
+        else:
+            late_start = False
+        if late_start:
+            raise ValueError(
+                "native sparse attention lays its blocks over key slots from slot 0, so it "
+                "cannot take left-padded rows; run prompts of different lengths one at a time"
+            )
         o_cmp, p_cmp = self.compressed(q, k, v, allowed)
         o_slc = self._attend(q, k, v, self.select_blocks(p_cmp, allowed))
         o_win = self._attend(q, k, v, self.window_keys(allowed)[:, None])

@@ -261,19 +261,19 @@ TASK_FILLED_FIELDS = ("vocab_size", "src_vocab_size", "pad_id", "bos_id", "eos_i
 
 
 def _check_resume_config(
-    cfg: RunConfig, saved: RunConfig, resume: Path, sections: tuple[str, ...] = ("model", "data")
+    cfg: RunConfig, saved: RunConfig, resume: Path, *, configured: bool = False
 ) -> None:
     """The task, model and data of a resumed run must be the checkpoint's. Before the task
-    has configured the model (``sections`` with "data"), the fields it fills in are left
-    out; the trainer compares the whole model again once it has."""
+    has configured the model, the fields it fills in are left out; once it has
+    (``configured``), the whole model is compared again."""
     if cfg.task != saved.task:
         raise TrainingError(
             f"resume: the checkpoint in {resume} was trained on task {saved.task!r}, not "
             f"{cfg.task!r}; resume it with task={saved.task}"
         )
-    for section in sections:
+    for section in ("model",) if configured else ("model", "data"):
         mine, theirs = getattr(cfg, section).to_dict(), getattr(saved, section).to_dict()
-        if section == "model" and "data" in sections:  # the task has not configured it yet
+        if section == "model" and not configured:
             for name in TASK_FILLED_FIELDS:
                 if name in mine and name in theirs:
                     mine[name] = theirs[name]
@@ -514,7 +514,7 @@ class Trainer:
             task.configure_model(cfg.model)
         cfg.validate()
         if resume is not None:  # the model as the task configured it, as the run saved it
-            _check_resume_config(cfg, ckpt.config, resume, sections=("model",))
+            _check_resume_config(cfg, ckpt.config, resume, configured=True)
         self.cfg, self.tc = cfg, tc
 
         # Model and optimizer. Same seed on every process; DDP also broadcasts rank 0's.
