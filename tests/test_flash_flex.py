@@ -70,3 +70,15 @@ def test_flex_compiled_on_cpu():
     q, k, v = _qkv(t=64, s=64)
     out = flex_attention(q, k, v, causal=True, compile=True)
     torch.testing.assert_close(out, eager_attention(q, k, v, causal=True), **TOL)
+
+
+@pytest.mark.slow
+def test_flex_compiled_per_row_prefix_lm():
+    """The fused kernel skips tiles (and unmasks full ones) by the block mask: built for the
+    first row only, a (b,) prefix would hide keys 128..199 from row 1's first 128 queries."""
+    t = 256  # two 128-blocks
+    q, k, v = _qkv(h=2, h_kv=2, t=t, s=t, d_h=8)
+    for prefix in (torch.tensor([0, 200]), torch.tensor([200, 0])):
+        out = flex_attention(q, k, v, mask_mod=prefix_lm_mod(t, t, prefix), compile=True)
+        want = eager_attention(q, k, v, prefix_lm_mask(t, t, prefix))
+        torch.testing.assert_close(out, want, **TOL)

@@ -122,3 +122,21 @@ def test_flash_backend_uses_triton_on_cuda(monkeypatch):
     q, k, v = (x.detach() for x in _qkv(1, 2, 2, 64, 64, 32))
     attend(q, k, v, causal=True, backend="flash")
     assert calls
+
+
+def test_triton_refuses_a_value_head_dim_of_its_own():
+    """The kernels take one head dim: MLA's narrower values (d_v != d_h) were read with the
+    query/key width (past each value row) and came back (b, h, t, d_h)."""
+    q, k, _ = _qkv(1, 2, 2, 5, 7, 24)
+    v = torch.randn(1, 2, 7, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="one head dim for q, k and v, got 24, 24 and 16"):
+        triton_attention(q, k, v, causal=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the flash backend picks the Triton kernel on CUDA only")
+def test_flash_backend_keeps_narrow_values_on_cuda():
+    q, k, _ = (x.detach() for x in _qkv(1, 2, 2, 64, 64, 32))
+    v = torch.randn(1, 2, 64, 16, device=DEVICE)
+    out = attend(q, k, v, causal=True, backend="flash")
+    assert out.shape == (1, 2, 64, 16)
+    torch.testing.assert_close(out, eager_attention(q, k, v, causal=True), **TOL)

@@ -96,6 +96,20 @@ def test_segments_with_memory_equal_the_full_pass(placement):
     assert [m.shape for m in mem] == [(2, 21, 32)] * 3
 
 
+@torch.no_grad()
+def test_left_padded_rows_equal_their_tokens_alone():
+    """Relative positions: a left-padded row's real tokens see the same distances as the
+    row alone. The padded queries attend to nothing and must give zeros, not NaN, which
+    the next layer's keys and values would spread to every token of the row."""
+    model = tiny(mem_len=8)
+    idx = torch.randint(0, 40, (2, 7))
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    attention_mask[1, :3] = 0
+    out = model(idx, attention_mask=attention_mask)
+    torch.testing.assert_close(out.logits[0], model(idx[:1]).logits[0], **TOL)
+    torch.testing.assert_close(out.logits[1, 3:], model(idx[1:, 3:]).logits[0], **TOL)
+
+
 def test_memory_is_capped_and_detached():
     model = tiny(mem_len=5).train()
     out = model(torch.randint(0, 40, (2, 8)))

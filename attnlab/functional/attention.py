@@ -172,7 +172,8 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
 def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
     from attnlab import kernels
 
-    if q.is_cuda and kernels.triton_available():  # the same maths, as one GPU kernel
+    # the same maths, as one GPU kernel (which takes one head dim for q, k and v)
+    if q.is_cuda and kernels.triton_available() and v.shape[-1] == q.shape[-1]:
         return kernels.triton_attention(
             q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
         )

@@ -16,8 +16,9 @@ sliding window, sorted document ids); it is widened to whole ``block_q`` tiles, 
 tile of the (t, s) grid that is fully masked (above the causal diagonal, outside the window,
 in another document) is never computed. Tiles cut by a boundary get an elementwise mask.
 
-Statistics (m, l, L, D) and accumulators are float32 whatever the input dtype; matrix
-products run in the input dtype (bf16 P is cast before P V, as the CUDA kernels do).
+Statistics (m, l, L, D) and accumulators are float32 (float64 for float64 inputs, as in
+the eager softmax); matrix products run in the input dtype (bf16 P is cast before P V, as
+the CUDA kernels do).
 
 Shapes: b batch, h query heads, h_kv key/value heads, g = h / h_kv queries per kv head,
 t query length, s key length, d_h head dim, r rows (queries) and c columns (keys) of a tile.
@@ -118,6 +119,8 @@ class _Problem:
         self.off = self.s - self.t
         self.scale, self.window, self.mask5, self.causal = scale, window, mask5, causal
         self.doc_ids = doc_ids
+        # statistics: float32, float64 for float64 inputs (as softmax_dtype: never a downcast)
+        self.dtype = torch.float64 if q5.dtype == torch.float64 else torch.float32
         self.tiles = plan_tiles(
             self.t,
             self.s,
@@ -129,12 +132,12 @@ class _Problem:
         )
 
     def scores(self, qs: Tensor, kb: Tensor, tile: _Tile) -> Tensor:
-        """float32 scores of one tile, -inf where masked: (b, h_kv, g, r, c). Every step
-        after the product is in place: on a CPU these passes over r x c, not the products,
+        """float32 (float64) scores of one tile, -inf where masked: (b, h_kv, g, r, c). Every
+        step after the product is in place: on a CPU these passes over r x c, not the products,
         are what costs."""
         q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
         sc = qs @ kb.transpose(-2, -1)
-        sc = sc.mul_(self.scale) if sc.dtype == torch.float32 else sc.float().mul_(self.scale)
+        sc = sc.mul_(self.scale) if sc.dtype == self.dtype else sc.to(self.dtype).mul_(self.scale)
         if self.mask5 is not None:
             m = self.mask5
             m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
@@ -181,9 +184,10 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask5, causal, window, doc_ids, scale, block_q, block_k):
         prob = _Problem(q, k, mask5, causal, window, doc_ids, scale, block_q, block_k)
         stats = q.shape[:-1] + (1,)
-        m = torch.full(stats, float("-inf"), dtype=torch.float32, device=q.device)
-        l = torch.zeros(stats, dtype=torch.float32, device=q.device)
-        acc = torch.zeros(stats[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+        f = prob.dtype
+        m = torch.full(stats, float("-inf"), dtype=f, device=q.device)
+        l = torch.zeros(stats, dtype=f, device=q.device)
+        acc = torch.zeros(stats[:-1] + v.shape[-1:], dtype=f, device=q.device)
         for tile in prob.tiles:
             rows = slice(tile.q0, tile.q1)
             kb, vb = k[..., tile.k0 : tile.k1, :], v[..., tile.k0 : tile.k1, :]
@@ -193,7 +197,7 @@ class FlashAttention(torch.autograd.Function):
             alpha = torch.exp(m_old - _safe(m_new))  # rescale what was summed so far
             p = sc.sub_(_safe(m_new)).exp_()  # (b, h_kv, g, r, c), in place of the scores
             l[..., rows, :] = l[..., rows, :] * alpha + p.sum(-1, keepdim=True)
-            acc[..., rows, :] = acc[..., rows, :] * alpha + (p.to(v.dtype) @ vb).float()
+            acc[..., rows, :] = acc[..., rows, :] * alpha + (p.to(v.dtype) @ vb).to(f)
             m[..., rows, :] = m_new
         out = (acc / torch.where(l > 0, l, torch.ones_like(l))).to(q.dtype)
         # Rows with no allowed key: L = +inf makes the recomputed P = exp(S - L) exactly 0.
@@ -207,21 +211,22 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         prob = ctx.prob
         grad_out = grad_out.contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # D = rowsum(dO * O)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        f = prob.dtype
+        delta = (grad_out.to(f) * out.to(f)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=f, device=q.device)
+        dk = torch.zeros(k.shape, dtype=f, device=q.device)
+        dv = torch.zeros(v.shape, dtype=f, device=q.device)
         for tile in prob.tiles:
             rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
             qs, kb, vb = q[..., rows, :], k[..., cols, :], v[..., cols, :]
             do = grad_out[..., rows, :]  # (b, h_kv, g, r, d_h)
             p = prob.scores(qs, kb, tile).sub_(lse[..., rows, :]).exp_()  # (b, h_kv, g, r, c)
             # Sum over the g query heads that share a kv head: (b, h_kv, 1, c, d_h).
-            dv[..., cols, :] += (p.to(do.dtype).transpose(-2, -1) @ do).float().sum(2, True)
-            dp = (do @ vb.transpose(-2, -1)).float()
+            dv[..., cols, :] += (p.to(do.dtype).transpose(-2, -1) @ do).to(f).sum(2, True)
+            dp = (do @ vb.transpose(-2, -1)).to(f)
             ds = dp.sub_(delta[..., rows, :]).mul_(p).to(q.dtype)  # dS = P * (dP - D)
-            dq[..., rows, :] += (ds @ kb).float() * prob.scale
-            dk[..., cols, :] += (ds.transpose(-2, -1) @ qs).float().sum(2, True) * prob.scale
+            dq[..., rows, :] += (ds @ kb).to(f) * prob.scale
+            dk[..., cols, :] += (ds.transpose(-2, -1) @ qs).to(f).sum(2, True) * prob.scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
 
 

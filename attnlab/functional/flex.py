@@ -134,8 +134,12 @@ def flex_attention(
     mod = and_mods(structure, docs, mask_from_tensor, mask_mod)
     block_mask = None
     if mod is not None:
-        per_batch = doc_ids is not None or (mask is not None and _dim(mask, 0) > 1)
-        per_head = mask is not None and _dim(mask, 1) > 1
+        # A mask_mod may read b or h (prefix_lm_mod with a (b,) prefix): a block mask built
+        # for row 0 only would skip, or take as full, tiles that differ in other rows.
+        per_batch = (
+            doc_ids is not None or mask_mod is not None or (mask is not None and _dim(mask, 0) > 1)
+        )
+        per_head = mask_mod is not None or (mask is not None and _dim(mask, 1) > 1)
         block_mask = create_block_mask(
             mod, b if per_batch else None, h if per_head else None, t, s, device=q.device
         )

@@ -137,8 +137,14 @@ def _fwd_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         kv_ok = (cols < S)[:, None] & (dims < D)[None, :]
-        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok)
-        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok)
+        # masked lanes are undefined without other=: a NaN there times 0 (the padded head
+        # dims, the masked keys' p = 0) would reach the whole row
+        k = tl.load(
+            K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok, other=0.0
+        )
+        v = tl.load(
+            V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok, other=0.0
+        )
         sc = _tile_scores(
             q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
             s_doc_b, T, S, OFF, WINDOW, scale,
@@ -210,8 +216,12 @@ def _bwd_dkdv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     kv_ok = (cols < S)[:, None] & (dims < D)[None, :]
-    k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok)
-    v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok)
+    k = tl.load(
+        K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok, other=0.0
+    )
+    v = tl.load(
+        V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok, other=0.0
+    )
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     lo = 0
@@ -228,7 +238,9 @@ def _bwd_dkdv_kernel(
             q_ok = (rows < T)[:, None] & (dims < D)[None, :]
             offs = b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :]
             q = tl.load(Q + offs, mask=q_ok, other=0.0)
-            do = tl.load(DO + (b * H + h) * T * D + rows[:, None] * D + dims[None, :], mask=q_ok)
+            do = tl.load(
+                DO + (b * H + h) * T * D + rows[:, None] * D + dims[None, :], mask=q_ok, other=0.0
+            )
             lse = tl.load(LSE + (b * H + h) * T + rows, mask=rows < T, other=float("inf"))
             delta = tl.load(DELTA + (b * H + h) * T + rows, mask=rows < T, other=0.0)
             sc = _tile_scores(
@@ -296,7 +308,9 @@ def _bwd_dq_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     q_ok = (rows < T)[:, None] & (dims < D)[None, :]
-    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=q_ok)
+    q = tl.load(
+        Q + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=q_ok, other=0.0
+    )
     do = tl.load(DO + pid_bh * T * D + rows[:, None] * D + dims[None, :], mask=q_ok, other=0.0)
     lse = tl.load(LSE + pid_bh * T + rows, mask=rows < T, other=float("inf"))
     delta = tl.load(DELTA + pid_bh * T + rows, mask=rows < T, other=0.0)
@@ -311,8 +325,12 @@ def _bwd_dq_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         kv_ok = (cols < S)[:, None] & (dims < D)[None, :]
-        k = tl.load(K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok)
-        v = tl.load(V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok)
+        k = tl.load(
+            K + b * s_kb + hk * s_kh + cols[:, None] * s_ks + dims[None, :], mask=kv_ok, other=0.0
+        )
+        v = tl.load(
+            V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok, other=0.0
+        )
         sc = _tile_scores(
             q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
             s_doc_b, T, S, OFF, WINDOW, scale,
@@ -436,6 +454,11 @@ def triton_flash_attention(
         raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
+    if v.shape[-1] != d or k.shape[-1] != d:
+        raise ValueError(
+            f"triton attention needs one head dim for q, k and v, got {d}, {k.shape[-1]} and "
+            f"{v.shape[-1]} (MLA's narrower values); use backend 'flash' or 'sdpa'"
+        )
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"triton attention supports float32, float16, bfloat16, not {q.dtype}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale

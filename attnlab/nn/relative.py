@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import AttentionConfig
-from attnlab.functional.softmax import softmax_dtype
+from attnlab.functional.softmax import masked_softmax, softmax_dtype
 from attnlab.nn.linear import Linear
 
 
@@ -91,7 +91,9 @@ class RelativeMultiHeadAttention(nn.Module):
         allowed = torch.arange(s, device=x.device)[None, :] <= q_pos  # (t, s) causal
         if mask is not None:
             allowed = allowed & mask
-        weights = softmax_dtype(scores).masked_fill(~allowed, float("-inf")).softmax(-1)
+        # a query with no allowed key (a left-padded position) gets zeros, not NaN, which
+        # would reach every later token through the next layer's keys and values
+        weights = masked_softmax(softmax_dtype(scores), allowed)
         weights = self.attn_dropout(weights.to(q.dtype))
         y = (weights @ v).transpose(1, 2).reshape(b, t, -1)  # (b, t, h d_h)
         return self.resid_dropout(self.out(y))
