@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ from attnlab.fileio import atomic_write_text
 from attnlab.functional.attention import backend_names
 
 T = TypeVar("T")
+
+
+# torch.manual_seed takes 64-bit seeds; this range leaves room for the trainer's seed + rank
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class ConfigError(ValueError):
@@ -40,6 +45,10 @@ def _positive(path: str, value: int | float | None, *, allow_zero: bool = False)
         return
     if not (value >= 0 if allow_zero else value > 0):  # written so that NaN fails too
         _fail(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    # Infinity is no size, rate or scale: lr=inf trains to NaN, rope_theta=inf stops the
+    # rotation, norm.eps=inf zeroes every activation.
+    if value == math.inf:
+        _fail(path, "must be finite, got inf")
 
 
 def _coerce(path: str, value: Any, tp: Any) -> Any:
@@ -816,6 +825,8 @@ class TrainConfig(_Config):
         ):
             _positive(f"{path}.{name}", getattr(self, name), allow_zero=True)
         _positive(f"{path}.lr", self.lr)
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            _fail(f"{path}.seed", f"must be from -2**63 to 2**63 - 1, got {self.seed}")
         _positive(f"{path}.block_size", self.block_size)
         _positive(f"{path}.time_budget", self.time_budget)
         _choice(f"{path}.dtype", self.dtype, ("float32", "bfloat16"))

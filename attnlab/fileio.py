@@ -7,6 +7,7 @@ sibling temporary file guarantees.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from collections.abc import Iterator
@@ -18,8 +19,11 @@ from pathlib import Path
 def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an unused temporary path beside ``target`` (parent folders are created); when
     the block ends without an error, the file written there replaces ``target``, else it is
-    removed and ``target`` is left as it was."""
+    removed and ``target`` is left as it was. A ``target`` that is a folder raises
+    IsADirectoryError naming it."""
     target = Path(target)
+    if target.is_dir():  # before any work; the rename would name the temporary file instead
+        raise IsADirectoryError(errno.EISDIR, "is a folder; give a file path", str(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     # A unique name the caller creates: the file gets the usual permissions (mkstemp's
     # would be owner-only) and concurrent writers never share a temporary file.

@@ -6,6 +6,7 @@ Shapes: b batch, T tokens so far, V vocabulary size.
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 import weakref
@@ -94,6 +95,8 @@ def check_request(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     rows, single = _as_batch(prompts)
+    if not rows:
+        raise ValueError("no prompt: give at least one token id (or a list of prompts)")
     if any(len(r) == 0 for r in rows):
         raise ValueError("every prompt needs at least one token")
     vocab = model.cfg.vocab_size
@@ -653,6 +656,8 @@ def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: f
         raise ValueError(f"max_new_tokens (max_len) must be >= 1, got {max_new_tokens}")
     if style == "gnmt" and not alpha >= 0:  # the stopping bound needs lp to grow; rejects nan
         raise ValueError(f"length_penalty must be >= 0 for GNMT scoring, got {alpha}")
+    if not math.isfinite(alpha):  # every score would be nan (or 0): no ranking at all
+        raise ValueError(f"length_penalty must be a finite number, got {alpha}")
 
 
 def beam_search_core(

@@ -230,6 +230,16 @@ def test_cli_bad_input_is_one_clear_error(decoder_ckpt, tmp_path, capsys, extra,
     assert not out.exists()
 
 
+def test_cli_out_that_is_a_folder_is_named_in_the_error(decoder_ckpt, tmp_path, capsys):
+    out = tmp_path / "maps"
+    out.mkdir()
+    assert main(["attention-map", "--ckpt", str(decoder_ckpt), "--out", str(out), "--text",
+                 "hello"]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert err == f"attnlab: error: {out}: is a folder; give a file path\n"  # not a temp file
+    assert list(out.iterdir()) == [] and sorted(tmp_path.iterdir()) == [out]
+
+
 def test_cli_seq2seq_draws_three_kinds_with_the_greedy_target(tmp_path, capsys):
     from attnlab.data.numbers import CharVocab, CharVocabPair
     from attnlab.models.seq2seq import Seq2SeqConfig

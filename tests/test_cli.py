@@ -555,6 +555,18 @@ BAD_INPUTS = [
     (["eval", "--ckpt", "{work}/run", "--tokenizer", "{tmp}/bad.json"], "--tokenizer"),
     (["info", "--config", "{tmp}/bad.json"], "not valid JSON"),
     (["no-such-command"], "no-such-command"),
+    (["train", "--preset", "gpt2-tiny", "--out", "{tmp}/bad.json"], "is not a folder"),
+    (["train", "--preset", "gpt2-tiny", "--out", "{tmp}/weights_only"], "--overwrite"),
+    (["train", "--preset", "gpt2-tiny", "--seed", "18446744073709551616"], "--seed"),
+    (["train", "--preset", "gpt2-tiny", "--set", "train.lr=Infinity"], "train.lr: must be finite"),
+    (["generate", "--ckpt", "{work}/run", "--seed", "18446744073709551616"], "--seed"),
+    (
+        ["generate", "--ckpt", "{work}/run", "--num-beams", "2", "--length-penalty", "nan"],
+        "length_penalty must be a finite number",
+    ),
+    (["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/other"], "holds a training run"),
+    (["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/bad.json"], "is not a folder"),
+    (["export-hf", "{work}/run", "{tmp}/other"], "holds an attnlab checkpoint"),
 ]
 
 
@@ -570,6 +582,8 @@ def bad_files(work, tmp_path) -> Path:
     (tmp_path / "euro.txt").write_text("The cat costs 5 \u20ac.\n")
     shutil.copytree(work / "run", tmp_path / "no_state")
     (tmp_path / "no_state" / "trainer_state.pt").unlink()
+    (tmp_path / "weights_only").mkdir()  # checkpoint files but no config.json
+    shutil.copy(work / "run" / "model.safetensors", tmp_path / "weights_only")
     (tmp_path / "hf_no_tokenizer").mkdir()
     (tmp_path / "hf_no_tokenizer" / "config.json").write_text('{"model_type": "gpt2"}')
     return tmp_path
@@ -582,6 +596,36 @@ def test_bad_input_is_one_error_line(argv, needle, work, bad_files, capsys, monk
     code, out, err = run_main(argv, capsys)
     assert_one_line_error(code, err, needle)
     assert not (bad_files / "runs").exists()  # nothing started
+
+
+def test_import_and_export_replace_only_their_own_output(work, tmp_path, capsys):
+    # Each writes into a new folder or over its own earlier output, never over a training
+    # run, a model folder of the other kind, or a config.json of neither.
+    run = tmp_path / "run"
+    shutil.copytree(work / "run", run)
+    hf, ckpt, user = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "mine"
+    for _ in range(2):  # the second time over its own output
+        assert run_main(["export-hf", str(run), str(hf)], capsys)[0] == 0
+        assert run_main(["import-hf", str(hf), str(ckpt)], capsys)[0] == 0
+    user.mkdir()
+    (user / "config.json").write_text('{"my": "settings"}')
+    hf2 = tmp_path / "hf2"
+    shutil.copytree(hf, hf2)
+
+    def files() -> dict[Path, bytes]:
+        return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    before = files()
+    for argv, needle in [
+        (["import-hf", str(hf), str(run)], "holds a training run"),
+        (["import-hf", str(hf), str(hf2)], "holds a Hugging Face model folder"),
+        (["import-hf", str(hf), str(user)], "config.json that is not an attnlab"),
+        (["export-hf", str(run), str(ckpt)], "holds an attnlab checkpoint"),
+        (["export-hf", str(run), str(user)], "config.json that is not a Hugging Face"),
+    ]:
+        code, _, err = run_main(argv, capsys)
+        assert_one_line_error(code, err, needle)
+    assert files() == before
 
 
 def test_bad_input_in_a_real_process(work, tmp_path):

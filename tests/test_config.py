@@ -72,6 +72,9 @@ def test_integral_float_accepted_as_int():
         ({"dropout": 1.0}, r"dropout: must be in \[0, 1\)"),
         ({"init_std": float("nan")}, r"init_std: must be > 0, got nan"),
         ({"norm": {"eps": float("nan")}}, r"norm.eps: must be > 0, got nan"),
+        ({"init_std": float("inf")}, r"init_std: must be finite, got inf"),
+        ({"norm": {"eps": float("inf")}}, r"norm.eps: must be finite, got inf"),
+        ({"position": {"rope_theta": float("inf")}}, r"position.rope_theta: must be finite"),
         ({"attention": {"backend": "flashy"}}, r"attention.backend: unknown value 'flashy'"),
         ({"norm": {"placement": "middle"}}, r"norm.placement: unknown value"),
         ({"position": {"rope_layout": "pairs"}}, r"position.rope_layout: unknown value"),
@@ -130,6 +133,16 @@ def test_train_config_rejects_nan():
         RunConfig.from_dict({"train": {"lr": float("nan")}})
     with pytest.raises(ConfigError, match=r"train.weight_decay: must be >= 0, got nan"):
         RunConfig.from_dict({"train": {"weight_decay": float("nan")}})
+
+
+def test_train_config_rejects_infinity_and_seeds_torch_cannot_take():
+    with pytest.raises(ConfigError, match=r"train.lr: must be finite, got inf"):
+        RunConfig.from_dict({"train": {"lr": float("inf")}})
+    with pytest.raises(ConfigError, match=r"train.weight_decay: must be finite, got inf"):
+        RunConfig.from_dict({"train": {"weight_decay": float("inf")}})
+    with pytest.raises(ConfigError, match=r"train.seed: must be from -2\*\*63 to 2\*\*63 - 1"):
+        RunConfig.from_dict({"train": {"seed": 2**64}})
+    assert RunConfig.from_dict({"train": {"seed": -5}}).train.seed == -5
 
 
 def test_round_trip_detects_change():

@@ -34,3 +34,14 @@ def test_writer_that_creates_nothing_leaves_target_absent(tmp_path):
         with atomic_path(target):
             raise OSError("disk full")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_folder_target_is_refused_by_its_own_name(tmp_path):
+    # The rename would fail naming the temporary file; the error names the folder instead.
+    target = tmp_path / "plots"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError) as error:
+        atomic_write_text(target, "text")
+    assert error.value.filename == str(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots"]
+    assert list(target.iterdir()) == []

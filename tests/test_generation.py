@@ -87,8 +87,17 @@ def test_prompt_errors():
     m = model_for("gpt2-tiny")
     with pytest.raises(ValueError, match="at least one token"):
         m.generate([[1, 2], []], 2)
+    with pytest.raises(ValueError, match="no prompt: give at least one token id"):
+        m.generate([], 2)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
         m.generate([1, 256], 2)
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf")])
+def test_beam_search_rejects_a_length_penalty_that_ranks_nothing(alpha):
+    m = model_for("gpt2-tiny")
+    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+        m.generate([1, 2], 3, num_beams=2, length_penalty=alpha)
 
 
 def _nucleus(probs: torch.Tensor, p: float) -> set[int]:

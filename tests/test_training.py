@@ -462,28 +462,45 @@ def test_sigterm_in_subprocess_then_resume(tmp_path, dataset, cache_dir):
 # --------------------------------------------------------------------------- failures, budgets
 
 
-def test_nan_loss_names_step_and_keeps_last_checkpoint(tmp_path, dataset, monkeypatch):
+def _poison_step(monkeypatch, step: int) -> None:
+    """The models the trainer builds return a NaN loss at training step ``step``."""
+
     def poisoned_build(model_cfg):
         model = build_model(model_cfg)
         forward, calls = model.forward, {"n": 0}
 
-        def nan_at_step_5(*args, **kwargs):
+        def nan_at_step(*args, **kwargs):
             out = forward(*args, **kwargs)
             if model.training:
                 calls["n"] += 1
-                if calls["n"] == 5:
+                if calls["n"] == step:
                     return LMOutput(out.logits, out.loss * float("nan"))
             return out
 
-        model.forward = nan_at_step_5
+        model.forward = nan_at_step
         return model
 
     monkeypatch.setattr(trainer_module, "build_model", poisoned_build)
-    with pytest.raises(TrainingError, match="loss is nan at step 5"):
+
+
+def test_nan_loss_names_step_and_keeps_last_checkpoint(tmp_path, dataset, monkeypatch):
+    _poison_step(monkeypatch, 5)
+    with pytest.raises(TrainingError, match="loss is nan at step 5.*last good checkpoint in"):
         train(tiny_run(save_every=2), tmp_path, dataset=dataset, progress=False)
     saved = load_checkpoint(tmp_path, with_state=True)
     assert saved.state["step"] == 4
     assert all(torch.isfinite(p).all() for p in saved.model.parameters())
+
+
+def test_nan_loss_before_the_first_save_does_not_vouch_for_an_older_run(
+    tmp_path, dataset, monkeypatch
+):
+    # A fresh run (overwrite=True) over an older one: what the folder holds is not this
+    # run's, so the error must not call it "the last good checkpoint".
+    train(tiny_run(max_steps=2), tmp_path, dataset=dataset, progress=False)
+    _poison_step(monkeypatch, 1)
+    with pytest.raises(TrainingError, match="at step 1.*no checkpoint of this run was saved"):
+        train(tiny_run(), tmp_path, dataset=dataset, progress=False, overwrite=True)
 
 
 class FakeClock:

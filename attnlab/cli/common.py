@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnlab.config import ConfigError, ModelConfig, RunConfig
+from attnlab.config import SEED_MAX, SEED_MIN, ConfigError, ModelConfig, RunConfig
 
 if TYPE_CHECKING:  # heavy imports, kept out of the CLI's start-up
     from attnlab.models.decoder import DecoderLM
@@ -48,6 +48,16 @@ def positive_float(text: str) -> float:
     value = _number(text, float)
     if not 0 < value < float("inf"):  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """A random seed: an integer torch.manual_seed takes."""
+    value = _number(text, int)
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer from -2**63 to 2**63 - 1, got {text!r}"
+        )
     return value
 
 

@@ -8,6 +8,7 @@ import argparse
 import torch
 
 from attnlab.cli.common import non_negative_int
+from attnlab.config import SEED_MAX
 from attnlab.demos import DEMOS
 
 
@@ -23,8 +24,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for name, module in DEMOS.items():
         q = names.add_parser(name, help=module.DESCRIPTION, description=module.__doc__)
         q.add_argument("--out", metavar="DIR", default=f"runs/demo-{name}", help="figure folder")
-        q.add_argument("--seed", type=non_negative_int, default=0, help="random seed")
+        q.add_argument("--seed", type=_seed, default=0, help="random seed")
         module.add_arguments(q)
+
+
+def _seed(text: str) -> int:
+    value = non_negative_int(text)  # the demos' data generators take no negative seeds
+    if value > SEED_MAX:  # nor does torch.manual_seed a seed past 64 bits
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**63 - 1, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from attnlab.cli.common import (
     positive_int,
     require_tokenizer,
     resolve_device,
+    seed_int,
     stop_token_ids,
     token_ids,
     tokenizer_option,
@@ -74,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, help="seed the sampler (reproducible output)")
+    p.add_argument("--seed", type=seed_int, help="seed the sampler (reproducible output)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--no-cache", action="store_true", help="recompute the context every step")
     p.add_argument(

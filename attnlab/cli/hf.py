@@ -7,6 +7,11 @@ LLaMA, Mistral, Qwen2, DeepSeek-V2/V3/V3.2, BERT, MarianMT, ViT), picked by conf
 ``--tokenizer``. A weight-only folder imports too, without a tokenizer (Marian ships
 SentencePiece files, ViT reads no text, some repositories keep the tokenizer elsewhere):
 ``generate`` then takes ``--tokenizer FILE`` or token ids (``--prompt-ids``).
+Either command writes into a new or empty folder, or over its own earlier output (a
+re-import, a re-export); it refuses a folder that holds anything else it would replace: a
+training run (its trainer state), a Hugging Face folder (import-hf), an attnlab
+checkpoint (export-hf), or a config.json of neither kind.
+
 ``export-hf`` copies the checkpoint's ``tokenizer.json`` (Hugging Face ``tokenizers``
 format) beside the weights with a ``tokenizer_config.json`` naming the plain
 ``PreTrainedTokenizerFast`` class: without it, ``AutoTokenizer`` would pick the class of
@@ -21,7 +26,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnlab.cli.common import DTYPES, CLIError, add_dtype_argument, check_dir, is_hf_dir
+from attnlab.cli.common import (
+    DTYPES,
+    CLIError,
+    add_dtype_argument,
+    check_dir,
+    is_hf_dir,
+    is_run_config,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # which transformers class runs tokenizer.json
@@ -64,6 +76,64 @@ def _refuse_same(src: Path, out: Path) -> None:
         raise CLIError(f"{out}: the output folder must differ from the input folder")
 
 
+def _refuse_foreign(out: Path, writes: str) -> None:
+    """Refuse an ``out`` that is not a folder, or whose files the conversion would replace
+    although an earlier conversion of this kind did not write them (``writes``: "hf" for
+    export-hf, "attnlab" for import-hf): a training run would lose its trainer state, a
+    model folder of the other kind its config.json and weights."""
+    from attnlab.training.checkpoint import CONFIG_FILE, STATE_FILE
+
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"{out}: exists and is not a folder; give a folder to write into")
+    config = out / CONFIG_FILE
+    if writes == "hf":
+        if (out / STATE_FILE).exists():
+            found = "an attnlab checkpoint"
+        elif config.exists() and not is_hf_dir(out):
+            found = "a config.json that is not a Hugging Face config"
+        else:
+            return
+    else:
+        if is_hf_dir(out):
+            found = "a Hugging Face model folder"
+        elif _resumable(out):
+            found = "a training run (trainer_state.pt with optimizer state)"
+        elif config.exists() and not _attnlab_config(config):
+            found = "a config.json that is not an attnlab checkpoint's"
+        else:
+            return
+    raise CLIError(
+        f"{out} holds {found}, which this would replace; choose a new or empty output folder"
+    )
+
+
+def _resumable(folder: Path) -> bool:
+    """Whether ``folder`` holds a trainer state that resuming needs (an unreadable one
+    counts: it cannot be told apart)."""
+    import torch
+
+    from attnlab.training.checkpoint import STATE_FILE
+
+    path = folder / STATE_FILE
+    if not path.exists():
+        return False
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # corrupt or not ours: not for us to replace
+        return True
+    return not isinstance(state, dict) or state.get("has_state", True) is not False
+
+
+def _attnlab_config(path: Path) -> bool:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and is_run_config(data)
+
+
 def run_import(args: argparse.Namespace) -> int:
     from attnlab.config import RunConfig
     from attnlab.interop import config_from_hf, load_hf
@@ -74,6 +144,7 @@ def run_import(args: argparse.Namespace) -> int:
 
     src, out = check_dir(args.src, "Hugging Face model folder"), Path(args.out)
     _refuse_same(src, out)
+    _refuse_foreign(out, "attnlab")
     if not is_hf_dir(src):
         raise CLIError(
             f"{src}: not a Hugging Face model folder (needs a config.json with model_type)"
@@ -115,6 +186,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     ckpt_dir, out = check_dir(args.ckpt, "checkpoint folder"), Path(args.out)
     _refuse_same(ckpt_dir, out)
+    _refuse_foreign(out, "hf")
     ckpt = load_checkpoint(ckpt_dir)
     save_hf(ckpt.model, out)
     written = ["config.json", "model.safetensors"]

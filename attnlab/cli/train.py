@@ -31,6 +31,7 @@ from attnlab.cli.common import (
     positive_int,
     read_json_file,
     run_preset,
+    seed_int,
 )
 from attnlab.config import ConfigError, RunConfig
 
@@ -84,7 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--save-every", type=non_negative_int, metavar="STEPS", help="checkpoint interval"
     )
-    p.add_argument("--seed", type=int, help="sets train.seed")
+    p.add_argument("--seed", type=seed_int, help="sets train.seed")
     p.add_argument(
         "--overwrite", action="store_true", help="start afresh in an --out that holds a run"
     )
@@ -180,11 +181,21 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None and not Path(args.data).exists():  # fail before building anything
         raise CLIError(f"--data {args.data}: no such file or folder")
     out = Path(args.out or args.resume or Path("runs") / name)
-    if args.resume is None and not args.overwrite and (out / "config.json").exists():
+    from attnlab.training.checkpoint import CHECKPOINT_FILES
+
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out}: exists and is not a folder; give a folder for the run")
+    same = args.resume is not None and out.resolve() == Path(args.resume).resolve()
+    if not args.overwrite and not same and any((out / f).exists() for f in CHECKPOINT_FILES):
+        if args.resume is None:
+            raise CLIError(
+                f"{out} already holds a run; continue it with: "
+                f"{command('attnlab', 'train', '--resume', out)} (or start afresh with "
+                "--overwrite, or choose another --out)"
+            )
         raise CLIError(
-            f"{out} already holds a run; continue it with: "
-            f"{command('attnlab', 'train', '--resume', out)} (or start afresh with "
-            "--overwrite, or choose another --out)"
+            f"{out} already holds a checkpoint; the run resumed from {args.resume} would "
+            "overwrite it: choose another --out (or pass --overwrite)"
         )
     from attnlab.training import train
     from attnlab.training.metrics import METRICS_FILE, PLOT_FILE

@@ -577,6 +577,7 @@ class Trainer:
             else None
         )
         self.resumed = resume is not None
+        self.checkpoint_saved = same_folder  # out_dir holds a checkpoint of this run
 
     # ------------------------------------------------------------------ state
 
@@ -643,6 +644,7 @@ class Trainer:
         if self.dist.is_main:
             save_checkpoint(directory, self.model, self.cfg, self.tokenizer, state)
         self._barrier()
+        self.checkpoint_saved |= directory == self.out_dir
 
     # ------------------------------------------------------------------ collectives
 
@@ -715,10 +717,15 @@ class Trainer:
             what = "loss" if not math.isfinite(step_loss) else "gradient norm"
             value = step_loss if what == "loss" else grad_norm
             self._log_stop("nan", f"stopped at step {self.step + 1}: {what} is {value}")
+            kept = (
+                f"the last good checkpoint in {self.out_dir} is kept"
+                if self.checkpoint_saved
+                else "no checkpoint of this run was saved"  # what out_dir holds is older
+            )
             raise TrainingError(
                 f"{what} is {value} at step {self.step + 1}; stopped without updating the "
-                f"weights, the last good checkpoint in {self.out_dir} is kept (lower "
-                "train.lr, enable train.grad_clip, or use train.dtype=float32)"
+                f"weights, {kept} (lower train.lr, enable train.grad_clip, or use "
+                "train.dtype=float32)"
             )
         self.optimizer.step()
         for module in self._after_step:  # e.g. MoE routers' load-balancing bias
