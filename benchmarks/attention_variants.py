@@ -24,7 +24,7 @@ import time
 import torch
 
 from _common import machine, setup_threads, table
-from attnlab.analysis import kv_cache_bytes_per_token
+from attnlab.analysis import kv_cache_bytes, kv_cache_bytes_per_token
 from attnlab.config import DataConfig
 from attnlab.data import prepare_data
 from attnlab.models import build_model
@@ -50,6 +50,15 @@ def variants() -> dict[str, dict]:
         "NSA": {"attention.kind": "nsa", "attention.n_kv_heads": 2},
         "linear": {"attention.kind": "linear"},
     }
+
+
+def cache_bytes_per_token(cfg) -> int:
+    """The table's "kv bytes/token": the cache bytes each token adds, and for linear attention,
+    whose cache does not grow with the tokens (``kv_cache_bytes_per_token`` counts 0), its
+    whole fixed-size recurrent state."""
+    if cfg.attention.kind == "linear":
+        return kv_cache_bytes(cfg, 1)
+    return kv_cache_bytes_per_token(cfg)
 
 
 def config(overrides: dict, vocab: int):
@@ -160,7 +169,7 @@ def main() -> None:
                 "name": name,
                 "val loss": val_loss(model, data),
                 "params": model.num_parameters(),
-                "kv bytes/token": kv_cache_bytes_per_token(cfg),
+                "kv bytes/token": cache_bytes_per_token(cfg),
                 "decode 1K": decode_speed(model, 1024),
                 "decode 8K": decode_speed(model, 8192),
                 "train tok/s": train_tps,

@@ -1,0 +1,23 @@
+"""benchmarks/attention_variants.py reports what the README says its table holds: the cache
+bytes each token adds, and for linear attention its whole recurrent state."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from attnlab.analysis import kv_cache_bytes, kv_cache_bytes_per_token
+from attnlab.models import build_model
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_kv_column_is_linear_attentions_whole_state(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("attention_variants")
+    variants = bench.variants()
+    linear = bench.config(variants["linear"], 103)
+    state = build_model(linear).new_cache(1, 1).nbytes  # what decoding keeps, at any length
+    assert bench.cache_bytes_per_token(linear) == state == kv_cache_bytes(linear, 1) > 0
+    mha = bench.config(variants["MHA"], 103)
+    assert bench.cache_bytes_per_token(mha) == kv_cache_bytes_per_token(mha) == 4096
