@@ -173,8 +173,12 @@ def stream(
         )
         rows = [r[-limit:] for r in rows]
     longest = max(len(r) for r in rows)
+    budgets = None  # per row: the new tokens it may have (overflow="stop", rows that differ)
     if overflow == "stop":
-        max_new_tokens = min(max_new_tokens, limit - longest)
+        # each row ends when its own prompt + new tokens reach max_seq_len
+        room = [min(max_new_tokens, limit - len(r)) for r in rows]
+        max_new_tokens = max(room)
+        budgets = room if min(room) < max_new_tokens else None
     elif overflow == "slide" and longest + max_new_tokens > limit:
         warnings.warn(
             f"prompt + max_new_tokens exceeds max_seq_len={limit}: when the context is full it "
@@ -205,6 +209,7 @@ def stream(
         overflow == "roll",
         fallback,
         _closed_loop,
+        budgets,
     )
 
 
@@ -232,6 +237,7 @@ def _decode(
     roll=False,
     fallback=False,
     closed_loop=False,
+    budgets=None,
 ):
     device = model.tok_emb.weight.device
     b, limit = len(rows), model.cfg.max_seq_len
@@ -243,6 +249,8 @@ def _decode(
         valid[i, longest - len(r) :] = True
     stops = stops.to(device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    if budgets is not None:  # a row is done once it has its budget of new tokens
+        budgets = torch.tensor(budgets, device=device)
 
     keep = limit - limit // 2  # tokens kept when a row's context slides
     # Each row's context is seq[row, starts[row]:]: at most `limit` real tokens, sliding
@@ -300,15 +308,18 @@ def _decode(
     # generate()'s own loop without stop tokens never needs a token on the host before the
     # end: it yields the device tensors and reads them all at once (collect), so a GPU runs
     # step after step without waiting for the host to read each token.
-    on_device = closed_loop and not stops.numel()
+    on_device = closed_loop and not stops.numel() and budgets is None
     try:
         if max_new_tokens > 0:
             ids, mask = window()
             logits = _forward_last(model, ids, mask, cache)  # prefill
         for step in range(max_new_tokens):
             nxt = sample_next(logits, **sampling)  # (b,)
-            if stops.numel():  # (without stop tokens no row is ever done)
-                done = done | torch.isin(nxt, stops)
+            if stops.numel() or budgets is not None:  # (else no row is ever done)
+                if stops.numel():
+                    done = done | torch.isin(nxt, stops)
+                if budgets is not None:
+                    done = done | (budgets <= step)
                 out = [None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist())]
                 if all(o is None for o in out):
                     return

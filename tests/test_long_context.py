@@ -184,6 +184,21 @@ def test_generate_overflow_modes():
     assert model.generate(prompt, 20, overflow="roll") == _greedy_windowed_stream(model, prompt, 20)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_overflow_stop_ends_each_row_at_its_own_length(use_cache):
+    """overflow="stop" ends each row of a batch when its own prompt + new tokens reach
+    max_seq_len, as that prompt alone does (the longest prompt does not end the others)."""
+    model = tiny(window=None, max_seq_len=8, n_layers=2, position="learned")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [7]]
+    kw = dict(overflow="stop", use_cache=use_cache)
+    alone = [model.generate(p, 20, **kw) for p in prompts]
+    assert [len(a) for a in alone] == [5, 2, 7]
+    assert model.generate(prompts, 20, **kw) == alone
+    steps = list(model.stream(prompts, 20, **kw))
+    assert len(steps) == 7 and steps[2] == [alone[0][2], None, alone[2][2]]
+    assert steps[6] == [None, None, alone[2][6]]
+
+
 # --------------------------------------------------------------------------- bad input
 
 
