@@ -349,19 +349,20 @@ def mask_whole_words(
     mask_prob: float = 0.15,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Whole-word masking (BERT's released WWM models): the rule of :func:`mask_tokens`
-    drawn per word, not per token. ``word_ids`` (b, t) numbers the words of each row
-    0, 1, 2, ... (a word's tokens share its number); each word is chosen with probability
-    ``mask_prob`` (so each token is too: the expected masking rate is unchanged), and all
-    the tokens of a chosen word become ``mask_id`` (80%), random tokens (10%) or stay
-    (10%) together. Returns (inputs, targets) as :func:`mask_tokens`."""
+    """Whole-word masking (BERT's released WWM models): the words are chosen, not the tokens.
+    ``word_ids`` (b, t) numbers the words of each row 0, 1, 2, ... (a word's tokens share
+    its number); each word is chosen with probability ``mask_prob`` (so each token is too:
+    the expected masking rate is unchanged) and all its tokens are predicted. Each chosen
+    token then becomes ``mask_id`` (80%), a random token (10%) or stays (10%) on its own
+    draw, as Google's ``create_pretraining_data.py`` does with ``do_whole_word_mask``.
+    Returns (inputs, targets) as :func:`mask_tokens`."""
     if not 0.0 <= mask_prob <= 1.0:
         raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
     dev = idx.device
     n_words = int(word_ids.max()) + 1 if word_ids.numel() else 0
     per_word = torch.rand((idx.shape[0], n_words), generator=generator, device=dev)  # (b, W)
     chosen = (per_word < mask_prob).gather(1, word_ids)  # (b, t)
-    u = torch.rand((idx.shape[0], n_words), generator=generator, device=dev).gather(1, word_ids)
+    u = torch.rand(idx.shape, generator=generator, device=dev)  # 80/10/10 per token
     random_ids = torch.randint(vocab_size, idx.shape, generator=generator, device=dev)
     return _replace(idx, chosen, u, random_ids, mask_id)
 

@@ -7,8 +7,9 @@ drawn starts, masked by BERT's rule (15%: 80% [MASK], 10% random, 10% kept); eac
 carries a seed for its own masking, so a batch depends on its keys only (exact resume,
 any number of processes).
 
-Whole-word masking (``data.options.whole_word=true``) draws that rule per word: a
-word's tokens are chosen, and masked, replaced or kept, together. Words: a token
+Whole-word masking (``data.options.whole_word=true``) chooses words, not tokens: a
+chosen word's tokens are all predicted, each masked, replaced or kept on its own draw (as
+in Google's BERT code). Words: a token
 continues the word of the token before it when its text begins with a letter and the
 previous token's text ends with one; any other token starts a new word. With the char
 tokenizer a word is a run of letters (every other character is a word of its own); with
@@ -48,7 +49,7 @@ class MLMOptions(_Config):
     """``data.options`` of the mlm task."""
 
     mask_prob: float = 0.15
-    whole_word: bool = False  # choose (and mask) a word's tokens together
+    whole_word: bool = False  # choose (and predict) a word's tokens together
 
     def validate(self, path: str = "data.options") -> None:
         if not 0.0 < self.mask_prob <= 1.0:
