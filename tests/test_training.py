@@ -342,6 +342,32 @@ def test_resume_equals_uninterrupted(tmp_path, dataset):
     assert steps == list(range(1, 11))
 
 
+@pytest.mark.parametrize("stop_in", [4, 10])
+def test_a_stop_in_an_evaluation_step_evaluates_on_resume(tmp_path, dataset, stop_in):
+    """SIGTERM during step 4 (eval_every=4) or the last step: the stopped run saves without
+    that step's evaluation, so the resumed run makes it first. The validation records, the
+    sample's growth and the best checkpoint then match the uninterrupted run's."""
+    cfg = tiny_run(grad_accum=2, eval_every=4, max_steps=10)
+    straight = train(cfg, tmp_path / "straight", dataset=dataset, progress=False)
+    stopping = InterruptingDataset(dataset, at=2 * stop_in - 1)
+    assert train(cfg, tmp_path / "run", dataset=stopping, progress=False).step == stop_in
+    second = train(cfg, tmp_path / "run", resume=tmp_path / "run", dataset=dataset, progress=False)
+
+    def val_records(run):
+        rows = read_metrics(tmp_path / run / "metrics.jsonl")
+        drop = ("train_time",)  # seconds: differ between runs
+        return [{k: v for k, v in r.items() if k not in drop} for r in rows if r["kind"] == "val"]
+
+    assert val_records("run") == val_records("straight")
+    assert second.best_val_loss == straight.best_val_loss
+    assert second.val_metrics == straight.val_metrics
+    assert_weights_close(
+        final_weights(tmp_path / "run" / "best"),
+        final_weights(tmp_path / "straight" / "best"),
+        tol=0,
+    )
+
+
 def test_a_log_interval_cut_by_a_stop_is_logged_as_if_uninterrupted(tmp_path, dataset):
     """log_every=5, SIGTERM during step 4: the resumed run's step-5 record is the mean over
     steps 1-5, as the uninterrupted run's (the interval's sums travel in the checkpoint)."""
@@ -389,6 +415,24 @@ def test_muon_trains_and_resumes_exactly(tmp_path, dataset):
     assert_weights_close(
         final_weights(tmp_path / "run"), final_weights(tmp_path / "straight"), tol=0
     )
+
+
+@pytest.mark.parametrize(
+    "preset, head", [("gru-numbers", "out"), ("vit-digits", "head"), ("bert-tiny-qa", "head.span")]
+)
+def test_muon_leaves_every_output_head_to_adamw(preset, head):
+    """The layer that writes the logits stays with AdamW in every architecture (the GRU
+    seq2seq names its ``out``), while the hidden matrices of the same model go to Muon."""
+    from attnlab import build_model
+    from attnlab.training.optim import muon_parameters
+
+    cfg = get_preset(preset)
+    for name in ("vocab_size", "src_vocab_size", "n_labels"):
+        if getattr(cfg, name, 1) is None:
+            setattr(cfg, name, 11)
+    model = build_model(cfg)
+    hidden = {id(p) for p in muon_parameters(model)}
+    assert hidden and id(model.get_submodule(head).weight) not in hidden
 
 
 CHILD = textwrap.dedent(
@@ -662,6 +706,40 @@ def test_time_budget_wsd_refits_lengthen_until_the_decay(tmp_path, dataset, monk
         assert lrs[result.max_steps - 1] < 1.1 * cfg.train.min_lr  # the decay completed
         decay_start = 5 + int(0.7 * (result.max_steps - 5))
         assert all(lr == pytest.approx(cfg.train.lr) for lr in lrs[5 : decay_start - 10])
+
+
+def test_time_budget_resume_keeps_the_measured_evaluation_time(tmp_path, dataset, monkeypatch):
+    """Evaluations (every 20 steps) cost a tenth of a step per batch, much less than the
+    guess made before any is timed. A run stopped by SIGTERM in step 41 resumes there and
+    refits at step 50, before its next evaluation: with the measured time carried in the
+    checkpoint it follows the uninterrupted run (it guessed, and stopped at step 50)."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)
+    cost = lambda split, n: 0.1 if split == "train" else 0.01  # noqa: E731
+    cfg = tiny_run(max_steps=1000, time_budget=20.0, eval_every=20, warmup_steps=5)
+
+    def lrs(run):
+        return [
+            r["lr"] for r in read_metrics(tmp_path / run / "metrics.jsonl") if r["kind"] == "train"
+        ]
+
+    straight = train(
+        cfg, tmp_path / "straight", dataset=TimedDataset(dataset, clock, cost), progress=False
+    )
+    clock.now = 0.0
+    stopping = InterruptingDataset(dataset, at=41)
+    first = train(
+        cfg, tmp_path / "run", dataset=TimedDataset(stopping, clock, cost), progress=False
+    )
+    assert first.step == 41
+    clock.now = 0.0  # a new process: its clock starts anywhere
+    second = train(
+        cfg, tmp_path / "run", resume=tmp_path / "run", dataset=TimedDataset(dataset, clock, cost),
+        progress=False,
+    )  # fmt: skip
+    assert second.step == straight.step and second.max_steps == straight.max_steps
+    assert lrs("run") == lrs("straight")
 
 
 def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch):

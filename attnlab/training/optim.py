@@ -148,7 +148,8 @@ def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
     return found
 
 
-_HEADS = ("lm_head", "head", "classifier", "output")  # top-level output layers: AdamW
+# top-level output layers: AdamW (``out``: the GRU seq2seq's vocabulary projection)
+_HEADS = ("lm_head", "head", "classifier", "out", "output")
 
 
 class Optimizers:

@@ -30,8 +30,9 @@ Steps. ``step`` counts completed optimizer steps; the step that is running is
 Stopping. SIGINT/SIGTERM finish the running step, save a checkpoint and return normally
 with ``TrainResult.interrupted`` set to "SIGINT" or "SIGTERM" (a second signal aborts
 at once with KeyboardInterrupt); ``attnlab train`` then exits with 128 + the signal number
-(130, 143). A non-finite loss or gradient raises TrainingError naming the step, before the
-optimizer touches the weights and without saving.
+(130, 143). An evaluation due at that step is made when the run resumes. A non-finite
+loss or gradient raises TrainingError naming the step, before the optimizer touches the
+weights and without saving.
 
 Time budget (seconds of the training loop, evaluations and saves included, setup not):
 after a few timed steps the schedule's length becomes the number of steps that fit (never
@@ -43,7 +44,8 @@ often slower than the rest), later ones only shorten it, so once the learning ra
 it never increases again. When the steps turn out faster than the fit assumed (a machine
 that was busy at the start), the run goes on at ``min_lr`` after the schedule ends, for
 the steps that still fit. The run stops when the time is used. The fitted lengths are
-saved, so a resumed run keeps its schedule. An explicit ``max_steps`` without a
+saved, and the time the last evaluation took, so a resumed run keeps its schedule and
+refits it as the uninterrupted run would. An explicit ``max_steps`` without a
 ``time_budget`` drops the config's budget: the run takes exactly those steps.
 
 Every run ends with one line saying why it stopped (``TrainResult.stop_message``, also the
@@ -561,6 +563,9 @@ class Trainer:
         self.last_val_loss: float | None = None
         self.last_val_step: int | None = None
         self.eval_batches: int | None = tc.eval_batches  # grows to EVAL_REL_TOL's size
+        # Seconds the next evaluation takes, from the last one timed (None: none yet), for
+        # the time budget's refits; saved, so a resumed run does not fall back to a guess.
+        self.eval_time: float | None = None
         self.val_coverage = ""
         self.stop_message = ""
         self.last_train_loss: float | None = None
@@ -602,6 +607,7 @@ class Trainer:
         self.last_train_loss = state["train_loss"]
         self.last_val_step = state.get("val_step")
         self.eval_batches = state.get("eval_batches", self.tc.eval_batches)
+        self.eval_time = state.get("eval_time")
         self.task.load_state_dict(state.get("task", []))
         if max_steps_override is not None:
             self.schedule_steps = self.run_steps = max_steps_override
@@ -637,6 +643,7 @@ class Trainer:
             "train_loss": self.last_train_loss,
             "val_step": self.last_val_step,
             "eval_batches": self.eval_batches,
+            "eval_time": self.eval_time,
         }
 
     def _save(self, directory: Path, elapsed: float) -> None:
@@ -840,24 +847,25 @@ class Trainer:
         losses: list[float] = []
         step_times: list[float] = []  # this call's step durations, evaluation excluded
         work_done = 0.0  # units of work of this call's steps, all processes
-        eval_time: float | None = None
         iv = self.interval  # this log interval so far (a resumed run's carries on)
         last_saved = self.step if self.resumed else -1
         stop_reason = "max_steps"
         stop = _StopRequest()
 
         def fit_budget() -> None:
+            if not step_times:  # a resumed run's first evaluation: no step timed yet
+                return
             timed = (step_times[FIT_SKIP_STEPS:] or step_times)[-FIT_WINDOW:]  # recent speed
-            self._fit_budget(sum(timed) / len(timed), eval_time, elapsed())
+            self._fit_budget(sum(timed) / len(timed), self.eval_time, elapsed())
             bar.total = self.run_steps
             bar.refresh()
 
         def evaluate_and_save(save: bool, final: bool = False) -> None:
-            nonlocal eval_time, last_saved
+            nonlocal last_saved
             sample = self.eval_batches
             t0 = _clock()
             metrics, sums = self._evaluate(sample)
-            eval_time = _clock() - t0
+            self.eval_time = _clock() - t0
             self.val_coverage = self.task.eval_coverage(tc.batch_size, sample)
             if self.step > 0 and sample is not None:  # grow the sample to agree within 1%
                 needed = self.task.eval_batches_needed(sums, tc.batch_size, EVAL_REL_TOL)
@@ -866,7 +874,7 @@ class Trainer:
                 n_new = self.task.eval_examples(tc.batch_size, grown)
                 if n_new != n_old:
                     self.eval_batches = grown
-                    eval_time *= n_new / n_old if n_old else 1.0  # what the next one takes
+                    self.eval_time *= n_new / n_old if n_old else 1.0  # the next one's
             full: dict[str, float] = {}
             n_sample = self.task.eval_examples(tc.batch_size, sample)
             whole = self.task.eval_examples(tc.batch_size, None)
@@ -910,6 +918,12 @@ class Trainer:
             with stop:
                 if not self.resumed and tc.eval_every:
                     evaluate_and_save(save=False)  # the untrained baseline on the curve
+                elif self.step > 0 and self.last_val_step != self.step:
+                    # A signal stopped the run before this step's evaluation: make it now,
+                    # as the uninterrupted run did (its records, sample and best/ follow).
+                    final = self.step >= self.run_steps
+                    if final or (tc.eval_every and self.step % tc.eval_every == 0):
+                        evaluate_and_save(save=True, final=final)
                 while self.step < self.run_steps:
                     t0 = _clock()
                     result = self._train_step(stop, time_up)
