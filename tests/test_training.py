@@ -178,6 +178,19 @@ def test_parameter_groups_follow_nanogpt():
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
 
 
+def test_biases_held_as_matrices_do_not_decay():
+    """Transformer-XL's u and v are biases (one vector per head), not weights: no decay,
+    though they are 2-D; every other matrix of the model decays."""
+    model = build_model(get_preset("xl-tiny"))
+    decay, no_decay = parameter_groups(model, 0.1)
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    no_decay_names = {by_id[id(p)] for p in no_decay["params"]}
+    assert {n for n in by_id.values() if n.endswith((".attn.u", ".attn.v"))} <= no_decay_names
+    assert any(n.endswith(".attn.u") for n in no_decay_names)
+    for p in decay["params"]:
+        assert p.dim() >= 2 and not by_id[id(p)].endswith((".attn.u", ".attn.v"))
+
+
 def test_weights_train_row_major_and_match_input_major_training(dataset, tmp_path, monkeypatch):
     """The trainer stores Linear weights row-major, so fused AdamW finds contiguous
     parameters, gradients and moments; the steps equal those of input-major weights."""

@@ -51,6 +51,8 @@ class RelativeMultiHeadAttention(nn.Module):
     """Causal self-attention over [memory; segment] with relative positions (no absolute
     position anywhere, so memory from the previous segment stays valid)."""
 
+    no_weight_decay = ("u", "v")  # biases, one per head: no weight decay (the optimizer)
+
     def __init__(self, d_model: int, cfg: AttentionConfig, *, resid_dropout: float = 0.0):
         super().__init__()
         self.n_heads = cfg.n_heads

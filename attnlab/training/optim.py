@@ -78,15 +78,22 @@ def decaying(
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices (linear weights, embeddings) decay; vectors (biases, norm gains) do not.
+    """Matrices (linear weights, embeddings) decay; vectors (biases, norm gains) do not,
+    nor do biases held as matrices: the parameters a module names in its ``no_weight_decay``
+    attribute (Transformer-XL's per-head u and v).
 
     Tied weights appear once: ``named_parameters`` skips duplicates.
     """
+    biases = {
+        id(getattr(module, name))
+        for module in model.modules()
+        for name in getattr(module, "no_weight_decay", ())
+    }
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        (decay if p.dim() >= 2 and id(p) not in biases else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
