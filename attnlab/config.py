@@ -825,6 +825,8 @@ class TrainConfig(_Config):
         ):
             _positive(f"{path}.{name}", getattr(self, name), allow_zero=True)
         _positive(f"{path}.lr", self.lr)
+        if self.min_lr > self.lr:  # the schedule would raise the rate as it "decays"
+            _fail(f"{path}.min_lr", f"must be <= train.lr ({self.lr}), got {self.min_lr}")
         if not SEED_MIN <= self.seed <= SEED_MAX:
             _fail(f"{path}.seed", f"must be from -2**63 to 2**63 - 1, got {self.seed}")
         _positive(f"{path}.block_size", self.block_size)

@@ -94,6 +94,8 @@ def test_inconsistent_values_rejected(data, match):
         ),
         ({"decay_fraction": 0.0}, r"train.decay_fraction: must be in \(0, 1\], got 0.0"),
         ({"decay_fraction": 1.5}, r"train.decay_fraction: must be in \(0, 1\], got 1.5"),
+        # a floor above the peak would make the "decay" raise the rate
+        ({"lr": 1e-4, "min_lr": 3e-4}, r"train.min_lr: must be <= train.lr \(0.0001\), got 0.0003"),
     ],
 )
 def test_schedule_settings_checked(data, match):
