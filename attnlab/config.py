@@ -299,7 +299,8 @@ class AttentionConfig(_Config):
     index_hadamard: bool = False  # rotate index q/k by a Hadamard matrix (reference inference)
     index_fp8: bool = False  # simulate FP8 (e4m3) per-block quantisation of index q/k
     # Native sparse attention (kind "nsa", Yuan et al. 2025): compressed blocks of
-    # nsa_block_len keys every nsa_stride, nsa_n_select selected blocks of nsa_select_len,
+    # nsa_block_len keys every nsa_stride, nsa_n_select selected blocks of nsa_select_len
+    # (counting the initial block and 2 local blocks, always selected, as the paper's runs),
     # a sliding window of nsa_window; branches mixed by learned sigmoid gates.
     nsa_block_len: int = 8
     nsa_stride: int = 4
@@ -378,6 +379,12 @@ class AttentionConfig(_Config):
                     f"{self.nsa_select_len} must be a multiple of nsa_stride={self.nsa_stride} "
                     f"and >= nsa_block_len={self.nsa_block_len} (NSA Eq. 9 sums whole "
                     "compression blocks into a selection block)",
+                )
+            if self.nsa_n_select < 3:
+                _fail(
+                    f"{path}.nsa_n_select",
+                    f"must be >= 3, got {self.nsa_n_select} (the selected blocks count the "
+                    "initial block and 2 local blocks, which are always selected)",
                 )
             if self.sliding_window is not None or self.sink_tokens or self.sink_logits:
                 _fail(f"{path}.sliding_window", "NSA has its own window: use nsa_window")

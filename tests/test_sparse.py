@@ -310,7 +310,7 @@ def _nsa_cfg(**overrides):
         "attention.nsa_block_len": 4,
         "attention.nsa_stride": 2,
         "attention.nsa_select_len": 4,
-        "attention.nsa_n_select": 2,
+        "attention.nsa_n_select": 4,
         "attention.nsa_window": 5,
     }
     return get_preset("llama-tiny").override({**base, **overrides})
@@ -359,7 +359,7 @@ def test_nsa_compressed_branch_against_a_loop():
 @torch.no_grad()
 def test_nsa_selected_and_window_branches_against_a_loop():
     layer = _nsa_layer()
-    q, k, v, allowed = _qkv(layer)
+    q, k, v, allowed = _qkv(layer, t=33)
     _, p_cmp = layer.compressed(q, k, v, allowed)
     keep = layer.select_blocks(p_cmp, allowed)  # (b, h_kv, t, s)
     b, h, t, _ = q.shape
@@ -367,7 +367,8 @@ def test_nsa_selected_and_window_branches_against_a_loop():
     for bi in range(b):
         for kv in range(k.shape[1]):
             for ti in range(t):
-                # Eq. 9 as overlap, summed over the group's heads; own block first.
+                # Eq. 9 as overlap, summed over the group's heads; the initial block and
+                # 2 local blocks (own, previous) first.
                 n_blocks = -(-t // ls)
                 p = p_cmp[bi, kv, :, ti].sum(0)  # (n_c,)
                 imp = [
@@ -378,14 +379,15 @@ def test_nsa_selected_and_window_branches_against_a_loop():
                     )
                     for j in range(n_blocks)
                 ]
-                candidates = [j for j in range(n_blocks) if j * ls <= ti and j != ti // ls]
+                fixed = {0, max(ti // ls - 1, 0), ti // ls}
+                candidates = [j for j in range(n_blocks) if j * ls <= ti and j not in fixed]
                 candidates.sort(key=lambda j: -imp[j])
-                chosen = {ti // ls, *candidates[: layer.n_select - 1]}
+                chosen = {*fixed, *candidates[: layer.n_select - len(fixed)]}
                 want = [(j // ls) in chosen and j <= ti for j in range(t)]
                 assert keep[bi, kv, ti].tolist() == want, (bi, kv, ti)
     o_slc = layer._attend(q, k, v, keep)
     o_win = layer._attend(q, k, v, layer.window_keys(allowed)[:, None])
-    for bi, hi, ti in [(0, 0, 0), (1, 3, 7), (0, 2, 18), (1, 1, 12)]:
+    for bi, hi, ti in [(0, 0, 0), (1, 3, 7), (0, 2, 18), (1, 1, 12), (0, 1, 32)]:
         sel = keep[bi, hi // g, ti].nonzero()[:, 0]
         torch.testing.assert_close(
             o_slc[bi, hi, ti],
@@ -398,6 +400,25 @@ def test_nsa_selected_and_window_branches_against_a_loop():
             _softmax_attend(q[bi, hi, ti], k[bi, hi // g, win], v[bi, hi // g, win], layer.scale),
             **TOL,
         )
+
+
+@torch.no_grad()
+def test_nsa_always_selects_the_initial_and_two_local_blocks():
+    """NSA Sec. 4.1: the n selected blocks include 1 initial and 2 local blocks, always
+    (here the query's own block and the one before it), whatever their importance."""
+    layer = _nsa_layer(**{"attention.nsa_n_select": 3})
+    q, k, v, allowed = _qkv(layer, t=41)
+    _, p_cmp = layer.compressed(q, k, v, allowed)
+    keep = layer.select_blocks(p_cmp, allowed)  # (b, h_kv, t, s)
+    ls = layer.select_len
+    for ti in range(q.shape[2]):
+        own = ti // ls
+        for j in {0, max(own - 1, 0), own}:
+            want = allowed[:, None, ti, j * ls : (j + 1) * ls].expand_as(
+                keep[:, :, ti, j * ls : (j + 1) * ls]
+            )
+            assert torch.equal(keep[:, :, ti, j * ls : (j + 1) * ls], want), (ti, j)
+        assert int(keep[:, :, ti].sum(-1).max()) <= 3 * ls
 
 
 @torch.no_grad()
@@ -476,6 +497,7 @@ def test_nsa_learns():
         ({"attention.nsa_select_len": 5}, "attention.nsa_select_len"),
         ({"attention.nsa_select_len": 2}, "attention.nsa_select_len"),
         ({"attention.nsa_n_select": 0}, "attention.nsa_n_select"),
+        ({"attention.nsa_n_select": 2}, "attention.nsa_n_select"),
         ({"attention.sliding_window": 8}, "attention.sliding_window"),
     ],
 )

@@ -21,8 +21,8 @@ the rest of the model from the task loss.
 
 NSA (Yuan et al. 2025): three branches over the same queries, mixed per head by learned
 sigmoid gates: attention over compressed block summaries, over the top-n selection blocks
-(ranked by the compressed attention, shared by the heads of a GQA group), and over a
-sliding window.
+(ranked by the compressed attention, shared by the heads of a GQA group; the initial block
+and 2 local blocks always among them), and over a sliding window.
 
 Shapes: b batch, t queries, s keys, h heads, h_kv key/value heads, g = h / h_kv, d_h head
 dim, H_I index heads, d_I index head dim, k selected keys, n_c compressed blocks, n_s
@@ -338,20 +338,22 @@ class NativeSparseAttention(nn.Module):
 
     def select_blocks(self, p_cmp: Tensor, allowed: Tensor) -> Tensor:
         """(b, h_kv, t, s) bool: the keys of the top-n selection blocks of each GQA group
-        (importance Eq. 9 summed over the group's heads, Eq. 10), the query's own block
-        always included (as the paper's local blocks), only allowed keys."""
+        (importance Eq. 9 summed over the group's heads, Eq. 10), only allowed keys. As in
+        the paper's runs (Sec. 4.1), n counts 1 initial and 2 local blocks that are always
+        selected: block 0, the query's own block and the one before it."""
         b, t, s = allowed.shape
         n_sel = -(-s // self.select_len)
         imp = selection_importance(
             p_cmp.float().sum(2), n_sel, self.block_len, self.stride, self.select_len
         )  # (b, h_kv, t, n_s)
-        starts = torch.arange(n_sel, device=allowed.device) * self.select_len
-        opened = allowed[..., starts]  # (b, t, n_s): the block has a key the query may read
+        block = torch.arange(n_sel, device=allowed.device)
+        opened = allowed[..., block * self.select_len]  # (b, t, n_s): has a key to read
         key_idx = torch.arange(s, device=allowed.device)
         last = torch.where(allowed, key_idx, -1).amax(-1)  # (b, t): the query's own slot
-        own = (last // self.select_len)[..., None] == torch.arange(n_sel, device=allowed.device)
+        own = (last // self.select_len)[..., None]  # (b, t, 1)
+        fixed = (block == 0) | (block == own) | (block == own - 1)  # (b, t, n_s)
         imp = imp.masked_fill(~opened[:, None], float("-inf"))
-        imp = imp.masked_fill(own[:, None] & opened[:, None], float("inf"))
+        imp = imp.masked_fill(fixed[:, None] & opened[:, None], float("inf"))
         top, valid = topk_select(imp, opened[:, None].expand_as(imp), self.n_select)
         blocks = selection_mask(top, valid, n_sel)  # (b, h_kv, t, n_s)
         keys = blocks.repeat_interleave(self.select_len, dim=-1)[..., :s]  # (b, h_kv, t, s)
