@@ -222,3 +222,45 @@ def test_trainer_moves_router_biases_after_each_step(tmp_path):
     model = load_checkpoint(result.out_dir).model
     biases = [m.gate.e_score_correction_bias for m in model.modules() if hasattr(m, "gate")]
     assert biases and any(b is not None and b.abs().sum() > 0 for b in biases)
+
+
+def test_router_biases_stay_while_the_indexer_trains_alone(tmp_path):
+    """DSA's warm-up stage freezes everything but the indexer, the routers' balancing
+    biases too; the sparse stage moves them again."""
+    from attnlab.config import RunConfig
+    from attnlab.presets import get_preset
+    from attnlab.training import load_checkpoint, train
+
+    def biases(stage: str) -> list[torch.Tensor]:
+        cfg = RunConfig(model=get_preset("deepseek-moe-tiny")).override(
+            {
+                "model.attention.kind": "dsa",
+                "model.attention.index_topk": 4,
+                "model.attention.dsa_stage": stage,
+                "train.max_steps": 3,
+                "train.batch_size": 2,
+                "train.block_size": 16,
+                "train.eval_every": 0,
+            }
+        )
+        result = train(cfg, tmp_path / stage, progress=False)
+        model = load_checkpoint(result.out_dir).model
+        return [m.gate.e_score_correction_bias for m in model.modules() if hasattr(m, "gate")]
+
+    warm = biases("warmup")
+    assert warm and all(b is not None and not b.any() for b in warm)
+    assert any(b.abs().sum() > 0 for b in biases("sparse"))
+
+
+def test_router_runs_in_float32_under_autocast():
+    """The trainer's bf16 autocast must not round the router's logits: near ties (sigmoid
+    scores about 0.5 at initialisation) would pick other experts than float32 routing."""
+    moe = _moe(n_routed_experts=64, n_activated_experts=6, n_groups=8, topk_groups=4)
+    x = torch.randn(256, D)
+    with torch.no_grad():
+        ref = moe.gate(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = moe.gate(x)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -254,6 +254,16 @@ def test_warmup_stage_trains_only_the_indexer_and_reports_recall():
     assert 0 < float(recall) <= 1 and float(out.metrics["blocks.0.attn/indexer_kl"]) >= 0
 
 
+def test_warmup_stage_keeps_the_moe_balance_loss_off_the_frozen_model():
+    """The rest of the model stays frozen in the warm-up even with a sequence-wise balance
+    loss: it would otherwise train the routers and every layer below them."""
+    model = _dsa(**{"attention.dsa_stage": "warmup", "ffn.seq_aux_loss_coef": 0.01})
+    out = _train_step(model, torch.randint(0, V, (2, 25)))
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (".indexer." in name), name
+    assert "blocks.1.ffn/max_vio" in out.metrics  # the MoE still reports its load
+
+
 def test_sparse_stage_trains_everything_and_the_indexer_only_by_its_loss():
     model = _dsa()
     idx = torch.randint(0, V, (2, 25))

@@ -207,8 +207,9 @@ class DecoderLM(nn.Module):
             loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
             )
-        aux_loss, metrics = collect_aux(self._aux) if self._aux else (None, {})
-        if loss is not None and self._trains_alone and self.training:
+        alone = self._trains_alone and self.training
+        aux_loss, metrics = collect_aux(self._aux, alone=alone) if self._aux else (None, {})
+        if loss is not None and alone:
             loss = loss.detach()  # reported, not optimised: only the aux losses train
         return LMOutput(logits, loss, aux_loss, metrics)
 

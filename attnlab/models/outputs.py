@@ -6,8 +6,9 @@ attributes ``aux_loss`` (a 0-d tensor or None) and ``aux_metrics`` (name -> valu
 model sums the losses and gathers the metrics into its output; the trainer optimises
 ``loss + aux_loss`` and logs the metrics. A module that sets ``trains_alone = True``
 (DeepSeek sparse attention's dense warm-up stage) freezes the rest of the model: when
-training, the model reports its task loss detached, so only the auxiliary losses (and the
-parameters they reach) receive gradients; the optimiser skips parameters without one.
+training, the model reports its task loss detached and leaves out the other modules'
+auxiliary losses, so only the losses of the modules training alone (and the parameters they
+reach) receive gradients; the optimiser skips parameters without one.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ def aux_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def collect_aux(
-    modules: list[tuple[str, nn.Module]],
+    modules: list[tuple[str, nn.Module]], *, alone: bool = False
 ) -> tuple[Tensor | None, dict[str, Tensor | float]]:
-    """Sum of the modules' ``aux_loss`` and their ``aux_metrics`` as ``"<module>/<name>"``."""
+    """Sum of the modules' ``aux_loss`` and their ``aux_metrics`` as ``"<module>/<name>"``.
+    ``alone``: the losses of the modules that train alone only (the rest of the model is
+    frozen, so a mixture-of-experts balance loss must not reach it); all metrics still."""
     total, metrics = None, {}
     for name, m in modules:
         loss = getattr(m, "aux_loss", None)
+        if alone and not getattr(m, "trains_alone", False):
+            loss = None
         if loss is not None:
             total = loss if total is None else total + loss
         for key, value in (getattr(m, "aux_metrics", None) or {}).items():

@@ -73,7 +73,10 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (N, d) -> weights (N, k) float32, experts (N, k), scores (N, E) float32."""
-        logits = F.linear(x.float(), self.weight.float())  # (N, E), routing in float32
+        # Routing in float32, under autocast too (which would run this product in bf16: near
+        # ties, e.g. sigmoid scores about 0.5, would then pick other experts).
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())  # (N, E)
         if self.kind == "deepseek-v3":
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias  # the bias chooses, never weighs
@@ -191,19 +194,24 @@ class MoE(nn.Module):
         return self.aux_coef * (f * p).sum(dim=-1).mean()
 
     @torch.no_grad()
-    def update_bias(self) -> None:
+    def update_bias(self, frozen: bool = False) -> None:
         """Auxiliary-loss-free balancing (DeepSeek-V3): after an optimizer step, raise the
         bias of experts that took fewer tokens than the mean since the last call and lower
         the others by bias_update_speed; then start counting again. A no-op for routers
-        without a bias (deepseek-v2) or when no training pass ran."""
+        without a bias (deepseek-v2), when no training pass ran, or ``frozen`` (the model
+        is frozen while another module trains alone: DSA's warm-up stage)."""
         bias = self.gate.e_score_correction_bias
+        if frozen:
+            self.load.zero_()
+            return
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(self.load)  # every process moves the bias alike
         if bias is not None and self.load.sum() > 0:
             bias += self.bias_update_speed * torch.sign(self.load.mean() - self.load)
         self.load.zero_()
 
-    # The trainer calls this on every module that has it, after each optimizer step.
+    # The trainer calls this on every module that has it, after each optimizer step, with
+    # frozen=True while another module trains alone.
     after_optimizer_step = update_bias
 
 

@@ -536,6 +536,9 @@ class Trainer:
         # ``set_layout(model, "input")`` after training, as loading a checkpoint does.
         set_layout(self.model, "rows")
         self._after_step = [m for m in model.modules() if hasattr(m, "after_optimizer_step")]
+        # A module that trains alone (DSA's warm-up) freezes the rest of the model, and so
+        # the other modules' updates after a step (MoE routers' balancing bias) too.
+        self._alone = any(getattr(m, "trains_alone", False) for m in model.modules())
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
         self.autocast_dtype = torch.bfloat16 if tc.dtype == "bfloat16" else None
         self.train_model: nn.Module = self.model
@@ -736,7 +739,9 @@ class Trainer:
             )
         self.optimizer.step()
         for module in self._after_step:  # e.g. MoE routers' load-balancing bias
-            module.after_optimizer_step()
+            module.after_optimizer_step(
+                frozen=self._alone and not getattr(module, "trains_alone", False)
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return _StepResult(
