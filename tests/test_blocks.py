@@ -525,3 +525,41 @@ def test_linear_products_of_several_vectors_are_onednn_and_equal_f_linear(layout
         x = torch.randn(5, 96)
         with unittest.mock.patch.object(linear_module, "onednn_linear", None):
             torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_weight_gradient_of_a_sliced_input_is_fast_and_exact():
+    """A Linear fed a slice of a wider tensor (MLA's kv_b_proj reads c_KV, a slice of
+    kv_a_proj's output) gets dW = dy^T x with x^T strided (1, wider): oneDNN's slow path,
+    about 1000x slower, unless it is first copied to a plain transpose. The gradients equal
+    F.linear's, and the product takes about the time of one from contiguous operands."""
+    import time
+
+    import attnlab.nn.linear as linear_module
+    from attnlab.nn.linear import Linear, onednn_mm
+
+    if not linear_module.ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    wide = torch.randn(8, 128, 144, requires_grad=True)
+    lin = Linear(128, 256)
+    plain = torch.nn.Linear(128, 256)
+    plain.load_state_dict({k: v.contiguous() for k, v in lin.state_dict().items()})
+    lin(wide[..., :128]).square().sum().backward()
+    ref_wide = wide.detach().clone().requires_grad_()
+    plain(ref_wide[..., :128]).square().sum().backward()
+    torch.testing.assert_close(lin.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(wide.grad, ref_wide.grad, rtol=1e-5, atol=1e-5)
+
+    dy, x = torch.randn(1024, 256), torch.randn(1024, 144)[:, :128]
+
+    def best(a: torch.Tensor, b: torch.Tensor) -> float:
+        onednn_mm(a, b)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            onednn_mm(a, b)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    torch.testing.assert_close(onednn_mm(dy.t(), x.t()), dy.t() @ x, rtol=1e-4, atol=1e-3)
+    assert best(dy.t(), x.t()) < 20 * best(dy.t(), x.contiguous().t()) + 2e-3
