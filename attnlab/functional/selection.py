@@ -63,8 +63,15 @@ def topk_select(
         if torch.compiler.is_compiling():  # no host read: the settled picks where tied
             by_position = _by_score_then_position(scores, order)[..., :k]
             indices = torch.where(tie[..., None], by_position, indices[..., :k])
-        elif bool(tie.any()):  # rare: settle ties by position
-            indices = _by_score_then_position(scores, order)
+        elif bool(tie.any()):  # settle ties by position, in the tied queries only
+            # Rare per query (1-4% in deepseek-v32-tiny's training) but in 99% of its
+            # batches: sorting every query made this 3x slower (3.0 ms against 1.0 for
+            # 1,536 queries of 128 keys).
+            where = tie.nonzero(as_tuple=True)  # the tied queries' (b, t) coordinates
+            rows = scores[where][:, None]  # (n, 1, s)
+            mine = None if order is None else order[where[0]]  # (n, s)
+            indices = indices[..., :k].clone()
+            indices[where] = _by_score_then_position(rows, mine)[:, 0, :k]
         indices = indices[..., :k]
     if mask is None:
         return indices, torch.ones_like(indices, dtype=torch.bool)

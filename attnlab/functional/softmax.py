@@ -32,7 +32,15 @@ def masked_softmax(x: Tensor, mask: Tensor | None, dim: int = -1) -> Tensor:
     """
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else x + mask
-    return stable_softmax(x, dim=dim)
+    # torch's fused softmax, not stable_softmax's exp(x - max): on CPU torch.exp takes a slow
+    # path for inputs below about -87 (a result that is denormal or 0): 3x slower for the
+    # -inf of a causal mask, 12x for finite scores that far below the row's maximum, where
+    # the fused kernel's time at most doubles. Scores (8, 4, 128, 128) under a causal mask:
+    # 0.82 ms against 0.37 (forward and backward 2.2 against 1.3); spread as N(0, 30^2): 1.8
+    # against 0.54 (3.3 against 1.3). A row with nothing allowed gives zeros (its softmax
+    # would be NaN, and its gradient too).
+    empty = x.amax(dim=dim, keepdim=True) == float("-inf")
+    return torch.softmax(x.masked_fill(empty, 0.0), dim=dim).masked_fill(empty, 0.0)
 
 
 # ----------------------------------------------------------------------------------------
