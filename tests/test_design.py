@@ -255,6 +255,30 @@ def test_decode_step_compiles_with_fullgraph_and_matches_eager(name, override):
         tok = a.argmax(-1, keepdim=True)
 
 
+@torch.no_grad()
+def test_expert_decode_step_of_a_larger_batch_compiles_with_fullgraph():
+    """More tokens than n_experts / top_k (8 x 2 choices of 8 experts): the compiled step
+    runs every expert on every token, weighted by the gates, as one graph (no host read of
+    the experts' token counts), and equals the eager step."""
+    model = build_model(get_preset("deepseek-moe-tiny").override({"init_std": 0.2})).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (8, 5))
+
+    def step(model, ids, cache):
+        return model(ids, cache=cache, last_only=True).logits[:, -1]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="eager")
+    eager_cache, static_cache = model.new_cache(8, 16), model.new_cache(8, 16, static=True)
+    model(prompt, cache=eager_cache)
+    model(prompt, cache=static_cache)
+    tok = prompt[:, -1:]
+    for _ in range(3):
+        a = step(model, tok, eager_cache)
+        b = compiled(model, tok, static_cache)
+        torch.testing.assert_close(b, a, **TOL)
+        tok = a.argmax(-1, keepdim=True)
+
+
 @pytest.mark.slow
 def test_generate_compile_equals_eager_generate(monkeypatch):
     import attnlab.nn.linear as linear_module

@@ -116,8 +116,12 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """x (N, d); experts, weights (N, k) -> sum_j weights[:, j] expert_{experts[:, j]}(x)."""
         N, k = experts.shape
-        if torch.compiler.is_compiling() and N * k <= self.n_experts:
-            return self.gathered(x, experts, weights)
+        if torch.compiler.is_compiling():  # static shapes where the graph must not break
+            if N * k <= self.n_experts:
+                return self.gathered(x, experts, weights)
+            if not torch.is_grad_enabled():  # compiled decoding of a larger batch
+                return self.dense(x, experts, weights)
+            # compiled training: the grouped products below (a graph break at the counts)
         flat = experts.flatten()  # (N k,): pair p is token p // k
         order = flat.argsort(stable=True)  # pairs grouped by expert
         token = order // k  # (N k,) the token of each sorted pair
@@ -134,6 +138,18 @@ class Experts(nn.Module):
         gate, up = h.split(self.hidden, dim=-1)
         y = torch.einsum("nkdf,nkf->nkd", self.down[experts], self.act(gate) * up)
         return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # (N, d)
+
+    def dense(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """:meth:`forward` with every expert on every token, weighted by each token's gates
+        (0 for the experts it did not choose). Static shapes; reads each expert's weights
+        once, where :meth:`gathered` would read N k expert copies: for compiled decoding
+        of more tokens than n_experts / k."""
+        gates = torch.zeros(x.shape[0], self.n_experts, dtype=x.dtype, device=x.device)
+        gates = gates.scatter_add(1, experts, weights.to(x.dtype))  # (N, E)
+        h = torch.einsum("efd,nd->nef", self.gate_up, x)  # (N, E, 2f)
+        gate, up = h.split(self.hidden, dim=-1)
+        y = torch.einsum("edf,nef->ned", self.down, self.act(gate) * up)  # (N, E, d)
+        return torch.einsum("ned,ne->nd", y, gates)
 
 
 class MoE(nn.Module):
