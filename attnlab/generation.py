@@ -656,6 +656,15 @@ def block_tokens(scores: Tensor, ids: Sequence[int]) -> Tensor:
     return scores.index_fill(-1, index, float("-inf"))
 
 
+def force_tokens(scores: Tensor, ids: Sequence[int]) -> Tensor:
+    """``scores`` (..., V) with 0 at the token ``ids`` and -inf elsewhere (transformers'
+    ``ForcedEOSTokenLogitsProcessor`` at the last step); unchanged when ``ids`` is empty."""
+    if not ids:
+        return scores
+    index = torch.tensor(list(ids), dtype=torch.long, device=scores.device)
+    return torch.full_like(scores, float("-inf")).index_fill(-1, index, 0.0)
+
+
 def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: float, style: str):
     if style not in BEAM_STYLES:
         raise ValueError(f"style must be one of {', '.join(BEAM_STYLES)}, got {style!r}")
@@ -683,6 +692,7 @@ def beam_search_core(
     style: str = "transformers",
     blocked_ids: Sequence[int] = (),
     renormalize: bool = False,
+    forced_last_ids: Sequence[int] = (),
 ) -> list[list[Hypothesis]]:
     """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
     input and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
@@ -692,7 +702,9 @@ def beam_search_core(
     ``n_best`` best hypotheses, best first (scoring and stopping: the comment above,
     ``style``). ``blocked_ids`` are never chosen: as in transformers, their log-probabilities
     become -inf after the log-softmax, and with ``renormalize`` the rest are log-softmaxed
-    again (``renormalize_logits``), else they keep the mass the blocked tokens had."""
+    again (``renormalize_logits``), else they keep the mass the blocked tokens had. At the
+    last step only ``forced_last_ids`` may be chosen, each with log-probability 0 (before
+    the renormalization): transformers' ``forced_eos_token_id``."""
     k, alpha = num_beams, length_penalty
     check_beam_search(k, max_new_tokens, n_best, alpha, style)
     gnmt = style == "gnmt"
@@ -707,8 +719,11 @@ def beam_search_core(
     done = [False] * b
     for step in range(max_new_tokens):
         beams = scores.shape[1]
+        last = step == max_new_tokens - 1
         logp = block_tokens(torch.log_softmax(logits.float(), dim=-1), blocked_ids)
-        if renormalize and blocked_ids:
+        forced = list(forced_last_ids) if last else []
+        logp = force_tokens(logp, forced)
+        if renormalize and (blocked_ids or forced):
             logp = torch.log_softmax(logp, dim=-1)
         logp = logp.view(b, beams, V) + scores[..., None]  # (b, beams, V)
         # enough candidates that k beams live on even if every stop token is among them
@@ -717,7 +732,6 @@ def beam_search_core(
         top, flat = logp.view(b, beams * V).topk(n_cand, dim=-1)  # (b, C)
         beam, tok = flat // V, flat % V
         cand = torch.cat((seqs.gather(1, beam[..., None].expand(-1, -1, step)), tok[..., None]), 2)
-        last = step == max_new_tokens - 1
         is_eos = torch.isin(tok, eos)
         ends = torch.ones_like(is_eos) if last and not gnmt else is_eos
         alive = torch.isfinite(top)

@@ -129,3 +129,34 @@ def test_untied_marian_has_three_tables(tmp_path):
         back = transformers.MarianMTModel.from_pretrained(tmp_path / "ours").eval()
         again = back(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
     torch.testing.assert_close(again, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_forced_eos_ends_length_limited_outputs_as_transformers(marian, tmp_path, k):
+    """opus-mt configs set ``forced_eos_token_id`` (= eos): transformers' generate then makes
+    the last allowed token EOS (scored 0), so a length-limited output has one real token
+    fewer, and beams are ranked with that EOS. Import, generate and export keep the rule."""
+    import json
+    import shutil
+
+    _, path = marian
+    folder = tmp_path / "forced"
+    shutil.copytree(path, folder)
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**data, "forced_eos_token_id": EOS}))
+    ref = transformers.MarianMTModel.from_pretrained(folder).eval()
+    model = load_hf(folder)
+    assert model.cfg.forced_eos_ids == [EOS]
+    src, mask, _ = _batch()
+    kw = {} if k == 1 else {"num_beams": k, "length_penalty": 1.0, "early_stopping": True}
+    for new in (3, 6):
+        out = ref.generate(input_ids=src, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                           num_return_sequences=k, **kw)  # fmt: skip
+        expected = [seq[: seq.index(EOS)] for seq in out[:, 1:].tolist()]  # all end with EOS
+        ours = model.generate(src, new, src_mask=mask, num_beams=k, n_best=k)
+        assert (ours if k == 1 else [seq for row in ours for seq in row]) == expected
+        assert any(len(seq) == new - 1 for seq in expected)  # some stopped at the limit
+    save_hf(model, tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["forced_eos_token_id"] == EOS

@@ -194,7 +194,7 @@ def run_export(args: argparse.Namespace) -> int:
     # is one: the settings save_hf put in config.json (Marian's blocked pad token) and its
     # special token ids (Marian's decoder start) go there too
     hf_config = read_config(out)
-    settings = {k: hf_config[k] for k in GENERATION_KEYS if k in hf_config}
+    settings = {k: hf_config[k] for k in GENERATION_KEYS if hf_config.get(k) is not None}
     token_ids = {k: hf_config[k] for k in TOKEN_ID_KEYS if hf_config.get(k) is not None}
     eos = _copy_generation_config(ckpt_dir, out, settings, token_ids)
     if (out / GENERATION_CONFIG).is_file():

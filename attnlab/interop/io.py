@@ -231,9 +231,10 @@ def read_config(path: Path) -> dict[str, Any]:
         raise HFCheckpointError(f"{config_file}: not valid JSON ({e})") from None
 
 
-# Generation settings a family maps (Marian's blocked pad token), read as transformers reads
-# them: from generation_config.json where the folder has one, else from config.json.
-GENERATION_KEYS = ("bad_words_ids", "renormalize_logits")
+# Generation settings a family maps (Marian's blocked pad token and forced end token), read
+# as transformers reads them: from generation_config.json where the folder has one, else
+# from config.json.
+GENERATION_KEYS = ("bad_words_ids", "renormalize_logits", "forced_eos_token_id")
 
 
 def with_generation_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:

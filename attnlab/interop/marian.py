@@ -10,7 +10,9 @@ With ``tie_word_embeddings=false`` transformers ties nothing: the encoder, the d
 the output have tables of their own (``model.shared`` is then stored but unused).
 Opus-mt models ask generation never to emit the pad token (``bad_words_ids: [[pad]]``, with
 ``renormalize_logits``): single-token entries become ``Seq2SeqConfig.blocked_ids`` (the
-end-of-sequence token left out, as transformers does), written back on export.
+end-of-sequence token left out, as transformers does), written back on export. Its
+``forced_eos_token_id`` (the end token in every opus-mt config, read as the settings above)
+makes the last allowed token an end token: ``Seq2SeqConfig.forced_eos_ids``.
 
     model.shared (= encoder/decoder embed_tokens, lm_head)   -> src_emb (= tgt_emb, lm_head)
       unshared: model.encoder.embed_tokens                   -> src_emb (attnlab src_vocab_size)
@@ -113,7 +115,18 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqCon
         eos_id=eos,
         blocked_ids=blocked_ids(hf.get("bad_words_ids"), eos),
         renormalize_logits=bool(hf.get("renormalize_logits", False)),
+        forced_eos_ids=forced_eos_ids(hf.get("forced_eos_token_id")),
     )
+
+
+def forced_eos_ids(forced: Any) -> list[int]:
+    """``forced_eos_token_id`` (an id, a list of ids or None) as a list."""
+    ids = [] if forced is None else [forced] if isinstance(forced, int) else forced
+    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        raise HFCheckpointError(
+            f"forced_eos_token_id must be an id or a list of ids, got {forced!r}"
+        )
+    return ids
 
 
 def blocked_ids(bad_words_ids: Any, eos: int) -> list[int]:
@@ -190,13 +203,17 @@ def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dic
         "pad_token_id": cfg.pad_id,
         "decoder_start_token_id": cfg.bos_id,
         "eos_token_id": cfg.eos_id,
-        "forced_eos_token_id": None,
+        "forced_eos_token_id": _one_or_list(cfg.forced_eos_ids),
         "share_encoder_decoder_embeddings": cfg.share_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings,
         "is_encoder_decoder": True,
         **generation_entries(cfg),
         **dtype_entries(dtype),
     }
+
+
+def _one_or_list(ids: list[int]) -> int | list[int] | None:
+    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
 
 
 def generation_entries(cfg: Seq2SeqConfig) -> dict[str, Any]:

@@ -54,7 +54,9 @@ class Seq2SeqConfig(ModelConfig):
     ``blocked_ids``: tokens decoding never emits (Marian's ``bad_words_ids``: its pad
     token); ``renormalize_logits``: beam search renormalizes the log-probabilities once
     they are blocked (transformers' option of that name), else it scores with the
-    unblocked softmax's."""
+    unblocked softmax's. ``forced_eos_ids``: at the last step ``generate`` allows (greedy, beam
+    search) only these tokens (transformers' ``forced_eos_token_id``: Marian's end token), so a
+    length-limited output ends with one (its log-probability then counted as 0, as there)."""
 
     arch: str = "seq2seq"
     attention: AttentionConfig = field(
@@ -76,6 +78,7 @@ class Seq2SeqConfig(ModelConfig):
     eos_id: int = 2
     blocked_ids: list[int] = field(default_factory=list)
     renormalize_logits: bool = False
+    forced_eos_ids: list[int] = field(default_factory=list)
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -97,11 +100,10 @@ class Seq2SeqConfig(ModelConfig):
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
                 _fail(at(name), f"must be a token id in [0, {self.vocab_size}), got {value}")
-        for value in self.blocked_ids:
-            if not 0 <= value < self.vocab_size:
-                _fail(
-                    at("blocked_ids"), f"must hold token ids in [0, {self.vocab_size}), got {value}"
-                )
+        for name in ("blocked_ids", "forced_eos_ids"):
+            for value in getattr(self, name):
+                if not 0 <= value < self.vocab_size:
+                    _fail(at(name), f"must hold token ids in [0, {self.vocab_size}), got {value}")
         if self.eos_id in self.blocked_ids:
             _fail(at("blocked_ids"), f"holds eos_id={self.eos_id}: decoding could never end")
 
@@ -289,6 +291,7 @@ class Seq2SeqModel(nn.Module):
                 style=style,
                 blocked_ids=self.cfg.blocked_ids,
                 renormalize=self.cfg.renormalize_logits,
+                forced_last_ids=self.cfg.forced_eos_ids,
             )
         finally:
             self.train(was_training)
@@ -297,20 +300,23 @@ class Seq2SeqModel(nn.Module):
         return [[h.tokens for h in row] for row in hyps]
 
     def _greedy(self, start, memory, src_mask, max_new_tokens, use_cache) -> list[list[int]]:
-        from attnlab.generation import block_tokens
+        from attnlab.generation import block_tokens, force_tokens
 
         b, eos = start.shape[0], self.cfg.eos_id
         cache = self.new_cache(b, max_new_tokens + 1) if use_cache else None
         seq, done = start, torch.zeros(b, dtype=torch.bool, device=start.device)
         rows: list[list[int]] = [[] for _ in range(b)]
         step_in, mem = start, memory
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             if cache is None:
                 h = self.decode(seq, memory, src_mask)
             else:
                 h = self.decode(step_in, mem, src_mask, cache=cache)
                 mem = None  # cross keys/values are cached
-            nxt = block_tokens(self.logits(h[:, -1]), self.cfg.blocked_ids).argmax(-1)  # (b,)
+            scores = block_tokens(self.logits(h[:, -1]), self.cfg.blocked_ids)  # (b, V)
+            if step == max_new_tokens - 1:
+                scores = force_tokens(scores, self.cfg.forced_eos_ids)
+            nxt = scores.argmax(-1)  # (b,)
             done_now = done | (nxt == eos)
             for i in range(b):
                 if not done_now[i]:
