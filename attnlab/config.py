@@ -553,6 +553,9 @@ class PositionConfig(_Config):
         _positive(f"{path}.rope_original_max_seq_len", self.rope_original_max_seq_len)
         _positive(f"{path}.rope_beta_fast", self.rope_beta_fast)
         _positive(f"{path}.rope_beta_slow", self.rope_beta_slow)
+        if self.rope_scaling == "yarn" and self.rope_theta <= 1:
+            # YaRN finds its ramp by ln(theta): frequencies must fall with the pair index
+            _fail(f"{path}.rope_theta", f"must be > 1 with yarn scaling, got {self.rope_theta}")
         if self.rope_scaling == "yarn" and self.rope_beta_fast <= self.rope_beta_slow:
             _fail(f"{path}.rope_beta_fast", "must be larger than rope_beta_slow")
         if (

@@ -421,6 +421,47 @@ def test_config_rope_original_context_as_transformers_reads_it(rope_type, given)
     assert ours == theirs == (given or 48)
 
 
+def test_config_yarn_null_factor_is_the_context_ratio_as_transformers_reads_it():
+    """DeepSeek-V3-style YaRN with ``factor: null``: transformers stretches by
+    max_position_embeddings / original_max_position_embeddings (here 4), not by 1."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from attnlab.nn.rope import RotaryEmbedding
+
+    hf = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 8,
+          "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+          "max_position_embeddings": 512}  # fmt: skip
+    hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": None,
+                             "original_max_position_embeddings": 128}  # fmt: skip
+    cfg = config_from_hf({**hf, "model_type": "deepseek_v3"})
+    ours = RotaryEmbedding.from_config(cfg.rope_dim, cfg.position)
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.DeepseekV3Config(**hf))
+    torch.testing.assert_close(ours.inv_freq, ref_inv_freq, rtol=1e-6, atol=0)
+    assert ours.attention_factor == pytest.approx(ref_factor, rel=1e-12)
+    assert cfg.position.rope_factor == 4.0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "linear"},
+        {"type": "linear", "factor": None},
+        {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0},
+        {"rope_type": "yarn", "original_max_position_embeddings": 16},
+    ],
+)
+def test_config_rope_without_a_required_key_is_refused(params):
+    """transformers raises on these; attnlab's defaults (factor 1) would not stretch at all."""
+    hf = {"model_type": "deepseek_v3" if "yarn" in params.values() else "llama",
+          "vocab_size": 10, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "max_position_embeddings": 32, "kv_lora_rank": 8,
+          "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+          "rope_parameters": params}  # fmt: skip
+    with pytest.raises(HFCheckpointError, match="RoPE parameters for rope_type .* need"):
+        config_from_hf(hf)
+
+
 def test_config_errors():
     supported = (
         "gpt2, llama, mistral, qwen2, deepseek_v2, deepseek_v3, deepseek_v32, bert, marian, vit"

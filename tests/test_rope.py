@@ -192,3 +192,14 @@ def test_rotation_and_its_gradient_equal_the_rotation_matrices(layout):
         (got_grad,) = torch.autograd.grad(got, x, grad)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("theta", [1.0, 0.5])
+def test_yarn_with_theta_at_most_one_is_a_config_error(theta):
+    """YaRN locates its ramp by ln(theta) (a division by zero at theta 1): one ConfigError
+    naming the field, not a ZeroDivisionError when the model is built."""
+    from attnlab.config import ConfigError, PositionConfig
+
+    pos = PositionConfig(kind="rope", rope_theta=theta, rope_scaling="yarn", rope_factor=4.0)
+    with pytest.raises(ConfigError, match=r"position\.rope_theta: must be > 1 with yarn"):
+        pos.validate()

@@ -136,6 +136,14 @@ ROPE_KEYS: dict[str, dict[str, str]] = {
 }
 
 
+# rope_type -> the keys transformers requires ("factor" may be null for YaRN)
+ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
+
+
 def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, Any]:
     """PositionConfig fields (theta, scaling) from transformers 4.x (``rope_theta`` +
     ``rope_scaling``) or 5.x (``rope_parameters``) configs; ``supported``: the rope_types
@@ -162,6 +170,15 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
         raise HFCheckpointError(
             f"partial_rotary_factor={factor} is not supported; attnlab rotates whole heads"
         )
+    # transformers refuses these too; attnlab's defaults would silently not scale
+    nullable = {"factor"} if rope_type == "yarn" else set()
+    missing = [
+        k
+        for k in ROPE_REQUIRED.get(rope_type, ())
+        if k not in params or (params[k] is None and k not in nullable)
+    ]
+    if missing:
+        raise HFCheckpointError(f"RoPE parameters for rope_type {rope_type!r} need {missing}")
     theta = params.get("rope_theta", hf.get("rope_theta"))
     out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
     if rope_type != "default":
@@ -177,6 +194,13 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
         )
         if original is not None:
             out["rope_original_max_seq_len"] = original
+    if rope_type == "yarn" and params["factor"] is None:
+        # transformers (DeepSeek-V3's configs): the stretch is the ratio of the contexts
+        if original is None or hf.get("max_position_embeddings") is None:
+            raise HFCheckpointError(
+                "YaRN factor null needs max_position_embeddings and its original to derive it"
+            )
+        out["rope_factor"] = hf["max_position_embeddings"] / original
     return out
 
 
