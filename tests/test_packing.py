@@ -22,7 +22,7 @@ from attnlab.functional.attention import BACKENDS, available_backends
 from attnlab.functional.masks import document_positions
 from attnlab.models import build_model
 from attnlab.presets import get_preset, gpt2_style
-from attnlab.tasks.lm import IGNORE_INDEX, LanguageModelling
+from attnlab.tasks.lm import IGNORE_INDEX, LanguageModelling, strided_loss_sums
 from attnlab.training import load_checkpoint, train
 
 DOCS = {  # a folder corpus: three documents, one starting with spaces (BPE merges them)
@@ -334,6 +334,22 @@ def test_cli_trains_packed_and_evaluates(tmp_path, folder, capsys, monkeypatch):
     starts = np.cumsum([len(t) + len(DOCUMENT_SEPARATOR) for t in texts[:-1]])  # char level
     walked = (len(DOCUMENT_SEPARATOR.join(texts)) - 1) // 24 * 24  # targets 1..walked
     assert on_folder["tokens"] == walked - int(((starts >= 1) & (starts <= walked)).sum())
+    # --stride: each document's windows on their own, equal to scoring each document alone
+    run = ["eval", "--ckpt", str(tmp_path / "run"), "--data", str(folder), "--json"]
+    assert main([*run, "--stride", "8"]) == 0
+    strided = json.loads(capsys.readouterr().out)
+    loaded = load_checkpoint(tmp_path / "run")
+    total = count = 0
+    with torch.no_grad():
+        # a document's tokens run to the next one's first (the separator stays behind)
+        spans = [t + DOCUMENT_SEPARATOR for t in texts[:-1]] + texts[-1:]
+        for span in spans:
+            ids = torch.tensor(loaded.tokenizer.encode(span))
+            t, n = strided_loss_sums(loaded.model.eval(), ids, window=24, stride=8)
+            total, count = total + t, count + n
+    assert strided["tokens"] == count == sum(len(span) - 1 for span in spans)
+    assert strided["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert strided["characters"] == count  # char tokens: one character each
 
     bad = argv[:6] + [str(tmp_path / "bad"), *argv[7:], "--set", "model.attention.kind=linear"]
     assert main(bad) != 0

@@ -174,6 +174,7 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     if block_size > cfg.model.max_seq_len:
         raise CLIError(f"--block-size {block_size} exceeds max_seq_len={cfg.model.max_seq_len}")
     batch_size = args.batch_size or cfg.train.batch_size
+    packed = cfg.task == "lm" and LanguageModelling.data_options(cfg).pack_documents
     if args.data is not None:
         if not Path(args.data).exists():
             raise CLIError(f"--data {args.data}: no such file or folder")
@@ -182,7 +183,6 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
             raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
         block_size = min(block_size, len(tokens) - 1)  # short texts: one shorter block
         doc_starts = None
-        packed = cfg.task == "lm" and LanguageModelling.data_options(cfg).pack_documents
         if packed:  # the documents apart, as in training
             try:
                 starts = document_starts(tokenizer, tokens, texts)
@@ -199,7 +199,25 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     if memory is not None:
         result = _with_memory(args, model, data.val, block_size, device)
     elif args.stride is not None:
-        result = _strided(args, model, data.val, block_size, batch_size, device)
+        documents = None
+        if packed:  # each document's windows on their own, as in training
+            import torch
+
+            ids = data.document_ids("val", torch.zeros(1, dtype=torch.int64), len(data.val))[0]
+            cuts = [0, *((ids[1:] != ids[:-1]).nonzero()[:, 0] + 1).tolist(), len(data.val)]
+            documents = list(zip(cuts[:-1], cuts[1:]))
+        result = _strided(args, model, data.val, block_size, batch_size, device, documents)
+        if documents is not None:  # the characters of the targets scored
+            from attnlab.tasks.lm import strided_groups
+
+            groups = strided_groups(
+                documents, block_size, args.stride, batch_size, args.max_batches
+            )
+            result["characters"] = sum(
+                len(tokenizer.decode(data.val[e + 1 - n : e + 1]))
+                for group in groups
+                for _, e, n in group
+            )
     else:
         task = LanguageModelling(
             cfg, tokenizer=tokenizer, data=data, block_size=block_size, eval_sample=False
@@ -220,6 +238,8 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         characters = len(tokenizer.decode(targets)) - sum(
             len(tokenizer.decode([i])) for i in firsts
         )
+    elif "characters" in result:
+        characters = result["characters"]
     else:
         characters = len(tokenizer.decode(data.val[1 : 1 + result["tokens"]]))
     total_bits = result["loss"] * result["tokens"] / math.log(2.0)
@@ -260,8 +280,11 @@ def _with_memory(args, model, tokens, block_size: int, device: str) -> dict:
     return lm_summary(total, count)
 
 
-def _strided(args, model, tokens, block_size: int, batch_size: int, device: str) -> dict:
-    """The whole stream through overlapping windows of ``block_size`` (``--stride``)."""
+def _strided(
+    args, model, tokens, block_size: int, batch_size: int, device: str, documents=None
+) -> dict:
+    """The whole stream through overlapping windows of ``block_size`` (``--stride``);
+    ``documents``: (begin, end) spans scored each on its own (packed documents)."""
     import torch
 
     from attnlab.tasks.base import eval_mode
@@ -281,5 +304,6 @@ def _strided(args, model, tokens, block_size: int, batch_size: int, device: str)
             batch_size=batch_size,
             max_batches=args.max_batches,
             device=device,
+            documents=documents,
         )
     return lm_summary(total, count)

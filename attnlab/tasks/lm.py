@@ -84,6 +84,33 @@ def strided_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, 
     return out
 
 
+def strided_groups(
+    spans: list[tuple[int, int]],
+    window: int,
+    stride: int,
+    batch_size: int = 8,
+    max_batches: int | None = None,
+) -> list[list[tuple[int, int, int]]]:
+    """The batches of :func:`strided_loss_sums`: the :func:`strided_windows` of each span
+    (begin, end) of the stream (a document: no window crosses into the next, and a span's
+    first token is never a target), consecutive windows of one length batched together, at
+    most ``max_batches`` batches. Spans of fewer than 2 tokens have no targets."""
+    windows = [
+        (b0 + b, b0 + e, scored)
+        for b0, e0 in spans
+        if e0 - b0 >= 2
+        for b, e, scored in strided_windows(e0 - b0, window, stride)
+    ]
+    groups: list[list[tuple[int, int, int]]] = []
+    for w in windows:  # consecutive windows of one length share a batch
+        same = groups and len(groups[-1]) < batch_size
+        if same and groups[-1][0][1] - groups[-1][0][0] == w[1] - w[0]:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    return groups if max_batches is None else groups[:max_batches]
+
+
 def strided_loss_sums(
     model: nn.Module,
     tokens: Tensor,
@@ -93,23 +120,20 @@ def strided_loss_sums(
     batch_size: int = 8,
     max_batches: int | None = None,
     device: torch.device | str | None = None,
+    documents: list[tuple[int, int]] | None = None,
 ) -> tuple[float, int]:
     """(sum of token losses, number of targets) of a 1-D token stream longer than the
     context, scored through :func:`strided_windows` (windows of equal length batched
-    together). The caller chooses the mode (eval) and disables gradients."""
+    together); with ``documents`` ((begin, end) spans: packed documents), each document's
+    windows on their own, as the model saw documents in training. The caller chooses the
+    mode (eval) and disables gradients."""
     if device is None:
         device = next(model.parameters()).device
     tokens = torch.as_tensor(tokens, dtype=torch.long)
-    windows = strided_windows(len(tokens), window, stride)
-    groups: list[list[tuple[int, int, int]]] = []
-    for w in windows:  # consecutive windows of one length share a batch
-        same = groups and len(groups[-1]) < batch_size
-        if same and groups[-1][0][1] - groups[-1][0][0] == w[1] - w[0]:
-            groups[-1].append(w)
-        else:
-            groups.append([w])
-    if max_batches is not None:
-        groups = groups[:max_batches]
+    if len(tokens) < 2:
+        raise ValueError(f"strided evaluation needs at least 2 tokens, got {len(tokens)}")
+    spans = documents if documents is not None else [(0, len(tokens))]
+    groups = strided_groups(spans, window, stride, batch_size, max_batches)
 
     def batches() -> Iterable[tuple[Tensor, Tensor]]:
         for group in groups:
