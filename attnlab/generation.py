@@ -796,6 +796,8 @@ def beam_search(
     ``n_best`` best continuations, best first. The prompt is run once per row; the cache
     is then copied to the beams and reordered as they are chosen."""
     rows, _ = _as_batch(prompts)
+    if not rows:
+        raise ValueError("no prompt: give at least one token id (or a list of prompts)")
     if any(len(r) == 0 for r in rows):
         raise ValueError("every prompt needs at least one token")
     device = model.tok_emb.weight.device

@@ -82,3 +82,32 @@ def test_flex_compiled_per_row_prefix_lm():
         out = flex_attention(q, k, v, mask_mod=prefix_lm_mod(t, t, prefix), compile=True)
         want = eager_attention(q, k, v, prefix_lm_mask(t, t, prefix))
         torch.testing.assert_close(out, want, **TOL)
+
+
+def test_block_mask_is_built_per_row_and_head_only_where_the_mask_reads_them(monkeypatch):
+    """A (b, h) block mask costs b h times one; a mask_mod gets the dimensions it says it
+    reads (prefix_lm_mod: b with a per-row prefix, none with an int), an undeclared one
+    both (it may read either), and each still matches the dense mask."""
+    import torch.nn.attention.flex_attention as torch_flex
+
+    built = []
+    real = torch_flex.create_block_mask
+
+    def spy(mod, B, H, *args, **kwargs):
+        built.append((B, H))
+        return real(mod, B, H, *args, **kwargs)
+
+    monkeypatch.setattr(torch_flex, "create_block_mask", spy)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8) for _ in range(3))
+    prefix = torch.tensor([4, 11])
+    per_row = prefix_lm_mod(20, 20, prefix)
+    undeclared = lambda b, h, q_idx, kv_idx: per_row(b, h, q_idx, kv_idx)  # noqa: E731
+    cases = [(prefix_lm_mod(20, 20, 6), 6, (None, None)), (per_row, prefix, (2, None))]
+    cases.append((undeclared, prefix, (2, 3)))
+    for mod, p, shape in cases:
+        built.clear()
+        out = flex_attention(q, k, v, mask_mod=mod)
+        assert built == [shape]
+        ref = eager_attention(q, k, v, prefix_lm_mask(20, 20, p))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

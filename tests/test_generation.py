@@ -87,8 +87,9 @@ def test_prompt_errors():
     m = model_for("gpt2-tiny")
     with pytest.raises(ValueError, match="at least one token"):
         m.generate([[1, 2], []], 2)
-    with pytest.raises(ValueError, match="no prompt: give at least one token id"):
-        m.generate([], 2)
+    for kw in ({}, {"num_beams": 2}):
+        with pytest.raises(ValueError, match="no prompt: give at least one token id"):
+            m.generate([], 2, **kw)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
         m.generate([1, 256], 2)
 
