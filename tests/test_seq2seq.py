@@ -264,3 +264,20 @@ def test_decoder_beam_search_matches_transformers(k, lp, tmp_path):
         assert rest == [] or rest[0] == eos  # then padding
     scores = [h.score for row in ours for h in row]
     torch.testing.assert_close(torch.tensor(scores), out.sequences_scores, atol=1e-4, rtol=1e-4)
+
+
+def test_training_forward_compiles_without_graph_breaks_at_any_length():
+    """Batches of another length make dynamo retrace with dynamic shapes (the trainer's
+    torch.compile): the decoder's causal self-attention then compares symbolic lengths
+    (is_causal must stay a bool for SDPA), and the length check reads no tensor."""
+    torch.manual_seed(0)
+    model = Seq2SeqModel(_cfg("pre", position={"kind": "learned"}))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
+    for s, t in ((7, 5), (9, 6)):
+        src, tgt = torch.randint(4, V, (2, s)), torch.randint(4, V, (2, t))
+        src_mask = torch.ones(2, s, dtype=torch.long)
+        src_mask[1, -2:] = 0
+        out = compiled(src, tgt, src_mask=src_mask, targets=tgt)
+        ref = model(src, tgt, src_mask=src_mask, targets=tgt)
+        torch.testing.assert_close(out.loss, ref.loss)

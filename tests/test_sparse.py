@@ -588,3 +588,32 @@ def test_cli_warmup_then_resume_into_the_sparse_stage(tmp_path, capsys, monkeypa
     ]
     recalls = [r["blocks.0.attn/topk_recall"] for r in rows if r["kind"] == "train"]
     assert len(recalls) == 5 and all(0 < r <= 1 for r in recalls)
+
+
+def test_compiled_warmup_leaves_the_frozen_weights_untouched(tmp_path, monkeypatch):
+    """A compiled backward gives the frozen parameters zero gradients, not None: the trainer
+    drops them, or AdamW's weight decay would shrink the frozen model in the warm-up stage."""
+    from functools import partial
+
+    from attnlab.config import RunConfig
+    from attnlab.training import train
+    from attnlab.training.checkpoint import load_checkpoint
+
+    cfg = RunConfig(model=get_preset("deepseek-v32-tiny")).override(
+        {
+            "model.attention.dsa_stage": "warmup",
+            "train.max_steps": 2,
+            "train.batch_size": 2,
+            "train.block_size": 16,
+            "train.eval_every": 0,
+            "train.compile": True,
+        }
+    )
+    # AOTAutograd (where the zero gradients come from) without inductor's compile time
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="aot_eager"))
+    result = train(cfg, tmp_path / "run", progress=False)
+    trained = load_checkpoint(result.out_dir).model.state_dict()
+    torch.manual_seed(cfg.train.seed)
+    initial = build_model(load_checkpoint(result.out_dir).config.model).state_dict()
+    moved = {n for n, w in initial.items() if not torch.equal(w, trained[n])}
+    assert moved and all(".indexer." in n for n in moved), sorted(moved)

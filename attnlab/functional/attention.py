@@ -99,7 +99,9 @@ def sdpa_attention(
     n_rep = _check(q, k, v)
     t, s = q.shape[-2], k.shape[-2]
     causal = causal and t > 1  # one query is the newest position: it may see every key
-    is_causal = causal and mask is None and t == s
+    # A branch, not the expression: under dynamic shapes t == s is a SymBool (bool() keeps
+    # it one), which SDPA's is_causal rejects: a graph break at every call
+    is_causal = True if causal and mask is None and t == s else False
     if causal and not is_causal:
         mask = combine_masks(mask, causal_mask(t, s, device=q.device))
     keep = None

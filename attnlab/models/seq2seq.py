@@ -196,9 +196,10 @@ class Seq2SeqModel(nn.Module):
         context_mask = padding_mask(src_mask) if src_mask is not None else None
         if cache is not None:
             positions = cache.begin(t).positions
-        else:
+            self._check_length(int(positions.max()) + 1)
+        else:  # no host read (a graph break in compiled training)
             positions = torch.arange(t, device=tgt.device)[None, :]
-        self._check_length(int(positions.max()) + 1)
+            self._check_length(t)
         x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions)
         x = self.decoder(x, cache=cache, context=memory, context_mask=context_mask)
         if cache is not None:

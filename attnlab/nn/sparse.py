@@ -151,6 +151,9 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         they learn from the indexer's KL loss alone (detached inputs)."""
         return list(self.indexer.parameters())
 
+    # What a module that trains alone trains (the trainer drops the others' gradients).
+    alone_parameters = indexer_parameters
+
     # ------------------------------------------------------------------ sparse core
 
     def _gathered(self, q_nope, q_rope, latent, indices, valid) -> Tensor:

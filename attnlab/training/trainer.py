@@ -539,6 +539,15 @@ class Trainer:
         # A module that trains alone (DSA's warm-up) freezes the rest of the model, and so
         # the other modules' updates after a step (MoE routers' balancing bias) too.
         self._alone = any(getattr(m, "trains_alone", False) for m in model.modules())
+        # Its parameters alone get gradients: eagerly the others get none, but a compiled
+        # backward gives them zeros, which AdamW's weight decay would apply; dropped.
+        trained = {
+            id(p)
+            for m in model.modules()
+            if getattr(m, "trains_alone", False)
+            for p in m.alone_parameters()
+        }
+        self._frozen = [p for p in model.parameters() if self._alone and id(p) not in trained]
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
         self.autocast_dtype = torch.bfloat16 if tc.dtype == "bfloat16" else None
         self.train_model: nn.Module = self.model
@@ -706,6 +715,8 @@ class Trainer:
                 entry = metrics.setdefault(name, [0.0, 0])
                 entry[0] = entry[0] + value
                 entry[1] += 1
+        for p in self._frozen:
+            p.grad = None
         params = [p for p in self.model.parameters() if p.grad is not None]
         if tc.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
