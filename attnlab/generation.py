@@ -87,6 +87,16 @@ def _as_batch(prompts: Prompts) -> tuple[list[list[int]], bool]:
     raise ValueError("prompts must be a list of token ids, a list of such lists, or a tensor")
 
 
+def _prompt_rows(prompts: Prompts) -> tuple[list[list[int]], bool]:
+    """:func:`_as_batch`, refusing no prompt and empty prompts."""
+    rows, single = _as_batch(prompts)
+    if not rows:
+        raise ValueError("no prompt: give at least one token id (or a list of prompts)")
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token")
+    return rows, single
+
+
 def check_request(
     model, prompts: Prompts, max_new_tokens: int, seed: int | None, generator
 ) -> tuple[list[list[int]], bool, torch.Generator | None]:
@@ -94,11 +104,7 @@ def check_request(
     whether one prompt was given, the generator ``seed`` makes when none is given)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    rows, single = _as_batch(prompts)
-    if not rows:
-        raise ValueError("no prompt: give at least one token id (or a list of prompts)")
-    if any(len(r) == 0 for r in rows):
-        raise ValueError("every prompt needs at least one token")
+    rows, single = _prompt_rows(prompts)
     vocab = model.cfg.vocab_size
     if any(not 0 <= tok < vocab for r in rows for tok in r):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -795,11 +801,7 @@ def beam_search(
     """Beam search for a decoder-only model: for each prompt (a batch is left padded), the
     ``n_best`` best continuations, best first. The prompt is run once per row; the cache
     is then copied to the beams and reordered as they are chosen."""
-    rows, _ = _as_batch(prompts)
-    if not rows:
-        raise ValueError("no prompt: give at least one token id (or a list of prompts)")
-    if any(len(r) == 0 for r in rows):
-        raise ValueError("every prompt needs at least one token")
+    rows, _ = _prompt_rows(prompts)
     device = model.tok_emb.weight.device
     b, longest = len(rows), max(len(r) for r in rows)
     if longest + max_new_tokens > model.cfg.max_seq_len:

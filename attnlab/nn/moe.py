@@ -216,10 +216,10 @@ class MoE(nn.Module):
         the others by bias_update_speed; then start counting again. A no-op for routers
         without a bias (deepseek-v2), when no training pass ran, or ``frozen`` (the model
         is frozen while another module trains alone: DSA's warm-up stage)."""
-        bias = self.gate.e_score_correction_bias
         if frozen:
             self.load.zero_()
             return
+        bias = self.gate.e_score_correction_bias
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(self.load)  # every process moves the bias alike
         if bias is not None and self.load.sum() > 0:

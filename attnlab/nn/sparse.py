@@ -146,13 +146,11 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
     def new_cache_entry(self, cache: Cache) -> LayerCache:
         return IndexedLatentKV(cache, self.kv_lora_rank, self.rope_dim, self.indexer.head_dim)
 
-    def indexer_parameters(self) -> list[nn.Parameter]:
-        """The lightning indexer's parameters: the only ones trained in the warm-up stage;
-        they learn from the indexer's KL loss alone (detached inputs)."""
+    def alone_parameters(self) -> list[nn.Parameter]:
+        """What trains in the warm-up stage (``trains_alone``; the trainer drops every other
+        gradient): the lightning indexer's parameters, which learn from the indexer's KL
+        loss alone (detached inputs)."""
         return list(self.indexer.parameters())
-
-    # What a module that trains alone trains (the trainer drops the others' gradients).
-    alone_parameters = indexer_parameters
 
     # ------------------------------------------------------------------ sparse core
 

@@ -536,18 +536,14 @@ class Trainer:
         # ``set_layout(model, "input")`` after training, as loading a checkpoint does.
         set_layout(self.model, "rows")
         self._after_step = [m for m in model.modules() if hasattr(m, "after_optimizer_step")]
-        # A module that trains alone (DSA's warm-up) freezes the rest of the model, and so
-        # the other modules' updates after a step (MoE routers' balancing bias) too.
-        self._alone = any(getattr(m, "trains_alone", False) for m in model.modules())
-        # Its parameters alone get gradients: eagerly the others get none, but a compiled
-        # backward gives them zeros, which AdamW's weight decay would apply; dropped.
-        trained = {
-            id(p)
-            for m in model.modules()
-            if getattr(m, "trains_alone", False)
-            for p in m.alone_parameters()
-        }
-        self._frozen = [p for p in model.parameters() if self._alone and id(p) not in trained]
+        # A module that trains alone (DSA's warm-up) freezes the rest of the model: its
+        # alone_parameters() alone keep gradients (eagerly the others get none, but a
+        # compiled backward gives them zeros, which AdamW's weight decay would apply), and
+        # the other modules' updates after a step (MoE routers' balancing bias) hold still.
+        alone = [m for m in model.modules() if getattr(m, "trains_alone", False)]
+        trained = {id(p) for m in alone for p in m.alone_parameters()}
+        self._alone = bool(alone)
+        self._frozen = [p for p in model.parameters() if id(p) not in trained] if alone else []
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
         self.autocast_dtype = torch.bfloat16 if tc.dtype == "bfloat16" else None
         self.train_model: nn.Module = self.model
