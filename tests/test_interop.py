@@ -92,6 +92,13 @@ def _hf_config(kind: str):
         rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
         rope |= {"original_max_position_embeddings": 64}
         return transformers.LlamaConfig(**{**llama_like, "rope_parameters": rope}, **small)
+    if kind == "llama_yarn":  # YaRN with DeepSeek's mscale pair: cos/sin scaled by their ratio
+        rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}
+        rope |= {"original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.5}
+        return transformers.LlamaConfig(**{**llama_like, "rope_parameters": rope}, **small)
+    if kind == "qwen2_yarn":  # YaRN's defaults: attention factor 0.1 ln(factor) + 1
+        rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 2.0}
+        return transformers.Qwen2Config(**{**llama_like, "rope_parameters": rope}, **small)
     if kind == "llama_linear":
         rope = {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0}
         return transformers.LlamaConfig(**{**llama_like, "rope_parameters": rope}, **small)
@@ -105,7 +112,7 @@ HF_CLASSES = {
     "mistral": "MistralForCausalLM",
 }
 KINDS = ["gpt2", "gpt2_untied", "llama", "llama_bias", "qwen2", "qwen2_tied", "mistral"]
-KINDS += ["llama_rope3", "llama_linear"]
+KINDS += ["llama_rope3", "llama_linear", "llama_yarn", "qwen2_yarn"]
 
 
 def _hf_model(kind: str, seed: int = 0):
@@ -155,6 +162,9 @@ def test_import_config(imported):
             8.0,
             64,
         )
+    if kind.endswith("yarn"):
+        pos = cfg.position
+        assert (pos.rope_scaling, pos.rope_factor) == ("yarn", hf.rope_parameters["factor"])
     if kind == "llama_linear":
         assert (cfg.position.rope_scaling, cfg.position.rope_factor) == ("linear", 3.0)
 
@@ -288,6 +298,16 @@ EXPORTS = {
         ),
     ),
     "qwen2_window": ("qwen2", _with(_llama(qkv_bias=True), **{"attention.sliding_window": 6})),
+    # a layer_pattern of global layers only: no layer has the window (not a Mistral)
+    "llama_global_pattern": (
+        "llama",
+        _with(_llama(), **{"attention.sliding_window": 6, "attention.layer_pattern": "G"}),
+    ),
+    # the pattern's global entry falls past the 2 layers: every layer has the window
+    "mistral_pattern_past_layers": (
+        "mistral",
+        _with(_llama(), **{"attention.sliding_window": 6, "attention.layer_pattern": "LLG"}),
+    ),
 }
 
 
@@ -384,8 +404,8 @@ def test_config_rope_forms():
     v4_linear = config_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert (v4_linear.position.rope_scaling, v4_linear.position.rope_factor) == ("linear", 2.0)
     for scaling in (
-        {"rope_scaling": {"type": "yarn", "factor": 2.0}},
-        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}},
+        {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}},
     ):
         with pytest.raises(HFCheckpointError, match="RoPE scaling"):
             config_from_hf({**base, **scaling})

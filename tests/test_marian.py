@@ -11,7 +11,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attnlab.interop import load_hf, save_hf  # noqa: E402
+from attnlab.interop import HFCheckpointError, load_hf, save_hf  # noqa: E402
+from attnlab.models import build_model  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 V, PAD, EOS = 43, 1, 2
@@ -105,6 +106,23 @@ def test_marian_beam_search_equals_transformers(marian, k, lp):
     for mine, seq in zip(rows, out[:, 1:].tolist()):  # drop the decoder start token
         assert seq[: len(mine)] == mine
         assert all(tok in (EOS, PAD) for tok in seq[len(mine) :])
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"norm.eps": 1e-2}, {"norm.bias": False}, {"ffn.bias": False}],
+    ids=["eps", "norm_bias", "ffn_bias"],
+)
+def test_export_refuses_what_marian_cannot_hold(marian, changes, tmp_path):
+    """transformers' Marian has LayerNorms of torch's default eps (1e-5, no config.json
+    setting) with biases and biased MLPs: a model with another eps is refused, not written
+    with the eps dropped (a folder transformers loads with other logits), and one without
+    those biases is refused by name, not a KeyError."""
+    _, path = marian
+    model = build_model(load_hf(path).cfg.override(changes))
+    with pytest.raises(HFCheckpointError, match="Marian needs"):
+        save_hf(model, tmp_path)
+    assert not (tmp_path / "config.json").exists()
 
 
 def test_untied_marian_has_three_tables(tmp_path):

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from attnlab.config import ConfigError, ModelConfig  # noqa: E402
-from attnlab.interop import load_hf, save_hf  # noqa: E402
+from attnlab.interop import HFCheckpointError, load_hf, save_hf  # noqa: E402
 from attnlab.models import build_model  # noqa: E402
 from attnlab.models.vit import VisionTransformer, ViTConfig  # noqa: E402
 
@@ -87,3 +87,13 @@ def test_vit_config_errors_and_loss():
     torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
     with pytest.raises(ValueError, match="expected images of shape"):
         model(torch.randn(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("changes", [{"norm.bias": False}, {"ffn.bias": False}])
+def test_vit_export_refuses_missing_biases(changes, tmp_path):
+    """transformers' ViT has LayerNorm and MLP biases: a model without them is refused
+    with the reason, not a KeyError halfway through the export."""
+    cfg = ViTConfig(image_size=8, patch_size=4, d_model=16, n_layers=1, n_classes=3)
+    with pytest.raises(HFCheckpointError, match="ViT needs"):
+        save_hf(build_model(cfg.override(changes)), tmp_path)
+    assert not (tmp_path / "config.json").exists()

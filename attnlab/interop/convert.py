@@ -57,7 +57,8 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
     for family in FAMILIES:
         if family.exports(cfg):
             model_type = family.export_type(cfg)
-            if cfg.attention.sliding_window is not None and model_type not in WINDOWED_TYPES:
+            windowed = any(cfg.attention.window_of(i) is not None for i in range(cfg.n_layers))
+            if windowed and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
                     f"windows export as {' or '.join(WINDOWED_TYPES)})"

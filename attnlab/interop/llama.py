@@ -50,7 +50,7 @@ ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu",
 ACTIVATIONS["sigmoid"] = "sigmoid"
 # RoPE frequencies that older transformers versions saved.
 IGNORED = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # --------------------------------------------------------------------------- configs
 
@@ -131,6 +131,12 @@ def exports(cfg: ModelConfig) -> bool:
     return is_plain_decoder(cfg) and cfg.position.kind == "rope"
 
 
+def local_layers(cfg: ModelConfig) -> list[bool]:
+    """Whether each layer attends within attention.sliding_window (its layer_pattern
+    resolved over the model's layers)."""
+    return [cfg.attention.window_of(i) is not None for i in range(cfg.n_layers)]
+
+
 def export_type(cfg: ModelConfig) -> str:
     """``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a sliding
     window and no biases, else ``llama`` (missing biases are written as zeros)."""
@@ -138,12 +144,14 @@ def export_type(cfg: ModelConfig) -> str:
     if cfg.norm.kind != "rmsnorm" or cfg.ffn.kind != "glu":
         raise unrepresentable("RoPE models need RMSNorm and a gated feed-forward (LLaMA family)")
     qwen_biases = att.qkv_bias and not att.out_bias and not cfg.ffn.bias
-    if att.sliding_window is None:
+    # the layers that really have the window: a layer_pattern of only global layers (or
+    # one whose local entries fall past n_layers) leaves some or all of them without it
+    local = local_layers(cfg)
+    if not any(local):
         return "qwen2" if qwen_biases else "llama"
     if qwen_biases:
         return "qwen2"
-    mixed = att.layer_pattern is not None and len(set(att.layer_pattern)) > 1
-    if mixed:
+    if not all(local):
         raise unrepresentable(
             "local and global layers (attention.layer_pattern) export as Qwen2 only: "
             "q/k/v biases and no others"
@@ -181,8 +189,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
     elif model_type == "mistral":
         hf["sliding_window"] = att.sliding_window
     else:  # qwen2: the window on the local layers of attention.layer_pattern (or all)
-        window = att.sliding_window
-        local = [att.window_of(i) is not None for i in range(cfg.n_layers)]
+        local = local_layers(cfg)
+        window = att.sliding_window if any(local) else None
         hf["use_sliding_window"] = window is not None
         hf["sliding_window"] = window
         hf["max_window_layers"] = local.index(True) if any(local) else cfg.n_layers

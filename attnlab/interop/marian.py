@@ -55,6 +55,8 @@ from attnlab.nn.embedding import sinusoidal_table
 
 ARCHITECTURES = {"marian": ("MarianMTModel", "MarianModel")}
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "silu": "swish", "relu": "relu"}
+# transformers' Marian LayerNorms: torch's default eps, which config.json cannot change.
+LAYER_NORM_EPS = 1e-5
 # The fixed sinusoid tables transformers saves; recomputed, never loaded.
 IGNORED = re.compile(r"^model\.(encoder|decoder)\.embed_positions\.weight$")
 
@@ -100,7 +102,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqCon
             activation=activation(hf.get("activation_function", "gelu"), "activation_function"),
             hidden_dim=hf["encoder_ffn_dim"],
         ),
-        norm=NormConfig(kind="layernorm", eps=1e-5, placement="post"),
+        norm=NormConfig(kind="layernorm", eps=LAYER_NORM_EPS, placement="post"),
         tie_embeddings=tie,
         dropout=float(hf.get("dropout", 0.0)),
         init_std=float(hf.get("init_std", 0.02)),
@@ -159,12 +161,15 @@ def export_type(cfg: ModelConfig) -> str:
     ok = (
         cfg.norm.placement == "post"
         and cfg.norm.kind == "layernorm"
+        and cfg.norm.bias
+        and cfg.norm.eps == LAYER_NORM_EPS
         and cfg.position.kind == "sinusoidal"
         and cfg.sinusoid_layout == "split"
         and cfg.final_logits_bias
         and not cfg.final_norm
         and cfg.ffn.kind == "mlp"
         and cfg.ffn.activation in TO_HF_ACTIVATIONS
+        and cfg.ffn.bias
         and cfg.attention.kind == "mha"
         and cfg.attention.kv_heads == cfg.attention.n_heads
         and cfg.head_dim * cfg.n_heads == cfg.d_model
@@ -173,8 +178,9 @@ def export_type(cfg: ModelConfig) -> str:
     )
     if not ok:
         raise unrepresentable(
-            "Marian needs post-norm LayerNorm, split sinusoids, a final logits bias, no "
-            "final norms, an MLP and multi-head attention with biases"
+            f"Marian needs post-norm LayerNorm with bias and eps={LAYER_NORM_EPS} (it has no "
+            "eps setting), split sinusoids, a final logits bias, no final norms, an MLP and "
+            "multi-head attention with biases"
         )
     return "marian"
 

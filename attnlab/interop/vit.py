@@ -109,7 +109,9 @@ def export_type(cfg: ModelConfig) -> str:
     if (
         cfg.norm.placement != "pre"
         or cfg.norm.kind != "layernorm"
+        or not cfg.norm.bias
         or cfg.ffn.kind != "mlp"
+        or not cfg.ffn.bias
         or cfg.ffn.activation not in TO_HF_ACTIVATIONS
         or a.kind != "mha"
         or a.kv_heads != a.n_heads
@@ -117,8 +119,8 @@ def export_type(cfg: ModelConfig) -> str:
         or not a.out_bias
     ):
         raise unrepresentable(
-            "ViT needs pre-norm LayerNorm, an MLP and multi-head attention with head_dim = "
-            "d_model / n_heads and an output bias"
+            "ViT needs pre-norm LayerNorm with bias, an MLP with biases and multi-head "
+            "attention with head_dim = d_model / n_heads and an output bias"
         )
     return "vit"
 
