@@ -121,6 +121,23 @@ def test_rmsnorm_bf16_keeps_dtype():
     torch.testing.assert_close(y.float(), RMSNorm(D)(x), atol=2e-2, rtol=2e-2)
 
 
+def test_rmsnorm_float64_stays_float64():
+    """A float64 model normalises in float64 (an upcast to float32, never a downcast): exact
+    to float64 rounding, and gradcheck holds."""
+    norm = RMSNorm(D).double()
+    _randomise(norm)
+    x = torch.randn(3, D, dtype=torch.float64) * 1e3 + 1.0
+    want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    y = norm(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    xg = torch.randn(2, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(norm, (xg,))
+    # float64 input through float32 weights: still normalised in float64
+    y32 = RMSNorm(D)(x)
+    torch.testing.assert_close(y32, x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6))
+
+
 def test_build_norm():
     ln = build_norm(NormConfig(kind="layernorm", eps=1e-3, bias=False), D)
     assert isinstance(ln, nn.LayerNorm) and ln.eps == 1e-3 and ln.bias is None

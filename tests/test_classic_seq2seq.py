@@ -80,6 +80,19 @@ def test_additive_attention_matches_loop_with_padding():
     torch.testing.assert_close(w1, weights[:, 0])
 
 
+def test_additive_attention_integer_padding_mask_means_keep_or_drop():
+    """A 0/1 integer mask (as the Transformer encoder-decoder takes ``src_mask``) masks the
+    padded keys like the bool one; it is not added to the scores as an additive mask."""
+    attn = AdditiveAttention(query_dim=5, key_dim=7, attention_dim=6)
+    q, k, v = torch.randn(2, 3, 5), torch.randn(2, 6, 7), torch.randn(2, 6, 2)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 2])[:, None]  # (b, s) bool
+    want = attn(q, k, v, mask=mask)
+    for as_int in (mask.long(), mask.int(), mask.to(torch.uint8)):
+        got = attn(q, k, v, mask=as_int)
+        torch.testing.assert_close(got, want)
+        assert bool((got[1][1, :, 2:] == 0).all())
+
+
 def test_additive_attention_query_and_key_sizes_may_differ_and_gradients_flow():
     attn = AdditiveAttention(3, 9, 4)
     q = torch.randn(2, 3, requires_grad=True)

@@ -111,6 +111,23 @@ def test_module_positions_offset_and_per_row(layout):
     torch.testing.assert_close(rows_q[0], full_q[0, :, :6])
 
 
+def test_module_tables_of_1d_positions_are_4d_and_serve_attention():
+    """positions (t,) give tables (1, 1, t, d_h) as (1, t) do: attention modules transpose
+    the heads axis (1) with the length axis (2), which a 3-D table does not have."""
+    from attnlab.config import AttentionConfig
+    from attnlab.nn.attention import MultiHeadAttention
+
+    rope = RotaryEmbedding(D_H)
+    one, row = rope.tables(torch.arange(5)), rope.tables(torch.arange(5)[None])
+    assert one.cos.shape == row.cos.shape == (1, 1, 5, D_H)
+    attn = MultiHeadAttention(2 * D_H, AttentionConfig(n_heads=2), rope=rope).eval()
+    x = torch.randn(3, 5, 2 * D_H)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            attn(x, positions=torch.arange(5)), attn(x, positions=torch.arange(5)[None])
+        )
+
+
 def test_module_reused_between_inference_and_training():
     rope = RotaryEmbedding(D_H)
     q, k = torch.randn(1, 2, 4, D_H), torch.randn(1, 2, 4, D_H)

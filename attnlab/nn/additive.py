@@ -52,7 +52,7 @@ class AdditiveAttention(nn.Module):
         projected_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """query (b, d_q) or (b, t, d_q); keys (b, s, d_k); values (b, s, d_v); mask (b, s)
-        bool, True at real keys (or anything broadcastable to (b, t, s)).
+        bool or 0/1 integers, True (1) at real keys (or anything broadcastable to (b, t, s)).
 
         Returns (context, weights): (b, d_v) and (b, s) for a single query, else
         (b, t, d_v) and (b, t, s). A query with no real key gets zero weights and context.
@@ -64,6 +64,10 @@ class AdditiveAttention(nn.Module):
             projected_keys = self.project_keys(keys)  # (b, s, d_a)
         features = torch.tanh(self.w_q(query)[:, :, None] + projected_keys[:, None])  # (b,t,s,d_a)
         scores = self.w_v(features).squeeze(-1)  # (b, t, s)
+        if mask is not None and not mask.is_floating_point():
+            # 0/1 integers (a padding mask as the Transformer models take it) mean keep/drop:
+            # masked_softmax would add them as an additive mask and attend to the padding
+            mask = mask.bool()
         if mask is not None and mask.dim() == 2:
             mask = mask[:, None, :]  # (b, 1, s): the same source padding for every query
         weights = masked_softmax(scores, mask)  # (b, t, s)

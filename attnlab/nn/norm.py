@@ -9,10 +9,12 @@ from torch import Tensor, nn
 
 from attnlab.config import NormConfig
 
+_FULL = (torch.float32, torch.float64)  # dtypes F.rms_norm runs in as they are
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation (Zhang and Sennrich 2019; LLaMA):
-    ``x / sqrt(mean(x^2) + eps) * weight``, computed in float32."""
+    ``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (float64 inputs in float64)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -21,10 +23,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # F.rms_norm is torch's fused kernel of the formula above (tests compare the two).
-        if x.dtype == torch.float32 == self.weight.dtype:  # one call: decoding runs 17 a token
+        if x.dtype == self.weight.dtype and x.dtype in _FULL:  # one call: decoding runs 17 a token
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in float32 (bf16 sums of squares lose precision), scale in x's dtype.
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        # Normalise in float32 (bf16 sums of squares lose precision), float64 kept (an upcast,
+        # never a downcast), scale in x's dtype.
+        xf = x if x.dtype == torch.float64 else x.float()
+        y = F.rms_norm(xf, (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
 
 

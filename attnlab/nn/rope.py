@@ -103,6 +103,8 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: Tensor) -> RopeTables:
         """positions (b, t) or (t,) -> cos/sin tables (b or 1, 1, t, d_h), float32."""
+        if positions.dim() == 1:  # (t,): one row shared by the batch, (1, 1, t, d_h) tables
+            positions = positions[None]
         inv_freq = self.inv_freq
         if inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: rebuild exactly
             inv_freq = self._inv_freq(device=inv_freq.device)
