@@ -246,3 +246,44 @@ def test_eager_attention_keeps_float64():
     out = attend(q, k, v, causal=True, backend="eager")
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+_FLOAT64_KINDS = {
+    "gqa-rope": dict(n_heads=4, n_kv_heads=2, head_dim=4),
+    "sink-logits": dict(n_heads=2, head_dim=4, sink_logits=True),
+    "linear": dict(kind="linear", n_heads=2, head_dim=4),
+    "mla-naive": dict(kind="mla", n_heads=2, kv_lora_rank=6, qk_nope_head_dim=3,
+                      qk_rope_head_dim=4, v_head_dim=5, mla_path="naive"),
+    "mla-absorbed": dict(kind="mla", n_heads=2, q_lora_rank=8, kv_lora_rank=6,
+                         qk_nope_head_dim=3, qk_rope_head_dim=4, v_head_dim=5,
+                         mla_path="absorbed"),
+    "dsa": dict(kind="dsa", n_heads=2, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=3,
+                qk_rope_head_dim=4, v_head_dim=5, index_topk=2, index_n_heads=2,
+                index_head_dim=4),
+    "nsa": dict(kind="nsa", n_heads=4, n_kv_heads=2, head_dim=4, nsa_block_len=2, nsa_stride=2,
+                nsa_select_len=2, nsa_n_select=3, nsa_window=2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_FLOAT64_KINDS))
+def test_float64_attention_passes_gradcheck(name):
+    """A float64 module computes in float64 throughout: RoPE's rotation, the latent's
+    RMSNorm and the sink rescaling rounded to float32 before, so
+    finite differences (and any float64 reference) disagreed by 1e-3 relative."""
+    from attnlab.config import ModelConfig
+    from attnlab.models import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_dict(
+        dict(vocab_size=11, max_seq_len=8, d_model=10, n_layers=1,
+             attention=_FLOAT64_KINDS[name], position=dict(kind="rope"))
+    )  # fmt: skip
+    model = build_model(cfg).double()
+    attn = model.blocks[0].attn
+    positions = torch.arange(4)[None].expand(2, 4)
+    tables = model.rope.tables(positions)
+    x = torch.randn(2, 4, cfg.d_model, dtype=torch.float64, requires_grad=True)
+    assert attn(x, positions=positions, rope=tables).dtype == torch.float64
+    assert torch.autograd.gradcheck(
+        lambda x: attn(x, positions=positions, rope=tables), (x,), eps=1e-6, atol=1e-7
+    )

@@ -249,3 +249,40 @@ def test_qa_loss_of_an_example_does_not_depend_on_its_padding():
     loss = model(padded, attention_mask=mask, targets=targets).loss
     torch.testing.assert_close(loss, alone)
     assert model(padded, targets=targets).loss > alone  # unmasked, the pads take mass
+
+
+@pytest.mark.parametrize(
+    "window_kw",
+    [
+        dict(sliding_window=4),
+        dict(sliding_window=4, sink_logits=True),
+        dict(sliding_window=5, sink_tokens=1),
+    ],
+)
+@torch.no_grad()
+def test_bidirectional_window_sees_both_sides(window_kw):
+    """An encoder's windowed layer attends within window - 1 positions on either side (as
+    global_window_mask(causal=False) defines, and as its global tokens do). With sinks or a
+    sink logit it silently became causal once the sequence outgrew the window; a plain
+    window raised."""
+    from attnlab.config import AttentionConfig
+    from attnlab.functional.masks import global_window_mask
+    from attnlab.nn.attention import MultiHeadAttention
+
+    torch.manual_seed(0)
+    cfg = AttentionConfig(n_heads=2, head_dim=4, **window_kw)
+    attn = MultiHeadAttention(10, cfg, causal=False).eval()
+    ref_cfg = AttentionConfig(n_heads=2, head_dim=4, sink_logits=cfg.sink_logits)
+    ref = MultiHeadAttention(10, ref_cfg, causal=False).eval()
+    ref.load_state_dict(attn.state_dict())
+    if cfg.sink_logits:
+        attn.sink_logit.normal_()
+        ref.sink_logit.copy_(attn.sink_logit)
+    t, sinks = 11, cfg.sink_tokens
+    x = torch.randn(2, t, 10)
+    mask = global_window_mask(t, t, cfg.sliding_window - sinks, sinks, causal=False)
+    torch.testing.assert_close(attn(x), ref(x, mask=mask))
+    # the key right after a query (inside its window) reaches it
+    y = x.clone()
+    y[:, 1] += 1.0
+    assert (attn(y)[:, 0] - attn(x)[:, 0]).abs().max() > 1e-4

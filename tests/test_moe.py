@@ -264,3 +264,19 @@ def test_router_runs_in_float32_under_autocast():
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("router", ["deepseek-v3", "deepseek-v2"])
+def test_float64_router_weights_are_not_rounded_to_float32(router):
+    """Routing runs in float32 at least: a float64 model keeps float64 weights (they were
+    rounded to float32, so a float64 MoE failed gradcheck)."""
+    torch.manual_seed(0)
+    moe = _moe(router=router, n_routed_experts=4, n_activated_experts=2).double()
+    x = torch.randn(5, D, dtype=torch.float64)
+    weights, _, scores = moe.gate(x)
+    assert weights.dtype == scores.dtype == torch.float64
+    logits = x @ moe.gate.weight.T
+    expected = logits.sigmoid() if router == "deepseek-v3" else logits.softmax(-1)
+    torch.testing.assert_close(scores, expected, rtol=1e-13, atol=1e-13)
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: moe(x[None])[0], (x,), eps=1e-6, atol=1e-7)

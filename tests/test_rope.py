@@ -10,7 +10,13 @@ import pytest
 import torch
 from oracle import rope_complex_interleaved
 
-from attnlab.functional.rope import apply_rope, interleaved_to_split, rope_angles, rope_inv_freq
+from attnlab.functional.rope import (
+    apply_rope,
+    interleaved_to_split,
+    rope_angles,
+    rope_inv_freq,
+    rope_tables,
+)
 from attnlab.nn.rope import RotaryEmbedding
 
 D_H = 16
@@ -156,6 +162,24 @@ def test_bf16_input_uses_float32_angles(layout):
     assert (bad - ref).abs().max() > 0.1
     # rope_angles always returns float32, even from a bf16 frequency table.
     assert rope_angles(pos, rope_inv_freq(D_H).bfloat16())[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_float64_input_is_rotated_in_float64(layout):
+    """The rotation raises half precision to float32 but keeps float64 (it rounded float64
+    queries and keys to float32, so a float64 attention failed gradcheck)."""
+    x = torch.randn(2, 3, 5, D_H, dtype=torch.float64)
+    cos, sin = rope_angles(torch.arange(5), rope_inv_freq(D_H))  # float32 tables
+    out = apply_rope(x, cos, sin, layout)
+    assert out.dtype == torch.float64
+    c, s = (t.double() for t in rope_tables(cos, sin, layout))
+    if layout == "split":
+        swapped = x.roll(D_H // 2, dims=-1)
+    else:
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    torch.testing.assert_close(out, x * c + swapped * s, rtol=1e-14, atol=1e-14)
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: apply_rope(x, cos, sin, layout), (x,))
 
 
 @pytest.mark.parametrize("layout", ["split", "interleaved"])

@@ -128,10 +128,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "split") -> Te
 
     ``cos``/``sin`` broadcast to x: half width (..., t, d_h/2) as :func:`rope_angles` returns
     them, or full width (..., t, d_h) from :func:`rope_tables` (computed once per forward
-    pass and shared by every layer). The rotation runs in float32 and casts back."""
+    pass and shared by every layer). The rotation runs in float32 (float64 inputs in
+    float64) and casts back."""
     if cos.shape[-1] != x.shape[-1]:
         cos, sin = rope_tables(cos, sin, layout)
-    xf = x if x.dtype == torch.float32 else x.float()  # (no extra op per call in float32)
+    # at least float32: half precision is raised, float64 kept (x.float() would round it)
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
     if layout == "split":  # pairs (i, i + d/2): swap the halves
         half = x.shape[-1] // 2
         if torch.compiler.is_compiling():

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from attnlab.functional.masks import causal_mask
+from attnlab.functional.softmax import softmax_dtype
 
 
 def sink_rescale(
@@ -32,7 +33,7 @@ def sink_rescale(
     h, t, d_h = q.shape[1], q.shape[2], q.shape[3]
     s = k.shape[2]
     k = k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k
-    scores = (q @ k.transpose(-1, -2)).float() * (d_h**-0.5 if scale is None else scale)
+    scores = softmax_dtype(q @ k.transpose(-1, -2)) * (d_h**-0.5 if scale is None else scale)
     if mask is not None:
         scores = (
             scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
@@ -40,5 +41,5 @@ def sink_rescale(
     if causal and t > 1:
         scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
     lse = scores.logsumexp(-1, keepdim=True)  # (b, h, t, 1); -inf for rows with no key
-    share = torch.sigmoid(lse - sink.float()[:, None, None])  # (b, h, t, 1)
+    share = torch.sigmoid(lse - sink.to(lse.dtype)[:, None, None])  # (b, h, t, 1)
     return y * share.to(y.dtype)

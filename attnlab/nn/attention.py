@@ -146,11 +146,15 @@ class MultiHeadAttention(nn.Module):
             elif self.global_tokens and k.shape[-2] > self.window:
                 mask, causal = combine_masks(mask, self._global_mask(positions, t, x.device)), False
             elif self.window is not None and k.shape[-2] > self.window:
-                if self.sink_logit is None:  # attend's window: flash skips the blocks outside
-                    window = self.window
-                else:  # the sink rescaling needs the window as a mask
-                    s = k.shape[-2]
-                    win = sliding_window_mask(t, s, self.window, device=x.device)
+                if self.sink_logit is None and self.causal:  # attend's window: flash skips
+                    window = self.window  # the blocks outside
+                else:  # the sink rescaling needs the window as a mask; bidirectional
+                    s = k.shape[-2]  # (an encoder's): within window - 1 on either side
+                    win = (
+                        sliding_window_mask(t, s, self.window, device=x.device)
+                        if self.causal
+                        else global_window_mask(t, s, self.window, 0, causal=False, device=x.device)
+                    )
                     mask, causal = combine_masks(mask, win), False
         if doc_ids is not None and self.sink_logit is not None:  # the rescaling needs a mask
             mask, doc_ids = combine_masks(mask, document_mask(doc_ids)), None
@@ -177,7 +181,8 @@ class MultiHeadAttention(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=device)[None, :]  # (1, t)
         is_sink = positions < self.sinks  # (b or 1, t)
-        return global_window_mask(t, t, self.window - self.sinks, is_sink, causal=True)
+        # a bidirectional layer (an encoder's) keeps its window on both sides of the query
+        return global_window_mask(t, t, self.window - self.sinks, is_sink, causal=self.causal)
 
     def _global_mask(self, positions: Tensor | None, t: int, device: torch.device) -> Tensor:
         """(b or 1, 1, t, t): the local window plus ``global_tokens``, picked by the tokens'

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import FFNConfig
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.nn.feedforward import ACTIVATIONS, GatedFFN
 
 
@@ -72,11 +73,13 @@ class Router(nn.Module):
         return keep[:, :, None].expand_as(grouped).reshape(N, -1)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (N, d) -> weights (N, k) float32, experts (N, k), scores (N, E) float32."""
+        """x (N, d) -> weights (N, k), experts (N, k), scores (N, E); float32 (float64 in a
+        float64 model)."""
         # Routing in float32, under autocast too (which would run this product in bf16: near
         # ties, e.g. sigmoid scores about 0.5, would then pick other experts).
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())  # (N, E)
+            x = softmax_dtype(x)  # float32 at least (float64 kept)
+            logits = F.linear(x, self.weight.to(x.dtype))  # (N, E)
         if self.kind == "deepseek-v3":
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias  # the bias chooses, never weighs
