@@ -669,3 +669,47 @@ def test_compiled_generate_equals_eager_for_every_attention_kind(monkeypatch, na
     model = build_model(get_preset(name).override({**override, "init_std": 0.2})).eval()
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,)).tolist() for n in (6, 3)]
     assert model.generate(prompts, 9, compile=True) == model.generate(prompts, 9)
+
+
+@pytest.mark.parametrize(
+    "preset", ["llama-tiny", "xl-tiny", "deepseek-v32-tiny", "transformer-numbers", "vit-digits"]
+)
+def test_float64_model_loss_stays_float64(preset):
+    """A float64 model's loss (and DSA's indexer target) is computed in float64: an upcast
+    for half precision, never a rounding of float64 to float32."""
+    from attnlab.presets import get_run_preset
+
+    torch.manual_seed(0)
+    run = preset in ("transformer-numbers", "vit-digits")
+    cfg = get_run_preset(preset).model if run else get_preset(preset)
+    model = build_model(cfg).double()
+    if preset == "vit-digits":
+        targets = torch.tensor([3, 7])
+        out = model(torch.rand(2, 1, 8, 8, dtype=torch.float64), targets=targets)
+    else:
+        targets = torch.randint(0, cfg.vocab_size, (2, 9))
+        args = (targets, targets) if preset == "transformer-numbers" else (targets,)
+        out = model(*args, targets=targets)
+    assert out.loss.dtype == torch.float64
+    ref = torch.nn.functional.cross_entropy(out.logits.flatten(0, -2), targets.flatten())
+    smoothing = getattr(cfg, "label_smoothing", 0.0)
+    if not smoothing:
+        assert abs(out.loss.item() - ref.item()) < 1e-12
+
+
+@pytest.mark.parametrize("head", ["mlm", "classification", "regression", "token", "qa"])
+def test_float64_encoder_head_losses_stay_float64(head):
+    from attnlab.models import encoder
+
+    logits = torch.randn(2, 5, 3, dtype=torch.float64)
+    if head == "mlm":
+        loss = encoder.MaskedLMHead.loss(logits, torch.randint(0, 3, (2, 5)))
+    elif head == "classification":
+        loss = encoder.SequenceClassificationHead.loss(logits[:, 0], torch.tensor([0, 2]))
+    elif head == "regression":
+        loss = encoder.SequenceClassificationHead.loss(logits[:, 0, :1], torch.rand(2))
+    elif head == "token":
+        loss = encoder.TokenClassificationHead.loss(logits, torch.randint(0, 3, (2, 5)))
+    else:
+        loss = encoder.QuestionAnsweringHead.loss(logits[..., :2], torch.tensor([[1, 2], [0, 4]]))
+    assert loss.dtype == torch.float64

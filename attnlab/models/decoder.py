@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from attnlab.cache import Cache, CacheError
 from attnlab.config import ModelConfig
 from attnlab.functional.masks import document_positions, padding_mask, positions_from_padding
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.outputs import (
     LMOutput,
     aux_modules,
@@ -205,7 +206,7 @@ class DecoderLM(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
+                softmax_dtype(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100
             )
         alone = self._trains_alone and self.training
         aux_loss, metrics = collect_aux(self._aux, alone=alone) if self._aux else (None, {})

@@ -28,6 +28,7 @@ from attnlab.config import (
     register_model_config,
 )
 from attnlab.functional.masks import padding_mask
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.outputs import ModelOutput
 from attnlab.nn.block import TransformerStack
@@ -111,7 +112,10 @@ class MaskedLMHead(nn.Module):
         with no masked position (a short one can draw none) has loss 0: no gradient, where
         the mean over nothing would be NaN."""
         total = F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+            softmax_dtype(logits.flatten(0, 1)),
+            targets.flatten(),
+            ignore_index=-100,
+            reduction="sum",
         )
         return total / (targets != -100).sum().clamp(min=1)  # (no host read)
 
@@ -135,8 +139,9 @@ class SequenceClassificationHead(nn.Module):
     def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """targets (b,) class ids; with one label, (b,) real values (mean squared error)."""
         if logits.shape[-1] == 1:
-            return F.mse_loss(logits.squeeze(-1).float(), targets.float())
-        return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+            prediction = softmax_dtype(logits.squeeze(-1))
+            return F.mse_loss(prediction, targets.to(prediction.dtype))
+        return F.cross_entropy(softmax_dtype(logits), targets, ignore_index=-100)
 
 
 class TokenClassificationHead(nn.Module):
@@ -152,7 +157,9 @@ class TokenClassificationHead(nn.Module):
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """targets (b, t) label ids, -100 for ignored tokens (padding, sub-words)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return F.cross_entropy(
+            softmax_dtype(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100
+        )
 
 
 def mask_padding(logits: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -160,7 +167,7 @@ def mask_padding(logits: Tensor, attention_mask: Tensor | None) -> Tensor:
     if attention_mask is None:
         return logits
     pad = ~attention_mask.bool().view(*attention_mask.shape, *([1] * (logits.dim() - 2)))
-    return logits.float().masked_fill(pad, float("-inf"))
+    return softmax_dtype(logits).masked_fill(pad, float("-inf"))
 
 
 class QuestionAnsweringHead(nn.Module):
@@ -182,8 +189,8 @@ class QuestionAnsweringHead(nn.Module):
         t = logits.shape[1]
         targets = targets.clamp(0, t)  # t: ignored
         logits = mask_padding(logits, attention_mask)
-        start = F.cross_entropy(logits[..., 0].float(), targets[:, 0], ignore_index=t)
-        end = F.cross_entropy(logits[..., 1].float(), targets[:, 1], ignore_index=t)
+        start = F.cross_entropy(softmax_dtype(logits[..., 0]), targets[:, 0], ignore_index=t)
+        end = F.cross_entropy(softmax_dtype(logits[..., 1]), targets[:, 1], ignore_index=t)
         return (start + end) / 2
 
 

@@ -32,6 +32,7 @@ from attnlab.config import (
     register_model_config,
 )
 from attnlab.functional.masks import padding_mask
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.outputs import ModelOutput
 from attnlab.nn.block import TransformerStack
@@ -227,7 +228,7 @@ class Seq2SeqModel(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
-                logits.flatten(0, 1).float(),
+                softmax_dtype(logits.flatten(0, 1)),
                 targets.flatten(),
                 ignore_index=-100,
                 label_smoothing=self.cfg.label_smoothing,

@@ -25,6 +25,7 @@ from attnlab.config import (
     _positive,
     register_model_config,
 )
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.outputs import ModelOutput
 from attnlab.nn.block import TransformerStack
@@ -132,7 +133,7 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: Tensor, *, targets: Tensor | None = None) -> ModelOutput:
         logits = self.head(self.features(images)[:, 0])  # (b, n)
-        loss = F.cross_entropy(logits.float(), targets) if targets is not None else None
+        loss = F.cross_entropy(softmax_dtype(logits), targets) if targets is not None else None
         return ModelOutput(logits, loss)
 
     def num_parameters(self) -> int:

@@ -29,6 +29,7 @@ from attnlab.config import (
     _positive,
     register_model_config,
 )
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.outputs import ModelOutput, init_residual_projections
 from attnlab.nn.feedforward import build_ffn
@@ -161,7 +162,7 @@ class TransformerXL(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
+                softmax_dtype(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100
             )
         return XLOutput(logits, loss, memory=new_memory)
 

@@ -49,7 +49,7 @@ from attnlab.functional.selection import (
     selection_mask,
     topk_select,
 )
-from attnlab.functional.softmax import masked_softmax
+from attnlab.functional.softmax import masked_softmax, softmax_dtype
 from attnlab.nn.linear import Linear
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.registry import register_attention
@@ -163,7 +163,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         rows = torch.arange(keys.shape[0], device=keys.device)[:, None, None]
         picked = keys[rows, indices]  # (b, t, k, d_c + d_r): only these are read
         scores = torch.einsum("bhtc,btkc->bhtk", q, picked) * self.scale
-        weights = masked_softmax(scores.float(), valid[:, None]).to(q.dtype)  # (b, h, t, k)
+        weights = masked_softmax(softmax_dtype(scores), valid[:, None]).to(q.dtype)  # (b, h, t, k)
         if self.training and self.attn_dropout > 0:
             weights = F.dropout(weights, p=self.attn_dropout)
         o_latent = torch.einsum("bhtk,btkc->bhtc", weights, picked[..., : self.kv_lora_rank])
@@ -175,7 +175,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         with torch.no_grad():
             w_uk, _ = self._up_weights()
             q = torch.cat((torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_rope), dim=-1)
-            scores = torch.einsum("bhtc,bsc->bhts", q, latent[:, 0]).float() * self.scale
+            scores = softmax_dtype(torch.einsum("bhtc,bsc->bhts", q, latent[:, 0])) * self.scale
             p = masked_softmax(scores, allowed[:, None]).sum(1)  # (b, t, s)
             return p / p.sum(-1, keepdim=True).clamp(min=1e-20)
 
@@ -332,7 +332,7 @@ class NativeSparseAttention(nn.Module):
         v_c = self.compress_v(v[:, :, win])
         ok = allowed[..., win[:, -1]]  # (b, t, n_c): a block is complete when its last key is
         qg = q.view(b, h_kv, h // h_kv, t, d_h)  # (b, h_kv, g, t, d_h)
-        scores = torch.einsum("bkgtd,bknd->bkgtn", qg, k_c).float() * self.scale
+        scores = softmax_dtype(torch.einsum("bkgtd,bknd->bkgtn", qg, k_c)) * self.scale
         p = masked_softmax(scores, ok[:, None, None]).to(q.dtype)  # zero rows: no block yet
         o = torch.einsum("bkgtn,bknd->bkgtd", p, v_c)
         return o.reshape(b, h, t, d_h), p
@@ -345,7 +345,7 @@ class NativeSparseAttention(nn.Module):
         b, t, s = allowed.shape
         n_sel = -(-s // self.select_len)
         imp = selection_importance(
-            p_cmp.float().sum(2), n_sel, self.block_len, self.stride, self.select_len
+            softmax_dtype(p_cmp).sum(2), n_sel, self.block_len, self.stride, self.select_len
         )  # (b, h_kv, t, n_s)
         block = torch.arange(n_sel, device=allowed.device)
         opened = allowed[..., block * self.select_len]  # (b, t, n_s): has a key to read

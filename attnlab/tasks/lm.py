@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import ConfigError, _Config
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
 
 if TYPE_CHECKING:
@@ -329,7 +330,7 @@ class LanguageModelling(Task):
         for x, y, *docs in self.eval_batches(batch_size, max_batches, rank, world_size, device):
             logits = model(x, **({"doc_ids": docs[0]} if docs else {})).logits  # (b, t, V)
             losses = F.cross_entropy(
-                logits.float().flatten(0, 1), y.flatten(), reduction="none"
+                softmax_dtype(logits).flatten(0, 1), y.flatten(), reduction="none"
             ).view(y.shape)  # (b, t); ignored targets give 0
             scored = (y != IGNORE_INDEX).sum(dim=1)  # (b,)
             per_block = losses.sum(dim=1) / scored.clamp(min=1)  # (b,)
