@@ -51,6 +51,9 @@ class XLConfig(ModelConfig):
         super().validate(path)
         at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
         _positive(at("mem_len"), self.mem_len)
+        if self.d_model % 2:
+            _fail(at("d_model"), f"the relative encodings pair sines with cosines; give an even "
+                  f"width, got {self.d_model}")  # fmt: skip
         if self.position.kind != "none":
             _fail(
                 at("position.kind"),
