@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from attnlab.functional.masks import padding_mask, positions_from_padding, sliding_window_mask
+from attnlab.functional.softmax import compute_dtype, softmax_dtype
 
 
 class CacheError(ValueError):
@@ -367,7 +368,7 @@ class SinkKV(LayerCache):
             * scale
         )  # (b, h, t, n_s + r + t)
         mask = torch.cat((sink_mask.expand(b, 1, t, n_s), rec_mask), -1)
-        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1)
+        probs = softmax_dtype(scores).masked_fill(~mask, float("-inf")).softmax(-1)
         probs = probs.nan_to_num(0.0).to(q.dtype)  # rows with no key: zeros
         y = probs @ torch.cat((rep(self.sink_v), rep(rv)), 2)  # (b, h, t, d_h)
         # 4. Keep the last min(t, r) new tokens in the ring (arrival order, as RollingKV).
@@ -395,7 +396,9 @@ class LinearState(LayerCache):
 
     def reset(self) -> None:
         b, (h_kv, d_h, d_v) = self.cache.batch, self._shapes
-        kw = dict(dtype=self.cache.dtype, device=self.cache.device)
+        # Sums over every token so far: float32 in a half-precision cache (bf16's z stops
+        # growing after a few thousand tokens), float64 kept
+        kw = dict(dtype=compute_dtype(self.cache.dtype), device=self.cache.device)
         self.S = torch.zeros(b, h_kv, d_h, d_v, **kw)
         self.z = torch.zeros(b, h_kv, d_h, **kw)
 

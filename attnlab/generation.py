@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.nn.linear import set_layout
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def sample_next(
     (ties at the k-th logit go to the lowest index, as argmax's: top_k=1 is greedy)."""
     if temperature < GREEDY_BELOW_TEMPERATURE:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = softmax_dtype(logits) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         # exactly k per row: those above the k-th logit, then the lowest-index ties with it
         # (topk's own order among ties is unspecified)
@@ -726,7 +727,7 @@ def beam_search_core(
     for step in range(max_new_tokens):
         beams = scores.shape[1]
         last = step == max_new_tokens - 1
-        logp = block_tokens(torch.log_softmax(logits.float(), dim=-1), blocked_ids)
+        logp = block_tokens(torch.log_softmax(softmax_dtype(logits), dim=-1), blocked_ids)
         forced = list(forced_last_ids) if last else []
         logp = force_tokens(logp, forced)
         if renormalize and (blocked_ids or forced):

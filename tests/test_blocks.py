@@ -157,6 +157,26 @@ def test_sinusoidal_table_matches_loop():
     torch.testing.assert_close(emb(pos), sinusoid_table(13, 8).float()[pos])
 
 
+def test_sinusoidal_positions_of_a_float64_model_are_float64():
+    """A float64 model adds float64 sinusoids (they were float32 values, off by ~1e-7 from
+    the float64 loop), in the decoder as in the table function."""
+    expected = sinusoid_table(3000, 8)
+    got = sinusoidal_table(torch.arange(3000), 8, torch.float64)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    model = build_model(
+        ModelConfig(d_model=8, n_layers=1, attention=AttentionConfig(n_heads=2),
+                    position=PositionConfig(kind="sinusoidal"))
+    ).double()  # fmt: skip
+    idx = torch.tensor([[1, 2, 3]])
+    seen = {}
+    model.blocks.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    model(idx)
+    torch.testing.assert_close(
+        seen["x"][0], model.tok_emb.weight[idx[0]] + expected[:3], rtol=1e-12, atol=1e-12
+    )
+
+
 def test_learned_positional_embedding_is_one_hot_times_table_and_trains_used_rows():
     emb = LearnedPositionalEmbedding(10, D)
     pos = torch.tensor([[0, 4, 9], [4, 4, 1]])

@@ -265,3 +265,26 @@ def test_left_padding_matches_unpadded_rows(position, backend):
     alone_long = model(torch.cat((long, new[1]))[None]).logits[0, -3:]
     torch.testing.assert_close(steps[0], alone_short, **TOL)
     torch.testing.assert_close(steps[1], alone_long, **TOL)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "deepseek-tiny"])
+def test_cache_of_another_dtype_is_refused_by_name(name):
+    """A cache in another dtype than the model's failed deep inside attention ("Expected
+    query, key, and value to have the same dtype"), and a float64 linear-attention model
+    rounded its state to a float32 cache's; under autocast any dtype decodes."""
+    from attnlab.cache import CacheError
+
+    model = build_model(get_preset(name)).eval()
+    idx = torch.randint(0, 256, (2, 6))
+    with torch.no_grad():
+        for dtype in (torch.bfloat16, torch.float64):
+            with pytest.raises(CacheError, match="model computes in torch.float32"):
+                model(idx, cache=model.new_cache(2, 16, dtype=dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(idx, cache=model.new_cache(2, 16, dtype=torch.bfloat16))
+        assert torch.isfinite(out.logits).all()
+        linear = build_model(
+            get_preset("llama-tiny").override({"attention.kind": "linear"})
+        ).double()
+        with pytest.raises(CacheError, match="holds torch.float32"):
+            linear(idx, cache=linear.new_cache(2, 16, dtype=torch.float32))

@@ -306,3 +306,10 @@ def test_top_k_ties_go_to_the_lowest_index_so_top_k_1_is_greedy():
         assert sample_next(logits, temperature=1.0, top_k=1, generator=g).tolist() == [0, 0, 0]
         two = sample_next(logits, temperature=1.0, top_k=2, generator=g)
         assert set(two.tolist()) <= {0, 1}
+
+
+def test_sampling_keeps_float64_logits():
+    """A float64 model samples from float64 logits (they were rounded to float32, where
+    1 and 1 + 1e-12 tie and top_k=1 took the first)."""
+    logits = torch.tensor([[1.0, 1.0 + 1e-12, -3.0]], dtype=torch.float64)
+    assert sample_next(logits, temperature=1.0, top_k=1).tolist() == [1]

@@ -186,3 +186,34 @@ def test_trains_from_the_cli(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"]["attention"]["kind"] == "linear"
     assert losses and losses[-1] < losses[0]
+
+
+def test_half_precision_state_is_kept_in_float32():
+    """The recurrent state sums every token so far: in bf16, z stopped growing after a few
+    thousand tokens (2048 one-token steps left it at 1048 of 2395) and the outputs of
+    the last steps were off by 117%. Kept in float32, decoding one token at a time equals
+    the chunked pass to bf16 accuracy."""
+    torch.manual_seed(0)
+    b, h, T, d = 1, 1, 2048, 8
+    q, k = (elu_feature_map(torch.randn(b, h, T, d)) for _ in range(2))
+    v = torch.randn(b, h, T, d)
+    want, (_, z_want) = causal_linear_attention(q, k, v, q, k)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    state, ys = None, []
+    for i in range(T):
+        s = slice(i, i + 1)
+        y, state = causal_linear_attention(
+            qb[:, :, s], kb[:, :, s], vb[:, :, s], qb[:, :, s], kb[:, :, s], state
+        )
+        ys.append(y)
+    got = torch.cat(ys, 2)
+    assert got.dtype == torch.bfloat16 and state[0].dtype == state[1].dtype == torch.float32
+    last = slice(T - 256, T)
+    err = (got[:, :, last].float() - want[:, :, last]).norm() / want[:, :, last].norm()
+    assert err < 0.01, err
+    torch.testing.assert_close(state[1], z_want, rtol=1e-3, atol=0)
+    model = DecoderLM(
+        ModelConfig(d_model=16, n_layers=1, attention=AttentionConfig(kind="linear", n_heads=2))
+    )
+    cache = model.to(torch.bfloat16).new_cache(1, 8)
+    assert cache.layers[0].z.dtype == torch.float32

@@ -280,3 +280,16 @@ def test_float64_router_weights_are_not_rounded_to_float32(router):
     torch.testing.assert_close(scores, expected, rtol=1e-13, atol=1e-13)
     x.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: moe(x[None])[0], (x,), eps=1e-6, atol=1e-7)
+
+
+def test_moe_runs_under_bf16_autocast():
+    """The trainer's train.dtype=bfloat16: the experts' bf16 products were added into a
+    float32 buffer (index_add_ refused: every MoE model failed to train in bf16)."""
+    model = build_model(get_preset("deepseek-moe-tiny"))
+    idx = torch.randint(0, 256, (2, 16))
+    ref = model(idx, targets=idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(idx, targets=idx)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0.02)

@@ -244,3 +244,28 @@ def test_yarn_with_theta_at_most_one_is_a_config_error(theta):
     pos = PositionConfig(kind="rope", rope_theta=theta, rope_scaling="yarn", rope_factor=4.0)
     with pytest.raises(ConfigError, match=r"position\.rope_theta: must be > 1 with yarn"):
         pos.validate()
+
+
+def test_float64_rope_stays_float64():
+    """A float64 model rotates in float64: the angles of ``model.double()``'s RoPE are
+    exact to float64 rounding (they were float32 tables, and apply_rope rounded q and k to
+    float32: gradcheck of a float64 model failed), and the rotation's gradient checks."""
+    rope = RotaryEmbedding(D_H, theta=500.0, scaling=dict(kind="yarn", factor=4.0)).double()
+    positions = torch.tensor([[0, 1, 1000, 123457]])
+    tables = rope.tables(positions)
+    assert tables.cos.dtype == torch.float64
+    assert rope_inv_freq(D_H, 500.0, dtype=torch.float64).dtype == torch.float64
+    angles = positions[0, :, None].double() * rope._inv_freq(dtype=torch.float64)  # (t, d/2)
+    half = D_H // 2
+    want = angles.cos() * rope.attention_factor
+    torch.testing.assert_close(tables.cos[0, 0, :, :half], want, rtol=1e-12, atol=1e-12)
+    x = torch.randn(1, 2, 4, D_H, dtype=torch.float64) * 1e3 + 1.0
+    y = tables.rotate(x)
+    assert y.dtype == torch.float64
+    c, s = tables.cos, tables.sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    torch.testing.assert_close(y, x * c + swapped * s, rtol=1e-12, atol=1e-9)
+    xg = torch.randn(1, 2, 4, D_H, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(tables.rotate, (xg,))
+    # float32 models keep float32 tables
+    assert RotaryEmbedding(D_H).tables(positions).cos.dtype == torch.float32

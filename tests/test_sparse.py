@@ -617,3 +617,18 @@ def test_compiled_warmup_leaves_the_frozen_weights_untouched(tmp_path, monkeypat
     initial = build_model(load_checkpoint(result.out_dir).config.model).state_dict()
     moved = {n for n, w in initial.items() if not torch.equal(w, trained[n])}
     assert moved and all(".indexer." in n for n in moved), sorted(moved)
+
+
+def test_index_scores_of_float64_inputs_are_float64():
+    """DSA's indexer scores a float64 model's queries in float64 (it rounded them to
+    float32); half precision still scores in float32."""
+    from attnlab.functional.selection import index_scores
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 3, 2, 4, dtype=torch.float64), torch.randn(1, 5, 4, dtype=torch.float64)
+    w = torch.randn(1, 3, 2, dtype=torch.float64)
+    got = index_scores(q, k, w, 0.5)
+    want = torch.einsum("btj,btjs->bts", w, (torch.einsum("btjd,bsd->btjs", q, k) * 0.5).relu())
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-15)
+    assert index_scores(q.bfloat16(), k.bfloat16(), w.float(), 0.5).dtype == torch.float32

@@ -201,3 +201,22 @@ def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatc
     gen = ["generate", "--ckpt", str(tmp_path / "run"), "--prompt", "def f"]
     assert main([*gen, "--max-new-tokens", "40"]) == 0  # past max_seq_len (32): the memory
     assert capsys.readouterr().out.startswith("def f")
+
+
+def test_float64_xl_computes_in_float64():
+    """model.double(): float64 relative sinusoids (they were float32 values) and a float64
+    loss (it was rounded to float32, and its gradient with it)."""
+    import math
+
+    got = relative_sinusoids(torch.tensor([0, 1, 2000]), 8, torch.float64)
+    assert got.dtype == torch.float64
+    w = [10000 ** (-2 * k / 8) for k in range(4)]
+    want = [[math.sin(p * x) for x in w] + [math.cos(p * x) for x in w] for p in (0, 1, 2000)]
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.manual_seed(0)
+    model = build_model(get_preset("xl-tiny")).double()
+    idx = torch.randint(0, 256, (2, 8))
+    out = model(idx, targets=idx)
+    assert out.loss.dtype == torch.float64
+    want = F.cross_entropy(out.logits.flatten(0, 1), idx.flatten())
+    torch.testing.assert_close(out.loss, want, rtol=1e-14, atol=0)

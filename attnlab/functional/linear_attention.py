@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab.functional.softmax import compute_dtype
+
 EPS = 1e-6  # added to the normaliser (as the paper's code): rows with no key give 0, not NaN
 
 
@@ -53,15 +55,21 @@ def causal_linear_attention(
     k_num, k_den (b, h_kv, t, d_h), v (b, h_kv, t, d_v): key features and values, already
     zero at padded positions (so they add nothing to the state). ``state`` (S, z):
     S (b, h_kv, d_h, d_v), z (b, h_kv, d_h) of the tokens before (None: zeros).
-    Returns y (b, h, t, d_v) and the state after the t tokens."""
+    Returns y (b, h, t, d_v) and the state after the t tokens.
+
+    The state is a sum over every token so far, kept in float32 for half-precision inputs
+    (float64 kept): in bf16, z of a few thousand tokens stops growing (its spacing there,
+    8 or 16, swallows each token's phi(k) of about 1) and decoding one token at a time
+    drifts far from the chunked pass."""
     b, h, t, d_h = q_num.shape
     h_kv, d_v = k_num.shape[1], v.shape[-1]
     n_rep = h // h_kv
+    acc = compute_dtype(q_num.dtype)  # the state's dtype, and the cross-chunk terms'
     if state is None:
-        S = q_num.new_zeros(b, h_kv, d_h, d_v)
-        z = q_num.new_zeros(b, h_kv, d_h)
+        S = q_num.new_zeros(b, h_kv, d_h, d_v, dtype=acc)
+        z = q_num.new_zeros(b, h_kv, d_h, dtype=acc)
     else:
-        S, z = state
+        S, z = (x.to(torch.promote_types(x.dtype, acc)) for x in state)
     ys = []
     for i in range(0, t, chunk_size):
         sl = slice(i, min(i + chunk_size, t))
@@ -72,11 +80,13 @@ def causal_linear_attention(
         # Inside the chunk: the masked c x c product (the quadratic form, small).
         scores = (qn @ _repeat(kn, n_rep).transpose(-1, -2)).masked_fill(~tril, 0.0)
         weights = (qd @ _repeat(kd, n_rep).transpose(-1, -2)).masked_fill(~tril, 0.0)
-        num = scores @ _repeat(vc, n_rep) + qn @ _repeat(S, n_rep)  # (b, h, c, d_v)
-        den = weights.sum(-1) + (qd @ _repeat(z, n_rep)[..., None]).squeeze(-1)  # (b, h, c)
-        ys.append(num / (den[..., None] + eps))
+        past = qn.to(S.dtype) @ _repeat(S, n_rep)  # (b, h, c, d_v): tokens before the chunk
+        num = (scores @ _repeat(vc, n_rep)).to(S.dtype) + past
+        den_past = (qd.to(z.dtype) @ _repeat(z, n_rep)[..., None]).squeeze(-1)  # (b, h, c)
+        den = weights.sum(-1).to(z.dtype) + den_past
+        ys.append((num / (den[..., None] + eps)).to(q_num.dtype))
         # The chunk joins the state: S += phi(K)^T V, z += sum phi(K).
-        S = S + kn.transpose(-1, -2) @ vc  # (b, h_kv, d_h, d_v)
-        z = z + kd.sum(2)  # (b, h_kv, d_h)
+        S = S + kn.transpose(-1, -2).to(S.dtype) @ vc.to(S.dtype)  # (b, h_kv, d_h, d_v)
+        z = z + kd.to(z.dtype).sum(2)  # (b, h_kv, d_h)
     y = torch.cat(ys, dim=2) if ys else q_num.new_zeros(b, h, 0, d_v)
     return y, (S, z)

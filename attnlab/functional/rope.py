@@ -15,12 +15,17 @@ import math
 import torch
 from torch import Tensor
 
+from attnlab.functional.softmax import compute_dtype
+
 
 def rope_inv_freq(
-    head_dim: int, theta: float = 10000.0, device: torch.device | str | None = None
+    head_dim: int,
+    theta: float = 10000.0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """(d_h/2,) float32 frequencies theta^(-2i/d_h)."""
-    i = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+    """(d_h/2,) frequencies theta^(-2i/d_h), float32 (or ``dtype``: float64 models)."""
+    i = torch.arange(0, head_dim, 2, dtype=dtype, device=device)
     return 1.0 / (theta ** (i / head_dim))
 
 
@@ -49,7 +54,9 @@ def scale_inv_freq(
         return inv_freq / factor
     if kind == "yarn":
         n_pairs = inv_freq.shape[-1]
-        keep = yarn_keep(n_pairs, theta, original_max_seq_len, beta_fast, beta_slow)
+        keep = yarn_keep(
+            n_pairs, theta, original_max_seq_len, beta_fast, beta_slow, dtype=inv_freq.dtype
+        )
         keep = keep.to(inv_freq.device)
         return keep * inv_freq + (1 - keep) * inv_freq / factor
     if kind != "llama3":
@@ -61,9 +68,15 @@ def scale_inv_freq(
 
 
 def yarn_keep(
-    n_pairs: int, theta: float, original_max_seq_len: int, beta_fast: float, beta_slow: float
+    n_pairs: int,
+    theta: float,
+    original_max_seq_len: int,
+    beta_fast: float,
+    beta_slow: float,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """(n_pairs,) float32: 1 for pairs kept as they are, 0 for pairs interpolated by factor.
+    """(n_pairs,) float32 (float64 for a ``dtype`` of float64): 1 for pairs kept as they
+    are, 0 for pairs interpolated by factor.
 
     Pair i of a d = 2 n_pairs head turns original_max_seq_len / (2 pi theta^(2i/d)) times over
     the original context, so r rotations happen at i(r) = d ln(L / (2 pi r)) / (2 ln theta)."""
@@ -78,7 +91,8 @@ def yarn_keep(
     high = min(math.ceil(pair_at(beta_slow)), d - 1)
     if low == high:
         high += 0.001  # a step, not a division by zero
-    ramp = ((torch.arange(n_pairs, dtype=torch.float32) - low) / (high - low)).clamp(0.0, 1.0)
+    pairs = torch.arange(n_pairs, dtype=compute_dtype(dtype))
+    ramp = ((pairs - low) / (high - low)).clamp(0.0, 1.0)
     return 1 - ramp  # ramp 0 below `low` (many rotations: keep), 1 above `high` (scale)
 
 
@@ -104,9 +118,10 @@ def yarn_attention_factors(
 
 
 def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """positions (..., t) -> cos, sin (..., t, d_h/2), always float32 (bf16 positions
-    above 256 would round)."""
-    angles = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    """positions (..., t) -> cos, sin (..., t, d_h/2), float32 (bf16 positions above 256
+    would round), float64 for float64 frequencies (a float64 model's: never a downcast)."""
+    dtype = compute_dtype(inv_freq.dtype)
+    angles = positions.to(dtype)[..., None] * inv_freq.to(dtype)
     return angles.cos(), angles.sin()
 
 

@@ -18,15 +18,19 @@ import math
 import torch
 from torch import Tensor
 
+from attnlab.functional.softmax import compute_dtype
+
 # --------------------------------------------------------------------------- DSA
 
 
 def index_scores(q: Tensor, k: Tensor, weights: Tensor, scale: float) -> Tensor:
     """The lightning indexer (DeepSeek-V3.2, Eq. 1): q (b, t, H_I, d_I), k (b, s, d_I),
     weights (b, t, H_I) -> I (b, t, s) = sum_j weights[t, j] ReLU(scale q[t, j] . k[s]),
-    in float32 (the reference scores in FP8 with float accumulation)."""
-    dots = torch.einsum("btjd,bsd->btjs", q.float(), k.float()) * scale  # (b, t, H_I, s)
-    return torch.einsum("btj,btjs->bts", weights.float(), dots.relu())  # (b, t, s)
+    in float32 (the reference scores in FP8 with float accumulation; float64 inputs in
+    float64)."""
+    dtype = compute_dtype(torch.promote_types(q.dtype, k.dtype))
+    dots = torch.einsum("btjd,bsd->btjs", q.to(dtype), k.to(dtype)) * scale  # (b, t, H_I, s)
+    return torch.einsum("btj,btjs->bts", weights.to(dtype), dots.relu())  # (b, t, s)
 
 
 def _by_score_then_position(scores: Tensor, order: Tensor | None) -> Tensor:

@@ -10,6 +10,13 @@ import torch
 from torch import Tensor
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype that precision-sensitive maths (softmax, RoPE angles, position tables,
+    running sums) runs in for tensors of ``dtype``: float32 for half precision and float32,
+    float64 kept (an upcast, never a downcast); :func:`softmax_dtype` converts to it."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def softmax_dtype(x: Tensor) -> Tensor:
     """``x`` in the precision a softmax runs in: half precision up to float32, float64
     kept (an upcast, never a downcast)."""

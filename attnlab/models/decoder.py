@@ -145,6 +145,18 @@ class DecoderLM(nn.Module):
         )
         return self.blocks.add_cache_entries(cache)
 
+    def _check_cache_dtype(self, cache: Cache, device: torch.device) -> None:
+        """A cache holds keys in the model's dtype (under autocast: any). Another dtype failed
+        deep inside attention (q float32, k bf16), or silently rounded a float64 model's
+        linear-attention state to float32."""
+        dtype = self.tok_emb.weight.dtype
+        if cache.dtype != dtype and not torch.is_autocast_enabled(device.type):
+            raise CacheError(
+                f"the cache holds {cache.dtype} but the model computes in {dtype}; make it "
+                "with model.new_cache(...), whose dtype defaults to the model's (or decode "
+                "under torch.autocast)"
+            )
+
     def forward(
         self,
         idx: Tensor,
@@ -186,6 +198,7 @@ class DecoderLM(nn.Module):
                 )
         mask = None
         if cache is not None:
+            self._check_cache_dtype(cache, idx.device)
             positions = cache.begin(t, attention_mask, positions=positions).positions
         else:
             if positions is None:
@@ -194,7 +207,7 @@ class DecoderLM(nn.Module):
                 mask = padding_mask(attention_mask)  # (b, 1, 1, t)
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions).to(x.dtype)
+            x = x + self.pos_emb(positions, dtype=x.dtype).to(x.dtype)
         x = self.drop(x)
         rope = self.rope.tables(positions) if self.rope is not None else None
         x = self.blocks(x, positions=positions, rope=rope, cache=cache, mask=mask, doc_ids=doc_ids)

@@ -275,7 +275,7 @@ class EncoderModel(nn.Module):
             positions = torch.arange(t, device=idx.device)[None, :]  # (1, t)
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions).to(x.dtype)
+            x = x + self.pos_emb(positions, dtype=x.dtype).to(x.dtype)
         if self.type_emb is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(idx)

@@ -162,7 +162,8 @@ class Seq2SeqModel(nn.Module):
     def _embed(self, ids: Tensor, emb: nn.Embedding, pos: nn.Module | None, positions: Tensor):
         x = emb(ids) * self.emb_scale  # (b, t, d)
         if self.cfg.position.kind == "sinusoidal":
-            table = sinusoidal_table(positions, self.cfg.d_model)  # (.., t, d) interleaved
+            # (.., t, d) interleaved; float64 in a float64 model
+            table = sinusoidal_table(positions, self.cfg.d_model, x.dtype)
             if self.cfg.sinusoid_layout == "split":  # [sin..., cos...]
                 table = torch.cat((table[..., 0::2], table[..., 1::2]), dim=-1)
             x = x + table.to(x.dtype)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnlab.functional.softmax import compute_dtype
+
 
 class LearnedPositionalEmbedding(nn.Embedding):
     """One trained vector per absolute position (GPT-2, BERT)."""
@@ -14,17 +16,20 @@ class LearnedPositionalEmbedding(nn.Embedding):
     def __init__(self, max_seq_len: int, d_model: int):
         super().__init__(max_seq_len, d_model)
 
-    def forward(self, positions: Tensor) -> Tensor:  # (b, t) -> (b, t, d)
+    def forward(self, positions: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """(b, t) -> (b, t, d) in the weight's dtype (``dtype``: as the sinusoids', unused)."""
         return super().forward(positions)
 
 
-def sinusoidal_table(positions: Tensor, d_model: int) -> Tensor:
+def sinusoidal_table(positions: Tensor, d_model: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """p[i, 2j] = sin(i / 10000^(2j/d)), p[i, 2j+1] = cos(i / 10000^(2j/d)) (Vaswani et al.).
 
-    positions (...,) -> (..., d) float32."""
-    j2 = torch.arange(0, d_model, 2, dtype=torch.float32, device=positions.device)  # 2j
+    positions (...,) -> (..., d) float32: bf16 would round the angles; float64 for a
+    ``dtype`` of float64 (a float64 model's: never float32 values)."""
+    dtype = compute_dtype(dtype)
+    j2 = torch.arange(0, d_model, 2, dtype=dtype, device=positions.device)  # 2j
     inv = torch.exp(-math.log(10000.0) * j2 / d_model)  # 10000^(-2j/d)
-    angles = positions.to(torch.float32)[..., None] * inv  # (..., d/2)
+    angles = positions.to(dtype)[..., None] * inv  # (..., d/2)
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # sin, cos interleaved
 
 
@@ -35,5 +40,6 @@ class SinusoidalPositionalEmbedding(nn.Module):
         super().__init__()
         self.d_model = d_model
 
-    def forward(self, positions: Tensor) -> Tensor:  # (b, t) -> (b, t, d)
-        return sinusoidal_table(positions, self.d_model)
+    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(b, t) -> (b, t, d) float32 (float64 for a ``dtype`` of float64)."""
+        return sinusoidal_table(positions, self.d_model, dtype)

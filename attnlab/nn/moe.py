@@ -132,7 +132,9 @@ class Experts(nn.Module):
         chunks = x[token].split(counts)  # the tokens of expert 0, then 1, ...
         out = torch.cat([self.expert(e, xs) for e, xs in enumerate(chunks)])  # (N k, d)
         out = out * weights.flatten()[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out)  # (N, d)
+        # In the experts' dtype, which is not x's under autocast (bf16 products of float32
+        # activations: index_add_ refused to add them into a float32 buffer)
+        return x.new_zeros(x.shape, dtype=out.dtype).index_add_(0, token, out)  # (N, d)
 
     def gathered(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """:meth:`forward` with the chosen experts' weights gathered per token: (N, k, 2f, d)

@@ -22,18 +22,22 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import AttentionConfig
-from attnlab.functional.softmax import masked_softmax, softmax_dtype
+from attnlab.functional.softmax import compute_dtype, masked_softmax, softmax_dtype
 from attnlab.nn.linear import Linear
 
 
-def relative_sinusoids(distances: Tensor, d_model: int) -> Tensor:
+def relative_sinusoids(
+    distances: Tensor, d_model: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """(n,) distances -> (n, d_model) encodings [sin(p w) ; cos(p w)], w_k = 10000^(-2k/d)
-    (Transformer-XL's layout: all sines, then all cosines)."""
+    (Transformer-XL's layout: all sines, then all cosines); float32, float64 for a ``dtype``
+    of float64."""
+    dtype = compute_dtype(dtype)
     inv_freq = torch.exp(
-        torch.arange(0, d_model, 2, dtype=torch.float32, device=distances.device)
+        torch.arange(0, d_model, 2, dtype=dtype, device=distances.device)
         * (-math.log(10000.0) / d_model)
     )  # (d/2,)
-    angles = distances.float()[:, None] * inv_freq[None, :]  # (n, d/2)
+    angles = distances.to(dtype)[:, None] * inv_freq[None, :]  # (n, d/2)
     return torch.cat((angles.sin(), angles.cos()), dim=-1)
 
 
@@ -84,7 +88,7 @@ class RelativeMultiHeadAttention(nn.Module):
         q = self._heads(self.q(x))  # (b, h, t, d_h)
         k, v = (self._heads(y) for y in self.kv(context).chunk(2, dim=-1))  # (b, h, s, d_h)
         distances = torch.arange(s - 1, -1, -1, device=x.device)  # s - 1, ..., 0
-        r = self.r(relative_sinusoids(distances, self.d_model).to(x.dtype))  # (s, h d_h)
+        r = self.r(relative_sinusoids(distances, self.d_model, x.dtype).to(x.dtype))  # (s, h d_h)
         r = r.view(s, self.n_heads, self.head_dim).transpose(0, 1)  # (h, s, d_h)
         content = (q + self.u[:, None, :]) @ k.transpose(-1, -2)  # (a) + (c): (b, h, t, s)
         position = rel_shift((q + self.v[:, None, :]) @ r.transpose(-1, -2))  # (b) + (d)

@@ -2,8 +2,9 @@
 
 A model computes the angles once per forward pass (:meth:`RotaryEmbedding.tables`) and hands
 them to every layer, which rotates its queries and keys with
-:func:`attnlab.functional.rope.apply_rope`. Angles are computed in float32 from the absolute
-positions, so they are exact under a KV cache, with left padding and in bf16 models.
+:func:`attnlab.functional.rope.apply_rope`. Angles are computed in float32 (float64 in a float64
+model) from the absolute positions, so they are exact under a KV cache, with left padding
+and in bf16 models.
 
 Shapes: b batch, h heads, t length, d_h head dim.
 """
@@ -24,6 +25,7 @@ from attnlab.functional.rope import (
     scale_inv_freq,
     yarn_attention_factors,
 )
+from attnlab.functional.softmax import compute_dtype
 
 
 class RopeTables(NamedTuple):
@@ -93,21 +95,25 @@ class RotaryEmbedding(nn.Module):
             )
         return cls(head_dim, cfg.rope_theta, cfg.rope_layout, scaling)
 
-    def _inv_freq(self, device=None) -> Tensor:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device)
+    def _inv_freq(self, device=None, dtype: torch.dtype = torch.float32) -> Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, device=device, dtype=dtype)
         return scale_inv_freq(inv_freq, **self.scaling) if self.scaling else inv_freq
 
     def reset_buffers(self) -> None:
         """Recompute the frequency table (after building on the meta device)."""
-        self.inv_freq = self._inv_freq(device=self.inv_freq.device)
+        self.inv_freq = self._inv_freq(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
 
     def tables(self, positions: Tensor) -> RopeTables:
-        """positions (b, t) or (t,) -> cos/sin tables (b or 1, 1, t, d_h), float32."""
+        """positions (b, t) or (t,) -> cos/sin tables (b or 1, 1, t, d_h), float32; float64
+        in a float64 model (``model.double()``: the buffer ``inv_freq`` is float64)."""
         if positions.dim() == 1:  # (t,): one row shared by the batch, (1, 1, t, d_h) tables
             positions = positions[None]
         inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:  # model.to(bf16) rounded it: rebuild exactly
-            inv_freq = self._inv_freq(device=inv_freq.device)
+        if inv_freq.dtype != torch.float32:
+            # model.to(bf16) rounded it, model.double() holds float32 values: rebuild exactly,
+            # in float32, or float64 for a float64 model (never a downcast)
+            dtype = compute_dtype(inv_freq.dtype)
+            inv_freq = self._inv_freq(device=inv_freq.device, dtype=dtype)
         cos, sin = rope_angles(positions, inv_freq)  # (b, t, d_h/2) or (t, d_h/2)
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # a heads axis: (b, 1, t, d_h/2)
         if self.attention_factor != 1.0:

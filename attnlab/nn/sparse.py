@@ -116,7 +116,7 @@ class LightningIndexer(nn.Module):
             q, k = hadamard(q), hadamard(k)
         if self.fp8:  # what the reference scores with; the cache keeps these values
             q, k = fake_fp8(q), fake_fp8(k)
-        w = self.weights_proj(x).float() * self.n_heads**-0.5  # (b, t, H_I)
+        w = softmax_dtype(self.weights_proj(x)) * self.n_heads**-0.5  # (b, t, H_I)
         return q.transpose(1, 2), k[:, 0], w
 
     def scores(self, q: Tensor, keys: Tensor, w: Tensor) -> Tensor:
@@ -182,7 +182,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
     def _indexer_loss(self, scores, p_dense, allowed, indices, valid) -> None:
         """KL of the indexer to the main attention (dense stage: over every allowed key;
         sparse stage: over the selected keys), and the recall of the dense mass by top-k."""
-        rows = allowed.any(-1).float()  # (b, t): queries with at least one key
+        rows = allowed.any(-1).to(scores.dtype)  # (b, t): queries with at least one key
         selected = selection_mask(indices, valid, allowed.shape[-1])
         support = allowed if self.stage == "warmup" else selected
         target = p_dense * support

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from attnlab.config import ConfigError, _Config, _fail, _positive
 from attnlab.data.images import ImageSplit, digits, shift
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class ImageClassification(Task):
         for start in range(mine.start, mine.stop, batch_size):
             stop = min(start + batch_size, mine.stop)
             images, labels = x[start:stop].to(device), y[start:stop].to(device)
-            logits = model(images).logits.float()
+            logits = softmax_dtype(model(images).logits)
             loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
             correct += float((logits.argmax(-1) == labels).sum())
         return {"loss_sum": loss_sum, "correct": correct, "examples": float(len(mine))}

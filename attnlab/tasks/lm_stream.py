@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from attnlab.config import _fail
 from attnlab.data.corpus import DataError
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
 from attnlab.tasks.lm import lm_summary
 
@@ -79,7 +80,7 @@ def stream_loss_sums(
         end = min(start + segment, n)
         x, y = streams[:, start:end], streams[:, start + 1 : end + 1]  # (b, t)
         out = model(x, memory=memory)
-        logits = out.logits.float().flatten(0, 1)  # (b t, V)
+        logits = softmax_dtype(out.logits).flatten(0, 1)  # (b t, V)
         total += float(F.cross_entropy(logits, y.flatten(), reduction="sum"))
         count += y.numel()
         memory = out.memory

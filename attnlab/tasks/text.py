@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import ConfigError
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.tasks.base import StepOutput, Task, eval_mode, model_extras, shard
 
 if TYPE_CHECKING:
@@ -276,7 +277,7 @@ class EncoderTextTask(Task):
         for i in range(0, len(features), batch_size):
             chunk = features[i : i + batch_size]
             batch = self.collate(chunk, device)
-            logits = self.forward(model, batch, with_targets=False).logits.float()
+            logits = softmax_dtype(self.forward(model, batch, with_targets=False).logits)
             for key, value in self.batch_sums(logits, batch, chunk).items():
                 sums[key] += float(value)
         return sums
