@@ -353,6 +353,29 @@ def test_compiled_step_restores_the_weights_row_major_once(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_with_a_compiled_step_pickles_and_copies_without_it():
+    """generate(compile=True) keeps its compiled step on the model (a local function):
+    torch.save(model) / pickle then failed ("Can't pickle local object"), and deepcopy
+    shared the step. Both leave it behind; the copy decodes as the original."""
+    import copy
+    import io
+
+    import attnlab.generation as gen
+
+    model = build_model(get_preset("llama-tiny").override({"init_std": 0.2})).eval()
+    gen._compiled_step(model)  # what generate(compile=True) keeps (compiles at its first call)
+    assert model._compiled_decode_step is not None
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copies = [torch.load(buf, weights_only=False), copy.deepcopy(model)]
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    for other in copies:
+        assert getattr(other, "_compiled_decode_step", None) is None
+        assert other.generate(prompt, 6) == model.generate(prompt, 6)
+    assert model._compiled_decode_step is not None  # the original keeps its own
+
+
 def test_static_capacity_buckets():
     from attnlab.generation import static_capacity
 

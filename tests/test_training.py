@@ -178,6 +178,42 @@ def test_parameter_groups_follow_nanogpt():
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
 
 
+def test_optimizer_steps_survive_a_weight_layout_change_between_steps():
+    """generate(compile=True) re-stores Linear weights row-major in place (set_layout), and
+    a failed compile input-major again, whatever the optimizer holds: moments (and a
+    gradient) of the old layout. Fused AdamW reads them all in the parameter's memory order,
+    so the steps must equal those of a model whose layout never changed (they updated
+    transposed elements: weights off by ~3e-3 after two steps)."""
+    import copy
+
+    from attnlab.nn.linear import set_layout
+
+    torch.manual_seed(0)
+    model = build_model(tiny_run().model)  # input-major Linear weights
+    ref = copy.deepcopy(model)
+    opts = [build_optimizer(m, tiny_run().train, "cpu") for m in (model, ref)]
+    x = torch.randint(0, 256, (2, 17))
+
+    def backward(m):
+        m(x[:, :-1], targets=x[:, 1:]).loss.backward()
+
+    for m, opt in zip((model, ref), opts):
+        backward(m)
+        opt.step()
+        opt.zero_grad()
+    assert set_layout(model, "rows") > 0  # moments of the old layout
+    for m, opt in zip((model, ref), opts):
+        backward(m)
+        opt.step()
+        opt.zero_grad()
+        backward(m)
+    set_layout(model, "input")  # a gradient of the old layout too
+    for opt in opts:
+        opt.step()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
 def test_biases_held_as_matrices_do_not_decay():
     """Transformer-XL's u and v are biases (one vector per head), not weights: no decay,
     though they are 2-D; every other matrix of the model decays."""
@@ -719,6 +755,33 @@ def test_time_budget_wsd_refits_lengthen_until_the_decay(tmp_path, dataset, monk
         assert lrs[result.max_steps - 1] < 1.1 * cfg.train.min_lr  # the decay completed
         decay_start = 5 + int(0.7 * (result.max_steps - 5))
         assert all(lr == pytest.approx(cfg.train.lr) for lr in lrs[5 : decay_start - 10])
+
+
+def test_time_budget_refits_never_lengthen_the_warm_up(tmp_path, dataset, monkeypatch):
+    """A long configured warm-up (1000 steps) is bounded by a tenth of the fitted schedule.
+    The first fit is made on 0.1 s steps, later ones on 0.05 s and then 0.002 s steps:
+    WSD's stable phase lets the refits lengthen the schedule tenfold, but not the warm-up,
+    which would take steps already at the peak rate back into it (the rate fell to a
+    fifth of the peak at step 110 and climbed again) and made the warm-up saw-toothed."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)
+    monkeypatch.setattr(trainer_module, "REFIT_EVERY", 5)
+
+    def cost(split, n):  # the budget runs out at step 151
+        return (0.1 if n <= 6 else 0.05 if n <= 60 else 0.002 if n <= 150 else 100.0) * (
+            split == "train"
+        )
+
+    cfg = tiny_run(max_steps=5000, time_budget=30.0, eval_every=0, warmup_steps=1000,
+                   schedule="wsd")  # fmt: skip
+    result = train(cfg, tmp_path, dataset=TimedDataset(dataset, clock, cost), progress=False)
+    assert result.stop_reason == "time_budget" and result.step == 151
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    peak = lrs.index(cfg.train.lr)
+    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1 : peak + 1])), lrs[:peak]
+    assert all(lr == cfg.train.lr for lr in lrs[peak:]), lrs[peak:]  # WSD: held
+    assert load_checkpoint(tmp_path, with_state=True).state["fitted_warmup"] <= peak
 
 
 def test_time_budget_resume_keeps_the_measured_evaluation_time(tmp_path, dataset, monkeypatch):

@@ -91,6 +91,18 @@ class DecoderLM(nn.Module):
         self._trains_alone = any(getattr(m, "trains_alone", False) for _, m in self._aux)
         self._no_documents = self.documents_unsupported(cfg)
 
+    # What generate(compile=...) keeps on the model for this process: the compiled decode
+    # step (a local function: pickling the model failed once it existed, and a deepcopy
+    # shared it), the CUDA-graph caches and the compile-failure flag. Neither pickled nor
+    # copied: a copy or an unpickled model compiles its own.
+    _PROCESS_STATE = ("_compiled_decode_step", "_graph_caches", "_compile_failed")
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        for name in self._PROCESS_STATE:
+            state.pop(name, None)
+        return state
+
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=self.cfg.init_std)

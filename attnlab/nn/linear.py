@@ -245,8 +245,11 @@ def can_split(weight: Tensor) -> bool:
 def set_layout(model: nn.Module, layout: str) -> int:
     """Store the weight of every attnlab :class:`Linear` in ``model`` ``"rows"`` (row-major,
     the compiled decode step's layout) or ``"input"`` (input-major, the eager one). In
-    place: the same Parameter objects and values (state dicts, optimizers and ties are
-    unaffected). Returns how many weights were re-stored."""
+    place: the same Parameter objects and values (state dicts and ties are unaffected).
+    Gradients and optimizer moments keep their old layout: fused AdamW, which reads them
+    in the parameter's memory order, needs them re-stored too (the optimizers of
+    ``attnlab.training.optim.build_optimizer`` do so before each step, ``match_layouts``).
+    Returns how many weights were re-stored."""
     if layout not in ("rows", "input"):
         raise ValueError(f"unknown weight layout {layout!r}; choose 'rows' or 'input'")
     # a weight tied to another kind of module (an embedding) keeps that module's layout

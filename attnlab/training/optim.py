@@ -131,12 +131,39 @@ def _adamw(
         group["params"] = [p for p in group["params"] if id(p) not in exclude]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    optimizer = None
     if _fused_supported(device_type):
         try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
+            optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
         except (RuntimeError, TypeError, ValueError):
             pass  # an older torch without fused kernels for this device
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(groups, foreach=True, **kwargs)
+    optimizer.register_step_pre_hook(match_layouts)
+    return optimizer
+
+
+def match_layouts(optimizer: torch.optim.Optimizer, args=(), kwargs=None) -> None:
+    """Give every gradient and optimizer moment its parameter's strides (a step pre-hook).
+    :func:`attnlab.nn.linear.set_layout` re-stores Linear weights in place (row-major for
+    ``generate(compile=True)``, input-major after a failed compile), which leaves the
+    gradients and AdamW's moments in the old layout; fused AdamW reads a parameter, its
+    gradient and its moments as flat memory in one order, so a transposed moment or
+    gradient silently updated the wrong elements."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            stride = p.stride()
+            g = p.grad
+            if g is not None and g.layout == torch.strided and g.stride() != stride:
+                p.grad = torch.empty_like(p, dtype=g.dtype).copy_(g)
+            state = optimizer.state.get(p)
+            for name, value in (state or {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.shape == p.shape
+                    and value.stride() != stride
+                ):
+                    state[name] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
 def muon_parameters(model: nn.Module) -> list[nn.Parameter]:

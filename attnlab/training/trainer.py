@@ -40,13 +40,15 @@ more than ``max_steps``), refitted every ``REFIT_EVERY`` steps and at each evalu
 run without evaluations follows the machine's speed too). A fitted schedule warms up for
 at most ``WARMUP_FRACTION`` of its length; refits before the decay begins (during the
 warm-up, and WSD's stable phase) may lengthen it (the first fit is made on a few steps,
-often slower than the rest), later ones only shorten it, so once the learning rate falls
-it never increases again. When the steps turn out faster than the fit assumed (a machine
-that was busy at the start), the run goes on at ``min_lr`` after the schedule ends, for
-the steps that still fit. The run stops when the time is used. The fitted lengths are
-saved, and the time the last evaluation took, so a resumed run keeps its schedule and
-refits it as the uninterrupted run would. An explicit ``max_steps`` without a
-``time_budget`` drops the config's budget: the run takes exactly those steps.
+often slower than the rest), later ones only shorten it; no refit lengthens the warm-up
+(that would take steps back into it at a lower rate), so the learning rate rises through
+the warm-up, and once it falls it never increases again. When the steps turn out faster
+than the fit assumed (a machine that was busy at the start), the run goes on at
+``min_lr`` after the schedule ends, for the steps that still fit. The run stops when the
+time is used. The fitted lengths are saved, and the time the last evaluation took, so a
+resumed run keeps its schedule and refits it as the uninterrupted run would. An explicit
+``max_steps`` without a ``time_budget`` drops the config's budget: the run takes exactly
+those steps.
 
 Every run ends with one line saying why it stopped (``TrainResult.stop_message``, also the
 ``"stop"`` record of metrics.jsonl): max_steps reached, the fitted schedule completed,
@@ -564,6 +566,7 @@ class Trainer:
         self.schedule_steps = tc.max_steps  # the learning-rate schedule's length
         self.run_steps = tc.max_steps  # steps to take: >= schedule_steps (then at min_lr)
         self.budget_fitted = False
+        self.fitted_warmup: int | None = None  # a fitted schedule's warm-up: never lengthened
         self.elapsed_before = 0.0
         self.train_time = 0.0  # seconds in optimizer steps (no evaluations, no saves)
         self.interval = _new_interval()  # the log interval in progress
@@ -623,6 +626,8 @@ class Trainer:
             self.schedule_steps = int(state["schedule_steps"])
             self.run_steps = int(state.get("run_steps", self.schedule_steps))
             self.budget_fitted = True
+            fitted_warmup = state.get("fitted_warmup")  # None: a checkpoint older than it
+            self.fitted_warmup = None if fitted_warmup is None else int(fitted_warmup)
 
     def _trainer_state(self, elapsed: float) -> dict:
         metrics = {k: [float(total), n] for k, (total, n) in self.interval["metrics"].items()}
@@ -637,6 +642,7 @@ class Trainer:
             "schedule_steps": self.schedule_steps,
             "run_steps": self.run_steps,
             "budget_fitted": self.budget_fitted,
+            "fitted_warmup": self.fitted_warmup,
             "elapsed": elapsed,
             "train_time": self.train_time,
             "optimizer": self.optimizer.state_dict(),
@@ -763,9 +769,12 @@ class Trainer:
     @property
     def warmup_steps(self) -> int:
         """The warm-up length: the config's, bounded by WARMUP_FRACTION of a schedule
-        fitted to a time budget."""
+        fitted to a time budget. Refits never lengthen it (only the schedule): a longer
+        warm-up would lower the learning rate of the steps it takes back into the warm-up,
+        which then climbs again (WSD's stable phase, or mid-warm-up)."""
         if self.budget_fitted:
-            return min(self.tc.warmup_steps, int(WARMUP_FRACTION * self.schedule_steps))
+            bound = min(self.tc.warmup_steps, int(WARMUP_FRACTION * self.schedule_steps))
+            return bound if self.fitted_warmup is None else min(bound, self.fitted_warmup)
         return self.tc.warmup_steps
 
     def _evaluate(self, max_batches: int | None) -> tuple[dict[str, float], dict[str, float]]:
@@ -837,9 +846,12 @@ class Trainer:
             # lengthen a fit made on slower steps.
             schedule = min(fits, self.schedule_steps)
         fits, schedule = self._all_reduce([float(fits), float(schedule)], dist.ReduceOp.MIN)
+        warmup = self.warmup_steps if self.budget_fitted else None  # the fitted one so far
         self.schedule_steps = int(schedule)
         self.run_steps = int(fits)  # past the schedule's end: min_lr
         self.budget_fitted = True
+        bound = min(tc.warmup_steps, int(WARMUP_FRACTION * self.schedule_steps))
+        self.fitted_warmup = bound if warmup is None else min(warmup, bound)
 
     # ------------------------------------------------------------------ loop
 
