@@ -85,6 +85,10 @@ def folders(tmp_path_factory):
     for name in ("vit", "bert"):
         _sharpen(models[name])
         models[name].save_pretrained(hf[name])
+    # the pixels the ViT was "trained" on: (pixel / 255 - 0.3) / 0.2
+    transformers.ViTImageProcessor(
+        size={"height": 8, "width": 8}, image_mean=[0.3], image_std=[0.2]
+    ).save_pretrained(hf["vit"])
     for name, model in models.items():
         ckpt = root / f"ckpt-{name}"
         assert main(["import-hf", str(hf[name]), str(ckpt)]) == 0
@@ -154,29 +158,34 @@ def test_translate_with_a_source_only_tokenizer(folders, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == f"hi there\t{want}"
 
 
-def _image(path, seed: int = 0) -> torch.Tensor:
+def _image(path, seed: int = 0):
+    """An 8 x 8 grayscale PNG at ``path``; returns the PIL image."""
     from PIL import Image
 
-    from attnlab.cli.classify import load_image
-
     rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L").save(path)
-    return load_image(str(path), 1, 8, 8)  # what classify feeds the model
+    image = Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L")
+    image.save(path)
+    return image
 
 
 @pytest.mark.parametrize("which", ["ckpt", "hf"])
 def test_classify_names_classes_from_id2label(folders, tmp_path, capsys, which):
+    """Classes, names and probabilities as transformers gives them for the folder's own
+    image processor (its normalisation: without it the pixels were off by -0.3 / 0.2)."""
     ref, hf, ckpt = folders["vit"]
     folder = ckpt if which == "ckpt" else hf  # the imported checkpoint, or the HF folder
     paths = [tmp_path / f"{i}.png" for i in range(3)]
-    images = torch.stack([_image(p, seed=i) for i, p in enumerate(paths)])
+    images = [_image(p, seed=i) for i, p in enumerate(paths)]
+    processor = transformers.AutoImageProcessor.from_pretrained(hf)
     with torch.no_grad():
-        want = ref(images).logits.argmax(-1).tolist()
+        probs = ref(**processor(images, return_tensors="pt")).logits.softmax(-1)
+    want = probs.argmax(-1).tolist()
     assert main(["classify", "--ckpt", str(folder), "--json", *map(str, paths)]) == 0
     report = json.loads(capsys.readouterr().out)
     names = ["cat", "dog", "owl"]
-    for path, cls in zip(paths, want):
+    for path, cls, row in zip(paths, want, probs):
         assert report[str(path)]["class"] == cls and report[str(path)]["label"] == names[cls]
+        assert report[str(path)]["top"][0][1] == pytest.approx(float(row.max()), abs=1e-3)
     assert main(["classify", "--ckpt", str(folder), str(paths[0])]) == 0
     assert capsys.readouterr().out.split("\t")[1] == names[want[0]]
 

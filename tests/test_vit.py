@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -97,3 +98,50 @@ def test_vit_export_refuses_missing_biases(changes, tmp_path):
     with pytest.raises(HFCheckpointError, match="ViT needs"):
         save_hf(build_model(cfg.override(changes)), tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # ViTImageProcessor's defaults: mean and std 0.5
+        {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]},
+        {"do_normalize": False},
+        {"do_rescale": False, "image_mean": [100.0, 120.0, 90.0], "image_std": [50.0, 60, 70]},
+        {"rescale_factor": 1 / 127.5, "image_mean": 1.0, "image_std": 1.0},  # [-1, 1]
+    ],
+)
+def test_imported_normalisation_equals_the_image_processor(settings, tmp_path):
+    """The folder's preprocessor_config.json (or ViTImageProcessor's defaults) gives the
+    model's inputs that transformers' processor gives: normalize_pixels of pixels / 255,
+    on an image already at the model's size (no resampling)."""
+    from PIL import Image
+
+    from attnlab.models.vit import normalize_pixels
+
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=24)  # fmt: skip
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path / "hf")
+    processor = transformers.ViTImageProcessor(size={"height": 8, "width": 8}, **settings)
+    if settings:
+        processor.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert (model.cfg.image_mean is None) == (settings == {"do_normalize": False})
+    raw = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    want = processor(Image.fromarray(raw, "RGB"), return_tensors="pt")["pixel_values"]
+    pixels = torch.from_numpy(raw.astype(np.float32) / 255).permute(2, 0, 1)[None]
+    torch.testing.assert_close(normalize_pixels(pixels, model.cfg), want, atol=1e-5, rtol=1e-5)
+    # export writes it back: transformers' processor of the exported folder agrees
+    save_hf(model, tmp_path / "out")
+    again = transformers.AutoImageProcessor.from_pretrained(tmp_path / "out")
+    back = again(Image.fromarray(raw, "RGB"), return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(back, want, atol=1e-5, rtol=1e-5)
+    assert load_hf(tmp_path / "out").cfg.image_mean == model.cfg.image_mean
+
+
+def test_vit_normalisation_config_errors():
+    with pytest.raises(ConfigError, match="image_mean: give image_mean and image_std together"):
+        ViTConfig(image_mean=[0.5, 0.5, 0.5]).validate()
+    with pytest.raises(ConfigError, match="image_std: 2 values for channels=3"):
+        ViTConfig(image_mean=[0.5] * 3, image_std=[0.5] * 2).validate()
+    with pytest.raises(ConfigError, match="image_std: must be finite and > 0"):
+        ViTConfig(image_mean=[0.5] * 3, image_std=[0.5, 0.0, 0.5]).validate()

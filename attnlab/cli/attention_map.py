@@ -193,6 +193,7 @@ def _seq2seq_grids(args, model, cfg, vocab, device: str) -> tuple[list[Attention
 def _vit_grids(args, model, cfg, vocab, device: str) -> tuple[list[AttentionGrid], str]:
     """The [CLS] token's attention over the image's patches."""
     from attnlab.attention_maps import AttentionGrid
+    from attnlab.models.vit import normalize_pixels
 
     from .classify import load_image
 
@@ -204,7 +205,7 @@ def _vit_grids(args, model, cfg, vocab, device: str) -> tuple[list[AttentionGrid
     image = load_image(args.image, m.channels, m.image_size, m.width)
     if args.invert:
         image = 1.0 - image
-    maps = _record(model, image[None].to(device))
+    maps = _record(model, normalize_pixels(image[None], m).to(device))
     p = m.patch_size
     labels = ["[CLS]"] + [f"patch {i}" for i in range(m.n_patches)]
     grid = AttentionGrid(

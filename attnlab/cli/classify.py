@@ -1,10 +1,11 @@
 """``attnlab classify``: classify inputs with a classification checkpoint, by its task:
 images with a ViT (the image-classification task, or an imported ViT whose classes are
 shown by their names, config.json's ``id2label``; each image is resized to the model's
-size, its channel count must be the model's, 1: grayscale), texts with an encoder of the
-text-classification task (the class names are the task's labels) or an imported
-``BertForSequenceClassification`` (its id2label's names, its own WordPiece tokenizer and
-special tokens)."""
+size, its channel count must be the model's, 1: grayscale, and its pixels in [0, 1] are
+normalised as the model's image_mean / image_std say: an imported ViT's image
+processor), texts with an encoder of the text-classification task (the class names are
+the task's labels) or an imported ``BertForSequenceClassification`` (its id2label's
+names, its own WordPiece tokenizer and special tokens)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from attnlab.cli.common import (
     resolve_device,
     tokenizer_option,
 )
+from attnlab.models.vit import normalize_pixels
 
 CHANNELS_OF_MODE = {"1": 1, "L": 1, "I": 1, "I;16": 1, "F": 1, "P": 3, "RGB": 3, "RGBA": 4,
                     "LA": 2, "CMYK": 4, "YCbCr": 3}  # fmt: skip
@@ -132,6 +134,7 @@ def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: 
     images = torch.stack([load_image(p, m.channels, m.image_size, m.width) for p in paths])
     if invert:
         images = 1.0 - images
+    images = normalize_pixels(images, m)  # an imported ViT's image processor's normalisation
     with torch.no_grad():
         probs = model(images.to(device)).logits.float().softmax(-1).cpu()
     report = {}

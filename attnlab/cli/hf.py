@@ -63,7 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="attnlab checkpoint -> Hugging Face model folder",
         description="Write an attnlab checkpoint as a Hugging Face model folder (config.json, "
         "model.safetensors; tokenizer.json and tokenizer_config.json when it has a tokenizer; "
-        "generation_config.json when it has end-of-sequence tokens) that transformers' "
+        "generation_config.json when it has end-of-sequence tokens; preprocessor_config.json "
+        "for a ViT) that transformers' "
         "from_pretrained and AutoTokenizer load.",
     )
     p.add_argument("ckpt", metavar="CKPT", help="attnlab checkpoint folder")

@@ -18,6 +18,7 @@ from attnlab.interop.io import (
     unrepresentable,
     weight_files,
     with_generation_config,
+    with_preprocessor_config,
     write_folder,
 )
 from attnlab.interop.registry import FAMILIES, lookup
@@ -117,6 +118,7 @@ def load_hf(
     loading needs about the memory of the loaded model, not twice it."""
     path = Path(path)
     hf_config = with_generation_config(path, read_config(path))
+    hf_config = with_preprocessor_config(path, hf_config)
     cfg = config_from_hf(hf_config)
     family, _ = lookup(hf_config)
     rename = family.rename or (lambda name: name)
@@ -192,4 +194,5 @@ def save_hf(model: nn.Module, path: str | Path) -> None:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     hf_config = family.config_to_hf(cfg, model_type, dtype)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    write_folder(Path(path), family.weights_from_attnlab(sd, cfg, model_type), hf_config)
+    tensors = family.weights_from_attnlab(sd, cfg, model_type)
+    write_folder(Path(path), tensors, hf_config, family.extra_files(cfg))

@@ -29,6 +29,9 @@ from attnlab.fileio import atomic_path, atomic_write_text
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"  # an image processor's settings
+# What an image processor does to pixels before the model, read with config.json (ViT).
+PREPROCESSOR_KEYS = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -278,6 +281,22 @@ def with_generation_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
     return out | {k: generation[k] for k in GENERATION_KEYS if k in generation}
 
 
+def with_preprocessor_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` with the :data:`PREPROCESSOR_KEYS` of folder ``path``'s
+    preprocessor_config.json (an image processor's rescaling and normalisation), where the
+    folder has that file."""
+    file = path / PREPROCESSOR_CONFIG_NAME
+    if not file.is_file():
+        return hf
+    try:
+        processor = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(processor, dict):
+        raise HFCheckpointError(f"{file}: expected a JSON object")
+    return hf | {k: processor[k] for k in PREPROCESSOR_KEYS if k in processor}
+
+
 def _eos_of(data: Any) -> list[int] | None:
     eos = data.get("eos_token_id") if isinstance(data, dict) else None
     if eos is None:
@@ -336,15 +355,23 @@ def weight_files(path: Path) -> list[Path]:
     raise HFCheckpointError(f"{path}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} found")
 
 
-def write_folder(path: Path, tensors: dict[str, Tensor], hf_config: dict[str, Any]) -> None:
-    """Write ``model.safetensors`` and ``config.json``, each replacing its old version whole:
-    a crash never leaves a truncated file."""
+def write_folder(
+    path: Path,
+    tensors: dict[str, Tensor],
+    hf_config: dict[str, Any],
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """Write ``model.safetensors``, ``config.json`` and the ``extra`` JSON files (name ->
+    content), each replacing its old version whole: a crash never leaves a truncated
+    file."""
     # safetensors refuses shared or strided storage: give each tensor its own contiguous copy.
     tensors = {k: v.to("cpu").contiguous().clone() for k, v in tensors.items()}
     path.mkdir(parents=True, exist_ok=True)
     with atomic_path(path / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_text(path / CONFIG_NAME, json.dumps(hf_config, indent=2) + "\n")
+    for name, content in (extra or {}).items():
+        atomic_write_text(path / name, json.dumps(content, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- name mapping
@@ -509,3 +536,5 @@ class Family:
     # The attnlab task (``attnlab.tasks.TASKS``) an imported model of this config runs:
     # recorded in the imported checkpoint's config.json, it picks what ``eval`` measures.
     task: Callable[[ModelConfig], str] = lambda cfg: "lm"
+    # Files beside config.json that export writes for a config (name -> JSON content).
+    extra_files: Callable[[ModelConfig], dict[str, dict[str, Any]]] = lambda cfg: {}

@@ -13,6 +13,10 @@ Written in the Hub layout (transformers 4.x names, which 5.x renames on load); b
 (5.x: vit.layers.i.attention.{q,k,v,o}_proj, mlp.fc1, mlp.fc2.)
     vit.layernorm, classifier                              -> norm, head
 
+The image processor's normalisation (preprocessor_config.json, else ViTImageProcessor's
+defaults: mean and std 0.5) becomes the config's image_mean / image_std, which ``attnlab
+classify`` applies to pixels in [0, 1]; export writes it back.
+
 Shapes: d d_model.
 """
 
@@ -26,6 +30,7 @@ from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig
 from attnlab.interop.io import (
+    PREPROCESSOR_CONFIG_NAME,
     Family,
     HFCheckpointError,
     Plan,
@@ -97,7 +102,61 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "vit") -> ViTConfig:
         patch_size=ph,
         n_classes=classes,
         class_names=label_names(hf, classes),
+        **normalization(hf, hf.get("num_channels", 3)),
     )
+
+
+# transformers' ViTImageProcessor defaults (IMAGENET_STANDARD_MEAN / _STD, 8-bit rescaling)
+PROCESSOR_DEFAULTS = {"do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True}
+DEFAULT_MEAN = DEFAULT_STD = 0.5
+
+
+def normalization(hf: dict[str, Any], channels: int) -> dict[str, list[float] | None]:
+    """ViTConfig's image_mean / image_std from an image processor's settings (the keys of
+    preprocessor_config.json; absent ones take ViTImageProcessor's defaults): what its
+    (pixel * rescale_factor - mean) / std is for pixels p = pixel / 255 in [0, 1],
+    (p - mean') / std' with mean' = mean / (255 rescale_factor), std' likewise. None when
+    that is the pixels as they are."""
+    settings = PROCESSOR_DEFAULTS | {k: v for k, v in hf.items() if k in PROCESSOR_DEFAULTS}
+    factor = float(settings["rescale_factor"]) if settings["do_rescale"] else 1.0
+    if settings["do_normalize"]:
+        mean = hf.get("image_mean", DEFAULT_MEAN)
+        std = hf.get("image_std", DEFAULT_STD)
+    else:
+        mean, std = 0.0, 1.0
+    mean, std = (v if isinstance(v, list) else [v] * channels for v in (mean, std))
+    if len(mean) != channels or len(std) != channels:
+        raise HFCheckpointError(
+            f"image_mean {mean} and image_std {std} need one value per channel "
+            f"(num_channels={channels})"
+        )
+    to_unit = 255.0 * factor  # pixels in [0, 1] -> the processor's rescaled pixels
+    mean = [round(float(m) / to_unit, 12) for m in mean]  # (1/255 x 255 is not 1 exactly)
+    std = [round(float(s) / to_unit, 12) for s in std]
+    if all(m == 0.0 for m in mean) and all(s == 1.0 for s in std):
+        return {"image_mean": None, "image_std": None}
+    return {"image_mean": mean, "image_std": std}
+
+
+def preprocessor_config(cfg: ViTConfig) -> dict[str, dict[str, Any]]:
+    """The preprocessor_config.json export writes: transformers' ViTImageProcessor resizing
+    to the model's size (bilinear, as ``attnlab classify``) and normalising as the model's
+    image_mean / image_std (none: do_normalize false)."""
+    normalize = cfg.image_mean is not None
+    channels = cfg.channels
+    return {
+        PREPROCESSOR_CONFIG_NAME: {
+            "image_processor_type": "ViTImageProcessor",
+            "do_resize": True,
+            "size": {"height": cfg.image_size, "width": cfg.width},
+            "resample": 2,  # PIL's bilinear
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": normalize,
+            "image_mean": cfg.image_mean if normalize else [DEFAULT_MEAN] * channels,
+            "image_std": cfg.image_std if normalize else [DEFAULT_STD] * channels,
+        }
+    }
 
 
 def exports(cfg: ModelConfig) -> bool:
@@ -206,4 +265,5 @@ FAMILY = Family(
     ignored=IGNORED,
     rename=hub_name,
     task=lambda cfg: "image-classification",
+    extra_files=preprocessor_config,  # type: ignore[arg-type]
 )

@@ -10,6 +10,7 @@ Shapes: b batch, C channels, H x W image, P patch size, N patches, d d_model, n 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,11 @@ class ViTConfig(ModelConfig):
     patch_size: int = 4
     n_classes: int = 10
     class_names: list[str] | None = None
+    # The per-channel normalisation of the model's inputs, for pixels in [0, 1]:
+    # (pixel - image_mean) / image_std (a Hugging Face image processor's, e.g. 0.5 and 0.5);
+    # None: the pixels as they are. Applied by what feeds images (normalize_pixels).
+    image_mean: list[float] | None = None
+    image_std: list[float] | None = None
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -65,6 +71,20 @@ class ViTConfig(ModelConfig):
                 at("class_names"),
                 f"{len(names)} names for n_classes={self.n_classes}; give one per class or null",
             )
+        if (self.image_mean is None) != (self.image_std is None):
+            _fail(at("image_mean"), "give image_mean and image_std together, or neither")
+        for name in ("image_mean", "image_std"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != self.channels:
+                _fail(at(name), f"{len(values)} values for channels={self.channels}; give one "
+                      "per channel")  # fmt: skip
+            if not all(math.isfinite(v) for v in values) or (
+                name == "image_std" and min(values) <= 0
+            ):
+                _fail(at(name), f"must be finite{' and > 0' if name == 'image_std' else ''}, "
+                      f"got {values}")  # fmt: skip
         h, w, p = self.image_size, self.width, self.patch_size
         if h % p or w % p:
             _fail(
@@ -82,6 +102,17 @@ class ViTConfig(ModelConfig):
     def n_patches(self) -> int:
         """Patches per image: (height / patch) x (width / patch)."""
         return (self.image_size // self.patch_size) * (self.width // self.patch_size)
+
+
+def normalize_pixels(pixels: Tensor, cfg: ViTConfig) -> Tensor:
+    """pixels (b, C, H, W) in [0, 1] -> the model's inputs: (pixels - image_mean) /
+    image_std per channel, as the image processor its weights were trained with (an
+    imported ViT's ``preprocessor_config.json``), or the pixels unchanged."""
+    if cfg.image_mean is None:
+        return pixels
+    mean = torch.tensor(cfg.image_mean, dtype=pixels.dtype, device=pixels.device)
+    std = torch.tensor(cfg.image_std, dtype=pixels.dtype, device=pixels.device)
+    return (pixels - mean[:, None, None]) / std[:, None, None]
 
 
 def _divisors(h: int, w: int) -> str:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from attnlab.config import ConfigError, _Config, _fail, _positive
 from attnlab.data.images import ImageSplit, digits, shift
 from attnlab.functional.softmax import softmax_dtype
+from attnlab.models.vit import normalize_pixels
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class ImageClassification(Task):
         images, labels = self.data.train_x[keys[:, 0]], self.data.train_y[keys[:, 0]]
         if self.opts.shift:
             images = shift(images, keys[:, 1], keys[:, 2], self.opts.shift)
-        return images.to(device), labels.to(device)
+        return normalize_pixels(images, self.cfg.model).to(device), labels.to(device)
 
     def step(self, model: nn.Module, batch) -> StepOutput:
         images, labels = batch
@@ -107,7 +108,8 @@ class ImageClassification(Task):
         loss_sum = correct = 0.0
         for start in range(mine.start, mine.stop, batch_size):
             stop = min(start + batch_size, mine.stop)
-            images, labels = x[start:stop].to(device), y[start:stop].to(device)
+            images = normalize_pixels(x[start:stop], self.cfg.model).to(device)
+            labels = y[start:stop].to(device)
             logits = softmax_dtype(model(images).logits)
             loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
             correct += float((logits.argmax(-1) == labels).sum())
