@@ -34,6 +34,16 @@ from attnlab.functional.softmax import softmax_dtype
 from attnlab.nn.feedforward import ACTIVATIONS, GatedFFN
 
 
+def _keep_precise(module: nn.Module, name: str, before: Tensor | None) -> None:
+    """After a module cast, give buffer ``name`` at least float32 (half precision cast back
+    from ``before``, its value before the cast, so nothing is rounded)."""
+    after = getattr(module, name)
+    if after is None or not after.is_floating_point() or after.element_size() >= 4:
+        return
+    source = before if before is not None and before.device.type != "meta" else after
+    module._buffers[name] = source.detach().to(device=after.device, dtype=torch.float32)
+
+
 class Router(nn.Module):
     """Scores, chosen experts and their weights. ``e_score_correction_bias`` (deepseek-v3
     only) is a buffer, not a parameter: it is set by :meth:`MoE.update_bias`, not by
@@ -59,6 +69,15 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=std)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
+
+    def _apply(self, fn, recurse: bool = True):
+        # model.to(bf16) leaves the balancing bias in float32 (as transformers' and DeepSeek's
+        # reference code keep it): its steps of bias_update_speed (1e-3) would round away
+        # near the scores' 0.5 in bf16. A float64 model keeps it float64.
+        before = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        _keep_precise(self, "e_score_correction_bias", before)
+        return self
 
     def _group_mask(self, choice: Tensor) -> Tensor:
         """(N, E) True for experts in each token's topk_groups best groups."""
@@ -181,6 +200,13 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.aux_loss: Tensor | None = None
         self.aux_metrics: dict[str, Tensor | float] = {}
+
+    def _apply(self, fn, recurse: bool = True):
+        # the token counts stay float32 in a bf16 model (bf16 counts above 256 round)
+        before = self.load
+        super()._apply(fn, recurse)
+        _keep_precise(self, "load", before)
+        return self
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
