@@ -18,6 +18,7 @@ from torch import Tensor
 
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.nn.linear import set_layout
+from attnlab.nn.modes import enter_eval, restore
 
 if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
@@ -364,14 +365,12 @@ def _decode(
 @torch.inference_mode()
 def _forward_last(model, ids: Tensor, mask: Tensor | None, cache) -> Tensor:
     """The logits (b, V) of the last position, in eval mode."""
-    was_training = model.training
-    if was_training:
-        model.eval()
+    modes = enter_eval(model) if model.training else None
     try:
         return model(ids, cache=cache, attention_mask=mask, last_only=True).logits[:, -1]
     finally:
-        if was_training:
-            model.train()
+        if modes is not None:
+            restore(modes)
 
 
 STATIC_CAPACITY_MIN = 64
@@ -487,9 +486,7 @@ def _compiled_step(model):
             """``skip_guards``: the caller vouches that nothing but tensor values changed
             since this step last ran (and passed its guards) with this model and cache;
             the step then calls the code dynamo ran then directly, without its guards."""
-            training = model.training
-            if training:
-                model.eval()
+            modes = enter_eval(model) if model.training else None
             try:
                 code = last_ran.get(cache) if skip_guards else None
                 if code is not None:
@@ -502,8 +499,8 @@ def _compiled_step(model):
                     last_ran[cache] = code
                 return out
             finally:
-                if training:
-                    model.train()
+                if modes is not None:
+                    restore(modes)
 
         step.cuda_graphs = cuda_graphs
         object.__setattr__(model, "_compiled_decode_step", step)  # not a submodule
@@ -815,8 +812,7 @@ def beam_search(
     for i, r in enumerate(rows):  # left padding
         seq[i, longest - len(r) :] = torch.tensor(r, dtype=torch.long)
         valid[i, longest - len(r) :] = True
-    was_training = model.training
-    model.eval()
+    modes = enter_eval(model)
     try:
         cache = model.new_cache(b, longest + max_new_tokens)
         mask = None if bool(valid.all()) else valid
@@ -837,4 +833,4 @@ def beam_search(
             style=style,
         )
     finally:
-        model.train(was_training)
+        restore(modes)

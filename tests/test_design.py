@@ -736,3 +736,47 @@ def test_float64_encoder_head_losses_stay_float64(head):
     else:
         loss = encoder.QuestionAnsweringHead.loss(logits[..., :2], torch.tensor([[1, 2], [0, 4]]))
     assert loss.dtype == torch.float64
+
+
+def test_decoding_and_evaluation_restore_every_modules_own_mode():
+    """generate, beam search, the task's eval_mode, XL, seq2seq and GRU decoding run in
+    eval mode and then give each module its own mode back: a submodule the caller put in
+    eval mode (a frozen part) stays there, the rest trains again (model.train(True) would
+    have switched the frozen part's dropout back on)."""
+    from attnlab.generation import beam_search, generate
+    from attnlab.models.rnn import GRUSeq2Seq
+    from attnlab.presets import get_run_preset
+    from attnlab.tasks.base import eval_mode
+
+    def check(model, run):
+        model.train()
+        frozen = next(m for m in model.modules() if m is not model and list(m.children()))
+        frozen.eval()
+        before = {name: m.training for name, m in model.named_modules()}
+        seen = []  # the mode of every module that runs
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, args: seen.append(m.training)
+        )
+        try:
+            run(model)
+        finally:
+            hook.remove()
+        assert seen and not any(seen)  # eval mode inside
+        assert {name: m.training for name, m in model.named_modules()} == before
+
+    lm = tiny()
+    check(lm, lambda m: generate(m, [1, 2, 3], 3))
+    check(lm, lambda m: beam_search(m, [[1, 2], [3]], 3, num_beams=2))
+
+    def evaluate(m):
+        with eval_mode(m):
+            m(torch.tensor([[1, 2]]))
+
+    check(lm, evaluate)
+    xl = build_model(get_preset("xl-tiny"))
+    check(xl, lambda m: m.generate([1, 2, 3], 3))
+    seq2seq = build_model(get_run_preset("transformer-numbers").model)
+    check(seq2seq, lambda m: m.generate(torch.tensor([[5, 6, 7]]), 3, num_beams=2))
+    gru = build_model(get_run_preset("gru-numbers").model)
+    assert isinstance(gru, GRUSeq2Seq)
+    check(gru, lambda m: m.generate(torch.tensor([[5, 6, 7]]), 3))

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.nn.modes import enter_eval, restore
+
 
 class ImageSplit(NamedTuple):
     train_x: Tensor  # (n, 1, 8, 8) float32 in [0, 1]
@@ -77,12 +79,11 @@ def classification_step(model: nn.Module, batch: tuple[Tensor, Tensor]):
 @torch.no_grad()
 def accuracy(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 512) -> float:
     """Fraction of images whose arg-max class is the label (eval mode, restored after)."""
-    was_training = model.training
-    model.eval()
+    modes = enter_eval(model)
     correct = 0
     for i in range(0, len(y), batch_size):
         correct += int(
             (model(x[i : i + batch_size]).logits.argmax(-1) == y[i : i + batch_size]).sum()
         )
-    model.train(was_training)
+    restore(modes)
     return correct / len(y)

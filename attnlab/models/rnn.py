@@ -30,6 +30,7 @@ from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
 from attnlab.models.build import register_model
 from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.linear import Linear
+from attnlab.nn.modes import enter_eval, restore
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss
 
@@ -227,8 +228,7 @@ class GRUSeq2Seq(nn.Module):
     ) -> list[list[int]] | list[list[list[int]]]:
         """The Transformer encoder-decoder's decoding interface: the new tokens of each row
         (EOS not included), greedy or beam search; with ``n_best`` > 1 the n best per row."""
-        was_training = self.training
-        self.eval()
+        modes = enter_eval(self)
         try:
             if num_beams == 1 and n_best == 1:
                 hyps = [[h] for h in self.greedy(src, src_mask, max_len=max_new_tokens)]
@@ -243,7 +243,7 @@ class GRUSeq2Seq(nn.Module):
                     style=style,
                 )
         finally:
-            self.train(was_training)
+            restore(modes)
         rows = [[h.tokens[:-1] if h.finished else h.tokens for h in row] for row in hyps]
         return [row[0] for row in rows] if n_best == 1 else rows
 

@@ -38,6 +38,7 @@ from attnlab.models.outputs import ModelOutput
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
 from attnlab.nn.linear import Linear
+from attnlab.nn.modes import enter_eval, restore
 from attnlab.nn.norm import build_norm
 
 SINUSOID_LAYOUTS = ("interleaved", "split")
@@ -263,8 +264,7 @@ class Seq2SeqModel(nn.Module):
         GNMT's). Tokens of ``cfg.blocked_ids`` are never generated."""
         from attnlab.generation import beam_search_core
 
-        was_training = self.training
-        self.eval()
+        modes = enter_eval(self)
         try:
             b, eos = src.shape[0], self.cfg.eos_id
             memory = self.encode(src, src_mask)  # once per source
@@ -297,7 +297,7 @@ class Seq2SeqModel(nn.Module):
                 forced_last_ids=self.cfg.forced_eos_ids,
             )
         finally:
-            self.train(was_training)
+            restore(modes)
         if n_best == 1:
             return [row[0].tokens for row in hyps]
         return [[h.tokens for h in row] for row in hyps]

@@ -34,6 +34,7 @@ from attnlab.models.build import register_model
 from attnlab.models.outputs import ModelOutput, init_residual_projections
 from attnlab.nn.feedforward import build_ffn
 from attnlab.nn.linear import Linear
+from attnlab.nn.modes import enter_eval, restore
 from attnlab.nn.norm import build_norm
 from attnlab.nn.relative import RelativeMultiHeadAttention
 
@@ -229,8 +230,7 @@ class TransformerXL(nn.Module):
     def _stream(self, rows, single, max_new_tokens, sampling, stops):
         from attnlab.generation import sample_next
 
-        was_training = self.training
-        self.eval()
+        modes = enter_eval(self)
         try:
             device, seg = self.tok_emb.weight.device, self.cfg.max_seq_len
             # rows of different lengths keep their own memory: each row is a batch of one
@@ -261,7 +261,7 @@ class TransformerXL(nn.Module):
                     return
                 yield step[0] if single else step
         finally:
-            self.train(was_training)
+            restore(modes)
 
 
 @torch.no_grad()
@@ -271,8 +271,7 @@ def xl_loss_sums(
     """(sum of losses, targets) of a 1-D stream read in consecutive segments of
     ``segment_len``, carrying the memory from segment to segment (``memory=False``: each
     segment alone). Every target tokens[1:] is scored once. Batch of one stream."""
-    was_training = model.training
-    model.eval()
+    modes = enter_eval(model)
     total, count, mem = 0.0, 0, None
     n = len(tokens) - 1
     try:
@@ -284,5 +283,5 @@ def xl_loss_sums(
             count += end - start
             mem = out.memory if memory else None
     finally:
-        model.train(was_training)
+        restore(modes)
     return total, count

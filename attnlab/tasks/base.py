@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from attnlab.nn.modes import enter_eval, restore
+
 if TYPE_CHECKING:
     from attnlab.config import ModelConfig, RunConfig
     from attnlab.tokenizers import Tokenizer
@@ -62,13 +64,12 @@ def shard(n: int, rank: int, world_size: int) -> range:
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model.eval()`` and no gradients inside; the training mode it had restored after."""
-    was_training = model.training
-    model.eval()
+    modes = enter_eval(model)
     try:
         with torch.no_grad():
             yield
     finally:
-        model.train(was_training)
+        restore(modes)
 
 
 def model_extras(out: Any) -> tuple[Tensor | None, dict[str, Metric]]:
