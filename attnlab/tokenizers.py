@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Encoding, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from attnlab.fileio import atomic_write_text
@@ -115,6 +115,7 @@ class Tokenizer:
                 "(char), BPE (bpe) or WordPiece (BERT) tokenizers"
             )
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self._chunkable = _cuts_are_safe(json.loads(hf.to_str()))
 
     def _init_char_tables(self) -> None:
         vocab = self.hf.get_vocab(with_added_tokens=True)  # token -> id
@@ -136,12 +137,22 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encoding
 
-    def encode_array(self, text: str) -> np.ndarray:
-        """Text -> (n,) int64 ids, fast on long texts (the path the data pipeline uses)."""
-        if self.kind == "char":
+    def encode_array(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """Text -> (n,) int64 ids, fast on long texts (the path the data pipeline uses).
+        ``add_special_tokens``: with the special tokens the tokenizer's post-processor puts
+        around a text (a LLaMA tokenizer's ``<s>`` first), as transformers'
+        ``tokenizer(text)`` encodes it; attnlab's own tokenizers have none."""
+        specials = add_special_tokens and self.hf.post_processor is not None
+        if self.kind == "char" and not specials:
             return self._encode_char(text)
-        pieces = split_for_encoding(check_encodable(text))
+        text = check_encodable(text)
+        # a text cut into pieces encodes as the whole only where no step of the pipeline
+        # depends on where a piece starts (not so for SentencePiece's prepended "▁")
+        pieces = split_for_encoding(text) if self._chunkable else [text]
         encodings = self.hf.encode_batch(pieces, add_special_tokens=False)
+        if specials:
+            merged = Encoding.merge(encodings, growing_offsets=True)
+            return np.asarray(self.hf.post_process(merged).ids, dtype=np.int64)
         arrays = [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
         return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
@@ -174,8 +185,8 @@ class Tokenizer:
         """The length of ``text`` in the units of :meth:`token_lengths`."""
         return len(text) if self.kind == "char" else len(text.encode("utf-8", "surrogatepass"))
 
-    def encode(self, text: str) -> list[int]:
-        return self.encode_array(text).tolist()
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.encode_array(text, add_special_tokens).tolist()
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -198,6 +209,35 @@ class Tokenizer:
         target = path if path.suffix == ".json" else path / TOKENIZER_FILE
         atomic_write_text(target, self.to_json())
         return target
+
+
+def _cuts_are_safe(spec: dict) -> bool:
+    """Whether a text cut by :func:`split_for_encoding` encodes as the whole text with the
+    tokenizer of ``spec`` (its ``tokenizer.json``): not when its normalizer or
+    pre-tokenizer adds something at the start of every text (SentencePiece-style
+    tokenizers' ``Prepend("▁")`` or ``Metaspace``, a byte-level ``add_prefix_space``),
+    which would be added at every cut too."""
+
+    def nodes(node):
+        if isinstance(node, dict):
+            yield node
+            for value in node.values():
+                yield from nodes(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from nodes(value)
+
+    for node in (*nodes(spec.get("normalizer")), *nodes(spec.get("pre_tokenizer"))):
+        kind = node.get("type")
+        if kind == "Prepend":
+            return False
+        if kind == "Metaspace" and (
+            node.get("prepend_scheme", "always") != "never" or node.get("add_prefix_space")
+        ):
+            return False
+        if kind == "ByteLevel" and node.get("add_prefix_space"):
+            return False
+    return True
 
 
 def _char_tokenizer(chars: Iterable[str]) -> Tokenizer:

@@ -307,3 +307,77 @@ def test_generate_and_eval_on_imported_deepseek(tmp_path, cache, capsys):
         loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten())
     assert report["tokens"] == 2 * block
     assert report["loss"] == pytest.approx(loss.item(), rel=1e-4)
+
+
+def _llama_tokenizer(path) -> None:
+    """A LLaMA-style tokenizer.json ("▁" for spaces and before the text, <s> put first by
+    its post-processor) with the tokenizer_config.json transformers reads it with."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=64, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    hf.train_from_iterator([TEXT * 4], trainer=trainer)
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=hf, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(path)
+
+
+def test_generate_and_eval_read_text_as_the_imported_tokenizer_does(tmp_path, cache, capsys):
+    """A LLaMA tokenizer puts <s> before a text: ``generate --prompt`` and ``eval --data``
+    read the text so, as ``tokenizer(text)`` does in transformers (before, the prompt
+    lacked <s>: another continuation than transformers' greedy one; and eval scored the
+    text without it: loss 6.564 against 6.537 with <s> on a tiny random LLaMA)."""
+    path = tmp_path / "hf"
+    _llama_tokenizer(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    vocab = len(tokenizer)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    ref = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper than the init: the context decides the next token
+        for p in ref.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    ref.save_pretrained(path)
+    _cli("import-hf", str(path), str(tmp_path / "ckpt"))
+    capsys.readouterr()
+
+    prompt = "the quick"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0, 0].item() == 1  # <s>
+    new = 12
+    with torch.no_grad():
+        greedy = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              do_sample=False, eos_token_id=None)  # fmt: skip
+    want = tokenizer.decode(greedy[0].tolist())
+    argv = ["--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(new), "--ignore-eos"]
+    _cli("generate", "--ckpt", str(tmp_path / "ckpt"), *argv)
+    assert "<s> " + capsys.readouterr().out == want + "\n"
+
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT * 2)
+    tokens = tokenizer(TEXT * 2).input_ids  # <s> + the text
+    block = 16
+    args = ["--block-size", str(block), "--stride", str(block), "--json"]
+    _cli("eval", "--ckpt", str(tmp_path / "ckpt"), "--data", str(data), *args)
+    report = json.loads(capsys.readouterr().out)
+    total = 0.0
+    with torch.no_grad():  # every token after <s> scored once, in windows of 16
+        for start in range(0, len(tokens) - 1, block):
+            x = torch.tensor([tokens[start : start + block + 1]])
+            total += F.cross_entropy(ref(x[:, :-1]).logits[0], x[0, 1:], reduction="sum").item()
+    assert report["tokens"] == len(tokens) - 1
+    assert report["loss"] == pytest.approx(total / (len(tokens) - 1), rel=1e-4)

@@ -120,6 +120,58 @@ def test_bpe_chunked_encoding_equals_whole_text(bpe, monkeypatch):
     assert bpe.encode(text) == bpe.hf.encode(text).ids
 
 
+def _sentencepiece_style(text: str) -> HFTokenizer:
+    """A LLaMA-style tokenizer.json: "▁" prepended to the text and for every space, BPE
+    over the pieces, ``<s>`` put first by the post-processor."""
+    from tokenizers import decoders, models, normalizers, processors, trainers
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    hf.train_from_iterator([text], trainer=trainer)
+    hf.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))]
+    )
+    return hf
+
+
+def test_sentencepiece_style_text_is_not_cut(monkeypatch):
+    """A tokenizer that prepends "▁" to a text would prepend it at every cut too: a long
+    text encodes whole (before, each of the 20+ pieces gained a "▁", and the decoded text
+    a space there)."""
+    text = default_corpus()[:30_000]
+    tokenizer = tokenizers_module.Tokenizer(_sentencepiece_style(text))
+    monkeypatch.setattr(tokenizers_module, "_CHUNK_CHARS", 500)
+    assert len(split_for_encoding(text)) > 20
+    ids = tokenizer.encode(text)
+    assert ids == tokenizer.hf.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("chunk", [500, None])
+def test_encode_with_special_tokens_as_transformers_does(bpe, monkeypatch, chunk):
+    """``add_special_tokens=True`` gives ``tokenizer(text)``'s ids: a LLaMA-style
+    tokenizer's <s> first, also for a text encoded in pieces; attnlab's own tokenizers
+    have no special tokens."""
+    text = default_corpus()[:5_000]
+    if chunk:
+        monkeypatch.setattr(tokenizers_module, "_CHUNK_CHARS", chunk)
+    llama = tokenizers_module.Tokenizer(_sentencepiece_style(text))
+    bos = llama.hf.token_to_id("<s>")
+    assert llama.encode(text, add_special_tokens=True) == llama.hf.encode(text).ids
+    assert llama.encode(text, add_special_tokens=True) == [bos, *llama.encode(text)]
+    assert bpe.encode(text, add_special_tokens=True) == bpe.encode(text)
+    char = train_tokenizer("char", [text])
+    assert char.encode(text, add_special_tokens=True) == char.encode(text)
+
+
 def test_split_for_encoding_only_cuts_between_visible_ascii():
     text = "a\nb c\n d\n\ne\nf" * 50
     pieces = split_for_encoding(text, chunk_chars=7)

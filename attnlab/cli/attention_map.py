@@ -132,7 +132,9 @@ def _text_grids(args, model, cfg, tokenizer, device: str) -> tuple[list[Attentio
     else:
         tokenizer = require_tokenizer(tokenizer, args.ckpt, " or token ids with --ids")
         try:
-            ids, option = tokenizer.encode(args.text), "--text"
+            # as transformers' tokenizer(text): with the special tokens its post-processor
+            # adds (an imported LLaMA's <s>, BERT's [CLS] ... [SEP]; attnlab's own: none)
+            ids, option = tokenizer.encode(args.text, add_special_tokens=True), "--text"
         except TokenizerError as e:
             raise CLIError(f"--text: {e}") from None
         if not ids:

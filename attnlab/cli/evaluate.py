@@ -64,15 +64,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 LM_TASKS = ("lm", "lm-stream")  # evaluated as language models, of any text
 
 
-def _tokens_of_file(path: str, tokenizer: Tokenizer, errors: str) -> tuple[np.ndarray, list]:
+def _tokens_of_file(
+    path: str, tokenizer: Tokenizer, errors: str, special_tokens: bool = False
+) -> tuple[np.ndarray, list]:
     """The tokens of a file or folder's documents joined as training joins them, and the
-    documents' texts."""
+    documents' texts; ``special_tokens``: with those the tokenizer puts around a text (an
+    imported LLaMA tokenizer's ``<s>`` first), as transformers' ``tokenizer(text)``."""
     from attnlab.data import DOCUMENT_SEPARATOR, read_corpus
     from attnlab.tokenizers import TokenizerError
 
     texts = [doc for _, doc in read_corpus(path, errors=errors)]
     try:
-        return tokenizer.encode_array(DOCUMENT_SEPARATOR.join(texts)), texts
+        return tokenizer.encode_array(DOCUMENT_SEPARATOR.join(texts), special_tokens), texts
     except TokenizerError as e:
         raise CLIError(f"--data {path}: {e}") from None
 
@@ -178,7 +181,9 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     if args.data is not None:
         if not Path(args.data).exists():
             raise CLIError(f"--data {args.data}: no such file or folder")
-        tokens, texts = _tokens_of_file(args.data, tokenizer, cfg.data.errors)
+        # read as the model's tokenizer reads a text: an imported LLaMA's opens with <s>
+        # (packed documents are cut at their texts' boundaries, which holds none)
+        tokens, texts = _tokens_of_file(args.data, tokenizer, cfg.data.errors, not packed)
         if len(tokens) < 2:
             raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
         block_size = min(block_size, len(tokens) - 1)  # short texts: one shorter block

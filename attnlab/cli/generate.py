@@ -120,16 +120,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | None) -> tuple[str, list[int]]:
     """(shown prompt, ids). An empty or missing prompt starts from a newline if the
-    vocabulary has one, else from token 0 (generation needs at least one token)."""
+    vocabulary has one, else from token 0 (generation needs at least one token). The ids
+    are the text's as transformers' ``tokenizer(prompt)`` gives them: with the special
+    tokens the tokenizer's post-processor adds (an imported LLaMA's ``<s>`` first; none for
+    attnlab's own tokenizers, GPT-2's or Qwen2's)."""
     from attnlab.tokenizers import TokenizerError
 
     if prompt:
         try:
-            return prompt, tokenizer.encode(prompt)
+            return prompt, tokenizer.encode(prompt, add_special_tokens=True)
         except TokenizerError as e:
             raise CLIError(f"--prompt: {e}") from None
     try:
-        ids = tokenizer.encode(DEFAULT_PROMPT)
+        ids = tokenizer.encode(DEFAULT_PROMPT, add_special_tokens=True)
     except TokenizerError:
         ids = []
     if ids:
