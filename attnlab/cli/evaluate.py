@@ -42,7 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
     p.add_argument(
-        "--data", metavar="PATH", help="a .txt file or folder to evaluate on (all of it)"
+        "--data",
+        metavar="PATH",
+        help="a .txt file or folder to evaluate on (its whole blocks; --stride scores every token)",
     )
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="default: the run's")
     p.add_argument("--block-size", type=positive_int, metavar="T", help="default: the run's")
