@@ -100,6 +100,12 @@ class Tokenizer:
     in ``[0, vocab_size)``."""
 
     def __init__(self, hf: HFTokenizer) -> None:
+        # A tokenizer.json keeps the padding and truncation its last caller set (transformers'
+        # save_pretrained after tokenizer(..., padding="max_length", truncation=True) writes
+        # them); attnlab encodes every text whole and unpadded, as transformers' pipelines
+        # do, and says so when a text is too long: drop them.
+        hf.no_padding()
+        hf.no_truncation()
         self.hf = hf
         model_type = json.loads(hf.to_str())["model"]["type"]
         if model_type == "WordLevel":

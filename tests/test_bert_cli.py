@@ -154,6 +154,26 @@ def test_fill_mask_imported_bert_equals_the_transformers_pipeline(tmp_path, caps
             assert probs == pytest.approx([r["score"] for r in ref], rel=1e-4)
 
 
+def test_fill_mask_ignores_saved_padding_and_truncation(tmp_path, capsys):
+    # save_pretrained after tokenizer(..., padding="max_length", truncation=True) keeps both
+    # in tokenizer.json; the pipeline encodes the text whole and unpadded, so does attnlab.
+    from tokenizers import Tokenizer
+
+    pipeline = wordpiece_bert_folder(tmp_path)
+    hf = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.enable_truncation(max_length=5)
+    hf.enable_padding(pad_id=0, pad_token="[PAD]", length=16)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    text = "The cat sat on the [MASK]."  # the mask is past the 5 tokens kept by truncation
+    (want,) = [pipeline(text)]
+    report = run_json(capsys, "fill-mask", "--ckpt", str(tmp_path), text, "--top-k", "4",
+                      "--json")  # fmt: skip
+    (got,) = report["masks"]
+    assert [c["id"] for c in got["candidates"]] == [r["token"] for r in want]
+    probs = [c["prob"] for c in got["candidates"]]
+    assert probs == pytest.approx([r["score"] for r in want], rel=1e-4)
+
+
 def test_fill_mask_errors(tmp_path, capsys, trained):
     mlm_checkpoint(tmp_path / "mlm", "char")
     ckpt = str(tmp_path / "mlm")

@@ -32,6 +32,10 @@ HEADS = {  # folder name -> (transformers class, its config's extra fields)
     "numbered": ("BertForSequenceClassification", {"num_labels": 3}),
     "token": ("BertForTokenClassification", {"id2label": TAGS}),
     "qa": ("BertForQuestionAnswering", {}),
+    "multi": (  # one sigmoid per label (transformers' pipeline and loss)
+        "BertForSequenceClassification",
+        {"id2label": LANGS, "problem_type": "multi_label_classification"},
+    ),
 }
 
 
@@ -101,6 +105,7 @@ def test_import_records_the_task_and_label_names(folders):
     models, _ = folders
     want = {"sequence": ("text-classification", list(LANGS.values())),
             "numbered": ("text-classification", ["0", "1", "2"]),
+            "multi": ("text-classification", list(LANGS.values())),
             "token": ("token-classification", list(TAGS.values())),
             "qa": ("question-answering", None)}  # fmt: skip
     for name, (task, names) in want.items():
@@ -112,7 +117,7 @@ def test_import_records_the_task_and_label_names(folders):
 def test_classify_equals_the_text_classification_pipeline(folders, capsys):
     models, fast = folders
     texts = ["Alice lives in Paris.", "the dog sat on the mat", "Where does Bob live?"]
-    for name in ("sequence", "numbered"):
+    for name in ("sequence", "numbered", "multi"):  # multi: a sigmoid per class
         model, hf_dir, ckpt = models[name]
         pipe = transformers.pipeline("text-classification", model=model, tokenizer=fast)
         for folder in (hf_dir, ckpt):
@@ -125,7 +130,10 @@ def test_classify_equals_the_text_classification_pipeline(folders, capsys):
                 assert [c for c, _ in report[text]["top"]] == [r["label"] for r in ranked]
                 got = [p for _, p in report[text]["top"]]
                 assert got == pytest.approx([r["score"] for r in ranked], abs=1e-4)
-            assert len({report[text]["class"] for text in texts}) > 1  # the inputs matter
+            if name == "multi":  # the inputs matter: (independent) scores differ
+                assert len({str(report[text]["top"]) for text in texts}) == len(texts)
+            else:  # the inputs matter: the class too
+                assert len({report[text]["class"] for text in texts}) > 1
 
 
 def test_tag_equals_the_token_classification_pipeline(folders, capsys):
@@ -185,11 +193,12 @@ def test_answer_equals_the_transformers_model(folders, capsys):
 
 def test_export_writes_the_label_names_back(folders, tmp_path, capsys):
     models, _ = folders
-    for name in ("sequence", "numbered", "token"):
+    for name in ("sequence", "numbered", "token", "multi"):
         model, hf_dir, ckpt = models[name]
         assert main(["export-hf", str(ckpt), str(tmp_path / name)]) == 0
         back = transformers.AutoConfig.from_pretrained(tmp_path / name)
         assert back.id2label == model.config.id2label  # numbered: LABEL_<i> again
+        assert back.problem_type == model.config.problem_type
 
 
 def test_errors_without_a_tokenizer_and_with_a_foreign_one(folders, tmp_path, capsys):
@@ -222,6 +231,33 @@ def test_errors_without_a_tokenizer_and_with_a_foreign_one(folders, tmp_path, ca
     err = run_error(capsys, "classify", "--ckpt", ckpt, "the cat",
                     "--tokenizer", tmp_path / "plain.json")  # fmt: skip
     assert "no [CLS], [SEP] and [PAD]" in err and "--tokenizer FILE" in err
+
+
+def test_saved_padding_and_truncation_change_nothing(folders, tmp_path, capsys):
+    """transformers' save_pretrained writes the padding and truncation of the tokenizer's
+    last call (tokenizer(..., padding="max_length", truncation=True)) into tokenizer.json;
+    its pipelines ignore them, and so does attnlab: the same outputs as without them."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    heads, _ = folders
+    text, context, question = "Alice lives in Paris.", "Bob lives in Lyon.", "Where does Bob live?"
+    commands = {"sequence": ["classify", "--top", "3", text],
+                "token": ["tag", text],
+                "qa": ["answer", "--context", context, "--question", question]}  # fmt: skip
+    for name, args in commands.items():
+        hf_dir = heads[name][1]
+        padded = tmp_path / name
+        shutil.copytree(hf_dir, padded)
+        hf = Tokenizer.from_file(str(padded / "tokenizer.json"))
+        hf.enable_truncation(max_length=6)
+        hf.enable_padding(pad_id=0, pad_token="[PAD]", length=12)
+        hf.save(str(padded / "tokenizer.json"))
+        assert main(["import-hf", str(padded), str(tmp_path / f"{name}-imported")]) == 0
+        want = run_json(capsys, args[0], "--ckpt", hf_dir, *args[1:], "--json")
+        for folder in (padded, tmp_path / f"{name}-imported"):
+            assert run_json(capsys, args[0], "--ckpt", folder, *args[1:], "--json") == want
 
 
 def test_classify_refuses_a_regression_head(tmp_path, capsys):

@@ -214,6 +214,21 @@ def test_saved_file_works_in_transformers(kind, tmp_path, bpe, monkeypatch):
     assert HFTokenizer.from_file(str(file)).encode(TRICKY).ids == tok.encode(TRICKY)
 
 
+def test_saved_padding_and_truncation_are_ignored(tmp_path, bpe, small_corpus, monkeypatch):
+    # transformers' save_pretrained writes the padding and truncation of the tokenizer's
+    # last call into tokenizer.json; texts are still encoded whole and unpadded.
+    hf = HFTokenizer.from_str(bpe.to_json())
+    hf.enable_truncation(max_length=8)
+    hf.enable_padding(pad_id=0, pad_token="!")  # pads a batch (of pieces) to its longest
+    hf.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path)
+    monkeypatch.setattr(tokenizers_module, "_CHUNK_CHARS", 500)
+    text = small_corpus[:5000] + TRICKY
+    assert len(split_for_encoding(text)) > 2
+    assert loaded.encode(text) == bpe.encode(text)
+    assert loaded.hf.encode(TRICKY).ids == bpe.hf.encode(TRICKY).ids
+
+
 def test_load_errors_name_the_file(tmp_path):
     with pytest.raises(TokenizerError, match="not found"):
         load_tokenizer(tmp_path / "missing.json")

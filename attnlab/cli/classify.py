@@ -147,14 +147,17 @@ def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: 
 
 def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str, ckpt) -> dict:
     """text -> {"class": label name, "top": [[name, prob], ...]} for each text: softmax
-    over the classes of ``[CLS] text [SEP]`` (the texts padded to one batch)."""
+    over the classes of ``[CLS] text [SEP]`` (the texts padded to one batch), or a sigmoid
+    per class for a multi-label classifier (problem_type multi_label_classification), as
+    transformers' text-classification pipeline."""
     from attnlab.cli.common import label_names, require_tokenizer, text_codec
     from attnlab.tasks.text import check_length, pad
 
-    if cfg.model.n_labels == 1:
+    problem = getattr(cfg.model, "problem_type", None)
+    if problem == "regression" or (cfg.model.n_labels == 1 and problem is None):
         raise CLIError(
-            f"{ckpt}: the model has one output (a regression head, n_labels=1); classify needs "
-            "a classifier of two or more classes"
+            f"{ckpt}: the model is a regression head (n_labels={cfg.model.n_labels}, "
+            f"problem_type={problem}); classify needs a classifier"
         )
     names = label_names(cfg)
     codec = text_codec(require_tokenizer(tokenizer, ckpt), cfg.model.vocab_size)
@@ -164,5 +167,7 @@ def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str,
     idx, valid = pad(rows, codec.pad_id), pad([[1] * len(r) for r in rows], 0)
     with torch.no_grad():
         logits = model(idx.to(device), attention_mask=valid.to(device)).logits
-    probs = logits.float().softmax(-1).cpu()
+    logits = logits.float()
+    multi_label = problem == "multi_label_classification" or cfg.model.n_labels == 1
+    probs = (logits.sigmoid() if multi_label else logits.softmax(-1)).cpu()
     return {text: _top(row, names, k) for text, row in zip(texts, probs)}

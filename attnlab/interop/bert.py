@@ -3,7 +3,9 @@ head follows config.json's ``architectures``: ``BertForMaskedLM`` (mlm),
 ``BertForSequenceClassification`` (sequence), ``BertForTokenClassification`` (token),
 ``BertForQuestionAnswering`` (qa), ``BertModel`` (none). The classifiers' label names
 (config.json's ``id2label``) become ``EncoderConfig.label_names`` (the label ids as text where
-id2label has none or only transformers' ``LABEL_<i>``) and are written back on export; the
+id2label has none or only transformers' ``LABEL_<i>``) and a sequence classifier's
+``problem_type`` (multi-label: a sigmoid per class) ``EncoderConfig.problem_type``; both are
+written back on export; the
 imported checkpoint records the task its head serves (:data:`TASK_OF_HEAD`), so ``classify``,
 ``tag``, ``answer`` and ``fill-mask`` run it.
 
@@ -47,7 +49,7 @@ from attnlab.interop.io import (
     unplan,
     unrepresentable,
 )
-from attnlab.models.encoder import EncoderConfig
+from attnlab.models.encoder import PROBLEM_TYPES, EncoderConfig
 
 HEAD_ARCHITECTURES = {
     "BertForMaskedLM": "mlm",
@@ -86,6 +88,12 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfi
     names = None
     if head in NAMED_HEADS:
         names = label_names(hf, labels) or numbered(labels)
+    problem_type = hf.get("problem_type") if head == "sequence" else None
+    if problem_type is not None and problem_type not in PROBLEM_TYPES:
+        raise HFCheckpointError(
+            f"config.json problem_type={problem_type!r} is not supported; supported: "
+            f"{', '.join(PROBLEM_TYPES)}"
+        )
     return EncoderConfig(
         vocab_size=get(hf, "vocab_size"),
         max_seq_len=get(hf, "max_position_embeddings"),
@@ -114,6 +122,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfi
         n_labels=labels,
         classifier_dropout=hf.get("classifier_dropout"),
         label_names=names,
+        problem_type=problem_type,
     )
 
 
@@ -169,6 +178,7 @@ def config_to_hf(cfg: EncoderConfig, model_type: str, dtype: torch.dtype) -> dic
         "position_embedding_type": "absolute",
         "pad_token_id": 0,
         **label_entries(2 if cfg.head == "qa" else cfg.n_labels, _names(cfg)),
+        **({"problem_type": cfg.problem_type} if cfg.problem_type else {}),
         **dtype_entries(dtype),
     }
 

@@ -39,6 +39,8 @@ from attnlab.nn.norm import build_norm
 from attnlab.nn.rope import RotaryEmbedding
 
 ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
+# transformers' problem_type of a sequence classifier
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
 
 @dataclass
@@ -49,7 +51,11 @@ class EncoderConfig(ModelConfig):
     [CLS] -> n_labels; n_labels 1 is regression), ``token`` (a label per token), ``qa``
     (start/end logits), ``none`` (hidden states). ``label_names``: the names of the
     ``sequence``/``token`` head's labels in label order (an imported model's id2label);
-    None: the names of the task the model was trained for."""
+    None: the names of the task the model was trained for. ``problem_type``: a ``sequence``
+    head's transformers ``problem_type`` (config.json's): ``single_label_classification``
+    (softmax over the classes), ``multi_label_classification`` (a sigmoid per class: each
+    label on its own), ``regression``; None: from n_labels (1: regression, else single
+    label)."""
 
     arch: str = "encoder"
     attention: AttentionConfig = field(
@@ -62,6 +68,7 @@ class EncoderConfig(ModelConfig):
     n_labels: int = 2
     classifier_dropout: float | None = None  # None: dropout
     label_names: list[str] | None = None
+    problem_type: str | None = None
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -74,6 +81,10 @@ class EncoderConfig(ModelConfig):
         p = self.classifier_dropout
         if p is not None and not 0.0 <= p < 1.0:
             _fail(at("classifier_dropout"), f"must be in [0, 1), got {p}")
+        if self.problem_type is not None:
+            _choice(at("problem_type"), self.problem_type, PROBLEM_TYPES)
+            if self.head != "sequence":
+                _fail(at("problem_type"), f"head {self.head!r} has none; set it to null")
         names = self.label_names
         if names is not None and self.head not in ("sequence", "token"):
             _fail(at("label_names"), f"head {self.head!r} has no named labels; set it to null")
