@@ -78,3 +78,16 @@ def test_digits_and_random_shift():
                 inner = shifted[i, :, 1:-1, 1:-1] == moved[:, 1:-1, 1:-1]
                 ok |= bool(inner.all())
         assert ok
+
+
+def test_text_classification_trains_single_label_classifiers():
+    """A multi-label classifier (an imported problem_type) fine-tuned by the task, whose
+    loss is softmax cross-entropy over one label, is a single-label one afterwards."""
+    from attnlab.presets import get_run_preset
+    from attnlab.tasks import get_task
+
+    cfg = get_run_preset("bert-tiny-langid")
+    cfg.model.problem_type = "multi_label_classification"
+    get_task(cfg.task)(cfg).configure_model(cfg.model)
+    assert cfg.model.problem_type is None
+    cfg.model.validate()

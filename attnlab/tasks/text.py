@@ -229,6 +229,9 @@ class EncoderTextTask(Task):
             )
         model_cfg.vocab_size = self.codec.vocab_size
         model_cfg.n_labels = self.n_labels()
+        # the task trains one label per example (softmax cross-entropy): a multi-label
+        # model fine-tuned by it (--init-from) is scored by a softmax from then on
+        model_cfg.problem_type = None
         if model_cfg.max_seq_len < self.longest:
             raise ConfigError(
                 f"model.max_seq_len={model_cfg.max_seq_len} is shorter than the longest "
