@@ -140,3 +140,59 @@ def test_flash_backend_keeps_narrow_values_on_cuda():
     out = attend(q, k, v, causal=True, backend="flash")
     assert out.shape == (1, 2, 64, 16)
     torch.testing.assert_close(out, eager_attention(q, k, v, causal=True), **TOL)
+
+
+@pytest.mark.parametrize("window", [2**31 - 1, 2.5])
+def test_triton_window_edge_values_match_eager(window):
+    """window=2**31-1 (an "unlimited" sentinel) wrapped the backward's int32 bound on the
+    queries that see a key block negative: dK and dV came back 0. A float window failed to
+    compile while the other backends take it (keys k > p - w)."""
+    q, k, v = _qkv(1, 2, 1, 5, 9, 16)
+    _check(q, k, v, causal=True, window=window)
+
+
+def test_triton_document_ids_beyond_int32():
+    """The ids went to the kernel as int32: 0 and 2**32 became one document."""
+    q, k, v = _qkv(1, 2, 2, 9, 9, 16)
+    _check(q, k, v, causal=True, doc_ids=torch.tensor([[0] * 4 + [2**32] * 5], device=DEVICE))
+
+
+def test_triton_refuses_what_flash_refuses():
+    """Arguments the tiled twin refuses by name were taken by the kernel: doc_ids of another
+    shape, or with t > s, were read out of bounds; a mask that requires grad got none."""
+    q, k, v = _qkv(2, 2, 2, 5, 9, 16)
+    with pytest.raises(ValueError, match=r"doc_ids must be \(b, s\) = \(2, 9\), got \(2, 5\)"):
+        triton_attention(q, k, v, causal=True, doc_ids=torch.zeros(2, 5, dtype=torch.long))
+    q2, k2, v2 = _qkv(2, 2, 2, 9, 5, 16)
+    with pytest.raises(ValueError, match="doc_ids need query length t=9 <= key length s=5"):
+        triton_attention(q2, k2, v2, doc_ids=torch.zeros(2, 5, dtype=torch.long, device=DEVICE))
+    mask = torch.zeros(2, 1, 5, 9, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="does not differentiate the mask"):
+        triton_attention(q, k, v, mask)
+    with pytest.raises(ValueError, match="needs one dtype"):
+        triton_attention(q, k, v.detach().half())
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: how the flash backend picks the kernels."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_flash_backend_keeps_float64_off_the_kernels(monkeypatch):
+    """On CUDA, float64 went to the Triton kernels, which refuse it: attend(backend='flash')
+    raised instead of running the tiled twin."""
+    import attnlab.kernels as kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    monkeypatch.setattr(kernels, "triton_attention", lambda q, *a, **kw: calls.append(q.dtype))
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64).as_subclass(_OnCuda) for _ in "qkv")
+    out = attend(q, k, v, causal=True, backend="flash")
+    assert not calls
+    ref = eager_attention(*(x.as_subclass(torch.Tensor) for x in (q, k, v)), causal=True)
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), ref)
+    attend(q.float(), k.float(), v.float(), causal=True, backend="flash")
+    assert calls == [torch.float32]

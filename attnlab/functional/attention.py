@@ -171,11 +171,22 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
     return sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
 
 
+def _triton_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether ``flash`` may hand these tensors to the Triton kernels: CUDA, one head dim
+    for q, k and v (not MLA's narrower values), one dtype the kernels take (float64 went to
+    the kernels on CUDA, which refused it, instead of to the tiled twin)."""
+    return (
+        q.is_cuda
+        and v.shape[-1] == q.shape[-1] == k.shape[-1]
+        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and q.dtype == k.dtype == v.dtype
+    )
+
+
 def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
     from attnlab import kernels
 
-    # the same maths, as one GPU kernel (which takes one head dim for q, k and v)
-    if q.is_cuda and kernels.triton_available() and v.shape[-1] == q.shape[-1]:
+    if _triton_takes(q, k, v) and kernels.triton_available():
         return kernels.triton_attention(
             q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
         )

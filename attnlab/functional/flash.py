@@ -257,8 +257,14 @@ def flash_attention(
         raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
+    if h % h_kv or v.shape[1] != h_kv:  # v's heads broadcast silently against k's
+        raise ValueError(
+            f"query heads ({h}) must be a multiple of key/value heads (k {h_kv}, v {v.shape[1]})"
+        )
     if doc_ids is not None and doc_ids.shape != (b, s):
         raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
+    if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]
+        raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
     if mask is not None and mask.requires_grad:
         raise ValueError("flash attention does not differentiate the mask; detach it")
     g = h // h_kv

@@ -1,13 +1,13 @@
 """Flash attention as Triton kernels: the maths of ``functional/flash.py`` on one GPU tile
 per program (Dao et al. 2022; Dao 2023, FlashAttention-2).
 
-forward   grid (query blocks, b * h): running max m, denominator l, output acc over the
+forward   grid (query blocks, h, b): running max m, denominator l, output acc over the
           key blocks the query block can see (causal: up to the diagonal; window: from
           its lower edge); stores O and the log-sum-exp L (+inf for empty rows).
 backward  D = rowsum(dO * O) in torch, then two kernels without atomics:
-          dK/dV grid (key blocks, b * h_kv): each program loops over the g query heads of
+          dK/dV grid (key blocks, h_kv, b): each program loops over the g query heads of
           its kv head (GQA) and the query blocks that can see it; dQ grid (query blocks,
-          b * h), like the forward. P = exp(S - L) is recomputed, never stored.
+          h, b), like the forward. P = exp(S - L) is recomputed, never stored.
 
 Masks: causal (bottom-right: query i at position s - t + i), sliding window, document
 ids (b, s), and any bool/additive mask broadcastable to (b, h, t, s), read through its
@@ -69,7 +69,9 @@ def _tile_scores(
         k_doc = tl.load(DOC + b * s_doc_b + cols, mask=cols < S, other=-2)
         ok = ok & (q_doc[:, None] == k_doc[None, :])
     if HAS_BIAS:
-        bias_ptr = BIAS + b * s_bias_b + h * s_bias_h + rows[:, None] * s_bias_t
+        # int64 rows: a full (t, s) bias passes 2**31 elements from t = s = 46341
+        rows64 = rows[:, None].to(tl.int64)
+        bias_ptr = BIAS + b * s_bias_b + h * s_bias_h + rows64 * s_bias_t
         sc += tl.load(bias_ptr + cols[None, :] * s_bias_s, mask=ok, other=0.0)
     return tl.where(ok, sc, float("-inf"))
 
@@ -115,9 +117,12 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # Grid (query blocks, h, b): CUDA caps grid axes 1 and 2 at 65535, which b * h on one
+    # axis passed (b=1024, h=64). int64: b * (h * t * d_h) and (b * h + h) * t * d_h pass
+    # 2**31 elements on big batches; int32 offsets wrapped and read/wrote other memory.
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    pid_bh = b * H + h
     hk = h // G  # GQA: query head h reads kv head h // g
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -209,10 +214,10 @@ def _bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
     H_KV = H // G
-    b = pid_bk // H_KV
-    hk = pid_bk % H_KV
+    hk = tl.program_id(1).to(tl.int64)  # grid (key blocks, h_kv, b), int64 as the forward
+    b = tl.program_id(2).to(tl.int64)
+    pid_bk = b * H_KV + hk
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     kv_ok = (cols < S)[:, None] & (dims < D)[None, :]
@@ -301,9 +306,12 @@ def _bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # Grid (query blocks, h, b): CUDA caps grid axes 1 and 2 at 65535, which b * h on one
+    # axis passed (b=1024, h=64). int64: b * (h * t * d_h) and (b * h + h) * t * d_h pass
+    # 2**31 elements on big batches; int32 offsets wrapped and read/wrote other memory.
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    pid_bh = b * H + h
     hk = h // G
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -347,6 +355,8 @@ def _bwd_dq_kernel(
     )
 
 
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 # Block sizes: the interpreter runs numpy, so small tiles keep the tests quick and still
 # give several blocks per sequence; on a GPU the forward is autotuned over a few shapes.
 INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
@@ -360,13 +370,13 @@ _dkdv_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dq_kernel)
 
 
-def _launch(kernel, tuned, grid_rows: int, n_programs: int, *args, **meta) -> None:
+def _launch(kernel, tuned, grid_rows: int, heads: int, b: int, *args, **meta) -> None:
     if interpreting():
-        grid = (triton.cdiv(grid_rows, INTERPRET_BLOCKS[meta.pop("_axis")]), n_programs)
+        grid = (triton.cdiv(grid_rows, INTERPRET_BLOCKS[meta.pop("_axis")]), heads, b)
         kernel[grid](*args, **meta, **INTERPRET_BLOCKS)
     else:
         axis = meta.pop("_axis")
-        tuned[lambda m: (triton.cdiv(grid_rows, m[axis]), n_programs)](*args, **meta)
+        tuned[lambda m: (triton.cdiv(grid_rows, m[axis]), heads, b)](*args, **meta)
 
 
 def _bias_and_strides(mask: Tensor | None, b: int, h: int, t: int, s: int, device):
@@ -395,7 +405,7 @@ class _TritonFlash(torch.autograd.Function):
         common = (bias, doc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bias_strides)
         tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, window or 0, scale)
         args = (q, k, v, out, lse, *common, *tail)
-        _launch(_fwd_kernel, _fwd_tuned, t, b * h, *args, _axis="BLOCK_M", **meta)
+        _launch(_fwd_kernel, _fwd_tuned, t, h, b, *args, _axis="BLOCK_M", **meta)
         ctx.save_for_backward(q, k, v, out, lse, bias, doc)
         ctx.has_bias, ctx.bias_strides = has_bias, bias_strides
         ctx.causal, ctx.window, ctx.scale = causal, window, scale
@@ -413,9 +423,9 @@ class _TritonFlash(torch.autograd.Function):
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ctx.bias_strides)
         tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, ctx.window or 0, ctx.scale)
         dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, bias, doc, *strides, *tail)
-        _launch(_bwd_dkdv_kernel, _dkdv_tuned, s, b * h_kv, *dkdv_args, _axis="BLOCK_N", **meta)
+        _launch(_bwd_dkdv_kernel, _dkdv_tuned, s, h_kv, b, *dkdv_args, _axis="BLOCK_N", **meta)
         dq_args = (q, k, v, grad_out, lse, delta, dq, bias, doc, *strides, *tail)
-        _launch(_bwd_dq_kernel, _dq_tuned, t, b * h, *dq_args, _axis="BLOCK_M", **meta)
+        _launch(_bwd_dq_kernel, _dq_tuned, t, h, b, *dq_args, _axis="BLOCK_M", **meta)
         return dq, dk, dv, *([None] * 8)
 
 
@@ -449,24 +459,41 @@ def triton_flash_attention(
     b, h, t, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     if h % h_kv or v.shape[1] != h_kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+        raise ValueError(
+            f"query heads ({h}) must be a multiple of key/value heads (k {h_kv}, v {v.shape[1]})"
+        )
     if causal and s < t:
         raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
+    if doc_ids is not None and doc_ids.shape != (b, s):
+        raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
+    if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]
+        raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
+    if mask is not None and mask.requires_grad:
+        raise ValueError("flash attention does not differentiate the mask; detach it")
     if v.shape[-1] != d or k.shape[-1] != d:
         raise ValueError(
             f"triton attention needs one head dim for q, k and v, got {d}, {k.shape[-1]} and "
             f"{v.shape[-1]} (MLA's narrower values); use backend 'flash' or 'sdpa'"
         )
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"triton attention supports float32, float16, bfloat16, not {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"triton attention needs one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if window is not None:
+        # Keys k > p - w are keys k > p - ceil(w): a float window (which the other backends
+        # take) as the int the kernel needs (a float failed to compile). A window of s keys
+        # or more is plain causal; clamping keeps the backward's bound (last key + window -
+        # offset) inside int32: window=2**31-1 wrapped it negative and dK, dV came back 0.
+        window = min(math.ceil(window), max(s, 1))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     bias, bias_strides = _bias_and_strides(mask, b, h, t, s, q.device)
     doc = (
         torch.empty(0, device=q.device, dtype=torch.int32)
         if doc_ids is None
-        else doc_ids.to(device=q.device, dtype=torch.int32).contiguous()
+        # int64: int32 wrapped ids 2**32 apart (hashes, global offsets) into one document
+        else doc_ids.to(device=q.device, dtype=torch.int64).contiguous()
     )
     return _TritonFlash.apply(
         q, k, v, bias, mask is not None, bias_strides, doc, causal, window, scale
