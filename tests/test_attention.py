@@ -287,3 +287,16 @@ def test_float64_attention_passes_gradcheck(name):
     assert torch.autograd.gradcheck(
         lambda x: attn(x, positions=positions, rope=tables), (x,), eps=1e-6, atol=1e-7
     )
+
+
+def test_no_keys_give_zeros_in_every_backend():
+    """s = 0 (nothing to attend to): zeros of the query's shape, as sdpa gives them (eager
+    raised in amax)."""
+    from attnlab.functional.attention import attend, available_backends
+
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4), torch.randn(1, 2, 0, 4)
+    for backend in available_backends():
+        if backend == "flex":
+            continue  # flex builds block masks of at least one key block
+        out = attend(q, k, v, backend=backend)
+        assert torch.equal(out, torch.zeros(1, 2, 3, 4)), backend
