@@ -37,6 +37,9 @@ CELL_INCHES = 2.0  # one heatmap
 MARGIN_INCHES = 0.8  # the figure title
 DPI = 100
 MAX_TICK_LABELS = 40  # longer sequences are drawn without token labels
+# Text drawn as written: a token or path holding "$...$" is not mathtext (which would
+# misdraw "$x$" and fail to parse " $$").
+_PLAIN = {"parse_math": False}
 
 
 class AttentionMapError(ValueError):
@@ -206,9 +209,9 @@ def draw_attention(
         for c, head in enumerate(heads):
             ax = axes[r][c]
             _panel(ax, grid, grid.weights[layer, head].float(), keys=last, queries=c == 0)
-            ax.set_title(f"{grid.title}: layer {layer}, head {head}", fontsize=7)
+            ax.set_title(f"{grid.title}: layer {layer}, head {head}", **_PLAIN, fontsize=7)
     note = "attention weights; each panel's colours run from 0 to its largest weight"
-    fig.suptitle(f"{title}\n{note}" if title else note, fontsize=9)
+    fig.suptitle(f"{title}\n{note}" if title else note, **_PLAIN, fontsize=9)
     return fig
 
 
@@ -226,7 +229,7 @@ def _panel(ax, grid: AttentionGrid, w: Tensor, *, keys: bool, queries: bool) -> 
                                      (grid.queries, queries, ax.set_yticks)):  # fmt: skip
         if shown and len(labels) <= MAX_TICK_LABELS:
             size = max(3.0, min(7.0, 110.0 / max(len(labels), 1)))
-            set_ticks(range(len(labels)), labels, fontsize=size)
+            set_ticks(range(len(labels)), labels, **_PLAIN, fontsize=size)
         else:
             set_ticks([])
     ax.tick_params(axis="x", labelrotation=90)

@@ -122,6 +122,7 @@ class Tokenizer:
             )
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._chunkable = _cuts_are_safe(json.loads(hf.to_str()))
+        self._char_starts: np.ndarray | None = None
 
     def _init_char_tables(self) -> None:
         vocab = self.hf.get_vocab(with_added_tokens=True)  # token -> id
@@ -187,6 +188,27 @@ class Tokenizer:
             lengths[i] = len(token)
         return lengths
 
+    def char_starts(self) -> np.ndarray | None:
+        """(vocab_size,) int64: how many characters of the text begin in each id's text, so
+        that the characters a run of ids covers is ``char_starts()[ids].sum()`` even where
+        a character is cut across tokens (byte-level BPE: it counts once, in the token
+        holding its first byte; decoding a run that starts or ends inside a character
+        gives a U+FFFD per stray byte). ``char``: 1 per id; byte-level BPE: the token's
+        bytes that are not UTF-8 continuation bytes (0x80-0xBF); None for other
+        tokenizers (count characters by decoding)."""
+        if self._char_starts is None and self.kind == "char":
+            self._char_starts = np.ones(self.vocab_size, dtype=np.int64)
+        elif self._char_starts is None and _is_byte_level(json.loads(self.hf.to_str())):
+            to_byte = _byte_level_decoder()
+            starts = np.zeros(self.vocab_size, dtype=np.int64)
+            for token, i in self.hf.get_vocab(with_added_tokens=True).items():
+                if all(symbol in to_byte for symbol in token):
+                    starts[i] = sum(1 for symbol in token if not 0x80 <= to_byte[symbol] < 0xC0)
+                else:  # an added token ("<|endoftext|>") decodes to its own text
+                    starts[i] = len(self.decode([i]))
+            self._char_starts = starts
+        return self._char_starts
+
     def text_length(self, text: str) -> int:
         """The length of ``text`` in the units of :meth:`token_lengths`."""
         return len(text) if self.kind == "char" else len(text.encode("utf-8", "surrogatepass"))
@@ -215,6 +237,28 @@ class Tokenizer:
         target = path if path.suffix == ".json" else path / TOKENIZER_FILE
         atomic_write_text(target, self.to_json())
         return target
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the symbol standing for each byte -> the byte
+    (printable bytes stand for themselves, the others for code points from 256 up)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in kept:
+            symbols[chr(byte)] = byte
+        else:
+            symbols[chr(256 + extra)] = byte
+            extra += 1
+    return symbols
+
+
+def _is_byte_level(spec: dict) -> bool:
+    """Whether the tokenizer of ``spec`` (its ``tokenizer.json``) decodes byte-level
+    tokens (GPT-2's alphabet: attnlab's bpe, GPT-2, Qwen2, LLaMA 3)."""
+    decoder = spec.get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+    return spec["model"]["type"] == "BPE" and "ByteLevel" in kinds
 
 
 def _cuts_are_safe(spec: dict) -> bool:

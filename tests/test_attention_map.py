@@ -18,9 +18,12 @@ import torch  # noqa: E402
 
 from attnlab.attention_maps import (  # noqa: E402
     DPI,
+    AttentionGrid,
     AttentionMapError,
+    draw_attention,
     figure_inches,
     record_attention,
+    save_png,
     stack_layers,
 )
 from attnlab.cli.main import main  # noqa: E402
@@ -238,6 +241,18 @@ def test_cli_out_that_is_a_folder_is_named_in_the_error(decoder_ckpt, tmp_path, 
     err = capsys.readouterr().err
     assert err == f"attnlab: error: {out}: is a folder; give a file path\n"  # not a temp file
     assert list(out.iterdir()) == [] and sorted(tmp_path.iterdir()) == [out]
+
+
+def test_labels_and_titles_with_dollar_signs_are_drawn_as_written(tmp_path):
+    # a byte-level BPE token " $$" is not mathtext (it failed to parse), nor is "$x$"
+    labels = ["\u2423$$", "$x$", "\\$", "a$b"]
+    grid = AttentionGrid("causal self-attention", torch.rand(1, 1, 4, 4), labels, labels)
+    fig = draw_attention([grid], title="runs/$$cost$: 4 tokens")
+    assert save_png(fig, tmp_path / "map.png").is_file()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels
+    assert not any(t.get_parse_math() for t in [*ax.get_xticklabels(), *ax.get_yticklabels()])
+    assert not fig._suptitle.get_parse_math() and not ax.title.get_parse_math()
 
 
 def test_cli_seq2seq_draws_three_kinds_with_the_greedy_target(tmp_path, capsys):

@@ -111,6 +111,26 @@ def test_train_applies_overrides_and_reports_files(work):
         assert str(Path("run") / name) in stdout
 
 
+def test_suggested_sample_command_works_for_the_run(work, tmp_path, capsys):
+    # the "sample with:" line after training: --prompt 'The ' only where the tokenizer
+    # can encode it (a char tokenizer trained on "ab" cannot), else generate's default
+    from attnlab.cli.train import sample_command
+    from attnlab.models import build_model
+    from attnlab.tokenizers import train_tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    assert sample_command(work / "run")[-2:] == ["--prompt", "The "]
+    ckpt = load_checkpoint(work / "run")
+    train_tokenizer("char", ["abba"]).save(tmp_path)
+    assert sample_command(tmp_path) == ["attnlab", "generate", "--ckpt", tmp_path]
+    ckpt.model.cfg.vocab_size = 2
+    save_checkpoint(tmp_path / "ab", build_model(ckpt.model.cfg), ckpt.config,
+                    train_tokenizer("char", ["abba"]))  # fmt: skip
+    words = [str(word) for word in sample_command(tmp_path / "ab")[1:]]
+    code, out, err = run_main([*words, "--max-new-tokens", "3", "--seed", "0"], capsys)
+    assert code == 0 and err == "" and set(out) == {"a", "b", "\n"} and len(out) == 5
+
+
 def test_train_config_layering(tmp_path):
     # preset < --config (partial, merged per section) < --set < --data/--seed shortcuts
     from attnlab.cli import train as train_cmd
@@ -426,6 +446,16 @@ def test_generate_default_length_fits_the_context(work):
     expected = ckpt.model.generate(ids, 64 - len(ids), temperature=0.0)
     assert len(expected) == 64 - len(ids)
     assert proc.stdout == prompt + ckpt.tokenizer.decode(expected) + "\n"
+
+
+def test_generate_default_length_when_the_prompt_fills_the_context():
+    # half the context, sliding; a context of one token still generates (it gave none)
+    from attnlab.cli.generate import plan_length
+
+    with pytest.warns(UserWarning, match="generating 32 tokens"):
+        assert plan_length([1] * 64, None, 64, "slide") == ([1] * 64, 32)
+    with pytest.warns(UserWarning, match="generating 1 tokens"):
+        assert plan_length([7], None, 1, "slide") == ([7], 1)
 
 
 def test_generate_warnings_come_before_the_text(work):

@@ -356,3 +356,39 @@ def test_cli_trains_packed_and_evaluates(tmp_path, folder, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab")
     assert "error: data.options.pack_documents: attention kind 'linear'" in err[0]
+
+
+def test_cli_counts_characters_cut_across_byte_level_tokens_once(tmp_path, capsys, monkeypatch):
+    # Byte tokens (bpe_vocab_size 257: one merge): each CJK character is three or two
+    # tokens. bits/char must count the characters of each document's text, whatever the
+    # stride: decoding each window's scored tokens alone counted a U+FFFD per stray byte
+    # (--stride 1: a "character" per token).
+    from attnlab.cli.main import main
+    from attnlab.tokenizers import train_tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    texts = ["日本語の文字" * 6, "中文字漢 日本" * 5]
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, text in enumerate(texts):
+        (folder / f"{i}.txt").write_text(text, encoding="utf-8")
+    tokenizer = train_tokenizer("bpe", [DOCUMENT_SEPARATOR.join(texts)], 257)
+    cfg = RunConfig(model=gpt2_style(vocab_size=tokenizer.vocab_size, max_seq_len=32,
+                                     d_model=32, n_layers=1, n_heads=2),
+                    data=DataConfig(path=str(folder), tokenizer="bpe", bpe_vocab_size=257,
+                                    options={"pack_documents": True}))  # fmt: skip
+    cfg.train.block_size = 16
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "run", build_model(cfg.model), cfg, tokenizer)
+    # every character of each document (and separator) but the first: its first token,
+    # a lead byte, is not a target
+    spans = [texts[0] + DOCUMENT_SEPARATOR, texts[1]]
+    expected = sum(len(span) - 1 for span in spans)
+    argv = ["eval", "--ckpt", str(tmp_path / "run"), "--data", str(folder), "--json"]
+    for stride in ("1", "5", "16"):
+        assert main([*argv, "--stride", stride]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["characters"] == expected, stride
+        bits = report["loss"] * report["tokens"] / np.log(2)
+        assert report["bits_per_char"] == pytest.approx(bits / expected, rel=1e-6)

@@ -115,3 +115,17 @@ def test_cli_stride_equals_the_function(ckpt, capsys, monkeypatch):
     code = main([*argv, "--stride", "33"])
     err = capsys.readouterr().err
     assert code != 0 and "--stride 33 exceeds the window of 32 tokens" in err
+
+
+def test_cli_stride_on_a_text_shorter_than_the_window(ckpt, capsys, monkeypatch):
+    # a stride valid for the model's window: the short text is one window, scored whole
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(ckpt / "cache"))
+    (ckpt / "short.txt").write_text("the cat sat")  # 11 tokens < the window of 32
+    argv = ["eval", "--ckpt", str(ckpt / "run"), "--data", str(ckpt / "short.txt"), "--json"]
+    assert main([*argv, "--stride", "16"]) == 0
+    strided = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    blocks = json.loads(capsys.readouterr().out)
+    assert strided["tokens"] == blocks["tokens"] == 10
+    assert strided["loss"] == pytest.approx(blocks["loss"], rel=1e-5)

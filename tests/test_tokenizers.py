@@ -93,6 +93,19 @@ def test_bpe_round_trip_of_unseen_unicode(bpe):
         assert bpe.decode(ids) == text
 
 
+def test_char_starts_count_each_character_once(bpe):
+    # bits per character: the characters a run of tokens predicts, where a character cut
+    # across byte-level tokens counts once (decoding a run alone gives stray U+FFFDs)
+    for tokenizer in (bpe, train_tokenizer("char", [TRICKY])):
+        starts = tokenizer.char_starts()
+        ids = np.asarray(tokenizer.encode(TRICKY))
+        assert starts.shape == (tokenizer.vocab_size,)
+        assert starts[ids].sum() == len(TRICKY)
+        for cut in range(1, len(ids)):  # any two runs: every character in exactly one
+            assert starts[ids[:cut]].sum() + starts[ids[cut:]].sum() == len(TRICKY)
+            assert starts[ids[:cut]].sum() == len(tokenizer.decode(ids[:cut]))  # a prefix
+
+
 def test_bpe_vocab_size_and_compression(bpe, small_corpus):
     assert bpe.vocab_size == 320  # 256 bytes + 64 merges learnt from a rich enough text
     ids = bpe.encode(small_corpus)

@@ -188,7 +188,8 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         tokens, texts = _tokens_of_file(args.data, tokenizer, cfg.data.errors, not packed)
         if len(tokens) < 2:
             raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
-        block_size = min(block_size, len(tokens) - 1)  # short texts: one shorter block
+        if args.stride is None:  # short texts: one shorter block (windows need no cut)
+            block_size = min(block_size, len(tokens) - 1)
         doc_starts = None
         if packed:  # the documents apart, as in training
             try:
@@ -221,7 +222,7 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
                 documents, block_size, args.stride, batch_size, args.max_batches
             )
             result["characters"] = sum(
-                len(tokenizer.decode(data.val[e + 1 - n : e + 1]))
+                characters_of(tokenizer, data.val[e + 1 - n : e + 1])
                 for group in groups
                 for _, e, n in group
             )
@@ -242,13 +243,13 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         targets = data.val[1 : 1 + walked]
         docs = data.document_ids("val", torch.zeros(1, dtype=torch.int64), walked + 1)[0]
         firsts = targets[(docs[1:] != docs[:-1]).numpy()]
-        characters = len(tokenizer.decode(targets)) - sum(
-            len(tokenizer.decode([i])) for i in firsts
+        characters = characters_of(tokenizer, targets) - sum(
+            characters_of(tokenizer, [i]) for i in firsts
         )
     elif "characters" in result:
         characters = result["characters"]
     else:
-        characters = len(tokenizer.decode(data.val[1 : 1 + result["tokens"]]))
+        characters = characters_of(tokenizer, data.val[1 : 1 + result["tokens"]])
     total_bits = result["loss"] * result["tokens"] / math.log(2.0)
     return {
         "task": "lm",
@@ -263,6 +264,19 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         "memory": memory,
         "source": source,
     }
+
+
+def characters_of(tokenizer: Tokenizer, ids) -> int:
+    """The characters of the text that the tokens ``ids`` (a run of the stream) predict:
+    those beginning in them, so a character cut across tokens (byte-level BPE) counts
+    once whichever runs its bytes fall in (decoding a run that starts or ends inside a
+    character would count a U+FFFD per stray byte); by decoding for tokenizers that do
+    not say where characters begin."""
+    starts = tokenizer.char_starts()
+    ids = np.asarray(ids, dtype=np.int64)
+    if starts is None:
+        return len(tokenizer.decode(ids))
+    return int(starts[ids].sum())
 
 
 def _with_memory(args, model, tokens, block_size: int, device: str) -> dict:

@@ -4,7 +4,7 @@ stdout holds only the prompt and its continuation: warnings (a prompt cropped to
 context, a context that will fill up) go to stderr, all before the first character is
 printed. Without ``--max-new-tokens`` the continuation fits the model's context:
 ``min(256, max_seq_len - prompt tokens)``, or, when the prompt fills the whole context,
-``min(256, max_seq_len // 2)`` tokens with the context sliding as it goes.
+``min(256, max_seq_len // 2)`` tokens (at least 1) with the context sliding as it goes.
 
 A checkpoint without a tokenizer (e.g. imported from a weight-only Hugging Face folder)
 takes ``--tokenizer FILE``, or token ids with ``--prompt-ids 1,2,3``; with no tokenizer at
@@ -172,7 +172,8 @@ def plan_length(
     room = max_seq_len - len(ids)
     explicit = max_new_tokens is not None
     if not explicit:
-        max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, room or max_seq_len // 2)
+        # a full context: half of it (at least one token: max_seq_len=1 slides by one)
+        max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, room or max(1, max_seq_len // 2))
     if max_new_tokens <= room or overflow == "roll":
         return ids, max_new_tokens
     if overflow == "stop":

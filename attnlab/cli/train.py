@@ -169,6 +169,23 @@ def command(*words: str | os.PathLike[str]) -> str:
     return " ".join(shlex.quote(str(word)) for word in words)
 
 
+SAMPLE_PROMPT = "The "  # the prompt suggested after training, where the tokenizer has it
+
+
+def sample_command(out: str | os.PathLike[str]) -> list[str | os.PathLike[str]]:
+    """The generate command suggested after training a language model in ``out``: with
+    ``--prompt 'The '`` where the run's tokenizer encodes it (a char tokenizer knows only
+    its corpus's characters), else with generate's default prompt."""
+    from attnlab.tokenizers import TokenizerError, load_tokenizer
+
+    words: list[str | os.PathLike[str]] = ["attnlab", "generate", "--ckpt", out]
+    try:
+        load_tokenizer(out).encode(SAMPLE_PROMPT)
+    except (TokenizerError, OSError):
+        return words
+    return [*words, "--prompt", SAMPLE_PROMPT]
+
+
 def _fmt(loss: float | None) -> str:
     return "n/a" if loss is None else f"{loss:.4f}"
 
@@ -231,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     if (out / PLOT_FILE).is_file():
         print(f"loss plot   {out / PLOT_FILE}")
     if cfg.task == "lm":
-        print(f"sample with: {command('attnlab', 'generate', '--ckpt', out, '--prompt', 'The ')}")
+        print(f"sample with: {command(*sample_command(out))}")
     if result.interrupted:  # the shell convention 128 + signal number
         return 128 + int(getattr(signal, result.interrupted))
     return 0
