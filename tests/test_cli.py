@@ -749,3 +749,15 @@ def test_threads_option_sets_torch_threads(capsys, monkeypatch):
         assert_one_line_error(code, err, "--threads must be a positive integer")
     finally:
         torch.set_num_threads(before)
+
+
+def test_eval_reads_invalid_utf8_as_its_errors_option_says(work, tmp_path, capsys):
+    """eval has no --set: its error names its own --errors option, which then reads the bad
+    byte as U+FFFD (here a character the char tokenizer never saw: refused by name)."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(_corpus()[:200].encode() + b"\xff" + _corpus()[:200].encode())
+    argv = ["eval", "--ckpt", str(work / "run"), "--data", str(bad)]
+    code, _, err = run_main(argv, capsys)
+    assert code == 1 and "not valid UTF-8" in err and "give --errors replace" in err
+    code, _, err = run_main([*argv, "--errors", "replace"], capsys)
+    assert code == 1 and "U+FFFD" in err and "not in the vocabulary" in err

@@ -46,6 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="a .txt file or folder to evaluate on (its whole blocks; --stride scores every token)",
     )
+    p.add_argument(
+        "--errors",
+        choices=("strict", "replace"),
+        help="--data bytes that are not UTF-8: refuse them (strict) or read them as U+FFFD "
+        "(replace); default: the run's data.errors",
+    )
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="default: the run's")
     p.add_argument("--block-size", type=positive_int, metavar="T", help="default: the run's")
     p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
@@ -73,9 +79,13 @@ def _tokens_of_file(
     documents' texts; ``special_tokens``: with those the tokenizer puts around a text (an
     imported LLaMA tokenizer's ``<s>`` first), as transformers' ``tokenizer(text)``."""
     from attnlab.data import DOCUMENT_SEPARATOR, read_corpus
+    from attnlab.data.lm import DataError
     from attnlab.tokenizers import TokenizerError
 
-    texts = [doc for _, doc in read_corpus(path, errors=errors)]
+    try:
+        texts = [doc for _, doc in read_corpus(path, errors=errors)]
+    except DataError as e:  # the option eval has for it
+        raise CLIError(str(e).replace("set data.errors=replace", "give --errors replace")) from None
     try:
         return tokenizer.encode_array(DOCUMENT_SEPARATOR.join(texts), special_tokens), texts
     except TokenizerError as e:
@@ -185,7 +195,8 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
             raise CLIError(f"--data {args.data}: no such file or folder")
         # read as the model's tokenizer reads a text: an imported LLaMA's opens with <s>
         # (packed documents are cut at their texts' boundaries, which holds none)
-        tokens, texts = _tokens_of_file(args.data, tokenizer, cfg.data.errors, not packed)
+        errors = args.errors or cfg.data.errors
+        tokens, texts = _tokens_of_file(args.data, tokenizer, errors, not packed)
         if len(tokens) < 2:
             raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
         if args.stride is None:  # short texts: one shorter block (windows need no cut)
