@@ -332,3 +332,18 @@ def test_iter_eval_walks_non_overlapping_blocks():
     # A ragged last batch: 12 train blocks of 8 in 102 tokens, batches of 5.
     sizes = [len(x) for x, _ in ds.iter_eval("train", 5, block)]
     assert sizes == [5, 5, 2]
+
+
+def test_read_corpus_follows_symlinked_folders_once(tmp_path):
+    """A symlinked subfolder's files are documents too (Path.rglob skipped them); a link
+    back up the tree is read once, not forever."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.txt").write_text("linked text\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a.txt").write_text("own text\n")
+    (root / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (root / "loop").symlink_to(root, target_is_directory=True)
+    from attnlab.data.corpus import load_sources
+
+    assert [source.name for source in load_sources(root)] == ["a.txt", "linked/b.txt"]

@@ -62,10 +62,7 @@ def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
         if not data.strip():
             raise DataError(f"data.path: {root} is empty; give a file with text in it")
         return [RawSource(str(root), root.name, data)]
-    files = sorted(
-        (f for f in root.rglob("*") if f.suffix.lower() in TEXT_SUFFIXES and f.is_file()),
-        key=lambda f: f.relative_to(root).as_posix(),
-    )
+    files = sorted(_text_files(root), key=lambda f: f.relative_to(root).as_posix())
     if not files:
         raise DataError(f"data.path: no .txt or .md files under the folder {root}")
     sources = [RawSource(str(f), f.relative_to(root).as_posix(), f.read_bytes()) for f in files]
@@ -89,6 +86,23 @@ def decode_source(source: RawSource, errors: str = "strict") -> str:
             "data.errors=replace to substitute U+FFFD"
         ) from None
     return text.removeprefix("\ufeff")  # a UTF-8 byte order mark is not text
+
+
+def _text_files(root: Path) -> list[Path]:
+    """The .txt / .md files under ``root``, in symlinked folders too (``rglob`` skips
+    those), each real folder once (a link back up the tree is no endless loop)."""
+    files, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        for name in names:
+            f = Path(folder) / name
+            if f.suffix.lower() in TEXT_SUFFIXES and f.is_file():
+                files.append(f)
+    return files
 
 
 def sources_digest(sources: list[RawSource]) -> str:
