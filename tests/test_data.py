@@ -346,4 +346,4 @@ def test_read_corpus_follows_symlinked_folders_once(tmp_path):
     (root / "loop").symlink_to(root, target_is_directory=True)
     from attnlab.data.corpus import load_sources
 
-    assert [source.name for source in load_sources(root)] == ["a.txt", "linked/b.txt"]
+    assert [source.key for source in load_sources(root)] == ["a.txt", "linked/b.txt"]
