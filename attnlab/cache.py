@@ -556,7 +556,10 @@ class Cache:
             step = CacheStep(positions, slots, 0, L)
         elif self._length + t > L:  # rolling past the capacity, one token
             slot = self._length % L
-            step = CacheStep(positions, torch.tensor([slot], device=self.device), slot, L)
+            # a fill, not torch.tensor([slot]): a copy from host memory, which on a GPU
+            # waits for the device at every rolled token
+            slots = torch.full((1,), slot, dtype=torch.long, device=self.device)
+            step = CacheStep(positions, slots, slot, L)
         else:
             step = CacheStep(positions, None, self._length, self._length + t)
         step = step._replace(valid=valid)

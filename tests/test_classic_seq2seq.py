@@ -197,6 +197,18 @@ def test_unfinished_hypotheses_fill_the_list_at_max_len():
     assert not g.finished and len(g.tokens) == 4
 
 
+def test_greedy_makes_its_tensors_on_the_sources_device():
+    """With torch's default device elsewhere (meta), a tensor greedy decoding made without
+    device= lands there and fails beside the model's: on a GPU its CPU tokens, scores and
+    done flags failed so (the gru-numbers task's first evaluation, ``translate``)."""
+    model = tiny_model(n_layers=2)
+    src, mask = padded_sources()
+    want = model.greedy(src, mask, max_len=6)
+    with torch.device("meta"):
+        got = model.greedy(src, mask, max_len=6)
+    assert got == want
+
+
 def test_source_padding_does_not_change_other_rows():
     model = tiny_model(n_layers=2)
     src, mask = padded_sources()

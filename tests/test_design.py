@@ -162,6 +162,33 @@ def test_in_place_reset_leaves_a_fresh_static_cache_at_the_same_addresses(kind):
     torch.testing.assert_close(decode(cache, idx), want, **TOL)
 
 
+@pytest.mark.parametrize("kind", [k for k in ENTRY_KINDS if k != "indexed latent"])
+def test_forward_and_decoding_make_their_tensors_on_the_models_device(kind):
+    """On the meta device, any tensor the code makes without device= is a CPU tensor that
+    fails at its first use beside the model's: what a GPU would refuse (the sink and
+    global-token masks were made on the CPU). A host read fails there too: off the CPU,
+    sdpa fixes up empty rows without looking (a GPU waited at every masked layer). (DSA's
+    experts and top-k ties read the host by design, so "indexed latent" is left out.)"""
+    name, override = ENTRY_KINDS[kind]
+    for backend in ("sdpa", "eager"):
+        _forward_and_decode_on_meta(
+            get_preset(name).override({**override, "attention.backend": backend})
+        )
+
+
+def _forward_and_decode_on_meta(cfg) -> None:
+    model = build_model(cfg).to("meta")
+    idx = torch.randint(0, cfg.vocab_size, (2, 11), device="meta")
+    out = model(idx, targets=idx)
+    out.loss.backward()
+    assert out.logits.is_meta
+    with torch.no_grad():
+        for static in (False, True):
+            cache = model.new_cache(2, 16, static=static)
+            model(idx[:, :4], cache=cache)
+            assert model(idx[:, 4:5], cache=cache).logits.is_meta
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("static", [False, True])
 def test_rolling_cache_equals_sliding_window_attention_over_the_stream(static):

@@ -18,7 +18,7 @@ from attnlab.functional import (
     stable_softmax,
     to_additive,
 )
-from attnlab.functional.masks import sliding_window_mask
+from attnlab.functional.masks import prefix_lm_mask, sliding_window_mask
 from attnlab.functional.softmax import attention_online, softmax_3pass, softmax_online
 
 BACKENDS = ["eager", "sdpa"]
@@ -151,6 +151,15 @@ def test_causal_mask_rejects_fewer_keys_than_queries():
 @pytest.mark.parametrize("t,s,w", [(6, 6, 2), (3, 8, 3), (1, 9, 4), (5, 5, 10)])
 def test_sliding_window_mask(t, s, w):
     assert torch.equal(sliding_window_mask(t, s, w), sliding_window_allowed(t, s, w))
+
+
+def test_prefix_lm_mask_is_made_on_the_device_of_its_prefix_lengths():
+    """Prefix lengths on another device (meta here, a GPU in use) give the mask there: it
+    was made on the CPU and failed beside them."""
+    prefix = torch.tensor([2, 3])
+    want = prefix_lm_mask(4, 6, prefix)
+    assert want.shape == (2, 1, 4, 6)
+    assert prefix_lm_mask(4, 6, prefix.to("meta")).is_meta
 
 
 def test_combine_masks_bool_and_additive():

@@ -40,6 +40,14 @@ def test_leading_global_tokens_in_a_causal_model_are_attention_sinks():
         assert torch.equal(got, sink_window_mask(t, s, 4 + 2, 2))
 
 
+def test_global_mask_is_made_on_the_device_of_its_flags():
+    """Flags on another device (meta here, a GPU in use) give the mask there: it was made on
+    the CPU, with the flags copied back, and failed beside the GPU's scores."""
+    for flags in (torch.zeros(6, dtype=torch.bool), torch.zeros(2, 6, dtype=torch.bool)):
+        assert global_window_mask(6, 6, 2, flags.to("meta")).is_meta
+    assert global_window_mask(6, 6, 2, 1, device="meta").is_meta
+
+
 def test_global_mask_shape_is_checked():
     with pytest.raises(ValueError, match="global_tokens must have shape \\(6,\\)"):
         global_window_mask(6, 6, 2, torch.ones(5, dtype=torch.bool))

@@ -108,9 +108,13 @@ def sdpa_attention(
     if mask is not None:
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         keep = allowed.any(dim=-1, keepdim=True)  # (.., t, 1): rows with some key
-        # Eager: look (one host read) and skip the fix-up when every row has a key.
-        # Compiled: always fix up, so the graph has no data-dependent branch.
-        if torch.compiler.is_compiling() or not bool(keep.all()):
+        # Eager on the CPU: look (one host read) and skip the fix-up when every row has a
+        # key. Compiled, or on a GPU: always fix up (the same result where every row has
+        # a key), so the graph has no data-dependent branch and a GPU does not wait for
+        # the host in every masked layer (each decoding step of a padded batch or of a
+        # windowed layer, the static cache's every step).
+        look = not torch.compiler.is_compiling() and q.device.type == "cpu"
+        if not look or not bool(keep.all()):
             # Let empty rows attend everywhere (finite), then zero their output. An additive
             # mask keeps its finite values (e.g. a bias) on the other rows.
             if mask.dtype == torch.bool:

@@ -61,7 +61,11 @@ def global_window_mask(
     positions, or a bool tensor (s,) marking them (Longformer's task tokens, BigBird-ITC),
     or (b, s) marking them per row (left-padded rows), which gives a (b, 1, t, s) mask.
     In a causal decoder leading global tokens are StreamingLLM's attention sinks
-    (:func:`sink_window_mask` with ``sinks`` more positions in its window)."""
+    (:func:`sink_window_mask` with ``sinks`` more positions in its window). The mask is
+    made on ``device``, by default the device of a ``global_tokens`` tensor (a CPU mask
+    failed beside CUDA scores, and moving the flags to the CPU read them back)."""
+    if device is None and isinstance(global_tokens, Tensor):
+        device = global_tokens.device
     q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
     k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
     if isinstance(global_tokens, Tensor):
@@ -125,7 +129,9 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     if mask.dtype != torch.bool:
         return mask
     zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, torch.tensor(float("-inf"), dtype=dtype, device=mask.device))
+    # fills, not torch.tensor(-inf, device=...): a copy from host memory waits for a GPU
+    minus_inf = torch.full((), float("-inf"), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, minus_inf)
 
 
 def prefix_lm_mask(
@@ -133,7 +139,10 @@ def prefix_lm_mask(
 ) -> Tensor:
     """Prefix LM (Raffel et al. 2020, T5; UniLM): the first ``prefix`` positions see each
     other in both directions, later ones are causal. ``prefix`` an int -> (t, s) bool, or a
-    (b,) tensor (one prefix length per sequence) -> (b, 1, t, s)."""
+    (b,) tensor (one prefix length per sequence) -> (b, 1, t, s), by default on its
+    device."""
+    if device is None and isinstance(prefix, Tensor):
+        device = prefix.device
     q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
     k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
     if isinstance(prefix, Tensor):

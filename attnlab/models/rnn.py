@@ -180,10 +180,12 @@ class GRUSeq2Seq(nn.Module):
     @torch.no_grad()
     def sequence_log_prob(self, src: Tensor, src_mask: Tensor | None, tokens: list[int]) -> float:
         """log p(tokens | src) of one source row by teacher forcing (tokens without BOS)."""
-        tgt_in = torch.tensor([[self.cfg.bos_id, *tokens[:-1]]])
+        dev = src.device
+        tgt_in = torch.tensor([[self.cfg.bos_id, *tokens[:-1]]], device=dev)
         out = self(src, src_mask, tgt_in)
         log_probs = out.logits.double().log_softmax(-1)[0]  # (t, V)
-        return float(log_probs[torch.arange(len(tokens)), torch.tensor(tokens)].sum())
+        picked = log_probs.gather(1, torch.tensor(tokens, device=dev)[:, None])  # (t, 1)
+        return float(picked.sum())
 
     # ------------------------------------------------------------------ decoding
 
@@ -194,20 +196,24 @@ class GRUSeq2Seq(nn.Module):
         """The most probable next token at every step, for each row; stops at EOS."""
         check_beam_search(1, max_len, 1, 0.0, "gnmt")
         memory, hidden = self.encode(src, src_mask)
-        b = src.shape[0]
-        tokens = torch.full((b,), self.cfg.bos_id, dtype=torch.long)
-        log_prob = torch.zeros(b, dtype=torch.float64)
-        done = torch.zeros(b, dtype=torch.bool)
+        b, dev = src.shape[0], src.device
+        # on the source's device: CPU tensors failed beside a GPU model's states
+        tokens = torch.full((b,), self.cfg.bos_id, dtype=torch.long, device=dev)
+        log_prob = torch.zeros(b, dtype=torch.float64, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
         out: list[list[int]] = [[] for _ in range(b)]
         for _ in range(max_len):
             logits, hidden, _ = self.step(tokens, hidden, memory)
             log_probs = logits.double().log_softmax(-1)  # (b, V)
             tokens = log_probs.argmax(-1)  # (b,)
             log_prob += torch.where(done, 0.0, log_probs.gather(1, tokens[:, None])[:, 0])
-            for row in (~done).nonzero()[:, 0].tolist():
-                out[row].append(int(tokens[row]))
+            # the tokens and which rows went on, read once per step (not once per row)
+            step_tokens, was_done = tokens.tolist(), done.tolist()
+            for row, (token, stopped) in enumerate(zip(step_tokens, was_done)):
+                if not stopped:
+                    out[row].append(token)
             done |= tokens == self.cfg.eos_id
-            if bool(done.all()):
+            if all(d or t == self.cfg.eos_id for d, t in zip(was_done, step_tokens)):
                 break
         return [
             Hypothesis(seq, score=lp, log_prob=lp, finished=bool(d))

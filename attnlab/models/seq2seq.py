@@ -198,8 +198,9 @@ class Seq2SeqModel(nn.Module):
         b, t = tgt.shape
         context_mask = padding_mask(src_mask) if src_mask is not None else None
         if cache is not None:
+            n = cache.length + t  # before begin(): a Python int, no host read per step
             positions = cache.begin(t).positions
-            self._check_length(int(positions.max()) + 1)
+            self._check_length(n)
         else:  # no host read (a graph break in compiled training)
             positions = torch.arange(t, device=tgt.device)[None, :]
             self._check_length(t)
@@ -321,11 +322,13 @@ class Seq2SeqModel(nn.Module):
                 scores = force_tokens(scores, self.cfg.forced_eos_ids)
             nxt = scores.argmax(-1)  # (b,)
             done_now = done | (nxt == eos)
-            for i in range(b):
-                if not done_now[i]:
-                    rows[i].append(int(nxt[i]))
+            # read once per step (the loop needs it to stop), not twice per row
+            stopped = done_now.tolist()
+            for i, token in enumerate(nxt.tolist()):
+                if not stopped[i]:
+                    rows[i].append(token)
             done = done_now
-            if bool(done.all()):
+            if all(stopped):
                 break
             seq = torch.cat((seq, nxt[:, None]), dim=1)
             step_in = nxt[:, None]

@@ -182,7 +182,9 @@ class MultiHeadAttention(nn.Module):
             positions = torch.arange(t, device=device)[None, :]  # (1, t)
         is_sink = positions < self.sinks  # (b or 1, t)
         # a bidirectional layer (an encoder's) keeps its window on both sides of the query
-        return global_window_mask(t, t, self.window - self.sinks, is_sink, causal=self.causal)
+        return global_window_mask(
+            t, t, self.window - self.sinks, is_sink, causal=self.causal, device=device
+        )
 
     def _global_mask(self, positions: Tensor | None, t: int, device: torch.device) -> Tensor:
         """(b or 1, 1, t, t): the local window plus ``global_tokens``, picked by the tokens'
@@ -191,7 +193,7 @@ class MultiHeadAttention(nn.Module):
             positions = torch.arange(t, device=device)[None, :]  # (1, t)
         wanted = torch.tensor(self.global_tokens, device=positions.device)
         is_global = torch.isin(positions, wanted)  # (b or 1, t)
-        return global_window_mask(t, t, self.window, is_global, causal=self.causal)
+        return global_window_mask(t, t, self.window, is_global, causal=self.causal, device=device)
 
     def _project_self(self, qkv: Tensor, rope: RopeTables | None) -> tuple[Tensor, Tensor, Tensor]:
         """Split [q; k; v] (b, t, (h + 2 h_kv) d_h) into heads, q and k rotated by ``rope``.

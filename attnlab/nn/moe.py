@@ -253,7 +253,9 @@ class MoE(nn.Module):
         bias = self.gate.e_score_correction_bias
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(self.load)  # every process moves the bias alike
-        if bias is not None and self.load.sum() > 0:
+        # No `load.sum() > 0` test: a host read after every optimizer step on a GPU, and
+        # without a training pass every load is 0, so every sign is 0 and the bias stays.
+        if bias is not None:
             bias += self.bias_update_speed * torch.sign(self.load.mean() - self.load)
         self.load.zero_()
 

@@ -83,9 +83,10 @@ def best_span(start_logits: Tensor, end_logits: Tensor, max_tokens: int) -> tupl
     (c,) logits; score is p_start(i) * p_end(j) with softmax over the c tokens."""
     c = start_logits.shape[0]
     scores = start_logits[:, None] + end_logits[None, :]  # (c, c): [i, j]
-    i, j = torch.arange(c)[:, None], torch.arange(c)[None, :]
+    pos = torch.arange(c, device=scores.device)  # (not a CPU tensor copied over per example)
+    i, j = pos[:, None], pos[None, :]
     allowed = (j >= i) & (j < i + max_tokens)
-    flat = int(scores.masked_fill(~allowed.to(scores.device), float("-inf")).argmax())
+    flat = int(scores.masked_fill(~allowed, float("-inf")).argmax())
     a, b = divmod(flat, c)
     p = start_logits.softmax(-1)[a] * end_logits.softmax(-1)[b]
     return a, b, float(p)
