@@ -205,8 +205,9 @@ def materialize(
 ) -> nn.Module:
     """Give every meta parameter of ``model`` real memory and fill it with ``fill(name,
     tensor)``, one parameter at a time. Floating parameters get ``dtype`` (default: as
-    built), all get ``device`` (default CPU) and the strides they were built with; tied
-    parameters stay one tensor (filled once, under their first name). Buffers move to
+    built; at least float32 for those a module names in ``full_precision``), all get
+    ``device`` (default CPU) and the strides they were built with; tied parameters stay
+    one tensor (filled once, under their first name). Buffers move to
     ``device`` and keep their dtype (float32 RoPE frequencies are not rounded); persistent
     ones are filled too."""
     device = torch.device(device if device is not None else "cpu")
@@ -217,6 +218,8 @@ def materialize(
         module = model.get_submodule(module_name)
         if id(p) not in made:
             dt = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            if attr in getattr(module, "full_precision", ()) and dt.itemsize < 4:
+                dt = torch.float32  # a router's weights (see attnlab.nn.moe.Router)
             t = torch.empty_strided(p.shape, p.stride(), dtype=dt, device=device)
             with torch.no_grad():
                 fill(qualname, t)

@@ -211,3 +211,29 @@ def test_v2_router_never_renormalises_as_transformers(tmp_path):
     save_hf(ours, tmp_path / "out")  # without it, the same weights export
     back = transformers.DeepseekV2ForCausalLM.from_pretrained(tmp_path / "out").eval()
     torch.testing.assert_close(back(idx).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["v3-moe-qlora", "v2-moe-greedy"])
+@torch.no_grad()
+def test_bf16_load_keeps_the_router_in_float32_as_transformers(case, tmp_path):
+    """load_hf(dtype=bf16) keeps the routers' weights (and V3's balancing bias) float32, as
+    transformers' from_pretrained(dtype=bf16) does: routing the same tokens the same way."""
+    import transformers
+
+    hf = _hf_model(case)
+    hf.save_pretrained(tmp_path / "hf")
+    family = CASES[case][0]
+    cls = getattr(transformers, f"Deepseek{family.upper()}ForCausalLM")
+    ref = cls.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    ours = load_hf(tmp_path / "hf", dtype=torch.bfloat16)
+    theirs = {n: t for n, t in [*ref.named_parameters(), *ref.named_buffers()] if ".gate." in n}
+    mine = [m for m in ours.modules() if type(m).__name__ == "Router"]
+    assert mine and len(mine) * (2 if family == "v3" else 1) == len(theirs)
+    for name, tensor in theirs.items():
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        router = ours.blocks[layer].ffn.gate
+        attr = "weight" if name.endswith("gate.weight") else "e_score_correction_bias"
+        value = getattr(router, attr)
+        assert value.dtype == tensor.dtype == torch.float32, name
+        torch.testing.assert_close(value, tensor, rtol=0, atol=0)
+    assert ours.tok_emb.weight.dtype == torch.bfloat16

@@ -295,17 +295,21 @@ def test_moe_runs_under_bf16_autocast():
     torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0.02)
 
 
-def test_balancing_state_keeps_full_precision_in_a_bf16_model():
-    """model.to(bf16) leaves the router's balancing bias and the token counts in float32
-    (values unrounded), so bias steps of 1e-3 still move it; .double() gives float64."""
+def test_routing_state_keeps_full_precision_in_a_bf16_model():
+    """model.to(bf16) leaves the router's weight and balancing bias and the token counts in
+    float32 (values unrounded, the same Parameter), as transformers keeps them, so bias
+    steps of 1e-3 still move it; .double() gives float64."""
     torch.manual_seed(0)
     moe = _moe(router="deepseek-v3")
     bias = torch.randn(moe.n_experts) * 0.3 + 0.5
     moe.gate.e_score_correction_bias.copy_(bias)
+    weight, parameter = moe.gate.weight.detach().clone(), moe.gate.weight
     moe = moe.to(torch.bfloat16)
-    assert moe.gate.weight.dtype == torch.bfloat16
-    assert moe.gate.e_score_correction_bias.dtype == torch.float32 == moe.load.dtype
+    assert moe.shared.down.weight.dtype == torch.bfloat16 and moe.gate.weight is parameter
+    assert moe.gate.weight.dtype == torch.float32 == moe.load.dtype
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
     torch.testing.assert_close(moe.gate.e_score_correction_bias, bias, rtol=0, atol=0)
+    torch.testing.assert_close(moe.gate.weight.detach(), weight, rtol=0, atol=0)
     moe.train()
     moe(torch.randn(2, 300, moe.gate.weight.shape[1], dtype=torch.bfloat16))
     assert moe.load.sum() == 600 * moe.top_k  # bf16 counts would round above 256

@@ -35,13 +35,18 @@ from attnlab.nn.feedforward import ACTIVATIONS, GatedFFN
 
 
 def _keep_precise(module: nn.Module, name: str, before: Tensor | None) -> None:
-    """After a module cast, give buffer ``name`` at least float32 (half precision cast back
-    from ``before``, its value before the cast, so nothing is rounded)."""
+    """After a module cast, give tensor ``name`` (a parameter or buffer) at least float32:
+    half precision is cast back from ``before``, its value before the cast, so nothing is
+    rounded."""
     after = getattr(module, name)
     if after is None or not after.is_floating_point() or after.element_size() >= 4:
         return
     source = before if before is not None and before.device.type != "meta" else after
-    module._buffers[name] = source.detach().to(device=after.device, dtype=torch.float32)
+    kept = source.detach().to(device=after.device, dtype=torch.float32)
+    if name in module._parameters:
+        module._parameters[name].data = kept  # the same Parameter (optimizers keep it)
+    else:
+        module._buffers[name] = kept
 
 
 class Router(nn.Module):
@@ -70,13 +75,18 @@ class Router(nn.Module):
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
 
+    # Kept at least float32 in a half-precision model (model.to(bf16), load_hf(dtype=bf16)),
+    # as transformers keeps them (DeepSeek's _keep_in_fp32_modules_strict): the routing
+    # runs in float32, and the balancing bias's steps of bias_update_speed (1e-3) would
+    # round away near the scores' 0.5 in bf16. A float64 model keeps them float64.
+    full_precision = ("weight", "e_score_correction_bias")
+
     def _apply(self, fn, recurse: bool = True):
-        # model.to(bf16) leaves the balancing bias in float32 (as transformers' and DeepSeek's
-        # reference code keep it): its steps of bias_update_speed (1e-3) would round away
-        # near the scores' 0.5 in bf16. A float64 model keeps it float64.
-        before = self.e_score_correction_bias
+        before = {name: getattr(self, name) for name in self.full_precision}
+        before = {k: v.detach() if v is not None else None for k, v in before.items()}
         super()._apply(fn, recurse)
-        _keep_precise(self, "e_score_correction_bias", before)
+        for name, value in before.items():
+            _keep_precise(self, name, value)
         return self
 
     def _group_mask(self, choice: Tensor) -> Tensor:
@@ -201,8 +211,9 @@ class MoE(nn.Module):
         self.aux_loss: Tensor | None = None
         self.aux_metrics: dict[str, Tensor | float] = {}
 
+    full_precision = ("load",)  # token counts: bf16 counts above 256 round
+
     def _apply(self, fn, recurse: bool = True):
-        # the token counts stay float32 in a bf16 model (bf16 counts above 256 round)
         before = self.load
         super()._apply(fn, recurse)
         _keep_precise(self, "load", before)
