@@ -7,12 +7,14 @@ Shapes: b batch, T tokens so far, V vocabulary size.
 from __future__ import annotations
 
 import math
+import numbers
 import types
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,12 +26,16 @@ if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
 
 # One prompt (token ids) or a batch of them (rows may differ in length).
-Prompts = Tensor | Sequence[int] | Sequence[Sequence[int] | Tensor]
+Prompts = Tensor | np.ndarray | Sequence[int] | Sequence[Sequence[int] | Tensor]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     if not temperature >= 0:  # also rejects NaN
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+        # (a float reached torch.topk at the first token: a TypeError, after stream() had
+        # returned, naming topk's argument 'k')
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -75,17 +81,33 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _ids(row) -> list[int]:
+    """One prompt as a list of Python ints (numpy integers, as a numpy array's or a
+    tokenizer's ``encode_array``'s, become ints)."""
+    if isinstance(row, (Tensor, np.ndarray)):
+        row = row.tolist()
+    return [int(tok) if isinstance(tok, numbers.Integral) else tok for tok in row]
+
+
 def _as_batch(prompts: Prompts) -> tuple[list[list[int]], bool]:
-    if isinstance(prompts, Tensor):
-        if prompts.dim() == 1:
-            return [prompts.tolist()], True
-        if prompts.dim() == 2:
-            return prompts.tolist(), False
+    if isinstance(prompts, (Tensor, np.ndarray)):  # a numpy array as the tensor it holds
+        if prompts.ndim == 1:
+            return [_ids(prompts)], True
+        if prompts.ndim == 2:
+            return [_ids(row) for row in prompts], False
         raise ValueError(f"prompt tensor must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
-    if isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int):
-        return [list(prompts)], True
-    if isinstance(prompts, Sequence) and all(isinstance(p, (Sequence, Tensor)) for p in prompts):
-        return [list(p.tolist() if isinstance(p, Tensor) else p) for p in prompts], False
+    # numbers.Integral, not int: a list of numpy integers is a list of token ids too (it
+    # was refused as "must be a list of token ids")
+    if (
+        isinstance(prompts, Sequence)
+        and len(prompts) > 0
+        and isinstance(prompts[0], numbers.Integral)
+    ):
+        return [_ids(prompts)], True
+    if isinstance(prompts, Sequence) and all(
+        isinstance(p, (Sequence, Tensor, np.ndarray)) for p in prompts
+    ):
+        return [_ids(p) for p in prompts], False
     raise ValueError("prompts must be a list of token ids, a list of such lists, or a tensor")
 
 

@@ -325,7 +325,10 @@ def _bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
     """Train a tokenizer on ``texts``. ``char``: the vocabulary is the sorted set of
     characters (``vocab_size`` is ignored). ``bpe``: byte-level BPE with at most
-    ``vocab_size`` tokens (fewer when the text has too few distinct merges)."""
+    ``vocab_size`` tokens (fewer when the text has too few distinct merges). A single
+    string is one text (iterated, it was one text per character: bpe learnt no merge)."""
+    if isinstance(texts, str):
+        texts = [texts]
     if kind == "char":
         chars: set[str] = set()
         for text in texts:

@@ -34,6 +34,7 @@ from attnlab.tasks.mlm import letter_edges, word_ids
 from attnlab.tasks.question_answering import (
     answer_f1,
     answer_tokens,
+    answer_words,
     best_span,
     encode_question,
     exact_match,
@@ -169,9 +170,26 @@ def test_entity_f1_on_hand_checked_cases():
 
 def test_answer_metrics_on_hand_checked_cases():
     assert exact_match("Lyon.", "lyon") == 1.0 and exact_match("in Lyon", "Lyon") == 0.0
-    # "the red car" vs "red car": 2 shared words, precision 2/3, recall 1.
-    assert answer_f1("the red car", "red car") == pytest.approx(2 * (2 / 3) / (2 / 3 + 1))
+    # "the old red car" vs "red car": "the" goes (an article), 2 shared words of
+    # ["old", "red", "car"]: precision 2/3, recall 1.
+    assert answer_f1("the old red car", "red car") == pytest.approx(2 * (2 / 3) / (2 / 3 + 1))
     assert answer_f1("blue", "red car") == 0.0 and answer_f1("", "") == 1.0
+
+
+def test_answer_metrics_drop_articles_as_squad():
+    # SQuAD v1.1's evaluate-v1.1.py (normalize_answer: lower, remove punctuation, remove
+    # articles a/an/the, collapse whitespace) gives exact match 1.0 and F1 1.0 for each of
+    # these; the generated facts read "plays the {V}" and "works as a {V}", so a span
+    # taking the article is right by SQuAD's scoring (without article removal: EM 0, F1 2/3).
+    for predicted, answer in (("the harp", "harp"), ("a teacher", "Teacher"),
+                              ("An apple.", "apple"), ("the red car", "red car")):  # fmt: skip
+        assert exact_match(predicted, answer) == 1.0, predicted
+        assert answer_f1(predicted, answer) == 1.0, predicted
+    # Only whole words are articles: "theatre" and "an" inside "piano" stay.
+    assert answer_words("The theatre, a piano") == ["theatre", "piano"]
+    # "in the harp" vs "harp": ["in", "harp"] vs ["harp"]: precision 1/2, recall 1, F1 2/3.
+    assert exact_match("in the harp", "harp") == 0.0
+    assert answer_f1("in the harp", "harp") == pytest.approx(2 / 3)
 
 
 def test_best_span_equals_brute_force():

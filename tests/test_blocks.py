@@ -157,6 +157,15 @@ def test_sinusoidal_table_matches_loop():
     torch.testing.assert_close(emb(pos), sinusoid_table(13, 8).float()[pos])
 
 
+def test_sinusoidal_positions_refuse_an_odd_width():
+    """Sines and cosines come in pairs: an odd d_model gave d_model + 1 columns, not the
+    (b, t, d) the embedding promises."""
+    with pytest.raises(ValueError, match="d_model must be even, got 5"):
+        SinusoidalPositionalEmbedding(5)
+    with pytest.raises(ValueError, match="d_model must be even, got 7"):
+        sinusoidal_table(torch.arange(4), 7)
+
+
 def test_sinusoidal_positions_of_a_float64_model_are_float64():
     """A float64 model adds float64 sinusoids (they were float32 values, off by ~1e-7 from
     the float64 loop), in the decoder as in the table function."""

@@ -227,6 +227,22 @@ def test_source_padding_does_not_change_other_rows():
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.long, torch.float32])
+def test_source_mask_of_any_dtype_means_keep_or_drop(dtype):
+    """A 0/1 ``src_mask`` that is not bool (the Transformer encoder-decoder takes one) hides
+    the padding like the bool mask: a float one reached the additive attention as an
+    additive mask (+1 on real keys) and the decoder attended to the padding."""
+    model = tiny_model()
+    src, mask = padded_sources()
+    tgt_in = torch.randint(0, TGT_V, (3, 5))
+    want = model(src, mask, tgt_in)
+    got = model(src, mask.to(dtype), tgt_in)
+    torch.testing.assert_close(got.attention, want.attention)
+    torch.testing.assert_close(got.logits, want.logits)
+    assert bool((got.attention[2, :, 1:] == 0).all())
+    assert model.generate(src, 6, src_mask=mask.to(dtype)) == model.generate(src, 6, src_mask=mask)
+
+
 def test_loss_is_cross_entropy_over_non_ignored_targets():
     model = tiny_model()
     src, mask = padded_sources()

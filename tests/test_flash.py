@@ -6,6 +6,7 @@ Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from oracle import causal_allowed, naive_attention, sliding_window_allowed
@@ -174,6 +175,14 @@ def test_flash_block_size_must_be_positive_int(bad):
         flash_attention(q, k, v, block_q=bad)
     with pytest.raises(ValueError, match="block_k must be a positive integer"):
         flash_attention(q, k, v, block_k=bad)
+
+
+def test_flash_block_sizes_may_be_numpy_integers():
+    """A numpy integer is an integer: it was refused as "must be a positive integer"."""
+    q, k, v = _qkv(b=1, h=2, h_kv=2, t=12, s=12)
+    want = flash_attention(q, k, v, causal=True, block_q=4, block_k=8)
+    got = flash_attention(q, k, v, causal=True, block_q=np.int64(4), block_k=np.int32(8))
+    torch.testing.assert_close(got, want)
 
 
 def test_flash_argument_errors():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from oracle import greedy_no_cache
@@ -92,6 +93,28 @@ def test_prompt_errors():
             m.generate([], 2, **kw)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
         m.generate([1, 256], 2)
+
+
+def test_numpy_prompts_are_token_ids(model):
+    """A numpy array, or a list of numpy integers (a tokenizer's ``encode_array``), is a
+    prompt like the list of ints: both were refused as "must be a list of token ids"."""
+    prompt = _prompt(5, 4)
+    want = model.generate(prompt, 6)
+    assert model.generate(np.array(prompt), 6) == want
+    assert model.generate([np.int64(t) for t in prompt], 6) == want
+    assert model.generate(np.array([prompt]), 6) == [want]
+    assert model.generate([np.array(prompt), prompt[:2]], 6)[0] == want
+    beams = model.generate(prompt, 6, num_beams=2)
+    assert model.generate(np.array(prompt), 6, num_beams=2) == beams
+
+
+def test_top_k_must_be_an_integer():
+    """top_k=3.0 is refused at the call, naming top_k (it reached torch.topk at the first
+    token: a TypeError after stream() had returned)."""
+    m = model_for("gpt2-tiny")
+    for call in (m.generate, m.stream):
+        with pytest.raises(ValueError, match="top_k must be an integer >= 1, got 3.0"):
+            call([1, 2], 3, temperature=1.0, top_k=3.0)
 
 
 @pytest.mark.parametrize("alpha", [float("nan"), float("inf")])

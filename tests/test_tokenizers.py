@@ -118,6 +118,15 @@ def test_bpe_vocab_smaller_than_bytes_is_rejected():
         train_tokenizer("bpe", ["some text"], vocab_size=100)
 
 
+def test_a_single_string_is_one_text(small_corpus):
+    """``train_tokenizer(kind, "text")`` trains on that text: iterated, a string was one
+    text per character, and bpe learnt no merge at all (256 tokens)."""
+    text = small_corpus[:5000]
+    for kind in ("char", "bpe"):
+        alone = train_tokenizer(kind, text, vocab_size=300)
+        assert alone.to_json() == train_tokenizer(kind, [text], vocab_size=300).to_json()
+
+
 def test_bpe_training_is_deterministic(small_corpus):
     first = train_tokenizer("bpe", [small_corpus[:5000]], vocab_size=300)
     second = train_tokenizer("bpe", [small_corpus[:5000]], vocab_size=300)

@@ -27,6 +27,7 @@ t query length, s key length, d_h head dim, r rows (queries) and c columns (keys
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,10 @@ class _Tile:
 
 
 def _check_block(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    # numbers.Integral: a numpy integer is an integer too (it was refused as not one)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"flash attention: {name} must be a positive integer, got {value!r}")
-    return value
+    return int(value)
 
 
 def plan_tiles(
@@ -249,8 +251,7 @@ def flash_attention(
     bottom-right; ``window`` (needs causal) keeps the last ``window`` keys of each query;
     ``doc_ids`` (b, s) int: no attention across documents (sorted ids also skip tiles).
     Rows that may attend to nothing give zeros."""
-    _check_block("block_q", block_q)
-    _check_block("block_k", block_k)
+    block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
     b, h, t, d_h = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     if causal and s < t:

@@ -119,10 +119,14 @@ class GRUSeq2Seq(nn.Module):
     # ------------------------------------------------------------------ encoder
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Memory, Tensor]:
-        """src (b, s) ids, src_mask (b, s) True at real tokens (a prefix of each row)
+        """src (b, s) ids, src_mask (b, s) True (or 1) at real tokens (a prefix of each row)
         -> (memory, initial decoder state (L, b, H))."""
         if src_mask is None:
             src_mask = torch.ones_like(src, dtype=torch.bool)
+        # keep/drop, whatever its dtype: a float 0/1 mask (which the Transformer
+        # encoder-decoder takes too) gave the packed encoder these lengths but reached the
+        # additive attention as an additive mask (+1 on real keys), attending to the padding
+        src_mask = src_mask.bool()
         lengths = src_mask.sum(dim=1)
         if bool((lengths == 0).any()):
             raise ValueError("every source sequence needs at least one real token")

@@ -21,11 +21,20 @@ class LearnedPositionalEmbedding(nn.Embedding):
         return super().forward(positions)
 
 
+def _check_even(d_model: int) -> None:
+    if d_model % 2:
+        raise ValueError(
+            f"sinusoidal positions pair sines with cosines: d_model must be even, got {d_model}"
+        )
+
+
 def sinusoidal_table(positions: Tensor, d_model: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """p[i, 2j] = sin(i / 10000^(2j/d)), p[i, 2j+1] = cos(i / 10000^(2j/d)) (Vaswani et al.).
 
     positions (...,) -> (..., d) float32: bf16 would round the angles; float64 for a
-    ``dtype`` of float64 (a float64 model's: never float32 values)."""
+    ``dtype`` of float64 (a float64 model's: never float32 values). ``d_model`` must be
+    even (sines and cosines come in pairs: an odd width gave d_model + 1 columns)."""
+    _check_even(d_model)
     dtype = compute_dtype(dtype)
     j2 = torch.arange(0, d_model, 2, dtype=dtype, device=positions.device)  # 2j
     inv = torch.exp(-math.log(10000.0) * j2 / d_model)  # 10000^(-2j/d)
@@ -38,6 +47,7 @@ class SinusoidalPositionalEmbedding(nn.Module):
 
     def __init__(self, d_model: int):
         super().__init__()
+        _check_even(d_model)
         self.d_model = d_model
 
     def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -11,7 +11,8 @@ targets are the first
 and last context tokens of the answer. The predicted span is the pair (start <= end <
 start + ``max_answer_tokens``) of context tokens with the highest start + end logit.
 Metrics: exact match and F1 of the predicted text against the answer, over words as in
-SQuAD's evaluation (lower-cased, punctuation removed, split on whitespace), with the loss
+SQuAD's evaluation (lower-cased, punctuation removed, the articles a/an/the removed,
+split on whitespace), with the loss
 (the mean of the start and end cross-entropies).
 
 Shapes: b batch, t length, c context tokens.
@@ -19,6 +20,7 @@ Shapes: b batch, t length, c context tokens.
 
 from __future__ import annotations
 
+import re
 import string
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from attnlab.models.encoder import mask_padding
 from attnlab.tasks.text import EncoderTextTask, Features, TextCodec
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")  # SQuAD's remove_articles, after lower-casing
 
 
 @dataclass
@@ -57,8 +60,9 @@ class QAOptions(_Config):
 
 
 def answer_words(text: str) -> list[str]:
-    """SQuAD-style normalisation: lower case, punctuation removed, split on whitespace."""
-    return text.lower().translate(_PUNCTUATION).split()
+    """SQuAD's normalisation (its evaluation script's ``normalize_answer``): lower case,
+    punctuation removed, the articles "a", "an" and "the" removed, split on whitespace."""
+    return _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split()
 
 
 def exact_match(predicted: str, answer: str) -> float:
