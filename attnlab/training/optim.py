@@ -56,7 +56,8 @@ def lr_at(
     """Learning rate for optimizer step ``step`` (0-based) of a run of ``total_steps``
     (default ``cfg.max_steps``) warming up for ``warmup_steps`` (default
     ``cfg.warmup_steps``). After the warm-up it never increases with ``step``, and for a
-    fixed step it never increases when ``total_steps`` or ``warmup_steps`` shrink."""
+    fixed step past the warm-up it never increases when ``total_steps`` or
+    ``warmup_steps`` shrink (inside the warm-up a shorter one is further along it)."""
     total, warmup, r = _progress(step, cfg, total_steps, warmup_steps)
     if step < warmup:
         return cfg.lr * (step + 1) / (warmup + 1)
