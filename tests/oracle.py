@@ -141,3 +141,26 @@ def greedy_no_cache(model, prompt: list[int], n_new: int) -> list[int]:
             out.append(nxt)
             ids.append(nxt)
     return out
+
+
+def llama_style_tokenizer(text: str, vocab_size: int):
+    """A LLaMA-style (SentencePiece-like) ``tokenizers.Tokenizer`` trained on ``text``:
+    "▁" prepended to a text and standing for every space, BPE over the pieces, ``<s>`` put
+    first by its post-processor (as transformers' ``tokenizer(text)`` then encodes)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    hf.train_from_iterator([text], trainer=trainer)
+    hf.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))]
+    )
+    return hf

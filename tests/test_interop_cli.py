@@ -310,24 +310,15 @@ def test_generate_and_eval_on_imported_deepseek(tmp_path, cache, capsys):
 
 
 def _llama_tokenizer(path) -> None:
-    """A LLaMA-style tokenizer.json ("▁" for spaces and before the text, <s> put first by
-    its post-processor) with the tokenizer_config.json transformers reads it with."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    """A LLaMA-style tokenizer.json with the tokenizer_config.json transformers reads it
+    with."""
+    from oracle import llama_style_tokenizer
 
-    hf = Tokenizer(models.BPE(unk_token="<unk>"))
-    hf.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
-    )
-    hf.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=64, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
-    )
-    hf.train_from_iterator([TEXT * 4], trainer=trainer)
-    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     transformers.PreTrainedTokenizerFast(
-        tokenizer_object=hf, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=llama_style_tokenizer(TEXT * 4, vocab_size=64),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
     ).save_pretrained(path)
 
 

@@ -143,25 +143,9 @@ def test_bpe_chunked_encoding_equals_whole_text(bpe, monkeypatch):
 
 
 def _sentencepiece_style(text: str) -> HFTokenizer:
-    """A LLaMA-style tokenizer.json: "▁" prepended to the text and for every space, BPE
-    over the pieces, ``<s>`` put first by the post-processor."""
-    from tokenizers import decoders, models, normalizers, processors, trainers
+    from oracle import llama_style_tokenizer
 
-    hf = HFTokenizer(models.BPE(unk_token="<unk>"))
-    hf.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
-    )
-    hf.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
-    )
-    hf.train_from_iterator([text], trainer=trainer)
-    hf.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))]
-    )
-    return hf
+    return llama_style_tokenizer(text, vocab_size=300)
 
 
 def test_sentencepiece_style_text_is_not_cut(monkeypatch):

@@ -232,6 +232,36 @@ class FlashAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
 
 
+def check_arguments(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    causal: bool,
+    window: float | None,
+    doc_ids: Tensor | None,
+) -> None:
+    """The contract flash attention's implementations share (this tiled one and the
+    Triton kernels): one clear error for each argument it refuses."""
+    b, h, t = q.shape[:3]
+    h_kv, s = k.shape[1], k.shape[2]
+    if causal and s < t:
+        raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
+    if window is not None and (not causal or window <= 0):
+        raise ValueError(f"window={window} needs causal=True and a positive size")
+    if h % h_kv or v.shape[1] != h_kv:  # v's heads broadcast silently against k's
+        raise ValueError(
+            f"query heads ({h}) must be a multiple of key/value heads (k {h_kv}, v {v.shape[1]})"
+        )
+    if doc_ids is not None and doc_ids.shape != (b, s):
+        raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
+    if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]
+        raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
+    if mask is not None and mask.requires_grad:
+        raise ValueError("flash attention does not differentiate the mask; detach it")
+
+
 def flash_attention(
     q: Tensor,
     k: Tensor,
@@ -252,22 +282,9 @@ def flash_attention(
     ``doc_ids`` (b, s) int: no attention across documents (sorted ids also skip tiles).
     Rows that may attend to nothing give zeros."""
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids)
     b, h, t, d_h = q.shape
-    h_kv, s = k.shape[1], k.shape[2]
-    if causal and s < t:
-        raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
-    if window is not None and (not causal or window <= 0):
-        raise ValueError(f"window={window} needs causal=True and a positive size")
-    if h % h_kv or v.shape[1] != h_kv:  # v's heads broadcast silently against k's
-        raise ValueError(
-            f"query heads ({h}) must be a multiple of key/value heads (k {h_kv}, v {v.shape[1]})"
-        )
-    if doc_ids is not None and doc_ids.shape != (b, s):
-        raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
-    if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]
-        raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
-    if mask is not None and mask.requires_grad:
-        raise ValueError("flash attention does not differentiate the mask; detach it")
+    h_kv = k.shape[1]
     g = h // h_kv
     scale = 1.0 / math.sqrt(d_h) if scale is None else scale
     q5 = q.reshape(b, h_kv, g, t, d_h)  # query head j -> (kv head j // g, j % g)

@@ -252,10 +252,18 @@ def read_config(path: Path) -> dict[str, Any]:
             f"{path}: no {CONFIG_NAME}; a Hugging Face model directory needs config.json beside "
             "its weights"
         )
+    return _json_object(config_file)
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in ``file``; HFCheckpointError naming the file otherwise."""
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise HFCheckpointError(f"{config_file}: not valid JSON ({e})") from None
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{file}: expected a JSON object")
+    return data
 
 
 # Generation settings a family maps (Marian's blocked pad token and forced end token), read
@@ -271,12 +279,7 @@ def with_generation_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
     file = path / GENERATION_CONFIG_NAME
     if not file.is_file():
         return hf
-    try:
-        generation = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(generation, dict):
-        raise HFCheckpointError(f"{file}: expected a JSON object")
+    generation = _json_object(file)
     out = {k: v for k, v in hf.items() if k not in GENERATION_KEYS}
     return out | {k: generation[k] for k in GENERATION_KEYS if k in generation}
 
@@ -288,12 +291,7 @@ def with_preprocessor_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
     file = path / PREPROCESSOR_CONFIG_NAME
     if not file.is_file():
         return hf
-    try:
-        processor = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(processor, dict):
-        raise HFCheckpointError(f"{file}: expected a JSON object")
+    processor = _json_object(file)
     return hf | {k: processor[k] for k in PREPROCESSOR_KEYS if k in processor}
 
 

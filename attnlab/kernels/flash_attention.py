@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from attnlab.functional.flash import check_arguments
 from attnlab.kernels import interpreting
 
 
@@ -456,22 +457,9 @@ def triton_flash_attention(
     doc_ids: Tensor | None = None,
 ) -> Tensor:
     """q (b, h, t, d_h); k, v (b, h_kv, s, d_h); see ``flash_attention`` for the contract."""
+    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids)  # the twin's
     b, h, t, d = q.shape
-    h_kv, s = k.shape[1], k.shape[2]
-    if h % h_kv or v.shape[1] != h_kv:
-        raise ValueError(
-            f"query heads ({h}) must be a multiple of key/value heads (k {h_kv}, v {v.shape[1]})"
-        )
-    if causal and s < t:
-        raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
-    if window is not None and (not causal or window <= 0):
-        raise ValueError(f"window={window} needs causal=True and a positive size")
-    if doc_ids is not None and doc_ids.shape != (b, s):
-        raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
-    if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]
-        raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
-    if mask is not None and mask.requires_grad:
-        raise ValueError("flash attention does not differentiate the mask; detach it")
+    s = k.shape[2]
     if v.shape[-1] != d or k.shape[-1] != d:
         raise ValueError(
             f"triton attention needs one head dim for q, k and v, got {d}, {k.shape[-1]} and "
