@@ -107,7 +107,8 @@ class Tokenizer:
         hf.no_padding()
         hf.no_truncation()
         self.hf = hf
-        model_type = json.loads(hf.to_str())["model"]["type"]
+        spec = json.loads(hf.to_str())  # its tokenizer.json, read once
+        model_type = spec["model"]["type"]
         if model_type == "WordLevel":
             self.kind = "char"
             self._init_char_tables()
@@ -121,7 +122,8 @@ class Tokenizer:
                 "(char), BPE (bpe) or WordPiece (BERT) tokenizers"
             )
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        self._chunkable = _cuts_are_safe(json.loads(hf.to_str()))
+        self._chunkable = _cuts_are_safe(spec)
+        self._byte_level = _is_byte_level(spec)
         self._char_starts: np.ndarray | None = None
 
     def _init_char_tables(self) -> None:
@@ -198,7 +200,7 @@ class Tokenizer:
         tokenizers (count characters by decoding)."""
         if self._char_starts is None and self.kind == "char":
             self._char_starts = np.ones(self.vocab_size, dtype=np.int64)
-        elif self._char_starts is None and _is_byte_level(json.loads(self.hf.to_str())):
+        elif self._char_starts is None and self._byte_level:
             to_byte = _byte_level_decoder()
             starts = np.zeros(self.vocab_size, dtype=np.int64)
             for token, i in self.hf.get_vocab(with_added_tokens=True).items():

@@ -761,3 +761,6 @@ def test_eval_reads_invalid_utf8_as_its_errors_option_says(work, tmp_path, capsy
     assert code == 1 and "not valid UTF-8" in err and "give --errors replace" in err
     code, _, err = run_main([*argv, "--errors", "replace"], capsys)
     assert code == 1 and "U+FFFD" in err and "not in the vocabulary" in err
+    # without --data it would change nothing: refused by name, not ignored
+    code, _, err = run_main(["eval", "--ckpt", str(work / "run"), "--errors", "replace"], capsys)
+    assert_one_line_error(code, err, "--errors applies to the text of --data")

@@ -347,3 +347,44 @@ def test_read_corpus_follows_symlinked_folders_once(tmp_path):
     from attnlab.data.corpus import load_sources
 
     assert [source.key for source in load_sources(root)] == ["a.txt", "linked/b.txt"]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_folder_reached_directly_and_by_a_link_has_one_name_whatever_the_listing_order(
+    tmp_path, monkeypatch, reverse
+):
+    """The file system lists a folder in its own order: a folder reachable both as itself
+    and through a link is read once, under its real name, whichever comes first."""
+    import os
+
+    from attnlab.data.corpus import load_sources
+
+    root = tmp_path / "root"
+    (root / "z_real").mkdir(parents=True)
+    (root / "z_real" / "x.txt").write_text("text\n")
+    (root / "a_link").symlink_to(root / "z_real", target_is_directory=True)
+    scandir = os.scandir
+
+    class Listing:  # os.scandir's entries in the order a test picks
+        def __init__(self, path):
+            with scandir(path) as it:
+                entries = sorted(it, key=lambda e: e.name, reverse=reverse)
+            self.entries = iter(entries)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.entries)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(os, "scandir", Listing)
+    assert [source.key for source in load_sources(root)] == ["z_real/x.txt"]

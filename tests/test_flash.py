@@ -193,7 +193,7 @@ def test_flash_argument_errors():
         flash_attention(q, k, v, window=3)
     # v's heads broadcast against k's (silently wrong); t > s with documents failed deep
     # inside with a shape error (the Triton kernel read before the ids)
-    with pytest.raises(ValueError, match=r"key/value heads \(k 4, v 1\)"):
+    with pytest.raises(ValueError, match=r"which k and v share; got k 4, v 1"):
         flash_attention(q, k, v[:, :1])
     with pytest.raises(ValueError, match="doc_ids need query length t=6 <= key length s=4"):
         flash_attention(q, k, v, doc_ids=torch.zeros(2, 4, dtype=torch.long))

@@ -161,6 +161,19 @@ def test_sentencepiece_style_text_is_not_cut(monkeypatch):
     assert tokenizer.decode(ids) == text
 
 
+def test_char_starts_of_other_tokenizers_is_none_without_rereading_the_spec(monkeypatch):
+    """eval --stride asks once per window: a tokenizer that does not say where characters
+    begin (SentencePiece-style, WordPiece) answers None from what it read when built, not
+    by parsing its whole tokenizer.json again at every call."""
+    tokenizer = tokenizers_module.Tokenizer(_sentencepiece_style(default_corpus()[:5_000]))
+
+    def reread(spec):
+        raise AssertionError("parsed the tokenizer's spec again")
+
+    monkeypatch.setattr(tokenizers_module, "_is_byte_level", reread)
+    assert tokenizer.char_starts() is None and tokenizer.char_starts() is None
+
+
 @pytest.mark.parametrize("chunk", [500, None])
 def test_encode_with_special_tokens_as_transformers_does(bpe, monkeypatch, chunk):
     """``add_special_tokens=True`` gives ``tokenizer(text)``'s ids: a LLaMA-style

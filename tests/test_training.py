@@ -214,6 +214,37 @@ def test_optimizer_steps_survive_a_weight_layout_change_between_steps():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
 
 
+def test_layout_matching_walks_the_parameters_only_after_a_layout_change():
+    """The step pre-hook that matches moments to re-stored weights runs before every
+    optimizer step: it walks the parameters on the first step, after set_layout and after
+    a loaded state, not at every step of a training loop."""
+    from attnlab.nn.linear import set_layout
+    from attnlab.training.optim import match_layouts
+
+    class Walked(list):
+        def __iter__(self):
+            raise AssertionError("walked the parameters")
+
+    torch.manual_seed(0)
+    model = build_model(tiny_run().model)
+    opt = build_optimizer(model, tiny_run().train, "cpu")
+    x = torch.randint(0, 256, (2, 9))
+    model(x[:, :-1], targets=x[:, 1:]).loss.backward()
+    opt.step()  # the first step looks
+    groups = opt.param_groups
+    opt.param_groups = Walked(groups)
+    match_layouts(opt)  # nothing changed since: no walk
+    assert set_layout(model, "rows") > 0
+    with pytest.raises(AssertionError, match="walked"):
+        match_layouts(opt)
+    opt.param_groups = groups
+    match_layouts(opt)
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups = Walked(opt.param_groups)
+    with pytest.raises(AssertionError, match="walked"):
+        match_layouts(opt)
+
+
 def test_biases_held_as_matrices_do_not_decay():
     """Transformer-XL's u and v are biases (one vector per head), not weights: no decay,
     though they are 2-D; every other matrix of the model decays."""

@@ -93,6 +93,8 @@ def _tokens_of_file(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.errors is not None and args.data is None:  # it reads --data only
+        raise CLIError("--errors applies to the text of --data; give --data PATH or drop it")
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.model.vocab_size)

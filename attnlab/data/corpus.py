@@ -98,6 +98,9 @@ def _text_files(root: Path) -> list[Path]:
             subfolders[:] = []
             continue
         seen.add(real)
+        # a fixed order (listdir's is the file system's), real folders before links: a
+        # folder reached both ways is read under the same names on every machine
+        subfolders.sort(key=lambda name: (os.path.islink(os.path.join(folder, name)), name))
         for name in names:
             f = Path(folder) / name
             if f.suffix.lower() in TEXT_SUFFIXES and f.is_file():

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional.flash import flash_attention
+from attnlab.functional.flash import flash_attention, heads_error
 from attnlab.functional.masks import (
     causal_mask,
     combine_masks,
@@ -55,7 +55,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> int:
         )
     h, h_kv = q.shape[1], k.shape[1]
     if h % h_kv or v.shape[1] != h_kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+        raise ValueError(heads_error(h, h_kv, v.shape[1]))
     return h // h_kv
 
 

@@ -232,6 +232,15 @@ class FlashAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
 
 
+def heads_error(h: int, h_k: int, h_v: int) -> str:
+    """The error for query, key and value heads (h, h_k, h_v) that do not fit together
+    (``h % h_k or h_v != h_k``: v's heads would broadcast silently against k's)."""
+    return (
+        f"query heads ({h}) must be a multiple of key/value heads, which k and v share; "
+        f"got k {h_k}, v {h_v}"
+    )
+
+
 def check_arguments(
     q: Tensor,
     k: Tensor,
@@ -242,18 +251,16 @@ def check_arguments(
     window: float | None,
     doc_ids: Tensor | None,
 ) -> None:
-    """The contract flash attention's implementations share (this tiled one and the
-    Triton kernels): one clear error for each argument it refuses."""
+    """Refuse, by name, what flash attention (the tiled path here and the Triton kernels
+    alike) cannot compute."""
     b, h, t = q.shape[:3]
     h_kv, s = k.shape[1], k.shape[2]
     if causal and s < t:
         raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
-    if h % h_kv or v.shape[1] != h_kv:  # v's heads broadcast silently against k's
-        raise ValueError(
-            f"query heads ({h}) must be a multiple of key/value heads (k {h_kv}, v {v.shape[1]})"
-        )
+    if h % h_kv or v.shape[1] != h_kv:
+        raise ValueError(heads_error(h, h_kv, v.shape[1]))
     if doc_ids is not None and doc_ids.shape != (b, s):
         raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
     if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]

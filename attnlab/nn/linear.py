@@ -242,13 +242,23 @@ def can_split(weight: Tensor) -> bool:
     return n_out % 2 == 0 and (is_input_major(weight) or weight.is_contiguous())
 
 
+_layout_version = 0  # counts the calls of set_layout that re-stored a weight
+
+
+def layout_version() -> int:
+    """How many times :func:`set_layout` has re-stored weights in this process: the
+    optimizers of ``attnlab.training.optim.build_optimizer`` match gradients and moments
+    to their parameters' layouts only when it has changed since their last step."""
+    return _layout_version
+
+
 def set_layout(model: nn.Module, layout: str) -> int:
     """Store the weight of every attnlab :class:`Linear` in ``model`` ``"rows"`` (row-major,
     the compiled decode step's layout) or ``"input"`` (input-major, the eager one). In
     place: the same Parameter objects and values (state dicts and ties are unaffected).
     Gradients and optimizer moments keep their old layout: fused AdamW, which reads them
     in the parameter's memory order, needs them re-stored too (the optimizers of
-    ``attnlab.training.optim.build_optimizer`` do so before each step, ``match_layouts``).
+    ``attnlab.training.optim.build_optimizer`` do so before their next step, ``match_layouts``).
     Returns how many weights were re-stored."""
     if layout not in ("rows", "input"):
         raise ValueError(f"unknown weight layout {layout!r}; choose 'rows' or 'input'")
@@ -269,6 +279,9 @@ def set_layout(model: nn.Module, layout: str) -> int:
             else:
                 continue
             changed += 1
+    if changed:
+        global _layout_version
+        _layout_version += 1
     return changed
 
 

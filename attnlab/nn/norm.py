@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import NormConfig
+from attnlab.functional.softmax import softmax_dtype
 
 _FULL = (torch.float32, torch.float64)  # dtypes F.rms_norm runs in as they are
 
@@ -27,8 +28,7 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 (bf16 sums of squares lose precision), float64 kept (an upcast,
         # never a downcast), scale in x's dtype.
-        xf = x if x.dtype == torch.float64 else x.float()
-        y = F.rms_norm(xf, (x.shape[-1],), eps=self.eps)
+        y = F.rms_norm(softmax_dtype(x), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
 
 

@@ -101,19 +101,25 @@ class RotaryEmbedding(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recompute the frequency table (after building on the meta device)."""
-        self.inv_freq = self._inv_freq(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        self._recompute()
+
+    def _recompute(self) -> None:
+        """The buffer as the constructor computes it (on the CPU, in float32 or float64),
+        then cast to the buffer's dtype and device."""
+        buf = self.inv_freq
+        exact = self._inv_freq(dtype=compute_dtype(buf.dtype))
+        self.inv_freq = exact.to(device=buf.device, dtype=buf.dtype)
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(dtype), .half(), .double(), .to(device): the frequencies are a function of
         # the config, recomputed exactly and then cast. Converting the buffer itself kept
         # its rounding: after model.to(bfloat16).float() a float32 table rounded to bf16
         # (0.4% off: RoPE angles off by up to 0.004 x the position) that tables() could
-        # not tell from an exact one.
+        # not tell from an exact one. Computed on the CPU, as at construction, and moved:
+        # another device's pow may round differently in the last bit.
         super()._apply(fn, recurse)
-        buf = self.inv_freq
-        if buf.device.type != "meta" and buf.is_floating_point():
-            exact = self._inv_freq(device=buf.device, dtype=compute_dtype(buf.dtype))
-            self.inv_freq = exact.to(buf.dtype)
+        if self.inv_freq.device.type != "meta" and self.inv_freq.is_floating_point():
+            self._recompute()
         return self
 
     def tables(self, positions: Tensor) -> RopeTables:

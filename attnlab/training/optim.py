@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from attnlab.config import TrainConfig
+from attnlab.nn.linear import layout_version
 
 
 def cosine_decay(r: float, cfg: TrainConfig) -> float:
@@ -141,7 +142,12 @@ def _adamw(
     if optimizer is None:
         optimizer = torch.optim.AdamW(groups, foreach=True, **kwargs)
     optimizer.register_step_pre_hook(match_layouts)
+    optimizer.register_load_state_dict_post_hook(_forget_layouts)  # loaded moments: look again
     return optimizer
+
+
+def _forget_layouts(optimizer: torch.optim.Optimizer) -> None:
+    optimizer._attnlab_layouts = None  # type: ignore[attr-defined]
 
 
 def match_layouts(optimizer: torch.optim.Optimizer, args=(), kwargs=None) -> None:
@@ -150,7 +156,13 @@ def match_layouts(optimizer: torch.optim.Optimizer, args=(), kwargs=None) -> Non
     ``generate(compile=True)``, input-major after a failed compile), which leaves the
     gradients and AdamW's moments in the old layout; fused AdamW reads a parameter, its
     gradient and its moments as flat memory in one order, so a transposed moment or
-    gradient silently updated the wrong elements."""
+    gradient silently updated the wrong elements. Only the first step and those after a
+    set_layout call (:func:`attnlab.nn.linear.layout_version`) or a loaded state look: no
+    walk over every parameter at every step."""
+    version = layout_version()
+    if getattr(optimizer, "_attnlab_layouts", None) == version:
+        return
+    optimizer._attnlab_layouts = version  # type: ignore[attr-defined]
     for group in optimizer.param_groups:
         for p in group["params"]:
             stride = p.stride()
