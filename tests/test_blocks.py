@@ -609,3 +609,22 @@ def test_linear_weight_gradient_of_a_sliced_input_is_fast_and_exact():
 
     torch.testing.assert_close(onednn_mm(dy.t(), x.t()), dy.t() @ x, rtol=1e-4, atol=1e-3)
     assert best(dy.t(), x.t()) < 20 * best(dy.t(), x.contiguous().t()) + 2e-3
+
+
+def test_rows_matmul_keeps_float64_and_equals_f_linear():
+    """The compiled decode step's one-vector product, run eagerly: float64 stays float64
+    (it rounded to float32), float32 and bf16 as F.linear."""
+    from attnlab.nn.linear import rows_matmul
+
+    torch.manual_seed(0)
+    w, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    x = torch.randn(1, 3, 5, dtype=torch.float64)
+    y = rows_matmul(x, w, b)
+    assert y.dtype == torch.float64 and y.shape == (1, 3, 6)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-13, atol=1e-13)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = F.linear(x.to(dtype), w.to(dtype), b.to(dtype))
+        out = rows_matmul(x.to(dtype), w.to(dtype), b.to(dtype))
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5)  # fmt: skip

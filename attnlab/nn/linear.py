@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
+from attnlab.functional.softmax import compute_dtype
+
 # Below about 130 thousand weights (512 KB in float32) a second thread's start-up costs more
 # than it saves (measured with benchmarks/linear_layout.py on a 2-core CPU).
 SPLIT_MIN_NUMEL = 1 << 17
@@ -101,20 +103,21 @@ ROWS_MATMUL_MAX = 4
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., in) holding n vectors (one, or a few: a small batch's decode step), weight
     (out, in) -> (..., out): each row of W times every vector, summed,
-    ``(W[:, None, :] * x).sum(-1)``, in float32 (one rounding per output in lower precision,
-    as F.linear). Written for inductor: the rows of W are the outer loop, split between the
+    ``(W[:, None, :] * x).sum(-1)``, in float32 (float64 kept; one rounding per output in
+    lower precision, as F.linear). Written for inductor: the rows of W are the outer loop, split between the
     threads, so a row-major weight is streamed in order once and each row is reused from
     cache for the n vectors. Run eagerly it would materialise ``W * x``."""
     n_out, n_in = weight.shape
-    xs = x.reshape(1, -1, n_in).float()  # (1, n, in)
+    acc = compute_dtype(x.dtype)  # float32 (one rounding per output), float64 kept
+    xs = x.reshape(1, -1, n_in).to(acc)  # (1, n, in)
     if xs.shape[1] > 1 and torch.compiler.is_compiling():
         # Inductor would compute x's producer (a norm, SwiGLU's SiLU) inside the product's
         # loop, again for every weight: free for one vector, which waits on memory, but it
         # made 8 vectors 10x slower. The opaque copy makes x a buffer computed once.
         xs = torch.ops.attnlab.realize(xs)
-    y = (weight.float()[:, None, :] * xs).sum(-1)  # (out, n)
+    y = (weight.to(acc)[:, None, :] * xs).sum(-1)  # (out, n)
     if bias is not None:
-        y = y + bias.float()[:, None]
+        y = y + bias.to(acc)[:, None]
     # (n, out) stored row by row: attention's q, k, v views need a unit last stride for
     # SDPA's fused kernel (the transposed view traced SDPA's slower unfused maths)
     return y.t().contiguous().to(x.dtype).reshape(*x.shape[:-1], n_out)
