@@ -104,9 +104,9 @@ def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     """x (..., in) holding n vectors (one, or a few: a small batch's decode step), weight
     (out, in) -> (..., out): each row of W times every vector, summed,
     ``(W[:, None, :] * x).sum(-1)``, in float32 (float64 kept; one rounding per output in
-    lower precision, as F.linear). Written for inductor: the rows of W are the outer loop, split between the
-    threads, so a row-major weight is streamed in order once and each row is reused from
-    cache for the n vectors. Run eagerly it would materialise ``W * x``."""
+    lower precision, as F.linear). Written for inductor: the rows of W are the outer loop,
+    split between the threads, so a row-major weight is streamed in order once and each row
+    is reused from cache for the n vectors. Run eagerly it would materialise ``W * x``."""
     n_out, n_in = weight.shape
     acc = compute_dtype(x.dtype)  # float32 (one rounding per output), float64 kept
     xs = x.reshape(1, -1, n_in).to(acc)  # (1, n, in)
