@@ -103,9 +103,12 @@ class Tokenizer:
         # A tokenizer.json keeps the padding and truncation its last caller set (transformers'
         # save_pretrained after tokenizer(..., padding="max_length", truncation=True) writes
         # them); attnlab encodes every text whole and unpadded, as transformers' pipelines
-        # do, and says so when a text is too long: drop them.
-        hf.no_padding()
-        hf.no_truncation()
+        # do, and says so when a text is too long: drop them (from a copy: the caller's
+        # tokenizer keeps its settings).
+        if hf.padding is not None or hf.truncation is not None:
+            hf = HFTokenizer.from_str(hf.to_str())
+            hf.no_padding()
+            hf.no_truncation()
         self.hf = hf
         spec = json.loads(hf.to_str())  # its tokenizer.json, read once
         model_type = spec["model"]["type"]

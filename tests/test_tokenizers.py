@@ -246,6 +246,10 @@ def test_saved_padding_and_truncation_are_ignored(tmp_path, bpe, small_corpus, m
     assert len(split_for_encoding(text)) > 2
     assert loaded.encode(text) == bpe.encode(text)
     assert loaded.hf.encode(TRICKY).ids == bpe.hf.encode(TRICKY).ids
+    from attnlab.tokenizers import Tokenizer
+
+    Tokenizer(hf)  # the caller's own tokenizer object keeps its settings
+    assert hf.truncation is not None and hf.padding is not None
 
 
 def test_load_errors_name_the_file(tmp_path):
