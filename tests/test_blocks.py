@@ -433,6 +433,26 @@ def test_linear_compiled_row_product_equals_f_linear(dtype, rows):
     assert errors["compiled"] <= 1.5 * errors["F.linear"], errors
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_compiled_row_product_keeps_float64(rows):
+    """A float64 weight's compiled product of a few vectors (rows_matmul) runs in float64,
+    as F.linear does: it was accumulated in float32 (errors of 1e-7, in a float64 model's
+    compiled decode step). Backend aot_eager: the same traced product, no code generation."""
+    from attnlab.nn.linear import Linear, set_layout
+
+    torch.manual_seed(0)
+    lin = Linear(64, 48).double()
+    torch.nn.init.normal_(lin.bias)
+    set_layout(lin, "rows")
+    torch._dynamo.reset()
+    f = torch.compile(lin, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        x = torch.randn(rows, 64, dtype=torch.float64)
+        got = f(x)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), atol=1e-12, rtol=1e-12)
+
+
 def test_linear_compiled_vector_product_is_one_operator():
     """Under torch.compile without gradients a one-vector product is the opaque
     attnlab::split_vecmat operator (its fake kernel gives the shape), equal to F.linear; with

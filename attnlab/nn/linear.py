@@ -103,21 +103,23 @@ ROWS_MATMUL_MAX = 4
 def rows_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., in) holding n vectors (one, or a few: a small batch's decode step), weight
     (out, in) -> (..., out): each row of W times every vector, summed,
-    ``(W[:, None, :] * x).sum(-1)``, in float32 (float64 kept; one rounding per output in
-    lower precision, as F.linear). Written for inductor: the rows of W are the outer loop,
-    split between the threads, so a row-major weight is streamed in order once and each row
-    is reused from cache for the n vectors. Run eagerly it would materialise ``W * x``."""
+    ``(W[:, None, :] * x).sum(-1)``, in ``compute_dtype``: float32 (one rounding per output in
+    lower precision, as F.linear), float64 kept. Written for inductor: the rows of W are the
+    outer loop, split between the threads, so a row-major weight is streamed in order once
+    and each row is reused from cache for the n vectors. Run eagerly it would materialise
+    ``W * x``."""
     n_out, n_in = weight.shape
-    acc = compute_dtype(x.dtype)  # float32 (one rounding per output), float64 kept
-    xs = x.reshape(1, -1, n_in).to(acc)  # (1, n, in)
+    # float64 kept: a float64 model's compiled decode step was rounded to float32 here
+    dtype = compute_dtype(torch.promote_types(x.dtype, weight.dtype))
+    xs = x.reshape(1, -1, n_in).to(dtype)  # (1, n, in)
     if xs.shape[1] > 1 and torch.compiler.is_compiling():
         # Inductor would compute x's producer (a norm, SwiGLU's SiLU) inside the product's
         # loop, again for every weight: free for one vector, which waits on memory, but it
         # made 8 vectors 10x slower. The opaque copy makes x a buffer computed once.
         xs = torch.ops.attnlab.realize(xs)
-    y = (weight.to(acc)[:, None, :] * xs).sum(-1)  # (out, n)
+    y = (weight.to(dtype)[:, None, :] * xs).sum(-1)  # (out, n)
     if bias is not None:
-        y = y + bias.to(acc)[:, None]
+        y = y + bias.to(dtype)[:, None]
     # (n, out) stored row by row: attention's q, k, v views need a unit last stride for
     # SDPA's fused kernel (the transposed view traced SDPA's slower unfused maths)
     return y.t().contiguous().to(x.dtype).reshape(*x.shape[:-1], n_out)
