@@ -102,6 +102,11 @@ def test_qa_answers_are_spans_of_their_context():
     _, unseen = EVERYONE.split(0.25, seed=0)
     contexts = {s: {e.context for e in data.split(s)} for s in ("train", "val", "test")}
     assert not contexts["train"] & contexts["val"] and not contexts["val"] & contexts["test"]
+    assert not contexts["train"] & contexts["test"]  # no test example is seen in training
+    # also without held-out names, where only the split itself keeps the contexts apart
+    plain = qa_examples(300, 40, 40, seed=0)
+    keys = {s: [e.context for e in plain.split(s)] for s in ("train", "val", "test")}
+    assert sum(map(len, keys.values())) == len(set().union(*keys.values())) == 380
     for split in ("train", "val", "test"):
         for e in data.split(split):
             assert e.context[e.start : e.end] == e.answer
@@ -404,3 +409,47 @@ def test_whole_word_mlm_resumes_exactly(tmp_path, monkeypatch):
         }  # fmt: skip
     )
     resumes_exactly(cfg, tmp_path, monkeypatch)
+
+
+DDP_TASK_CHILD = """
+import json, os, sys, torch
+torch.set_num_threads(1)
+from attnlab.config import RunConfig
+from attnlab.training import train
+result = train(RunConfig.from_json(open(sys.argv[1]).read()), sys.argv[2], progress=False)
+if os.environ["RANK"] == "0":
+    with open(sys.argv[3], "w") as f:
+        json.dump({"losses": result.losses, "val_loss": result.val_loss}, f)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_classify_as_one_with_double_batch(tmp_path):
+    """The README: N processes equal one with N times the batch where every example has
+    as many targets, classification as language modelling (one class per example)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    def run(batch_size):
+        return small_run("text-classification", max_steps=3, eval_every=3, batch_size=batch_size,
+                         grad_accum=2).override({"model.dropout": 0.0})  # fmt: skip
+
+    (tmp_path / "cfg.json").write_text(run(4).to_json())
+    (tmp_path / "child.py").write_text(DDP_TASK_CHILD)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    args = [str(tmp_path / n) for n in ("child.py", "cfg.json", "ddp", "ddp.json")]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", *args], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp = json.loads((tmp_path / "ddp.json").read_text())
+    single = train(run(8), tmp_path / "single", progress=False)
+    np.testing.assert_allclose(ddp["losses"], single.losses, rtol=1e-5)
+    assert ddp["val_loss"] == pytest.approx(single.val_loss, rel=1e-5)
+    a, b = (load_checkpoint(tmp_path / d).model.state_dict() for d in ("ddp", "single"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)

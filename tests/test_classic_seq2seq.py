@@ -17,7 +17,16 @@ from attnlab.nn.additive import AdditiveAttention
 
 
 def length_penalty(length: int, alpha: float) -> float:
-    return _length_penalty(length, alpha, "gnmt")
+    """GNMT's (Wu et al. 2016, eq. 14) written out, not attnlab's: lp(Y) = (5 + |Y|)^alpha
+    / (5 + 1)^alpha."""
+    return (5 + length) ** alpha / (5 + 1) ** alpha
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0, 2.0])
+def test_length_penalties_are_the_published_formulas(alpha):
+    for n in (1, 2, 7, 40):
+        assert math.isclose(_length_penalty(n, alpha, "gnmt"), length_penalty(n, alpha))
+        assert math.isclose(_length_penalty(n, alpha), n**alpha)  # transformers': |Y|^alpha
 
 
 def beam_search(step, state, reorder, *, bos_id, eos_id, beam_width, max_len=50, n_best=1):

@@ -448,6 +448,19 @@ def test_generate_default_length_fits_the_context(work):
     assert proc.stdout == prompt + ckpt.tokenizer.decode(expected) + "\n"
 
 
+def test_generate_default_length_is_at_most_256_tokens():
+    # min(256, max_seq_len - prompt tokens): a long context is not filled by default
+    from attnlab.cli.generate import plan_length
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # room enough: no warning
+        assert plan_length([1, 2, 3], None, 1024, "slide") == ([1, 2, 3], 256)
+        assert plan_length([1] * 800, None, 1024, "slide") == ([1] * 800, 224)
+        assert plan_length([1, 2, 3], 300, 1024, "slide") == ([1, 2, 3], 300)  # explicit
+    with pytest.warns(UserWarning, match="generating 256 tokens"):  # half would be 512
+        assert plan_length([1] * 1024, None, 1024, "slide") == ([1] * 1024, 256)
+
+
 def test_generate_default_length_when_the_prompt_fills_the_context():
     # half the context, sliding; a context of one token still generates (it gave none)
     from attnlab.cli.generate import plan_length

@@ -19,6 +19,7 @@ from attnlab.analysis import kv_cache_bytes
 from attnlab.cache import CacheError, GlobalWindowKV, RollingKV
 from attnlab.cli.main import main
 from attnlab.config import AttentionConfig, ConfigError, ModelConfig, PositionConfig
+from attnlab.functional.attention import BACKENDS, available_backends, backend_names
 from attnlab.functional.masks import positions_from_padding
 from attnlab.models import DecoderLM
 from attnlab.nn.attention import MultiHeadAttention
@@ -78,11 +79,13 @@ def test_only_local_layers_of_a_pattern_get_global_tokens():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash", "flex"])
+@pytest.mark.parametrize("backend", backend_names())  # every backend, as the README says
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_equals_the_oracle(backend, causal):
     """The module's output against softmax over the allowed keys one query at a time,
     with one left-padded row (its positions, hence its global tokens, shifted)."""
+    if backend not in available_backends():
+        pytest.skip(f"{backend}: {BACKENDS[backend].unavailable()}")
     d, t = 32, 11
     cfg = AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=WINDOW, global_tokens=[0, 5],
                           backend=backend)  # fmt: skip

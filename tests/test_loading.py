@@ -262,6 +262,31 @@ def test_generate_stops_at_eos(tmp_path, capsys):
     assert json.loads((exported / "generation_config.json").read_text()) == gen
 
 
+def test_generate_samples_by_its_own_options_not_generation_config(tmp_path, capsys):
+    """From generation_config.json ``generate`` takes the end-of-sequence tokens only: the
+    file's do_sample, temperature, top_k, top_p, num_beams and lengths change nothing; how
+    to sample is always the command's own options."""
+    model = _model("llama_untied", seed=3)
+    prompt = "the "
+    hf = tmp_path / "hf"
+    save_hf(model, hf)
+    TOKENIZER.save(hf / "tokenizer.json")
+    args = ["generate", "--ckpt", str(hf), "--prompt", prompt, "--max-new-tokens", "8"]
+    runs = [["--temperature", "0"], ["--temperature", "0.9", "--seed", "3"],
+            ["--temperature", "0", "--num-beams", "2"]]  # fmt: skip
+
+    def outputs() -> list[str]:
+        return [_run([*args, *extra], capsys) for extra in runs]
+
+    plain = outputs()
+    greedy = model.generate(TOKENIZER.encode(prompt), 8)
+    assert plain[0] == prompt + TOKENIZER.decode(greedy) + "\n"
+    sampling = {"do_sample": True, "temperature": 7.0, "top_k": 2, "top_p": 0.3,
+                "num_beams": 5, "max_new_tokens": 2, "max_length": 3}  # fmt: skip
+    (hf / "generation_config.json").write_text(json.dumps(sampling))
+    assert outputs() == plain
+
+
 def test_eval_dtype(tmp_path, capsys):
     model = _model("gpt2_tied")
     save_checkpoint(tmp_path, model, RunConfig(model=model.cfg), TOKENIZER)
