@@ -187,7 +187,14 @@ class _Config:
             *parents, leaf = dotted.split(".")
             for i, part in enumerate(parents):
                 if not isinstance(node.get(part), dict):
-                    _fail(".".join(parents[: i + 1]), "unknown section")
+                    sections = sorted(k for k, v in node.items() if isinstance(v, dict))
+                    close = difflib.get_close_matches(part, sections, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    where = ".".join(parents[:i]) or "the top level"
+                    _fail(
+                        ".".join(parents[: i + 1]),
+                        f"unknown section{hint} (sections of {where}: {', '.join(sections)})",
+                    )
                 node = node[part]
             owner: Any = self
             for part in parents:

@@ -225,12 +225,18 @@ def test_classify_texts(trained, capsys):
     lines = capsys.readouterr().out.splitlines()  # one line per input, repeats included
     assert [line.split("\t")[0] for line in lines] == ["ventuno", "dos", "ventuno"]
     assert "max_seq_len" in run_error(capsys, "classify", "--ckpt", ckpt, "tre" * 40)
-    assert "not in the vocabulary" in run_error(capsys, "classify", "--ckpt", ckpt, "douze!")
+    err = run_error(capsys, "classify", "--ckpt", ckpt, "ventuno", "douze!")
+    assert "the text 'douze!': " in err and "not in the vocabulary" in err  # which input
     assert "--invert applies to images" in run_error(
         capsys, "classify", "--ckpt", ckpt, "--invert", "ventuno"
     )
     err = run_error(capsys, "classify", "--ckpt", trained["question-answering"], "x")
     assert "text-classification one (attnlab train --preset bert-tiny-langid)" in err
+
+
+def test_generate_names_the_commands_for_an_encoder_checkpoint(trained, capsys):
+    err = run_error(capsys, "generate", "--ckpt", trained["text-classification"], "--prompt", "a")
+    assert "arch 'encoder'; generate needs a language model" in err and "classify" in err
 
 
 def test_tag_command(trained, capsys):

@@ -12,6 +12,7 @@ import torch
 from attnlab.config import ConfigError
 from attnlab.generation import beam_search_core
 from attnlab.generation import length_penalty as _length_penalty
+from attnlab.models.outputs import ModelOutput
 from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
 from attnlab.nn.additive import AdditiveAttention
 
@@ -267,6 +268,17 @@ def test_loss_is_cross_entropy_over_non_ignored_targets():
     torch.testing.assert_close(out.loss, torch.stack(picked).mean())
     assert out.logits.shape == (3, 5, TGT_V) and out.attention.shape == (3, 5, 6)
     assert model(src, mask, tgt_in).loss is None
+
+
+def test_output_is_a_model_output_that_unpacks_as_logits_and_loss():
+    # docs/design.md: every model returns a ModelOutput, unpacking as (logits, loss)
+    model = tiny_model()
+    src, mask = padded_sources()
+    tgt = torch.randint(0, TGT_V, (3, 5))
+    out = model(src, mask, tgt, tgt)
+    assert isinstance(out, ModelOutput) and out.aux_loss is None and out.metrics == {}
+    logits, loss = out
+    assert logits is out.logits and loss is out.loss and out.attention.shape == (3, 5, 6)
 
 
 def test_learns_to_reverse_short_sequences():

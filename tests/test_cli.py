@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from attnlab.cli.main import main
 from attnlab.presets import list_presets
+from attnlab.tokenizers import train_tokenizer
 from attnlab.training.checkpoint import load_checkpoint
 from attnlab.training.metrics import read_metrics
 
@@ -567,6 +568,24 @@ BAD_INPUTS = [
     (["train", "--init-from", "{tmp}/missing"], "not found"),
     (["train", "--preset", "gpt2-tiny", "--device", "tpu9"], "not a device"),
     (["train", "--preset", "gpt2-tiny", "--device", "mps"], "MPS is not available"),
+    (["generate", "--ckpt", "{work}/run", "--device", "tpu9"], "--device tpu9: not a device"),
+    (["eval", "--ckpt", "{work}/run", "--device", "meta"], "--device meta: the meta device"),
+    (
+        [
+            "train",
+            "--preset",
+            "gpt2-tiny",
+            "--device",
+            "cpu",
+            "--set",
+            "model.attention.backend=flex",
+        ],
+        "model.attention.backend='flex' cannot train on cpu",
+    ),
+    (
+        ["generate", "--ckpt", "{work}/run", "--tokenizer", "{tmp}/small.json", "--prompt", "a"],
+        "the tokenizer has 2 tokens, the model",
+    ),
     (["train", "--preset", "llama-3-8b"], "GiB for weights, gradients and AdamW state"),
     (
         ["train", "--preset", "gpt2-tiny", "--set", "train.nope=1"],
@@ -629,6 +648,7 @@ def bad_files(work, tmp_path) -> Path:
     shutil.copy(work / "run" / "model.safetensors", tmp_path / "weights_only")
     (tmp_path / "hf_no_tokenizer").mkdir()
     (tmp_path / "hf_no_tokenizer" / "config.json").write_text('{"model_type": "gpt2"}')
+    train_tokenizer("char", ["a "]).save(tmp_path / "small.json")  # fewer tokens than the model
     return tmp_path
 
 

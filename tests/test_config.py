@@ -160,8 +160,10 @@ def test_override_dotted_keys():
     assert cfg.n_kv_heads == 2 and cfg.d_model == 64  # the original is untouched
     with pytest.raises(ConfigError, match=r"attention.n_kv_head: unknown key; did you mean"):
         cfg.override({"attention.n_kv_head": 1})
-    with pytest.raises(ConfigError, match=r"atention: unknown section"):
+    with pytest.raises(ConfigError, match=r"atention: unknown section; did you mean 'attention'"):
         cfg.override({"atention.n_heads": 2})
+    with pytest.raises(ConfigError, match=r"sections of the top level: attention, ffn, norm"):
+        cfg.override({"foo.bar": 2})
     with pytest.raises(ConfigError, match=r"n_heads=4 is not divisible"):
         cfg.override({"attention.n_kv_heads": 3})
     with pytest.raises(ConfigError, match=r"d_model: expected an integer"):

@@ -85,6 +85,36 @@ def test_aux_losses_and_metrics_reach_the_output():
     assert out.metrics == {"blocks.1.ffn/load": 1.5}
 
 
+@pytest.mark.parametrize("arch", ["encoder", "seq2seq", "vit", "xl"])
+def test_every_architecture_gathers_its_modules_aux_losses_and_metrics(arch):
+    # docs/design.md: modules with has_aux report aux_loss / aux_metrics; the model sums
+    # and gathers them (a mixture-of-experts FFN's balance loss in any architecture)
+    torch.manual_seed(0)
+    ffn = {"kind": "moe", "n_routed_experts": 4, "n_activated_experts": 2}
+    cfg = ModelConfig.from_dict(
+        {
+            "arch": arch,
+            "vocab_size": 40,
+            "max_seq_len": 16,
+            "d_model": 32,
+            "n_layers": 1,
+            "attention": {"n_heads": 4},
+            "ffn": {**ffn, "seq_aux_loss_coef": 0.01},
+        }
+    )
+    model = build_model(cfg).train()
+    idx = torch.randint(0, 40, (2, 8))
+    if arch == "seq2seq":
+        out = model(idx, idx, targets=idx)
+    elif arch == "vit":
+        size = (cfg.channels, cfg.image_size, cfg.width)
+        out = model(torch.randn(2, *size), targets=torch.tensor([0, 1]))
+    else:
+        out = model(idx, targets=idx)
+    assert out.aux_loss is not None and out.aux_loss.requires_grad
+    assert any(key.endswith("/max_vio") for key in out.metrics)
+
+
 @pytest.mark.parametrize("std", [0.02, 0.04])
 def test_init_std_scales_every_matrix_and_residual_projections_by_role(std):
     cfg = get_preset("llama-tiny").override({"init_std": std})

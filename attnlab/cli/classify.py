@@ -152,6 +152,7 @@ def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str,
     transformers' text-classification pipeline."""
     from attnlab.cli.common import label_names, require_tokenizer, text_codec
     from attnlab.tasks.text import check_length, pad
+    from attnlab.tokenizers import TokenizerError
 
     problem = getattr(cfg.model, "problem_type", None)
     if problem == "regression" or (cfg.model.n_labels == 1 and problem is None):
@@ -161,7 +162,12 @@ def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str,
         )
     names = label_names(cfg)
     codec = text_codec(require_tokenizer(tokenizer, ckpt), cfg.model.vocab_size)
-    rows = [codec.single(codec.encode(text)[0]) for text in texts]
+    rows = []
+    for text in texts:
+        try:
+            rows.append(codec.single(codec.encode(text)[0]))
+        except TokenizerError as e:
+            raise CLIError(f"the text {text!r}: {e}") from None
     for text, row in zip(texts, rows):
         check_length(len(row), cfg.model.max_seq_len, f"the text {text!r}")
     idx, valid = pad(rows, codec.pad_id), pad([[1] * len(r) for r in rows], 0)

@@ -159,8 +159,16 @@ def model_config_from_file(path: str | Path) -> ModelConfig:
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:
+        raise CLIError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
         raise CLIError(f"--device {name}: CUDA is not available on this machine; use cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise CLIError(f"--device {name}: MPS is not available on this machine; use cpu")
+    if kind not in ("cpu", "cuda", "mps"):
+        raise CLIError(f"--device {name}: the {kind} device is not supported; use cpu or cuda")
     return name
 
 

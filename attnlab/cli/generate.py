@@ -208,6 +208,12 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, _, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     cfg = model.cfg
+    if not hasattr(model, "stream"):  # encoders, encoder-decoders, image classifiers
+        raise CLIError(
+            f"{args.ckpt} holds a model of arch {cfg.arch!r}; generate needs a language model "
+            "(arch 'decoder' or 'xl'): use translate for seq2seq checkpoints, fill-mask, "
+            "classify, tag or answer for encoders"
+        )
     tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.vocab_size)
     from attnlab.interop import HFCheckpointError
     from attnlab.tokenizers import TokenizerError
@@ -262,6 +268,20 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.seed is not None:
         torch.manual_seed(args.seed)
+    try:
+        return _write(args, model, tokenizer, ids, shown, max_new_tokens, beams, stops, options)
+    except TokenizerError as e:  # a --tokenizer smaller than the model's vocabulary
+        if tokenizer is None:
+            raise
+        raise CLIError(
+            f"the model generated a token its tokenizer cannot decode ({e}): the tokenizer "
+            f"has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}; give the model's "
+            "own tokenizer.json with --tokenizer FILE"
+        ) from None
+
+
+def _write(args, model, tokenizer, ids, shown, max_new_tokens, beams, stops, options) -> int:
+    """Generate and print the prompt and its continuation (see :func:`run`)."""
     with warnings.catch_warnings():
         # plan_length said it already: the library's own notes would come mid-output
         warnings.filterwarnings("ignore", message="prompt ", category=UserWarning)

@@ -23,7 +23,7 @@ from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.outputs import (
     LMOutput,
     aux_modules,
-    collect_aux,
+    finish_loss,
     init_residual_projections,
 )
 from attnlab.nn.block import TransformerStack
@@ -88,7 +88,6 @@ class DecoderLM(nn.Module):
         init_residual_projections(self, cfg.init_std, cfg.n_layers)
         self._aux = aux_modules(self)
         # A module training alone (DSA's dense warm-up) freezes the rest: see outputs.py.
-        self._trains_alone = any(getattr(m, "trains_alone", False) for _, m in self._aux)
         self._no_documents = self.documents_unsupported(cfg)
 
     # What generate(compile=...) keeps on the model for this process: the compiled decode
@@ -233,11 +232,7 @@ class DecoderLM(nn.Module):
             loss = F.cross_entropy(
                 softmax_dtype(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100
             )
-        alone = self._trains_alone and self.training
-        aux_loss, metrics = collect_aux(self._aux, alone=alone) if self._aux else (None, {})
-        if loss is not None and alone:
-            loss = loss.detach()  # reported, not optimised: only the aux losses train
-        return LMOutput(logits, loss, aux_loss, metrics)
+        return LMOutput(logits, *finish_loss(self._aux, loss, self.training))
 
     @torch.inference_mode()
     def generate(

@@ -30,7 +30,7 @@ from attnlab.config import (
 from attnlab.functional.masks import padding_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
-from attnlab.models.outputs import ModelOutput
+from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.feedforward import ACTIVATIONS
@@ -259,6 +259,7 @@ class EncoderModel(nn.Module):
         self.apply(self._init_weights)
         if cfg.head == "mlm" and cfg.tie_embeddings:
             self.head.decoder.weight = self.tok_emb.weight
+        self._aux = aux_modules(self)  # MoE balance losses, DSA indexers (outputs.py)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -314,7 +315,7 @@ class EncoderModel(nn.Module):
         logits = self.head(h)
         # every head's loss takes the padding; question answering's leaves it out of its span
         loss = self.head.loss(logits, targets, attention_mask) if targets is not None else None
-        return ModelOutput(logits, loss)
+        return ModelOutput(logits, *finish_loss(self._aux, loss, self.training))
 
     def num_parameters(self) -> int:
         """Parameters (tied ones counted once)."""

@@ -63,6 +63,21 @@ def collect_aux(
     return total, metrics
 
 
+def finish_loss(
+    modules: list[tuple[str, nn.Module]], loss: Tensor | None, training: bool
+) -> tuple[Tensor | None, Tensor | None, dict[str, Tensor | float]]:
+    """(loss, aux_loss, metrics) of a forward pass: the modules' auxiliary losses and
+    metrics (:func:`collect_aux`); while a module trains alone (training only), the task loss
+    detached and only that module's auxiliary loss."""
+    if not modules:
+        return loss, None, {}
+    alone = training and any(getattr(m, "trains_alone", False) for _, m in modules)
+    aux_loss, metrics = collect_aux(modules, alone=alone)
+    if loss is not None and alone:
+        loss = loss.detach()  # reported, not optimised: only the aux losses train
+    return loss, aux_loss, metrics
+
+
 def init_residual_projections(model: nn.Module, std: float, n_layers: int) -> None:
     """GPT-2: the projections that write into the residual stream (marked with
     ``residual_projection = True``) start with std / sqrt(2 * n_layers)."""

@@ -28,6 +28,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from attnlab.config import ModelConfig, _fail, _positive, register_model_config
 from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
 from attnlab.models.build import register_model
+from attnlab.models.outputs import ModelOutput
 from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.linear import Linear
 from attnlab.nn.modes import enter_eval, restore
@@ -77,10 +78,12 @@ class RNNSeq2SeqConfig(ModelConfig):
 register_model_config("gru-seq2seq", RNNSeq2SeqConfig)
 
 
-class Seq2SeqOutput(NamedTuple):
-    logits: Tensor  # (b, t, V)
-    loss: Tensor | None  # mean cross-entropy over targets != -100
-    attention: Tensor  # (b, t, s): the weights each target position gave the source
+@dataclass
+class Seq2SeqOutput(ModelOutput):
+    """A model output (logits (b, t, V), loss: mean cross-entropy over targets != -100)
+    plus ``attention`` (b, t, s): the weights each target position gave the source."""
+
+    attention: Tensor | None = None
 
 
 class Memory(NamedTuple):
@@ -179,7 +182,7 @@ class GRUSeq2Seq(nn.Module):
             loss = F.cross_entropy(
                 logits_bt.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
             )
-        return Seq2SeqOutput(logits_bt, loss, torch.stack(weights, dim=1))
+        return Seq2SeqOutput(logits_bt, loss, attention=torch.stack(weights, dim=1))
 
     @torch.no_grad()
     def sequence_log_prob(self, src: Tensor, src_mask: Tensor | None, tokens: list[int]) -> float:

@@ -34,7 +34,7 @@ from attnlab.config import (
 from attnlab.functional.masks import padding_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
-from attnlab.models.outputs import ModelOutput
+from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
 from attnlab.nn.linear import Linear
@@ -153,6 +153,7 @@ class Seq2SeqModel(nn.Module):
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tgt_emb.weight
+        self._aux = aux_modules(self)  # MoE balance losses (outputs.py)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -236,7 +237,7 @@ class Seq2SeqModel(nn.Module):
                 ignore_index=-100,
                 label_smoothing=self.cfg.label_smoothing,
             )
-        return ModelOutput(logits, loss)
+        return ModelOutput(logits, *finish_loss(self._aux, loss, self.training))
 
     def new_cache(self, batch: int, max_len: int | None = None) -> Cache:
         """Decoder self-attention keys/values and, per layer, the cross-attention

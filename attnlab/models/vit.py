@@ -28,7 +28,7 @@ from attnlab.config import (
 )
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
-from attnlab.models.outputs import ModelOutput
+from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
@@ -140,6 +140,7 @@ class VisionTransformer(nn.Module):
         self.apply(self._init_weights)
         nn.init.trunc_normal_(self.pos, std=cfg.init_std)
         nn.init.trunc_normal_(self.cls, std=cfg.init_std)
+        self._aux = aux_modules(self)  # MoE balance losses (outputs.py)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -165,7 +166,7 @@ class VisionTransformer(nn.Module):
     def forward(self, images: Tensor, *, targets: Tensor | None = None) -> ModelOutput:
         logits = self.head(self.features(images)[:, 0])  # (b, n)
         loss = F.cross_entropy(softmax_dtype(logits), targets) if targets is not None else None
-        return ModelOutput(logits, loss)
+        return ModelOutput(logits, *finish_loss(self._aux, loss, self.training))
 
     def num_parameters(self) -> int:
         """Parameters (tied ones counted once)."""

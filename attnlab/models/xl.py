@@ -31,7 +31,12 @@ from attnlab.config import (
 )
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
-from attnlab.models.outputs import ModelOutput, init_residual_projections
+from attnlab.models.outputs import (
+    ModelOutput,
+    aux_modules,
+    finish_loss,
+    init_residual_projections,
+)
 from attnlab.nn.feedforward import build_ffn
 from attnlab.nn.linear import Linear
 from attnlab.nn.modes import enter_eval, restore
@@ -121,6 +126,7 @@ class TransformerXL(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
         init_residual_projections(self, cfg.init_std, cfg.n_layers)
+        self._aux = aux_modules(self)  # MoE balance losses (outputs.py)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -168,7 +174,8 @@ class TransformerXL(nn.Module):
             loss = F.cross_entropy(
                 softmax_dtype(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100
             )
-        return XLOutput(logits, loss, memory=new_memory)
+        loss, aux_loss, metrics = finish_loss(self._aux, loss, self.training)
+        return XLOutput(logits, loss, aux_loss, metrics, memory=new_memory)
 
     def _next_memory(self, memory: Tensor | None, x: Tensor) -> Tensor:
         """The last mem_len of [memory; this layer's input], cut from the graph."""

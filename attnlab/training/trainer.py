@@ -75,7 +75,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from attnlab.allocator import keep_freed_memory
-from attnlab.config import AttentionConfig, RunConfig
+from attnlab.config import AttentionConfig, ModelConfig, RunConfig
 from attnlab.models import build_model
 from attnlab.nn.linear import set_layout
 from attnlab.tasks import Task, eval_mode, get_task
@@ -187,6 +187,26 @@ def resolve_device(
                 "choose the GPUs with CUDA_VISIBLE_DEVICES"
             )
     return device
+
+
+def check_backend(model_cfg: ModelConfig, device: torch.device) -> None:
+    """A TrainingError, naming ``model.attention.backend``, when that backend cannot train
+    on ``device`` (it would otherwise fail at the first step)."""
+    from attnlab import kernels
+    from attnlab.functional.attention import BACKENDS
+
+    name = model_cfg.attention.backend
+    reason = BACKENDS[name].unavailable()
+    if reason is None and device.type == "cpu":
+        if name == "flex":
+            reason = "torch's FlexAttention has no backward on CPU"
+        elif name == "triton" and not kernels.interpreting():
+            reason = "its kernels need CUDA tensors (or TRITON_INTERPRET=1)"
+    if reason is not None:
+        raise TrainingError(
+            f"model.attention.backend={name!r} cannot train on {device.type}: {reason}; "
+            "use flash, sdpa or eager"
+        )
 
 
 def _resolve_device(name: str, local_rank: int, local_world_size: int) -> torch.device:
@@ -466,6 +486,7 @@ class Trainer:
                 hint = f"the run resumed from {resume} would overwrite it; {hint}"
             raise TrainingError(f"{self.out_dir} already holds a checkpoint; {hint}")
         device = resolve_device(cfg.train.device, cuda_available=torch.cuda.is_available())
+        check_backend(cfg.model, device)
         check_memory(cfg.model, device)  # before building or allocating anything
         self.dist, self.device = _setup_distributed(cfg.train.device)
         if self.device.type == "cpu" and cfg.train.keep_freed_memory:
