@@ -60,6 +60,7 @@ Shapes: b batch per process, t block size.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -568,6 +569,13 @@ class Trainer:
         self._alone = bool(alone)
         self._frozen = [p for p in model.parameters() if id(p) not in trained] if alone else []
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
+        # The frozen parameters stop requiring gradients once the optimizer holds them (its
+        # groups and state stay those of the other stages, so a checkpoint resumes in
+        # either). Under DDP this is needed: its reducer waits for a gradient of every
+        # parameter that requires one, and the frozen ones never get one (a crash at the
+        # second step, after a first whose gradients were not averaged).
+        for p in self._frozen:
+            p.requires_grad_(False)
         self.autocast_dtype = torch.bfloat16 if tc.dtype == "bfloat16" else None
         self.train_model: nn.Module = self.model
         if self.dist.enabled:
@@ -622,11 +630,17 @@ class Trainer:
         self.step = int(state["step"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.data_generator.set_state(state["data_rng"])
-        rng = state["rng"]
-        if len(rng) != self.dist.world_size:
-            # Another number of processes: dropout streams cannot continue exactly.
-            rng = [rng[0]] * self.dist.world_size
-        _set_rng_state(rng[self.dist.rank], self.device)
+        rng, rank = state["rng"], self.dist.rank
+        if len(rng) == self.dist.world_size or rank < len(rng):
+            _set_rng_state(rng[rank], self.device)
+        else:
+            # Another number of processes: dropout streams cannot continue exactly. A process
+            # the saved run did not have starts a stream of its own (seeded from the saved
+            # state): a copy of another process's would drop the same units there.
+            g = torch.Generator()
+            g.set_state(rng[0]["cpu"].cpu())
+            seeds = torch.randint(2**62, (self.dist.world_size,), generator=g)
+            torch.manual_seed(int(seeds[rank]))
         self.elapsed_before = float(state["elapsed"])
         self.train_time = float(state.get("train_time", 0.0))
         if "interval" in state:  # the log interval a stop cut short: logged as if it was not
@@ -1072,6 +1086,15 @@ class Trainer:
             stop_message=self.stop_message,
         )
 
+    def release(self) -> None:
+        """Drop the DistributedDataParallel wrapper (and a compiled one) now: its reducer
+        sits in a reference cycle, and one still alive when the process group is destroyed
+        (or the process exits) aborted the process now and then ("terminate called without
+        an active exception"), so that torchrun reported a finished run as failed."""
+        if self.train_model is not self.model:
+            self.train_model = self.model
+            gc.collect()
+
     def _stop_text(self, reason: str, signal_name: str | None) -> str:
         tc, n = self.tc, self.step
         if reason == "signal":
@@ -1117,6 +1140,7 @@ def train(
     Under torchrun (WORLD_SIZE > 1) every process calls this; rank 0 writes the files.
     """
     group_existed = dist.is_available() and dist.is_initialized()
+    trainer = None
     try:
         trainer = Trainer(
             cfg,
@@ -1132,5 +1156,7 @@ def train(
         )
         return trainer.run()
     finally:
+        if trainer is not None:
+            trainer.release()
         if not group_existed and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # we joined torchrun's group: leave it
