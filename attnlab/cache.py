@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnlab.functional.masks import padding_mask, positions_from_padding, sliding_window_mask
-from attnlab.functional.softmax import compute_dtype, softmax_dtype
+from attnlab.functional.softmax import compute_dtype, score_operands, softmax_dtype
 
 
 class CacheError(ValueError):
@@ -363,8 +363,9 @@ class SinkKV(LayerCache):
         n_rep = h // rk.shape[1]
         rep = (lambda x: x.repeat_interleave(n_rep, dim=1)) if n_rep > 1 else (lambda x: x)
         scale = d_h**-0.5 if scale is None else scale
+        q_sink, q_rec, sk, rk_s = score_operands(q_sink, q_rec, sk, rk)  # float16 overflows
         scores = (
-            torch.cat((q_sink @ rep(sk).transpose(-1, -2), q_rec @ rep(rk).transpose(-1, -2)), -1)
+            torch.cat((q_sink @ rep(sk).transpose(-1, -2), q_rec @ rep(rk_s).transpose(-1, -2)), -1)
             * scale
         )  # (b, h, t, n_s + r + t)
         mask = torch.cat((sink_mask.expand(b, 1, t, n_s), rec_mask), -1)

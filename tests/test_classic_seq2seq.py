@@ -369,3 +369,18 @@ def test_beam_does_not_stop_while_a_live_prefix_can_still_win():
         hyps = beam_search(step, [()], reorder, bos_id=BOS, eos_id=2, beam_width=width, n_best=2)
         assert hyps[0].tokens == [0, 0, 0, 0, 2], width
         assert math.isclose(hyps[0].log_prob, math.log(0.9**4 * 0.98), rel_tol=1e-6)
+
+
+@torch.no_grad()
+def test_float16_loss_is_summed_in_float32():
+    """A float16 model's loss: the cross-entropy runs in float32 (as every other model's),
+    where float16 summed the tokens' losses past 65504 (inf for a batch of 7,680)."""
+    torch.manual_seed(0)
+    model = GRUSeq2Seq(RNNSeq2SeqConfig()).eval()
+    tgt = torch.randint(0, 256, (64, 120))
+    src = torch.randint(3, 16, (64, 4))
+    with torch.no_grad():
+        model.out.weight.mul_(30)
+    loss = model.half()(src, None, tgt, tgt).loss
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, model.float()(src, None, tgt, tgt).loss, atol=2e-2, rtol=2e-3)

@@ -338,3 +338,21 @@ def test_attend_bf16_close_to_float32(backend):
     assert out.dtype == torch.bfloat16
     # bf16 keeps 8 bits of mantissa: inputs and outputs round at ~4e-3 relative.
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash"])
+def test_attend_float16_products_past_65504_stay_finite(backend):
+    """float16 q . k above 65504 (a score below it once scaled by 1/sqrt(d_h)): the scores
+    are products in float32, as torch's SDPA and the Triton kernels form them. eager and
+    flash formed them in float16, inf before the scale, and inf - inf gave NaN rows."""
+    torch.manual_seed(0)
+    q, k, v = (x.half() for x in _qkv(h_kv=2, t=6, s=6))
+    q, k = q * 100, k * 100
+    dots = q.float() @ k.float().repeat_interleave(2, 1).mT
+    assert dots.abs().max() > 65504 > dots.abs().max() * 8**-0.5
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    out = attend(q, k, v, causal=True, backend=backend)
+    ref = attend(q.detach().float(), k.detach().float(), v.detach().float(), causal=True)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    out.float().square().sum().backward()
+    assert all(x.grad.isfinite().all() for x in (q, k, v))

@@ -217,3 +217,21 @@ def test_half_precision_state_is_kept_in_float32():
     )
     cache = model.to(torch.bfloat16).new_cache(1, 8)
     assert cache.layers[0].z.dtype == torch.float32
+
+
+def test_float16_chunk_products_past_65504_stay_finite():
+    """float16 features of about 30: a chunk's phi(q) . phi(k) sums pass 65504. They are
+    formed in float32 (as the state already was), so the chunked pass is finite and equals
+    decoding token by token; in float16 the normaliser was inf (NaN rows)."""
+    torch.manual_seed(0)
+    q, k = (1 + 60 * torch.rand(1, 2, 12, 8)).half(), (1 + 60 * torch.rand(1, 2, 12, 8)).half()
+    v = torch.randn(1, 2, 12, 8).half()
+    y, (S, z) = causal_linear_attention(q, k, v, q, k)
+    assert y.dtype == torch.float16 and S.dtype == z.dtype == torch.float32
+    want, _ = causal_linear_attention(q.float(), k.float(), v.float(), q.float(), k.float())
+    torch.testing.assert_close(y.float(), want, atol=2e-3, rtol=2e-3)
+    state, steps = None, []
+    for i in range(12):
+        out, state = causal_linear_attention(*(x[:, :, i : i + 1] for x in (q, k, v, q, k)), state)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, 2).float(), want, atol=2e-3, rtol=2e-3)

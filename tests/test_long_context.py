@@ -376,3 +376,39 @@ def test_learned_sink_logits_under_a_cache_equal_the_full_pass():
     full = model(idx).logits
     cache = model.new_cache(2, 16)
     torch.testing.assert_close(_chunks(model, idx, None, cache, [5, 1, 1, 1, 1]), full, **TOL)
+
+
+@torch.no_grad()
+def test_float16_sink_scores_past_65504_stay_finite():
+    """float16 q . k above 65504 (below it once scaled): the sink cache's scores and the
+    learned sink logits' rescaling are formed in float32; in float16 the products were inf
+    before the scale, the sink cache turned the NaN rows into zeros and the rescaling under
+    an additive mask gave NaN."""
+    from attnlab.functional.masks import to_additive
+    from attnlab.functional.sinks import sink_rescale
+    from attnlab.nn.attention import MultiHeadAttention
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 4, 5, 8) * 60).half(), (torch.randn(2, 2, 5, 8) * 60).half()
+    y, sink = torch.randn(2, 4, 5, 8).half(), torch.randn(4)
+    mask = to_additive(torch.rand(2, 1, 5, 5) > 0.3)
+    got = sink_rescale(y, q, k, sink, mask, causal=True)
+    want = sink_rescale(y.float(), q.float(), k.float(), sink, mask, causal=True)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    cfg = AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=4, sink_tokens=2)
+    outs = []
+    for dtype in (torch.float16, torch.float32):
+        torch.manual_seed(0)
+        attn = MultiHeadAttention(32, cfg).eval().half().to(dtype)
+        model = tiny(window=4, n_layers=1)
+        cache = model.new_cache(1, 8, dtype=dtype, rolling=True)
+        cache.layers = [attn.new_cache_entry(cache)]
+        x = (torch.randn(1, 7, 32) * 300).half().to(dtype)
+        got = []
+        for i in range(7):
+            step = cache.begin(1)
+            got.append(attn(x[:, i : i + 1], positions=step.positions, cache=cache.layers[0]))
+            cache.commit()
+        outs.append(torch.cat(got, 1))
+    assert outs[0].isfinite().all()
+    torch.testing.assert_close(outs[0].float(), outs[1], atol=0.5, rtol=2e-2)

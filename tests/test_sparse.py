@@ -632,3 +632,33 @@ def test_index_scores_of_float64_inputs_are_float64():
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-15)
     assert index_scores(q.bfloat16(), k.bfloat16(), w.float(), 0.5).dtype == torch.float32
+
+
+@torch.no_grad()
+def test_float16_scores_past_65504_stay_finite_in_every_latent_and_compressed_product():
+    """float16 q . k above 65504 (below it once scaled): NSA's compressed branch, MLA's
+    absorbed (latent) attention and DSA's gathered top-k attention form their scores in
+    float32, as attend does; in float16 they were inf before the scale (NaN rows)."""
+    layer = _nsa_layer().half()
+    q, k, v, allowed = (x.half() * 60 if x.is_floating_point() else x for x in _qkv(layer, t=12))
+    got, _ = layer.compressed(q, k, v, allowed)
+    want, _ = layer.float().compressed(q.float(), k.float(), v.float(), allowed)
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)  # v of about 60
+    mla = build_model(get_preset("deepseek-tiny")).blocks[0].attn.eval().half()
+    torch.manual_seed(0)
+    width = mla.kv_lora_rank + mla.rope_dim
+    q = (torch.randn(2, mla.n_heads, 3, width) * 60).half()
+    latent = (torch.randn(2, 1, 5, width) * 60).half()
+    got = mla._latent_attend(q, latent, None, causal=True)
+    want = mla.float()._latent_attend(q.float(), latent.float(), None, causal=True)
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)
+    dsa = _dsa().blocks[0].attn.half()
+    q_nope = (torch.randn(2, dsa.n_heads, 3, dsa.nope_dim) * 60).half()
+    q_rope = (torch.randn(2, dsa.n_heads, 3, dsa.rope_dim) * 60).half()
+    indices = torch.randint(0, 5, (2, 3, 4))
+    valid = torch.ones(2, 3, 4, dtype=torch.bool)
+    got = dsa._gathered(q_nope, q_rope, latent, indices, valid)
+    dsa.float()
+    want = dsa._gathered(q_nope.float(), q_rope.float(), latent.float(), indices, valid)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.float(), want, atol=0.5, rtol=2e-2)

@@ -220,3 +220,17 @@ def test_float64_xl_computes_in_float64():
     assert out.loss.dtype == torch.float64
     want = F.cross_entropy(out.logits.flatten(0, 1), idx.flatten())
     torch.testing.assert_close(out.loss, want, rtol=1e-14, atol=0)
+
+
+@torch.no_grad()
+def test_float16_relative_scores_past_65504_stay_finite():
+    """(q + u) . k and (q + v) . W_R R above float16's 65504 (below it once scaled by
+    1/sqrt(d_h)): formed in float32, as attend's scores; in float16 they were inf before the
+    scale, and inf - inf gave NaN rows."""
+    torch.manual_seed(0)
+    attn = RelativeMultiHeadAttention(32, AttentionConfig(n_heads=4)).eval().half()
+    x = (torch.randn(2, 4, 32) * 300).half()
+    got = attn(x)
+    want = attn.float()(x.float())
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.float(), want, atol=0.5, rtol=2e-2)

@@ -36,7 +36,7 @@ from attnlab.functional.masks import (
     document_mask,
     sliding_window_mask,
 )
-from attnlab.functional.softmax import masked_softmax, softmax_dtype
+from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -76,7 +76,8 @@ def eager_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if causal:
         mask = combine_masks(mask, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
-    scores = (q @ k.transpose(-2, -1)) * scale  # (b, h, t, s)
+    qs, ks = score_operands(q, k)  # float16 in float32: its products overflow
+    scores = (qs @ ks.transpose(-2, -1)) * scale  # (b, h, t, s)
     weights = masked_softmax(softmax_dtype(scores), mask).to(q.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)

@@ -18,7 +18,8 @@ in another document) is never computed. Tiles cut by a boundary get an elementwi
 
 Statistics (m, l, L, D) and accumulators are float32 (float64 for float64 inputs, as in
 the eager softmax); matrix products run in the input dtype (bf16 P is cast before P V, as
-the CUDA kernels do).
+the CUDA kernels do), except float16 scores, products in float32 as the kernels' are (a
+float16 q . k past 65504 would be inf before the scale).
 
 Shapes: b batch, h query heads, h_kv key/value heads, g = h / h_kv queries per kv head,
 t query length, s key length, d_h head dim, r rows (queries) and c columns (keys) of a tile.
@@ -138,6 +139,8 @@ class _Problem:
         step after the product is in place: on a CPU these passes over r x c, not the products,
         are what costs."""
         q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
+        if qs.dtype == torch.float16:  # products in float32, as the kernels' (score_operands)
+            qs, kb = qs.to(self.dtype), kb.to(self.dtype)
         sc = qs @ kb.transpose(-2, -1)
         sc = sc.mul_(self.scale) if sc.dtype == self.dtype else sc.to(self.dtype).mul_(self.scale)
         if self.mask5 is not None:

@@ -66,7 +66,13 @@ def causal_linear_attention(
     The state is a sum over every token so far, kept in float32 for half-precision inputs
     (float64 kept): in bf16, z of a few thousand tokens stops growing (its spacing there,
     8 or 16, swallows each token's phi(k) of about 1) and decoding one token at a time
-    drifts far from the chunked pass."""
+    drifts far from the chunked pass. float16 inputs are raised to float32 throughout: the
+    chunk's products phi(q) . phi(k) and their sums (the normaliser) pass 65504 with
+    features of about 10 (inf / inf: NaN rows) where decoding, from the float32 state, did
+    not; bfloat16 shares float32's range and keeps its products."""
+    out_dtype = q_num.dtype
+    if out_dtype == torch.float16:
+        q_num, k_num, v, q_den, k_den = (x.float() for x in (q_num, k_num, v, q_den, k_den))
     b, h, t, d_h = q_num.shape
     h_kv, d_v = k_num.shape[1], v.shape[-1]
     n_rep = h // h_kv
@@ -90,9 +96,9 @@ def causal_linear_attention(
         num = _as(scores @ _repeat(vc, n_rep), S.dtype) + past
         den_past = (_as(qd, z.dtype) @ _repeat(z, n_rep)[..., None]).squeeze(-1)  # (b, h, c)
         den = _as(weights.sum(-1), z.dtype) + den_past
-        ys.append(_as(num / (den[..., None] + eps), q_num.dtype))
+        ys.append(_as(num / (den[..., None] + eps), out_dtype))
         # The chunk joins the state: S += phi(K)^T V, z += sum phi(K).
         S = S + _as(kn.transpose(-1, -2), S.dtype) @ _as(vc, S.dtype)  # (b, h_kv, d_h, d_v)
         z = z + _as(kd, z.dtype).sum(2)  # (b, h_kv, d_h)
-    y = torch.cat(ys, dim=2) if ys else q_num.new_zeros(b, h, 0, d_v)
+    y = torch.cat(ys, dim=2) if ys else q_num.new_zeros(b, h, 0, d_v, dtype=out_dtype)
     return y, (S, z)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnlab.functional.masks import causal_mask
-from attnlab.functional.softmax import softmax_dtype
+from attnlab.functional.softmax import score_operands, softmax_dtype
 
 
 def sink_rescale(
@@ -33,7 +33,8 @@ def sink_rescale(
     h, t, d_h = q.shape[1], q.shape[2], q.shape[3]
     s = k.shape[2]
     k = k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k
-    scores = softmax_dtype(q @ k.transpose(-1, -2)) * (d_h**-0.5 if scale is None else scale)
+    qs, ks = score_operands(q, k)  # float16 in float32: its products overflow
+    scores = softmax_dtype(qs @ ks.transpose(-1, -2)) * (d_h**-0.5 if scale is None else scale)
     if mask is not None:
         scores = (
             scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask

@@ -23,6 +23,16 @@ def softmax_dtype(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def score_operands(*xs: Tensor) -> tuple[Tensor, ...]:
+    """The operands of attention scores (queries, keys) for their product: float16 raised to
+    float32, every other dtype as it is. A float16 product past 65504 is inf before the
+    scale can shrink it (q . k of 1e5 at d_h 64 is a score of 12,500; inf - inf then gives
+    NaN rows), and its scores round to 0.03 near 50; torch's SDPA and the Triton kernels
+    accumulate and keep scores in float32. bfloat16 has float32's range and keeps its
+    products, as float32 and float64 do."""
+    return tuple(x.float() if x.dtype == torch.float16 else x for x in xs)
+
+
 def stable_softmax(x: Tensor, dim: int = -1) -> Tensor:
     """Softmax that subtracts the maximum first. Rows of all -inf give zeros, not NaN."""
     if x.shape[dim] == 0:  # no positions: an empty softmax (amax refuses empty rows)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from attnlab.config import ModelConfig, _fail, _positive, register_model_config
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
 from attnlab.models.build import register_model
 from attnlab.models.outputs import ModelOutput
@@ -179,8 +180,9 @@ class GRUSeq2Seq(nn.Module):
         logits_bt = torch.stack(logits, dim=1)  # (b, t, V)
         loss = None
         if targets is not None:
+            # in float32 (float64 kept), as every model's loss: a float16 loss sums past 65504
             loss = F.cross_entropy(
-                logits_bt.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+                softmax_dtype(logits_bt.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX
             )
         return Seq2SeqOutput(logits_bt, loss, attention=torch.stack(weights, dim=1))
 

@@ -41,7 +41,7 @@ from attnlab.functional.masks import (
     document_mask,
     sliding_window_mask,
 )
-from attnlab.functional.softmax import masked_softmax, softmax_dtype
+from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import RMSNorm
 from attnlab.nn.registry import register_attention
@@ -158,7 +158,8 @@ class MultiHeadLatentAttention(nn.Module):
         b, h, t, width = q.shape
         keys = latent.squeeze(1)  # (b, s, d_c + d_r)
         s = keys.shape[1]
-        scores = torch.matmul(q.reshape(b, h * t, width), keys.transpose(1, 2))  # (b, h t, s)
+        qs, ks = score_operands(q, keys)  # float16 in float32: its products overflow
+        scores = torch.matmul(qs.reshape(b, h * t, width), ks.transpose(1, 2))  # (b, h t, s)
         scores = scores.view(b, h, t, s) * self.scale
         if causal and t > 1:  # one query is the newest position: it may see every key
             mask = combine_masks(mask, causal_mask(t, s, device=q.device))

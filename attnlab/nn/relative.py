@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import AttentionConfig
-from attnlab.functional.softmax import compute_dtype, masked_softmax, softmax_dtype
+from attnlab.functional.softmax import compute_dtype, masked_softmax, score_operands, softmax_dtype
 from attnlab.nn.linear import Linear
 
 
@@ -90,8 +90,10 @@ class RelativeMultiHeadAttention(nn.Module):
         distances = torch.arange(s - 1, -1, -1, device=x.device)  # s - 1, ..., 0
         r = self.r(relative_sinusoids(distances, self.d_model, x.dtype).to(x.dtype))  # (s, h d_h)
         r = r.view(s, self.n_heads, self.head_dim).transpose(0, 1)  # (h, s, d_h)
-        content = (q + self.u[:, None, :]) @ k.transpose(-1, -2)  # (a) + (c): (b, h, t, s)
-        position = rel_shift((q + self.v[:, None, :]) @ r.transpose(-1, -2))  # (b) + (d)
+        # float16 in float32: its products overflow
+        q_u, q_v, k_s, r_s = score_operands(q + self.u[:, None, :], q + self.v[:, None, :], k, r)
+        content = q_u @ k_s.transpose(-1, -2)  # (a) + (c): (b, h, t, s)
+        position = rel_shift(q_v @ r_s.transpose(-1, -2))  # (b) + (d)
         scores = (content + position) * self.head_dim**-0.5
         q_pos = torch.arange(s - t, s, device=x.device)[:, None]  # (t, 1)
         allowed = torch.arange(s, device=x.device)[None, :] <= q_pos  # (t, s) causal

@@ -49,7 +49,7 @@ from attnlab.functional.selection import (
     selection_mask,
     topk_select,
 )
-from attnlab.functional.softmax import masked_softmax, softmax_dtype
+from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
 from attnlab.nn.linear import Linear
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.registry import register_attention
@@ -162,7 +162,8 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         keys = latent[:, 0]  # (b, s, d_c + d_r)
         rows = torch.arange(keys.shape[0], device=keys.device)[:, None, None]
         picked = keys[rows, indices]  # (b, t, k, d_c + d_r): only these are read
-        scores = torch.einsum("bhtc,btkc->bhtk", q, picked) * self.scale
+        qs, ks = score_operands(q, picked)  # float16 in float32: its products overflow
+        scores = torch.einsum("bhtc,btkc->bhtk", qs, ks) * self.scale
         weights = masked_softmax(softmax_dtype(scores), valid[:, None]).to(q.dtype)  # (b, h, t, k)
         if self.training and self.attn_dropout > 0:
             weights = F.dropout(weights, p=self.attn_dropout)
@@ -175,7 +176,8 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         with torch.no_grad():
             w_uk, _ = self._up_weights()
             q = torch.cat((torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_rope), dim=-1)
-            scores = softmax_dtype(torch.einsum("bhtc,bsc->bhts", q, latent[:, 0])) * self.scale
+            qs, ks = score_operands(q, latent[:, 0])  # float16 in float32: products overflow
+            scores = softmax_dtype(torch.einsum("bhtc,bsc->bhts", qs, ks)) * self.scale
             p = masked_softmax(scores, allowed[:, None]).sum(1)  # (b, t, s)
             return p / p.sum(-1, keepdim=True).clamp(min=1e-20)
 
@@ -332,7 +334,8 @@ class NativeSparseAttention(nn.Module):
         v_c = self.compress_v(v[:, :, win])
         ok = allowed[..., win[:, -1]]  # (b, t, n_c): a block is complete when its last key is
         qg = q.view(b, h_kv, h // h_kv, t, d_h)  # (b, h_kv, g, t, d_h)
-        scores = softmax_dtype(torch.einsum("bkgtd,bknd->bkgtn", qg, k_c)) * self.scale
+        qs, ks = score_operands(qg, k_c)  # float16 in float32: its products overflow
+        scores = softmax_dtype(torch.einsum("bkgtd,bknd->bkgtn", qs, ks)) * self.scale
         p = masked_softmax(scores, ok[:, None, None]).to(q.dtype)  # zero rows: no block yet
         o = torch.einsum("bkgtn,bknd->bkgtd", p, v_c)
         return o.reshape(b, h, t, d_h), p
