@@ -300,3 +300,25 @@ def test_no_keys_give_zeros_in_every_backend():
             continue  # flex builds block masks of at least one key block
         out = attend(q, k, v, backend=backend)
         assert torch.equal(out, torch.zeros(1, 2, 3, 4)), backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("low", [torch.finfo(torch.float32).min, -1e9])
+def test_huge_finite_additive_mask_equals_eager_in_every_backend(dtype, low):
+    """A float32 additive mask of finfo(float32).min or -1e9 (as Hugging Face builds them)
+    with float16 queries: a cast to float16 made it -inf, so sdpa and flex gave zeros for a
+    fully masked row (computing ``keep`` before the cast) where eager gives uniform weights."""
+    from attnlab.functional.attention import attend, available_backends
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 8).to(dtype) for n in (3, 5, 5))
+    mask = torch.zeros(2, 1, 3, 5)
+    mask[:, :, 0, :] = low  # every key masked (finite): eager's weights are uniform
+    mask[:, :, 1, 2:] = low
+    mask[1, :, 2, :] = float("-inf")  # -inf stays empty: zeros
+    ref = attend(q, k, v, mask, backend="eager")
+    assert torch.allclose(ref[:, :, 0].float(), v.float().mean(-2), atol=2e-3)
+    for backend in available_backends():
+        out = attend(q, k, v, mask, backend=backend)
+        assert out.dtype == dtype, backend
+        assert torch.allclose(out.float(), ref.float(), atol=2e-3), backend

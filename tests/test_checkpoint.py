@@ -243,3 +243,26 @@ def test_config_and_weights_that_disagree_name_the_tensors(tmp_path):
         CheckpointError, match=r"unexpected \(\d+\): blocks\.1\.\S+ \(\d+,( \d+)?\)"
     ):
         load_checkpoint(tmp_path)
+
+
+def test_inference_falls_back_from_a_backend_the_device_cannot_run(tmp_path, monkeypatch):
+    """A checkpoint trained with backend triton, loaded on a CPU for inference: flash (the
+    kernels' tiled twin) with one warning naming both, not a RuntimeError at the first call;
+    a load for training (inference=False) keeps the backend for the trainer to refuse."""
+    import attnlab.kernels as kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels, "triton_unavailable_reason", lambda: None)  # as on a GPU box
+    model, cfg, tokenizer = make_run()
+    cfg.model.attention.backend = "triton"
+    save_checkpoint(tmp_path, model, cfg, tokenizer)
+    with pytest.warns(UserWarning, match="'triton'.*'flash'") as caught:
+        loaded = load_checkpoint(tmp_path, device="cpu")
+    assert len(caught) == 1
+    assert loaded.config.model.attention.backend == "flash"
+    x = torch.randint(0, tokenizer.vocab_size, (2, 9))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
+    kept = load_checkpoint(tmp_path, device="cpu", inference=False)
+    assert kept.config.model.attention.backend == "triton"

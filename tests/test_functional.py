@@ -135,6 +135,21 @@ def test_online_attention_matches_eager(block):
     torch.testing.assert_close(out, attend(q * 1e3, k, v, backend="eager"), atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_online_attention_keeps_half_precision_statistics_in_float32(dtype):
+    """float16 products past 65504 (q . k of 1e5 here) and running sums were inf (NaN rows):
+    statistics and products run in float32, the output comes back in the input dtype."""
+    torch.manual_seed(0)
+    q = (torch.randn(1, 2, 4, 8) * 100).to(dtype)
+    k = (torch.randn(1, 2, 6, 8) * 100).to(dtype)
+    v = torch.randn(1, 2, 6, 8).to(dtype)
+    out, lse = attention_online(q, k, v, scale=1e-3, block=2)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.isfinite().all() and lse.isfinite().all()
+    ref = attend(q, k, v, scale=1e-3, backend="eager")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 # --------------------------------------------------------------------------- masks
 
 

@@ -24,6 +24,7 @@ from attnlab.cli.common import (
     resolve_device,
     tokenizer_option,
 )
+from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.vit import normalize_pixels
 
 CHANNELS_OF_MODE = {"1": 1, "L": 1, "I": 1, "I;16": 1, "F": 1, "P": 3, "RGB": 3, "RGBA": 4,
@@ -136,7 +137,7 @@ def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: 
         images = 1.0 - images
     images = normalize_pixels(images, m)  # an imported ViT's image processor's normalisation
     with torch.no_grad():
-        probs = model(images.to(device)).logits.float().softmax(-1).cpu()
+        probs = softmax_dtype(model(images.to(device)).logits).softmax(-1).cpu()
     report = {}
     for path, row in zip(paths, probs):
         report[path] = _top(row, list(range(row.numel())), k)
@@ -173,7 +174,7 @@ def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str,
     idx, valid = pad(rows, codec.pad_id), pad([[1] * len(r) for r in rows], 0)
     with torch.no_grad():
         logits = model(idx.to(device), attention_mask=valid.to(device)).logits
-    logits = logits.float()
+    logits = softmax_dtype(logits)  # half precision in float32 (float64 kept)
     multi_label = problem == "multi_label_classification" or cfg.model.n_labels == 1
     probs = (logits.sigmoid() if multi_label else logits.softmax(-1)).cpu()
     return {text: _top(row, names, k) for text, row in zip(texts, probs)}

@@ -29,6 +29,7 @@ from attnlab.cli.common import (
     resolve_device,
     tokenizer_option,
 )
+from attnlab.functional.softmax import softmax_dtype
 
 if TYPE_CHECKING:
     from attnlab.tokenizers import Tokenizer
@@ -103,7 +104,7 @@ def fill_mask(
         )
     positions = [i for i, token in enumerate(ids) if token == mask_id]
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device=device)).logits[0, positions].float()
+        logits = softmax_dtype(model(torch.tensor([ids], device=device)).logits[0, positions])
     probs = logits.softmax(-1).cpu()  # (masks, V)
     masks, best = [], []
     for position, row in zip(positions, probs):

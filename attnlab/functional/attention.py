@@ -31,6 +31,7 @@ from torch import Tensor
 
 from attnlab.functional.flash import flash_attention, heads_error
 from attnlab.functional.masks import (
+    additive_in,
     causal_mask,
     combine_masks,
     document_mask,
@@ -107,6 +108,12 @@ def sdpa_attention(
         mask = combine_masks(mask, causal_mask(t, s, device=q.device))
     keep = None
     if mask is not None:
+        if mask.dtype != torch.bool:
+            # before ``keep``: a finite float32 value out of float16's range would become -inf
+            # in SDPA's cast and empty a row that eager (and ``keep``) sees as allowed
+            mask, saturated = additive_in(mask, q.dtype)
+            if saturated is not None:
+                q = q.masked_fill(saturated, 0.0)  # equal scores: eager's uniform weights
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         keep = allowed.any(dim=-1, keepdim=True)  # (.., t, 1): rows with some key
         # Eager on the CPU: look (one host read) and skip the fix-up when every row has a
@@ -124,8 +131,6 @@ def sdpa_attention(
                 mask = torch.where(keep, mask, mask.new_zeros(()))
         else:
             keep = None
-        if mask.dtype != torch.bool:
-            mask = mask.to(q.dtype)
     out = F.scaled_dot_product_attention(
         q,
         k,

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnlab.functional.masks import additive_in
+
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 NO_CPU_BACKWARD = (
@@ -126,8 +128,12 @@ def flex_attention(
         if mask.dtype == torch.bool:
             mask_from_tensor = tensor_mod(mask)
         else:  # additive: -inf entries become a mask (so tiles can be skipped), the rest a bias
+            # before the -inf test: -1e9 is no -inf in float16 (equal to eager, see additive_in)
+            mask, saturated = additive_in(mask, q.dtype)
+            if saturated is not None:
+                q = q.masked_fill(saturated, 0.0)
             mask_from_tensor = tensor_mod(mask > float("-inf"))
-            bias = torch.where(mask > float("-inf"), mask, torch.zeros_like(mask)).to(q.dtype)
+            bias = torch.where(mask > float("-inf"), mask, torch.zeros_like(mask))
             bias_at = tensor_mod(bias)
             score_mod = lambda score, b_, h_, q_, k_: score + bias_at(b_, h_, q_, k_)
     structure = None

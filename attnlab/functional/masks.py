@@ -134,6 +134,30 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.where(mask, zero, minus_inf)
 
 
+def additive_in(mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """An additive mask for queries of ``dtype``, as eager (which adds it to float32 scores)
+    reads it, without the overflow of a plain cast: float32's finfo min or -1e9 cast to
+    float16 is -inf, which empties a row eager keeps (its uniform weights).
+
+    Returns ``(mask, saturated)``. Finite values beyond ``dtype``'s range become its finfo
+    min / max, infinities stay. ``saturated`` (mask's shape with s = 1, or None) marks rows
+    whose every value is finite and below ``dtype``'s range: in float32 such an offset
+    swamps the scores, so eager gives uniform weights over the keys at the row's maximum;
+    their mask is 0 there (-inf elsewhere), and the caller zeroes those query rows (equal
+    scores, the same uniform weights). A mask already in ``dtype``, or in one no wider, is
+    only cast: float32 and bfloat16 pay nothing."""
+    if mask.dtype == dtype:
+        return mask, None
+    if not (mask.is_floating_point() and torch.finfo(mask.dtype).max > torch.finfo(dtype).max):
+        return mask.to(dtype), None
+    info = torch.finfo(dtype)
+    top = mask.amax(dim=-1, keepdim=True)
+    saturated = (top < info.min) & (top > float("-inf"))
+    clamped = torch.where(torch.isinf(mask), mask, mask.clamp(info.min, info.max))
+    at_top = torch.where(mask >= top, 0.0, float("-inf")).to(mask.dtype)
+    return torch.where(saturated, at_top, clamped).to(dtype), saturated
+
+
 def prefix_lm_mask(
     t: int, s: int, prefix: int | Tensor, *, device: torch.device | str | None = None
 ) -> Tensor:

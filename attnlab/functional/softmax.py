@@ -128,7 +128,12 @@ def attention_online(
     -inf for rows that may attend to nothing (their output is 0)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     t, n = q.shape[-2], k.shape[-2]
-    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
+    out_dtype = q.dtype
+    # statistics, products and the running output in float32 for half precision (a float16
+    # q . k past 65504, or a running sum, would be inf), as score_operands / compute_dtype
+    f = compute_dtype(q.dtype)
+    q, k, v = q.to(f), k.to(f), v.to(f)
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=f, device=q.device)
     d = torch.zeros_like(m)
     o = torch.zeros_like(q)
     for j in range(0, n, block):
@@ -143,4 +148,4 @@ def attention_online(
         o = o * alpha + p @ v[..., j : j + block, :]
         m = m_new
     lse = (m + torch.log(d)).squeeze(-1)  # -inf where d == 0
-    return o / torch.where(d > 0, d, torch.ones_like(d)), lse
+    return (o / torch.where(d > 0, d, torch.ones_like(d))).to(out_dtype), lse

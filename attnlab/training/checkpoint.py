@@ -37,7 +37,8 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -238,12 +239,16 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     with_state: bool = False,
+    inference: bool = True,
 ) -> Checkpoint:
     """Load the checkpoint in ``directory`` as a :class:`Checkpoint`: ``.model`` (eval
     mode, on ``device``, floating parameters in ``dtype``, default float32), ``.config``
     (its RunConfig), ``.tokenizer`` (None when it was saved without one) and, with
     ``with_state=True``, ``.state``: the trainer state (None when the folder has no
-    trainer_state.pt, which only resuming needs)."""
+    trainer_state.pt, which only resuming needs). With ``inference`` (the default), an
+    attention backend that cannot run on ``device`` (``triton`` without a GPU) becomes
+    ``flash`` (the same maths, the kernels' tiled twin) with a warning; the trainer passes
+    ``inference=False`` and refuses such a backend itself (``trainer.check_backend``)."""
     from attnlab.tokenizers import TokenizerError, load_tokenizer
 
     files = checkpoint_files(directory)
@@ -251,6 +256,8 @@ def load_checkpoint(
         config = RunConfig.from_json(files[CONFIG_FILE].read_text())
     except (ConfigError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{files[CONFIG_FILE]}: invalid run config ({e})") from None
+    if inference:
+        _runnable_backends(config, device, directory)
     state = _read_state(files[STATE_FILE], device) if STATE_FILE in files else None
     tokenizer = None
     # Without the state, the tokenizer is whatever tokenizer.json the folder holds; with it,
@@ -278,6 +285,43 @@ def load_checkpoint(
     model = _load_weights(files[WEIGHTS_FILE], config, state, directory, device, dtype)
     trainer = state["trainer"] if with_state and state and state.get("has_state") else None
     return Checkpoint(model=model.eval(), config=config, tokenizer=tokenizer, state=trainer)
+
+
+def _backend_problem(name: str, device: str | torch.device) -> str | None:
+    """Why attention backend ``name`` cannot run inference on ``device``, or None."""
+    from attnlab import kernels
+    from attnlab.functional.attention import BACKENDS
+
+    reason = BACKENDS[name].unavailable()
+    if reason is None and name == "triton" and torch.device(device).type != "cuda":
+        if not kernels.interpreting():
+            reason = "its kernels need CUDA tensors (or TRITON_INTERPRET=1)"
+    return reason
+
+
+def _runnable_backends(config: RunConfig, device: str | torch.device, directory) -> None:
+    """Every attention config of ``config`` whose backend cannot run on ``device`` falls
+    back to ``flash`` (in place), with one warning line."""
+    from attnlab.config import AttentionConfig
+
+    def walk(cfg) -> None:
+        if isinstance(cfg, AttentionConfig):
+            reason = _backend_problem(cfg.backend, device)
+            if reason is not None:
+                warnings.warn(
+                    f"{directory}: attention backend {cfg.backend!r} cannot run on "
+                    f"{torch.device(device).type} ({reason}); using 'flash' instead",
+                    stacklevel=4,
+                )
+                cfg.backend = "flash"
+            return
+        if is_dataclass(cfg):
+            for f in fields(cfg):
+                walk(getattr(cfg, f.name))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("once")  # one line, however many attention configs fall back
+        walk(config)
 
 
 def _listed(label: str, names: list[str], describe, limit: int = 4) -> str:

@@ -394,7 +394,7 @@ def _load_init(path: str | os.PathLike[str]) -> Checkpoint:
     except (OSError, ValueError):
         hf = False
     if not hf:
-        ckpt = load_checkpoint(path, device="cpu")
+        ckpt = load_checkpoint(path, device="cpu", inference=False)
         ckpt.model.train()
         return ckpt
     from attnlab.interop import load_hf
@@ -461,7 +461,7 @@ class Trainer:
         ckpt = None
         if resume is not None:
             resume = Path(resume)
-            ckpt = load_checkpoint(resume, device="cpu", with_state=True)
+            ckpt = load_checkpoint(resume, device="cpu", with_state=True, inference=False)
             if ckpt.state is None:
                 raise TrainingError(
                     f"resume: {resume} has no trainer state (trainer_state.pt: step, "
