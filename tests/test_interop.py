@@ -410,6 +410,7 @@ def test_config_rope_forms():
         with pytest.raises(HFCheckpointError, match="RoPE scaling"):
             config_from_hf({**base, **scaling})
     qwen = {**base, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4}
+    qwen["num_key_value_heads"] = 2  # Qwen2Config's default is 32
     assert config_from_hf(qwen).attention.sliding_window is None
     mixed = {**qwen, "use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 2}
     assert config_from_hf(mixed).attention.layer_pattern == "GL"  # layer 0 global
@@ -495,8 +496,10 @@ def test_config_errors():
     assert config_from_hf(gpt2).ffn.activation == "gelu_tanh"  # gelu_new
     with pytest.raises(HFCheckpointError, match="scale_attn_by_inverse_layer_idx"):
         config_from_hf({**gpt2, "scale_attn_by_inverse_layer_idx": True})
+    # a missing n_embd is GPT2Config's default (768); a null one is refused by name
+    assert config_from_hf({k: v for k, v in gpt2.items() if k != "n_embd"}).d_model == 768
     with pytest.raises(HFCheckpointError, match="n_embd"):
-        config_from_hf({k: v for k, v in gpt2.items() if k != "n_embd"})
+        config_from_hf({**gpt2, "n_embd": None})
 
 
 # --------------------------------------------------------------------------- file errors

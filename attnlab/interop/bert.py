@@ -59,6 +59,28 @@ HEAD_ARCHITECTURES = {
     "BertForQuestionAnswering": "qa",
 }
 ARCHITECTURES = {"bert": tuple(HEAD_ARCHITECTURES)}
+
+# transformers' class defaults (BertConfig) for the config.json keys read here: a key
+# missing from config.json is read as its default, as from_pretrained fills it
+# (tests/test_interop_defaults.py checks them against the installed transformers).
+# Keys whose class default is None are left out (read as missing).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "bert": {
+        "vocab_size": 30522,
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+        "initializer_range": 0.02,
+        "layer_norm_eps": 1e-12,
+        "tie_word_embeddings": True,
+    },
+}
 ARCHITECTURE_OF_HEAD = {head: arch for arch, head in HEAD_ARCHITECTURES.items()}
 # The attnlab task (``attnlab.tasks.TASKS``) of each head; "lm" for none (no task runs it).
 TASK_OF_HEAD = {
@@ -268,6 +290,7 @@ FAMILY = Family(
     arch="encoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
+    defaults=DEFAULTS,
     config_to_hf=config_to_hf,  # type: ignore[arg-type]  # an EncoderConfig family
     weights_to_attnlab=weights_to_attnlab,  # type: ignore[arg-type]
     weights_from_attnlab=weights_from_attnlab,  # type: ignore[arg-type]

@@ -26,11 +26,21 @@ from attnlab.models import build_model
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
 
+def with_defaults(hf: dict[str, Any], family: Family, model_type: str) -> dict[str, Any]:
+    """``hf`` with the keys it lacks set to transformers' class defaults for
+    ``model_type`` (a key present, even as null, is kept)."""
+    return {**family.defaults.get(model_type, {}), **hf}
+
+
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
-    """Map a Hugging Face ``config.json`` (as a dict) to an attnlab :class:`ModelConfig`."""
+    """Map a Hugging Face ``config.json`` (as a dict) to an attnlab :class:`ModelConfig`.
+
+    A key the file lacks is read as transformers' config class for its ``model_type``
+    fills it (the family's ``defaults``), so a minimal config.json gives the model
+    ``from_pretrained`` builds; keys with no usable default are refused by name."""
     family, model_type = lookup(hf_config)
     try:
-        cfg = family.config_from_hf(hf_config, model_type)
+        cfg = family.config_from_hf(with_defaults(hf_config, family, model_type), model_type)
         cfg.validate()
     except ConfigError as e:
         raise HFCheckpointError(f"config.json maps to an invalid attnlab config: {e}") from None

@@ -54,6 +54,64 @@ ARCHITECTURES = {
     "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Model"),
     "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
 }
+
+# transformers' class defaults (DeepseekV2Config, DeepseekV3Config) for the config.json keys
+# read here: a key missing from config.json is read as its default, as from_pretrained
+# fills it (tests/test_interop_defaults.py checks them against the installed transformers).
+# Keys whose class default is None are left out (read as missing).
+_COMMON = {
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+# DeepSeek-V2's num_experts_per_tok, n_group and topk_group default to None: a MoE model
+# needs num_experts_per_tok in config.json (refused by name without it).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {
+        **_COMMON,
+        "vocab_size": 102400,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "moe_intermediate_size": 1407,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "mlp_bias": False,
+        "first_k_dense_replace": 0,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+    },
+    "deepseek_v3": {
+        **_COMMON,
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "max_position_embeddings": 4096,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
+    },
+}
+
 # RoPE frequencies that some checkpoints saved.
 IGNORED = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.")
@@ -292,6 +350,7 @@ FAMILY = Family(
     arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
+    defaults=DEFAULTS,
     config_to_hf=config_to_hf,
     weights_to_attnlab=weights_to_attnlab,
     weights_from_attnlab=weights_from_attnlab,

@@ -38,6 +38,20 @@ from attnlab.interop.io import (
 
 ARCHITECTURES = {"deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Model")}
 _INDEX_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
+# transformers' class defaults (DeepseekV32Config) for the config.json keys read here: a
+# key missing from config.json is read as its default, as from_pretrained fills it
+# (tests/test_interop_defaults.py checks them against the installed transformers). V3's,
+# but for the longer context, the indexer and no rope_interleave (V3.2 always interleaves).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v32": {
+        **{k: v for k, v in v3.DEFAULTS["deepseek_v3"].items() if k != "rope_interleave"},
+        "max_position_embeddings": 163840,
+        "mlp_bias": False,
+        "index_topk": 2048,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+    },
+}
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 
 
@@ -133,6 +147,7 @@ FAMILY = Family(
     arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
+    defaults=DEFAULTS,
     config_to_hf=config_to_hf,
     weights_to_attnlab=weights_to_attnlab,
     weights_from_attnlab=weights_from_attnlab,

@@ -34,6 +34,30 @@ from attnlab.interop.io import (
 )
 
 ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model")}
+
+# transformers' class defaults (GPT2Config) for the config.json keys read here: a key
+# missing from config.json is read as its default, as from_pretrained fills it
+# (tests/test_interop_defaults.py checks them against the installed transformers).
+# Keys whose class default is None are left out (read as missing).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "add_cross_attention": False,
+    },
+}
+
 # attnlab -> Hugging Face activation names (GPT-2 checkpoints use "gelu_new" for tanh GELU).
 ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 ACTIVATIONS["sigmoid"] = "sigmoid"
@@ -189,6 +213,7 @@ FAMILY = Family(
     arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
+    defaults=DEFAULTS,
     config_to_hf=config_to_hf,
     weights_to_attnlab=weights_to_attnlab,
     weights_from_attnlab=weights_from_attnlab,

@@ -270,18 +270,26 @@ def _json_object(file: Path) -> dict[str, Any]:
 # as transformers reads them: from generation_config.json where the folder has one, else
 # from config.json.
 GENERATION_KEYS = ("bad_words_ids", "renormalize_logits", "forced_eos_token_id")
+# GenerationConfig's defaults of those keys: what a generation_config.json without one
+# gives (not the model config class's default, e.g. Marian's forced_eos_token_id 0).
+GENERATION_DEFAULTS = {
+    "bad_words_ids": None,
+    "renormalize_logits": False,
+    "forced_eos_token_id": None,
+}
 
 
 def with_generation_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
     """``hf`` (folder ``path``'s config.json) with the :data:`GENERATION_KEYS` of its
     generation_config.json in place of its own where the folder has that file
-    (transformers then ignores config.json's), else ``hf`` unchanged."""
+    (transformers then ignores config.json's; a key that file lacks is set to
+    GenerationConfig's default), else ``hf`` unchanged."""
     file = path / GENERATION_CONFIG_NAME
     if not file.is_file():
         return hf
     generation = _json_object(file)
     out = {k: v for k, v in hf.items() if k not in GENERATION_KEYS}
-    return out | {k: generation[k] for k in GENERATION_KEYS if k in generation}
+    return out | {k: generation.get(k, GENERATION_DEFAULTS[k]) for k in GENERATION_KEYS}
 
 
 def with_preprocessor_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
@@ -522,6 +530,9 @@ class Family:
     arch: str  # the attnlab architecture (ModelConfig.arch) it maps to
     architectures: dict[str, tuple[str, ...]]
     config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
+    # model_type -> transformers' class defaults of the config.json keys config_from_hf
+    # reads, filled in where config.json lacks a key (as transformers' config class does).
+    defaults: dict[str, dict[str, Any]]
     config_to_hf: Callable[[ModelConfig, str, torch.dtype], dict[str, Any]]
     weights_to_attnlab: Callable[[Source, ModelConfig], Plan]
     weights_from_attnlab: Callable[[dict[str, Tensor], ModelConfig, str], dict[str, Tensor]]

@@ -45,6 +45,50 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "MistralModel"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
 }
+
+# transformers' class defaults (LlamaConfig, MistralConfig, Qwen2Config) for the config.json keys
+# read here: a key missing from config.json is read as its default, as from_pretrained
+# fills it (tests/test_interop_defaults.py checks them against the installed transformers).
+# Keys whose class default is None are left out (read as missing).
+_COMMON = {
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+}
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_COMMON,
+        "vocab_size": 32000,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "mistral": {
+        **_COMMON,
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        **_COMMON,
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,  # used only with use_sliding_window
+        "max_window_layers": 28,
+    },
+}
+
 # attnlab -> Hugging Face activation names.
 ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 ACTIVATIONS["sigmoid"] = "sigmoid"
@@ -309,6 +353,7 @@ FAMILY = Family(
     arch="decoder",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
+    defaults=DEFAULTS,
     config_to_hf=config_to_hf,
     weights_to_attnlab=weights_to_attnlab,
     weights_from_attnlab=weights_from_attnlab,

@@ -54,6 +54,35 @@ from attnlab.models.seq2seq import Seq2SeqConfig
 from attnlab.nn.embedding import sinusoidal_table
 
 ARCHITECTURES = {"marian": ("MarianMTModel", "MarianModel")}
+
+# transformers' class defaults (MarianConfig) for the config.json keys read here: a key
+# missing from config.json is read as its default, as from_pretrained fills it
+# (tests/test_interop_defaults.py checks them against the installed transformers).
+# Keys whose class default is None are left out (read as missing).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "marian": {
+        "vocab_size": 58101,
+        "max_position_embeddings": 1024,
+        "encoder_layers": 12,
+        "encoder_ffn_dim": 4096,
+        "encoder_attention_heads": 16,
+        "decoder_layers": 12,
+        "decoder_ffn_dim": 4096,
+        "decoder_attention_heads": 16,
+        "activation_function": "gelu",
+        "d_model": 1024,
+        "dropout": 0.1,
+        "attention_dropout": 0.0,
+        "init_std": 0.02,
+        "decoder_start_token_id": 58100,
+        "scale_embedding": False,
+        "pad_token_id": 58100,
+        "eos_token_id": 0,
+        "forced_eos_token_id": 0,  # without generation_config.json (see with_generation_config)
+        "share_encoder_decoder_embeddings": True,
+        "tie_word_embeddings": True,
+    },
+}
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "silu": "swish", "relu": "relu"}
 # transformers' Marian LayerNorms: torch's default eps, which config.json cannot change.
 LAYER_NORM_EPS = 1e-5
@@ -302,6 +331,7 @@ FAMILY = Family(
     arch="seq2seq",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
+    defaults=DEFAULTS,
     config_to_hf=config_to_hf,  # type: ignore[arg-type]  # a Seq2SeqConfig family
     weights_to_attnlab=weights_to_attnlab,  # type: ignore[arg-type]
     weights_from_attnlab=weights_from_attnlab,  # type: ignore[arg-type]

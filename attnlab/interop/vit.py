@@ -49,6 +49,28 @@ from attnlab.interop.io import (
 from attnlab.models.vit import ViTConfig
 
 ARCHITECTURES = {"vit": ("ViTForImageClassification",)}
+
+# transformers' class defaults (ViTConfig) for the config.json keys read here: a key
+# missing from config.json is read as its default, as from_pretrained fills it
+# (tests/test_interop_defaults.py checks them against the installed transformers).
+# Keys whose class default is None are left out (read as missing).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "vit": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "initializer_range": 0.02,
+        "layer_norm_eps": 1e-12,
+        "image_size": 224,
+        "patch_size": 16,
+        "num_channels": 3,
+        "qkv_bias": True,
+    },
+}
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 # A pooler the classifier does not use (ViTModel checkpoints carry one).
 IGNORED = re.compile(r"^vit\.pooler\.dense\.(weight|bias)$")
@@ -257,6 +279,7 @@ FAMILY = Family(
     arch="vit",
     architectures=ARCHITECTURES,
     config_from_hf=config_from_hf,
+    defaults=DEFAULTS,
     config_to_hf=config_to_hf,  # type: ignore[arg-type]  # a ViTConfig family
     weights_to_attnlab=weights_to_attnlab,  # type: ignore[arg-type]
     weights_from_attnlab=weights_from_attnlab,  # type: ignore[arg-type]

@@ -1,0 +1,185 @@
+"""config.json keys missing from a Hugging Face config are read as transformers fills them:
+from the config class of the model_type (the families' ``defaults`` tables), so a minimal
+config.json gives attnlab the model ``from_pretrained`` builds."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from attnlab.interop import SUPPORTED_MODEL_TYPES, HFCheckpointError, config_from_hf
+from attnlab.interop.registry import BY_MODEL_TYPE
+
+_MLA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "vocab_size": 100,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+}
+_RMS = {"vocab_size": 100, "intermediate_size": 128, "num_hidden_layers": 2}
+
+# model_type -> minimal config.json entries: small sizes, plus the keys attnlab needs that
+# transformers leaves None (DeepSeek-V2's num_experts_per_tok). Everything else (dropout,
+# windows, router settings, special tokens, ...) is left to the defaults.
+MINIMAL: dict[str, list[dict]] = {
+    "gpt2": [{"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64, "vocab_size": 100}],
+    "llama": [{**_RMS, "hidden_size": 64, "num_attention_heads": 4}],
+    # 16 heads of 4: num_key_value_heads defaults to 8
+    "mistral": [{**_RMS, "hidden_size": 64, "num_attention_heads": 16}],
+    # 32 heads: num_key_value_heads defaults to 32
+    "qwen2": [
+        {**_RMS, "hidden_size": 128, "num_attention_heads": 32},
+        # window 4096 (the default) from layer 1 on
+        {
+            **_RMS,
+            "hidden_size": 128,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "max_window_layers": 1,
+        },
+    ],
+    "deepseek_v2": [
+        {**_MLA, "num_experts_per_tok": 2},
+        {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},
+        # q_lora_rank defaults to 1536 (a compression of 128 heads' 2048-wide queries)
+        {
+            **{k: v for k, v in _MLA.items() if k != "q_lora_rank"},
+            "hidden_size": 256,
+            "num_attention_heads": 128,
+            "num_experts_per_tok": 2,
+        },
+    ],
+    "deepseek_v3": [_MLA, {**_MLA, "rope_interleave": False}],
+    "deepseek_v32": [
+        {**_MLA, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4},
+        _MLA,  # the indexer's sizes too from the defaults
+    ],
+    "bert": [
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+            "max_position_embeddings": 64,
+        }
+    ],
+    # the default vocabulary: the default pad/decoder start token 58100 must be in it
+    "marian": [
+        {
+            "d_model": 32,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64,
+            "max_position_embeddings": 64,
+        }
+    ],
+    "vit": [
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "image_size": 32,
+            "patch_size": 8,
+        }
+    ],
+}
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def _class_defaults(model_type: str) -> dict:
+    """The keyword defaults of transformers' config class for ``model_type``."""
+    cls = _transformers().CONFIG_MAPPING[model_type]
+    params = inspect.signature(cls.__init__).parameters
+    return {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def test_every_model_type_has_a_defaults_table_and_a_minimal_config() -> None:
+    assert set(MINIMAL) == set(SUPPORTED_MODEL_TYPES)
+    for model_type, family in BY_MODEL_TYPE.items():
+        assert family.defaults.get(model_type), model_type
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_defaults_table_matches_the_installed_transformers(model_type: str) -> None:
+    """Every entry of the table is transformers' class default (never None: such keys are
+    left out, read as missing)."""
+    table = BY_MODEL_TYPE[model_type].defaults[model_type]
+    defaults = _class_defaults(model_type)
+    unknown = sorted(set(table) - set(defaults))
+    assert not unknown, f"{model_type}: not arguments of the config class: {unknown}"
+    wrong = {k: (v, defaults[k]) for k, v in table.items() if defaults[k] != v}
+    assert not wrong, f"{model_type}: table vs transformers {wrong}"
+    assert all(v is not None for v in table.values())
+
+
+@pytest.mark.parametrize(
+    "model_type, minimal",
+    [(t, m) for t, ms in MINIMAL.items() for m in ms],
+    ids=[f"{t}-{i}" for t, ms in MINIMAL.items() for i in range(len(ms))],
+)
+def test_minimal_config_reads_as_transformers_fills_it(model_type: str, minimal: dict) -> None:
+    transformers = _transformers()
+    filled = transformers.AutoConfig.for_model(model_type, **minimal).to_dict()
+    ours = config_from_hf({"model_type": model_type, **minimal})
+    assert ours == config_from_hf(filled)
+
+
+def test_defaults_are_the_class_defaults_not_attnlabs() -> None:
+    """Keys where attnlab's own fallback differed from transformers' (no transformers
+    needed): the values a minimal config.json now reads as."""
+    v3 = config_from_hf({"model_type": "deepseek_v3", **_MLA})
+    assert v3.ffn.routed_scaling_factor == 2.5
+    assert v3.ffn.first_k_dense == 3
+    assert (v3.ffn.n_groups, v3.ffn.topk_groups) == (8, 4)
+    assert (v3.ffn.n_routed_experts, v3.ffn.n_shared_experts, v3.ffn.n_activated_experts) == (
+        256,
+        1,
+        8,
+    )
+    mistral = config_from_hf({"model_type": "mistral", **MINIMAL["mistral"][0]})
+    assert mistral.attention.sliding_window == 4096
+    assert mistral.attention.n_kv_heads == 8
+    gpt2 = config_from_hf({"model_type": "gpt2", **MINIMAL["gpt2"][0]})
+    assert (gpt2.dropout, gpt2.attention.dropout) == (0.1, 0.1)
+
+
+def test_keys_without_a_default_stay_refused() -> None:
+    """DeepSeek-V2's num_experts_per_tok defaults to None in transformers: a MoE config
+    without it is refused by name; so is an explicit null of a required key."""
+    with pytest.raises(HFCheckpointError, match="num_experts_per_tok"):
+        config_from_hf({"model_type": "deepseek_v2", **_MLA})
+    with pytest.raises(HFCheckpointError, match="hidden_size"):
+        config_from_hf({"model_type": "llama", **_RMS, "hidden_size": None})
+    with pytest.raises(HFCheckpointError, match="q_lora_rank"):
+        config_from_hf({"model_type": "deepseek_v32", **_MLA, "q_lora_rank": None})
+
+
+def test_generation_config_without_a_key_gives_generation_defaults(tmp_path) -> None:
+    """Marian's forced_eos_token_id defaults to 0 in config.json, but a
+    generation_config.json without it (which transformers then reads alone) forces none."""
+    from attnlab.interop.io import with_generation_config
+
+    hf = {"model_type": "marian", **MINIMAL["marian"][0]}
+    assert config_from_hf(hf).forced_eos_ids == [0]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_length": 8}))
+    read = with_generation_config(tmp_path, hf)
+    assert config_from_hf(read).forced_eos_ids == []
+    assert config_from_hf(read).renormalize_logits is False
