@@ -111,9 +111,14 @@ def sdpa_attention(
         if mask.dtype != torch.bool:
             # before ``keep``: a finite float32 value out of float16's range would become -inf
             # in SDPA's cast and empty a row that eager (and ``keep``) sees as allowed
-            mask, saturated = additive_in(mask, q.dtype)
-            if saturated is not None:
-                q = q.masked_fill(saturated, 0.0)  # equal scores: eager's uniform weights
+            narrowed, saturated = additive_in(mask, q.dtype)
+            if saturated is not None and bool(saturated.any()):
+                # a row wholly below float16's range: whether its offset swamps the scores
+                # (-1e9: uniform weights) or not (-1e5: softmax of the scores) depends on the
+                # float32 scores themselves, which only eager forms (one host read, float16
+                # queries with a wider mask only)
+                return eager_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)  # type: ignore[return-value]
+            mask = narrowed
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         keep = allowed.any(dim=-1, keepdim=True)  # (.., t, 1): rows with some key
         # Eager on the CPU: look (one host read) and skip the fix-up when every row has a

@@ -130,8 +130,12 @@ def flex_attention(
         else:  # additive: -inf entries become a mask (so tiles can be skipped), the rest a bias
             # before the -inf test: -1e9 is no -inf in float16 (equal to eager, see additive_in)
             mask, saturated = additive_in(mask, q.dtype)
-            if saturated is not None:
-                q = q.masked_fill(saturated, 0.0)
+            if saturated is not None and bool(saturated.any()):
+                raise ValueError(
+                    f"flex attention: a mask row lies wholly below {q.dtype}'s range, whose "
+                    "result depends on float32 scores; use backend 'eager' or 'sdpa', or a "
+                    "bool mask"
+                )
             mask_from_tensor = tensor_mod(mask > float("-inf"))
             bias = torch.where(mask > float("-inf"), mask, torch.zeros_like(mask))
             bias_at = tensor_mod(bias)

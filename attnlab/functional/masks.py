@@ -135,17 +135,16 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 def additive_in(mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """An additive mask for queries of ``dtype``, as eager (which adds it to float32 scores)
-    reads it, without the overflow of a plain cast: float32's finfo min or -1e9 cast to
-    float16 is -inf, which empties a row eager keeps (its uniform weights).
+    """An additive mask for queries of ``dtype`` without the overflow of a plain cast:
+    float32's finfo min or -1e9 cast to float16 is -inf, which empties a row that eager
+    (adding the mask to float32 scores) keeps.
 
-    Returns ``(mask, saturated)``. Finite values beyond ``dtype``'s range become its finfo
-    min / max, infinities stay. ``saturated`` (mask's shape with s = 1, or None) marks rows
-    whose every value is finite and below ``dtype``'s range: in float32 such an offset
-    swamps the scores, so eager gives uniform weights over the keys at the row's maximum;
-    their mask is 0 there (-inf elsewhere), and the caller zeroes those query rows (equal
-    scores, the same uniform weights). A mask already in ``dtype``, or in one no wider, is
-    only cast: float32 and bfloat16 pay nothing."""
+    Returns ``(mask, saturated)``: finite values beyond ``dtype``'s range become its finfo
+    min / max, infinities stay; ``saturated`` (mask's shape with s = 1, or None) marks rows
+    whose every value is finite and below ``dtype``'s range. What such a row gives depends
+    on the float32 scores (an offset of -1e9 swamps them: uniform weights; -1e5 does not),
+    so the caller computes those as eager does. A mask already in ``dtype``, or in one no
+    wider, is only cast."""
     if mask.dtype == dtype:
         return mask, None
     if not (mask.is_floating_point() and torch.finfo(mask.dtype).max > torch.finfo(dtype).max):
@@ -154,8 +153,7 @@ def additive_in(mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None
     top = mask.amax(dim=-1, keepdim=True)
     saturated = (top < info.min) & (top > float("-inf"))
     clamped = torch.where(torch.isinf(mask), mask, mask.clamp(info.min, info.max))
-    at_top = torch.where(mask >= top, 0.0, float("-inf")).to(mask.dtype)
-    return torch.where(saturated, at_top, clamped).to(dtype), saturated
+    return clamped.to(dtype), saturated
 
 
 def prefix_lm_mask(
