@@ -205,11 +205,11 @@ def materialize(
 ) -> nn.Module:
     """Give every meta parameter of ``model`` real memory and fill it with ``fill(name,
     tensor)``, one parameter at a time. Floating parameters get ``dtype`` (default: as
-    built; at least float32 for those a module names in ``full_precision``), all get
-    ``device`` (default CPU) and the strides they were built with; tied parameters stay
-    one tensor (filled once, under their first name). Buffers move to
-    ``device`` and keep their dtype (float32 RoPE frequencies are not rounded); persistent
-    ones are filled too."""
+    built; at least float32 for those a module names in ``full_precision``: see
+    ``attnlab.nn.moe.KeepsPrecision``), all get ``device`` (default CPU) and the strides
+    they were built with; tied parameters stay one tensor (filled once, under their first
+    name). Buffers move to ``device`` and keep their dtype (float32 RoPE frequencies are
+    not rounded); persistent ones are filled too."""
     device = torch.device(device if device is not None else "cpu")
     persistent = set(model.state_dict())
     made: dict[int, nn.Parameter] = {}

@@ -14,6 +14,7 @@ from attnlab.interop.io import (
     Family,
     HFCheckpointError,
     Source,
+    local_layers,
     read_config,
     unrepresentable,
     weight_files,
@@ -68,8 +69,7 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
     for family in FAMILIES:
         if family.exports(cfg):
             model_type = family.export_type(cfg)
-            windowed = any(cfg.attention.window_of(i) is not None for i in range(cfg.n_layers))
-            if windowed and model_type not in WINDOWED_TYPES:
+            if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
                     f"windows export as {' or '.join(WINDOWED_TYPES)})"

@@ -218,6 +218,12 @@ def rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
     return params
 
 
+def local_layers(cfg: ModelConfig) -> list[bool]:
+    """Whether each layer attends within attention.sliding_window (its layer_pattern
+    resolved over the model's layers)."""
+    return [cfg.attention.window_of(i) is not None for i in range(cfg.n_layers)]
+
+
 def is_plain_decoder(cfg: ModelConfig) -> bool:
     """A pre-norm multi-head-attention decoder: what GPT-2 and the LLaMA layouts hold."""
     return cfg.arch == "decoder" and cfg.norm.placement == "pre" and cfg.attention.kind == "mha"

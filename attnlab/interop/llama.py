@@ -32,6 +32,7 @@ from attnlab.interop.io import (
     common_config,
     get,
     is_plain_decoder,
+    local_layers,
     or_zeros,
     prefix,
     rope_settings,
@@ -173,12 +174,6 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
 
 def exports(cfg: ModelConfig) -> bool:
     return is_plain_decoder(cfg) and cfg.position.kind == "rope"
-
-
-def local_layers(cfg: ModelConfig) -> list[bool]:
-    """Whether each layer attends within attention.sliding_window (its layer_pattern
-    resolved over the model's layers)."""
-    return [cfg.attention.window_of(i) is not None for i in range(cfg.n_layers)]
 
 
 def export_type(cfg: ModelConfig) -> str:

@@ -34,22 +34,32 @@ from attnlab.functional.softmax import softmax_dtype
 from attnlab.nn.feedforward import ACTIVATIONS, GatedFFN
 
 
-def _keep_precise(module: nn.Module, name: str, before: Tensor | None) -> None:
-    """After a module cast, give tensor ``name`` (a parameter or buffer) at least float32:
-    half precision is cast back from ``before``, its value before the cast, so nothing is
-    rounded."""
-    after = getattr(module, name)
-    if after is None or not after.is_floating_point() or after.element_size() >= 4:
-        return
-    source = before if before is not None and before.device.type != "meta" else after
-    kept = source.detach().to(device=after.device, dtype=torch.float32)
-    if name in module._parameters:
-        module._parameters[name].data = kept  # the same Parameter (optimizers keep it)
-    else:
-        module._buffers[name] = kept
+class KeepsPrecision(nn.Module):
+    """A module whose tensors named in ``full_precision`` (parameters or buffers) stay at
+    least float32 when the model is cast to half precision (``model.to(bf16)``, and
+    ``attnlab.weights.materialize``): cast back from their values before the cast, so
+    nothing is rounded. A float64 model keeps them float64."""
+
+    full_precision: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse: bool = True):
+        before = {name: getattr(self, name) for name in self.full_precision}
+        before = {k: v.detach() if v is not None else None for k, v in before.items()}
+        super()._apply(fn, recurse)
+        for name, value in before.items():
+            after = getattr(self, name)
+            if after is None or not after.is_floating_point() or after.element_size() >= 4:
+                continue
+            source = value if value is not None and value.device.type != "meta" else after
+            kept = source.detach().to(device=after.device, dtype=torch.float32)
+            if name in self._parameters:
+                self._parameters[name].data = kept  # the same Parameter (optimizers keep it)
+            else:
+                self._buffers[name] = kept
+        return self
 
 
-class Router(nn.Module):
+class Router(KeepsPrecision):
     """Scores, chosen experts and their weights. ``e_score_correction_bias`` (deepseek-v3
     only) is a buffer, not a parameter: it is set by :meth:`MoE.update_bias`, not by
     gradients."""
@@ -78,16 +88,8 @@ class Router(nn.Module):
     # Kept at least float32 in a half-precision model (model.to(bf16), load_hf(dtype=bf16)),
     # as transformers keeps them (DeepSeek's _keep_in_fp32_modules_strict): the routing
     # runs in float32, and the balancing bias's steps of bias_update_speed (1e-3) would
-    # round away near the scores' 0.5 in bf16. A float64 model keeps them float64.
+    # round away near the scores' 0.5 in bf16.
     full_precision = ("weight", "e_score_correction_bias")
-
-    def _apply(self, fn, recurse: bool = True):
-        before = {name: getattr(self, name) for name in self.full_precision}
-        before = {k: v.detach() if v is not None else None for k, v in before.items()}
-        super()._apply(fn, recurse)
-        for name, value in before.items():
-            _keep_precise(self, name, value)
-        return self
 
     def _group_mask(self, choice: Tensor) -> Tensor:
         """(N, E) True for experts in each token's topk_groups best groups."""
@@ -186,7 +188,7 @@ class Experts(nn.Module):
         return torch.einsum("ned,ne->nd", y, gates)
 
 
-class MoE(nn.Module):
+class MoE(KeepsPrecision):
     """Routed and shared experts. ``aux_metrics``: ``max_vio`` (DeepSeek-V3's MaxVio: the
     busiest expert's load over the mean load, minus 1, in this forward pass); ``aux_loss``:
     the sequence-wise balance loss when seq_aux_loss_coef > 0 (training only)."""
@@ -212,12 +214,6 @@ class MoE(nn.Module):
         self.aux_metrics: dict[str, Tensor | float] = {}
 
     full_precision = ("load",)  # token counts: bf16 counts above 256 round
-
-    def _apply(self, fn, recurse: bool = True):
-        before = self.load
-        super()._apply(fn, recurse)
-        _keep_precise(self, "load", before)
-        return self
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
