@@ -164,8 +164,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, i
     """FLOPs per token for a forward pass over ``seq_len`` tokens (default max_seq_len),
     and for training; see the module docstring for the convention (MLA: its naive path,
     query/key width d_n + d_r and value width d_v; DSA: that plus the lightning indexer,
-    2 n_I (d_I + 1) per key; linear attention: its recurrent form, a d_h x d_h state
-    updated and read per token, 4 h d_h^2 per layer whatever T)."""
+    2 n_I (d_I + 1) per key; linear attention: its recurrent form, a d_h x d_h state per
+    key/value head updated and one read per query head per token, 2 (h_kv + h) d_h^2 per
+    layer whatever T; NSA and windows: counted as dense attention over all T keys, the
+    baseline they are compared with, not the keys they select)."""
     cfg.validate()
     _check_decoder(cfg, "FLOPs per token")
     T = cfg.max_seq_len if seq_len is None else seq_len
@@ -175,7 +177,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, i
     qk, v = _attention_widths(cfg)
     att, L = cfg.attention, cfg.n_layers
     if att.kind == "linear":
-        attention = 2 * L * cfg.n_heads * (qk * v + qk * v)  # S += k^T v; y = q S
+        # S += k^T v per key/value head; y = q S per query head
+        attention = 2 * L * (cfg.n_kv_heads + cfg.n_heads) * qk * v
     else:
         attention = 2 * L * T * cfg.n_heads * (qk + v)
     if att.kind == "dsa":  # the indexer scores every key: n_I dot products, then weighted

@@ -244,9 +244,25 @@ def test_dsa_flops_count_the_lightning_indexer():
 def test_linear_attention_flops_and_cache_do_not_grow_with_the_context():
     cfg = _cfg("llama-tiny", {"attention.kind": "linear"})
     short, long = flops_per_token(cfg, 16), flops_per_token(cfg, 4096)
-    assert short == long and short["attention"] == 2 * 2 * 2 * 4 * 16 * 16  # 2 2 L h d_h^2
+    assert short == long and short["attention"] == 2 * 2 * (2 + 4) * 16 * 16  # 2 L (h_kv + h) d_h^2
     assert kv_cache_bytes_per_token(cfg) == 0  # a fixed-size state
     assert kv_cache_bytes(cfg, 16) == kv_cache_bytes(cfg, 4096) > 0
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_linear_attention_flops_count_one_state_per_key_value_head(n_kv_heads):
+    """GQA/MQA linear attention keeps one d_h x d_h state per key/value head: each token
+    updates h_kv states and h query heads read them. Against a hand-written recurrent step
+    (Katharopoulos et al. eq. 5-9, the normaliser's vectors aside) under torch's counter."""
+    cfg = _cfg("llama-tiny", {"attention.kind": "linear", "attention.n_kv_heads": n_kv_heads})
+    h, d_h = cfg.n_heads, cfg.head_dim
+    S = torch.zeros(n_kv_heads, d_h, d_h)
+    k, v = torch.randn(n_kv_heads, d_h, 1), torch.randn(n_kv_heads, 1, d_h)
+    q = torch.randn(h, 1, d_h)
+    with FlopCounterMode(display=False) as counter:
+        S = S + k @ v  # S += phi(k)^T v, per key/value head
+        q @ S.repeat_interleave(h // n_kv_heads, dim=0)  # y = phi(q) S, per query head
+    assert flops_per_token(cfg, 16)["attention"] == cfg.n_layers * counter.get_total_flops()
 
 
 def test_kv_bytes_refuse_global_tokens_no_cache_can_hold():
