@@ -168,6 +168,28 @@ def test_bad_demo_input_is_one_error_line(argv, code, needle, tmp_path, capsys):
     assert len(err) == 1 and "error" in err[0] and needle in err[0]
 
 
+def test_temperature_demo_needs_a_language_model_with_a_tokenizer(tmp_path, capsys):
+    """A seq2seq checkpoint (no next-token distribution) or one without tokenizer.json was
+    an AttributeError traceback; now one error line naming --ckpt."""
+    from attnlab.config import RunConfig
+    from attnlab.data.numbers import CharVocab, CharVocabPair
+    from attnlab.models import build_model
+    from attnlab.models.rnn import RNNSeq2SeqConfig
+    from attnlab.training.checkpoint import save_checkpoint
+
+    gru = RNNSeq2SeqConfig(vocab_size=8, src_vocab_size=13, embed_dim=4, hidden_dim=4)
+    vocab = CharVocabPair(CharVocab("0123456789"), CharVocab("abcde"))
+    save_checkpoint(tmp_path / "gru", build_model(gru), RunConfig(model=gru), vocab)
+    lm = quick_run(1, seed=0).model
+    save_checkpoint(tmp_path / "lm", build_model(lm), RunConfig(model=lm), None)
+    for name, needle in (("gru", "language model"), ("lm", "tokenizer.json")):
+        capsys.readouterr()
+        argv = ["demo", "temperature", "--out", str(tmp_path / "fig"), "--ckpt"]
+        assert main([*argv, str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--ckpt" in err[0] and needle in err[0], err
+
+
 def test_bahdanau_demo(tmp_path, capsys):
     code = main([
         "demo", "bahdanau", "--out", str(tmp_path), "--seconds", "1", "--max-number", "60",

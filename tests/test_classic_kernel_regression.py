@@ -71,6 +71,21 @@ def test_multidimensional_inputs_and_vector_values(kernel):
         torch.testing.assert_close(got[:, col], want)
 
 
+@pytest.mark.parametrize("kernel", list(KERNEL_FORMULAS))
+def test_multidimensional_distances_are_exact_far_from_the_origin(kernel):
+    # float32 points near 100 with a small bandwidth: cdist's matrix-product shortcut
+    # (|q|^2 + |k|^2 - 2 q.k, over 25 rows) was off by 0.02 in distance, 0.17 in weight
+    g = torch.Generator().manual_seed(4)
+    keys = 100 + torch.rand(60, 3, generator=g)
+    values = torch.randn(60, generator=g)
+    queries = 100 + torch.rand(40, 3, generator=g)
+    got = nadaraya_watson(queries, keys, values, kernel=kernel, bandwidth=0.3)
+    want = loop_estimate(queries.double(), keys.double(), values.double(), kernel, 0.3)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    # float64 queries against float32 data: promoted, as for 1-D inputs
+    assert nadaraya_watson(queries.double(), keys, values).dtype == torch.float64
+
+
 def test_gaussian_weights_are_a_softmax_of_negative_squared_distance():
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(7, generator=g), torch.randn(9, generator=g)
@@ -107,6 +122,20 @@ def test_leave_one_out_matches_loop_and_never_uses_the_point_itself(kernel):
     want = loop_estimate(x, x, y, kernel, 0.4, excluded=lambda i, j: i == j)
     torch.testing.assert_close(got, want)
     assert bool((weights.diagonal() == 0).all())
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_FORMULAS))
+@pytest.mark.parametrize("dtype", [torch.long, torch.float64])
+def test_a_zero_one_mask_of_any_dtype_means_keep_or_drop(kernel, dtype):
+    # the Gaussian added a 0/1 mask to its scores (the left-out point still used: 0.15 off),
+    # the compact kernels failed inside masked_fill
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(20, generator=g, dtype=torch.float64) * 5
+    y = torch.randn(20, generator=g, dtype=torch.float64)
+    got = nadaraya_watson(
+        x, x, y, kernel=kernel, bandwidth=0.5, mask=leave_one_out_mask(20).to(dtype)
+    )
+    torch.testing.assert_close(got, loop_estimate(x, x, y, kernel, 0.5, lambda i, j: i == j))
 
 
 def test_learned_bandwidth_finds_the_leave_one_out_optimum():

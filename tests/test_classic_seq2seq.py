@@ -237,6 +237,18 @@ def test_source_padding_does_not_change_other_rows():
     ]
 
 
+def test_left_padded_source_is_refused_not_encoded_as_tokens():
+    """Packing reads the first ``length`` tokens of a row: under left padding it encoded the
+    pads and dropped the last real tokens (logits 0.13 off the row alone), silently."""
+    model = tiny_model()
+    src, mask = padded_sources()
+    left_src, left_mask = src.flip(1), mask.flip(1)
+    with pytest.raises(ValueError, match="prefix of each row"):
+        model(left_src, left_mask, torch.randint(0, TGT_V, (3, 5)))
+    with pytest.raises(ValueError, match="prefix of each row"):
+        model.generate(left_src, 4, src_mask=left_mask)
+
+
 @pytest.mark.parametrize("dtype", [torch.long, torch.float32])
 def test_source_mask_of_any_dtype_means_keep_or_drop(dtype):
     """A 0/1 ``src_mask`` that is not bool (the Transformer encoder-decoder takes one) hides

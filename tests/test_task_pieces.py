@@ -18,6 +18,17 @@ def test_pad_pairs_teacher_forcing_layout():
     assert batch.targets.tolist() == [[8, 9, 2, -100], [8, 9, 10, 2]]
 
 
+def test_pair_batches_refuse_a_batch_no_epoch_can_fill():
+    """With fewer pairs than ``batch_size`` (or none) no epoch held a batch: ``next`` looped
+    for ever."""
+    pairs = [([3], [4]), ([5], [6]), ([7], [8])]
+    batch = next(pair_batches(pairs, 3, pad_id=0, bos_id=1, eos_id=2))  # as many as pairs: fine
+    assert sorted(batch.src[:, 0].tolist()) == [3, 5, 7]
+    for given, size in ((pairs, 4), ([], 1), (pairs, 0)):
+        with pytest.raises(ValueError, match=f"batch_size={size}"):
+            next(pair_batches(given, size, pad_id=0, bos_id=1, eos_id=2))
+
+
 def test_mlm_batches_shapes_and_targets():
     tokens = torch.arange(4, 500) % 50 + 4
     inputs, targets = next(mlm_batches(tokens, 16, 8, mask_id=3, vocab_size=60, mask_prob=0.5))

@@ -55,7 +55,10 @@ def pair_batches(
     eos_id: int,
     seed: int = 0,
 ):
-    """Endless shuffled :class:`PairBatch` es, epoch after epoch."""
+    """Endless shuffled :class:`PairBatch` es, epoch after epoch (each ``batch_size`` pairs;
+    an epoch's remainder is left out)."""
+    if not 1 <= batch_size <= len(pairs):  # else no epoch holds a batch: an endless loop
+        raise ValueError(f"batch_size={batch_size} needs 1 to {len(pairs)} (the pairs given)")
     g = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(len(pairs), generator=g).tolist()

@@ -134,6 +134,11 @@ class GRUSeq2Seq(nn.Module):
         lengths = src_mask.sum(dim=1)
         if bool((lengths == 0).any()):
             raise ValueError("every source sequence needs at least one real token")
+        if not bool((src_mask[:, 1:] <= src_mask[:, :-1]).all()):
+            # packing reads the first `length` tokens: left padding would be encoded as tokens
+            raise ValueError(
+                "src_mask must mark a prefix of each row (pad on the right, not the left)"
+            )
         x = self.dropout(self.src_embed(src))  # (b, s, E)
         packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
         states, last = self.encoder(packed)  # last: (L * 2, b, H), per row's real end
