@@ -118,6 +118,10 @@ def _prompt_rows(prompts: Prompts) -> tuple[list[list[int]], bool]:
         raise ValueError("no prompt: give at least one token id (or a list of prompts)")
     if any(len(r) == 0 for r in rows):
         raise ValueError("every prompt needs at least one token")
+    # torch.tensor(row, dtype=long) would truncate 2.7 to token 2 (and a float tensor's ids)
+    bad = next((tok for r in rows for tok in r if not isinstance(tok, numbers.Integral)), None)
+    if bad is not None:
+        raise ValueError(f"prompt token ids must be integers, got {bad!r}")
     return rows, single
 
 
@@ -579,6 +583,7 @@ def generate(
     its first stop token, which is not included). Options as in :func:`stream`; with
     ``num_beams`` > 1 the best beam of :func:`beam_search` (``stop_tokens`` end beams;
     deterministic, so no sampling options; prompt + new tokens must fit max_seq_len)."""
+    check_num_beams(num_beams)  # (0 or -1 decoded greedily, 2.5 failed inside topk)
     batch, single = _as_batch(prompts)
     if model.cfg.attention.kind == "nsa" and len({len(r) for r in batch}) > 1:
         # native sparse attention takes no left padding (its blocks start at slot 0)
@@ -691,11 +696,15 @@ def force_tokens(scores: Tensor, ids: Sequence[int]) -> Tensor:
     return torch.full_like(scores, float("-inf")).index_fill(-1, index, 0.0)
 
 
+def check_num_beams(num_beams) -> None:
+    if isinstance(num_beams, bool) or not isinstance(num_beams, numbers.Integral) or num_beams < 1:
+        raise ValueError(f"num_beams (beam_width) must be an integer >= 1, got {num_beams!r}")
+
+
 def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: float, style: str):
     if style not in BEAM_STYLES:
         raise ValueError(f"style must be one of {', '.join(BEAM_STYLES)}, got {style!r}")
-    if num_beams < 1:
-        raise ValueError(f"num_beams (beam_width) must be >= 1, got {num_beams}")
+    check_num_beams(num_beams)
     if not 1 <= n_best <= num_beams:
         raise ValueError(f"n_best must be between 1 and num_beams ({num_beams}), got {n_best}")
     if max_new_tokens < 1:

@@ -117,6 +117,19 @@ def test_top_k_must_be_an_integer():
             call([1, 2], 3, temperature=1.0, top_k=3.0)
 
 
+def test_float_token_ids_and_bad_num_beams_are_refused():
+    """A float token id was truncated ([[1, 2.7]] decoded as [[1, 2]], a float tensor's ids
+    too) and num_beams=0 or -1 decoded greedily (2.5 failed inside torch.topk)."""
+    m = model_for("gpt2-tiny")
+    for prompt in ([[1, 2.7]], torch.tensor([1.0, 2.0])):
+        for call in (m.stream, m.generate, lambda p, n: m.generate(p, n, num_beams=2)):
+            with pytest.raises(ValueError, match="prompt token ids must be integers, got "):
+                call(prompt, 3)
+    for k in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="num_beams .beam_width. must be an integer >= 1"):
+            m.generate([1, 2], 3, num_beams=k)
+
+
 @pytest.mark.parametrize("alpha", [float("nan"), float("inf")])
 def test_beam_search_rejects_a_length_penalty_that_ranks_nothing(alpha):
     m = model_for("gpt2-tiny")
