@@ -370,6 +370,11 @@ class AttentionConfig(_Config):
                 _fail(
                     f"{path}.index_head_dim", f"a Hadamard rotation needs a power of 2, got {d_i}"
                 )
+            if self.index_fp8 and d_i > 128 and d_i % 128:
+                _fail(
+                    f"{path}.index_head_dim",
+                    f"FP8 quantises blocks of 128 values: give up to 128 or a multiple, got {d_i}",
+                )
         if self.kind == "nsa":
             names = ("nsa_block_len", "nsa_stride", "nsa_select_len", "nsa_n_select", "nsa_window")
             for name in names:

@@ -329,6 +329,7 @@ def test_indexer_warmup_learns_to_recall_the_attention_mass():
         ({"attention.q_lora_rank": None}, "attention.q_lora_rank"),
         ({"attention.index_head_dim": 4}, "attention.index_head_dim"),
         ({"attention.index_hadamard": True, "attention.index_head_dim": 24}, "index_head_dim"),
+        ({"attention.index_fp8": True, "attention.index_head_dim": 160}, "index_head_dim"),
         ({"attention.dsa_stage": "dense"}, "attention.dsa_stage"),
     ],
 )
@@ -404,15 +405,19 @@ def test_nsa_selected_and_window_branches_against_a_loop():
     for bi in range(b):
         for kv in range(k.shape[1]):
             for ti in range(t):
-                # Eq. 9 as overlap, summed over the group's heads; the initial block and
-                # 2 local blocks (own, previous) first.
+                # Eq. 9's double sum, summed over the group's heads: one term per
+                # stride-long piece m of selection block j and piece n of compression
+                # block i that are the same keys; the initial block and 2 local blocks
+                # (own, previous) first.
                 n_blocks = -(-t // ls)
                 p = p_cmp[bi, kv, :, ti].sum(0)  # (n_c,)
                 imp = [
                     sum(
                         float(p[i])
                         for i in range(p.shape[0])
-                        if i * d < (j + 1) * ls and i * d + l > j * ls
+                        for m in range(ls // d)
+                        for n in range(l // d)
+                        if j * ls + m * d == i * d + n * d
                     )
                     for j in range(n_blocks)
                 ]

@@ -137,6 +137,7 @@ def test_memory_evaluation_scores_every_token_once():
         ({"position": {"kind": "rope"}}, "position.kind: Transformer-XL encodes relative"),
         ({"attention": {"kind": "linear"}}, "attention.kind: Transformer-XL uses its own"),
         ({"attention": {"sliding_window": 4}}, "attention.sliding_window: does not apply"),
+        ({"attention": {"n_kv_heads": 1}}, "attention.n_kv_heads: Transformer-XL's relative"),
         ({"d_model": 33, "attention": {"n_heads": 3}}, "d_model: the relative encodings pair"),
     ],
 )

@@ -148,12 +148,15 @@ def compressed_causal_mask(q_pos: Tensor, n: int, block_len: int, stride: int) -
 
 
 def selection_importance(p_cmp: Tensor, n_sel: int, block_len: int, stride: int, sel_len: int):
-    """NSA Eq. 9: importance of selection block j (keys [j l', (j + 1) l')) as the sum of
-    the compressed attention of every compression block overlapping it. p_cmp (..., n_c) ->
-    (..., n_sel). Written as the overlap: block i covers [i d, i d + l), and l, l' are
-    multiples of d, so the overlapping blocks are those with i d in (j l' - l, (j + 1) l')."""
+    """NSA Eq. 9: importance of selection block j (keys [j l', (j + 1) l')) from the
+    compressed attention of the compression blocks overlapping it. p_cmp (..., n_c) ->
+    (..., n_sel). Eq. 9's double sum over m < l'/d and n < l/d counts compression block i
+    once per stride-long piece it shares with block j, so each block is weighted by its
+    overlap in strides: block i covers [i d, i d + l), and l, l' are multiples of d (with
+    l = l' = 2d the weights of blocks 2j-1, 2j, 2j+1 are 1, 2, 1)."""
     n_c = p_cmp.shape[-1]
     start = torch.arange(n_c, device=p_cmp.device) * stride  # (n_c,)
     j0 = torch.arange(n_sel, device=p_cmp.device)[:, None] * sel_len  # (n_sel, 1)
-    overlap = (start + block_len > j0) & (start < j0 + sel_len)  # (n_sel, n_c)
-    return p_cmp @ overlap.to(p_cmp.dtype).T  # (..., n_sel)
+    shared = torch.minimum(start + block_len, j0 + sel_len) - torch.maximum(start, j0)
+    weight = shared.clamp(min=0) // stride  # (n_sel, n_c): stride-long pieces in common
+    return p_cmp @ weight.to(p_cmp.dtype).T  # (..., n_sel)

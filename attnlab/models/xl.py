@@ -72,6 +72,12 @@ class XLConfig(ModelConfig):
         for name in ("sliding_window", "sink_tokens", "sink_logits"):
             if getattr(self.attention, name):
                 _fail(at(f"attention.{name}"), "does not apply to Transformer-XL")
+        if self.attention.kv_heads != self.attention.n_heads:
+            _fail(
+                at("attention.n_kv_heads"),
+                f"Transformer-XL's relative attention has a key/value head per query head; "
+                f"leave it unset, got {self.attention.n_kv_heads}",
+            )
 
 
 register_model_config("xl", XLConfig)
