@@ -497,6 +497,34 @@ def test_muon_trains_and_resumes_exactly(tmp_path, dataset):
     )
 
 
+def test_resume_applies_the_new_weight_decay_and_betas(tmp_path, dataset):
+    """train.weight_decay and train.beta2 changed on resume apply (torch's load_state_dict
+    would put back the saved groups' values, while config.json records the new ones).
+    AdamW's decoupled decay (Loshchilov & Hutter): two resumed steps that differ only in
+    weight_decay differ by lr * (wd_a - wd_b) * w in every matrix, not at all in vectors."""
+    train(tiny_run(max_steps=2, weight_decay=0.1), tmp_path / "run", dataset=dataset,
+          progress=False)  # fmt: skip
+    before = final_weights(tmp_path / "run")
+    after = {}
+    for wd in (0.0, 0.5):
+        out = tmp_path / f"wd{wd}"
+        cfg = tiny_run(max_steps=3, weight_decay=wd, beta2=0.95)
+        train(cfg, out, resume=tmp_path / "run", dataset=dataset, progress=False)
+        after[wd] = final_weights(out)
+        groups = torch.load(out / "trainer_state.pt", weights_only=True)["trainer"]["optimizer"]
+        assert [g["betas"] for g in groups["param_groups"]] == [(0.9, 0.95)] * 2
+    lr = lr_at(2, tiny_run(max_steps=3).train)
+    for name, w in before.items():
+        expected = lr * 0.5 * w if w.dim() >= 2 else torch.zeros_like(w)
+        torch.testing.assert_close(after[0.0][name] - after[0.5][name], expected, msg=name)
+
+
+def test_resume_with_another_optimizer_is_refused(tmp_path, dataset):
+    train(tiny_run(max_steps=1, optimizer="muon"), tmp_path, dataset=dataset, progress=False)
+    with pytest.raises(TrainingError, match="train.optimizer=muon, not adamw"):
+        train(tiny_run(max_steps=2), tmp_path, resume=tmp_path, dataset=dataset, progress=False)
+
+
 @pytest.mark.parametrize(
     "preset, head", [("gru-numbers", "out"), ("vit-digits", "head"), ("bert-tiny-qa", "head.span")]
 )
@@ -847,6 +875,41 @@ def test_time_budget_resume_keeps_the_measured_evaluation_time(tmp_path, dataset
     )  # fmt: skip
     assert second.step == straight.step and second.max_steps == straight.max_steps
     assert lrs("run") == lrs("straight")
+
+
+def test_time_budget_resume_with_explicit_max_steps_keeps_the_fitted_schedule(
+    tmp_path, dataset, monkeypatch
+):
+    """`attnlab train --max-steps 1000 --time-budget 2.5` with --resume appended: the budget
+    still applies, so the schedule fitted before the stop is kept (it went back to 1000
+    steps, the rate jumping back up to its peak, until the next refit). Resumed without a
+    budget, the run takes train.max_steps (it crashed formatting the missing budget)."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    monkeypatch.setattr(trainer_module, "FIT_STEPS", 5)
+    cost = lambda split, n: 0.1 if split == "train" else 0.001  # noqa: E731
+    cfg = tiny_run(max_steps=1000, time_budget=2.5, warmup_steps=2, eval_every=5)
+    flags = dict(max_steps=1000, time_budget=2.5, progress=False)
+
+    def lrs(run):
+        rows = read_metrics(tmp_path / run / "metrics.jsonl")
+        return [r["lr"] for r in rows if r["kind"] == "train"]
+
+    straight = train(
+        cfg, tmp_path / "straight", dataset=TimedDataset(dataset, clock, cost), **flags
+    )
+    clock.now = 0.0
+    stopping = TimedDataset(InterruptingDataset(dataset, at=10), clock, cost)
+    assert train(cfg, tmp_path / "run", dataset=stopping, **flags).step == 10
+    clock.now = 0.0
+    data = TimedDataset(dataset, clock, cost)
+    second = train(cfg, tmp_path / "run", resume=tmp_path / "run", dataset=data, **flags)
+    assert second.step == straight.step and second.max_steps == straight.max_steps < 1000
+    assert lrs("run") == lrs("straight")
+    unbudgeted = tiny_run(max_steps=straight.step + 2, warmup_steps=2)
+    third = train(unbudgeted, tmp_path / "run", resume=tmp_path / "run", dataset=data,
+                  progress=False)  # fmt: skip
+    assert third.step == straight.step + 2 and "max_steps" in third.stop_message
 
 
 def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch):

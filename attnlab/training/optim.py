@@ -231,6 +231,17 @@ class Optimizers:
             opt.load_state_dict(sub)
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer | Optimizers, state: dict) -> None:
+    """Load a checkpoint's optimizer state (moments, step counts) into ``optimizer``,
+    keeping the settings its groups were built with from the run's config: torch's
+    ``load_state_dict`` puts back the saved groups' ``weight_decay`` and ``betas``, so a
+    resumed run's changed ``train.weight_decay`` or ``train.beta2`` would not apply."""
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, kept in zip(optimizer.param_groups, settings, strict=True):
+        group.update(kept)
+
+
 def set_lr(optimizer: torch.optim.Optimizer | Optimizers, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -88,7 +88,7 @@ from attnlab.training.checkpoint import (
 )
 from attnlab.training.evaluate import autocast_context
 from attnlab.training.metrics import METRICS_FILE, MetricsLogger, read_metrics
-from attnlab.training.optim import build_optimizer, decaying, lr_at, set_lr
+from attnlab.training.optim import build_optimizer, decaying, load_optimizer_state, lr_at, set_lr
 
 BEST_DIR = "best"
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
@@ -288,13 +288,20 @@ TASK_FILLED_FIELDS = ("vocab_size", "src_vocab_size", "pad_id", "bos_id", "eos_i
 def _check_resume_config(
     cfg: RunConfig, saved: RunConfig, resume: Path, *, configured: bool = False
 ) -> None:
-    """The task, model and data of a resumed run must be the checkpoint's. Before the task
-    has configured the model, the fields it fills in are left out; once it has
-    (``configured``), the whole model is compared again."""
+    """The task, optimizer, model and data of a resumed run must be the checkpoint's.
+    Before the task has configured the model, the fields it fills in are left out; once it
+    has (``configured``), the whole model is compared again."""
     if cfg.task != saved.task:
         raise TrainingError(
             f"resume: the checkpoint in {resume} was trained on task {saved.task!r}, not "
             f"{cfg.task!r}; resume it with task={saved.task}"
+        )
+    if cfg.train.optimizer != saved.train.optimizer:  # its state holds another's moments
+        raise TrainingError(
+            f"resume: the checkpoint in {resume} was trained with train.optimizer="
+            f"{saved.train.optimizer}, not {cfg.train.optimizer}; resume it with "
+            f"train.optimizer={saved.train.optimizer} (or start a new run from its weights "
+            f"with --init-from {resume})"
         )
     for section in ("model",) if configured else ("model", "data"):
         mine, theirs = getattr(cfg, section).to_dict(), getattr(saved, section).to_dict()
@@ -612,7 +619,7 @@ class Trainer:
         self.last_val_metrics: dict[str, float] = {}
         history: list[dict] = []
         if ckpt is not None and resume is not None:
-            self._restore(ckpt.state, max_steps)
+            self._restore(ckpt.state)
             history = [
                 r for r in read_metrics(resume / METRICS_FILE) if r.get("step", 0) <= self.step
             ]
@@ -626,9 +633,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _restore(self, state: dict, max_steps_override: int | None) -> None:
+    def _restore(self, state: dict) -> None:
         self.step = int(state["step"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.data_generator.set_state(state["data_rng"])
         rng, rank = state["rng"], self.dist.rank
         if len(rng) == self.dist.world_size or rank < len(rng):
@@ -655,11 +662,13 @@ class Trainer:
         self.eval_batches = state.get("eval_batches", self.tc.eval_batches)
         self.eval_time = state.get("eval_time")
         self.task.load_state_dict(state.get("task", []))
-        if max_steps_override is not None:
-            self.schedule_steps = self.run_steps = max_steps_override
-        elif state["budget_fitted"]:
-            self.schedule_steps = int(state["schedule_steps"])
-            self.run_steps = int(state.get("run_steps", self.schedule_steps))
+        # A schedule fitted to the time budget is kept while there is a budget (within a new
+        # max_steps); without one (dropped by an explicit max_steps) it is train.max_steps.
+        if state["budget_fitted"] and self.tc.time_budget is not None:
+            self.schedule_steps = min(int(state["schedule_steps"]), self.tc.max_steps)
+            self.run_steps = min(
+                int(state.get("run_steps", self.schedule_steps)), self.tc.max_steps
+            )
             self.budget_fitted = True
             fitted_warmup = state.get("fitted_warmup")  # None: a checkpoint older than it
             self.fitted_warmup = None if fitted_warmup is None else int(fitted_warmup)
