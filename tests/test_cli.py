@@ -610,6 +610,7 @@ BAD_INPUTS = [
         "tokenizer not found",
     ),
     (["train", "--resume", "{tmp}/no_state"], "no trainer state (trainer_state.pt"),
+    (["train", "--resume", "{tmp}/other/best"], "is the best checkpoint of the run in"),
     (["generate", "--ckpt", "{work}/run", "--prompt-ids", "1,x"], "expected token ids"),
     (["generate", "--ckpt", "{work}/run", "--prompt-ids", "1,99999"], "token id 99999"),
     (["generate", "--ckpt", "{work}/run", "--prompt", "a", "--prompt-ids", "1"], "not allowed"),

@@ -197,6 +197,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.data is not None and not Path(args.data).exists():  # fail before building anything
         raise CLIError(f"--data {args.data}: no such file or folder")
+    if args.resume is not None and args.out is None:
+        from attnlab.training.checkpoint import STATE_FILE
+        from attnlab.training.trainer import BEST_DIR
+
+        resume = Path(args.resume)
+        if resume.name == BEST_DIR and (resume.parent / STATE_FILE).is_file():
+            # training in place would replace the run's best checkpoint with later steps
+            raise CLIError(
+                f"--resume {resume}: is the best checkpoint of the run in {resume.parent}; "
+                f"training there would overwrite it: give --out for the resumed run"
+            )
     out = Path(args.out or args.resume or Path("runs") / name)
     from attnlab.training.checkpoint import CHECKPOINT_FILES
 
