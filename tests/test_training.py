@@ -655,6 +655,24 @@ def test_nan_loss_before_the_first_save_does_not_vouch_for_an_older_run(
         train(tiny_run(), tmp_path, dataset=dataset, progress=False, overwrite=True)
 
 
+def test_overwrite_drops_the_older_runs_best_checkpoint_but_never_its_own_source(
+    tmp_path, dataset, monkeypatch
+):
+    # best/ of the run a fresh one overwrites would pass for the new run's until that one
+    # evaluates (here it stops before); resuming from that best/ into its run keeps it.
+    train(tiny_run(max_steps=4, eval_every=2), tmp_path, dataset=dataset, progress=False)
+    best = tmp_path / "best"
+    assert load_checkpoint(best, with_state=True).state["step"] == 4
+    kw = dict(dataset=dataset, progress=False, overwrite=True)
+    train(tiny_run(max_steps=5, eval_every=0), tmp_path, resume=best, **kw)
+    assert load_checkpoint(tmp_path, with_state=True).state["step"] == 5
+    assert (best / "model.safetensors").is_file()  # the source of the resumed run
+    _poison_step(monkeypatch, 1)
+    with pytest.raises(TrainingError, match="at step 1"):
+        train(tiny_run(max_steps=2), tmp_path, **kw)
+    assert not best.exists()
+
+
 class FakeClock:
     """Stands in for the trainer's clock: time moves only when the dataset says so."""
 

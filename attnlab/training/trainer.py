@@ -64,6 +64,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -630,6 +631,16 @@ class Trainer:
         )
         self.resumed = resume is not None
         self.checkpoint_saved = same_folder  # out_dir holds a checkpoint of this run
+        stale = self.out_dir / BEST_DIR  # an overwritten run's best checkpoint
+        sources = [p for p in (resume, init_from) if p is not None]
+        if (
+            overwrite
+            and not same_folder
+            and self.dist.is_main
+            and _holds_checkpoint(stale)
+            and not any(_same_path(p, stale) for p in sources)
+        ):
+            shutil.rmtree(stale)  # else it would pass for this run's until an improvement
 
     # ------------------------------------------------------------------ state
 
