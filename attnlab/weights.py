@@ -209,7 +209,9 @@ def materialize(
     ``attnlab.nn.moe.KeepsPrecision``), all get ``device`` (default CPU) and the strides
     they were built with; tied parameters stay one tensor (filled once, under their first
     name). Buffers move to ``device`` and keep their dtype (float32 RoPE frequencies are
-    not rounded); persistent ones are filled too."""
+    not rounded), or widen to a wider ``dtype`` as ``model.to(float64)`` widens them (RoPE
+    frequencies recomputed, not cast: a float64 model's angles are float64); persistent
+    ones are filled too."""
     device = torch.device(device if device is not None else "cpu")
     persistent = set(model.state_dict())
     made: dict[int, nn.Parameter] = {}
@@ -229,8 +231,13 @@ def materialize(
         module_name, _, attr = qualname.rpartition(".")
         module = model.get_submodule(module_name)
         b = b.to(device)
+        if dtype is not None and b.is_floating_point() and dtype.itemsize > b.dtype.itemsize:
+            b = b.to(dtype)
         if qualname in persistent:  # saved state (attnlab's models have none so far)
             with torch.no_grad():
                 fill(qualname, b)
         module._buffers[attr] = b
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):  # RoPE: exact frequencies in the new dtype
+            module.reset_buffers()
     return model

@@ -102,6 +102,25 @@ def test_load_checkpoint_equals_old_path(name, dtype, tmp_path):
     _check_loaded(loaded, _old_way(model, dtype), dtype or torch.float32)
 
 
+@pytest.mark.parametrize("load", ["checkpoint", "hf"])
+def test_float64_load_equals_model_double(load, tmp_path):
+    """A float64 model computes its RoPE angles in float64 (as ``model.double()`` does):
+    loading in float64 kept the float32 frequency table, angles off by ~1e-7."""
+    model = _model("qwen_tied_llama3_rope")
+    if load == "hf":
+        save_hf(model, tmp_path)
+        loaded = load_hf(tmp_path, dtype=torch.float64)
+    else:
+        save_checkpoint(tmp_path, model, RunConfig(model=model.cfg), TOKENIZER)
+        loaded = load_checkpoint(tmp_path, dtype=torch.float64).model
+    ref = copy.deepcopy(model).double()
+    assert loaded.rope.inv_freq.dtype == torch.float64
+    assert torch.equal(loaded.rope.inv_freq, ref.rope.inv_freq)
+    idx = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx).logits, ref(idx).logits)
+
+
 def test_checkpoint_stored_in_bf16_loads_as_float32_by_default(tmp_path):
     model = _model("llama_untied")
     half = _old_way(model, torch.bfloat16)
