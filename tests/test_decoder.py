@@ -288,3 +288,25 @@ def test_cache_of_another_dtype_is_refused_by_name(name):
         ).double()
         with pytest.raises(CacheError, match="holds torch.float32"):
             linear(idx, cache=linear.new_cache(2, 16, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [
+        ("llama-tiny", {}),
+        ("llama-tiny", {"attention.kind": "nsa"}),
+        ("llama-tiny", {"attention.kind": "linear"}),
+        ("llama-tiny", {"attention.backend": "flex"}),
+        ("deepseek-tiny", {}),
+        ("deepseek-v32-tiny", {}),
+        ("deepseek-moe-tiny", {}),
+        ("xl-tiny", {}),
+    ],
+)
+@torch.no_grad()
+def test_an_empty_input_gives_empty_logits_for_every_kind(preset, overrides):
+    # As torch's own layers do (and a dense decoder did): (b, 0) ids -> (b, 0, V) logits.
+    # MLA, the MoE router, XL, NSA and flex failed with reshape / reduction errors.
+    model = build_model(get_preset(preset).override(overrides)).eval()
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    assert model(ids).logits.shape == (2, 0, model.cfg.vocab_size)

@@ -122,6 +122,8 @@ def flex_attention(
     h_kv, s = k.shape[1], k.shape[2]
     if causal and s < t:
         raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
+    if t == 0 or s == 0:  # no query, or no key to attend to (block masks need both)
+        return q.new_zeros(b, h, t, v.shape[-1])
     score_mod = None
     mask_from_tensor = None
     if mask is not None:

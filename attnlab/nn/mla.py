@@ -167,7 +167,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.training and self.attn_dropout > 0:
             weights = F.dropout(weights, p=self.attn_dropout)
         values = keys[..., : self.kv_lora_rank]  # (b, s, d_c)
-        return torch.matmul(weights.view(b, h * t, s), values).view(b, h, t, -1)
+        return torch.matmul(weights.view(b, h * t, s), values).view(b, h, t, self.kv_lora_rank)
 
     def _attend(self, q, k, v, mask, causal, doc_ids=None) -> Tensor:
         return attend(
@@ -195,7 +195,7 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             c_q = self.q_a_norm(self.q_a_proj(x))  # (b, t, d_q)
             q = self.q_b_proj(c_q)
-        q = q.view(b, t, self.n_heads, -1).transpose(1, 2)  # (b, h, t, d_n + d_r)
+        q = q.view(b, t, self.n_heads, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
         c_kv = self.kv_a_norm(c_kv).unsqueeze(1)  # (b, 1, t, d_c)

@@ -94,14 +94,14 @@ class Router(KeepsPrecision):
     def _group_mask(self, choice: Tensor) -> Tensor:
         """(N, E) True for experts in each token's topk_groups best groups."""
         N = choice.shape[0]
-        grouped = choice.view(N, self.n_groups, -1)  # (N, groups, E / groups)
+        grouped = choice.view(N, self.n_groups, choice.shape[1] // self.n_groups)  # (N, g, E/g)
         if self.kind == "deepseek-v3":
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, groups)
         else:
             group_scores = grouped.amax(dim=-1)
         best = group_scores.topk(self.topk_groups, dim=-1).indices  # (N, topk_groups)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return keep[:, :, None].expand_as(grouped).reshape(N, -1)
+        return keep[:, :, None].expand_as(grouped).reshape(choice.shape)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (N, d) -> weights (N, k), experts (N, k), scores (N, E); float32 (float64 in a
@@ -234,7 +234,7 @@ class MoE(KeepsPrecision):
         self.aux_loss = None
         if self.training and self.aux_coef > 0:
             self.aux_loss = self._sequence_balance_loss(
-                scores.view(b, t, -1), experts.view(b, t, -1)
+                scores.view(b, t, scores.shape[-1]), experts.view(b, t, experts.shape[-1])
             )
         return self.dropout(y)
 

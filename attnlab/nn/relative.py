@@ -103,5 +103,5 @@ class RelativeMultiHeadAttention(nn.Module):
         # would reach every later token through the next layer's keys and values
         weights = masked_softmax(softmax_dtype(scores), allowed)
         weights = self.attn_dropout(weights.to(q.dtype))
-        y = (weights @ v).transpose(1, 2).reshape(b, t, -1)  # (b, t, h d_h)
+        y = (weights @ v).transpose(1, 2).reshape(b, t, v.shape[1] * v.shape[-1])  # (b, t, h d_h)
         return self.resid_dropout(self.out(y))

@@ -408,6 +408,8 @@ class NativeSparseAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)  # (b, h_kv, s, d_h)
             mask, causal = cache.mask(None)
+        if t == 0:  # no query (the block reductions below need one)
+            return self.resid_dropout(self.out(x.new_zeros(b, 0, self.q_dim)))
         allowed = allowed_keys(mask, causal, b, t, k.shape[2], x.device)  # (b, t, s)
         if cache is not None:  # the cache knows (no device read per decoding step)
             late_start = cache.cache.has_padding
