@@ -424,9 +424,11 @@ if os.environ["RANK"] == "0":
 
 
 @pytest.mark.slow
-def test_two_processes_classify_as_one_with_double_batch(tmp_path):
-    """The README: N processes equal one with N times the batch where every example has
-    as many targets, classification as language modelling (one class per example)."""
+@pytest.mark.parametrize("task", ["text-classification", "token-classification"])
+def test_two_processes_train_as_one_with_double_batch(task, tmp_path):
+    """The README: N processes equal one with N times the batch, for every task: one class
+    per example, or a number of labelled tokens that differs between the processes'
+    slices (each slice weighs by it)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -434,7 +436,7 @@ def test_two_processes_classify_as_one_with_double_batch(tmp_path):
     import numpy as np
 
     def run(batch_size):
-        return small_run("text-classification", max_steps=3, eval_every=3, batch_size=batch_size,
+        return small_run(task, max_steps=3, eval_every=3, batch_size=batch_size,
                          grad_accum=2).override({"model.dropout": 0.0})  # fmt: skip
 
     (tmp_path / "cfg.json").write_text(run(4).to_json())
@@ -453,3 +455,24 @@ def test_two_processes_classify_as_one_with_double_batch(tmp_path):
     a, b = (load_checkpoint(tmp_path / d).model.state_dict() for d in ("ddp", "single"))
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_accumulated_tagging_micro_batches_train_as_one_batch(tmp_path):
+    """Sentences have different numbers of labelled tokens: two micro-batches of b give
+    the loss and weights of one batch of 2b (the mean over all labelled tokens)."""
+    one, two = (
+        train(
+            small_run(
+                "token-classification", max_steps=3, eval_every=0, grad_accum=a, batch_size=16 // a
+            ).override({"model.dropout": 0.0}),
+            tmp_path / str(a),
+            progress=False,
+        )  # fmt: skip
+        for a in (1, 2)
+    )
+    torch.testing.assert_close(
+        torch.tensor(two.losses), torch.tensor(one.losses), rtol=1e-5, atol=0
+    )
+    a, b = (load_checkpoint(tmp_path / str(n)).model.state_dict() for n in (1, 2))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)

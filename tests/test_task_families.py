@@ -260,3 +260,21 @@ def test_mlm_batch_without_a_masked_token_has_zero_loss_not_nan():
     some[1, 2] = 4
     expected = torch.nn.functional.cross_entropy(logits[1, 2][None], torch.tensor([4]))
     torch.testing.assert_close(MaskedLMHead.loss(logits, some), expected)
+
+
+@pytest.mark.parametrize("case", ["mlm", "transformer", "gru"])
+def test_accumulated_micro_batches_train_as_one_batch(case, tmp_path):
+    """Their targets differ in number from batch to batch (masked tokens, target lengths):
+    two micro-batches of b must give the loss and weights of one batch of 2b (the mean over
+    all its targets), not the mean of the two micro-batches' means."""
+    runs = {
+        accum: small_run(
+            case, max_steps=3, eval_every=0, grad_accum=accum, batch_size=16 // accum
+        ).override({"model.dropout": 0.0})  # fmt: skip
+        for accum in (1, 2)
+    }
+    one, two = (train(runs[a], tmp_path / str(a), progress=False) for a in (1, 2))
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
+    a, b = (load_checkpoint(tmp_path / str(n)).model.state_dict() for n in (1, 2))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)

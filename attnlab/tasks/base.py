@@ -133,6 +133,14 @@ class Task:
         """Forward ``batch`` through ``model`` (train mode, gradients on)."""
         raise NotImplementedError
 
+    def loss_terms(self, batch: Any) -> Tensor | None:
+        """0-d: how many terms the loss of ``batch`` is the mean of (its targets that are
+        not ignored), for tasks where that differs from batch to batch. The trainer weighs
+        each micro-batch by it, so a step's loss is the mean over all its targets, with
+        gradient accumulation and in every process, as one large batch's would be. None
+        (the default): every batch holds as many, and the micro-batches weigh the same."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """This process's part of the task's training state (what it carries from one step
         to the next, e.g. a model's memory), saved in every checkpoint: tensors, numbers,

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from attnlab.config import ConfigError, _Config, _fail
 from attnlab.models.encoder import mask_tokens, mask_whole_words
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
+from attnlab.tasks.lm import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from attnlab.config import ModelConfig, RunConfig
@@ -142,6 +143,9 @@ class MaskedLanguageModelling(Task):
         blocks, _ = self.data.batch("train", keys[:, 0], self.block_size)  # (b, t)
         inputs, targets = self.mask(blocks, keys[:, 1])
         return inputs.to(device), targets.to(device)
+
+    def loss_terms(self, batch) -> Tensor:
+        return (batch[1] != IGNORE_INDEX).sum()  # the masked positions: random in number
 
     def step(self, model: nn.Module, batch) -> StepOutput:
         inputs, targets = batch

@@ -134,6 +134,9 @@ class TokenClassification(EncoderTextTask):
     def targets(self, features: list[Features]) -> Tensor:
         return pad([f.target for f in features], IGNORE)
 
+    def loss_terms(self, batch: dict[str, Tensor]) -> Tensor:
+        return (batch["targets"] != IGNORE).sum()  # labelled tokens: words differ in pieces
+
     def batch_sums(self, logits: Tensor, batch: dict[str, Tensor], features: list[Features]):
         labels = batch["targets"]  # (b, t)
         real = labels != IGNORE

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from attnlab.config import ConfigError, _Config, _fail, _positive
 from attnlab.data.numbers import (
+    IGNORE_INDEX,
     CharVocabPair,
     NumbersDataset,
     Seq2SeqBatch,
@@ -139,6 +140,9 @@ class NumbersTranslation(Task):
     def batch(self, keys: Tensor, device: torch.device | str | None = None) -> Seq2SeqBatch:
         pairs = [self.data.train[i] for i in keys.tolist()]
         return batch_to(collate(pairs, self.tokenizer.source, self.tokenizer.target), device)
+
+    def loss_terms(self, batch: Seq2SeqBatch) -> Tensor:
+        return (batch.tgt_out != IGNORE_INDEX).sum()  # target tokens: lengths differ
 
     def step(self, model: nn.Module, batch: Seq2SeqBatch) -> StepOutput:
         out = seq2seq_loss(model, batch)

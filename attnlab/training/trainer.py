@@ -737,6 +737,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
+    def _loss_shares(self, batches: list) -> list[float] | Tensor:
+        """Each micro-batch's weight in the step's loss: its loss terms (``Task.loss_terms``)
+        over those of the whole step, in every process, times the world size (DDP's mean of
+        the processes' gradients divides it back out): the step then follows the mean over
+        all its targets, as one batch of them all would. Tasks whose batches hold equal
+        numbers of terms: 1 / grad_accum each."""
+        terms = [self.task.loss_terms(batch) for batch in batches]
+        if any(t is None for t in terms):
+            return [1.0 / len(batches)] * len(batches)
+        n = torch.stack([torch.as_tensor(t, device=self.device) for t in terms]).float()
+        total = n.sum()
+        if self.dist.enabled:  # no host read: the counts stay on the device
+            dist.all_reduce(total)
+        return n * self.dist.world_size / total.clamp(min=1)
+
     def _train_step(self, stop: _StopRequest, time_up) -> _StepResult:
         """One optimizer step, with whether any process was signalled and whether the
         time budget is used up (``time_up()`` tells the latter locally)."""
@@ -746,11 +761,12 @@ class Trainer:
         # Global keys (accum, world, b, ...) from the shared generator; this process's column.
         keys = self.task.sample(tc.grad_accum * ws * tc.batch_size, self.data_generator)
         keys = keys.view(tc.grad_accum, ws, tc.batch_size, *keys.shape[1:])[:, self.dist.rank]
-        loss_sum = torch.zeros((), device=self.device)
+        batches = [self.task.batch(keys[micro], self.device) for micro in range(tc.grad_accum)]
+        shares = self._loss_shares(batches)
+        loss_sum = torch.zeros((), device=self.device)  # this process's part of the mean
         count = 0
         metrics: dict[str, list] = {}  # name -> [sum, n] over micro-steps
-        for micro in range(tc.grad_accum):
-            batch = self.task.batch(keys[micro], self.device)
+        for micro, batch in enumerate(batches):
             last = micro == tc.grad_accum - 1
             # DDP averages gradients across processes only on the last micro-step.
             sync = (
@@ -761,8 +777,11 @@ class Trainer:
             with sync:
                 with autocast_context(self.device, self.autocast_dtype):
                     out = self.task.step(self.train_model, batch)
-                (out.objective / tc.grad_accum).backward()
-            loss_sum += out.loss.detach()
+                objective = out.loss * shares[micro]
+                if out.aux_loss is not None:  # a mean per micro-batch (MoE balance)
+                    objective = objective + out.aux_loss / tc.grad_accum
+                objective.backward()
+            loss_sum += out.loss.detach() * shares[micro]
             count += int(out.count)
             extras = dict(out.metrics)
             if out.aux_loss is not None:
@@ -782,7 +801,7 @@ class Trainer:
         # One collective per step: the mean loss, the work done, whether any must stop.
         loss_total, count_total, signalled, out_of_time = self._all_reduce(
             [
-                float(loss_sum) / tc.grad_accum,
+                float(loss_sum),
                 float(count),
                 float(stop.signal_name is not None),
                 float(time_up()),
