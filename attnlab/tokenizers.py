@@ -271,7 +271,9 @@ def _cuts_are_safe(spec: dict) -> bool:
     tokenizer of ``spec`` (its ``tokenizer.json``): not when its normalizer or
     pre-tokenizer adds something at the start of every text (SentencePiece-style
     tokenizers' ``Prepend("▁")`` or ``Metaspace``, a byte-level ``add_prefix_space``),
-    which would be added at every cut too."""
+    which would be added at every cut too, nor when nothing splits the text at its
+    newlines (no pre-tokenizer, or ``Metaspace``, which splits at spaces only): then a
+    token holding a newline and what follows it ("\\nb") would be cut in two."""
 
     def nodes(node):
         if isinstance(node, dict):
@@ -282,13 +284,11 @@ def _cuts_are_safe(spec: dict) -> bool:
             for value in node:
                 yield from nodes(value)
 
+    if spec.get("pre_tokenizer") is None:  # the model sees the whole text as one piece
+        return False
     for node in (*nodes(spec.get("normalizer")), *nodes(spec.get("pre_tokenizer"))):
         kind = node.get("type")
-        if kind == "Prepend":
-            return False
-        if kind == "Metaspace" and (
-            node.get("prepend_scheme", "always") != "never" or node.get("add_prefix_space")
-        ):
+        if kind in ("Prepend", "Metaspace"):
             return False
         if kind == "ByteLevel" and node.get("add_prefix_space"):
             return False
@@ -334,6 +334,7 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 4096) -> 
     string is one text (iterated, it was one text per character: bpe learnt no merge)."""
     if isinstance(texts, str):
         texts = [texts]
+    texts = (check_encodable(text) for text in texts)  # a lone surrogate: named, not a crash
     if kind == "char":
         chars: set[str] = set()
         for text in texts:

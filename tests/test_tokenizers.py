@@ -82,6 +82,13 @@ def test_char_rejects_empty_training_text():
         train_tokenizer("char", [""])
 
 
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_training_text_with_a_lone_surrogate_is_named(kind):
+    # as encoding does (before: a TypeError or UnicodeEncodeError from the Rust bindings)
+    with pytest.raises(TokenizerError, match=r"U\+DCFF\) at position 4, a lone surrogate"):
+        train_tokenizer(kind, ["fine", "bad \udcff text"], 300)
+
+
 # ---------------------------------------------------------------------- bpe
 
 
@@ -159,6 +166,27 @@ def test_sentencepiece_style_text_is_not_cut(monkeypatch):
     ids = tokenizer.encode(text)
     assert ids == tokenizer.hf.encode(text, add_special_tokens=False).ids
     assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("pre_tokenizer", [None, "metaspace"])
+def test_text_without_newline_splits_is_not_cut(monkeypatch, pre_tokenizer):
+    """Without a pre-tokenizer that splits at newlines (none, as SentencePiece-style
+    tokenizers without a prepended "▁" have, or Metaspace) a token may hold a newline and
+    the next character: a long text encodes whole (before, each cut split "\\nb" in two)."""
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "\n": 3, "\nb": 4, "\u2581": 5}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("\n", "b")], unk_token="<unk>"))
+    if pre_tokenizer is None:
+        hf.normalizer = normalizers.Replace(" ", "\u2581")
+    else:
+        hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    hf.decoder = decoders.Replace("\u2581", " ")
+    tokenizer = tokenizers_module.Tokenizer(hf)
+    text = "a\nb" * 200
+    monkeypatch.setattr(tokenizers_module, "_CHUNK_CHARS", 50)
+    assert len(split_for_encoding(text)) > 5
+    assert tokenizer.encode(text) == hf.encode(text).ids == [1, 4] * 200
 
 
 def test_char_starts_of_other_tokenizers_is_none_without_rereading_the_spec(monkeypatch):
