@@ -224,6 +224,61 @@ def test_train_sigint_saves_and_exits_130(work, tmp_path):
     assert 1 <= step < 100000
 
 
+@pytest.mark.parametrize("kind", ["bpe", "char", "metaspace"])
+def test_streamed_text_is_the_whole_decode_from_short_windows(kind):
+    """--stream prints the continuation as decoding it whole would, on random ids (byte
+    tokens cut through emoji and CJK characters; SentencePiece-style spaces), while each
+    step decodes only a few tokens, however long the output."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from attnlab.cli.generate import continuation, stream_text
+    from attnlab.tokenizers import Tokenizer as AttnlabTokenizer
+
+    text = (
+        "The caf\u00e9 \u6771\u4eac \U0001f600 na\u00efve "
+        "\u0645\u0631\u062d\u0628\u0627 x\u0301 ok. " * 20
+    )
+    if kind == "metaspace":  # LLaMA-style: spaces are part of the pieces
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        tok.train_from_iterator(
+            [text], trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"])
+        )
+        tokenizer = AttnlabTokenizer(tok)
+    else:
+        tokenizer = train_tokenizer(kind, [text], vocab_size=300)
+    windows = []
+    decode = tokenizer.decode
+
+    def counted(ids):
+        windows.append(len(ids))
+        return decode(ids)
+
+    tokenizer.decode = counted
+    rng = random.Random(0)
+    ids = tokenizer.encode(text)
+    for _ in range(30):
+        cut, end = rng.randrange(1, 40), rng.randrange(60, len(ids))
+        prompt, new = ids[max(0, cut - rng.randint(1, 6)) : cut], ids[cut:end]
+        seen: list[int] = []
+        windows.clear()
+        streamed = "".join(stream_text(tokenizer, prompt, iter(new), seen))
+        assert max(windows) <= 12  # the last few tokens, not the whole output
+        whole = continuation(tokenizer, prompt, new)
+        assert seen == new and streamed == whole, (prompt, new)
+    # Random ids (an untrained model's): invalid UTF-8 everywhere; no piece ends in the
+    # middle of a character.
+    for _ in range(30):
+        prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 6))]
+        new = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 60))]
+        for piece in stream_text(tokenizer, prompt, iter(new), []):
+            assert piece and not piece.endswith("\ufffd")
+
+
 def test_generate_stream_matches_library_sampling(work):
     ckpt = load_checkpoint(work / "run")
     prompt = "The cat"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -307,16 +308,39 @@ def _write(args, model, tokenizer, ids, shown, max_new_tokens, beams, stops, opt
         if not args.stream:
             _print(continuation(tokenizer, ids, list(tokens)) + "\n")
             return 0
-        # Decode the whole continuation each step and print what is new: one token may be
-        # part of a multi-byte character (byte-level BPE), shown once it is complete.
         new_ids: list[int] = []
-        printed, base = "", tokenizer.decode(ids)
-        for token in tokens:
-            new_ids.append(token)
-            text = continuation(tokenizer, ids, new_ids, base)
-            if text.endswith("\ufffd") or not text.startswith(printed):
-                continue
-            _print(text[len(printed) :])
-            printed = text
-        _print(continuation(tokenizer, ids, new_ids, base)[len(printed) :] + "\n")
+        printed = ""
+        for piece in stream_text(tokenizer, ids, tokens, new_ids):
+            _print(piece)
+            printed += piece
+        full = continuation(tokenizer, ids, new_ids)  # what the stream held back, if any
+        _print((full[len(printed) :] if full.startswith(printed) else "") + "\n")
     return 0
+
+
+STREAM_CONTEXT = 4  # tokens decoded before the new ones (a SentencePiece word's space)
+
+
+def stream_text(
+    tokenizer, prompt_ids: list[int], tokens: Iterable[int], new_ids: list[int]
+) -> Iterator[str]:
+    """The text of ``tokens`` (appended to ``new_ids``) piece by piece, as they come: each
+    step decodes a short window, the tokens not yet printed and a few before them, and
+    yields what they add to the window's printed part, once it is whole (a token may be
+    part of a multi-byte character: byte-level BPE). A window, not the whole text: the
+    cost per token stays the same however long the output."""
+    ids = list(prompt_ids)
+    start, done = max(0, len(ids) - STREAM_CONTEXT), len(ids)  # window; printed up to done
+    shown = tokenizer.decode(ids[start:done])
+    for token in tokens:
+        ids.append(token)
+        new_ids.append(token)
+        text = tokenizer.decode(ids[start:])
+        if not text.startswith(shown):  # the new bytes joined what the window began with
+            start, shown = done, ""
+            text = tokenizer.decode(ids[start:])
+        if text.endswith("\ufffd") or len(text) == len(shown):
+            continue  # an incomplete character, or nothing to show yet
+        yield text[len(shown) :]
+        start, done = max(start, len(ids) - STREAM_CONTEXT), len(ids)
+        shown = tokenizer.decode(ids[start:done])
