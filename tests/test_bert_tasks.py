@@ -10,6 +10,7 @@ import os
 import random
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,6 +117,25 @@ def test_qa_answers_are_spans_of_their_context():
             assert person in sentence
             if split != "train":
                 assert person in unseen.first_names
+
+
+@pytest.mark.parametrize("make", [tagged_sentences, qa_examples])
+def test_held_out_leaving_too_few_names_for_training_is_a_clear_error(make):
+    """Holding out nearly every name leaves training too few to fill its slots (a QA
+    context names up to three people): a DataError naming held_out, not an IndexError or
+    a "sample larger than population" from inside the generator."""
+    from attnlab.data.corpus import DataError
+
+    def left(names, held_out):  # what training keeps of a list (see Fillers.split)
+        return len(names) - max(3, round(held_out * len(names)))
+
+    for held_out in (0.9, 0.93, 0.95, 0.99):
+        enough = min(left(v, held_out) for v in (FIRST_NAMES, SURNAMES, CITIES)) >= 1
+        if enough and (make is tagged_sentences or left(FIRST_NAMES, held_out) >= 3):
+            assert len(make(30, 5, 5, seed=0, held_out=held_out).train) == 30
+        else:
+            with pytest.raises(DataError, match=f"held_out={held_out} leaves"):
+                make(30, 5, 5, seed=0, held_out=held_out)
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
@@ -364,6 +384,40 @@ def test_whole_word_masking_covers_words_at_the_masking_rate():
     assert all(torch.equal(x, y) for x, y in zip(again, (inputs[:50], targets[:50])))
     other = task.mask(blocks[:50], seeds[:50] + 1)
     assert not torch.equal(other[1], targets[:50])
+
+
+def test_mlm_draws_the_last_block_of_each_split():
+    """Masked LM predicts no next token, so a block may end at a split's last token: every
+    train token is drawn (the lm sampler, which keeps one for the target, never drew the
+    last), and validation walks every whole block (len // t, not (len - 1) // t)."""
+    from attnlab.data import TokenDataset
+    from attnlab.models.outputs import ModelOutput
+
+    block = 8
+    tokenizer = train_tokenizer("char", ["abcdefghijklmnopqrstuvwxyz"])
+    stream = np.arange(3 * block + 5 + 3 * block) % 26  # train 29 tokens, val 3 whole blocks
+    data = TokenDataset(tokenizer, train=stream[:29], val=stream[29:])
+    every = {"train.block_size": block, "data.options.mask_prob": 1.0}  # targets: all tokens
+    task = TASKS["mlm"](get_run_preset("bert-tiny-mlm").override(every), data=data)
+    keys = task.sample(2000, torch.Generator().manual_seed(0))
+    assert set(keys[:, 0].tolist()) == set(range(29 - block + 1))
+    targets = task.batch(keys[:50])[1]
+    for (start, _), row in zip(keys[:50].tolist(), targets):
+        assert row.tolist() == stream[start : start + block].tolist()
+
+    class Seen(torch.nn.Module):  # records what it is asked to predict
+        def __init__(self):
+            super().__init__()
+            self.w, self.inputs = torch.nn.Parameter(torch.zeros(())), []
+
+        def forward(self, idx, targets=None):
+            self.inputs.append(idx)
+            logits = torch.zeros(*idx.shape, task.mask_id + 1) + self.w
+            return ModelOutput(logits, self.w.new_ones(()))
+
+    model = Seen()
+    assert task.eval_sums(model, batch_size=2, max_batches=None)["masked_tokens"] == 3 * block
+    assert torch.cat(model.inputs).numel() == 3 * block
 
 
 def test_mask_whole_words_matches_a_per_word_reading():

@@ -349,6 +349,22 @@ def test_read_corpus_follows_symlinked_folders_once(tmp_path):
     assert [source.key for source in load_sources(root)] == ["a.txt", "linked/b.txt"]
 
 
+def test_a_file_linked_inside_the_corpus_is_one_document(tmp_path):
+    """A link to a file of the corpus ("latest.md" -> a note) is not a second copy of its
+    text: the copy, last in sorted order, would be validation text the model trained on."""
+    from attnlab.data.corpus import load_sources
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "b.txt").write_text("the note\n")
+    (root / "a_latest.txt").symlink_to(root / "b.txt")
+    (root / "z_latest.txt").symlink_to(root / "b.txt")
+    (root / "outside.txt").symlink_to(tmp_path / "elsewhere.txt")
+    (tmp_path / "elsewhere.txt").write_text("linked from outside\n")
+    keys = [source.key for source in load_sources(root)]
+    assert keys == ["b.txt", "outside.txt"]  # the real name wins over the links' names
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_a_folder_reached_directly_and_by_a_link_has_one_name_whatever_the_listing_order(
     tmp_path, monkeypatch, reverse

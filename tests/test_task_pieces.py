@@ -38,6 +38,29 @@ def test_mlm_batches_shapes_and_targets():
     assert bool((inputs[~chosen] >= 4).all())  # unchosen positions keep their token
 
 
+def test_mlm_batches_draw_every_window_the_last_one_too():
+    """Masked LM needs no next token: the window ending at the stream's last token is one
+    of the ``n - block_size + 1`` windows (it was never drawn, nor a stream of exactly
+    ``block_size`` tokens accepted)."""
+    block = 16
+    for n in (block, block + 1, block + 3):
+        tokens = torch.arange(10, 10 + n)
+        batches = mlm_batches(tokens, block, 64, mask_id=3, vocab_size=60, mask_prob=1.0)
+        firsts = {int(t) for _ in range(4) for t in next(batches)[1][:, 0]}  # targets: all
+        assert firsts == set(range(10, 10 + n - block + 1))
+
+
+def test_image_batches_refuse_a_batch_no_epoch_can_fill():
+    """More images per batch than images (or none): ``next`` looped for ever."""
+    from attnlab.data.images import image_batches
+
+    x, y = torch.zeros(5, 1, 8, 8), torch.arange(5)
+    assert sorted(next(image_batches(x, y, 5))[1].tolist()) == list(range(5))
+    for size in (6, 0):
+        with pytest.raises(ValueError, match=f"batch_size={size}"):
+            next(image_batches(x, y, size))
+
+
 def test_seq2seq_learns_to_reverse():
     torch.manual_seed(0)
     cfg = Seq2SeqConfig(

@@ -90,7 +90,8 @@ def decode_source(source: RawSource, errors: str = "strict") -> str:
 
 def _text_files(root: Path) -> list[Path]:
     """The .txt / .md files under ``root``, in symlinked folders too (``rglob`` skips
-    those), each real folder once (a link back up the tree is no endless loop)."""
+    those), each real folder once (a link back up the tree is no endless loop) and each
+    real file once (a link to a file of the corpus would put its text in both splits)."""
     files, seen = [], set()
     for folder, subfolders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -105,7 +106,11 @@ def _text_files(root: Path) -> list[Path]:
             f = Path(folder) / name
             if f.suffix.lower() in TEXT_SUFFIXES and f.is_file():
                 files.append(f)
-    return files
+    # a file reached both directly and through a link keeps its own name
+    real: dict[str, Path] = {}
+    for f in sorted(files, key=lambda f: (f.is_symlink(), f.as_posix())):
+        real.setdefault(os.path.realpath(f), f)
+    return list(real.values())
 
 
 def sources_digest(sources: list[RawSource]) -> str:

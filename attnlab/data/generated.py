@@ -73,7 +73,7 @@ class Fillers:
 
     def split(self, held_out: float, seed: int) -> tuple[Fillers, Fillers]:
         """(seen, unseen): ``held_out`` of each list (at least 3 where > 0), drawn by
-        ``seed``, goes to ``unseen``; the rest stays ``seen``."""
+        ``seed``, goes to ``unseen``; the rest, never empty (DataError), stays ``seen``."""
         if not 0.0 <= held_out < 1.0:
             raise DataError(f"held_out must be in [0, 1), got {held_out}")
         rng = random.Random(seed)
@@ -82,6 +82,11 @@ class Fillers:
             values = list(getattr(self, name))
             rng.shuffle(values)
             k = max(3, round(held_out * len(values))) if held_out > 0 else 0
+            if k >= len(values):
+                raise DataError(
+                    f"held_out={held_out} leaves none of the {len(values)} "
+                    f"{name.replace('_', ' ')} for training; lower held_out"
+                )
             seen[name], unseen[name] = tuple(values[k:]), tuple(values[:k])
         return Fillers(**seen), Fillers(**unseen)
 
@@ -368,6 +373,11 @@ def qa_examples(
     """Distinct generated contexts (one question each), cut into train / val / test;
     val and test people and cities are the ``held_out`` fraction (see the module)."""
     seen, unseen = EVERYONE.split(held_out, seed)
+    if len(seen.first_names) < 3:  # a context names up to three people
+        raise DataError(
+            f"held_out={held_out} leaves {len(seen.first_names)} first names for training, "
+            "fewer than the 3 a context may name; lower held_out"
+        )
     return distinct_splits(
         lambda rng: qa_example(rng, seen),
         lambda e: e.context,

@@ -60,7 +60,10 @@ def shift(images: Tensor, dy: Tensor, dx: Tensor, pad: int = 1) -> Tensor:
 
 
 def image_batches(x: Tensor, y: Tensor, batch_size: int, *, seed: int = 0, augment: bool = True):
-    """Endless shuffled (images, labels) batches, epoch after epoch."""
+    """Endless shuffled (images, labels) batches, epoch after epoch (each ``batch_size``
+    images; an epoch's remainder is left out)."""
+    if not 1 <= batch_size <= len(y):  # else no epoch holds a batch: an endless loop
+        raise ValueError(f"batch_size={batch_size} needs 1 to {len(y)} (the images given)")
     g = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(len(y), generator=g)

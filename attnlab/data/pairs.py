@@ -85,11 +85,11 @@ def mlm_batches(
 ):
     """Endless (inputs, targets) masked-LM batches of random ``block_size`` windows of a
     1-D token stream (e.g. the embedded corpus tokenised), masked by :func:`mask_tokens`."""
-    if tokens.numel() <= block_size:
-        raise ValueError(f"need more than block_size={block_size} tokens, got {tokens.numel()}")
+    if tokens.numel() < block_size:
+        raise ValueError(f"need at least block_size={block_size} tokens, got {tokens.numel()}")
     g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, tokens.numel() - block_size, (batch_size,), generator=g)
+    while True:  # any window, the last one too (masked LM predicts no next token)
+        starts = torch.randint(0, tokens.numel() - block_size + 1, (batch_size,), generator=g)
         idx = torch.stack([tokens[i : i + block_size] for i in starts.tolist()]).long()
         yield mask_tokens(
             idx,

@@ -134,13 +134,20 @@ class MaskedLanguageModelling(Task):
 
     # ------------------------------------------------------------ training
 
+    def blocks(self, split: str, starts: Tensor) -> Tensor:
+        """(b, t) int64: tokens[s : s + t] of ``split`` for each start s."""
+        index = starts.cpu().numpy()[:, None] + np.arange(self.block_size)  # (b, t)
+        return torch.from_numpy(self.data.split(split)[index].astype(np.int64))
+
     def sample(self, n: int, generator: torch.Generator) -> Tensor:
-        starts = self.data.sample_starts("train", n, self.block_size, generator)  # (n,)
+        # any block of the split, the last one too (no next token to predict, as in lm)
+        high = len(self.data.train) - self.block_size + 1
+        starts = torch.randint(0, high, (n,), generator=generator)  # (n,)
         seeds = torch.randint(0, 2**62, (n,), generator=generator)
         return torch.stack((starts, seeds), dim=1)  # (n, 2)
 
     def batch(self, keys: Tensor, device: torch.device | str | None = None):
-        blocks, _ = self.data.batch("train", keys[:, 0], self.block_size)  # (b, t)
+        blocks = self.blocks("train", keys[:, 0])  # (b, t)
         inputs, targets = self.mask(blocks, keys[:, 1])
         return inputs.to(device), targets.to(device)
 
@@ -165,13 +172,13 @@ class MaskedLanguageModelling(Task):
         world_size: int = 1,
         device: torch.device | str | None = None,
     ) -> dict[str, float]:
-        n = self.data.n_eval_blocks("val", self.block_size)
+        n = len(self.data.val) // self.block_size  # whole blocks: no next token needed
         n = n if max_batches is None else min(n, batch_size * max_batches)
         mine = shard(n, rank, world_size)
         index = torch.arange(mine.start, mine.stop, dtype=torch.int64)
         loss_sum = correct = count = 0.0
         for chunk in index.split(batch_size):
-            blocks, _ = self.data.batch("val", chunk * self.block_size, self.block_size)
+            blocks = self.blocks("val", chunk * self.block_size)
             inputs, targets = self.mask(blocks, EVAL_SEED + chunk)
             inputs, targets = inputs.to(device), targets.to(device)
             chosen = targets != -100
