@@ -222,6 +222,7 @@ def test_cli_draws_a_grid_of_layers_by_heads(decoder_ckpt, tmp_path, capsys):
         (["--text", "hello", "--heads", "4"], "--heads 4: the model has 4 heads"),
         (["--text", "hello", "--layers", "2"], "--layers 2: the model has 2 layers"),
         (["--text", "hello", "--image", "x.png"], "--image is for ViT checkpoints"),
+        (["--text", "hello", "--invert"], "--invert is for ViT checkpoints"),
         ([], "give the input with --text"),
     ],
 )

@@ -260,3 +260,48 @@ def test_8_bit_images_of_every_mode_scale_to_0_1(tmp_path, mode, channels):
     x = load_image(str(tmp_path / "x.png"), channels, 8, 8)
     want = torch.from_numpy(raw.astype(np.float32) / 255).permute(2, 0, 1)
     torch.testing.assert_close(x, want)
+
+
+@pytest.mark.parametrize("mode, channels", [("RGBA", 3), ("L", 3), ("RGB", 1), ("RGBA", 2)])
+def test_wrong_channel_count_names_the_conversion_that_fits(tmp_path, mode, channels):
+    """The error's advice works: the image converted as it says loads (it said
+    convert('L') whatever the model took, which an RGB model refuses in turn)."""
+    import re
+
+    from PIL import Image
+
+    from attnlab.cli.classify import load_image
+    from attnlab.cli.common import CLIError
+
+    Image.new(mode, (8, 8)).save(tmp_path / "x.png")
+    with pytest.raises(CLIError, match="Convert it") as info:
+        load_image(str(tmp_path / "x.png"), channels, 8, 8)
+    to = re.search(r"image\.convert\('(\w+)'\)", str(info.value)).group(1)
+    Image.open(tmp_path / "x.png").convert(to).save(tmp_path / "y.png")
+    assert load_image(str(tmp_path / "y.png"), channels, 8, 8).shape == (channels, 8, 8)
+
+
+@pytest.mark.parametrize("case", ["exif-rotated", "ycbcr"])
+def test_images_read_as_transformers_pipeline_reads_them(tmp_path, case):
+    """As transformers' image-classification pipeline (image_utils.load_image): a photo's
+    EXIF orientation is applied (it was classified on its side) and a YCbCr file's pixels
+    become R, G, B (they were fed as luma and chroma)."""
+    from PIL import Image
+    from transformers.image_utils import load_image as hf_load_image
+
+    from attnlab.cli.classify import load_image
+
+    raw = np.random.default_rng(0).integers(0, 256, (8, 12, 3), dtype=np.uint8)
+    image = Image.fromarray(raw, "RGB")
+    if case == "exif-rotated":
+        path, exif = tmp_path / "x.png", Image.Exif()
+        exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to view
+        image.save(path, exif=exif)
+    else:
+        path = tmp_path / "x.tiff"
+        image.convert("YCbCr").save(path)
+    want = np.asarray(hf_load_image(str(path)), dtype=np.float32) / 255  # (H, W, 3)
+    h, w = want.shape[:2]
+    assert (h, w) == ((12, 8) if case == "exif-rotated" else (8, 12))
+    x = load_image(str(path), 3, h, w)
+    torch.testing.assert_close(x, torch.from_numpy(want).permute(2, 0, 1))

@@ -65,6 +65,26 @@ def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_
     torch.testing.assert_close(again(images).logits, out, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_vit_in_another_dtype_takes_float32_pixels(dtype, tmp_path):
+    """As transformers' ViT, the model casts the pixels to its weights' dtype: a bf16 or
+    float64 model (``attnlab eval --dtype bfloat16``) takes the float32 images the task and
+    ``classify`` feed it (the patch convolution refused them)."""
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=24, num_labels=3)  # fmt: skip
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path)
+    ref = transformers.ViTForImageClassification.from_pretrained(tmp_path, dtype=dtype).eval()
+    model = load_hf(tmp_path, dtype=dtype)
+    images = torch.rand(2, 3, 8, 8)  # float32
+    with torch.no_grad():
+        expected, out = ref(pixel_values=images).logits, model(images).logits
+    assert out.dtype == dtype
+    tol = 1e-10 if dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
 def test_vit_config_errors_and_loss():
     with pytest.raises(ConfigError, match="patch_size=3 must divide"):
         ViTConfig(image_size=8, patch_size=3).validate()
@@ -145,3 +165,22 @@ def test_vit_normalisation_config_errors():
         ViTConfig(image_mean=[0.5] * 3, image_std=[0.5] * 2).validate()
     with pytest.raises(ConfigError, match="image_std: must be finite and > 0"):
         ViTConfig(image_mean=[0.5] * 3, image_std=[0.5, 0.0, 0.5]).validate()
+
+
+@pytest.mark.parametrize("key", ["image_mean", "image_std", "rescale_factor"])
+def test_processor_setting_that_is_not_a_number_is_one_clear_error(key, tmp_path):
+    """A null (or text) mean, std or rescale factor in preprocessor_config.json, which
+    transformers' processor refuses too, names the key (it was float()'s TypeError)."""
+    import json
+
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=24)  # fmt: skip
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path)
+    processor = transformers.ViTImageProcessor(size={"height": 8, "width": 8})
+    settings = processor.to_dict() | {key: None}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError):  # transformers: at its first image
+        image = np.zeros((8, 8, 3), dtype=np.uint8)
+        transformers.AutoImageProcessor.from_pretrained(tmp_path)(image, return_tensors="pt")
+    with pytest.raises(HFCheckpointError, match=f"preprocessor_config.json: {key} must be"):
+        load_hf(tmp_path)

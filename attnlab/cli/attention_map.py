@@ -81,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(
             f"{args.ckpt} holds a {arch!r} model; attention-map draws {', '.join(ARCHS)} models"
         )
-    if arch != "vit" and args.image is not None:
-        raise CLIError(f"--image is for ViT checkpoints; {args.ckpt} holds a {arch!r} model")
+    if arch != "vit" and (args.image is not None or args.invert):
+        option = "--image" if args.image is not None else "--invert"
+        raise CLIError(f"{option} is for ViT checkpoints; {args.ckpt} holds a {arch!r} model")
     if arch != "seq2seq" and (args.target is not None or args.target_ids is not None):
         raise CLIError(f"--target is for seq2seq checkpoints; {args.ckpt} holds a {arch!r} model")
     draw = {"decoder": _text_grids, "encoder": _text_grids, "seq2seq": _seq2seq_grids,

@@ -60,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def load_image(path: str, channels: int, height: int, width: int) -> torch.Tensor:
     """(channels, height, width) float32 in [0, 1]; CLIError when the file is not an image
     or its channel count is not ``channels``."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not Path(path).is_file():
         raise CLIError(f"{path}: no such file")
@@ -69,14 +69,16 @@ def load_image(path: str, channels: int, height: int, width: int) -> torch.Tenso
         image.load()
     except (UnidentifiedImageError, OSError) as e:
         raise CLIError(f"{path}: not an image ({e})") from None
+    image = ImageOps.exif_transpose(image)  # upright, as viewers show it (and transformers)
     have = CHANNELS_OF_MODE.get(image.mode)
     if have != channels:
         want = "grayscale (1 channel)" if channels == 1 else f"{channels} channels"
+        to = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}.get(channels)  # the mode it takes
         raise CLIError(
             f"{path}: a {image.mode} image with {have or 'unknown'} channels; the model takes "
-            f"{want} images. Convert it (e.g. PIL: image.convert('L'))"
+            f"{want} images." + (f" Convert it (e.g. PIL: image.convert({to!r}))" if to else "")
         )
-    if image.mode == "P":
+    if image.mode in ("P", "YCbCr"):  # palette indices, luma and chroma: not R, G, B
         image = image.convert("RGB")
     # The largest pixel value of the mode: pixels become [0, 1] (float images are taken as is).
     eight_bit = dict.fromkeys(("L", "LA", "RGB", "RGBA", "CMYK", "YCbCr"), 255.0)

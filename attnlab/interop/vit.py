@@ -140,19 +140,25 @@ def normalization(hf: dict[str, Any], channels: int) -> dict[str, list[float] | 
     (p - mean') / std' with mean' = mean / (255 rescale_factor), std' likewise. None when
     that is the pixels as they are."""
     settings = PROCESSOR_DEFAULTS | {k: v for k, v in hf.items() if k in PROCESSOR_DEFAULTS}
-    factor = float(settings["rescale_factor"]) if settings["do_rescale"] else 1.0
+    factor = settings["rescale_factor"] if settings["do_rescale"] else 1.0
     if settings["do_normalize"]:
         mean = hf.get("image_mean", DEFAULT_MEAN)
         std = hf.get("image_std", DEFAULT_STD)
     else:
         mean, std = 0.0, 1.0
     mean, std = (v if isinstance(v, list) else [v] * channels for v in (mean, std))
+    for key, values in (("rescale_factor", [factor]), ("image_mean", mean), ("image_std", std)):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            per = "" if key == "rescale_factor" else " (or a list, one per channel)"
+            raise HFCheckpointError(
+                f"{PREPROCESSOR_CONFIG_NAME}: {key} must be a number{per}, got {hf[key]!r}"
+            )
     if len(mean) != channels or len(std) != channels:
         raise HFCheckpointError(
             f"image_mean {mean} and image_std {std} need one value per channel "
             f"(num_channels={channels})"
         )
-    to_unit = 255.0 * factor  # pixels in [0, 1] -> the processor's rescaled pixels
+    to_unit = 255.0 * float(factor)  # pixels in [0, 1] -> the processor's rescaled pixels
     mean = [round(float(m) / to_unit, 12) for m in mean]  # (1/255 x 255 is not 1 exactly)
     std = [round(float(s) / to_unit, 12) for s in std]
     if all(m == 0.0 for m in mean) and all(s == 1.0 for s in std):

@@ -157,7 +157,8 @@ class VisionTransformer(nn.Module):
                 f"expected images of shape (b, {', '.join(map(str, expected))}), "
                 f"got {tuple(images.shape)}"
             )
-        x = self.patch(images)  # (b, d, H/P, W/P)
+        # pixels in the weights' dtype, as transformers' ViT: a bf16 model takes float32 images
+        x = self.patch(images.to(self.patch.weight.dtype))  # (b, d, H/P, W/P)
         x = x.flatten(2).transpose(1, 2)  # (b, N, d): patches in row-major order
         x = torch.cat((self.cls.expand(x.shape[0], -1, -1), x), dim=1)  # (b, N + 1, d)
         x = self.drop(x + self.pos)
