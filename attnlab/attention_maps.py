@@ -9,8 +9,9 @@ forward pass, recorded without touching the model, and drawn as a grid of heatma
 Forward hooks on the model's attention modules (the kinds of ``attnlab.nn.registry``) say
 which module is running; :func:`~attnlab.functional.attention.recording_weights` hands
 over the weights each ``attend`` call forms. A module must form exactly one softmax per
-call: kinds that never form one (linear attention, MLA's absorbed path) or mix several
-(NSA's branches) raise :class:`AttentionMapError`.
+call: kinds that never form one (linear attention) or mix several (NSA's branches) raise
+:class:`AttentionMapError`. MLA's absorbed path hands its weights over itself
+(``hand_over_weights``): they are the naive path's.
 
 Shapes: b batch, L layers, h heads, t query length, s key length.
 """
@@ -101,8 +102,8 @@ def record_attention(model: nn.Module) -> Iterator[dict[str, Tensor]]:
                 what = "no softmax weights" if not formed else f"{len(formed)} softmaxes"
                 raise AttentionMapError(
                     f"{name}: attention kind {_kind_of(module)!r} forms {what} here, so it has "
-                    "no attention map (linear attention and MLA's absorbed path never form "
-                    "the weights; NSA mixes several branches)"
+                    "no attention map (linear attention never forms the weights; NSA mixes "
+                    "several branches)"
                 )
             maps[name] = formed.pop()
 

@@ -85,7 +85,6 @@ def test_weights_equal_softmax_recomputed_from_the_projections():
     "attention, reason",
     [
         ({"kind": "linear"}, "no softmax"),
-        ({"kind": "mla", "mla_path": "absorbed"}, "no softmax"),
         ({"sink_logits": True}, "sink logits"),
     ],
 )
@@ -103,6 +102,20 @@ def test_naive_mla_records_its_weights():
     w = stack_layers(maps)["blocks.attn"]  # (L, b, h, t, s)
     torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
     assert bool((w[..., torch.ones(6, 6, dtype=torch.bool).triu(1)] == 0).all())
+
+
+def test_absorbed_mla_records_the_naive_paths_weights():
+    # The absorbed path scores the latents instead of per-head keys: the same softmax.
+    idx = torch.randint(0, 20, (2, 7))
+    naive = tiny_decoder(kind="mla", mla_path="naive")
+    absorbed = tiny_decoder(kind="mla", mla_path="absorbed")
+    absorbed.load_state_dict(naive.state_dict())
+    recorded = []
+    for model in (naive, absorbed):
+        with torch.no_grad(), record_attention(model) as maps:
+            model(idx)
+        recorded.append(stack_layers(maps)["blocks.attn"])
+    torch.testing.assert_close(recorded[1], recorded[0], atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------- vs transformers
@@ -286,3 +299,24 @@ def test_cli_seq2seq_draws_three_kinds_with_the_greedy_target(tmp_path, capsys):
     assert main(["attention-map", "--ckpt", str(path), "--text", "12", "--target", "xyz",
                  "--out", str(out)]) == 1  # fmt: skip
     assert "--target 'xyz'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("topk", [3, 64])
+def test_dsa_gathered_keys_record_the_naive_paths_map(topk):
+    # The absorbed DSA path reads only each query's top-k latents; its map is theirs,
+    # zero elsewhere, as the naive path's masked softmax gives.
+    from attnlab.presets import get_preset
+
+    idx = torch.randint(0, 100, (2, 9))
+    recorded = []
+    for path in ("naive", "absorbed"):
+        cfg = get_preset("deepseek-v32-tiny").override(
+            {"attention.mla_path": path, "attention.index_topk": topk}
+        )
+        torch.manual_seed(0)
+        model = build_model(cfg).eval()
+        with torch.no_grad(), record_attention(model) as maps:
+            model(idx)
+        recorded.append(stack_layers(maps)["blocks.attn"])
+    torch.testing.assert_close(recorded[1], recorded[0], atol=1e-6, rtol=1e-5)
+    assert int((recorded[1][..., -1, :] > 0).sum(-1).max()) <= topk

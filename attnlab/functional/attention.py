@@ -269,6 +269,15 @@ def recording_weights(sink: Callable[[Tensor], None]) -> Iterator[None]:
         _WEIGHT_SINK.reset(token)
 
 
+def hand_over_weights(weights: Callable[[], Tensor]) -> None:
+    """For :func:`recording_weights`: the softmax weights (b, h, t, s) an attention formed
+    without :func:`attend` (MLA's absorbed path, DSA's gathered keys), made by
+    ``weights()`` only while recording (not when compiled)."""
+    sink = None if torch.compiler.is_compiling() else _WEIGHT_SINK.get()
+    if sink is not None:
+        sink(weights())
+
+
 def backend_names() -> tuple[str, ...]:
     """Every registered backend name (configs are validated against this)."""
     return tuple(BACKENDS)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from attnlab.cache import Cache, LatentKV, LayerCache
 from attnlab.config import AttentionConfig
-from attnlab.functional.attention import attend
+from attnlab.functional.attention import attend, hand_over_weights
 from attnlab.functional.masks import (
     causal_mask,
     combine_masks,
@@ -164,6 +164,7 @@ class MultiHeadLatentAttention(nn.Module):
         if causal and t > 1:  # one query is the newest position: it may see every key
             mask = combine_masks(mask, causal_mask(t, s, device=q.device))
         weights = masked_softmax(softmax_dtype(scores), mask).to(q.dtype)  # (b, h, t, s)
+        hand_over_weights(lambda: weights)  # to an attention map being recorded
         if self.training and self.attn_dropout > 0:
             weights = F.dropout(weights, p=self.attn_dropout)
         values = keys[..., : self.kv_lora_rank]  # (b, s, d_c)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from attnlab.cache import Cache, DenseKV, IndexedLatentKV, LayerCache
 from attnlab.config import AttentionConfig
-from attnlab.functional.attention import attend
+from attnlab.functional.attention import attend, hand_over_weights
 from attnlab.functional.masks import causal_mask, combine_masks, sliding_window_mask
 from attnlab.functional.rope import rope_tables
 from attnlab.functional.selection import (
@@ -165,6 +165,11 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         qs, ks = score_operands(q, picked)  # float16 in float32: its products overflow
         scores = torch.einsum("bhtc,btkc->bhtk", qs, ks) * self.scale
         weights = masked_softmax(softmax_dtype(scores), valid[:, None]).to(q.dtype)  # (b, h, t, k)
+        hand_over_weights(  # recorded as a (b, h, t, s) map over every key, 0 where not picked
+            lambda: weights.new_zeros(*weights.shape[:3], keys.shape[1]).scatter_add(
+                -1, indices[:, None].expand_as(weights), weights
+            )
+        )
         if self.training and self.attn_dropout > 0:
             weights = F.dropout(weights, p=self.attn_dropout)
         o_latent = torch.einsum("bhtk,btkc->bhtc", weights, picked[..., : self.kv_lora_rank])
