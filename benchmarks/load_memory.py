@@ -19,8 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import machine, table
-
 ROOT = Path(__file__).resolve().parents[1]
 
 WRITE = r"""
@@ -81,6 +79,8 @@ def main() -> None:
             peak = _peak(how, folder, args.dtype) - baseline
             rows.append([how, f"{size / 2**20:.0f} MiB", f"{peak / 2**20:.0f} MiB",
                          f"{peak / size:.2f}x"])  # fmt: skip
+    # Only now: _common imports torch, whose memory every later child would start from.
+    from _common import machine, table
     print(f"GPT-2 small (124M), float32 file, loaded as {args.dtype}")
     print(f"machine: {machine()} (shared with other jobs while measured)")
     print(f"baseline (interpreter + torch + attnlab, nothing loaded): {baseline / 2**20:.0f} MiB")

@@ -65,9 +65,10 @@ def main() -> None:
 
         def run_hf(prompt=prompt):
             with torch.inference_mode():
-                out = hf.generate(
-                    prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-                )
+                out = hf.generate(  # (an explicit mask: see vs_transformers.run_hf)
+                    prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                    min_new_tokens=n, do_sample=False, pad_token_id=0
+                )  # fmt: skip
             return out[:, prompt.shape[1] :].tolist()
 
         def run_ours(prompt=prompt):

@@ -122,9 +122,12 @@ def main() -> None:
     def run_hf(cache: str | None):
         kw = {"cache_implementation": cache} if cache else {}
         with torch.inference_mode():
+            # an explicit mask: from pad_token_id=0 alone, transformers would mask every
+            # prompt token that happens to be id 0 (attnlab attends to all of them)
             out = hf.generate(
-                prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw
-            )
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                min_new_tokens=n, do_sample=False, pad_token_id=0, **kw
+            )  # fmt: skip
         return out[0, args.prompt :].tolist()
 
     def run_ours(model, compile: bool, cuda_graphs: bool = True):
