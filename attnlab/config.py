@@ -51,6 +51,12 @@ def _positive(path: str, value: int | float | None, *, allow_zero: bool = False)
         _fail(path, "must be finite, got inf")
 
 
+def _seed(path: str, value: int) -> None:
+    """A seed torch.manual_seed takes (with room for the trainer's seed + rank)."""
+    if not SEED_MIN <= value <= SEED_MAX:
+        _fail(path, f"must be from -2**63 to 2**63 - 1, got {value}")
+
+
 def _coerce(path: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
     origin = typing.get_origin(tp)
@@ -96,7 +102,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         _fail(path, f"expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer of more than ~308 digits
+                _fail(path, "expected a number, got an integer beyond the float range")
         _fail(path, f"expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -113,16 +122,20 @@ def _variant(tp: type, data: dict[str, Any], path: str) -> type:
         return tp
     variants = tp._variants  # type: ignore[attr-defined]
     name = data[key]
+    where = f"{path}.{key}" if path else key
+    if not isinstance(name, str):  # (a list or mapping cannot even be looked up)
+        _fail(where, f"expected a string, got {name!r}")
     if name not in variants:
         import attnlab.models  # noqa: F401  (model families register their configs)
     if name not in variants:
-        where = f"{path}.{key}" if path else key
         _fail(where, f"unknown value {name!r}; choose one of {', '.join(variants)}")
     return variants[name]
 
 
 def _type_name(tp: Any) -> str:
     args = typing.get_args(tp)
+    if typing.get_origin(tp) in (list, tuple):
+        return f"a list of {_type_name(args[0])}" if args else "a list"
     if args:
         return " or ".join(_type_name(a) for a in args)
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
@@ -233,6 +246,7 @@ ROPE_SCALINGS = ("linear", "llama3", "yarn")
 FFN_KINDS = ("mlp", "glu", "moe")
 MLA_PATHS = ("auto", "naive", "absorbed")
 LATENT_KINDS = ("mla", "dsa")  # attention kinds built on multi-head latent attention
+CAUSAL_KINDS = ("linear", "nsa")  # attention kinds for causal self-attention only
 DSA_STAGES = ("warmup", "sparse")
 MOE_ROUTERS = ("deepseek-v3", "deepseek-v2")
 
@@ -398,8 +412,10 @@ class AttentionConfig(_Config):
                     f"must be >= 3, got {self.nsa_n_select} (the selected blocks count the "
                     "initial block and 2 local blocks, which are always selected)",
                 )
-            if self.sliding_window is not None or self.sink_tokens or self.sink_logits:
-                _fail(f"{path}.sliding_window", "NSA has its own window: use nsa_window")
+            for name in ("sliding_window", "sink_tokens", "sink_logits"):
+                if getattr(self, name):
+                    _fail(f"{path}.{name}", "does not apply to NSA, which has its own window: "
+                          "use nsa_window")  # fmt: skip
 
     def _validate_mla(self, path: str, d_model: int) -> None:
         self._validate_sparse(path, d_model)
@@ -562,6 +578,11 @@ class PositionConfig(_Config):
             _choice(f"{path}.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         _positive(f"{path}.rope_factor", self.rope_factor)
         _positive(f"{path}.rope_low_freq_factor", self.rope_low_freq_factor)
+        _positive(f"{path}.rope_high_freq_factor", self.rope_high_freq_factor)
+        for name in ("rope_mscale", "rope_mscale_all_dim"):  # YaRN's temperatures
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                _fail(f"{path}.{name}", f"must be a finite number or null, got {value}")
         _positive(f"{path}.rope_original_max_seq_len", self.rope_original_max_seq_len)
         _positive(f"{path}.rope_beta_fast", self.rope_beta_fast)
         _positive(f"{path}.rope_beta_slow", self.rope_beta_slow)
@@ -849,8 +870,7 @@ class TrainConfig(_Config):
         _positive(f"{path}.lr", self.lr)
         if self.min_lr > self.lr:  # the schedule would raise the rate as it "decays"
             _fail(f"{path}.min_lr", f"must be <= train.lr ({self.lr}), got {self.min_lr}")
-        if not SEED_MIN <= self.seed <= SEED_MAX:
-            _fail(f"{path}.seed", f"must be from -2**63 to 2**63 - 1, got {self.seed}")
+        _seed(f"{path}.seed", self.seed)
         _positive(f"{path}.block_size", self.block_size)
         _positive(f"{path}.time_budget", self.time_budget)
         _choice(f"{path}.dtype", self.dtype, ("float32", "bfloat16"))

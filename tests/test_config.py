@@ -33,11 +33,21 @@ def test_unknown_key_names_key_and_suggests_close_match():
         ({"attention": {"n_kv_heads": "2"}}, "attention.n_kv_heads"),
         ({"attention": 4}, "attention"),
         ({"position": {"kind": 3}}, "position.kind"),
+        ({"arch": ["decoder"]}, "arch"),  # was a TypeError: a list is no variant name
+        ({"init_std": 10**400}, "init_std"),  # was an OverflowError: beyond the float range
     ],
 )
 def test_wrong_types_rejected(data, where):
     with pytest.raises(ConfigError, match=rf"^{where}: expected"):
         ModelConfig.from_dict(data)
+
+
+def test_optional_list_fields_name_their_type():
+    # an optional list field's error named its item type: "expected float or null, got 0.5"
+    with pytest.raises(ConfigError, match=r"^image_mean: expected a list of float or null, got"):
+        ModelConfig.from_dict({"arch": "vit", "image_mean": 0.5, "image_std": [1, 1, 1]})
+    with pytest.raises(ConfigError, match=r"^label_names: expected a list of str or null, got"):
+        ModelConfig.from_dict({"arch": "encoder", "head": "sequence", "label_names": "a"})
 
 
 def test_top_level_must_be_a_mapping():
@@ -75,6 +85,16 @@ def test_integral_float_accepted_as_int():
         ({"init_std": float("inf")}, r"init_std: must be finite, got inf"),
         ({"norm": {"eps": float("inf")}}, r"norm.eps: must be finite, got inf"),
         ({"position": {"rope_theta": float("inf")}}, r"position.rope_theta: must be finite"),
+        # YaRN's temperatures and LLaMA 3's factor: NaN or inf gave NaN logits
+        ({"position": {"rope_mscale": float("nan")}}, r"position.rope_mscale: must be a finite"),
+        (
+            {"position": {"rope_mscale_all_dim": float("inf")}},
+            r"position.rope_mscale_all_dim: must be a finite number or null, got inf",
+        ),
+        (
+            {"position": {"rope_scaling": "llama3", "rope_high_freq_factor": float("nan")}},
+            r"position.rope_high_freq_factor: must be > 0, got nan",
+        ),
         ({"attention": {"backend": "flashy"}}, r"attention.backend: unknown value 'flashy'"),
         ({"norm": {"placement": "middle"}}, r"norm.placement: unknown value"),
         ({"position": {"rope_layout": "pairs"}}, r"position.rope_layout: unknown value"),

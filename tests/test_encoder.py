@@ -173,6 +173,14 @@ def test_encoder_config_parses_by_arch_and_rejects_unknown_keys():
         ModelConfig.from_dict({"arch": "encoder", "n_label": 3})
 
 
+@pytest.mark.parametrize("arch", ["encoder", "vit"])
+@pytest.mark.parametrize("kind", ["linear", "nsa"])
+def test_bidirectional_models_refuse_causal_only_attention(arch, kind):
+    # the config was accepted and building the model failed without naming the field
+    with pytest.raises(ConfigError, match=rf"^attention\.kind: '{kind}' attention is causal"):
+        ModelConfig.from_dict({"arch": arch, "attention": {"kind": kind}})
+
+
 @pytest.mark.parametrize("head", ["mlm", "sequence", "token", "qa", "none"])
 def test_heads_shapes_and_pre_norm(head):
     cfg = EncoderConfig(vocab_size=VOCAB, d_model=16, n_layers=1, head=head, n_labels=3)

@@ -541,6 +541,7 @@ def test_nsa_learns():
         ({"attention.nsa_n_select": 0}, "attention.nsa_n_select"),
         ({"attention.nsa_n_select": 2}, "attention.nsa_n_select"),
         ({"attention.sliding_window": 8}, "attention.sliding_window"),
+        ({"attention.sink_logits": True}, "attention.sink_logits"),  # was named sliding_window
     ],
 )
 def test_bad_nsa_config_names_the_field(override, field):

@@ -134,6 +134,10 @@ def test_task_options_are_typed():
         cfg.override({"task": "lm"}).validate()
     with pytest.raises(ConfigError, match="data.options.shift"):
         get_run_preset("vit-digits").override({"data.options.shift": -1}).validate()
+    # the split seeds a torch.Generator: out of its range was an unnamed "Overflow" at training
+    for preset in ("vit-digits", "transformer-numbers"):
+        with pytest.raises(ConfigError, match=r"data\.options\.seed: must be from -2\*\*63"):
+            get_run_preset(preset).override({"data.options.seed": 2**64})
 
 
 def test_wrong_model_for_a_task_is_a_clear_error(tmp_path):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import (
+    CAUSAL_KINDS,
     AttentionConfig,
     ModelConfig,
     NormConfig,
@@ -76,6 +77,9 @@ class EncoderConfig(ModelConfig):
         _choice(at("head"), self.head, ENCODER_HEADS)
         _positive(at("n_labels"), self.n_labels)
         _positive(at("type_vocab_size"), self.type_vocab_size, allow_zero=True)
+        if self.attention.kind in CAUSAL_KINDS:
+            _fail(at("attention.kind"), f"{self.attention.kind!r} attention is causal only; an "
+                  "encoder attends both ways: use mha, mla or dsa")  # fmt: skip
         if self.position.kind == "rope" and self.attention.kind != "mha":
             _fail(at("position.kind"), "rope encoders need attention.kind 'mha'")
         p = self.classifier_dropout

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import (
+    CAUSAL_KINDS,
     AttentionConfig,
     FFNConfig,
     ModelConfig,
@@ -65,6 +66,9 @@ class ViTConfig(ModelConfig):
             _positive(at(name), getattr(self, name))
         if self.position.kind != "learned":
             _fail(at("position.kind"), "ViT uses learned positions")
+        if self.attention.kind in CAUSAL_KINDS:
+            _fail(at("attention.kind"), f"{self.attention.kind!r} attention is causal only; a "
+                  "ViT attends both ways: use mha, mla or dsa")  # fmt: skip
         names = self.class_names
         if names is not None and len(names) != self.n_classes:
             _fail(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.config import ConfigError, _Config, _fail, _positive
+from attnlab.config import ConfigError, _Config, _fail, _positive, _seed
 from attnlab.data.images import ImageSplit, digits, shift
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.vit import normalize_pixels
@@ -42,6 +42,7 @@ class DigitsOptions(_Config):
         if not 0.0 < self.test_fraction < 1.0:
             _fail(f"{path}.test_fraction", f"must be in (0, 1), got {self.test_fraction}")
         _positive(f"{path}.shift", self.shift, allow_zero=True)
+        _seed(f"{path}.seed", self.seed)  # seeds a torch.Generator
 
 
 class ImageClassification(Task):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.config import ConfigError, _Config, _fail, _positive
+from attnlab.config import ConfigError, _Config, _fail, _positive, _seed
 from attnlab.data.numbers import (
     IGNORE_INDEX,
     CharVocabPair,
@@ -54,6 +54,7 @@ class NumbersOptions(_Config):
             _positive(f"{path}.{name}", getattr(self, name))
         for name in ("n_val", "n_test"):
             _positive(f"{path}.{name}", getattr(self, name), allow_zero=True)
+        _seed(f"{path}.seed", self.seed)  # seeds a torch.Generator
         try:
             check_language(self.lang)
         except ValueError as e:
