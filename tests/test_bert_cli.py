@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from test_bert_tasks import small_run
@@ -152,6 +153,38 @@ def test_fill_mask_imported_bert_equals_the_transformers_pipeline(tmp_path, caps
             assert [c["token"] for c in got["candidates"]] == [r["token_str"] for r in ref]
             probs = [c["prob"] for c in got["candidates"]]
             assert probs == pytest.approx([r["score"] for r in ref], rel=1e-4)
+
+
+def test_fine_tuning_an_imported_bert_on_mlm(tmp_path, monkeypatch):
+    """``attnlab train --init-from BERT_FOLDER --task mlm``: the WordPiece stream (whose
+    tokens do not spell out the text) is split into its documents, tokens are masked with
+    the tokenizer's own [MASK] (no id past its vocabulary, which the model has no
+    embedding for), and the loss at the start is transformers' for the same labels."""
+    from attnlab.cli.train import _finetune_base
+    from attnlab.config import RunConfig
+    from attnlab.tasks.base import eval_mode
+    from attnlab.training.trainer import Trainer
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    wordpiece_bert_folder(tmp_path / "hf")
+    ref = transformers.BertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(TEXT)
+    (tmp_path / "docs" / "b.txt").write_text("Dogs sat. " * 40)
+    cfg = RunConfig.from_dict(_finetune_base(str(tmp_path / "hf")))
+    cfg.task, cfg.data.path, cfg.train.block_size = "mlm", str(tmp_path / "docs"), 16
+    trainer = Trainer(cfg, tmp_path / "ft", init_from=tmp_path / "hf", progress=False)
+    task = trainer.task
+    assert task.mask_id == 4 and trainer.cfg.model.vocab_size == 13
+    stream = np.concatenate((task.data.train, task.data.val))
+    second = int(task.data.doc_starts[1])  # where b.txt begins: "dog", "##s"
+    assert stream[second - 1 : second + 2].tolist() == [10, 12, 11]  # ".", "dog", "##s"
+    inputs, targets = task.batch(torch.tensor([[0, 1], [30, 2], [60, 3]]))
+    assert (inputs == 4).any() and inputs.max() < 13
+    with eval_mode(trainer.model), torch.no_grad():
+        mine = trainer.model(inputs, targets=targets).loss
+        theirs = ref(input_ids=inputs, labels=targets).loss
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_fill_mask_ignores_saved_padding_and_truncation(tmp_path, capsys):

@@ -621,6 +621,10 @@ BAD_INPUTS = [
     (["train", "--resume", "{work}/run", "--out", "{tmp}/other"], "would overwrite it"),
     (["train", "--resume", "{work}/run", "--init-from", "{work}/run"], "exclude each other"),
     (["train", "--init-from", "{tmp}/missing"], "not found"),
+    (  # the trainer keeps the checkpoint's model: a change would be silently dropped
+        ["train", "--init-from", "{work}/run", "--set", "model.dropout=0.3"],
+        "model.dropout (checkpoint 0.0, given 0.3)",
+    ),
     (["train", "--preset", "gpt2-tiny", "--device", "tpu9"], "not a device"),
     (["train", "--preset", "gpt2-tiny", "--device", "mps"], "MPS is not available"),
     (["generate", "--ckpt", "{work}/run", "--device", "tpu9"], "--device tpu9: not a device"),

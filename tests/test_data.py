@@ -147,6 +147,30 @@ def test_prepare_bpe_round_trips_the_corpus(corpus_dir, tmp_path):
     assert stream.tolist() == ds.tokenizer.hf.encode(expected_text(corpus_dir)).ids
 
 
+def test_prepare_with_a_sentencepiece_style_tokenizer(corpus_dir, tmp_path):
+    """A LLaMA-2-style tokenizer (a "▁" prepended and for every space, byte fallback
+    "<0xE6>" tokens) does not spell out the text in its tokens' strings: the stream is
+    still split into its documents, each decoding to its own text (the tokens' character
+    offsets, not their lengths)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
+
+    from attnlab.tokenizers import Tokenizer
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    specials = ["<unk>"] + [f"<0x{i:02X}>" for i in range(256)]
+    hf.train_from_iterator([DOC_A], trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    tokenizer = Tokenizer(hf)
+    ds = prepare_data(DataConfig(path=str(corpus_dir)), tokenizer=tokenizer, cache_dir=tmp_path)
+    stream = np.concatenate([ds.train, ds.val])
+    assert stream.tolist() == hf.encode(expected_text(corpus_dir)).ids
+    first, second = (tokenizer.decode(part) for part in np.split(stream, ds.doc_starts[1:]))
+    assert (first, second) == (DOC_B + "\n\n", DOC_A * 40)
+
+
 @pytest.mark.parametrize("fraction", [0.05, 0.1, 0.5])
 def test_split_sizes_are_deterministic(corpus_dir, tmp_path, fraction):
     cfg = DataConfig(path=str(corpus_dir), val_fraction=fraction)

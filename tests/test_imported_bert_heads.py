@@ -269,3 +269,72 @@ def test_classify_refuses_a_regression_head(tmp_path, capsys):
     wordpiece().save(str(tmp_path / "tokenizer.json"))
     err = run_error(capsys, "classify", "--ckpt", tmp_path, "the cat")
     assert "n_labels=1" in err
+
+
+def finetune_config(folder, task: str, options: dict):
+    """``attnlab train --init-from FOLDER --task TASK``'s config, with small data."""
+    from attnlab.cli.train import _finetune_base
+    from attnlab.config import RunConfig
+
+    cfg = RunConfig.from_dict(_finetune_base(str(folder)))
+    cfg.task, cfg.data.options = task, options
+    return cfg
+
+
+def test_fine_tuning_keeps_the_imported_special_tokens_and_weights(tmp_path):
+    """A BertForSequenceClassification fine-tuned on text-classification (--init-from):
+    its batches are transformers' tokenizer's ids ([CLS]/[SEP]/[PAD] the WordPiece
+    tokenizer's own, not ids past its vocabulary, which the model has no embedding for)
+    and the model starts as transformers' ([CLS]-pooled logits); its labels are then the
+    task's languages, no longer config.json's id2label."""
+    from attnlab.tasks.base import eval_mode
+    from attnlab.training.trainer import Trainer
+
+    names = ["a", "b", "c", "d", "e", "f"]  # the task's six languages: the head fits
+    config = transformers.BertConfig(
+        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=128,
+        id2label=dict(enumerate(names)),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    hf = wordpiece()
+    hf.save(str(tmp_path / "hf" / "tokenizer.json"))
+    options = {"n_train": 8, "n_val": 4, "n_test": 0, "max_number": 100}
+    cfg = finetune_config(tmp_path / "hf", "text-classification", options)
+    trainer = Trainer(cfg, tmp_path / "ft", init_from=tmp_path / "hf", progress=False)
+    assert trainer.cfg.model.vocab_size == len(WORDS)
+    assert trainer.cfg.model.label_names is None  # the task's: en, fr, ...
+    texts = [text for text, _ in trainer.task.data.val]
+    batch = trainer.task.collate(trainer.task.features["val"])
+    fast = transformers.BertTokenizerFast(tokenizer_object=hf)
+    theirs = fast(texts, padding=True, return_tensors="pt")
+    assert torch.equal(batch["idx"], theirs["input_ids"])
+    assert torch.equal(batch["attention_mask"], theirs["attention_mask"])
+    with eval_mode(trainer.model), torch.no_grad():
+        mine = trainer.task.forward(trainer.model, batch, with_targets=False).logits
+        want = model(**theirs).logits
+    torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fine_tuning_for_another_number_of_labels_starts_a_new_head(folders, tmp_path):
+    """The 5-tag BertForTokenClassification fine-tuned on token-classification's 9 tags:
+    as transformers' ``from_pretrained(..., ignore_mismatched_sizes=True)``, the classifier
+    is new (with a warning naming it) and every other weight the checkpoint's."""
+    from attnlab.interop import load_hf
+    from attnlab.training.trainer import Trainer
+
+    models, _ = folders
+    folder = models["token"][1]
+    cfg = finetune_config(folder, "token-classification", {"n_train": 8, "n_val": 4})
+    with pytest.warns(UserWarning, match=r"newly initialised: head.classifier.weight \(5, 32\)"):
+        trainer = Trainer(cfg, tmp_path / "ft", init_from=folder, progress=False)
+    mine, imported = trainer.model.state_dict(), load_hf(folder).state_dict()
+    assert mine.keys() == imported.keys()
+    for name, weight in imported.items():
+        if name.startswith("head.classifier"):
+            assert mine[name].shape[0] == 9
+        else:
+            assert torch.equal(mine[name], weight), name
+    assert trainer.cfg.model.label_names is None  # the task's tags, not id2label's

@@ -184,3 +184,30 @@ def test_processor_setting_that_is_not_a_number_is_one_clear_error(key, tmp_path
         transformers.AutoImageProcessor.from_pretrained(tmp_path)(image, return_tensors="pt")
     with pytest.raises(HFCheckpointError, match=f"preprocessor_config.json: {key} must be"):
         load_hf(tmp_path)
+
+
+def test_fine_tuning_an_imported_vit_on_the_digits(tmp_path):
+    """``attnlab train --init-from VIT_FOLDER --task image-classification``: a ViT folder
+    has no tokenizer.json and the images need none; the model starts as transformers'
+    (the digits normalised as its image processor would) and its classes are then the
+    digits, no longer config.json's id2label."""
+    from attnlab.config import RunConfig
+    from attnlab.tasks.base import eval_mode
+    from attnlab.training.trainer import Trainer, finetune_config
+
+    names = {i: f"d{i}" for i in range(10)}
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32, id2label=names)  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.ViTForImageClassification(cfg).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    run = finetune_config(RunConfig(model=load_hf(tmp_path / "hf").cfg))
+    run.task = "image-classification"
+    trainer = Trainer(run, tmp_path / "ft", init_from=tmp_path / "hf", progress=False)
+    assert trainer.cfg.model.class_names is None
+    images, _ = trainer.task.batch(torch.tensor([[0, 0, 0], [5, 1, 2]]))
+    with eval_mode(trainer.model), torch.no_grad():
+        torch.testing.assert_close(
+            trainer.model(images).logits, ref(pixel_values=images).logits, atol=1e-5, rtol=1e-5
+        )

@@ -139,7 +139,22 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
         overrides["train.save_every"] = args.save_every
     if overrides:
         cfg = cfg.override(overrides)
+    if args.init_from is not None and args.preset is None:
+        _check_model_kept(cfg, base["model"], args.init_from)
     return cfg, name
+
+
+def _check_model_kept(cfg: RunConfig, model: dict, init_from: str) -> None:
+    """A fine-tuned model is the checkpoint's: a --set or --config that changes it (which
+    the trainer would not apply) is refused by name."""
+    from attnlab.training.trainer import _differences
+
+    changed = _differences(cfg.model.to_dict(), model, "model.")
+    if changed:
+        raise CLIError(
+            f"--init-from {init_from}: the model is the checkpoint's; it differs in "
+            f"{'; '.join(changed)}: drop the --set/--config that changes it"
+        )
 
 
 def _finetune_base(path: str) -> dict:

@@ -30,7 +30,13 @@ from attnlab.data.corpus import (
     sources_digest,
 )
 from attnlab.fileio import atomic_path, atomic_write_text
-from attnlab.tokenizers import Tokenizer, TokenizerError, load_tokenizer, train_tokenizer
+from attnlab.tokenizers import (
+    Tokenizer,
+    TokenizerError,
+    load_tokenizer,
+    split_for_encoding,
+    train_tokenizer,
+)
 
 CACHE_ENV = "ATTNLAB_CACHE"
 CACHE_DIRNAME = ".attnlab_cache"  # the old in-cwd location (make clean removes it)
@@ -181,6 +187,8 @@ def document_starts(tokenizer: Tokenizer, ids: np.ndarray, texts: list[str]) -> 
     by ``DOCUMENT_SEPARATOR``: the first token that begins at or after the document's first
     character. (A token spanning a boundary, which byte-level BPE can make of the separator
     and a leading space, stays with the document it begins in.)"""
+    if tokenizer.char_starts() is None:  # neither characters nor byte-level BPE
+        return _offset_starts(tokenizer, ids, texts)
     lengths = tokenizer.token_lengths()[np.asarray(ids, dtype=np.int64)]  # (n,)
     ends = np.cumsum(lengths)
     sizes = np.array([tokenizer.text_length(text) for text in texts], dtype=np.int64)
@@ -193,6 +201,25 @@ def document_starts(tokenizer: Tokenizer, ids: np.ndarray, texts: list[str]) -> 
             f"the corpus has {total}; the tokenizer does not reproduce the text exactly"
         )
     return np.searchsorted(ends - lengths, first, side="left").astype(np.int64)
+
+
+def _offset_starts(tokenizer: Tokenizer, ids: np.ndarray, texts: list[str]) -> np.ndarray:
+    """:func:`document_starts` for a tokenizer whose tokens do not spell out the text
+    (WordPiece drops spaces, SentencePiece's "▁" and byte fallback "<0xE9>" are not the
+    text's characters): from the character offsets of the tokens, encoded as
+    ``Tokenizer.encode_array`` encodes the corpus."""
+    text = DOCUMENT_SEPARATOR.join(texts)
+    pieces = split_for_encoding(text) if tokenizer._chunkable else [text]
+    starts, again, base = [], [], 0
+    for piece, encoding in zip(pieces, tokenizer.hf.encode_batch(pieces, add_special_tokens=False)):
+        again += encoding.ids
+        starts += [base + start for start, _ in encoding.offsets]
+        base += len(piece)
+    if again != np.asarray(ids).tolist():
+        raise DataError("the token stream is not the corpus's encoding with this tokenizer")
+    sizes = np.array([len(t) for t in texts], dtype=np.int64)
+    first = np.concatenate(([0], np.cumsum(sizes[:-1] + len(DOCUMENT_SEPARATOR))))
+    return np.searchsorted(np.asarray(starts, dtype=np.int64), first, side="left").astype(np.int64)
 
 
 def _save_array_atomic(target: Path, array: np.ndarray) -> None:

@@ -51,6 +51,7 @@ class ImageClassification(Task):
 
     name = "image-classification"
     unit = "images"
+    uses_tokenizer = False
     options = DigitsOptions
 
     def __init__(self, cfg: RunConfig, *, tokenizer=None, data: ImageSplit | None = None) -> None:
@@ -71,6 +72,7 @@ class ImageClassification(Task):
                 f"{' x '.join(map(str, shape))} (set model.channels, model.image_size)"
             )
         model_cfg.n_classes = N_CLASSES
+        model_cfg.class_names = None  # the digits (an imported model's id2label no more)
 
     # ------------------------------------------------------------ training
 

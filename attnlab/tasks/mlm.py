@@ -2,7 +2,8 @@
 encoder (arch ``encoder``, head ``mlm``).
 
 The vocabulary is the corpus tokenizer's plus one id, ``[MASK]`` = tokenizer.vocab_size
-(the model's ``vocab_size`` is one larger). Training examples are blocks at uniformly
+(the model's ``vocab_size`` is one larger), or only the tokenizer's where it has a
+``[MASK]`` of its own (an imported BERT's WordPiece). Training examples are blocks at uniformly
 drawn starts, masked by BERT's rule (15%: 80% [MASK], 10% random, 10% kept); each key
 carries a seed for its own masking, so a batch depends on its keys only (exact resume,
 any number of processes).
@@ -36,6 +37,7 @@ from attnlab.config import ConfigError, _Config, _fail
 from attnlab.models.encoder import mask_tokens, mask_whole_words
 from attnlab.tasks.base import StepOutput, Task, model_extras, shard
 from attnlab.tasks.lm import IGNORE_INDEX
+from attnlab.tasks.text import own_special_ids
 
 if TYPE_CHECKING:
     from attnlab.config import ModelConfig, RunConfig
@@ -102,7 +104,9 @@ class MaskedLanguageModelling(Task):
             data = prepare_data(cfg.data, tokenizer=tokenizer)
         self.data = data
         self.tokenizer = data.tokenizer
-        self.mask_id = self.tokenizer.vocab_size  # one id past the tokenizer's
+        # one id past the tokenizer's, or its own (an imported BERT's WordPiece [MASK])
+        self.own_mask = own_special_ids(self.tokenizer)[0]
+        self.mask_id = self.tokenizer.vocab_size if self.own_mask is None else self.own_mask
         self.block_size = cfg.train.block_size or cfg.model.max_seq_len
         data.check_block(self.block_size)
         self.edges = letter_edges(self.tokenizer) if self.opts.whole_word else None
@@ -113,12 +117,12 @@ class MaskedLanguageModelling(Task):
                 "task mlm trains an encoder with the mlm head (arch 'encoder', head 'mlm'); "
                 "use --preset bert-tiny-mlm"
             )
-        model_cfg.vocab_size = self.tokenizer.vocab_size + 1  # + [MASK]
+        model_cfg.vocab_size = self.tokenizer.vocab_size + (self.own_mask is None)  # + [MASK]
 
     def mask(self, blocks: Tensor, seeds: Tensor) -> tuple[Tensor, Tensor]:
         """(inputs, targets) (b, t): each row masked by a generator seeded with its seed."""
         inputs, targets = [], []
-        # Random replacements are real tokens (never [MASK]).
+        # Random replacements are the tokenizer's tokens (never attnlab's [MASK]).
         rule = dict(mask_id=self.mask_id, vocab_size=self.tokenizer.vocab_size,
                     mask_prob=self.opts.mask_prob)  # fmt: skip
         for row, seed in zip(blocks, seeds.tolist()):

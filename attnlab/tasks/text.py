@@ -185,7 +185,7 @@ class EncoderTextTask(Task):
         elif not isinstance(tokenizer, Tokenizer):
             raise ConfigError(f"task {self.name} needs a char or bpe tokenizer, got {tokenizer!r}")
         self.tokenizer = tokenizer
-        self.codec = TextCodec(tokenizer)
+        self.codec = text_codec(tokenizer)  # an imported BERT's own [CLS]/[SEP]/[PAD]
         if not self.data.val:
             raise ConfigError(f"data.options.n_val: task {self.name} needs validation examples")
         self.features = {
@@ -229,6 +229,7 @@ class EncoderTextTask(Task):
             )
         model_cfg.vocab_size = self.codec.vocab_size
         model_cfg.n_labels = self.n_labels()
+        model_cfg.label_names = None  # the task's labels (an imported model's id2label no more)
         # the task trains one label per example (softmax cross-entropy): a multi-label
         # model fine-tuned by it (--init-from) is scored by a softmax from then on
         model_cfg.problem_type = None

@@ -417,6 +417,24 @@ def _load_init(path: str | os.PathLike[str]) -> Checkpoint:
     )
 
 
+def _fitting_weights(model: nn.Module, weights: dict[str, Tensor], init_from) -> dict:
+    """The checkpoint ``weights`` for ``model``, those of another shape (a classifier for
+    another number of labels than the task's) replaced by the model's fresh ones, with a
+    warning, as transformers' ``from_pretrained(..., ignore_mismatched_sizes=True)`` does."""
+    import warnings
+
+    own = model.state_dict()
+    fresh = [k for k, w in weights.items() if k in own and own[k].shape != w.shape]
+    if fresh:
+        shapes = ", ".join(f"{k} {tuple(weights[k].shape)} -> {tuple(own[k].shape)}" for k in fresh)
+        warnings.warn(
+            f"init_from: the head of {init_from} has another number of labels than the "
+            f"task's; newly initialised: {shapes}",
+            stacklevel=3,
+        )
+    return {**weights, **{k: own[k] for k in fresh}}
+
+
 def _tokenizer_json(tokenizer) -> str | None:
     return None if tokenizer is None else tokenizer.to_json()
 
@@ -517,7 +535,7 @@ class Trainer:
         # reused, not raced.
         task_cls = get_task(cfg.task)
         tokenizer = ckpt.tokenizer if ckpt is not None else None
-        if init_from is not None and tokenizer is None:
+        if init_from is not None and tokenizer is None and task_cls.uses_tokenizer:
             raise TrainingError(
                 f"init_from: {init_from} has no tokenizer.json; the data must be encoded "
                 "with the tokenizer the model was trained with"
@@ -556,8 +574,11 @@ class Trainer:
         if ckpt is not None:
             model = ckpt.model
             if cfg.model.to_dict() != ckpt.config.model.to_dict():  # a new stage (STAGE_FIELDS)
-                model = build_model(cfg.model)
-                model.load_state_dict(ckpt.model.state_dict())
+                model = build_model(cfg.model)  # or fine-tuning for another number of labels
+                weights = ckpt.model.state_dict()
+                if init_from is not None:
+                    weights = _fitting_weights(model, weights, init_from)
+                model.load_state_dict(weights)
         else:
             model = build_model(cfg.model)
         self.model = model.to(self.device).train()
