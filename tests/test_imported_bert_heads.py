@@ -199,6 +199,14 @@ def test_export_writes_the_label_names_back(folders, tmp_path, capsys):
         back = transformers.AutoConfig.from_pretrained(tmp_path / name)
         assert back.id2label == model.config.id2label  # numbered: LABEL_<i> again
         assert back.problem_type == model.config.problem_type
+    # The WordPiece tokenizer names BERT's special tokens: transformers pads a batch (and
+    # a fill-mask pipeline finds [MASK]) as with the original tokenizer.
+    _, fast = folders
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "sequence")
+    texts = ["Alice lives in Paris.", "the dog"]
+    assert back(texts, padding=True)["input_ids"] == fast(texts, padding=True)["input_ids"]
+    for name in ("unk", "sep", "pad", "cls", "mask"):
+        assert getattr(back, f"{name}_token") == getattr(fast, f"{name}_token")
 
 
 def test_errors_without_a_tokenizer_and_with_a_foreign_one(folders, tmp_path, capsys):

@@ -215,8 +215,9 @@ def _write_tokenizer_config(out: Path, tokenizer, max_seq_len: int, eos: list[in
     """``tokenizer_config.json`` for ``AutoTokenizer.from_pretrained(out)``: the generic
     fast tokenizer class, which runs tokenizer.json as written (see the module docstring),
     no clean-up of spaces around punctuation on decode (older transformers versions do it
-    by default), the model's context as ``model_max_length``, and the end-of-sequence token
-    where ``eos`` names one the tokenizer has."""
+    by default), the model's context as ``model_max_length``, the end-of-sequence token
+    where ``eos`` names one the tokenizer has, and a WordPiece tokenizer's BERT tokens
+    ([PAD], [MASK], ...: without them transformers cannot pad a batch)."""
     import json
 
     from attnlab.fileio import atomic_write_text
@@ -229,6 +230,11 @@ def _write_tokenizer_config(out: Path, tokenizer, max_seq_len: int, eos: list[in
     eos_token = tokenizer.hf.id_to_token(eos[0]) if eos else None
     if eos_token is not None:
         config["eos_token"] = eos_token
+    if tokenizer.kind == "wordpiece":  # BERT's: a pipeline pads, masks and splits with them
+        for name in ("unk", "sep", "pad", "cls", "mask"):
+            token = f"[{name.upper()}]"
+            if tokenizer.hf.token_to_id(token) is not None:
+                config[f"{name}_token"] = token
     atomic_write_text(out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
 
 
