@@ -96,6 +96,25 @@ def test_failure_before_commit_keeps_previous(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".tmp-*"))  # the failed save cleaned up after itself
 
 
+def test_full_disk_is_an_os_error_naming_the_folder(tmp_path, monkeypatch):
+    """torch.save reports a full disk as a RuntimeError: the save turns it into one OSError
+    line naming the checkpoint folder (the command line's error), not a traceback."""
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+
+    def disk_full(obj, f):
+        Path(f).write_bytes(b"PK")  # torn
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9 vs 2")
+
+    monkeypatch.setattr(ckpt_module.torch, "save", disk_full)
+    with pytest.raises(OSError, match=r"cannot write the checkpoint \(\[enforce") as error:
+        save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 2})
+    assert str(error.value).startswith(f"{tmp_path}: ")
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path, with_state=True).state["step"] == 1
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
 def test_kill_during_move_loads_new_checkpoint(tmp_path, monkeypatch):
     """Killed after the commit point, half the files moved: readers see the new
     checkpoint whole, and the next save finishes the move."""

@@ -3,6 +3,8 @@ with no temporary file left behind either way."""
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from attnlab.fileio import atomic_path, atomic_write_text
@@ -45,3 +47,14 @@ def test_folder_target_is_refused_by_its_own_name(tmp_path):
     assert error.value.filename == str(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots"]
     assert list(target.iterdir()) == []
+
+
+def test_a_failed_write_names_the_target_not_the_temporary_file(tmp_path):
+    # A full disk or a read-only folder fails on the temporary file, which is gone by the
+    # time anyone reads the message: the error names the file the caller asked for.
+    target = tmp_path / "metrics.jsonl"
+    with pytest.raises(OSError) as error:
+        with atomic_path(target) as tmp:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+    assert error.value.filename == str(target)
+    assert error.value.errno == errno.ENOSPC

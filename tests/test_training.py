@@ -5,6 +5,7 @@ data parallelism."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -362,6 +363,83 @@ def test_loss_drops_and_records_are_written(tmp_path, dataset):
         train(cfg, tmp_path, dataset=dataset, progress=False)
 
 
+def test_tensorboard_without_the_package_is_refused_before_anything_runs(
+    tmp_path, dataset, monkeypatch
+):
+    # A TrainingError (the command line's one error line), before the data, the model or
+    # any file: not a RuntimeError traceback once all that is done.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    monkeypatch.setattr(trainer_module, "build_model", None)  # must not be reached
+    with pytest.raises(TrainingError, match="pip install tensorboard"):
+        train(tiny_run(tensorboard=True), tmp_path / "run", dataset=dataset, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_loss_plot_that_fails_is_a_warning_not_a_lost_run(tmp_path, dataset, monkeypatch):
+    def broken(self):
+        raise RuntimeError("matplotlib cannot draw\nmore detail")
+
+    monkeypatch.setattr(trainer_module.MetricsLogger, "plot", broken)
+    with pytest.warns(UserWarning, match=r"loss.png: cannot draw the loss plot \(matplotlib"):
+        result = train(
+            tiny_run(max_steps=4, eval_every=2), tmp_path, dataset=dataset, progress=False
+        )
+    assert result.step == 4 and result.val_step == 4
+    assert load_checkpoint(tmp_path, with_state=True).state["step"] == 4
+
+
+class ConsolePipe(io.TextIOBase):
+    """A console pipe whose reader goes away (``gone``) mid-run: Ctrl-C on
+    `attnlab train 2>&1 | tee log` ends tee as well."""
+
+    gone = False
+
+    def write(self, text):
+        if self.gone:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(text)
+
+    def flush(self):
+        if self.gone:
+            raise BrokenPipeError(32, "Broken pipe")
+
+
+class ReaderGoesAway(InterruptingDataset):
+    """SIGTERM at the ``at``-th micro-batch, once ``pipes`` have lost their reader."""
+
+    def __init__(self, inner, at: int, pipes):
+        super().__init__(inner, at)
+        self.pipes = pipes
+
+    def batch(self, split, starts, block_size, device=None):
+        if split == "train" and self.calls + 1 == self.at:
+            for pipe in self.pipes:
+                pipe.gone = True
+        return super().batch(split, starts, block_size, device)
+
+
+def test_progress_output_to_a_closed_pipe_does_not_stop_the_run(tmp_path, dataset, monkeypatch):
+    pipes = ConsolePipe(), ConsolePipe()
+    monkeypatch.setattr(sys, "stderr", pipes[0])  # the progress bar
+    monkeypatch.setattr(sys, "stdout", pipes[1])  # the evaluations' lines
+    stopping = ReaderGoesAway(dataset, 3, pipes)
+    result = train(tiny_run(max_steps=8, eval_every=2), tmp_path, dataset=stopping)
+    assert result.interrupted == "SIGTERM" and result.step == 3  # saved, then stopped
+    assert load_checkpoint(tmp_path, with_state=True).state["step"] == 3
+
+
+@pytest.mark.skipif(trainer_module.fcntl is None, reason="no file locks on this platform")
+def test_a_second_run_on_a_folder_that_a_run_writes_into_is_refused(tmp_path, dataset):
+    # Two runs on one folder would interleave their checkpoints and metrics (or one would
+    # delete the other's half-written save): the second stops before it writes anything.
+    out = tmp_path / "run"
+    with trainer_module._sole_writer(out):  # a run in progress there
+        with pytest.raises(TrainingError, match=rf"process {os.getpid()}\) is writing into"):
+            train(tiny_run(max_steps=2), out, dataset=dataset, progress=False)
+        assert [p.name for p in out.iterdir()] == [trainer_module.LOCK_FILE]
+    assert train(tiny_run(max_steps=2), out, dataset=dataset, progress=False).step == 2
+
+
 def test_grad_accumulation_equals_big_batch(tmp_path, dataset):
     big = train(
         tiny_run(max_steps=3, batch_size=8), tmp_path / "big", dataset=dataset, progress=False
@@ -462,6 +540,16 @@ def test_a_log_interval_cut_by_a_stop_is_logged_as_if_uninterrupted(tmp_path, da
         return [(r["step"], r["train_loss"]) for r in rows if r["kind"] == "train"]
 
     assert records("run") == records("straight") and len(records("run")) == 2
+
+
+def test_a_periodic_save_at_the_last_step_keeps_the_final_evaluation(tmp_path, dataset):
+    """save_every dividing max_steps: the save at the last step does not stand in for the
+    run's final evaluation (the whole validation set, best/)."""
+    result = train(tiny_run(max_steps=4, save_every=2), tmp_path, dataset=dataset, progress=False)
+    assert result.val_step == 4 and result.val_coverage.startswith("all ")
+    val = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "val"]
+    assert val == [4]
+    assert load_checkpoint(tmp_path / "best", with_state=True).state["step"] == 4
 
 
 def test_muon_trains_and_resumes_exactly(tmp_path, dataset):

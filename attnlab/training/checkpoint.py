@@ -19,7 +19,9 @@ one and removes ``.pending``. A reader overlays ``.pending`` on the directory, s
 either the whole old checkpoint (killed before the commit) or the whole new one (killed
 after); the next save first finishes an interrupted move. Weights and state carry the same
 random ``checkpoint_id``, so mixed files from two saves are caught instead of loaded
-(where the state exists: without it, there is nothing to compare the weights with).
+(where the state exists: without it, there is nothing to compare the weights with). A save
+that cannot write its files (a full disk) raises OSError naming the folder, which it leaves
+as it was.
 
 The trainer state also records whether the checkpoint has a tokenizer, so a stale
 ``tokenizer.json`` of an older save is never mistaken for this one's (a save without one
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_model
 from torch import nn
 
@@ -174,8 +177,16 @@ def save_checkpoint(
             if (tmp / name).exists():
                 _fsync_file(tmp / name)
         _fsync_dir(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # A full disk or a lost write permission: torch.save says so as a RuntimeError,
+        # safetensors as a SafetensorError, and an OSError names the deleted temporary file.
+        if isinstance(e, (OSError, RuntimeError, SafetensorError)):
+            reason = getattr(e, "strerror", None) or (str(e).splitlines() or [""])[0]
+            raise OSError(
+                f"{directory}: cannot write the checkpoint ({reason or type(e).__name__}); "
+                "nothing in the folder was changed: free disk space or make it writable"
+            ) from e
         raise
     # Commit point: from here on readers see the new checkpoint.
     os.rename(tmp, directory / PENDING_DIR)

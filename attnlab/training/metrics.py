@@ -37,6 +37,18 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
     return records
 
 
+def tensorboard_missing() -> str | None:
+    """What to do for ``train.tensorboard=true`` here, or None when TensorBoard is installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        return (
+            "train.tensorboard=true needs the tensorboard package; "
+            "pip install tensorboard (or set train.tensorboard=false)"
+        )
+    return None
+
+
 class MetricsLogger:
     """Appends records to ``out_dir/metrics.jsonl``; draws ``loss.png``; mirrors scalars
     to TensorBoard when asked. ``history`` seeds it with the records of a resumed run."""
@@ -53,13 +65,10 @@ class MetricsLogger:
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self.writer = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError(
-                    "train.tensorboard=true needs the tensorboard package; "
-                    "pip install tensorboard (or set train.tensorboard=false)"
-                ) from None
+            if (problem := tensorboard_missing()) is not None:
+                raise RuntimeError(problem)
+            from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(str(self.out_dir / TENSORBOARD_DIR))
 
     def log(self, kind: str, step: int, **values: Any) -> None:

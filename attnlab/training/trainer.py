@@ -66,8 +66,10 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,10 +90,22 @@ from attnlab.training.checkpoint import (
     save_checkpoint,
 )
 from attnlab.training.evaluate import autocast_context
-from attnlab.training.metrics import METRICS_FILE, MetricsLogger, read_metrics
+from attnlab.training.metrics import (
+    METRICS_FILE,
+    PLOT_FILE,
+    MetricsLogger,
+    read_metrics,
+    tensorboard_missing,
+)
 from attnlab.training.optim import build_optimizer, decaying, load_optimizer_state, lr_at, set_lr
 
+try:
+    import fcntl
+except ImportError:  # Windows: runs on one folder are not kept apart
+    fcntl = None
+
 BEST_DIR = "best"
+LOCK_FILE = ".train.lock"  # locked while a run writes into its folder (_sole_writer)
 FIT_SKIP_STEPS = 1  # steps ignored when timing (allocation, warm-up of kernels)
 FIT_STEPS = 20  # steps timed before the first fit (fewer: a few slow ones shortened it)
 FIT_WINDOW = 50  # refits use the mean time of the last this many steps
@@ -260,6 +274,85 @@ class _StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+# --------------------------------------------------------------------------- console
+
+
+class _Console:
+    """A console stream for progress output that goes quiet once its reader is gone (a
+    closed pipe: Ctrl-C on ``attnlab train | tee log`` ends tee too), so that a write
+    cannot end the run before it saves. Equal to the stream it wraps, as tqdm compares
+    streams to clear its bar before another line."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.gone = stream, False
+
+    def write(self, text: str) -> int:
+        self._call(self.stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._call(self.stream.flush)
+
+    def _call(self, method, *args) -> None:
+        if not self.gone:
+            try:
+                method(*args)
+            except BrokenPipeError:
+                self.gone = True
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding: tqdm's terminal probes
+        return getattr(self.stream, name)
+
+    def __eq__(self, other) -> bool:
+        return self.stream == getattr(other, "stream", other)
+
+    def __hash__(self) -> int:
+        return hash(self.stream)
+
+
+# --------------------------------------------------------------------------- one writer
+
+
+@contextlib.contextmanager
+def _sole_writer(out_dir: Path):
+    """Hold a lock on ``out_dir`` while the run writes into it (rank 0 under torchrun): a
+    second run started on the same folder stops with an error instead of interleaving its
+    checkpoints and metrics with the first's. The process ending, however it ends,
+    releases the lock; the folders this made for a run that then wrote nothing (it
+    failed before starting) are removed again. File systems that cannot lock run unlocked."""
+    if fcntl is None or int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = out_dir / LOCK_FILE
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            raise TrainingError(
+                f"{out_dir}: another training run (process {holder}) is writing into this "
+                "folder; wait for it to end, or choose another output folder"
+            ) from None
+        except OSError:  # no locks here (some network file systems)
+            locked = False
+        if locked:
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        try:
+            yield
+        finally:
+            if created and os.listdir(out_dir) == [LOCK_FILE]:
+                with contextlib.suppress(OSError):
+                    lock.unlink()
+                    for folder in created:
+                        folder.rmdir()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -515,6 +608,8 @@ class Trainer:
         device = resolve_device(cfg.train.device, cuda_available=torch.cuda.is_available())
         check_backend(cfg.model, device)
         check_memory(cfg.model, device)  # before building or allocating anything
+        if cfg.train.tensorboard and (problem := tensorboard_missing()) is not None:
+            raise TrainingError(problem)  # before preparing data and building the model
         self.dist, self.device = _setup_distributed(cfg.train.device)
         if self.device.type == "cpu" and cfg.train.keep_freed_memory:
             keep_freed_memory()  # without it each step page-faults its memory back in
@@ -904,6 +999,20 @@ class Trainer:
         if self.dist.is_main and getattr(self, "logger", None) is not None:
             self.logger.log("stop", self.step, reason=reason, message=message)
 
+    def _plot(self) -> None:
+        """Redraw loss.png. A plot that fails (matplotlib, a file it cannot write) is one
+        warning, not the end of the run: metrics.jsonl holds every number it shows."""
+        try:
+            self.logger.plot()
+        except Exception as e:
+            reason = getattr(e, "strerror", None) or (str(e).splitlines() or [""])[0]
+            warnings.warn(
+                f"{self.out_dir / PLOT_FILE}: cannot draw the loss plot "
+                f"({reason or type(e).__name__}); "
+                f"training goes on (the numbers are in {METRICS_FILE})",
+                stacklevel=2,
+            )
+
     def _reduce_metrics(self, metrics: dict[str, list]) -> dict[str, float]:
         """Means of the model's metrics ({name: [sum, n]}) over this log interval and
         every process (the names may differ between processes)."""
@@ -962,7 +1071,9 @@ class Trainer:
             disable=not (self.progress and main),
             dynamic_ncols=True,
             desc="train",
+            file=_Console(sys.stderr),
         )
+        console = _Console(sys.stdout)  # the evaluations' lines
         losses: list[float] = []
         step_times: list[float] = []  # this call's step durations, evaluation excluded
         work_done = 0.0  # units of work of this call's steps, all processes
@@ -1021,12 +1132,12 @@ class Trainer:
                     best_val_loss=self.best_val_loss,
                     train_time=self.train_time,
                 )
-                self.logger.plot()
+                self._plot()
                 if self.progress:
                     text = f"step {self.step}: val loss {val:.4f}"
                     if full and full is not metrics:
                         text += f" (whole validation set: {full['loss']:.4f})"
-                    bar.write(text)
+                    bar.write(text, file=console)
             if save:
                 if improved and self.step > 0:
                     self._save(self.out_dir / BEST_DIR, elapsed())
@@ -1110,7 +1221,9 @@ class Trainer:
                         self._save(self.out_dir, elapsed())
                         last_saved = self.step
 
-                if stop_reason == "max_steps" and last_saved != self.step:
+                # The last step's evaluation (whole validation set, best/), also where a
+                # save_every save came at that step without one.
+                if stop_reason == "max_steps" and self.last_val_step != self.step:
                     evaluate_and_save(save=True, final=True)
                 elif last_saved != self.step:
                     self._save(self.out_dir, elapsed())
@@ -1120,7 +1233,7 @@ class Trainer:
             bar.close()
             if main:
                 if self.logger.records:
-                    self.logger.plot()
+                    self._plot()
                 self.logger.close()
 
         total_time = sum(step_times)
@@ -1198,25 +1311,27 @@ def train(
     (its train and data sections) may be None for :func:`finetune_config`'s defaults.
     An explicit ``max_steps`` without ``time_budget`` drops the config's time budget.
     Under torchrun (WORLD_SIZE > 1) every process calls this; rank 0 writes the files.
+    A run on an ``out_dir`` that another run is writing into raises TrainingError.
     """
     group_existed = dist.is_available() and dist.is_initialized()
     trainer = None
-    try:
-        trainer = Trainer(
-            cfg,
-            out_dir,
-            resume=resume,
-            max_steps=max_steps,
-            time_budget=time_budget,
-            save_every=save_every,
-            progress=progress,
-            dataset=dataset,
-            overwrite=overwrite,
-            init_from=init_from,
-        )
-        return trainer.run()
-    finally:
-        if trainer is not None:
-            trainer.release()
-        if not group_existed and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()  # we joined torchrun's group: leave it
+    with _sole_writer(Path(out_dir)):
+        try:
+            trainer = Trainer(
+                cfg,
+                out_dir,
+                resume=resume,
+                max_steps=max_steps,
+                time_budget=time_budget,
+                save_every=save_every,
+                progress=progress,
+                dataset=dataset,
+                overwrite=overwrite,
+                init_from=init_from,
+            )
+            return trainer.run()
+        finally:
+            if trainer is not None:
+                trainer.release()
+            if not group_existed and dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()  # we joined torchrun's group: leave it
