@@ -30,12 +30,21 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
     try:
         yield tmp
+        usual_permissions(tmp)
         os.replace(tmp, target)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and str(e.filename) == str(tmp):
             e.filename = str(target)  # a full disk names the file asked for, not the temporary
         raise
+
+
+def usual_permissions(path: str | os.PathLike[str]) -> None:
+    """Give a file the permissions a plain ``open(path, "w")`` would (0o666 less the
+    umask): some writers (safetensors' ``save_file``) make theirs owner-only."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:

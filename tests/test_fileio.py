@@ -58,3 +58,24 @@ def test_a_failed_write_names_the_target_not_the_temporary_file(tmp_path):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
     assert error.value.filename == str(target)
     assert error.value.errno == errno.ENOSPC
+
+
+def test_weights_files_get_the_usual_permissions(tmp_path):
+    # safetensors writes its files owner-only (0o600): a checkpoint or an export others on
+    # the machine could not read, unlike every other file written (0o666 less the umask).
+    import torch
+
+    from attnlab.config import RunConfig
+    from attnlab.interop.io import write_folder
+    from attnlab.models import build_model
+    from attnlab.presets import get_preset
+    from attnlab.training.checkpoint import save_checkpoint
+
+    model = build_model(get_preset("gpt2-tiny"))
+    save_checkpoint(tmp_path / "ckpt", model, RunConfig(model=get_preset("gpt2-tiny")), None)
+    write_folder(tmp_path / "hf", {"w": torch.zeros(2)}, {"model_type": "gpt2"})
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    want = plain.stat().st_mode & 0o777
+    for path in (tmp_path / "ckpt" / "model.safetensors", tmp_path / "hf" / "model.safetensors"):
+        assert path.stat().st_mode & 0o777 == want, path

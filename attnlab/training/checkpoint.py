@@ -50,6 +50,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 from attnlab.config import ConfigError, RunConfig
+from attnlab.fileio import usual_permissions
 from attnlab.models import build_model
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
@@ -165,6 +166,7 @@ def save_checkpoint(
             str(tmp / WEIGHTS_FILE),
             metadata={"checkpoint_id": checkpoint_id, "format": "attnlab"},
         )
+        usual_permissions(tmp / WEIGHTS_FILE)  # safetensors writes it owner-only
         state = {
             "format_version": FORMAT_VERSION,
             "checkpoint_id": checkpoint_id,
