@@ -111,6 +111,45 @@ def test_untied_mlm_head_adds_its_decoder_bias(tmp_path):
     torch.testing.assert_close(again[real], expected[real], atol=TOL, rtol=TOL)
 
 
+def test_original_bert_checkpoint_layout(tmp_path):
+    """The original BERT files (bert-base-uncased's, config.json saying BertForMaskedLM):
+    LayerNorm gamma/beta names, the next-sentence head and the pooler of pre-training, no
+    decoder bias. transformers renames the first and leaves the others unused; so does
+    attnlab."""
+    import json
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    pre = transformers.BertForPreTraining(_bert_config()).eval()
+    _randomize(pre, 3)
+    legacy = {"LayerNorm.weight": "LayerNorm.gamma", "LayerNorm.bias": "LayerNorm.beta"}
+    tensors = {}
+    for k, v in pre.state_dict().items():
+        for new, old in legacy.items():
+            k = k.removesuffix(new) + old if k.endswith(new) else k
+        if k != "cls.predictions.decoder.bias":
+            tensors[k] = v.contiguous().clone()
+    assert "cls.seq_relationship.weight" in tensors and "bert.pooler.dense.weight" in tensors
+    assert "bert.embeddings.LayerNorm.gamma" in tensors
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = pre.config.to_dict() | {"architectures": ["BertForMaskedLM"]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    ref = transformers.BertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    idx, types, mask = _inputs(2)
+    with torch.no_grad():
+        expected = ref(input_ids=idx, token_type_ids=types, attention_mask=mask).logits
+        out = load_hf(tmp_path / "hf")(idx, token_type_ids=types, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], expected[real], atol=TOL, rtol=TOL)
+    # one tensor under both names is refused, not read from whichever came last
+    tensors["bert.embeddings.LayerNorm.weight"] = tensors["bert.embeddings.LayerNorm.gamma"].clone()
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match="stored twice"):
+        load_hf(tmp_path / "hf")
+
+
 @pytest.mark.parametrize("cross", [False, True])
 def test_causal_or_cross_attending_bert_is_refused(cross, tmp_path):
     """transformers runs such a BERT causally (and with cross-attention): refused, not

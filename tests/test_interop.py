@@ -225,6 +225,36 @@ def test_sharded_checkpoint(tmp_path):
         assert (model(idx).logits - _hf_logits(ref, idx)).abs().max() <= TOL
 
 
+def test_export_replaces_a_sharded_checkpoint(tmp_path):
+    """save_hf into a folder holding an earlier sharded save_pretrained removes the index and
+    its shards: readers that follow the index (vLLM) would load the old weights."""
+    old, new = _hf_model("llama", seed=11), _hf_model("llama", seed=12)
+    out = tmp_path / "out"
+    old.save_pretrained(out, max_shard_size="20KB")
+    (out / "notes.txt").write_text("kept")
+    new.save_pretrained(tmp_path / "new")
+    save_hf(load_hf(tmp_path / "new"), out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",  # transformers', not a weight file: left alone
+        "model.safetensors",
+        "notes.txt",
+    ]
+    idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert (back(idx).logits - _hf_logits(new, idx)).abs().max() <= TOL
+
+
+def test_malformed_index_is_a_checkpoint_error(tmp_path):
+    _hf_model("llama", seed=11).save_pretrained(tmp_path, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    for weight_map in ([], None, {"model.norm.weight": 3}):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(HFCheckpointError, match="weight_map"):
+            load_hf(tmp_path)
+
+
 def test_legacy_gpt2_layout(tmp_path):
     """Older GPT-2 files: no ``transformer.`` prefix, causal-mask buffers, a stored copy of
     the tied head. All load; the buffers are ignored."""

@@ -125,6 +125,14 @@ def test_export_refuses_what_marian_cannot_hold(marian, changes, tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
+def test_base_marian_model_is_refused_by_name(tmp_path):
+    """A MarianModel folder (bare names, no logits bias or head) is not a translation model:
+    refused by its architecture, not with every tensor reported missing."""
+    transformers.MarianModel(_config()).save_pretrained(tmp_path)
+    with pytest.raises(HFCheckpointError, match="architecture 'MarianModel' is not supported"):
+        load_hf(tmp_path)
+
+
 def test_untied_marian_has_three_tables(tmp_path):
     """With tie_word_embeddings=false transformers 5 ties nothing, not even the encoder's
     and decoder's tables to ``model.shared``: each is its own (and ``shared`` unused)."""

@@ -21,6 +21,11 @@ Layouts (attnlab Linear weights are (out, in), like transformers'):
     pooler.dense + classifier                                    -> head.pooler, head.classifier
     classifier / qa_outputs                                      -> head.classifier / head.span
 
+The original BERT files (bert-base-uncased's) are read as transformers reads them:
+``LayerNorm.gamma`` / ``.beta`` are ``.weight`` / ``.bias``, and the pre-training heads no
+mapped head uses (the next-sentence ``cls.seq_relationship``, the pooler but for sequence
+classification) are left unread.
+
 Shapes: d d_model, V vocabulary size.
 """
 
@@ -94,6 +99,16 @@ NAMED_HEADS = ("sequence", "token")  # heads whose labels have names (id2label)
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 # Buffers transformers saves (position and token-type ids); recomputed, never loaded.
 IGNORED = re.compile(r"^(bert\.)?embeddings\.(position_ids|token_type_ids)$")
+# The next-sentence head of pre-training checkpoints (bert-base-uncased's file, whose
+# config.json says BertForMaskedLM): no head attnlab maps uses it, nor does transformers'.
+NSP_HEAD = ("cls.seq_relationship.weight", "cls.seq_relationship.bias")
+# The LayerNorm names of the original BERT checkpoints, which transformers renames on load
+# (its "legacy" weight renamings): LayerNorm.gamma -> .weight, LayerNorm.beta -> .bias.
+_LEGACY_NORM = re.compile(r"(LayerNorm)\.(gamma|beta)$")
+
+
+def legacy_name(name: str) -> str:
+    return _LEGACY_NORM.sub(lambda m: f"{m[1]}.{'weight' if m[2] == 'gamma' else 'bias'}", name)
 
 
 def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfig:
@@ -262,6 +277,8 @@ def weights_to_attnlab(src: Source, cfg: EncoderConfig) -> Plan:
     if cfg.head != "sequence":  # a pooler the head does not use (BertModel may carry one)
         for s in ("weight", "bias"):
             src.skip(f"{b}pooler.dense.{s}")
+    for name in NSP_HEAD:
+        src.skip(name)
     if cfg.head == "mlm":  # stored copies: the decoder bias, the tied decoder weight
         decoder_bias = "cls.predictions.decoder.bias"
         if not cfg.tie_embeddings and src.has(decoder_bias):
@@ -297,5 +314,6 @@ FAMILY = Family(
     exports=exports,
     export_type=export_type,
     ignored=IGNORED,
+    rename=legacy_name,
     task=lambda cfg: TASK_OF_HEAD[cfg.head],
 )

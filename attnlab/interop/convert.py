@@ -138,7 +138,15 @@ def load_hf(
             opened = SafetensorsFile(file)
         except (WeightsFileError, OSError) as e:
             raise HFCheckpointError(str(e)) from None
-        files |= {rename(name): (opened, name) for name in opened.keys()}
+        for name in opened.keys():
+            mapped = rename(name)
+            if mapped in files:  # two names for one tensor (old and new), or shards overlap
+                other, stored = files[mapped]
+                raise HFCheckpointError(
+                    f"{path}: tensor {mapped!r} is stored twice: {stored!r} in {other.path.name} "
+                    f"and {name!r} in {file.name}"
+                )
+            files[mapped] = (opened, name)
 
     def shape(name: str) -> tuple[int, ...]:
         file, stored = files[name]
@@ -193,7 +201,8 @@ def load_hf(
 def save_hf(model: nn.Module, path: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` that transformers'
     ``from_pretrained`` loads (``AutoModelForCausalLM`` for decoders, the family's class
-    otherwise) with the same logits; the family follows the model's config.
+    otherwise) with the same logits; the family follows the model's config. The index and
+    shards of a sharded checkpoint already in ``path`` are removed.
 
     A tied head is not stored (transformers re-ties it). Interleaved RoPE q/k rows are
     reordered to the split layout where the family rotates split halves. Raises

@@ -347,10 +347,7 @@ def weight_files(path: Path) -> list[Path]:
         return [path / WEIGHTS_NAME]
     index_file = path / WEIGHTS_INDEX_NAME
     if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise HFCheckpointError(f"{index_file}: expected JSON with a 'weight_map'") from None
+        weight_map = _weight_map(index_file)
         files = [path / name for name in dict.fromkeys(weight_map.values())]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -367,6 +364,49 @@ def weight_files(path: Path) -> list[Path]:
     raise HFCheckpointError(f"{path}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} found")
 
 
+def _weight_map(index_file: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) and v for v in weight_map.values()
+    ):
+        raise HFCheckpointError(
+            f"{index_file}: expected JSON with a 'weight_map' of tensor names to shard file names"
+        )
+    return weight_map
+
+
+# The shard files transformers' save_pretrained writes beside model.safetensors.index.json.
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _remove_stale_shards(path: Path) -> None:
+    """Remove a sharded checkpoint's index and shards from ``path`` (an earlier
+    ``save_pretrained(max_shard_size=...)`` into the folder), once the single
+    model.safetensors that replaces them is in place: tools that read the index (vLLM, or a
+    reader of the shards alone) would otherwise load the old weights, and the old shards
+    would be uploaded and stored with the new file."""
+    index_file = path / WEIGHTS_INDEX_NAME
+    names: set[str] = set()
+    if index_file.is_file():
+        try:
+            names = {
+                n
+                for n in _weight_map(index_file).values()
+                if Path(n).name == n and n.endswith(".safetensors")  # this folder's shards only
+            }
+        except HFCheckpointError:
+            pass  # unreadable: its shards are still found by name below
+        index_file.unlink()  # first: a crash then leaves no index naming missing shards
+    for file in path.iterdir():
+        if file.name != WEIGHTS_NAME and (file.name in names or _SHARD.fullmatch(file.name)):
+            if file.is_file():
+                file.unlink()
+
+
 def write_folder(
     path: Path,
     tensors: dict[str, Tensor],
@@ -375,12 +415,13 @@ def write_folder(
 ) -> None:
     """Write ``model.safetensors``, ``config.json`` and the ``extra`` JSON files (name ->
     content), each replacing its old version whole: a crash never leaves a truncated
-    file."""
+    file. A sharded checkpoint already in ``path`` (its index and shards) is removed."""
     # safetensors refuses shared or strided storage: give each tensor its own contiguous copy.
     tensors = {k: v.to("cpu").contiguous().clone() for k, v in tensors.items()}
     path.mkdir(parents=True, exist_ok=True)
     with atomic_path(path / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+    _remove_stale_shards(path)
     atomic_write_text(path / CONFIG_NAME, json.dumps(hf_config, indent=2) + "\n")
     for name, content in (extra or {}).items():
         atomic_write_text(path / name, json.dumps(content, indent=2) + "\n")

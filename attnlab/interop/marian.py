@@ -53,7 +53,8 @@ from attnlab.interop.io import (
 from attnlab.models.seq2seq import Seq2SeqConfig
 from attnlab.nn.embedding import sinusoidal_table
 
-ARCHITECTURES = {"marian": ("MarianMTModel", "MarianModel")}
+# MarianModel (no "model." prefix, no logits bias or head) is refused by name.
+ARCHITECTURES = {"marian": ("MarianMTModel",)}
 
 # transformers' class defaults (MarianConfig) for the config.json keys read here: a key
 # missing from config.json is read as its default, as from_pretrained fills it
