@@ -9,6 +9,8 @@ Shapes: b batch, t length, s keys, V vocabulary.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -668,3 +670,53 @@ def test_float16_scores_past_65504_stay_finite_in_every_latent_and_compressed_pr
     want = dsa._gathered(q_nope.float(), q_rope.float(), latent.float(), indices, valid)
     assert got.isfinite().all()
     torch.testing.assert_close(got.float(), want, atol=0.5, rtol=2e-2)
+
+
+def test_indexer_kl_under_bf16_autocast_matches_float32():
+    """train.dtype=bfloat16 (autocast): the indexer scores in float32 as without autocast.
+    Its einsums ran in bf16, so its log-softmax rounded and the KL came out negative
+    (-9e-4 against 9e-5 in float32); now only q and k are autocast's bf16."""
+    model = _dsa(**{"attention.dsa_stage": "warmup"}).train()
+    idx = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    layers = [m for m in model.modules() if hasattr(m, "indexer")]
+    model(idx)
+    want = [m.aux_loss.item() for m in layers]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx)
+    got = [m.aux_loss.item() for m in layers]
+    assert all(g >= 0 for g in got), got
+    assert got == pytest.approx(want, rel=0.05)
+    q, k, w = torch.randn(1, 3, 2, 8), torch.randn(1, 5, 8), torch.rand(1, 3, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert index_scores(q, k, w, 0.5).dtype == torch.float32
+
+
+@torch.no_grad()
+def test_nsa_block_selection_in_bf16_ranks_by_the_float32_compressed_attention():
+    """A bf16 NSA layer (and a float32 one under bf16 autocast) picks the blocks float32
+    does: the selection ranks them by the compressed attention unrounded, as a router
+    would. p_cmp rounded to bf16 tied blocks of near-equal weight (near-uniform attention,
+    as at initialisation): 60% of the queries picked other blocks."""
+    layer = _nsa_layer(**{"attention.nsa_n_select": 5})
+    q, k, v, allowed = _qkv(layer, t=64)
+    q, k, v = (x.bfloat16().float() * 0.1 for x in (q, k, v))  # near-uniform p_cmp
+
+    def picks(module, dtype, autocast=False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, p_cmp = module.compressed(q.to(dtype), k.to(dtype), v.to(dtype), allowed)
+            return module.select_blocks(p_cmp, allowed)
+
+    want = picks(layer, torch.float32)
+    for got in (picks(copy.deepcopy(layer).bfloat16(), torch.bfloat16),
+                picks(layer, torch.float32, autocast=True)):  # fmt: skip
+        assert (got != want).any(-1).float().mean() < 0.1
+
+
+def test_hadamard_of_bf16_rounds_once_as_deepseeks_kernel():
+    """A bf16 model's index queries/keys are rotated in float32 and rounded once (DeepSeek's
+    fast_hadamard_transform); bf16 butterflies rounded at each of the 7 stages of d = 128
+    (about 3x the error)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = hadamard(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, hadamard(x.float()).bfloat16(), rtol=0, atol=0)

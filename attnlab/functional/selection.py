@@ -27,10 +27,12 @@ def index_scores(q: Tensor, k: Tensor, weights: Tensor, scale: float) -> Tensor:
     """The lightning indexer (DeepSeek-V3.2, Eq. 1): q (b, t, H_I, d_I), k (b, s, d_I),
     weights (b, t, H_I) -> I (b, t, s) = sum_j weights[t, j] ReLU(scale q[t, j] . k[s]),
     in float32 (the reference scores in FP8 with float accumulation; float64 inputs in
-    float64)."""
+    float64), under autocast too: its bf16 products would round the scores (more ties in the
+    top-k) and the indexer's log-softmax, whose KL then came out negative."""
     dtype = compute_dtype(torch.promote_types(q.dtype, k.dtype))
-    dots = torch.einsum("btjd,bsd->btjs", q.to(dtype), k.to(dtype)) * scale  # (b, t, H_I, s)
-    return torch.einsum("btj,btjs->bts", weights.to(dtype), dots.relu())  # (b, t, s)
+    with torch.autocast(q.device.type, enabled=False):
+        dots = torch.einsum("btjd,bsd->btjs", q.to(dtype), k.to(dtype)) * scale  # (b, t, H_I, s)
+        return torch.einsum("btj,btjs->bts", weights.to(dtype), dots.relu())  # (b, t, s)
 
 
 def _by_score_then_position(scores: Tensor, order: Tensor | None) -> Tensor:
@@ -91,12 +93,15 @@ def selection_mask(indices: Tensor, valid: Tensor, s: int) -> Tensor:
 def hadamard(x: Tensor) -> Tensor:
     """x H / sqrt(d) along the last axis (d a power of 2): the fast Walsh-Hadamard transform.
     H / sqrt(d) is orthogonal and symmetric, so (q H)(k H)^T = q k^T: rotating index queries
-    and keys changes no score, only spreads outliers before FP8 quantisation."""
+    and keys changes no score, only spreads outliers before FP8 quantisation. Half
+    precision is rotated in float32 and rounded once, as DeepSeek's bf16 kernel
+    (fast_hadamard_transform) does: bf16 butterflies rounded at each of the log2(d) stages
+    (3x the error of one rounding at d = 128)."""
     d = x.shape[-1]
     if d & (d - 1):
         raise ValueError(f"a Hadamard transform needs a power-of-2 width, got {d}")
     shape = x.shape
-    y = x.reshape(-1, d)
+    y = x.reshape(-1, d).to(compute_dtype(x.dtype))
     h = 1
     while h < d:  # butterflies: pairs (i, i + h) within blocks of 2h -> (a + b, a - b)
         y = y.view(-1, d // (2 * h), 2, h)

@@ -49,7 +49,12 @@ from attnlab.functional.selection import (
     selection_mask,
     topk_select,
 )
-from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
+from attnlab.functional.softmax import (
+    compute_dtype,
+    masked_softmax,
+    score_operands,
+    softmax_dtype,
+)
 from attnlab.nn.linear import Linear
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.registry import register_attention
@@ -329,20 +334,24 @@ class NativeSparseAttention(nn.Module):
 
     def compressed(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor):
         """q (b, h, t, d_h), k/v (b, h_kv, s, d_h), allowed (b, t, s) -> o_cmp (b, h, t, d_h)
-        and p_cmp (b, h_kv, g, t, n_c), the attention over block summaries."""
+        and p_cmp (b, h_kv, g, t, n_c), the attention over block summaries, in
+        ``compute_dtype`` (float32 for half precision): the selection ranks blocks by it."""
         b, h, t, d_h = q.shape
         s, h_kv = k.shape[2], k.shape[1]
         win = block_windows(s, self.block_len, self.stride, device=q.device)  # (n_c, l)
         if win.shape[0] == 0:
-            return q.new_zeros(b, h, t, d_h), q.new_zeros(b, h_kv, h // h_kv, t, 0)
+            p = q.new_zeros(b, h_kv, h // h_kv, t, 0, dtype=compute_dtype(q.dtype))
+            return q.new_zeros(b, h, t, d_h), p
         k_c = self.compress_k(k[:, :, win])  # (b, h_kv, n_c, d_h)
         v_c = self.compress_v(v[:, :, win])
         ok = allowed[..., win[:, -1]]  # (b, t, n_c): a block is complete when its last key is
         qg = q.view(b, h_kv, h // h_kv, t, d_h)  # (b, h_kv, g, t, d_h)
         qs, ks = score_operands(qg, k_c)  # float16 in float32: its products overflow
         scores = softmax_dtype(torch.einsum("bkgtd,bknd->bkgtn", qs, ks)) * self.scale
-        p = masked_softmax(scores, ok[:, None, None]).to(q.dtype)  # zero rows: no block yet
-        o = torch.einsum("bkgtn,bknd->bkgtd", p, v_c)
+        p = masked_softmax(scores, ok[:, None, None])  # zero rows: no block yet
+        o = torch.einsum("bkgtn,bknd->bkgtd", p.to(q.dtype), v_c)
+        # p unrounded for the selection: bf16's 2^-9 steps tie blocks of near-equal weight
+        # (a bf16 model picked other blocks than float32 for 63% of the queries at init)
         return o.reshape(b, h, t, d_h), p
 
     def select_blocks(self, p_cmp: Tensor, allowed: Tensor) -> Tensor:
@@ -352,9 +361,10 @@ class NativeSparseAttention(nn.Module):
         selected: block 0, the query's own block and the one before it."""
         b, t, s = allowed.shape
         n_sel = -(-s // self.select_len)
-        imp = selection_importance(
-            softmax_dtype(p_cmp).sum(2), n_sel, self.block_len, self.stride, self.select_len
-        )  # (b, h_kv, t, n_s)
+        with torch.autocast(p_cmp.device.type, enabled=False):  # as a router: float32
+            imp = selection_importance(
+                softmax_dtype(p_cmp).sum(2), n_sel, self.block_len, self.stride, self.select_len
+            )  # (b, h_kv, t, n_s)
         block = torch.arange(n_sel, device=allowed.device)
         opened = allowed[..., block * self.select_len]  # (b, t, n_s): has a key to read
         key_idx = torch.arange(s, device=allowed.device)
