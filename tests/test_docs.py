@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,105 @@ def test_readme_python_example_runs(index, tmp_path, monkeypatch):
     tiny |= {"train.batch_size": 2, "train.block_size": 16}
     namespace = {"_TINY": tiny, "__name__": "readme_example"}
     exec(compile(code, f"README.md python block {index + 1}", "exec"), namespace)
+
+
+# ------------------------------------------------------------------ README command lines
+
+
+def readme_command_lines() -> list[str]:
+    """Every ``attnlab`` command line the README shows: the lines of its ```bash blocks (a
+    trailing backslash joins the next line; ``&&`` separates commands) and its indented
+    ``$ attnlab ...`` examples. Comments are dropped; words before ``attnlab`` (an
+    environment variable, ``torchrun ... -m``) too."""
+    text = (ROOT / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("$ ")]
+    commands = []
+    for line in lines:
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            if "attnlab" in words:
+                commands.append(shlex.join(words[words.index("attnlab") + 1 :]))
+    return commands
+
+
+def test_readme_shows_command_lines():
+    assert len(readme_command_lines()) >= 40
+
+
+@pytest.mark.parametrize("command", readme_command_lines())
+def test_readme_command_line_is_accepted(command):
+    """Each README command parses (its options exist, their values are valid choices); a
+    ``train`` command also resolves its config (preset names, ``--set`` keys and values,
+    ``--task``), as ``--print-config`` would, unless it reads a run folder the README's
+    earlier commands make (``--resume``, ``--init-from``)."""
+    from attnlab.cli.main import build_parser
+    from attnlab.cli.train import run_config
+
+    argv = shlex.split(command)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"attnlab {command}: rejected by the parser (exit {e.code})")
+    if args.command == "train" and args.resume is None and args.init_from is None:
+        run_config(args)
+
+
+def test_readme_kv_table_is_what_the_command_prints(capsys):
+    """The README's ``$ attnlab kv ...`` example shows that command's output (computed,
+    not measured: it changes only when the accounting does)."""
+    from attnlab.cli.main import main
+
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"\n    \$ attnlab (kv [^\n]*)\n((?:    [^\n]*\n|\n)+)", text)
+    assert match, "no `$ attnlab kv` example in the README"
+    shown = [line[4:].rstrip() for line in match.group(2).rstrip("\n").splitlines()]
+    assert main(shlex.split(match.group(1))) == 0
+    printed = [line.rstrip() for line in capsys.readouterr().out.rstrip("\n").splitlines()]
+    assert printed == shown
+
+
+def _referenced_paths(text: str) -> set[str]:
+    pattern = r"docs/img/[\w.-]+\.png|benchmarks/\w+\.(?:py|sh)|tests/\w+\.py|attnlab/[\w/]+\.py"
+    return set(re.findall(pattern, text))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+def test_files_the_docs_name_exist(doc):
+    text = (ROOT / doc).read_text()
+    missing = sorted(p for p in _referenced_paths(text) if not (ROOT / p).exists())
+    assert not missing, f"{doc} names files that do not exist: {missing}"
+
+
+def test_readme_module_table_names_existing_files():
+    """The 'What is inside' table's ``where`` column: each file or folder, relative to
+    ``attnlab/`` (a bare file name after a path: the same folder, or any)."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## What is inside", 1)[1].strip().split("\n\n", 1)[0]
+    files = {p.relative_to(ROOT / "attnlab").as_posix() for p in (ROOT / "attnlab").rglob("*")}
+    assert table.startswith("| piece | where |"), table[:100]
+    missing = []
+    for row in table.splitlines()[2:]:
+        where = row.split("|")[2]
+        for name in re.findall(r"`([^`]+)`", where):
+            name = name.rstrip("/")
+            if not any(f == name or f.endswith("/" + name) for f in files):
+                missing.append(name)
+    assert not missing, f"the README's module table names missing files: {missing}"
+
+
+def test_benchmark_options_the_docs_use_exist():
+    """``python benchmarks/NAME.py --option ...`` in the README: the script (or the shared
+    ``_common.py``) defines each option."""
+    text = re.sub(r"\s*\n\s*", " ", (ROOT / "README.md").read_text())
+    missing = []
+    command = r"benchmarks/(\w+)\.py((?: --?[\w-]+(?: (?!-)[^\s`]+)*)*)"  # options, values
+    for script, options in re.findall(command, text):
+        source = (ROOT / "benchmarks" / f"{script}.py").read_text()
+        source += (ROOT / "benchmarks" / "_common.py").read_text()
+        for option in re.findall(r"(?<!\S)--[\w-]+", options):
+            if f'"{option}"' not in source:
+                missing.append(f"{script}.py {option}")
+    assert not missing, f"options the README gives that the benchmarks lack: {sorted(set(missing))}"

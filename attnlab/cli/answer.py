@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "imported BertForQuestionAnswering. "
         "The score is p(start) * p(end), softmax over the context tokens.",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
     p.add_argument("--context", required=True, metavar="TEXT", help="text holding the answer")
     p.add_argument("--question", required=True, metavar="TEXT", help="the question")
     p.add_argument(

@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "scaled to [0, 1]; the digits were light strokes on a dark ground (use --invert for "
         "dark on light).",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
     p.add_argument(
         "inputs",
         nargs="+",

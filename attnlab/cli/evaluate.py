@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data",
         metavar="PATH",
-        help="a .txt file or folder to evaluate on (its whole blocks; --stride scores every token)",
+        help="a .txt or .md file, or a folder read recursively for them, to evaluate on (its "
+        "whole blocks; --stride scores every token)",
     )
     p.add_argument(
         "--errors",

@@ -48,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "import-hf",
         help="Hugging Face model folder -> attnlab checkpoint",
         description="Convert a Hugging Face model folder (config.json + safetensors) into an "
-        "attnlab checkpoint folder for generate, eval and info. The tokenizer comes from "
+        "attnlab checkpoint folder for generate, eval, info and the task commands (translate, "
+        "classify, fill-mask, tag, answer). The tokenizer comes from "
         "SRC/tokenizer.json or --tokenizer; without either, the checkpoint has none (generate "
         "then takes --tokenizer or --prompt-ids).",
     )

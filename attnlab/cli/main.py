@@ -52,7 +52,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="attnlab",
-        description="Train, sample from, evaluate and inspect attnlab language models.",
+        description="Train, sample from, evaluate and inspect attnlab models.",
     )
     from attnlab import __version__
 

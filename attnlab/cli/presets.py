@@ -10,7 +10,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "presets",
         help="list the named presets",
         description="List the run presets (for `train`) and the model presets (for `train`, "
-        "`info`), one per line: name and description.",
+        "`info`, `kv`), one per line: name and description.",
     )
     p.set_defaults(handler=run)
 

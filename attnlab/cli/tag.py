@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bert-tiny-ner) or an imported BertForTokenClassification, and list the entities: "
         "a word shows the tag of its first token.",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
     p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to tag")
     add_tokenizer_argument(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")

@@ -64,8 +64,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a .txt or .md file, or a folder read recursively for .txt and .md files "
         "(sets data.path)",
     )
-    p.add_argument("--task", metavar="NAME", help="what to train for (sets task; default lm)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default runs/<preset>)")
+    p.add_argument(
+        "--task",
+        metavar="NAME",
+        help="what to train for (sets task; default: the preset's or checkpoint's, else lm)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="output folder (default runs/<preset>; with --resume, the resumed folder; with "
+        "--init-from, runs/<its name>-finetuned)",
+    )
     p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
     p.add_argument(
         "--init-from",
@@ -78,9 +87,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--print-config", action="store_true", help="print the resolved config as JSON and exit"
     )
-    p.add_argument("--max-steps", type=positive_int, metavar="N", help="sets train.max_steps")
     p.add_argument(
-        "--time-budget", type=positive_float, metavar="SECONDS", help="stop after this long"
+        "--max-steps",
+        type=positive_int,
+        metavar="N",
+        help="sets train.max_steps: exactly N steps (a preset's time budget then applies only "
+        "with --time-budget)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=positive_float,
+        metavar="SECONDS",
+        help="sets train.time_budget: the schedule is fitted to the steps that fit in it",
     )
     p.add_argument(
         "--save-every", type=non_negative_int, metavar="STEPS", help="checkpoint interval"

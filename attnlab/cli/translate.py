@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transformer-numbers / gru-numbers), or text with an imported Marian model "
         "(attnlab import-hf); without a tokenizer, token ids with --source-ids.",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
     p.add_argument(
         "sources", nargs="*", metavar="TEXT", help="texts to translate, e.g. digit strings 1234"
     )
