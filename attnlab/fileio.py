@@ -42,9 +42,23 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 def usual_permissions(path: str | os.PathLike[str]) -> None:
     """Give a file the permissions a plain ``open(path, "w")`` would (0o666 less the
     umask): some writers (safetensors' ``save_file``) make theirs owner-only."""
-    mask = os.umask(0)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask. Read from /proc where Linux shows it: ``os.umask`` can only
+    read it by setting another, and a file another thread creates meanwhile would get
+    that one (0: world-writable, whatever the user's umask)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # if a thread creates a file meanwhile, it is private
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask
 
 
 def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:

@@ -4,10 +4,11 @@ with no temporary file left behind either way."""
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
-from attnlab.fileio import atomic_path, atomic_write_text
+from attnlab.fileio import atomic_path, atomic_write_text, usual_permissions
 
 
 def test_atomic_write_text_replaces_target(tmp_path):
@@ -79,3 +80,23 @@ def test_weights_files_get_the_usual_permissions(tmp_path):
     want = plain.stat().st_mode & 0o777
     for path in (tmp_path / "ckpt" / "model.safetensors", tmp_path / "hf" / "model.safetensors"):
         assert path.stat().st_mode & 0o777 == want, path
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/status"), reason="the umask is read from Linux's /proc"
+)
+def test_usual_permissions_never_unsets_the_umask(tmp_path, monkeypatch):
+    # os.umask reads the umask only by setting another: a file another thread created in
+    # between got that one (os.umask(0): world-writable under the user's umask 077).
+    old = os.umask(0o027)
+    try:
+        real_umask, set_to = os.umask, []
+        monkeypatch.setattr(os, "umask", lambda mask: set_to.append(mask) or real_umask(mask))
+        path = tmp_path / "model.safetensors"
+        path.write_bytes(b"")
+        os.chmod(path, 0o600)
+        usual_permissions(path)
+        assert path.stat().st_mode & 0o777 == 0o640
+        assert set_to == []
+    finally:
+        os.umask(old)

@@ -440,6 +440,25 @@ def test_a_second_run_on_a_folder_that_a_run_writes_into_is_refused(tmp_path, da
     assert train(tiny_run(max_steps=2), out, dataset=dataset, progress=False).step == 2
 
 
+@pytest.mark.skipif(trainer_module.fcntl is None, reason="no file locks on this platform")
+def test_the_lock_follows_the_rank_of_a_group_the_caller_made(tmp_path, monkeypatch):
+    # A caller that made the process group itself (init_process_group(rank=...), mp.spawn)
+    # need not set RANK: only its rank 0 writes, so only it locks (every process taking
+    # the lock refused all but one of them).
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(trainer_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer_module.dist, "get_rank", lambda group=None: 1)
+    out = tmp_path / "run"
+    with trainer_module._sole_writer(out):  # rank 0's, say
+        with trainer_module._sole_writer(out):  # rank 1's: no lock, no error
+            pass
+    monkeypatch.setattr(trainer_module.dist, "get_rank", lambda group=None: 0)
+    with trainer_module._sole_writer(out):
+        with pytest.raises(TrainingError, match="is writing into"):
+            with trainer_module._sole_writer(out):
+                pass
+
+
 def test_grad_accumulation_equals_big_batch(tmp_path, dataset):
     big = train(
         tiny_run(max_steps=3, batch_size=8), tmp_path / "big", dataset=dataset, progress=False

@@ -239,6 +239,11 @@ class LanguageModelling(Task):
     def batch(self, keys: Tensor, device: torch.device | str | None = None) -> Any:
         return self.blocks("train", keys, device)  # x, y (, doc_ids): (b, t)
 
+    def loss_terms(self, batch: Any) -> Tensor | None:
+        if not self.pack_documents:
+            return None  # every block predicts all its tokens
+        return (batch[1] != IGNORE_INDEX).sum()  # less each document's first token
+
     def step(self, model: nn.Module, batch: Any) -> StepOutput:
         x, y, *docs = batch
         out = model(x, targets=y, **({"doc_ids": docs[0]} if docs else {}))

@@ -183,7 +183,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         # A full disk or a lost write permission: torch.save says so as a RuntimeError,
         # safetensors as a SafetensorError, and an OSError names the deleted temporary file.
-        if isinstance(e, (OSError, RuntimeError, SafetensorError)):
+        writing = isinstance(e, (OSError, SafetensorError)) or (
+            isinstance(e, RuntimeError) and "inline_container" in str(e)  # torch.save's writer
+        )
+        if writing:
             reason = getattr(e, "strerror", None) or (str(e).splitlines() or [""])[0]
             raise OSError(
                 f"{directory}: cannot write the checkpoint ({reason or type(e).__name__}); "

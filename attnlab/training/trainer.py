@@ -315,6 +315,14 @@ class _Console:
 # --------------------------------------------------------------------------- one writer
 
 
+def _launch_rank() -> int:
+    """This process's rank before the trainer joins a group: the group's where the caller
+    already made one (its ranks need not be in the environment), else torchrun's RANK."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 @contextlib.contextmanager
 def _sole_writer(out_dir: Path):
     """Hold a lock on ``out_dir`` while the run writes into it (rank 0 under torchrun): a
@@ -322,7 +330,7 @@ def _sole_writer(out_dir: Path):
     checkpoints and metrics with the first's. The process ending, however it ends,
     releases the lock; the folders this made for a run that then wrote nothing (it
     failed before starting) are removed again. File systems that cannot lock run unlocked."""
-    if fcntl is None or int(os.environ.get("RANK", "0")) != 0:
+    if fcntl is None or _launch_rank() != 0:
         yield
         return
     created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
