@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional.flash import flash_attention, heads_error
+from attnlab.functional.flash import check_keys, flash_attention, heads_error
 from attnlab.functional.masks import (
     additive_in,
     causal_mask,
+    check_mask_dtype,
     combine_masks,
     document_mask,
     sliding_window_mask,
@@ -48,7 +49,7 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(b, h_kv, n_rep, s, d).reshape(b, h_kv * n_rep, s, d)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor) -> int:
+def _check(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> int:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention expects (b, h, t, d_h) tensors, got q {tuple(q.shape)}, "
@@ -57,6 +58,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> int:
     h, h_kv = q.shape[1], k.shape[1]
     if h % h_kv or v.shape[1] != h_kv:
         raise ValueError(heads_error(h, h_kv, v.shape[1]))
+    check_keys(q, k, v)
+    check_mask_dtype(mask)
     return h // h_kv
 
 
@@ -72,7 +75,7 @@ def eager_attention(
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The reference: every step written out. Fully masked rows give zero output."""
-    n_rep = _check(q, k, v)
+    n_rep = _check(q, k, v, mask)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (b, h, s, d_h)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if causal:
@@ -98,7 +101,7 @@ def sdpa_attention(
 ) -> Tensor:
     """torch's fused kernel, with two fixes: bottom-right causal alignment when t != s,
     and zeros (not NaN) for query rows that may attend to nothing."""
-    n_rep = _check(q, k, v)
+    n_rep = _check(q, k, v, mask)
     t, s = q.shape[-2], k.shape[-2]
     causal = causal and t > 1  # one query is the newest position: it may see every key
     # A branch, not the expression: under dynamic shapes t == s is a SymBool (bool() keeps
@@ -316,7 +319,7 @@ def attend(
             f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
         )
     entry = BACKENDS[backend]
-    _check(q, k, v)
+    _check(q, k, v, mask)
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
     # Compiled graphs never record (and dynamo cannot trace ContextVar.get).

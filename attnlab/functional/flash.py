@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab.functional.masks import check_mask_dtype
+
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
 
@@ -244,6 +246,16 @@ def heads_error(h: int, h_k: int, h_v: int) -> str:
     )
 
 
+def check_keys(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """k and v hold the same keys, q and k one head dim (v's may differ: MLA). torch's SDPA
+    on the CPU returned a result for values shorter than the keys."""
+    if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            "k and v must hold the same number of keys and q and k the same head dim; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+
+
 def check_arguments(
     q: Tensor,
     k: Tensor,
@@ -264,6 +276,8 @@ def check_arguments(
         raise ValueError(f"window={window} needs causal=True and a positive size")
     if h % h_kv or v.shape[1] != h_kv:
         raise ValueError(heads_error(h, h_kv, v.shape[1]))
+    check_keys(q, k, v)
+    check_mask_dtype(mask)
     if doc_ids is not None and doc_ids.shape != (b, s):
         raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
     if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]

@@ -104,6 +104,17 @@ def positions_from_padding(
     return pos if start is None else start[:, None] + pos
 
 
+def check_mask_dtype(mask: Tensor | None, name: str = "mask") -> None:
+    """Refuse a mask that is neither boolean (True = may attend) nor floating (additive):
+    an integer 0/1 mask was added to the scores, +1 on the kept keys and 0 on the dropped
+    ones, which were attended to (torch's SDPA refuses it)."""
+    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(
+            f"{name} must be bool (True = may attend) or floating point (additive: 0 or "
+            f"-inf), got {mask.dtype}; for a 1 = keep / 0 = drop mask pass {name}.bool()"
+        )
+
+
 def padding_mask(key_valid: Tensor) -> Tensor:
     """(b, s) bool or 0/1 -> (b, 1, 1, s) bool: which keys are real tokens."""
     return key_valid.bool()[:, None, None, :]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab.functional.masks import check_mask_dtype
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype that precision-sensitive maths (softmax, RoPE angles, position tables,
@@ -49,6 +51,7 @@ def masked_softmax(x: Tensor, mask: Tensor | None, dim: int = -1) -> Tensor:
 
     A row with no allowed position returns all zeros, so it contributes nothing.
     """
+    check_mask_dtype(mask)
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else x + mask
     # torch's fused softmax, not stable_softmax's exp(x - max): on CPU torch.exp takes a slow

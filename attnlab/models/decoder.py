@@ -20,6 +20,7 @@ from attnlab.cache import Cache, CacheError
 from attnlab.config import ModelConfig
 from attnlab.functional.masks import document_positions, padding_mask, positions_from_padding
 from attnlab.functional.softmax import softmax_dtype
+from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import (
     LMOutput,
     aux_modules,
@@ -185,9 +186,12 @@ class DecoderLM(nn.Module):
         ``last_only`` computes logits for the last position only (decoding). ``doc_ids``
         (b, t) non-decreasing per row: packed documents; no token attends across a document
         boundary and positions restart at 0 in each document (no cache)."""
-        b, t = idx.shape
+        b, t = check_ids("idx", idx)
+        check_padding_mask("attention_mask", attention_mask, b, t)
         if last_only and targets is not None:
             raise ValueError("last_only=True keeps one position's logits; the loss needs all")
+        if targets is not None:
+            targets = check_targets("targets", targets, (b, t), "(b, t) like idx")
         if doc_ids is not None:
             if self._no_documents:
                 raise ValueError(f"doc_ids: {self._no_documents}")

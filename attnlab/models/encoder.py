@@ -31,6 +31,7 @@ from attnlab.config import (
 from attnlab.functional.masks import padding_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
+from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
@@ -126,6 +127,7 @@ class MaskedLMHead(nn.Module):
         """targets (b, t): the original token at masked positions, -100 elsewhere. A batch
         with no masked position (a short one can draw none) has loss 0: no gradient, where
         the mean over nothing would be NaN."""
+        targets = check_targets("targets", targets, logits.shape[:2], "(b, t) like idx")
         total = F.cross_entropy(
             softmax_dtype(logits.flatten(0, 1)),
             targets.flatten(),
@@ -151,12 +153,49 @@ class SequenceClassificationHead(nn.Module):
         return self.classifier(self.dropout(pooled))
 
     @staticmethod
-    def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """targets (b,) class ids; with one label, (b,) real values (mean squared error)."""
-        if logits.shape[-1] == 1:
-            prediction = softmax_dtype(logits.squeeze(-1))
-            return F.mse_loss(prediction, targets.to(prediction.dtype))
-        return F.cross_entropy(softmax_dtype(logits), targets, ignore_index=-100)
+    def loss(
+        logits: Tensor,
+        targets: Tensor,
+        attention_mask: Tensor | None = None,
+        problem_type: str | None = None,
+    ) -> Tensor:
+        """As transformers' sequence classifiers, by ``problem_type`` (None: ``regression``
+        for one label, else ``single_label_classification``): single label, targets (b,)
+        class ids (-100 ignored) or (b, n) class probabilities, softmax cross-entropy;
+        multi label, targets (b, n) 0 / 1 per class, a sigmoid cross-entropy per class;
+        regression, targets (b, n) real values ((b,) for one label), mean squared error."""
+        b, n = logits.shape
+        if problem_type is None:
+            problem_type = "regression" if n == 1 else "single_label_classification"
+        prediction = softmax_dtype(logits)
+        if problem_type == "regression":
+            # (b,) or (b, 1) for one label, as transformers' squeeze: a (b, 1) target
+            # broadcast against (b,) predictions compared every row with every target
+            if targets.numel() != prediction.numel() or targets.shape[0] != b:
+                raise ValueError(
+                    f"targets must be (b, n_labels) = ({b}, {n}) real values, got shape "
+                    f"{tuple(targets.shape)}"
+                )
+            return F.mse_loss(prediction, targets.reshape(b, n).to(prediction.dtype))
+        if problem_type == "multi_label_classification":
+            # the softmax cross-entropy took 0 / 1 targets as class probabilities
+            if tuple(targets.shape) != (b, n):
+                raise ValueError(
+                    f"targets must be (b, n_labels) = ({b}, {n}), 1 for each label that "
+                    f"applies, got shape {tuple(targets.shape)}"
+                )
+            return F.binary_cross_entropy_with_logits(prediction, targets.to(prediction.dtype))
+        if targets.is_floating_point():  # class probabilities (b, n)
+            if tuple(targets.shape) != (b, n):
+                raise ValueError(
+                    f"targets must be (b,) = ({b},) class ids or ({b}, {n}) class "
+                    f"probabilities, got {targets.dtype} of shape {tuple(targets.shape)}"
+                )
+            return F.cross_entropy(prediction, targets)
+        # (b, 1) class ids too, as transformers' labels.view(-1)
+        flat = targets.reshape(-1) if targets.numel() == b else targets
+        targets = check_targets("targets", flat, (b,), "(b,) class ids")
+        return F.cross_entropy(prediction, targets, ignore_index=-100)
 
 
 class TokenClassificationHead(nn.Module):
@@ -172,6 +211,7 @@ class TokenClassificationHead(nn.Module):
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """targets (b, t) label ids, -100 for ignored tokens (padding, sub-words)."""
+        targets = check_targets("targets", targets, logits.shape[:2], "(b, t) like idx")
         return F.cross_entropy(
             softmax_dtype(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100
         )
@@ -201,7 +241,8 @@ class QuestionAnsweringHead(nn.Module):
         ignored (as in BERT's SQuAD fine-tuning). The loss is the mean of the two. Padding
         (``attention_mask`` 0) is no candidate position, so an example's loss does not
         depend on the batch it is padded in (transformers' BERT counts it)."""
-        t = logits.shape[1]
+        b, t = logits.shape[:2]
+        targets = check_targets("targets", targets, (b, 2), "(b, 2) start and end indices")
         targets = targets.clamp(0, t)  # t: ignored
         logits = mask_padding(logits, attention_mask)
         start = F.cross_entropy(softmax_dtype(logits[..., 0]), targets[:, 0], ignore_index=t)
@@ -281,7 +322,15 @@ class EncoderModel(nn.Module):
     ) -> Tensor:
         """idx (b, t) -> hidden states (b, t, d). ``attention_mask`` (b, t): 1 real token,
         0 padding (any side); positions count from 0 (BERT numbers pads too)."""
-        b, t = idx.shape
+        b, t = check_ids("idx", idx)
+        check_padding_mask("attention_mask", attention_mask, b, t)
+        if token_type_ids is not None and (
+            token_type_ids.dim() > 2 or token_type_ids.shape[-1] != t
+        ):
+            raise ValueError(
+                f"token_type_ids must be (b, t) = ({b}, {t}) like idx, got shape "
+                f"{tuple(token_type_ids.shape)}"
+            )
         if t > self.cfg.max_seq_len and isinstance(self.pos_emb, LearnedPositionalEmbedding):
             raise ValueError(
                 f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len} of learned "
@@ -318,7 +367,11 @@ class EncoderModel(nn.Module):
         )
         logits = self.head(h)
         # every head's loss takes the padding; question answering's leaves it out of its span
-        loss = self.head.loss(logits, targets, attention_mask) if targets is not None else None
+        # a sequence classifier's loss follows its problem_type (multi-label: a sigmoid each)
+        kw = {"problem_type": self.cfg.problem_type} if self.cfg.head == "sequence" else {}
+        loss = None
+        if targets is not None:
+            loss = self.head.loss(logits, targets, attention_mask, **kw)
         return ModelOutput(logits, *finish_loss(self._aux, loss, self.training))
 
     def num_parameters(self) -> int:

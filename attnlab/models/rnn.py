@@ -29,6 +29,7 @@ from attnlab.config import ModelConfig, _fail, _positive, register_model_config
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
 from attnlab.models.build import register_model
+from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import ModelOutput
 from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.linear import Linear
@@ -125,6 +126,8 @@ class GRUSeq2Seq(nn.Module):
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Memory, Tensor]:
         """src (b, s) ids, src_mask (b, s) True (or 1) at real tokens (a prefix of each row)
         -> (memory, initial decoder state (L, b, H))."""
+        b, s = check_ids("src", src)
+        check_padding_mask("src_mask", src_mask, b, s, one_row=False)
         if src_mask is None:
             src_mask = torch.ones_like(src, dtype=torch.bool)
         # keep/drop, whatever its dtype: a float 0/1 mask (which the Transformer
@@ -176,6 +179,11 @@ class GRUSeq2Seq(nn.Module):
         encoder-decoder takes: ``model(src, tgt=..., src_mask=..., targets=...)``."""
         if tgt is None:
             raise ValueError("the decoder inputs tgt (b, t) are needed")
+        b, t = check_ids("tgt", tgt)
+        if src.dim() == 2 and src.shape[0] != b:
+            raise ValueError(f"src has {src.shape[0]} rows but tgt {b}; give one target per source")
+        if targets is not None:
+            targets = check_targets("targets", targets, (b, t), "(b, t) like tgt")
         memory, hidden = self.encode(src, src_mask)
         logits, weights = [], []
         for i in range(tgt.shape[1]):

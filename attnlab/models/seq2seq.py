@@ -34,6 +34,7 @@ from attnlab.config import (
 from attnlab.functional.masks import padding_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
+from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
@@ -179,7 +180,9 @@ class Seq2SeqModel(nn.Module):
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """src (b, s) -> memory (b, s, d). ``src_mask`` (b, s): 1 real, 0 padding."""
-        self._check_length(src.shape[1])
+        b, s = check_ids("src", src)
+        check_padding_mask("src_mask", src_mask, b, s)
+        self._check_length(s)
         positions = torch.arange(src.shape[1], device=src.device)[None, :]
         x = self._embed(src, self.src_emb, self.src_pos, positions)
         mask = padding_mask(src_mask) if src_mask is not None else None
@@ -196,7 +199,7 @@ class Seq2SeqModel(nn.Module):
         """tgt (b, t) decoder inputs (starting with bos_id) -> hidden states (b, t, d).
         Under a cache, ``tgt`` continues the cached tokens and ``memory`` is needed on the
         first step only (its keys/values are kept)."""
-        b, t = tgt.shape
+        b, t = check_ids("tgt", tgt)
         context_mask = padding_mask(src_mask) if src_mask is not None else None
         if cache is not None:
             n = cache.length + t  # before begin(): a Python int, no host read per step
@@ -227,6 +230,11 @@ class Seq2SeqModel(nn.Module):
     ) -> ModelOutput:
         """src (b, s); tgt (b, t) decoder inputs; ``targets`` (b, t) the next target token
         at each position (-100 ignored): cross-entropy with ``cfg.label_smoothing``."""
+        b, t = check_ids("tgt", tgt)
+        if src.dim() == 2 and src.shape[0] != b:
+            raise ValueError(f"src has {src.shape[0]} rows but tgt {b}; give one target per source")
+        if targets is not None:
+            targets = check_targets("targets", targets, (b, t), "(b, t) like tgt")
         memory = self.encode(src, src_mask)
         logits = self.logits(self.decode(tgt, memory, src_mask))
         loss = None

@@ -29,6 +29,7 @@ from attnlab.config import (
 )
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
+from attnlab.models.inputs import check_targets
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.linear import Linear
@@ -170,7 +171,13 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: Tensor, *, targets: Tensor | None = None) -> ModelOutput:
         logits = self.head(self.features(images)[:, 0])  # (b, n)
-        loss = F.cross_entropy(softmax_dtype(logits), targets) if targets is not None else None
+        loss = None
+        if targets is not None:
+            b = logits.shape[0]
+            # (b, 1) class ids too, as transformers' labels.view(-1)
+            flat = targets.reshape(-1) if targets.numel() == b else targets
+            targets = check_targets("targets", flat, (b,), "(b,) class ids")
+            loss = F.cross_entropy(softmax_dtype(logits), targets)
         return ModelOutput(logits, *finish_loss(self._aux, loss, self.training))
 
     def num_parameters(self) -> int:

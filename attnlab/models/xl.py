@@ -31,6 +31,7 @@ from attnlab.config import (
 )
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
+from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import (
     ModelOutput,
     aux_modules,
@@ -157,8 +158,14 @@ class TransformerXL(nn.Module):
         """idx (b, t); ``memory`` from the previous segment's output (None: none yet);
         ``targets`` (b, t) next tokens (-100 ignored); ``attention_mask`` (b, t) 1 for real
         tokens: padded keys are hidden (the memory's keys are all real)."""
+        b, t = check_ids("idx", idx)
+        check_padding_mask("attention_mask", attention_mask, b, t)
+        if targets is not None:
+            targets = check_targets("targets", targets, (b, t), "(b, t) like idx")
         if memory is not None and len(memory) != len(self.blocks):
             raise ValueError(f"memory has {len(memory)} layers, the model {len(self.blocks)}")
+        if memory is not None and memory[0].shape[0] != b:
+            raise ValueError(f"memory holds {memory[0].shape[0]} rows but idx {b}")
         mask = None
         if attention_mask is not None:
             m = 0 if memory is None else memory[0].shape[1]
