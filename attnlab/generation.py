@@ -125,20 +125,70 @@ def _prompt_rows(prompts: Prompts) -> tuple[list[list[int]], bool]:
     return rows, single
 
 
+def _is_int(value) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    """Every model's ``generate``/``stream``: an integer >= 0 (0: no new tokens)."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+
+
+def stop_ids(tokens, name: str = "stop_tokens") -> list[int]:
+    """The end token(s) as a sorted list of ints: None (none), one id, or a sequence, numpy
+    array or tensor of ids (transformers' ``eos_token_id`` is an int or a list)."""
+    if tokens is None:
+        return []
+    if isinstance(tokens, (Tensor, np.ndarray)):
+        tokens = tokens.tolist()
+    if _is_int(tokens):
+        tokens = [tokens]
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, set, frozenset)):
+        raise ValueError(f"{name} must be a token id or a list of them, got {tokens!r}")
+    bad = next((tok for tok in tokens if not _is_int(tok) or tok < 0), None)
+    if bad is not None:
+        raise ValueError(f"{name} must be token ids (integers >= 0), got {bad!r}")
+    return sorted({int(tok) for tok in tokens})
+
+
 def check_request(
     model, prompts: Prompts, max_new_tokens: int, seed: int | None, generator
 ) -> tuple[list[list[int]], bool, torch.Generator | None]:
     """The checks every language model's ``stream`` makes of its request: (prompt rows,
     whether one prompt was given, the generator ``seed`` makes when none is given)."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_max_new_tokens(max_new_tokens)
     rows, single = _prompt_rows(prompts)
     vocab = model.cfg.vocab_size
     if any(not 0 <= tok < vocab for r in rows for tok in r):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if seed is not None and not _is_int(seed):  # a numpy integer is one too
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     if generator is None and seed is not None:
-        generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(seed)
+        generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(int(seed))
     return rows, single, generator
+
+
+# The options of the language models' generate/stream (DecoderLM, Transformer-XL): an
+# encoder-decoder's generate refuses them by name (a ValueError, not an unexpected keyword).
+LM_OPTIONS = ("temperature", "top_k", "top_p", "seed", "generator", "stop_tokens", "pad_id",
+              "compile", "overflow", "use_cache")  # fmt: skip
+
+
+def refuse_options(
+    what: str,
+    options: dict,
+    why: str = "it decodes greedily or with beam search (num_beams), ending at cfg.eos_id",
+) -> None:
+    """``options`` given to ``what`` (e.g. ``"Seq2SeqModel.generate"``) that it does not
+    take: a ValueError naming those of :data:`LM_OPTIONS` (``why``: what it does instead;
+    by default an encoder-decoder's), a TypeError (as Python's) for any other name."""
+    unknown = [name for name in options if name not in LM_OPTIONS]
+    if unknown:
+        raise TypeError(f"{what}() got an unexpected keyword argument {unknown[0]!r}")
+    if options:
+        raise ValueError(f"{what} does not take {', '.join(options)}: {why}")
 
 
 def stream(
@@ -219,7 +269,7 @@ def stream(
             f"slides to its last {limit - limit // 2} tokens",
             stacklevel=2,
         )
-    stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long)
+    stops = torch.tensor(stop_ids(stop_tokens), dtype=torch.long)
     fallback = compile == "auto"
     if compile == "auto":
         compile = (
@@ -584,6 +634,7 @@ def generate(
     ``num_beams`` > 1 the best beam of :func:`beam_search` (``stop_tokens`` end beams;
     deterministic, so no sampling options; prompt + new tokens must fit max_seq_len)."""
     check_num_beams(num_beams)  # (0 or -1 decoded greedily, 2.5 failed inside topk)
+    check_max_new_tokens(max_new_tokens)
     batch, single = _as_batch(prompts)
     if model.cfg.attention.kind == "nsa" and len({len(r) for r in batch}) > 1:
         # native sparse attention takes no left padding (its blocks start at slot 0)
@@ -607,7 +658,7 @@ def generate(
             max_new_tokens,
             num_beams=num_beams,
             length_penalty=length_penalty,
-            eos_id=sorted(set(kwargs.get("stop_tokens") or ())),
+            eos_id=stop_ids(kwargs.get("stop_tokens")),
             pad_id=kwargs.get("pad_id", 0),
         )
         rows = [row[0].tokens for row in hyps]
@@ -701,6 +752,15 @@ def check_num_beams(num_beams) -> None:
         raise ValueError(f"num_beams (beam_width) must be an integer >= 1, got {num_beams!r}")
 
 
+def check_decoding(max_new_tokens, num_beams, n_best: int = 1) -> None:
+    """An encoder-decoder's ``generate``: max_new_tokens, num_beams and n_best as every
+    model's generate takes them (n_best at most num_beams)."""
+    check_max_new_tokens(max_new_tokens)
+    check_num_beams(num_beams)
+    if not _is_int(n_best) or not 1 <= n_best <= num_beams:
+        raise ValueError(f"n_best must be between 1 and num_beams ({num_beams}), got {n_best!r}")
+
+
 def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: float, style: str):
     if style not in BEAM_STYLES:
         raise ValueError(f"style must be one of {', '.join(BEAM_STYLES)}, got {style!r}")
@@ -745,7 +805,7 @@ def beam_search_core(
     gnmt = style == "gnmt"
     b, V = logits.shape
     device = logits.device
-    stops = [eos_id] if isinstance(eos_id, int) else list(eos_id or ())
+    stops = stop_ids(eos_id, "eos_id")
     eos = torch.tensor(stops, dtype=torch.long, device=device)
     bound_lp = _length_penalty(max_new_tokens, alpha, style)  # the largest a prefix can get
     scores = torch.zeros(b, 1, device=device)  # (b, beams): summed log-probs, -inf: dead

@@ -155,6 +155,32 @@ def test_fill_mask_imported_bert_equals_the_transformers_pipeline(tmp_path, caps
             assert probs == pytest.approx([r["score"] for r in ref], rel=1e-4)
 
 
+def test_fill_mask_filled_text_is_the_pipelines_sequence(tmp_path, capsys):
+    # The filled-in text is the tokenizer's decode, as the pipeline's "sequence": WordPiece
+    # joins "dog" "##s" into "dogs" (it printed "The dog##s sat."), lower-cased as normalised.
+    wordpiece_bert_folder(tmp_path)
+    model = transformers.BertForMaskedLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias[11] += 20.0  # "##s" wins at every mask
+    model.save_pretrained(tmp_path)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), mask_token="[MASK]",
+        cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]",
+    )  # fmt: skip
+    pipeline = transformers.pipeline("fill-mask", model=model, tokenizer=fast, top_k=1)
+    text = "The dog[MASK] sat."
+    (want,) = pipeline(text)
+    report = run_json(capsys, "fill-mask", "--ckpt", str(tmp_path), text, "--json")
+    assert report["masks"][0]["candidates"][0]["token"] == want["token_str"] == "##s"
+    assert report["filled"] == want["sequence"] == "the dogs sat."
+    assert main(["fill-mask", "--ckpt", str(tmp_path), text]) == 0
+    assert capsys.readouterr().out.endswith("filled: the dogs sat.\n")
+    # several masks: each filled in (the pipeline's sequences fill one each), as decoded
+    report = run_json(capsys, "fill-mask", "--ckpt", str(tmp_path), "cat[MASK] [MASK]", "--json")
+    ids = [11 if i == fast.mask_token_id else i for i in fast("cat[MASK] [MASK]")["input_ids"]]
+    assert report["filled"] == fast.decode(ids, skip_special_tokens=True) == "catss"
+
+
 def test_fine_tuning_an_imported_bert_on_mlm(tmp_path, monkeypatch):
     """``attnlab train --init-from BERT_FOLDER --task mlm``: the WordPiece stream (whose
     tokens do not spell out the text) is split into its documents, tokens are masked with

@@ -72,7 +72,7 @@ def test_seeded_sampling_is_reproducible():
         ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
         ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-        ({"max_new_tokens": -1}, "max_new_tokens must be >= 0"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0"),
     ],
 )
 def test_sampling_argument_errors(kwargs, match):
@@ -349,3 +349,80 @@ def test_sampling_keeps_float64_logits():
     1 and 1 + 1e-12 tie and top_k=1 took the first)."""
     logits = torch.tensor([[1.0, 1.0 + 1e-12, -3.0]], dtype=torch.float64)
     assert sample_next(logits, temperature=1.0, top_k=1).tolist() == [1]
+
+
+# --------------------------------------------------------------------------- one interface
+# Every model kind's generate takes the same names with the same meaning, and refuses what
+# it does not support with a one-line ValueError (not a TypeError from a keyword or a check).
+
+
+def _kinds():
+    from attnlab.models import XLConfig
+    from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
+    from attnlab.models.seq2seq import Seq2SeqConfig
+
+    torch.manual_seed(0)
+    xl = build_model(XLConfig(vocab_size=40, d_model=16, n_layers=1, mem_len=8)).eval()
+    s2s = build_model(Seq2SeqConfig(vocab_size=12, src_vocab_size=10, share_embeddings=False,
+                                    max_seq_len=16, d_model=16, n_layers=1)).eval()  # fmt: skip
+    gru = GRUSeq2Seq(RNNSeq2SeqConfig(src_vocab_size=10, vocab_size=12, embed_dim=8,
+                                      hidden_dim=8)).eval()  # fmt: skip
+    return xl, s2s, gru
+
+
+def test_stop_tokens_and_eos_id_take_one_id_or_any_sequence_of_ids(model):
+    from attnlab.generation import beam_search
+
+    xl, _, _ = _kinds()
+    for lm in (model, xl):
+        greedy = lm.generate([1, 2, 3], 8)
+        stop = greedy[3]
+        want = greedy[: greedy.index(stop)]
+        for stops in (stop, np.int64(stop), [np.int64(stop)], np.array([stop, 0]),
+                      torch.tensor([stop]), (stop,)):  # fmt: skip
+            assert lm.generate([1, 2, 3], 8, stop_tokens=stops) == want, stops
+    beams = beam_search(model, [1, 2, 3], 4, num_beams=2, eos_id=[7])
+    assert beam_search(model, [1, 2, 3], 4, num_beams=2, eos_id=np.int64(7)) == beams
+    assert beam_search(model, [1, 2, 3], 4, num_beams=2, eos_id=torch.tensor([7])) == beams
+    for bad in ("5", [1.5], [-1]):
+        with pytest.raises(ValueError, match="stop_tokens must be"):
+            model.generate([1, 2, 3], 4, stop_tokens=bad)
+    with pytest.raises(ValueError, match="eos_id must be"):
+        beam_search(model, [1, 2, 3], 4, num_beams=2, eos_id=2.0)
+
+
+def test_seed_and_max_new_tokens_mean_the_same_for_every_kind(model):
+    xl, s2s, gru = _kinds()
+    src = torch.tensor([[4, 5, 6]])
+    for lm in (model, xl):  # a numpy seed is a seed
+        sampled = lm.generate([1, 2], 5, temperature=1.0, seed=3)
+        assert lm.generate([1, 2], 5, temperature=1.0, seed=np.int64(3)) == sampled
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            lm.generate([1, 2], 5, temperature=1.0, seed=1.5)
+        assert lm.generate([1, 2], 0) == []
+    for m, prompt in ((model, [1, 2]), (xl, [1, 2]), (s2s, src), (gru, src)):
+        for bad in (-1, 2.5):
+            with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+                m.generate(prompt, bad)
+        with pytest.raises(ValueError, match=r"num_beams \(beam_width\) must be an integer"):
+            m.generate(prompt, 3, num_beams=True)
+    for m in (s2s, gru):  # no new tokens, greedy or beams (beams failed on 0)
+        assert m.generate(src, 0) == m.generate(src, 0, num_beams=2) == [[]]
+
+
+def test_options_a_kind_does_not_support_are_one_line_value_errors():
+    xl, s2s, gru = _kinds()
+    src = torch.tensor([[4, 5, 6]])
+    assert xl.generate([1, 2], 3, num_beams=1, length_penalty=0.6) == xl.generate([1, 2], 3)
+    assert xl.generate([1, 2], 3, pad_id=0) == xl.generate([1, 2], 3)  # as DecoderLM's
+    with pytest.raises(ValueError, match="num_beams=2: Transformer-XL has no beam search"):
+        xl.generate([1, 2], 3, num_beams=2)
+    for m, name in ((s2s, "Seq2SeqModel"), (gru, "GRUSeq2Seq")):
+        for option, value in (("temperature", 0.7), ("top_k", 5), ("seed", 0),
+                              ("stop_tokens", [1])):  # fmt: skip
+            with pytest.raises(ValueError, match=f"{name}.generate does not take {option}: "):
+                m.generate(src, 3, **{option: value})
+        with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+            m.generate(src, 3, temprature=0.7)  # a misspelling stays Python's error
+    with pytest.raises(ValueError, match="deterministic and cached; drop use_cache=False"):
+        s2s.generate(src, 3, num_beams=2, use_cache=False)  # (it used the cache silently)

@@ -10,6 +10,8 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_device_argument,
+    add_dtype_argument,
     add_tokenizer_argument,
     load_text_task,
     positive_int,
@@ -36,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="longest answer in tokens (default: the task's max_answer_tokens)",
     )
     add_tokenizer_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model, cfg, codec, opts = load_text_task(
-        args.ckpt, device, "question-answering", "answer", args.tokenizer
+        args.ckpt, device, "question-answering", "answer", args.tokenizer, args.dtype
     )
     if not args.context.strip():
         raise CLIError("--context is empty; give the text that holds the answer")

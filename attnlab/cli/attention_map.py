@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING
 
 from attnlab.cli.common import (
     CLIError,
+    add_device_argument,
+    add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
     positive_int,
+    refuse_tokenizer_option,
     require_tokenizer,
     resolve_device,
     token_ids,
@@ -67,7 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=positive_int, metavar="N", help="seq2seq: longest translation"
     )
     add_tokenizer_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
+    add_dtype_argument(p)
     p.set_defaults(handler=run)
 
 
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.attention_maps import AttentionMapError, draw_attention, save_png
 
     device = resolve_device(args.device)
-    model, cfg, vocab = load_for_inference(args.ckpt, device)
+    model, cfg, vocab = load_for_inference(args.ckpt, device, args.dtype)
     arch = cfg.model.arch
     if arch not in ARCHS:
         raise CLIError(
@@ -86,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{option} is for ViT checkpoints; {args.ckpt} holds a {arch!r} model")
     if arch != "seq2seq" and (args.target is not None or args.target_ids is not None):
         raise CLIError(f"--target is for seq2seq checkpoints; {args.ckpt} holds a {arch!r} model")
+    if arch != "seq2seq" and args.max_new_tokens is not None:
+        raise CLIError(
+            f"--max-new-tokens is for seq2seq checkpoints; {args.ckpt} holds a {arch!r} model"
+        )
+    if arch == "vit":
+        refuse_tokenizer_option(args.tokenizer, f"{args.ckpt} is a ViT")
     draw = {"decoder": _text_grids, "encoder": _text_grids, "seq2seq": _seq2seq_grids,
             "vit": _vit_grids}[arch]  # fmt: skip
     try:

@@ -18,9 +18,12 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_device_argument,
+    add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
     positive_int,
+    refuse_tokenizer_option,
     resolve_device,
     tokenizer_option,
 )
@@ -52,7 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--invert", action="store_true", help="images: use 1 - pixel (dark on light)")
     p.add_argument("--top", type=positive_int, default=3, metavar="K", help="classes shown")
     add_tokenizer_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -95,15 +99,14 @@ def load_image(path: str, channels: int, height: int, width: int) -> torch.Tenso
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    model, cfg, tokenizer = load_for_inference(args.ckpt, device)
+    model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     if cfg.task == "text-classification":
         if args.invert:
             raise CLIError("--invert applies to images; this is a text-classification checkpoint")
         tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.model.vocab_size)
         report = classify_texts(model, cfg, tokenizer, args.inputs, args.top, device, args.ckpt)
     elif cfg.model.arch == "vit":  # trained for image-classification, or an imported ViT
-        if args.tokenizer:
-            raise CLIError("--tokenizer applies to texts; this is an image classifier")
+        refuse_tokenizer_option(args.tokenizer, f"{args.ckpt} is an image classifier")
         report = classify_images(model, cfg, args.inputs, args.invert, args.top, device)
     else:
         raise CLIError(

@@ -193,7 +193,13 @@ def check_dir(path: str | Path, what: str) -> Path:
     return path
 
 
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """``--device`` of a command that runs a model (checked by :func:`resolve_device`)."""
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+
+
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` of a command that loads a model (passed to :func:`load_for_inference`)."""
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),
@@ -244,6 +250,14 @@ def add_tokenizer_argument(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="tokenizer.json to use instead of the checkpoint's (for checkpoints without one)",
     )
+
+
+def refuse_tokenizer_option(path: str | None, what: str) -> None:
+    """``--tokenizer FILE`` given for a model that reads no text tokenizer (``what`` says
+    which: an image classifier, the numbers task's character vocabularies): one CLIError,
+    never a silently unused option."""
+    if path is not None:
+        raise CLIError(f"--tokenizer applies to models that read text with a tokenizer; {what}")
 
 
 def tokenizer_option(path: str | None, tokenizer: Tokenizer | None, vocab_size: int):
@@ -298,14 +312,21 @@ def human_bytes(n: float) -> str:
 # ------------------------------------------------------------------ encoder text tasks
 
 
-def load_text_task(path: str | Path, device: str, task: str, command: str, tokenizer_file=None):
+def load_text_task(
+    path: str | Path,
+    device: str,
+    task: str,
+    command: str,
+    tokenizer_file=None,
+    dtype: str | torch.dtype = "float32",
+):
     """(model, RunConfig, TextCodec, the task's parsed data options) of a checkpoint of the
     encoder text ``task`` (trained, or an imported Hugging Face BERT with that head), its
-    tokenizer replaced by ``tokenizer_file`` when given; one CLIError naming the preset
-    otherwise."""
+    weights in ``dtype`` and its tokenizer replaced by ``tokenizer_file`` when given; one
+    CLIError naming the preset otherwise."""
     from attnlab.tasks import TASKS
 
-    model, cfg, tokenizer = load_for_inference(path, device)
+    model, cfg, tokenizer = load_for_inference(path, device, dtype)
     if cfg.task != task:
         preset = TASKS[task].preset
         raise CLIError(

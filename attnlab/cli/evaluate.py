@@ -15,10 +15,12 @@ import numpy as np
 
 from attnlab.cli.common import (
     CLIError,
+    add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
     positive_int,
+    refuse_tokenizer_option,
     require_tokenizer,
     resolve_device,
     tokenizer_option,
@@ -63,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="overlapping windows of the block size moved by S tokens: each token scored "
         "once with at least block - S tokens of context (S <= block size)",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
     add_dtype_argument(p)
     add_tokenizer_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -98,7 +100,15 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--errors applies to the text of --data; give --data PATH or drop it")
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
-    tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.model.vocab_size)
+    from attnlab.data.numbers import CharVocabPair
+
+    if cfg.model.arch == "vit":
+        refuse_tokenizer_option(args.tokenizer, f"{args.ckpt} is an image classifier")
+    elif isinstance(tokenizer, CharVocabPair):
+        what = f"{args.ckpt} is a numbers checkpoint with its own character vocabularies"
+        refuse_tokenizer_option(args.tokenizer, what)
+    else:
+        tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.model.vocab_size)
     if cfg.task in LM_TASKS:
         report = _language_modelling(args, model, cfg, tokenizer, device)
     else:

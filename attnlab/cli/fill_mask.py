@@ -10,6 +10,11 @@ How the text becomes ids depends on where ``[MASK]`` lives:
   the text is cut at each ``[MASK]``, the pieces are encoded and the mask id put between
   them; with byte-level BPE a space right before ``[MASK]`` belongs to the masked token
   (as "Ġcat" carries its space), so "the [MASK] sat" predicts " cat".
+
+The filled-in text ("filled:") is the tokenizer's decode of the ids with each mask's best
+token in place, special tokens left out, in the first case (the pipeline's ``sequence``:
+WordPiece's "##s" joins its word, the text as normalised), and the text's pieces with the
+tokens between them in the second.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_device_argument,
+    add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
     positive_int,
@@ -49,7 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("text", metavar="TEXT", help='text with [MASK] in it, e.g. "The c[MASK]t"')
     p.add_argument("--top-k", type=positive_int, default=5, metavar="K", help="default 5")
     add_tokenizer_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -93,7 +101,8 @@ def fill_mask(
     model, tokenizer: Tokenizer, text: str, top_k: int, max_seq_len: int, device: str = "cpu"
 ) -> dict:
     """{"text", "filled", "masks": [{"position", "candidates": [{"token", "id", "prob"}]}]}
-    for every [MASK] of ``text`` in order; "filled" puts each mask's top token in place."""
+    for every [MASK] of ``text`` in order; "filled" puts each mask's top token in place
+    (see the module docstring)."""
     if MASK not in text:
         raise CLIError(f"no {MASK} in the text; write {MASK} where a token is to be predicted")
     ids, pieces, mask_id = masked_ids(text, tokenizer, model.cfg.vocab_size)
@@ -115,13 +124,21 @@ def fill_mask(
         ]
         masks.append({"position": position, "candidates": candidates})
         best.append(candidates[0]["token"])
-    filled = pieces[0] + "".join(token + piece for token, piece in zip(best, pieces[1:]))
+    if mask_id < tokenizer.vocab_size:  # the tokenizer's own [MASK] (an HF BERT's)
+        # its decode of the filled ids, special tokens left out, as the fill-mask
+        # pipeline's "sequence": WordPiece joins "dog ##s" into "dogs"
+        ids = list(ids)
+        for position, mask in zip(positions, masks):
+            ids[position] = mask["candidates"][0]["id"]
+        filled = tokenizer.hf.decode(ids, skip_special_tokens=True)
+    else:  # the text's own pieces, each mask's token between them
+        filled = pieces[0] + "".join(token + piece for token, piece in zip(best, pieces[1:]))
     return {"text": text, "filled": filled, "masks": masks}
 
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    model, cfg, tokenizer = load_for_inference(args.ckpt, device)
+    model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     head = getattr(cfg.model, "head", None)
     if cfg.model.arch != "encoder" or head != "mlm":
         what = f"arch {cfg.model.arch!r}" + (f", head {head!r}" if head else "")

@@ -23,6 +23,7 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
@@ -108,7 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="A",
         help="beam scores are log p / length**A (default 1.0)",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
     add_dtype_argument(p)
     p.add_argument(
         "--ignore-eos",

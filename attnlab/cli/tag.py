@@ -12,7 +12,14 @@ from collections.abc import Sequence
 
 import torch
 
-from attnlab.cli.common import add_tokenizer_argument, label_names, load_text_task, resolve_device
+from attnlab.cli.common import (
+    add_device_argument,
+    add_dtype_argument,
+    add_tokenizer_argument,
+    label_names,
+    load_text_task,
+    resolve_device,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
     p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to tag")
     add_tokenizer_argument(p)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON list, one object a text")
     p.set_defaults(handler=run)
 
@@ -78,7 +86,7 @@ def tag_text(
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, cfg, codec, _ = load_text_task(
-        args.ckpt, device, "token-classification", "tag", args.tokenizer
+        args.ckpt, device, "token-classification", "tag", args.tokenizer, args.dtype
     )
     labels = label_names(cfg)
     reports = [

@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING
 
 from attnlab.cli.common import (
     CLIError,
+    add_device_argument,
+    add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
     positive_int,
+    refuse_tokenizer_option,
     resolve_device,
     token_ids,
     tokenizer_option,
@@ -71,7 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-new-tokens", type=positive_int, metavar="N", help="default: max_seq_len - 1"
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")
+    add_device_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -157,7 +161,7 @@ def _labels(vocab, ids: list[int]) -> list[str]:
 def load_seq2seq(args: argparse.Namespace, device: str):
     """(model, RunConfig, Seq2SeqText) of ``args.ckpt``; CLIError unless it is an
     encoder-decoder."""
-    model, cfg, vocab = load_for_inference(args.ckpt, device)
+    model, cfg, vocab = load_for_inference(args.ckpt, device, args.dtype)
     if cfg.model.arch not in SEQ2SEQ_ARCHS:
         raise CLIError(
             f"{args.ckpt} holds a {cfg.model.arch!r} model; this command needs a seq2seq "
@@ -173,7 +177,10 @@ def seq2seq_text(
     ``--tokenizer FILE`` or its own tokenizer (maybe none)."""
     from attnlab.data.numbers import CharVocabPair
 
-    if not isinstance(vocab, CharVocabPair):
+    if isinstance(vocab, CharVocabPair):
+        what = f"{args.ckpt} is a numbers checkpoint with its own character vocabularies"
+        refuse_tokenizer_option(args.tokenizer, what)
+    else:
         src_vocab = getattr(cfg.model, "source_vocab_size", cfg.model.vocab_size)
         vocab = tokenizer_option(args.tokenizer, vocab, src_vocab)
     return Seq2SeqText(cfg, vocab, args.ckpt, id_options)

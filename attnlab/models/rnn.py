@@ -27,7 +27,13 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from attnlab.config import ModelConfig, _fail, _positive, register_model_config
 from attnlab.functional.softmax import softmax_dtype
-from attnlab.generation import Hypothesis, beam_search_core, check_beam_search
+from attnlab.generation import (
+    Hypothesis,
+    beam_search_core,
+    check_beam_search,
+    check_decoding,
+    refuse_options,
+)
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import ModelOutput
@@ -253,9 +259,15 @@ class GRUSeq2Seq(nn.Module):
         length_penalty: float = 0.0,
         n_best: int = 1,
         style: str = "gnmt",
+        **options,
     ) -> list[list[int]] | list[list[list[int]]]:
         """The Transformer encoder-decoder's decoding interface: the new tokens of each row
-        (EOS not included), greedy or beam search; with ``n_best`` > 1 the n best per row."""
+        (EOS not included), greedy or beam search; with ``n_best`` > 1 the n best per row.
+        The language models' sampling and stop options are refused by name."""
+        refuse_options("GRUSeq2Seq.generate", options)
+        check_decoding(max_new_tokens, num_beams, n_best)
+        if max_new_tokens == 0:  # no new tokens, as a language model's generate
+            return [[] if n_best == 1 else [[]] for _ in range(src.shape[0])]
         modes = enter_eval(self)
         try:
             if num_beams == 1 and n_best == 1:

@@ -266,14 +266,25 @@ class Seq2SeqModel(nn.Module):
         n_best: int = 1,
         use_cache: bool = True,
         style: str = "transformers",
+        **options,
     ) -> list[list[int]] | list[list[list[int]]]:
         """Translate each row of ``src`` (b, s): greedy (``num_beams`` 1) or beam search.
         Returns the new tokens of each row (``eos_id`` not included), or with ``n_best`` > 1
         a list of the n best per row, best first. See :func:`beam_search_core` for the
         scoring (``style``: that of transformers' ``generate(early_stopping=True)``, or
-        GNMT's). Tokens of ``cfg.blocked_ids`` are never generated."""
-        from attnlab.generation import beam_search_core
+        GNMT's). Tokens of ``cfg.blocked_ids`` are never generated. The language models'
+        sampling and stop options are refused by name (decoding ends at ``cfg.eos_id``)."""
+        from attnlab.generation import beam_search_core, check_decoding, refuse_options
 
+        refuse_options("Seq2SeqModel.generate", options)
+        check_decoding(max_new_tokens, num_beams, n_best)
+        if num_beams > 1 and not use_cache:
+            raise ValueError(
+                f"beam search (num_beams={num_beams}) is deterministic and cached; drop "
+                "use_cache=False"
+            )
+        if max_new_tokens == 0:  # no new tokens, as a language model's generate
+            return [[] if n_best == 1 else [[]] for _ in range(src.shape[0])]
         modes = enter_eval(self)
         try:
             b, eos = src.shape[0], self.cfg.eos_id

@@ -217,14 +217,16 @@ class TransformerXL(nn.Module):
         generator: torch.Generator | None = None,
         stop_tokens=None,
         use_cache: bool = True,
+        pad_id: int = 0,
         compile: bool | str = False,
         overflow: str = "slide",
     ):
         """Yield new tokens as :meth:`DecoderLM.stream` does (an int per step for one prompt,
         a list with an int or None per row for a batch), decoding with the segment memory.
         The memory is this model's cache (``use_cache=False`` is refused) and its steps run
-        eagerly (``compile`` is accepted and ignored); ``overflow`` does not apply."""
-        from attnlab.generation import OVERFLOW_MODES, check_request, check_sampling
+        eagerly (``compile`` is accepted and ignored); ``overflow`` and ``pad_id`` do not
+        apply (each row decodes alone, unpadded)."""
+        from attnlab.generation import OVERFLOW_MODES, check_request, check_sampling, stop_ids
 
         check_sampling(temperature, top_k, top_p)
         if compile not in (True, False, "auto") or overflow not in OVERFLOW_MODES:
@@ -236,13 +238,29 @@ class TransformerXL(nn.Module):
             raise ValueError("Transformer-XL decodes with its segment memory: use_cache=True")
         rows, single, generator = check_request(self, prompts, max_new_tokens, seed, generator)
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        return self._stream(rows, single, max_new_tokens, sampling, set(stop_tokens or ()))
+        return self._stream(rows, single, max_new_tokens, sampling, set(stop_ids(stop_tokens)))
 
-    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 32,
+        *,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        **kwargs,
+    ):
         """The new tokens of :meth:`stream`: a list for one prompt, a list of lists for a
-        batch (each row ends before its first stop token)."""
-        from attnlab.generation import _as_batch, collect
+        batch (each row ends before its first stop token). Greedy or sampled only: the
+        segment memory has no beam search (``num_beams`` > 1 is refused; ``length_penalty``,
+        a beam option, does not apply)."""
+        from attnlab.generation import _as_batch, check_num_beams, collect
 
+        check_num_beams(num_beams)
+        if num_beams > 1:
+            raise ValueError(
+                f"num_beams={num_beams}: Transformer-XL has no beam search (its segment memory "
+                "is not reordered per beam); decode greedily or sample with num_beams=1"
+            )
         rows, single = _as_batch(prompts)
         return collect(self.stream(prompts, max_new_tokens, **kwargs), single, len(rows))
 
