@@ -11,7 +11,7 @@ import numbers
 import types
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -137,7 +137,7 @@ def check_max_new_tokens(max_new_tokens) -> None:
 
 
 def stop_ids(tokens, name: str = "stop_tokens") -> list[int]:
-    """The end token(s) as a sorted list of ints: None (none), one id, or a sequence, numpy
+    """The end token(s) as a sorted list of ints: None (none), one id, or any iterable, numpy
     array or tensor of ids (transformers' ``eos_token_id`` is an int or a list)."""
     if tokens is None:
         return []
@@ -145,8 +145,10 @@ def stop_ids(tokens, name: str = "stop_tokens") -> list[int]:
         tokens = tokens.tolist()
     if _is_int(tokens):
         tokens = [tokens]
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, set, frozenset)):
+    # any iterable of ids, as set(stop_tokens) took them (dict.values(), a generator)
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
         raise ValueError(f"{name} must be a token id or a list of them, got {tokens!r}")
+    tokens = list(tokens)
     bad = next((tok for tok in tokens if not _is_int(tok) or tok < 0), None)
     if bad is not None:
         raise ValueError(f"{name} must be token ids (integers >= 0), got {bad!r}")

@@ -426,3 +426,22 @@ def test_options_a_kind_does_not_support_are_one_line_value_errors():
             m.generate(src, 3, temprature=0.7)  # a misspelling stays Python's error
     with pytest.raises(ValueError, match="deterministic and cached; drop use_cache=False"):
         s2s.generate(src, 3, num_beams=2, use_cache=False)  # (it used the cache silently)
+
+
+def test_stop_tokens_take_any_iterable_of_ids_as_before(model):
+    # set(stop_tokens) took a dict's values or a generator; the shared check refused them
+    greedy = model.generate([1, 2, 3], 8)
+    want = greedy[: greedy.index(greedy[3])]
+    for stops in ({"eos": greedy[3]}.values(), (t for t in [greedy[3]])):
+        assert model.generate([1, 2, 3], 8, stop_tokens=stops) == want
+
+
+def test_seq2seq_beam_search_takes_one_source_mask_for_every_row():
+    # encode takes a (1, s) src_mask for every row; the beams' index_select on it failed
+    _, s2s, _ = _kinds()
+    src = torch.tensor([[4, 5, 6, 7], [7, 6, 5, 4]])
+    one = torch.ones(1, 4, dtype=torch.bool)
+    full = one.expand(2, -1)
+    for beams in (1, 2):
+        want = s2s.generate(src, 4, src_mask=full, num_beams=beams)
+        assert s2s.generate(src, 4, src_mask=one, num_beams=beams) == want

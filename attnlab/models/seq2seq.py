@@ -293,7 +293,8 @@ class Seq2SeqModel(nn.Module):
             if num_beams == 1 and n_best == 1:
                 return self._greedy(start, memory, src_mask, max_new_tokens, use_cache)
             cache = self.new_cache(b, max_new_tokens + 1)
-            state = {"mask": src_mask}
+            # a (1, s) mask (encode takes one for every row) is reordered per beam row
+            state = {"mask": None if src_mask is None else src_mask.expand(b, -1)}
 
             def advance(source: Tensor, tokens: Tensor) -> Tensor:
                 cache.reorder(source)  # the cross keys/values follow their rows
