@@ -234,6 +234,47 @@ def test_corrupt_cache_is_rebuilt(corpus_dir, tmp_path):
     np.testing.assert_array_equal(second.train, first.train)
 
 
+@pytest.mark.parametrize("damage", ["empty", "garbled-header", "shorter", "meta-mismatch"])
+def test_damaged_token_cache_is_rebuilt(corpus_dir, tmp_path, damage):
+    """An empty stream file (a crash after the rename, before the data reached the disk)
+    crashed with EOFError; a stream that reads as a valid but different array (a garbled
+    .npy header), or a meta file of another stream, was used as it was."""
+    cache = tmp_path / "cache"
+    cfg = DataConfig(path=str(corpus_dir))
+    first = prepare_data(cfg, cache_dir=cache)
+    file = first.cache_file
+    if damage == "empty":
+        file.write_bytes(b"")
+    elif damage == "garbled-header":
+        file.write_bytes(file.read_bytes().replace(b"}", b" ", 1))  # tokenize.TokenError
+    elif damage == "shorter":
+        np.save(file, np.asarray(first.train[:50]))
+    else:
+        meta = file.with_suffix(".json")
+        meta.write_text(meta.read_text().replace('"doc_starts": [', '"doc_starts": [99999999, ', 1))
+    second = prepare_data(cfg, cache_dir=cache)
+    assert not second.from_cache
+    np.testing.assert_array_equal(second.train, first.train)
+    np.testing.assert_array_equal(second.val, first.val)
+    np.testing.assert_array_equal(second.doc_starts, first.doc_starts)
+    assert prepare_data(cfg, cache_dir=cache).from_cache  # rewritten
+
+
+def test_unreadable_or_foreign_tokenizer_cache_is_retrained(corpus_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cfg = DataConfig(path=str(corpus_dir))
+    first = prepare_data(cfg, cache_dir=cache)
+    (entry,) = cache.glob("tokenizer-char-*.json")
+    entry.write_text(train_tokenizer("bpe", ["some other text"], 300).to_json())
+    assert prepare_data(cfg, cache_dir=cache).tokenizer.to_json() == first.tokenizer.to_json()
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(lm, "load_tokenizer", unreadable)  # another user's 0600 file
+    assert prepare_data(cfg, cache_dir=cache).tokenizer.to_json() == first.tokenizer.to_json()
+
+
 def test_cache_location_from_env_and_cwd(corpus_dir, tmp_path, monkeypatch):
     cfg = DataConfig(path=str(corpus_dir))
     monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "env_cache"))

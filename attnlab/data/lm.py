@@ -232,8 +232,8 @@ def _load_cached_tokens(file: Path, dtype: np.dtype) -> np.ndarray | None:
         return None
     try:
         tokens = np.load(file, mmap_mode="r")
-    except (OSError, ValueError):
-        return None  # unreadable (e.g. truncated by a crash before atomic writes): rebuild
+    except Exception:  # noqa: BLE001 - any unreadable entry (empty: EOFError; a garbled
+        return None  # header: ValueError or tokenize.TokenError; truncated...): rebuild
     if tokens.ndim != 1 or tokens.dtype != dtype:
         return None
     return tokens
@@ -274,9 +274,11 @@ def _cached_tokenizer(cfg: DataConfig, corpus: _Corpus, cache: Path) -> Tokenize
     file = cache / f"tokenizer-{cfg.tokenizer}-{key}.json"
     if file.is_file():
         try:
-            return load_tokenizer(file)
-        except TokenizerError:
-            pass  # corrupt cache entry: retrain and overwrite
+            cached = load_tokenizer(file)
+            if getattr(cached, "kind", None) == cfg.tokenizer:
+                return cached
+        except (TokenizerError, OSError):
+            pass  # a corrupt, unreadable or foreign cache entry: retrain and overwrite
     tokenizer = train_tokenizer(cfg.tokenizer, [corpus.text], cfg.bpe_vocab_size)
     try:
         atomic_write_text(file, tokenizer.to_json())
@@ -313,6 +315,15 @@ def prepare_data(
             meta = json.loads(meta_file.read_text())
             n_chars = meta["n_chars"]
             doc_starts = np.asarray(meta["doc_starts"], dtype=np.int64)
+            # a stream whose length is not the one written (a garbled .npy header reads
+            # as a shorter array) or whose document starts lie outside it is not used
+            if (
+                meta["n_tokens"] != len(tokens)
+                or doc_starts.ndim != 1
+                or (doc_starts.size and (doc_starts.min() < 0 or doc_starts.max() > len(tokens)))
+                or np.any(np.diff(doc_starts) < 0)
+            ):
+                raise ValueError("the cached stream does not match its meta file")
         except (OSError, ValueError, KeyError, TypeError):
             tokens = None  # a stream cached without its document starts: encode again
     from_cache = tokens is not None
@@ -329,6 +340,7 @@ def prepare_data(
             meta = {
                 "sources": [s.name for s in corpus.sources],
                 "n_chars": n_chars,
+                "n_tokens": len(tokens),
                 "doc_starts": doc_starts.tolist(),
             }
             atomic_write_text(meta_file, json.dumps(meta, indent=1) + "\n")
