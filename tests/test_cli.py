@@ -764,6 +764,19 @@ def test_bad_input_in_a_real_process(work, tmp_path):
 # ------------------------------------------------------------------ fine-tuning
 
 
+def test_init_from_with_a_lower_lr_keeps_min_lr_a_tenth_of_it(work, capsys):
+    # Fine-tuning's min_lr is a tenth of its lr; a --set train.lr below the default min_lr
+    # failed on "train.min_lr: must be <= train.lr", a setting the user never gave.
+    argv = ["train", "--init-from", str(work / "run"), "--print-config"]
+    code, out, err = run_main([*argv, "--set", "train.lr=1e-6"], capsys)
+    assert code == 0, err
+    train_cfg = json.loads(out)["train"]
+    assert (train_cfg["lr"], train_cfg["min_lr"]) == (1e-6, pytest.approx(1e-7))
+    code, out, err = run_main([*argv, "--set", "train.lr=1e-6", "--set", "train.min_lr=0"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["train"]["min_lr"] == 0
+
+
 def test_init_from_fine_tunes_an_imported_hf_model(tmp_path, capsys, monkeypatch):
     """`attnlab train --init-from HF_FOLDER --data FILE`: a tiny random LLaMA saved by
     transformers (vocabulary padded past its tokenizer's, as Qwen2 / Llama 3 do) is

@@ -155,6 +155,19 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
         overrides["train.time_budget"] = args.time_budget
     if args.save_every is not None:
         overrides["train.save_every"] = args.save_every
+    lr = overrides.get("train.lr")
+    if (
+        args.init_from is not None
+        and args.preset is None
+        and "train.min_lr" not in overrides
+        and isinstance(lr, (int, float))
+        and not isinstance(lr, bool)
+    ):
+        # fine-tuning's min_lr was a tenth of its default lr: it stays a tenth of the given
+        # one (else a lower --set train.lr failed on a min_lr the user never set)
+        from attnlab.training.trainer import FINETUNE_LR_FACTOR
+
+        overrides["train.min_lr"] = lr * FINETUNE_LR_FACTOR
     if overrides:
         cfg = cfg.override(overrides)
     if args.init_from is not None and args.preset is None:
