@@ -65,10 +65,7 @@ HEAD_ARCHITECTURES = {
 }
 ARCHITECTURES = {"bert": tuple(HEAD_ARCHITECTURES)}
 
-# transformers' class defaults (BertConfig) for the config.json keys read here: a key
-# missing from config.json is read as its default, as from_pretrained fills it
-# (tests/test_interop_defaults.py checks them against the installed transformers).
-# Keys whose class default is None are left out (read as missing).
+# transformers' class defaults (BertConfig) for the config.json keys read here (Family.defaults).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "bert": {
         "vocab_size": 30522,

@@ -56,9 +56,7 @@ ARCHITECTURES = {
 }
 
 # transformers' class defaults (DeepseekV2Config, DeepseekV3Config) for the config.json keys
-# read here: a key missing from config.json is read as its default, as from_pretrained
-# fills it (tests/test_interop_defaults.py checks them against the installed transformers).
-# Keys whose class default is None are left out (read as missing).
+# read here (Family.defaults).
 _COMMON = {
     "hidden_act": "silu",
     "initializer_range": 0.02,

@@ -38,10 +38,9 @@ from attnlab.interop.io import (
 
 ARCHITECTURES = {"deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Model")}
 _INDEX_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
-# transformers' class defaults (DeepseekV32Config) for the config.json keys read here: a
-# key missing from config.json is read as its default, as from_pretrained fills it
-# (tests/test_interop_defaults.py checks them against the installed transformers). V3's,
-# but for the longer context, the indexer and no rope_interleave (V3.2 always interleaves).
+# transformers' class defaults (DeepseekV32Config) for the config.json keys read here
+# (Family.defaults): V3's, but for the longer context, the indexer and no rope_interleave
+# (V3.2 always interleaves).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v32": {
         **{k: v for k, v in v3.DEFAULTS["deepseek_v3"].items() if k != "rope_interleave"},

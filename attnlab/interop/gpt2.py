@@ -35,10 +35,7 @@ from attnlab.interop.io import (
 
 ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model")}
 
-# transformers' class defaults (GPT2Config) for the config.json keys read here: a key
-# missing from config.json is read as its default, as from_pretrained fills it
-# (tests/test_interop_defaults.py checks them against the installed transformers).
-# Keys whose class default is None are left out (read as missing).
+# transformers' class defaults (GPT2Config) for the config.json keys read here (Family.defaults).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": {
         "vocab_size": 50257,

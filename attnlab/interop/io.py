@@ -578,7 +578,9 @@ class Family:
     architectures: dict[str, tuple[str, ...]]
     config_from_hf: Callable[[dict[str, Any], str], ModelConfig]
     # model_type -> transformers' class defaults of the config.json keys config_from_hf
-    # reads, filled in where config.json lacks a key (as transformers' config class does).
+    # reads, filled in where config.json lacks a key (as from_pretrained fills it); keys
+    # whose class default is None are left out (read as missing). The families' tables
+    # are checked against the installed transformers (tests/test_interop_defaults.py).
     defaults: dict[str, dict[str, Any]]
     config_to_hf: Callable[[ModelConfig, str, torch.dtype], dict[str, Any]]
     weights_to_attnlab: Callable[[Source, ModelConfig], Plan]

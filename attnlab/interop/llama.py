@@ -47,10 +47,8 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
 }
 
-# transformers' class defaults (LlamaConfig, MistralConfig, Qwen2Config) for the config.json keys
-# read here: a key missing from config.json is read as its default, as from_pretrained
-# fills it (tests/test_interop_defaults.py checks them against the installed transformers).
-# Keys whose class default is None are left out (read as missing).
+# transformers' class defaults (LlamaConfig, MistralConfig, Qwen2Config) for the config.json
+# keys read here (Family.defaults).
 _COMMON = {
     "hidden_act": "silu",
     "initializer_range": 0.02,

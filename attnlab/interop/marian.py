@@ -56,10 +56,7 @@ from attnlab.nn.embedding import sinusoidal_table
 # MarianModel (no "model." prefix, no logits bias or head) is refused by name.
 ARCHITECTURES = {"marian": ("MarianMTModel",)}
 
-# transformers' class defaults (MarianConfig) for the config.json keys read here: a key
-# missing from config.json is read as its default, as from_pretrained fills it
-# (tests/test_interop_defaults.py checks them against the installed transformers).
-# Keys whose class default is None are left out (read as missing).
+# transformers' class defaults (MarianConfig) for the config.json keys read here (Family.defaults).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "marian": {
         "vocab_size": 58101,

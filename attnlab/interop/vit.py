@@ -50,10 +50,7 @@ from attnlab.models.vit import ViTConfig
 
 ARCHITECTURES = {"vit": ("ViTForImageClassification",)}
 
-# transformers' class defaults (ViTConfig) for the config.json keys read here: a key
-# missing from config.json is read as its default, as from_pretrained fills it
-# (tests/test_interop_defaults.py checks them against the installed transformers).
-# Keys whose class default is None are left out (read as missing).
+# transformers' class defaults (ViTConfig) for the config.json keys read here (Family.defaults).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "vit": {
         "hidden_size": 768,
