@@ -29,10 +29,15 @@ if TYPE_CHECKING:
 Prompts = Tensor | np.ndarray | Sequence[int] | Sequence[Sequence[int] | Tensor]
 
 
+def _is_int(value) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     if not temperature >= 0:  # also rejects NaN
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+    if top_k is not None and not _is_int(top_k):
         # (a float reached torch.topk at the first token: a TypeError, after stream() had
         # returned, naming topk's argument 'k')
         raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
@@ -123,11 +128,6 @@ def _prompt_rows(prompts: Prompts) -> tuple[list[list[int]], bool]:
     if bad is not None:
         raise ValueError(f"prompt token ids must be integers, got {bad!r}")
     return rows, single
-
-
-def _is_int(value) -> bool:
-    """A Python or numpy integer (not a bool)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_max_new_tokens(max_new_tokens) -> None:
@@ -749,26 +749,25 @@ def force_tokens(scores: Tensor, ids: Sequence[int]) -> Tensor:
     return torch.full_like(scores, float("-inf")).index_fill(-1, index, 0.0)
 
 
-def check_num_beams(num_beams) -> None:
-    if isinstance(num_beams, bool) or not isinstance(num_beams, numbers.Integral) or num_beams < 1:
+def check_num_beams(num_beams, n_best: int = 1) -> None:
+    """num_beams an integer >= 1, and n_best (the hypotheses kept) from 1 to num_beams."""
+    if not _is_int(num_beams) or num_beams < 1:
         raise ValueError(f"num_beams (beam_width) must be an integer >= 1, got {num_beams!r}")
+    if not _is_int(n_best) or not 1 <= n_best <= num_beams:
+        raise ValueError(f"n_best must be between 1 and num_beams ({num_beams}), got {n_best!r}")
 
 
 def check_decoding(max_new_tokens, num_beams, n_best: int = 1) -> None:
     """An encoder-decoder's ``generate``: max_new_tokens, num_beams and n_best as every
     model's generate takes them (n_best at most num_beams)."""
     check_max_new_tokens(max_new_tokens)
-    check_num_beams(num_beams)
-    if not _is_int(n_best) or not 1 <= n_best <= num_beams:
-        raise ValueError(f"n_best must be between 1 and num_beams ({num_beams}), got {n_best!r}")
+    check_num_beams(num_beams, n_best)
 
 
 def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: float, style: str):
     if style not in BEAM_STYLES:
         raise ValueError(f"style must be one of {', '.join(BEAM_STYLES)}, got {style!r}")
-    check_num_beams(num_beams)
-    if not 1 <= n_best <= num_beams:
-        raise ValueError(f"n_best must be between 1 and num_beams ({num_beams}), got {n_best}")
+    check_num_beams(num_beams, n_best)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens (max_len) must be >= 1, got {max_new_tokens}")
     if style == "gnmt" and not alpha >= 0:  # the stopping bound needs lp to grow; rejects nan
