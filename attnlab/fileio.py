@@ -39,6 +39,12 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
+def error_reason(e: BaseException) -> str:
+    """What went wrong, in a few words: an OSError's strerror ("No space left on device"),
+    else the first line of the message, else the exception's type."""
+    return getattr(e, "strerror", None) or (str(e).splitlines() or [""])[0] or type(e).__name__
+
+
 def usual_permissions(path: str | os.PathLike[str]) -> None:
     """Give a file the permissions a plain ``open(path, "w")`` would (0o666 less the
     umask): some writers (safetensors' ``save_file``) make theirs owner-only."""

@@ -50,7 +50,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 from attnlab.config import ConfigError, RunConfig
-from attnlab.fileio import usual_permissions
+from attnlab.fileio import error_reason, usual_permissions
 from attnlab.models import build_model
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
@@ -187,9 +187,8 @@ def save_checkpoint(
             isinstance(e, RuntimeError) and "inline_container" in str(e)  # torch.save's writer
         )
         if writing:
-            reason = getattr(e, "strerror", None) or (str(e).splitlines() or [""])[0]
             raise OSError(
-                f"{directory}: cannot write the checkpoint ({reason or type(e).__name__}); "
+                f"{directory}: cannot write the checkpoint ({error_reason(e)}); "
                 "nothing in the folder was changed: free disk space or make it writable"
             ) from e
         raise

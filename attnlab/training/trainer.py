@@ -80,6 +80,7 @@ from tqdm.auto import tqdm
 
 from attnlab.allocator import keep_freed_memory
 from attnlab.config import AttentionConfig, ModelConfig, RunConfig
+from attnlab.fileio import error_reason
 from attnlab.models import build_model
 from attnlab.nn.linear import set_layout
 from attnlab.tasks import Task, eval_mode, get_task
@@ -522,8 +523,6 @@ def _fitting_weights(model: nn.Module, weights: dict[str, Tensor], init_from) ->
     """The checkpoint ``weights`` for ``model``, those of another shape (a classifier for
     another number of labels than the task's) replaced by the model's fresh ones, with a
     warning, as transformers' ``from_pretrained(..., ignore_mismatched_sizes=True)`` does."""
-    import warnings
-
     own = model.state_dict()
     fresh = [k for k, w in weights.items() if k in own and own[k].shape != w.shape]
     if fresh:
@@ -1013,10 +1012,8 @@ class Trainer:
         try:
             self.logger.plot()
         except Exception as e:
-            reason = getattr(e, "strerror", None) or (str(e).splitlines() or [""])[0]
             warnings.warn(
-                f"{self.out_dir / PLOT_FILE}: cannot draw the loss plot "
-                f"({reason or type(e).__name__}); "
+                f"{self.out_dir / PLOT_FILE}: cannot draw the loss plot ({error_reason(e)}); "
                 f"training goes on (the numbers are in {METRICS_FILE})",
                 stacklevel=2,
             )
