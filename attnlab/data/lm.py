@@ -107,6 +107,20 @@ class TokenDataset:
         high = len(self.split(split)) - block_size  # exclusive: the last start still has a y
         return torch.randint(0, high, (n,), generator=generator, dtype=torch.int64)
 
+    def windows(self, split: str, starts: Tensor, length: int) -> Tensor:
+        """(n, length) int64: tokens[s : s + length] of ``split`` for each start s (a
+        DataError when a window would run past the split)."""
+        tokens = self.split(split)
+        starts_np = starts.detach().cpu().numpy().astype(np.int64).reshape(-1)
+        if starts_np.size and (starts_np.min() < 0 or starts_np.max() > len(tokens) - length):
+            raise DataError(
+                f"block starts must lie in [0, {len(tokens) - length}] for the {split} "
+                f"split ({len(tokens)} tokens, windows of {length})"
+            )
+        offsets = np.arange(length, dtype=np.int64)
+        windows = tokens[starts_np[:, None] + offsets]  # (n, length): one gather, no loop
+        return torch.from_numpy(windows.astype(np.int64))
+
     def batch(
         self,
         split: str,
@@ -116,18 +130,7 @@ class TokenDataset:
     ) -> tuple[Tensor, Tensor]:
         """Blocks at ``starts`` -> x, y (n, t) int64: x = tokens[s : s + t] and
         y = tokens[s + 1 : s + t + 1], the next token at every position."""
-        tokens = self.split(split)
-        starts_np = starts.detach().cpu().numpy().astype(np.int64).reshape(-1)
-        if starts_np.size and (
-            starts_np.min() < 0 or starts_np.max() > len(tokens) - block_size - 1
-        ):
-            raise DataError(
-                f"block starts must lie in [0, {len(tokens) - block_size - 1}] for the {split} "
-                f"split ({len(tokens)} tokens, block_size={block_size})"
-            )
-        offsets = np.arange(block_size + 1, dtype=np.int64)
-        windows = tokens[starts_np[:, None] + offsets]  # (n, t + 1): one gather, no loop
-        windows = torch.from_numpy(windows.astype(np.int64))
+        windows = self.windows(split, starts, block_size + 1)  # (n, t + 1)
         x = windows[:, :-1].contiguous()  # (n, t)
         y = windows[:, 1:].contiguous()  # (n, t)
         if device is not None:

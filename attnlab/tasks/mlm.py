@@ -138,11 +138,6 @@ class MaskedLanguageModelling(Task):
 
     # ------------------------------------------------------------ training
 
-    def blocks(self, split: str, starts: Tensor) -> Tensor:
-        """(b, t) int64: tokens[s : s + t] of ``split`` for each start s."""
-        index = starts.cpu().numpy()[:, None] + np.arange(self.block_size)  # (b, t)
-        return torch.from_numpy(self.data.split(split)[index].astype(np.int64))
-
     def sample(self, n: int, generator: torch.Generator) -> Tensor:
         # any block of the split, the last one too (no next token to predict, as in lm)
         high = len(self.data.train) - self.block_size + 1
@@ -151,7 +146,7 @@ class MaskedLanguageModelling(Task):
         return torch.stack((starts, seeds), dim=1)  # (n, 2)
 
     def batch(self, keys: Tensor, device: torch.device | str | None = None):
-        blocks = self.blocks("train", keys[:, 0])  # (b, t)
+        blocks = self.data.windows("train", keys[:, 0], self.block_size)  # (b, t)
         inputs, targets = self.mask(blocks, keys[:, 1])
         return inputs.to(device), targets.to(device)
 
@@ -182,7 +177,7 @@ class MaskedLanguageModelling(Task):
         index = torch.arange(mine.start, mine.stop, dtype=torch.int64)
         loss_sum = correct = count = 0.0
         for chunk in index.split(batch_size):
-            blocks = self.blocks("val", chunk * self.block_size)
+            blocks = self.data.windows("val", chunk * self.block_size, self.block_size)
             inputs, targets = self.mask(blocks, EVAL_SEED + chunk)
             inputs, targets = inputs.to(device), targets.to(device)
             chosen = targets != -100
