@@ -144,6 +144,33 @@ def test_first_k_dense_layers_are_dense():
     assert isinstance(model.blocks[1].ffn, MoE)
 
 
+MOE = {"ffn.kind": "moe", "ffn.activation": "silu", "ffn.n_routed_experts": 4,
+       "ffn.n_activated_experts": 1, "ffn.moe_hidden_dim": 8}  # fmt: skip
+
+
+def test_first_k_dense_layers_are_dense_in_transformer_xl():
+    """Transformer-XL built every block as layer 0, so first_k_dense=1 made all its FFNs
+    dense: no MoE layer at all."""
+    model = build_model(get_preset("xl-tiny").override({**MOE, "ffn.first_k_dense": 1}))
+    assert len(model.blocks) > 1 and isinstance(model.blocks[0].ffn, GatedFFN)
+    assert all(isinstance(block.ffn, MoE) for block in model.blocks[1:])
+
+
+@pytest.mark.parametrize(
+    "preset", ["deepseek-moe-tiny", "xl-tiny", "bert-tiny-mlm", "transformer-numbers", "vit-digits"]
+)
+def test_routed_experts_start_at_init_std_in_every_architecture(preset):
+    """design.md: routed experts' stacked weights keep ``init_std``; only the decoder gave
+    them it, the other architectures left the experts and routers at 0.02."""
+    torch.manual_seed(0)
+    cfg = get_preset(preset).override({**MOE, "init_std": 0.2})
+    layers = [m for m in build_model(cfg).modules() if isinstance(m, MoE)]
+    assert layers
+    for moe in layers:
+        for weight in (moe.experts.gate_up, moe.experts.down, moe.gate.weight):
+            assert weight.std().item() == pytest.approx(cfg.init_std, rel=0.25)
+
+
 def test_bias_moves_toward_under_loaded_experts():
     moe = _moe(n_routed_experts=4, n_activated_experts=1, n_shared_experts=0, bias_update_speed=0.1)
     moe.train()

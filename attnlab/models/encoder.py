@@ -311,6 +311,8 @@ class EncoderModel(nn.Module):
             nn.init.normal_(m.weight, std=self.cfg.init_std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+        elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
+            m.init_weights(self.cfg.init_std)
 
     def encode(
         self,

@@ -161,6 +161,8 @@ class Seq2SeqModel(nn.Module):
             nn.init.normal_(m.weight, std=self.cfg.init_std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+        elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
+            m.init_weights(self.cfg.init_std)
 
     def _embed(self, ids: Tensor, emb: nn.Embedding, pos: nn.Module | None, positions: Tensor):
         x = emb(ids) * self.emb_scale  # (b, t, d)

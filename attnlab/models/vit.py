@@ -152,6 +152,8 @@ class VisionTransformer(nn.Module):
             nn.init.trunc_normal_(m.weight, std=self.cfg.init_std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+        elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
+            m.init_weights(self.cfg.init_std)
 
     def features(self, images: Tensor) -> Tensor:
         """images (b, C, H, W) -> final hidden states (b, N + 1, d); index 0 is [CLS]."""

@@ -92,7 +92,7 @@ class XLOutput(ModelOutput):
 
 
 class XLBlock(nn.Module):
-    def __init__(self, cfg: XLConfig):
+    def __init__(self, cfg: XLConfig, layer: int = 0):
         super().__init__()
         self.pre_norm = cfg.norm.placement == "pre"
         self.attn_norm = build_norm(cfg.norm, cfg.d_model)
@@ -100,7 +100,7 @@ class XLBlock(nn.Module):
             cfg.d_model, cfg.attention, resid_dropout=cfg.dropout
         )
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model)
-        self.ffn = build_ffn(cfg.ffn, cfg.d_model, dropout=cfg.dropout)
+        self.ffn = build_ffn(cfg.ffn, cfg.d_model, dropout=cfg.dropout, layer=layer)
 
     def forward(
         self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None
@@ -125,7 +125,7 @@ class TransformerXL(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(XLBlock(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(XLBlock(cfg, i) for i in range(cfg.n_layers))
         pre = cfg.norm.placement == "pre"
         self.norm = build_norm(cfg.norm, cfg.d_model) if pre else nn.Identity()
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -140,6 +140,8 @@ class TransformerXL(nn.Module):
             nn.init.normal_(m.weight, std=self.cfg.init_std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+        elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
+            m.init_weights(self.cfg.init_std)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         """Parameters (tied ones counted once), optionally without the token embedding."""
