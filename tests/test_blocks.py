@@ -631,6 +631,54 @@ def test_linear_weight_gradient_of_a_sliced_input_is_fast_and_exact():
     assert best(dy.t(), x.t()) < 20 * best(dy.t(), x.contiguous().t()) + 2e-3
 
 
+def test_onednn_linear_second_derivatives_equal_f_linears():
+    """A gradient penalty (create_graph) through the oneDNN product: its backward's products
+    had no derivative, so the penalty's dependence on the weight through dx = dy W was
+    silently dropped (torch only warned); the second derivatives equal F.linear's."""
+    from attnlab.nn.linear import onednn_linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    x0, w0, b0, c = torch.randn(4, 7), torch.randn(6, 7), torch.randn(6), torch.randn(4, 6)
+    grads = []
+    for linear in (onednn_linear, F.linear):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        for loss in (lambda y: (y * c).sum(), lambda y: y.square().sum()):
+            (dx,) = torch.autograd.grad(loss(linear(x, w, b)), x, create_graph=True)
+            grads.append(torch.autograd.grad(dx.square().sum(), (w, b), allow_unused=True))
+    for got, want in zip(grads[:2], grads[2:]):
+        for a, e in zip(got, want):
+            if e is None:
+                assert a is None
+            else:
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("needs", ["x", "weight", "bias", "all"])
+def test_onednn_linear_saves_only_what_its_gradients_need(needs):
+    """Like F.linear, the oneDNN product keeps x for dW and W for dx only: a frozen weight's
+    layer kept its input alive until the backward (and a bias alone kept both)."""
+    from attnlab.nn.linear import onednn_linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+
+    def saved_numel(linear):
+        x, w, b = torch.randn(6, 4, 32), torch.randn(16, 32), torch.randn(16)
+        for name, t in (("x", x), ("weight", w), ("bias", b)):
+            t.requires_grad_(needs in (name, "all"))
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: sizes.append(t.numel()) or t, lambda t: t
+        ):
+            y = linear(x, w, b)
+        y.sum().backward()
+        return sum(sizes)
+
+    assert saved_numel(onednn_linear) == saved_numel(F.linear)
+
+
 def test_rows_matmul_keeps_float64_and_equals_f_linear():
     """The compiled decode step's one-vector product, run eagerly: float64 stays float64
     (it rounded to float32), float32 and bf16 as F.linear."""

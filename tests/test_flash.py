@@ -160,6 +160,48 @@ def test_flash_float64_keeps_float64_precision():
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+def test_flash_double_backward_raises_instead_of_wrong_second_derivatives():
+    """The backward recomputes P from the saved log-sum-exp, a constant to autograd: a
+    gradient penalty through it silently gave second derivatives off by ~75% (against
+    eager's). Now it raises, as torch's once-differentiable functions do."""
+    q, k, v = _qkv(b=1, h=2, h_kv=1, t=3, s=4, d_h=3, dtype=torch.float64, grad=True)
+    out = flash_attention(q, k, v, causal=True, block_q=2, block_k=2)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.square().sum() + dq.square().sum()).backward()
+    # the first derivative itself is unchanged
+    ref = eager_attention(q, k, v, causal=True)
+    torch.testing.assert_close(dq, torch.autograd.grad(ref.square().sum(), q)[0])
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_flash_mask_changed_in_place_before_backward_raises(kind):
+    """The backward recomputes the scores with the mask (and document ids): changed in
+    place after the forward, it gave other gradients silently (as SDPA does, it raises)."""
+    q, k, v = _qkv(b=1, h=2, h_kv=2, t=6, s=6, d_h=4, grad=True)
+    mask = torch.rand(1, 1, 6, 6) > 0.3 if kind == "bool" else torch.randn(1, 1, 6, 6)
+    out = flash_attention(q, k, v, mask, block_q=2, block_k=2)
+    mask.fill_(True) if kind == "bool" else mask.zero_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    out = flash_attention(q, k, v, causal=True, doc_ids=doc, block_q=2, block_k=2)
+    doc.zero_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_flash_takes_a_float_window_as_eager_does():
+    """A float window (eager, SDPA and the Triton twin take it: keys k > p - w) failed in
+    the tiles' slices with a TypeError."""
+    q, k, v = _qkv(b=2, h=4, h_kv=2, t=9, s=9, d_h=6, grad=True)
+    out = flash_attention(q, k, v, causal=True, window=3.5, block_q=4, block_k=4)
+    ref = attend(q, k, v, causal=True, window=3.5, backend="eager")
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, e in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        torch.testing.assert_close(a, e, **TOL)
+
+
 def test_flash_huge_logits_stay_finite():
     q, k, v = _qkv(b=1, h=2, h_kv=2, t=12, s=12, grad=True)
     out = flash_attention(q, k, v, causal=True, scale=300.0, block_q=4, block_k=4)

@@ -151,6 +151,16 @@ def test_triton_window_edge_values_match_eager(window):
     _check(q, k, v, causal=True, window=window)
 
 
+def test_triton_double_backward_raises():
+    """The kernels write the gradients, which autograd cannot differentiate: a gradient
+    penalty through them silently dropped the penalty's part (dQ did not require grad)."""
+    q, k, v = _qkv(1, 2, 1, 4, 4, 16)
+    out = triton_attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.square().sum() + dq.square().sum()).backward()
+
+
 def test_triton_document_ids_beyond_int32():
     """The ids went to the kernel as int32: 0 and 2**32 became one document."""
     q, k, v = _qkv(1, 2, 2, 9, 9, 16)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from attnlab.functional.masks import check_mask_dtype
 
@@ -209,13 +210,16 @@ class FlashAttention(torch.autograd.Function):
         out = (acc / torch.where(l > 0, l, torch.ones_like(l))).to(q.dtype)
         # Rows with no allowed key: L = +inf makes the recomputed P = exp(S - L) exactly 0.
         lse = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("inf")))
-        ctx.save_for_backward(q, k, v, out, lse)
+        # The mask and document ids too: the backward recomputes P from them, so changing
+        # them in place before it must raise (as q, k, v do), not give other gradients.
+        ctx.save_for_backward(q, k, v, out, lse, mask5, doc_ids)
         ctx.prob = prob
         return out
 
     @staticmethod
+    @once_differentiable  # the recomputed P treats L as a constant: no second derivative
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, _, _ = ctx.saved_tensors
         prob = ctx.prob
         grad_out = grad_out.contiguous()
         f = prob.dtype
@@ -311,6 +315,8 @@ def flash_attention(
     h_kv = k.shape[1]
     g = h // h_kv
     scale = 1.0 / math.sqrt(d_h) if scale is None else scale
+    if window is not None:  # keys k > p - w are keys k > p - ceil(w): a float window as an
+        window = math.ceil(window)  # int, as the Triton twin takes it (the tiles' slices failed)
     q5 = q.reshape(b, h_kv, g, t, d_h)  # query head j -> (kv head j // g, j % g)
     k5, v5 = k[:, :, None], v[:, :, None]  # (b, h_kv, 1, s, d_h)
     mask5 = None if mask is None else _mask5(mask, h_kv, g)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from attnlab.functional.flash import check_arguments
 from attnlab.kernels import interpreting
@@ -413,6 +414,7 @@ class _TritonFlash(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # kernels write the gradients: no second derivative
     def backward(ctx, grad_out):
         q, k, v, out, lse, bias, doc = ctx.saved_tensors
         b, h, t, d = q.shape

@@ -206,7 +206,10 @@ class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         x, weight, bias = inputs
-        ctx.save_for_backward(x, weight)
+        # Only what the requested gradients need (as F.linear): dW reads x, dx reads W (a
+        # frozen weight's layer kept its input alive until the backward).
+        needs_x, needs_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if needs_w else None, weight if needs_x else None)
         ctx.has_bias = bias is not None
 
     @staticmethod
@@ -214,8 +217,13 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])  # (rows, out)
         dx = dw = db = None
+        mm = torch.ops.attnlab.onednn_mm
+        if torch.is_grad_enabled():
+            # create_graph (a gradient penalty, a Hessian-vector product): oneDNN's product
+            # has no derivative, so the second derivative silently lost its terms; F.linear's
+            mm = F.linear
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.attnlab.onednn_mm(dy, weight.t())  # (..., in)
+            dx = mm(dy, weight.t())  # (..., in)
         if ctx.needs_input_grad[1]:
             dy_t, x_t = dy2.t(), x.reshape(-1, x.shape[-1]).t()  # (out, rows), (in, rows)
             if torch.compiler.is_compiling():
@@ -224,7 +232,7 @@ class _OneDNNLinear(torch.autograd.Function):
                 # which made the compiled demo step 6-12% faster. Eagerly oneDNN's own
                 # copy is the faster one (torch's made the eager step about 20% slower).
                 dy_t, x_t = dy_t.contiguous(), x_t.contiguous()
-            dw = torch.ops.attnlab.onednn_mm(dy_t, x_t)  # (out, in)
+            dw = mm(dy_t, x_t)  # (out, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db
