@@ -152,6 +152,12 @@ def main() -> None:
         "--threads", type=int, default=1, help="1: on a shared CPU more threads wait on each other"
     )
     args = p.parse_args()
+    unknown = [name for name in args.only or () if name not in variants()]
+    if unknown:  # else no rows: an IndexError after loading the corpus
+        p.error(
+            f"--only: no variant {', '.join(map(repr, unknown))}; the variants: "
+            + ", ".join(map(repr, variants()))
+        )
     setup_threads(args.threads)
     print(f"# {machine()}; {args.seconds:.0f} s of training per model")
     data = prepare_data(DataConfig())

@@ -8,6 +8,7 @@ Shapes: t window, V vocabulary size.
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -129,3 +130,22 @@ def test_cli_stride_on_a_text_shorter_than_the_window(ckpt, capsys, monkeypatch)
     blocks = json.loads(capsys.readouterr().out)
     assert strided["tokens"] == blocks["tokens"] == 10
     assert strided["loss"] == pytest.approx(blocks["loss"], rel=1e-5)
+
+
+def test_cli_stride_error_names_the_runs_block_size(ckpt, tmp_path, capsys, monkeypatch):
+    # the window defaults to the run's train.block_size (16 here), not max_seq_len (32): the
+    # message said "default max_seq_len", so a stride of 20 < 32 seemed refused for nothing
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(ckpt / "cache"))
+    run = tmp_path / "run"
+    shutil.copytree(ckpt / "run", run)
+    config = json.loads((run / "config.json").read_text())
+    config["train"]["block_size"] = 16
+    (run / "config.json").write_text(json.dumps(config))
+    argv = ["eval", "--ckpt", str(run), "--data", str(ckpt / "corpus.txt")]
+    assert main([*argv, "--stride", "20"]) != 0
+    err = capsys.readouterr().err
+    assert "--stride 20 exceeds the window of 16 tokens" in err
+    assert "default the run's train.block_size, else max_seq_len" in err
+    assert main([*argv, "--stride", "16", "--max-batches", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["block_size"] == 16

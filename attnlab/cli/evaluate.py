@@ -338,7 +338,8 @@ def _strided(
     if args.stride > block_size:
         raise CLIError(
             f"--stride {args.stride} exceeds the window of {block_size} tokens (--block-size, "
-            "default max_seq_len); use a stride from 1 to the window"
+            "default the run's train.block_size, else max_seq_len); use a stride from 1 to "
+            "the window"
         )
     with eval_mode(model):
         total, count = strided_loss_sums(
