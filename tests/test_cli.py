@@ -870,3 +870,22 @@ def test_eval_reads_invalid_utf8_as_its_errors_option_says(work, tmp_path, capsy
     # without --data it would change nothing: refused by name, not ignored
     code, _, err = run_main(["eval", "--ckpt", str(work / "run"), "--errors", "replace"], capsys)
     assert_one_line_error(code, err, "--errors applies to the text of --data")
+
+
+@pytest.mark.parametrize(
+    "argv, blocked, needle",
+    [
+        (["train", "--preset", "gru-numbers"], "num2words", "pip install num2words"),
+        (["train", "--preset", "vit-digits"], "sklearn.datasets", "pip install scikit-learn"),
+    ],
+)
+def test_a_missing_package_is_one_error_line(argv, blocked, needle, tmp_path, capsys, monkeypatch):
+    """A lazily imported dependency that is not installed is one line naming what to
+    install, not a traceback; an attnlab module that fails to import stays a bug."""
+    from attnlab.cli.main import _missing_package
+
+    monkeypatch.setitem(sys.modules, blocked, None)  # import raises ModuleNotFoundError
+    argv = [*argv, "--max-steps", "1", "--out", str(tmp_path / "run")]
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, needle)
+    assert _missing_package(ModuleNotFoundError("no", name="attnlab.nn.nope")) is None

@@ -4,7 +4,9 @@ every user error into one ``attnlab: error: ...`` line on stderr and a non-zero 
 Each subcommand module has ``add_parser(subparsers)`` (registering ``run`` as the
 handler) and ``run(args) -> int``. Library errors for bad input all derive from
 ValueError (ConfigError, DataError, TokenizerError, CheckpointError), OSError or, for a
-corrupt weights file, SafetensorError; anything else is a bug and keeps its traceback.
+corrupt weights file, SafetensorError; a third-party package that is not installed (the
+lazily imported matplotlib, num2words, scikit-learn) is one line naming what to install;
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ SUBCOMMANDS = (train, generate, translate, classify, fill_mask, tag, answer, att
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # argparse's code for a malformed command line
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell convention
+PIP_NAMES = {"sklearn": "scikit-learn"}  # import name -> what pip installs
 
 
 class Parser(argparse.ArgumentParser):
@@ -94,6 +97,20 @@ def _error_line(error: BaseException) -> str:
     return " ".join(text.split())  # one line, whatever the message held
 
 
+def _missing_package(error: ImportError) -> str | None:
+    """The error line for a third-party package that is not installed (``error`` or its
+    cause a ModuleNotFoundError), or None: an attnlab module that fails to import is a bug."""
+    missing = error if isinstance(error, ModuleNotFoundError) else error.__cause__
+    if not isinstance(missing, ModuleNotFoundError) or not missing.name:
+        return None
+    name = missing.name.split(".")[0]
+    if name == "attnlab":
+        return None
+    if missing is not error:  # the caller's own message says what needs it
+        return _error_line(error)
+    return f"the {name!r} package is not installed (pip install {PIP_NAMES.get(name, name)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -117,4 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except (CLIError, ValueError, OSError, SafetensorError) as error:
         print(f"attnlab: error: {_error_line(error)}", file=sys.stderr)
+        return EXIT_ERROR
+    except ImportError as error:
+        if (line := _missing_package(error)) is None:
+            raise
+        print(f"attnlab: error: {line}", file=sys.stderr)
         return EXIT_ERROR
