@@ -275,5 +275,11 @@ def windowed_kv_entries(cfg: ModelConfig, seq_len: int) -> int:
 
 
 def weights_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes to hold the parameters in ``dtype`` (tied weights stored once)."""
+    """Bytes to hold the parameters in ``dtype`` (tied weights stored once). In a dtype
+    narrower than float32, mixture-of-experts routers stay float32 (as ``model.to(dtype)``
+    and the loaders keep them: :class:`~attnlab.nn.moe.KeepsPrecision`)."""
+    if cfg.ffn.kind == "moe" and _itemsize(dtype) < 4:
+        cfg.validate()
+        params = {id(p): p for p in _meta_model(cfg).to(dtype).parameters()}  # tied once
+        return sum(p.numel() * p.element_size() for p in params.values())
     return count_parameters(cfg)["total"] * _itemsize(dtype)

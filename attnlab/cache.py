@@ -426,7 +426,7 @@ class Cache:
     Made by ``model.new_cache(batch, max_len, static=False, rolling=False)`` and passed as
     ``model(idx, cache=cache)``: each call appends its tokens, so a prompt then one token at a
     time equals one full forward pass. ``length`` tokens are held of ``max_len``; ``nbytes``
-    counts the memory of every entry (``bytes_used`` the part filled); ``reset()`` empties it."""
+    counts the memory of every entry; ``reset()`` empties it."""
 
     def __init__(
         self,
@@ -505,11 +505,6 @@ class Cache:
     def nbytes(self) -> int:
         """Bytes allocated by every layer's entry (full capacity)."""
         return sum(layer.nbytes for layer in [*self.layers, *self.cross] if layer is not None)
-
-    @property
-    def bytes_used(self) -> int:
-        """The part of ``nbytes`` holding tokens (``nbytes * length / max_len``)."""
-        return self.nbytes * self.length // self.max_len
 
     @property
     def shared_slots(self) -> bool:

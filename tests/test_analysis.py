@@ -269,3 +269,13 @@ def test_kv_bytes_refuse_global_tokens_no_cache_can_hold():
     cfg = _cfg("llama-tiny", {"attention.sliding_window": 16, "attention.global_tokens": [20]})
     with pytest.raises(ValueError, match="global_tokens: position 20 >= sliding_window=16"):
         kv_cache_bytes(cfg, 128)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "deepseek-moe-tiny", "bert-tiny-mlm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weights_bytes_equal_the_built_model_cast_to_the_dtype(name, dtype):
+    """A half-precision model keeps its MoE routers in float32: they count 4 bytes each."""
+    cfg = get_preset(name)
+    model = build_model(cfg).to(dtype)
+    params = {id(p): p for p in model.parameters()}  # tied weights once
+    assert weights_bytes(cfg, dtype) == sum(p.numel() * p.element_size() for p in params.values())

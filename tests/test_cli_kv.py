@@ -10,6 +10,7 @@ import torch
 
 from attnlab.analysis import count_parameters, kv_cache_bytes
 from attnlab.cli.main import main
+from attnlab.models import build_model
 from attnlab.presets import get_preset
 
 
@@ -47,6 +48,17 @@ def test_kv_json_matches_the_library(capsys):
             free = 1e6 - count_parameters(cfg)["total"]  # float8 weights: 1 byte each
             assert r["fit"][str(n)] == int(free // r["bytes"][str(n)])
     assert reports[0]["mha_ratio"] == 4 * (24 + 16) / (32 + 8)  # h (d_qk + d_v) / (d_c + d_r)
+
+
+def test_kv_fit_counts_the_moe_routers_kept_in_float32(capsys):
+    argv = ["kv", "--preset", "deepseek-moe-tiny", "--json", "--gpu-gb", "0.001"]
+    code, out, _ = _run(argv, capsys)  # bf16 default
+    assert code == 0
+    (report,) = json.loads(out)
+    model = build_model(get_preset("deepseek-moe-tiny")).to(torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report["weights_bytes"] == weights
+    assert report["fit"]["4096"] == int((1e6 - weights) // report["bytes"]["4096"])
 
 
 def test_kv_bad_input_is_one_error_line(capsys):

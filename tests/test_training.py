@@ -1200,3 +1200,25 @@ def test_get_run_preset_wraps_model_presets():
     assert cfg.model == get_preset("gpt2-tiny") and cfg.train == TrainConfig()
     with pytest.raises(ConfigError, match="unknown preset 'nope'.*demo"):
         get_run_preset("nope")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_memory_check_estimates_what_one_step_allocates(optimizer):
+    """Weights, gradients and optimizer state after a step (Muon: one moment for the
+    matrices it trains, AdamW's two for the rest): the check lets through a machine that
+    holds them and refuses one 1% smaller."""
+    cfg = get_preset("llama-tiny")
+    model = build_model(cfg)
+    opt = build_optimizer(model, TrainConfig(optimizer=optimizer), "cpu")
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(idx, targets=idx).loss.backward()
+    opt.step()
+    params = {id(p): p for p in model.parameters()}.values()
+    opts = getattr(opt, "optimizers", [opt])
+    states = [v for o in opts for s in o.state.values() for v in s.values()]
+    held = sum(p.nbytes + p.grad.nbytes for p in params)
+    held += sum(v.nbytes for v in states if isinstance(v, torch.Tensor))
+    device = torch.device("cpu")
+    trainer_module.check_memory(cfg, device, available=held, optimizer=optimizer)
+    with pytest.raises(TrainingError, match="GiB for weights, gradients and"):
+        trainer_module.check_memory(cfg, device, available=held * 99 // 100, optimizer=optimizer)

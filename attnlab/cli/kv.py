@@ -85,6 +85,7 @@ def model_report(
         kv_cache_bytes_per_token,
         kv_cache_values_per_token,
         mha_kv_values_per_token,
+        weights_bytes,
     )
 
     cfg = run_preset(name).model
@@ -93,9 +94,8 @@ def model_report(
         if bad:
             raise CLIError(f"--set {bad[0]}: kv only uses model.* fields")
         cfg = RunConfig(model=cfg).override(overrides).model
-    itemsize = torch.empty((), dtype=dtype).element_size()
     params = count_parameters(cfg)["total"]
-    weights = params * itemsize
+    weights = weights_bytes(cfg, dtype)
     free = gpu_gb * GB - weights
     per_seq = {n: kv_cache_bytes(cfg, n, batch, dtype) for n in seq_lens}
     return {

@@ -98,7 +98,14 @@ from attnlab.training.metrics import (
     read_metrics,
     tensorboard_missing,
 )
-from attnlab.training.optim import build_optimizer, decaying, load_optimizer_state, lr_at, set_lr
+from attnlab.training.optim import (
+    build_optimizer,
+    decaying,
+    load_optimizer_state,
+    lr_at,
+    muon_parameters,
+    set_lr,
+)
 
 try:
     import fcntl
@@ -435,6 +442,7 @@ def _new_interval() -> dict:
 
 
 TRAIN_BYTES_PER_PARAMETER = 16  # float32 weights 4 + gradients 4 + AdamW's two moments 8
+MUON_SAVED_BYTES = 4  # Muon keeps one moment (momentum) for the matrices it trains, not two
 
 
 def machine_memory(device: torch.device) -> int | None:
@@ -447,9 +455,12 @@ def machine_memory(device: torch.device) -> int | None:
         return None
 
 
-def check_memory(model_cfg, device: torch.device, available: int | None = None) -> None:
+def check_memory(
+    model_cfg, device: torch.device, available: int | None = None, optimizer: str = "adamw"
+) -> None:
     """Refuse a run whose weights, gradients and optimizer state alone exceed the memory
-    of ``device`` (estimated with attnlab.analysis, before anything is allocated)."""
+    of ``device`` (estimated with attnlab.analysis, before anything is allocated; with
+    ``optimizer="muon"`` the matrices Muon trains keep one moment, the rest AdamW's two)."""
     from attnlab.analysis import count_parameters
 
     available = machine_memory(device) if available is None else available
@@ -457,11 +468,21 @@ def check_memory(model_cfg, device: torch.device, available: int | None = None) 
         return
     n = count_parameters(model_cfg)["total"]
     needed = n * TRAIN_BYTES_PER_PARAMETER
+    state = f"AdamW state ({n:,} parameters x {TRAIN_BYTES_PER_PARAMETER} bytes)"
+    if optimizer == "muon":
+        with torch.device("meta"):  # shapes only
+            model = build_model(model_cfg)
+        matrices = sum(p.numel() for p in muon_parameters(model))
+        needed -= matrices * MUON_SAVED_BYTES
+        state = (
+            f"Muon + AdamW state ({n:,} parameters x {TRAIN_BYTES_PER_PARAMETER} bytes, "
+            f"{MUON_SAVED_BYTES} fewer for the {matrices:,} in Muon's matrices)"
+        )
     if needed > available:
         raise TrainingError(
             f"training this model needs about {needed / 2**30:.1f} GiB for weights, "
-            f"gradients and AdamW state ({n:,} parameters x {TRAIN_BYTES_PER_PARAMETER} "
-            f"bytes) but {device.type} has {available / 2**30:.1f} GiB; choose a smaller "
+            f"gradients and {state} but "
+            f"{device.type} has {available / 2**30:.1f} GiB; choose a smaller "
             "model (e.g. --set model.n_layers=..., model.d_model=...)"
         )
 
@@ -614,7 +635,7 @@ class Trainer:
             raise TrainingError(f"{self.out_dir} already holds a checkpoint; {hint}")
         device = resolve_device(cfg.train.device, cuda_available=torch.cuda.is_available())
         check_backend(cfg.model, device)
-        check_memory(cfg.model, device)  # before building or allocating anything
+        check_memory(cfg.model, device, optimizer=cfg.train.optimizer)  # before building
         if cfg.train.tensorboard and (problem := tensorboard_missing()) is not None:
             raise TrainingError(problem)  # before preparing data and building the model
         self.dist, self.device = _setup_distributed(cfg.train.device)
