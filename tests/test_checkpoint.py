@@ -285,3 +285,29 @@ def test_inference_falls_back_from_a_backend_the_device_cannot_run(tmp_path, mon
         torch.testing.assert_close(loaded.model(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
     kept = load_checkpoint(tmp_path, device="cpu", inference=False)
     assert kept.config.model.attention.backend == "triton"
+
+
+def test_backend_fallback_warning_follows_the_callers_filters(tmp_path, monkeypatch):
+    """The fallback warning goes through the caller's warning filters ("error" raises it,
+    "ignore" hides it; a "once" filter of load_checkpoint's own overrode both) and names
+    the caller's line."""
+    import warnings
+
+    import attnlab.kernels as kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels, "triton_unavailable_reason", lambda: None)  # as on a GPU box
+    model, cfg, tokenizer = make_run()
+    cfg.model.attention.backend = "triton"
+    save_checkpoint(tmp_path, model, cfg, tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="'triton'.*'flash'"):
+            load_checkpoint(tmp_path, device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore")
+        load_checkpoint(tmp_path, device="cpu")
+    assert caught == []
+    with pytest.warns(UserWarning, match="'triton'.*'flash'") as caught:
+        load_checkpoint(tmp_path, device="cpu")
+    assert [w.filename for w in caught] == [__file__]

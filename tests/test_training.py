@@ -751,6 +751,20 @@ def test_nan_loss_names_step_and_keeps_last_checkpoint(tmp_path, dataset, monkey
     assert all(torch.isfinite(p).all() for p in saved.model.parameters())
 
 
+def test_train_leaves_the_callers_random_state_as_it_was(tmp_path, dataset, monkeypatch):
+    """The run seeds torch's global generator for its dropout; the caller's state comes
+    back, after a finished run and after one that raises, so a caller drawing between runs
+    (a hyperparameter search) does not draw the run's numbers every time."""
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    train(tiny_run(dropout=0.1, max_steps=2), tmp_path / "a", dataset=dataset, progress=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    _poison_step(monkeypatch, 1)
+    with pytest.raises(TrainingError):
+        train(tiny_run(max_steps=2), tmp_path / "b", dataset=dataset, progress=False)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_nan_loss_before_the_first_save_does_not_vouch_for_an_older_run(
     tmp_path, dataset, monkeypatch
 ):

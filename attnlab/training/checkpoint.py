@@ -319,24 +319,28 @@ def _runnable_backends(config: RunConfig, device: str | torch.device, directory)
     back to ``flash`` (in place), with one warning line."""
     from attnlab.config import AttentionConfig
 
+    problems: dict[str, str] = {}  # backend -> why it cannot run
+
     def walk(cfg) -> None:
         if isinstance(cfg, AttentionConfig):
             reason = _backend_problem(cfg.backend, device)
             if reason is not None:
-                warnings.warn(
-                    f"{directory}: attention backend {cfg.backend!r} cannot run on "
-                    f"{torch.device(device).type} ({reason}); using 'flash' instead",
-                    stacklevel=4,
-                )
+                problems.setdefault(cfg.backend, reason)
                 cfg.backend = "flash"
             return
         if is_dataclass(cfg):
             for f in fields(cfg):
                 walk(getattr(cfg, f.name))
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("once")  # one line, however many attention configs fall back
-        walk(config)
+    walk(config)
+    # One line per backend, however many attention configs fall back, under the caller's
+    # warning filters (a "once" filter of our own here overrode their "error" or "ignore").
+    for backend, reason in problems.items():
+        warnings.warn(
+            f"{directory}: attention backend {backend!r} cannot run on "
+            f"{torch.device(device).type} ({reason}); using 'flash' instead",
+            stacklevel=3,  # load_checkpoint's caller
+        )
 
 
 def _listed(label: str, names: list[str], describe, limit: int = 4) -> str:

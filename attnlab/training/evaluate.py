@@ -20,7 +20,8 @@ __all__ = ["IGNORE_INDEX", "autocast_context", "evaluate", "loss_sums", "summari
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
-    """bf16 autocast on CPU or CUDA when ``dtype`` is given, else a no-op context."""
+    """bf16 autocast on CPU or CUDA when ``dtype`` is given, else autocast turned off (also
+    a caller's autocast around it: None or float32 runs in the model's own dtype)."""
     if dtype is None or dtype == torch.float32:
         return torch.autocast(device.type, enabled=False)
     return torch.autocast(device.type, dtype=dtype)

@@ -1338,10 +1338,15 @@ def train(
     An explicit ``max_steps`` without ``time_budget`` drops the config's time budget.
     Under torchrun (WORLD_SIZE > 1) every process calls this; rank 0 writes the files.
     A run on an ``out_dir`` that another run is writing into raises TrainingError.
+    The run seeds torch's global generators (its dropout stream); the caller's CPU state,
+    and that of the CUDA devices already in use, are restored when it returns or raises.
     """
     group_existed = dist.is_available() and dist.is_initialized()
     trainer = None
-    with _sole_writer(Path(out_dir)):
+    # CUDA devices not yet initialised are left alone: reading their state would start
+    # CUDA on every GPU, in every process of a torchrun job.
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else ()
+    with _sole_writer(Path(out_dir)), torch.random.fork_rng(cuda, device_type="cuda"):
         try:
             trainer = Trainer(
                 cfg,
