@@ -493,6 +493,65 @@ def test_config_yarn_null_factor_is_the_context_ratio_as_transformers_reads_it()
     assert cfg.position.rope_factor == 4.0
 
 
+@pytest.mark.parametrize("in_params", [None, 24])
+@pytest.mark.parametrize("rope_type", ["llama3", "yarn"])
+def test_config_top_level_original_context_wins_as_transformers_reads_it(rope_type, in_params):
+    """A config.json with original_max_position_embeddings at the top level (Phi-3's place
+    for it): transformers scales RoPE by that one, over the RoPE parameters' own and over
+    max_position_embeddings; so do attnlab's frequencies (they used 24 or 48: other logits)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from attnlab.nn.rope import RotaryEmbedding
+
+    params = {"rope_type": rope_type, "rope_theta": 500.0, "factor": 4.0}
+    if rope_type == "llama3":
+        params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    if in_params is not None:
+        params["original_max_position_embeddings"] = in_params
+    hf = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "max_position_embeddings": 48,
+          "original_max_position_embeddings": 12}  # fmt: skip
+    cfg = config_from_hf({**hf, "model_type": "llama", "rope_parameters": dict(params)})
+    ours = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
+    ref = transformers.LlamaConfig(**hf, rope_parameters=dict(params))
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS[rope_type](ref)
+    assert cfg.position.rope_original_max_seq_len == 12
+    torch.testing.assert_close(ours.inv_freq, ref_inv_freq, rtol=1e-6, atol=0)
+    assert ours.attention_factor == pytest.approx(ref_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("truncate", ["absent", True, None, False])
+def test_config_yarn_truncate_as_transformers_reads_it(truncate):
+    """YaRN's ramp bounds are rounded outward when ``truncate`` is absent or true, which
+    attnlab implements; transformers reads a null truncate as false (bounds unrounded: other
+    frequencies), which attnlab does not, so it is refused like false, not rounded."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from attnlab.nn.rope import RotaryEmbedding
+
+    params = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+              "original_max_position_embeddings": 16}  # fmt: skip
+    if truncate != "absent":
+        params["truncate"] = truncate
+    hf = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 24, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+    ref_inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](
+        transformers.LlamaConfig(**hf, rope_parameters=dict(params))
+    )
+    rounded, _ = ROPE_INIT_FUNCTIONS["yarn"](
+        transformers.LlamaConfig(**hf, rope_parameters={**params, "truncate": True})
+    )
+    llama = {**hf, "model_type": "llama", "rope_parameters": dict(params)}
+    if truncate in ("absent", True):
+        cfg = config_from_hf(llama)
+        ours = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
+        torch.testing.assert_close(ours.inv_freq, ref_inv_freq, rtol=1e-6, atol=0)
+    else:
+        assert (ref_inv_freq - rounded).abs().max() > 1e-3  # really other frequencies
+        with pytest.raises(HFCheckpointError, match=r"\['truncate'\] are not supported"):
+            config_from_hf(llama)
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -160,8 +160,14 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
             f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
             f"{', '.join(repr(k) for k in supported)}"
         )
-    # None values and YaRN's truncate=true are the defaults attnlab implements
-    extra = {k for k, v in params.items() if v is not None and (k, v) != ("truncate", True)}
+    # None values and YaRN's truncate=true are the defaults attnlab implements; but YaRN's
+    # truncate=null is not: transformers reads it as false (ramp bounds left unrounded)
+    extra = {
+        k
+        for k, v in params.items()
+        if (v is not None or (k, rope_type) == ("truncate", "yarn"))
+        and (k, v) != ("truncate", True)
+    }
     extra -= {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     extra -= set(ROPE_KEYS[rope_type])
     if extra:
@@ -190,10 +196,13 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
             if params.get(hf_key) is not None:
                 out[ours] = params[hf_key]
     if rope_type in ("llama3", "yarn"):
-        # as transformers reads it: without one in the RoPE parameters, the pre-training
+        # as transformers reads it: a top-level original_max_position_embeddings (Phi-3's
+        # place for it) wins over the RoPE parameters' own; without either, the pre-training
         # context is the model's own (not attnlab's default)
-        original = params.get("original_max_position_embeddings") or hf.get(
-            "max_position_embeddings"
+        original = (
+            hf.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings")
         )
         if original is not None:
             out["rope_original_max_seq_len"] = original
