@@ -776,6 +776,31 @@ def test_nan_loss_before_the_first_save_does_not_vouch_for_an_older_run(
         train(tiny_run(), tmp_path, dataset=dataset, progress=False, overwrite=True)
 
 
+def test_weights_a_step_made_non_finite_are_never_saved(tmp_path, dataset):
+    """lr=1e39: the step's loss and gradient are finite, its update makes the weights inf.
+    The save that follows stops the run instead of writing them over the last good
+    checkpoint (it wrote them, and the next step's NaN loss called them "kept")."""
+    train(tiny_run(max_steps=2, save_every=1), tmp_path, dataset=dataset, progress=False)
+    huge = tiny_run(max_steps=4, save_every=1, lr=1e39, warmup_steps=0)
+    with pytest.raises(TrainingError, match=r"weights are not finite .* at step 3;.*is kept"):
+        train(huge, tmp_path, resume=tmp_path, dataset=dataset, progress=False)
+    saved = load_checkpoint(tmp_path, with_state=True)
+    assert saved.state["step"] == 2
+    assert all(torch.isfinite(p).all() for p in saved.model.parameters())
+
+
+def test_a_non_finite_validation_loss_stops_the_run_without_saving(tmp_path, dataset):
+    """The evaluation after a step that made the weights inf stops the run naming the step
+    (it crashed sizing the validation sample: "cannot convert float NaN to integer")."""
+    cfg = tiny_run(max_steps=3, eval_every=1, lr=1e39, warmup_steps=0)
+    with pytest.raises(TrainingError, match="validation loss is nan at step 1; stopped"):
+        train(cfg, tmp_path, dataset=dataset, progress=False)
+    assert not (tmp_path / "best").exists() and not (tmp_path / "model.safetensors").exists()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(math.isfinite(r["val_loss"]) for r in records if r["kind"] == "val")
+    assert records[-1]["reason"] == "nan"
+
+
 def test_overwrite_drops_the_older_runs_best_checkpoint_but_never_its_own_source(
     tmp_path, dataset, monkeypatch
 ):
@@ -1059,16 +1084,42 @@ def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch
     first = train(cfg, tmp_path, dataset=data, progress=False)
     assert first.stop_reason == "time_budget" and first.step == 3
     assert first.stop_message == "stopped at step 3: 2.5 s time budget reached"
-    # The budget is spent; an explicit step count continues to it.
+    # The budget is spent: resumed with it, the run takes no step (it took one each time).
+    for _ in range(2):
+        spent = train(None, tmp_path, resume=tmp_path, dataset=data, progress=False)
+        assert spent.step == 3 and spent.stop_message == first.stop_message
+    # An explicit step count continues to it.
     again = train(None, tmp_path, resume=tmp_path, max_steps=6, dataset=data, progress=False)
     assert again.step == 6 and again.stop_message == "stopped at step 6: max_steps=6 reached"
     stops = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "stop"]
-    assert [r["reason"] for r in stops] == ["time_budget", "max_steps"]
+    assert [r["reason"] for r in stops] == ["time_budget"] * 3 + ["max_steps"]
     # A fresh run of a config with a budget: max_steps wins unless time_budget is given.
     fresh = train(cfg, tmp_path / "b", max_steps=4, dataset=data, progress=False)
     assert fresh.step == 4 and fresh.stop_reason == "max_steps"
     both = train(cfg, tmp_path / "c", max_steps=4, time_budget=1.5, dataset=data, progress=False)
     assert both.step == 2 and both.stop_reason == "time_budget"
+
+
+def test_a_time_budget_stop_logs_the_last_log_interval(tmp_path, dataset, monkeypatch):
+    """log_every=5 and a budget used up at step 3: the steps since the last record are
+    logged at the stop, as at max_steps (metrics.jsonl and loss.png lacked them)."""
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "_clock", clock)
+    data = TimedDataset(dataset, clock, lambda split, n: 1.0 if split == "train" else 0.0)
+    cfg = tiny_run(max_steps=1000, time_budget=2.5, log_every=5)
+    result = train(cfg, tmp_path, dataset=data, progress=False)
+    assert result.stop_reason == "time_budget" and result.step == 3
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [3]
+    assert rows[0]["train_loss"] == pytest.approx(sum(result.losses) / 3)
+
+
+def test_a_time_budget_too_long_to_count_in_steps_runs_max_steps(tmp_path, dataset):
+    """--time-budget 1e308 (finite, accepted): the steps that fit overflow a float; the
+    run takes max_steps (it crashed: "cannot convert float infinity to integer")."""
+    cfg = tiny_run(max_steps=2, time_budget=1e308)
+    result = train(cfg, tmp_path, dataset=dataset, progress=False)
+    assert result.step == 2 and result.stop_reason == "max_steps"
 
 
 # --------------------------------------------------------------------------- data parallel

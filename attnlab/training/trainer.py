@@ -32,7 +32,8 @@ with ``TrainResult.interrupted`` set to "SIGINT" or "SIGTERM" (a second signal a
 at once with KeyboardInterrupt); ``attnlab train`` then exits with 128 + the signal number
 (130, 143). An evaluation due at that step is made when the run resumes. A non-finite
 loss or gradient raises TrainingError naming the step, before the optimizer touches the
-weights and without saving.
+weights and without saving; so do a non-finite validation loss, and weights that a step
+with a finite loss and gradient made non-finite (a huge lr), before they are saved.
 
 Time budget (seconds of the training loop, evaluations and saves included, setup not):
 after a few timed steps the schedule's length becomes the number of steps that fit (never
@@ -45,8 +46,9 @@ often slower than the rest), later ones only shorten it; no refit lengthens the 
 the warm-up, and once it falls it never increases again. When the steps turn out faster
 than the fit assumed (a machine that was busy at the start), the run goes on at
 ``min_lr`` after the schedule ends, for the steps that still fit. The run stops when the
-time is used. The fitted lengths are saved, and the time the last evaluation took, so a
-resumed run keeps its schedule and refits it as the uninterrupted run would. An explicit
+time is used (resumed then, with its budget, it takes no further step). The fitted
+lengths are saved, and the time the last evaluation took, so a resumed run keeps its
+schedule and refits it as the uninterrupted run would. An explicit
 ``max_steps`` without a ``time_budget`` drops the config's budget: the run takes exactly
 those steps.
 
@@ -860,6 +862,13 @@ class Trainer:
         }
 
     def _save(self, directory: Path, elapsed: float) -> None:
+        # A finite loss and gradient can still step to non-finite weights (a huge lr):
+        # never save those over the last good checkpoint.
+        bad = [name for name, p in self.model.named_parameters() if not p.isfinite().all()]
+        if bad:
+            raise self._diverged(
+                f"weights are not finite ({bad[0]})", self.step, "stopped without saving"
+            )
         state = self._trainer_state(elapsed)  # collective under DDP: every process calls it
         if self.dist.is_main:
             save_checkpoint(directory, self.model, self.cfg, self.tokenizer, state)
@@ -957,16 +966,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             what = "loss" if not math.isfinite(step_loss) else "gradient norm"
             value = step_loss if what == "loss" else grad_norm
-            self._log_stop("nan", f"stopped at step {self.step + 1}: {what} is {value}")
-            kept = (
-                f"the last good checkpoint in {self.out_dir} is kept"
-                if self.checkpoint_saved
-                else "no checkpoint of this run was saved"  # what out_dir holds is older
-            )
-            raise TrainingError(
-                f"{what} is {value} at step {self.step + 1}; stopped without updating the "
-                f"weights, {kept} (lower train.lr, enable train.grad_clip, or use "
-                "train.dtype=float32)"
+            raise self._diverged(
+                f"{what} is {value}", self.step + 1, "stopped without updating the weights"
             )
         self.optimizer.step()
         for module in self._after_step:  # e.g. MoE routers' load-balancing bias
@@ -1022,6 +1023,20 @@ class Trainer:
             return 1.0
         return mine / sample
 
+    def _diverged(self, what: str, step: int, done: str) -> TrainingError:
+        """Log the stop for a non-finite ``what`` ("loss is nan") at ``step`` and return the
+        error to raise; ``done`` says what the run did instead (nothing was saved)."""
+        self._log_stop("nan", f"stopped at step {step}: {what}")
+        kept = (
+            f"the last good checkpoint in {self.out_dir} is kept"
+            if self.checkpoint_saved
+            else "no checkpoint of this run was saved"  # what out_dir holds is older
+        )
+        return TrainingError(
+            f"{what} at step {step}; {done}, {kept} (lower train.lr, enable "
+            "train.grad_clip, or use train.dtype=float32)"
+        )
+
     def _log_stop(self, reason: str, message: str) -> None:
         self.stop_message = message
         if self.dist.is_main and getattr(self, "logger", None) is not None:
@@ -1067,7 +1082,7 @@ class Trainer:
         # Keep room for the final evaluations: the sample and the whole validation set.
         final = eval_time * (1.0 + self._eval_share(None))
         left = tc.time_budget - now - final
-        fits = self.step + max(0, int(left / per_step))
+        fits = self.step + max(0, int(min(left / per_step, tc.max_steps)))  # 1e308 s: inf
         fits = min(tc.max_steps, max(self.step, fits))
         schedule = fits
         if self.budget_fitted and decaying(self.step, tc, self.schedule_steps, self.warmup_steps):
@@ -1121,6 +1136,9 @@ class Trainer:
             sample = self.eval_batches
             t0 = _clock()
             metrics, sums = self._evaluate(sample)
+            if not math.isfinite(metrics["loss"]):  # the weights diverged in the last step
+                what = f"validation loss is {metrics['loss']}"
+                raise self._diverged(what, self.step, "stopped without saving")
             self.eval_time = _clock() - t0
             self.val_coverage = self.task.eval_coverage(tc.batch_size, sample)
             if self.step > 0 and sample is not None:  # grow the sample to agree within 1%
@@ -1171,16 +1189,21 @@ class Trainer:
                 last_saved = self.step
 
         try:
+            # A resumed run whose budget is used up takes no step (it took one more at each
+            # resume); the saved elapsed time is the same in every process.
+            spent = tc.time_budget is not None and self.elapsed_before >= tc.time_budget
+            if spent:
+                stop_reason = "time_budget"
             with stop:
                 if not self.resumed and tc.eval_every:
                     evaluate_and_save(save=False)  # the untrained baseline on the curve
                 elif self.step > 0 and self.last_val_step != self.step:
                     # A signal stopped the run before this step's evaluation: make it now,
                     # as the uninterrupted run did (its records, sample and best/ follow).
-                    final = self.step >= self.run_steps
+                    final = self.step >= self.run_steps or spent
                     if final or (tc.eval_every and self.step % tc.eval_every == 0):
                         evaluate_and_save(save=True, final=final)
-                while self.step < self.run_steps:
+                while self.step < self.run_steps and not spent:
                     t0 = _clock()
                     result = self._train_step(stop, time_up)
                     dt = _clock() - t0
@@ -1209,7 +1232,11 @@ class Trainer:
                     ):
                         fit_budget()
 
-                    if self.step % tc.log_every == 0 or self.step >= self.run_steps:
+                    # The run's last steps are logged (a signal's stop carries them on
+                    # in the checkpoint instead, logged as if uninterrupted on resume).
+                    last = self.step >= self.run_steps
+                    last |= result.out_of_time and not result.signalled
+                    if self.step % tc.log_every == 0 or last:
                         rate = iv["work"] / max(iv["time"], 1e-9)
                         lr = self.optimizer.param_groups[0]["lr"]
                         mean_loss = sum(iv["losses"]) / len(iv["losses"])
