@@ -167,6 +167,8 @@ def check_request(
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     if seed is not None and not _is_int(seed):  # a numpy integer is one too
         raise ValueError(f"seed must be an integer, got {seed!r}")
+    if generator is not None and seed is not None:  # the seed was silently ignored
+        raise ValueError("give seed or generator, not both: the generator would ignore the seed")
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.tok_emb.weight.device).manual_seed(int(seed))
     return rows, single, generator
@@ -641,6 +643,12 @@ def generate(
     if model.cfg.attention.kind == "nsa" and len({len(r) for r in batch}) > 1:
         # native sparse attention takes no left padding (its blocks start at slot 0)
         kw = dict(num_beams=num_beams, length_penalty=length_penalty, **kwargs)
+        if num_beams == 1 and kw.get("seed") is not None:
+            # the rows draw from one generator, as a padded batch's do: the seed given to
+            # each row alone gave every row the same draws (different prompts, one text)
+            _, _, kw["generator"] = check_request(
+                model, batch, max_new_tokens, kw.pop("seed"), kw.get("generator")
+            )
         return [generate(model, row, max_new_tokens, **kw) for row in batch]
     if num_beams > 1:
         allowed = {"stop_tokens", "pad_id", "use_cache"}

@@ -73,6 +73,8 @@ def test_seeded_sampling_is_reproducible():
         ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0"),
+        # the generator drew alone: the seed was silently ignored
+        ({"temperature": 1.0, "seed": 1, "generator": torch.Generator()}, "not both"),
     ],
 )
 def test_sampling_argument_errors(kwargs, match):

@@ -518,6 +518,20 @@ def test_nsa_refuses_left_padding_and_a_rolling_cache_but_generates_rows_alone()
         model.generate(prompts[0], 4, overflow="roll")
 
 
+def test_nsa_sampled_rows_of_different_lengths_draw_from_one_generator():
+    """Rows decoded one at a time draw from one generator made from the seed, as a padded
+    batch's rows do (a fresh generator per row gave every row the same draws, so the same
+    continuation of different prompts)."""
+    torch.manual_seed(0)
+    model = build_model(_nsa_cfg()).eval()  # near-uniform next-token distributions
+    prompts = [[1, 2, 3], [4, 5]]
+    rows = model.generate(prompts, 12, temperature=1.0, seed=7)
+    assert rows[1] != rows[0]  # different draws: different continuations
+    assert model.generate(prompts, 12, temperature=1.0, seed=7) == rows
+    g = torch.Generator().manual_seed(7)
+    assert rows == [model.generate(p, 12, temperature=1.0, generator=g) for p in prompts]
+
+
 def test_nsa_learns():
     torch.manual_seed(0)
     model = build_model(_nsa_cfg(**{"max_seq_len": 32})).train()

@@ -138,6 +138,12 @@ def test_task_options_are_typed():
     for preset in ("vit-digits", "transformer-numbers"):
         with pytest.raises(ConfigError, match=r"data\.options\.seed: must be from -2\*\*63"):
             get_run_preset(preset).override({"data.options.seed": 2**64})
+    # the generated texts seed random.Random, which takes a seed's absolute value: -3 made
+    # the data of 3 (a seed sweep over -S..S trained on each data set twice)
+    for preset in ("bert-tiny-langid", "bert-tiny-ner", "bert-tiny-qa"):
+        get_run_preset(preset).override({"data.options.seed": 0}).validate()
+        with pytest.raises(ConfigError, match=r"data\.options\.seed: must be >= 0, got -3"):
+            get_run_preset(preset).override({"data.options.seed": -3})
 
 
 def test_wrong_model_for_a_task_is_a_clear_error(tmp_path):

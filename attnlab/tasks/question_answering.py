@@ -54,6 +54,8 @@ class QAOptions(_Config):
         _positive(f"{path}.n_train", self.n_train)
         _positive(f"{path}.n_val", self.n_val)
         _positive(f"{path}.n_test", self.n_test, allow_zero=True)
+        # random.Random seeds by absolute value: seed -S would give the data of seed S
+        _positive(f"{path}.seed", self.seed, allow_zero=True)
         if not 0.0 <= self.held_out < 1.0:
             _fail(f"{path}.held_out", f"must be in [0, 1), got {self.held_out}")
         _positive(f"{path}.max_answer_tokens", self.max_answer_tokens)

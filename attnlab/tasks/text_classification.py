@@ -51,6 +51,8 @@ class LanguageOptions(_Config):
         _positive(f"{path}.n_train", self.n_train)
         _positive(f"{path}.n_val", self.n_val)
         _positive(f"{path}.n_test", self.n_test, allow_zero=True)
+        # random.Random seeds by absolute value: seed -S would give the data of seed S
+        _positive(f"{path}.seed", self.seed, allow_zero=True)
         if self.n_train + self.n_val + self.n_test > self.max_number:
             _fail(f"{path}.max_number", "must be at least n_train + n_val + n_test")
 
