@@ -116,17 +116,21 @@ FP8_E4M3_MAX = 448.0
 def fake_fp8(x: Tensor, block: int = 128, pow2_scale: bool = True) -> Tensor:
     """Quantise x to FP8 e4m3 per block of ``block`` values along the last axis and back
     (DeepSeek's ``act_quant``): scale = amax / 448 (rounded up to a power of 2 with
-    ``pow2_scale``, the UE8M0 scale format), x / scale rounded to e4m3, times scale."""
+    ``pow2_scale``, the UE8M0 scale format), x / scale rounded to e4m3, times scale.
+    Straight through in training: the gradient passes the rounding unchanged (autograd's
+    own went back through the float8 cast, rounding the gradient times the scale to e4m3:
+    the indexer's query and key projections got zero gradients)."""
     d = x.shape[-1]
     block = min(block, d)
     if d % block:
         raise ValueError(f"width {d} is not a multiple of the quantisation block {block}")
-    xb = x.float().unflatten(-1, (d // block, block))  # (..., d / block, block)
+    xb = x.detach().float().unflatten(-1, (d // block, block))  # (..., d / block, block)
     scale = xb.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_E4M3_MAX
     if pow2_scale:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (xb / scale).to(torch.float8_e4m3fn).float()
-    return (q * scale).flatten(-2).to(x.dtype)
+    y = (q * scale).flatten(-2).to(x.dtype)
+    return y + (x - x.detach()) if x.requires_grad else y  # values y, gradient identity
 
 
 # --------------------------------------------------------------------------- NSA
