@@ -845,13 +845,26 @@ def beam_search_core(
         kept = going_on.gather(1, keep)  # (b, n_keep), -inf where fewer beams go on
         penalty = _length_penalty(step + 1, alpha, style)
         top_l, ends_l, eos_l, alive_l = top.tolist(), ends.tolist(), is_eos.tolist(), alive.tolist()
-        cand_l, best_live = cand.tolist(), kept.max(dim=1).values.tolist()
+        best_live = kept.max(dim=1).values.tolist()
+        # only the tokens of the candidates that finish, read in one go (reading every
+        # candidate's tokens at every step cost O(step): quadratic in max_new_tokens)
+        ending = [
+            (r, j)
+            for r in range(b)
+            if not done[r]
+            for j in range(n_keep)  # only the best k candidates may finish
+            if ends_l[r][j] and alive_l[r][j]
+        ]
+        ended = {}
+        if ending:
+            rows_e, cols_e = zip(*ending)
+            ended = dict(zip(ending, cand[list(rows_e), list(cols_e)].tolist()))
         for r in range(b):
             if done[r]:
                 continue
-            for j in range(n_keep):  # only the best k candidates may finish
-                if ends_l[r][j] and alive_l[r][j]:
-                    tokens = cand_l[r][j][:-1] if eos_l[r][j] else cand_l[r][j]
+            for j in range(n_keep):
+                if (r, j) in ended:
+                    tokens = ended[r, j][:-1] if eos_l[r][j] else ended[r, j]
                     total = top_l[r][j]
                     finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
             finished[r] = sorted(finished[r], key=lambda h: -h.score)[:k]
@@ -866,7 +879,7 @@ def beam_search_core(
                 if not done[r] and len(finished[r]) < n_best:
                     rows = keep[r].tolist()
                     live = [
-                        Hypothesis(cand_l[r][j], top_l[r][j] / penalty, top_l[r][j], False)
+                        Hypothesis(cand[r, j].tolist(), top_l[r][j] / penalty, top_l[r][j], False)
                         for j in rows
                         if alive_l[r][j] and top_l[r][j] > float("-inf") and not eos_l[r][j]
                     ]

@@ -156,6 +156,50 @@ def test_tags_are_aligned_with_tokens(kind):
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_tag_text_words_take_their_first_token_reading_the_tokens_once(kind):
+    """``attnlab tag``'s words each show the tag of their first token (the search over all
+    tokens per word, below), found reading the token spans a few times over, not once per
+    word (a long text's words times its tokens)."""
+    import re
+    from types import SimpleNamespace
+
+    from attnlab.cli.tag import tag_text
+
+    text = "  Alice met Bob in Paris, on Monday 3 May.\n\nThey  talked. " * 30
+    codec = TextCodec(train_tokenizer(kind, [text], vocab_size=300))
+    ids, spans = codec.encode(text)
+    reads = 0
+
+    class Spans(list):  # counts the spans read
+        def __iter__(self):
+            nonlocal reads
+            for span in super().__iter__():
+                reads += 1
+                yield span
+
+        def __getitem__(self, i):
+            nonlocal reads
+            reads += 1
+            return super().__getitem__(i)
+
+    counted = SimpleNamespace(
+        encode=lambda t: (ids, Spans(spans)), single=codec.single, token_text=codec.token_text
+    )
+    logits = torch.randn(1, len(ids) + 2, len(TASKS["token-classification"].label_names()),
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    report = tag_text(lambda x: SimpleNamespace(logits=logits), counted, text, 10**6)
+    tags = [report["tokens"][i]["tag"] for i in range(len(ids))]
+    words = list(re.finditer(r"\S+", text))
+    assert len(report["words"]) == len(words)
+    for got, word in zip(report["words"], words):
+        first = next(
+            (i for i, (a, b) in enumerate(spans) if a < b and word.start() <= a < word.end()), None
+        )
+        assert got == {"word": word.group(), "tag": tags[first] if first is not None else "O"}
+    assert reads <= 5 * len(spans)
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_answer_tokens_slice_back_to_the_answer(kind):
     data = qa_examples(100, 5, 5, seed=0)
     texts = [t for e in data.train for t in (e.question, e.context)]
@@ -227,6 +271,36 @@ def test_best_span_equals_brute_force():
         assert (i, j) == want
         p = start.softmax(-1)[i] * end.softmax(-1)[j]
         assert score == pytest.approx(float(p))
+
+
+def test_best_span_work_is_bounded_by_the_answer_length():
+    """Over a long context the search scores the (c, max_tokens) spans allowed, not all
+    (c, c) pairs: its largest tensor, seen by a dispatch mode, has c * max_tokens values at
+    most. Ties go to the first span in (start, end) order, as over all pairs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    c, limit = 2000, 8
+    start, end = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    with Largest() as largest:
+        best_span(start, end, limit)
+    assert largest.numel <= c * limit
+    for c, limit in ((6, 3), (9, 20), (30, 4)):  # integer logits: many ties
+        start = torch.randint(0, 3, (c,), generator=g).float()
+        end = torch.randint(0, 3, (c,), generator=g).float()
+        pairs = [(a, b) for a in range(c) for b in range(a, min(c, a + limit))]
+        want = max(pairs, key=lambda p: float(start[p[0]] + end[p[1]]))  # the first best
+        assert best_span(start, end, limit)[:2] == want
 
 
 # --------------------------------------------------------------------------- tasks and trainer

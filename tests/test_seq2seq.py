@@ -208,6 +208,33 @@ def test_beam_search_core_matches_oracle():
         assert [round(h.score, 4) for h in got] == [round(h[0], 4) for h in expected]
 
 
+@pytest.mark.parametrize("style", ["transformers", "gnmt"])
+def test_beam_search_core_host_work_is_linear_in_length(style, monkeypatch):
+    """Each step reads a bounded number of values on the host (scores, flags, the tokens of
+    the hypotheses that finish), not every candidate's tokens so far: a search of 4n steps
+    reads about 4x the values of one of n steps (reading them all read 16x)."""
+    table = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    read = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        read.append(self.numel())
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+
+    def values_read(n):
+        read.clear()
+        hyps = beam_search_core(
+            table[:1], lambda source, tokens: table[tokens], num_beams=4, max_new_tokens=n,
+            eos_id=None, n_best=2, style=style,
+        )  # fmt: skip
+        assert [len(h.tokens) for h in hyps[0]] == [n, n]  # no EOS: every beam runs to n
+        return sum(read)
+
+    assert values_read(400) < 6 * values_read(100)
+
+
 transformers = pytest.importorskip("transformers")
 
 

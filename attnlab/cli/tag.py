@@ -6,6 +6,7 @@ entities found (read from BIO tags; labels of another scheme give none)."""
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 from collections.abc import Sequence
@@ -62,12 +63,19 @@ def tag_text(
     with torch.no_grad():
         logits = model(torch.tensor([inputs], device=device)).logits[0, 1:-1]  # (n, tags)
     tags = [labels[i] for i in logits.argmax(-1).tolist()]
-    words = []
-    for word in re.finditer(r"\S+", text):
-        first = next(
-            (i for i, (a, b) in enumerate(spans) if a < b and word.start() <= a < word.end()), None
-        )
-        words.append({"word": word.group(), "tag": tags[first] if first is not None else "O"})
+    # each word's first token (one pass over the tokens, not one per word: a long text's
+    # words times its tokens); a token's start lies in the last word starting at or before it
+    found = list(re.finditer(r"\S+", text))
+    word_starts = [word.start() for word in found]
+    first_token: list[int | None] = [None] * len(found)
+    for i, (a, b) in enumerate(spans):
+        k = bisect.bisect_right(word_starts, a) - 1
+        if a < b and k >= 0 and a < found[k].end() and first_token[k] is None:
+            first_token[k] = i
+    words = [
+        {"word": word.group(), "tag": tags[first] if first is not None else "O"}
+        for word, first in zip(found, first_token)
+    ]
     entities = []
     for label, first, last in entity_spans(tags):
         start, end = spans[first][0], spans[last - 1][1]

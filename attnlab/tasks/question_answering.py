@@ -88,12 +88,14 @@ def best_span(start_logits: Tensor, end_logits: Tensor, max_tokens: int) -> tupl
     """(i, j, score): the span i <= j < i + ``max_tokens`` maximising start_i + end_j over
     (c,) logits; score is p_start(i) * p_end(j) with softmax over the c tokens."""
     c = start_logits.shape[0]
-    scores = start_logits[:, None] + end_logits[None, :]  # (c, c): [i, j]
-    pos = torch.arange(c, device=scores.device)  # (not a CPU tensor copied over per example)
-    i, j = pos[:, None], pos[None, :]
-    allowed = (j >= i) & (j < i + max_tokens)
-    flat = int(scores.masked_fill(~allowed, float("-inf")).argmax())
-    a, b = divmod(flat, c)
+    # only the spans allowed, (c, w) [i, j - i], not all (c, c) pairs: O(c w) for long
+    # contexts; row-major in (i, j) as well, so argmax picks the same span among ties
+    w = min(max_tokens, c)
+    dev = start_logits.device  # (not a CPU tensor copied over per example)
+    j = torch.arange(c, device=dev)[:, None] + torch.arange(w, device=dev)[None, :]  # (c, w)
+    scores = start_logits[:, None] + end_logits[j.clamp(max=c - 1)]  # (c, w)
+    flat = int(scores.masked_fill(j >= c, float("-inf")).argmax())
+    a, b = flat // w, flat // w + flat % w
     p = start_logits.softmax(-1)[a] * end_logits.softmax(-1)[b]
     return a, b, float(p)
 
