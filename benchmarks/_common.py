@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import platform
@@ -16,6 +17,17 @@ def setup_threads(threads: int | None) -> int:
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Refuse ``--device`` (argparse's usage error) where this machine has no such device:
+    a GPU run on a CPU-only machine would otherwise end in a traceback from deep inside."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        parser.error(f"--device {device}: not a device; use cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: CUDA is not available on this machine; use cpu")
 
 
 def sync(device: torch.device | str = "cpu") -> None:

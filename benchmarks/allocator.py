@@ -81,7 +81,8 @@ def measure(args: argparse.Namespace, preset: str, variant: str, setting: str) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--presets", nargs="+", default=["demo", "llama-30m"])
-    ap.add_argument("--variants", nargs="+", default=["eager", "compile"])
+    ap.add_argument("--variants", nargs="+", default=["eager", "compile"],
+                    choices=["eager", "compile", "eval"])  # fmt: skip
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)

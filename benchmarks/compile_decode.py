@@ -31,7 +31,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from _common import machine, setup_threads, table
+from _common import check_device, machine, setup_threads, table
 from attnlab import build_model, generation
 from attnlab.nn.linear import Linear
 from attnlab.presets import llama_30m, llama_style
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paired-steps", type=int, default=2000, help="0: skip the step table")
     args = ap.parse_args()
+    check_device(ap, args.device)
     setup_threads(args.threads)
     torch.manual_seed(0)
     cfg = model_config(args.model)

@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-from _common import machine, setup_threads, sync, table
+from _common import check_device, machine, setup_threads, sync, table
 from attnlab.functional.attention import attend
 from attnlab.functional.flex import flex_attention
 from attnlab.memory import PeakTensorMemory
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args()
+    check_device(parser, args.device)
     setup_threads(args.threads)
     SHAPE.update(batch=args.batch, heads=args.heads, device=args.device,
                  dtype=getattr(torch, args.dtype))  # fmt: skip

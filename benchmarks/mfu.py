@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from _common import machine, setup_threads, sync, table
+from _common import check_device, machine, setup_threads, sync, table
 from attnlab.analysis import flops_per_token
 from attnlab.nn.linear import ONEDNN, onednn_mm
 from attnlab.presets import get_run_preset
@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="train.dtype (default: the preset's; bfloat16 on a GPU)")  # fmt: skip
     args = ap.parse_args()
+    check_device(ap, args.device)
+    if args.no_eager and not args.compile:
+        ap.error("--no-eager leaves no run without --compile")
     setup_threads(args.threads)
     device = args.device
     gpu = torch.device(device).type == "cuda"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from _common import machine, setup_threads, table
+from _common import check_device, machine, setup_threads, table
 from attnlab.data import prepare_data
 from attnlab.memory import PeakTensorMemory
 from attnlab.models import build_model
@@ -116,10 +116,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--variants", nargs="+", default=[v[0] for v in VARIANTS])
+    names = [v[0] for v in VARIANTS]
+    ap.add_argument("--variants", nargs="+", default=names, choices=names)
     args = ap.parse_args()
+    check_device(ap, args.device)
     setup_threads(args.threads)
     device = torch.device(args.device)
+    if device.type != "cuda" and set(args.variants) <= {"triton"}:  # else no runs: IndexError
+        ap.error("--variants: triton needs a GPU; name a variant that runs on this device")
     base = get_run_preset("demo").override(
         {"model.max_seq_len": args.block, "train.block_size": args.block,
          "train.batch_size": args.batch}

@@ -42,7 +42,15 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import attnlab.generation  # noqa: E402
-from _common import copy_bandwidth, machine, read_bandwidth, setup_threads, sync, table  # noqa: E402
+from _common import (  # noqa: E402
+    check_device,
+    copy_bandwidth,
+    machine,
+    read_bandwidth,
+    setup_threads,
+    sync,
+    table,
+)
 from attnlab.interop import load_hf  # noqa: E402
 
 SIZES = {  # LlamaConfig fields
@@ -108,6 +116,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
     args = ap.parse_args()
+    check_device(ap, args.device)
     threads = setup_threads(args.threads)
     device, dtype = args.device, getattr(torch, args.dtype)
     cuda = torch.device(device).type == "cuda"
