@@ -632,6 +632,20 @@ def test_resume_with_another_optimizer_is_refused(tmp_path, dataset):
         train(tiny_run(max_steps=2), tmp_path, resume=tmp_path, dataset=dataset, progress=False)
 
 
+def test_resume_of_an_optimizer_state_grouped_otherwise_is_refused_by_name(tmp_path, dataset):
+    """Versions before Transformer-XL's u and v joined the no-decay group saved them in the
+    decay group: such a state (made here by moving a tensor between the saved groups) is
+    refused naming the grouping, not with torch's bare group-size error."""
+    train(tiny_run(max_steps=1), tmp_path, dataset=dataset, progress=False)
+    path = tmp_path / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    decay, no_decay = state["trainer"]["optimizer"]["param_groups"]
+    decay["params"].append(no_decay["params"].pop())
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="grouped the parameters differently.*--init-from"):
+        train(tiny_run(max_steps=2), tmp_path, resume=tmp_path, dataset=dataset, progress=False)
+
+
 @pytest.mark.parametrize(
     "preset, head", [("gru-numbers", "out"), ("vit-digits", "head"), ("bert-tiny-qa", "head.span")]
 )

@@ -228,7 +228,23 @@ class Optimizers:
                 "with the optimizer it was trained with (or start a new run with --init-from)"
             )
         for opt, sub in zip(self.optimizers, state["optimizers"]):
+            _check_groups(opt, sub)
             opt.load_state_dict(sub)
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Refuse a saved state whose parameter groups differ in size from ``optimizer``'s:
+    torch's own error does not say why (a version that grouped the parameters otherwise:
+    Transformer-XL's u and v were decayed before they joined the no-decay group)."""
+    saved = [len(g["params"]) for g in state.get("param_groups", ())]
+    built = [len(g["params"]) for g in optimizer.param_groups]
+    if "param_groups" in state and saved != built:
+        raise ValueError(
+            f"the checkpoint's optimizer state has parameter groups of {saved} tensors, this "
+            f"version's optimizer {built}: it was saved by an attnlab version that grouped "
+            "the parameters differently; resume it with that version, or start a new run "
+            "from its weights with --init-from"
+        )
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer | Optimizers, state: dict) -> None:
@@ -237,6 +253,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer | Optimizers, state: d
     ``load_state_dict`` puts back the saved groups' ``weight_decay`` and ``betas``, so a
     resumed run's changed ``train.weight_decay`` or ``train.beta2`` would not apply."""
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if not isinstance(optimizer, Optimizers):
+        _check_groups(optimizer, state)
     optimizer.load_state_dict(state)
     for group, kept in zip(optimizer.param_groups, settings, strict=True):
         group.update(kept)
