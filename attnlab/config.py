@@ -893,14 +893,28 @@ class RunConfig(_Config):
     data: DataConfig = field(default_factory=DataConfig)
     task: str = "lm"
 
-    def validate(self) -> None:
+    @classmethod
+    def for_inference(cls, data: dict[str, Any]) -> RunConfig:
+        """A saved run's config to run its model: like ``from_dict``, but training settings
+        that a later version refuses (a ``train.min_lr`` above ``train.lr``, accepted
+        before) do not stop it; resuming the run still checks them."""
+        cfg = _from_dict(cls, data)
+        cfg.validate(train=False)
+        return cfg
+
+    def validate(self, train: bool = True) -> None:
+        """Check every section; ``train=False`` leaves out the training settings' own
+        checks (what running a trained model reads from them is only typed)."""
         from attnlab.tasks import TASKS  # the registry imports this module
 
         _choice("task", self.task, tuple(TASKS))
         self.model.validate("model")
-        self.train.validate()
+        if train:
+            self.train.validate()
         self.data.validate()
         TASKS[self.task].data_options(self)  # the task's own settings are typed too
+        if not train:
+            return
         if self.train.block_size is not None and self.train.block_size > self.model.max_seq_len:
             _fail(
                 "train.block_size",

@@ -311,3 +311,27 @@ def test_backend_fallback_warning_follows_the_callers_filters(tmp_path, monkeypa
     with pytest.warns(UserWarning, match="'triton'.*'flash'") as caught:
         load_checkpoint(tmp_path, device="cpu")
     assert [w.filename for w in caught] == [__file__]
+
+
+def test_a_training_setting_refused_since_it_was_saved_does_not_stop_inference(tmp_path):
+    """A run saved by a version that accepted train.min_lr > train.lr (a plain --set
+    train.lr=5e-5 did) still runs its model, with a warning naming the setting; resuming,
+    and a model setting that is invalid, are still refused."""
+    import json
+
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 3})
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["train"].update(lr=5e-5, min_lr=1e-4)
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=r"train\.min_lr: must be <= train\.lr.*resuming"):
+        loaded = load_checkpoint(tmp_path)
+    assert loaded.config.train.min_lr == 1e-4 and loaded.config.model == cfg.model
+    assert_same_weights(weights(loaded.model), weights(model))
+    with pytest.raises(CheckpointError, match=r"invalid run config \(train\.min_lr"):
+        load_checkpoint(tmp_path, inference=False)
+    data["model"]["d_model"] = -1
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"invalid run config \(model\.d_model"):
+        load_checkpoint(tmp_path)

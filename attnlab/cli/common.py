@@ -147,7 +147,7 @@ def model_config_from_file(path: str | Path) -> ModelConfig:
 
             return config_from_hf(data)
         if is_run_config(data):
-            return RunConfig.from_dict(data).model
+            return RunConfig.for_inference(data).model  # its training settings unused
         return ModelConfig.from_dict(data)
     except ConfigError as e:
         raise CLIError(f"{path}: {e}") from None

@@ -268,7 +268,20 @@ def load_checkpoint(
 
     files = checkpoint_files(directory)
     try:
-        config = RunConfig.from_json(files[CONFIG_FILE].read_text())
+        data = json.loads(files[CONFIG_FILE].read_text())
+        try:
+            config = RunConfig.from_dict(data)
+        except ConfigError as e:
+            if not inference or not str(e).startswith("train."):
+                raise
+            # a run saved by an earlier version, whose training settings it accepted: its
+            # model still runs (generate, eval, export), only resuming needs them valid
+            config = RunConfig.for_inference(data)
+            warnings.warn(
+                f"{files[CONFIG_FILE]}: {e} (ignored to run the model; resuming the run "
+                "needs it fixed with --set)",
+                stacklevel=2,
+            )
     except (ConfigError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{files[CONFIG_FILE]}: invalid run config ({e})") from None
     if inference:
