@@ -333,3 +333,36 @@ def test_bidirectional_window_sees_both_sides(window_kw):
     y = x.clone()
     y[:, 1] += 1.0
     assert (attn(y)[:, 0] - attn(x)[:, 0]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["mla", "dsa"])
+@torch.no_grad()
+def test_latent_attention_window_of_an_encoder_sees_both_sides(kind):
+    """MLA's and DSA's windowed layers in an encoder attend within window - 1 positions on
+    either side, as multi-head attention's. They applied the causal window once the input
+    outgrew it: the encoder turned causal, and a row padded in a batch longer than the
+    window gave other outputs than the row alone."""
+    from attnlab.config import AttentionConfig
+    from attnlab.functional.masks import global_window_mask
+    from attnlab.nn.registry import build_attention
+
+    torch.manual_seed(0)
+    latent = dict(kind=kind, n_heads=2, q_lora_rank=8, kv_lora_rank=8, index_topk=64)
+    cfg = AttentionConfig(sliding_window=3, **latent)
+    attn = build_attention(kind, 16, cfg, causal=False).eval()
+    ref = build_attention(kind, 16, AttentionConfig(**latent), causal=False).eval()
+    ref.load_state_dict(attn.state_dict())
+    t = 9
+    x = torch.randn(2, t, 16)
+    mask = global_window_mask(t, t, 3, 0, causal=False)
+    torch.testing.assert_close(attn(x), ref(x, mask=mask))
+    # through the encoder: a short row padded in a batch equals the row alone
+    model = EncoderModel(
+        EncoderConfig(vocab_size=VOCAB, d_model=16, n_layers=2, head="token", attention=cfg)
+    ).eval()
+    idx = torch.randint(0, VOCAB, (2, t))
+    pad = torch.ones(2, t, dtype=torch.long)
+    pad[1, 3:] = 0
+    out = model(idx, attention_mask=pad).logits
+    torch.testing.assert_close(out[1, :3], model(idx[1:, :3]).logits[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0], model(idx[:1]).logits[0], atol=1e-5, rtol=1e-5)

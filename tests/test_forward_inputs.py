@@ -151,3 +151,19 @@ def test_encoder_names_malformed_targets_and_token_types():
         _encoder("qa", 2)(idx, targets=torch.tensor([[1, 3, 0], [2, 2, 0]]))
     with pytest.raises(ValueError, match=r"token_type_ids must be \(b, t\)"):
         _encoder("none", 2)(idx, token_type_ids=torch.zeros(2, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["token_type_ids", "positions"])
+def test_encoder_refuses_token_types_or_positions_of_other_rows(name):
+    """Rows other than b (or 1, for every row) broadcast against idx: one row of token ids
+    with three rows of token types gave three rows of logits."""
+    m = _encoder("sequence", 2)
+    idx = torch.randint(0, 40, (2, 6))
+    ids = torch.arange(6)[None] % 2  # (1, t): the same for every row
+    torch.testing.assert_close(
+        m(idx, **{name: ids}).logits, m(idx, **{name: ids.expand(2, 6)}).logits
+    )
+    with pytest.raises(ValueError, match=rf"{name} must be \(b, t\) = \(1, 6\)"):
+        m(idx[:1], **{name: torch.zeros(3, 6, dtype=torch.long)})
+    with pytest.raises(ValueError, match=rf"{name} must be \(b, t\) = \(2, 6\)"):
+        m(idx, **{name: torch.zeros(3, 6, dtype=torch.long)})

@@ -326,13 +326,17 @@ class EncoderModel(nn.Module):
         0 padding (any side); positions count from 0 (BERT numbers pads too)."""
         b, t = check_ids("idx", idx)
         check_padding_mask("attention_mask", attention_mask, b, t)
-        if token_type_ids is not None and (
-            token_type_ids.dim() > 2 or token_type_ids.shape[-1] != t
-        ):
-            raise ValueError(
-                f"token_type_ids must be (b, t) = ({b}, {t}) like idx, got shape "
-                f"{tuple(token_type_ids.shape)}"
-            )
+        for name, ids in (("token_type_ids", token_type_ids), ("positions", positions)):
+            # (1, t) or (t,) serve every row; other rows broadcast: one row of idx with
+            # three of token types gave three rows of logits
+            if ids is not None and (
+                ids.dim() > 2
+                or ids.shape[-1] != t
+                or (ids.dim() == 2 and ids.shape[0] not in (1, b))
+            ):
+                raise ValueError(
+                    f"{name} must be (b, t) = ({b}, {t}) like idx, got shape {tuple(ids.shape)}"
+                )
         if t > self.cfg.max_seq_len and isinstance(self.pos_emb, LearnedPositionalEmbedding):
             raise ValueError(
                 f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len} of learned "

@@ -39,6 +39,7 @@ from attnlab.functional.masks import (
     causal_mask,
     combine_masks,
     document_mask,
+    global_window_mask,
     sliding_window_mask,
 )
 from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
@@ -215,6 +216,15 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError("RoPE attention needs positions")
         return self.rope.tables(positions)
 
+    def window_mask(self, t: int, device: torch.device) -> Tensor:
+        """(t, t) bool: the sliding window of a pass without a cache. Causal: the last
+        ``window`` keys; bidirectional (an encoder's): within window - 1 on either side, as
+        multi-head attention's (a causal window made an encoder causal once its input
+        outgrew the window: a row's outputs then depended on the padding of its batch)."""
+        if self.causal:
+            return sliding_window_mask(t, t, self.window, device=device)
+        return global_window_mask(t, t, self.window, 0, causal=False, device=device)
+
     # ------------------------------------------------------------------ forward
 
     def forward(
@@ -246,8 +256,7 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             latent = torch.cat((c_kv, k_rope), dim=-1)  # (b, 1, t, d_c + d_r)
             if self.window is not None and t > self.window:
-                mask = combine_masks(mask, sliding_window_mask(t, t, self.window, device=x.device))
-                causal = False
+                mask, causal = combine_masks(mask, self.window_mask(t, x.device)), False
         path = self.choose_path(t, latent.shape[-2], cache is not None)
         if path == "absorbed" and doc_ids is not None:  # latent attention takes masks only
             mask, doc_ids = combine_masks(mask, document_mask(doc_ids)), None

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from attnlab.cache import Cache, DenseKV, IndexedLatentKV, LayerCache
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend, hand_over_weights
-from attnlab.functional.masks import causal_mask, combine_masks, sliding_window_mask
+from attnlab.functional.masks import causal_mask, combine_masks
 from attnlab.functional.rope import rope_tables
 from attnlab.functional.selection import (
     block_windows,
@@ -231,8 +231,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         else:
             latent, index_keys = torch.cat((c_kv, k_rope), dim=-1), ik  # (b, 1, t, d_c + d_r)
             if self.window is not None and t > self.window:
-                mask = combine_masks(mask, sliding_window_mask(t, t, self.window, device=x.device))
-                causal = False
+                mask, causal = combine_masks(mask, self.window_mask(t, x.device)), False
         s = latent.shape[-2]
         allowed = allowed_keys(mask, causal, b, t, s, x.device)  # (b, t, s)
         scores = self.indexer.scores(iq, index_keys, iw)  # (b, t, s)
