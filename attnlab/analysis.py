@@ -88,7 +88,8 @@ def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
     return params, sum(w for _, w in linears)
 
 
-def _meta_model(cfg: ModelConfig):
+def meta_model(cfg: ModelConfig):
+    """The model of ``cfg`` on the meta device (shapes only)."""
     from attnlab.models import build_model
 
     with torch.device("meta"):  # shapes only: no memory, no initialisation work
@@ -105,7 +106,7 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     d, V = cfg.d_model, cfg.vocab_size
     head = 0 if cfg.tie_embeddings else d * V
     if not _formula_applies(cfg):
-        model = _meta_model(cfg)
+        model = meta_model(cfg)
         total = sum(p.numel() for p in model.parameters())  # tied ones once
         if cfg.arch == "decoder":
             non_embedding = model.num_parameters(exclude_embeddings=True)
@@ -140,7 +141,7 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     if not _formula_applies(cfg):
         from attnlab.nn.moe import MoE
 
-        model = _meta_model(cfg)
+        model = meta_model(cfg)
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         n = sum(m.weight.numel() for m in linears)
         for m in model.modules():
@@ -245,7 +246,7 @@ def kv_cache_bytes(
         check_global_tokens(cfg.attention.global_tokens, window)
     held = min(seq_len, window) if window is not None else seq_len
     if cfg.attention.kind not in _KV_FORMULA_KINDS:
-        cache = _meta_model(cfg).new_cache(batch, held, dtype, device="meta")
+        cache = meta_model(cfg).new_cache(batch, held, dtype, device="meta")
         return int(cache.nbytes)
     if window is not None:  # local layers hold their window, global ones everything
         per_layer = kv_cache_bytes_per_token(cfg, dtype) // cfg.n_layers
@@ -280,6 +281,6 @@ def weights_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
     and the loaders keep them: :class:`~attnlab.nn.moe.KeepsPrecision`)."""
     if cfg.ffn.kind == "moe" and _itemsize(dtype) < 4:
         cfg.validate()
-        params = {id(p): p for p in _meta_model(cfg).to(dtype).parameters()}  # tied once
+        params = {id(p): p for p in meta_model(cfg).to(dtype).parameters()}  # tied once
         return sum(p.numel() * p.element_size() for p in params.values())
     return count_parameters(cfg)["total"] * _itemsize(dtype)

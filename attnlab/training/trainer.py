@@ -463,7 +463,7 @@ def check_memory(
     """Refuse a run whose weights, gradients and optimizer state alone exceed the memory
     of ``device`` (estimated with attnlab.analysis, before anything is allocated; with
     ``optimizer="muon"`` the matrices Muon trains keep one moment, the rest AdamW's two)."""
-    from attnlab.analysis import count_parameters
+    from attnlab.analysis import count_parameters, meta_model
 
     available = machine_memory(device) if available is None else available
     if available is None:
@@ -472,9 +472,7 @@ def check_memory(
     needed = n * TRAIN_BYTES_PER_PARAMETER
     state = f"AdamW state ({n:,} parameters x {TRAIN_BYTES_PER_PARAMETER} bytes)"
     if optimizer == "muon":
-        with torch.device("meta"):  # shapes only
-            model = build_model(model_cfg)
-        matrices = sum(p.numel() for p in muon_parameters(model))
+        matrices = sum(p.numel() for p in muon_parameters(meta_model(model_cfg)))
         needed -= matrices * MUON_SAVED_BYTES
         state = (
             f"Muon + AdamW state ({n:,} parameters x {TRAIN_BYTES_PER_PARAMETER} bytes, "
