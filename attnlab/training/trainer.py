@@ -862,7 +862,9 @@ class Trainer:
     def _save(self, directory: Path, elapsed: float) -> None:
         # A finite loss and gradient can still step to non-finite weights (a huge lr):
         # never save those over the last good checkpoint.
-        bad = [name for name, p in self.model.named_parameters() if not p.isfinite().all()]
+        named = list(self.model.named_parameters())
+        finite = torch.stack([p.isfinite().all() for _, p in named]).tolist()  # one read
+        bad = [name for (name, _), ok in zip(named, finite) if not ok]
         if bad:
             raise self._diverged(
                 f"weights are not finite ({bad[0]})", self.step, "stopped without saving"
