@@ -863,7 +863,7 @@ class Trainer:
         # A finite loss and gradient can still step to non-finite weights (a huge lr):
         # never save those over the last good checkpoint.
         named = list(self.model.named_parameters())
-        finite = torch.stack([p.isfinite().all() for _, p in named]).tolist()  # one read
+        finite = torch.stack([p.isfinite().all() for _, p in named]).tolist() if named else []
         bad = [name for (name, _), ok in zip(named, finite) if not ok]
         if bad:
             raise self._diverged(
