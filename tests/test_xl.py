@@ -235,3 +235,54 @@ def test_float16_relative_scores_past_65504_stay_finite():
     want = attn.float()(x.float())
     assert got.isfinite().all()
     torch.testing.assert_close(got.float(), want, atol=0.5, rtol=2e-2)
+
+
+def test_streamed_resume_with_another_block_size_is_refused(tmp_path, monkeypatch):
+    """Task lm-stream saves each row's memory and its segment counter: a resumed run with
+    another train.block_size would read segment k at k * t_new while the memory ends at
+    (k_old + 1) * t_old, so the memory would hold the new segment's own targets. Refused,
+    naming the field; the saved length resumes."""
+    from attnlab.config import DataConfig, RunConfig, TrainConfig
+    from attnlab.data import TokenDataset, prepare_data
+    from attnlab.training import train
+    from attnlab.training.metrics import MetricsLogger
+
+    monkeypatch.setattr(MetricsLogger, "plot", lambda self: None)
+    full = prepare_data(DataConfig(), cache_dir=tmp_path / "cache")
+    data = TokenDataset(tokenizer=full.tokenizer, train=full.train[:2000], val=full.val[:300])
+
+    def run(block_size: int, max_steps: int) -> RunConfig:
+        model = XLConfig(vocab_size=256, max_seq_len=8, d_model=16, n_layers=1, mem_len=8,
+                         attention=AttentionConfig(n_heads=2))  # fmt: skip
+        return RunConfig(model=model, task="lm-stream", train=TrainConfig(
+            batch_size=2, block_size=block_size, max_steps=max_steps, warmup_steps=1,
+            eval_every=0, eval_batches=1, seed=0))  # fmt: skip
+
+    train(run(8, 3), tmp_path / "run", dataset=data, progress=False)
+    with pytest.raises(ConfigError, match="train.block_size: task lm-stream continues each"):
+        train(run(6, 5), tmp_path / "run", resume=tmp_path / "run", dataset=data,
+              progress=False)  # fmt: skip
+    assert train(run(8, 5), tmp_path / "run", resume=tmp_path / "run", dataset=data,
+                 progress=False).step == 5  # fmt: skip
+
+
+def test_streamed_validation_too_short_fails_before_training(tmp_path):
+    """Task lm-stream cuts the validation split into batch_size streams of at least a
+    segment and its next token; a split too short failed at the first evaluation, after
+    the training steps before it (with eval_every=0 the run's end: nothing saved)."""
+    from attnlab.config import DataConfig, RunConfig, TrainConfig
+    from attnlab.data import DataError, TokenDataset, prepare_data
+    from attnlab.tasks import StreamingLanguageModelling
+
+    full = prepare_data(DataConfig(), cache_dir=tmp_path / "cache")
+    block, batch = 8, 3
+    val = full.val[: batch * (block + 1) - 1]  # one token short of 3 streams of 8 + 1
+    data = TokenDataset(tokenizer=full.tokenizer, train=full.train[:2000], val=val)
+    model = XLConfig(vocab_size=256, max_seq_len=block, d_model=16, n_layers=1,
+                     attention=AttentionConfig(n_heads=2))  # fmt: skip
+    cfg = RunConfig(model=model, task="lm-stream",
+                    train=TrainConfig(batch_size=batch, block_size=block))  # fmt: skip
+    with pytest.raises(DataError, match="the validation split .* cut into 3 streams"):
+        StreamingLanguageModelling(cfg, data=data)
+    cfg.train.batch_size = batch - 1  # two streams fit
+    assert StreamingLanguageModelling(cfg, data=data).eval_examples(batch - 1, None) == 2

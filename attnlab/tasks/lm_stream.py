@@ -10,7 +10,7 @@ an empty memory. A key is (row, start, segment); the trainer lays the B keys out
 (grad_accum, processes, batch_size), so each micro-batch and each process reads its own
 rows and keeps their memory. The segment counter and every row's memory are the task's
 state (:meth:`state_dict`), saved in each checkpoint, so a resumed run continues exactly;
-a resumed run must keep the global batch (the rows).
+a resumed run must keep the global batch (the rows) and train.block_size (the segments).
 
 Validation. The validation split is cut into ``batch_size`` streams the same way (the
 number of processes does not change them; each process scores its share of the streams),
@@ -111,6 +111,8 @@ class StreamingLanguageModelling(Task):
         self.tokenizer = data.tokenizer
         self.block_size = cfg.train.block_size or cfg.model.max_seq_len
         data.check_block(self.block_size)
+        # the validation streams, checked now: not after training, at its first evaluation
+        stream_rows(len(data.val), cfg.train.batch_size, self.block_size, "validation")
         self.rows: int | None = None  # training rows: the global batch, fixed at the 1st step
         self.segment = 0  # training steps taken: the next one reads segment segment % n_seg
         self.memory: dict[int, list[Tensor]] = {}  # row -> per layer (m, d), no gradient
@@ -164,20 +166,33 @@ class StreamingLanguageModelling(Task):
         return StepOutput(loss=out.loss, count=y.numel(), aux_loss=aux_loss, metrics=metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        """The segment counter, the rows and this process's rows' memory (on the CPU)."""
+        """The segment counter, the rows, the segment length and this process's rows'
+        memory (on the CPU)."""
         mine = sorted(self.memory)
         layers = zip(*(self.memory[r] for r in mine)) if mine else ()
         return {
             "segment": self.segment,
             "rows": self.rows,
+            "block_size": self.block_size,
             "memory_rows": mine,
             "memory": [torch.stack(layer).cpu() for layer in layers],  # per layer (r, m, d)
         }
 
     def load_state_dict(self, parts: list[dict[str, Any]]) -> None:
-        """Every process's part: the same counter, and together every row's memory."""
+        """Every process's part: the same counter, and together every row's memory. The
+        segment length must be the saved run's: the counter and the memory place each row
+        at a token of the stream that another length would not continue (the memory would
+        hold the new segment's own tokens, its targets among them)."""
         self.memory = {}
         for part in parts:
+            saved = part.get("block_size")  # absent from checkpoints that predate it
+            if saved is not None and int(saved) != self.block_size:
+                _fail(
+                    "train.block_size",
+                    f"task lm-stream continues each row's stream in segments of {saved} "
+                    f"tokens (the run being resumed), got {self.block_size}; keep it at "
+                    f"{saved} to continue it",
+                )
             self.segment, self.rows = int(part["segment"]), part["rows"]
             for i, r in enumerate(part["memory_rows"]):
                 self.memory[int(r)] = [layer[i] for layer in part["memory"]]
