@@ -4,6 +4,7 @@ function. Shapes: b batch, t length, V vocabulary size."""
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -148,6 +149,37 @@ def test_original_bert_checkpoint_layout(tmp_path):
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(HFCheckpointError, match="stored twice"):
         load_hf(tmp_path / "hf")
+
+
+def test_sigmoid_bert_is_exported(tmp_path):
+    """hidden_act sigmoid (which the import reads) is written back, not refused."""
+    ref = transformers.BertForMaskedLM(_bert_config(hidden_act="sigmoid")).eval()
+    _randomize(ref, 3)
+    ref.save_pretrained(tmp_path / "hf")
+    save_hf(load_hf(tmp_path / "hf"), tmp_path / "ours")
+    back = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours").eval()
+    assert back.config.hidden_act == "sigmoid"
+    idx, types, mask = _inputs(2)
+    with torch.no_grad():
+        expected = ref(input_ids=idx, token_type_ids=types, attention_mask=mask).logits
+        again = back(input_ids=idx, token_type_ids=types, attention_mask=mask).logits
+    torch.testing.assert_close(again, expected, atol=TOL, rtol=TOL)
+
+
+def test_single_label_problem_type_needs_two_labels(tmp_path):
+    """A softmax over one class has loss 0 whatever the weights; transformers refuses
+    problem_type single_label_classification with num_labels=1, and so does attnlab (a
+    config.json of an older transformers too), rather than export a folder transformers
+    cannot load."""
+    kw = {"head": "sequence", "n_labels": 1, "problem_type": "single_label_classification"}
+    with pytest.raises(ConfigError, match="single_label_classification needs n_labels >= 2"):
+        EncoderConfig(vocab_size=VOCAB, d_model=16, n_layers=1, **kw).validate()
+    transformers.BertForSequenceClassification(_bert_config(num_labels=1)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["problem_type"] = "single_label_classification"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="needs n_labels >= 2"):
+        load_hf(tmp_path)
 
 
 @pytest.mark.parametrize("cross", [False, True])

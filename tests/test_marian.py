@@ -125,6 +125,33 @@ def test_export_refuses_what_marian_cannot_hold(marian, changes, tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
+@pytest.mark.parametrize("act", ["gelu_new", "sigmoid"])
+def test_activations_imported_are_exported(act, tmp_path):
+    """Every activation_function the import reads (gelu_new as attnlab's gelu_tanh) is
+    written back: the model re-exports with transformers' logits, not refused as a Marian
+    it cannot hold."""
+    torch.manual_seed(0)
+    config = _config()
+    config.activation_function = act
+    ref = transformers.MarianMTModel(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "embed_positions" not in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    save_hf(model, tmp_path / "ours")
+    back = transformers.MarianMTModel.from_pretrained(tmp_path / "ours").eval()
+    assert back.config.activation_function == act
+    src, mask, tgt = _batch()
+    with torch.no_grad():
+        expected = ref(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+        again = back(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+        out = model(src, tgt, src_mask=mask).logits
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(again, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_base_marian_model_is_refused_by_name(tmp_path):
     """A MarianModel folder (bare names, no logits bias or head) is not a translation model:
     refused by its architecture, not with every tensor reported missing."""

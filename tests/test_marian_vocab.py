@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attnlab.interop import HFCheckpointError, config_from_hf, load_hf, save_hf  # noqa: E402
+from attnlab.models import build_model  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 V_SRC, V_TGT, PAD, EOS = 43, 29, 1, 2
@@ -128,3 +129,14 @@ def test_shared_flag_with_two_sizes_is_refused():
     hf = marian_config(True).to_dict() | {"share_encoder_decoder_embeddings": True}
     with pytest.raises(HFCheckpointError, match="share_encoder_decoder_embeddings"):
         config_from_hf(hf)
+
+
+def test_export_refuses_a_pad_token_outside_the_source_vocabulary(marian, tmp_path):
+    """transformers' Marian has one pad_token_id, the padding_idx of the source embedding
+    too: a model whose pad token is a target token only is refused by name, not written as
+    a folder that transformers cannot build ("Padding_idx must be within num_embeddings")."""
+    _, path = marian
+    cfg = load_hf(path).cfg.override({"src_vocab_size": 20, "pad_id": 25})
+    with pytest.raises(HFCheckpointError, match="pad_id=25 is not a source token"):
+        save_hf(build_model(cfg), tmp_path)
+    assert not (tmp_path / "config.json").exists()

@@ -120,6 +120,39 @@ def test_vit_export_refuses_missing_biases(changes, tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
+def test_vit_sigmoid_mlp_is_exported(tmp_path):
+    """hidden_act sigmoid (which the import reads) is written back, not refused."""
+    cfg = ViTConfig(image_size=8, patch_size=4, d_model=16, n_layers=1, n_classes=3)
+    model = build_model(cfg.override({"ffn.activation": "sigmoid"})).eval()
+    save_hf(model, tmp_path)
+    back = transformers.ViTForImageClassification.from_pretrained(tmp_path).eval()
+    assert back.config.hidden_act == "sigmoid"
+    images = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            back(pixel_values=images).logits, model(images).logits, atol=1e-5, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize("problem_type", ["multi_label_classification", "regression"])
+def test_vit_head_that_is_no_single_label_classifier_is_refused(problem_type, tmp_path):
+    """attnlab's ViT scores its classes by a softmax (its loss, classify): a multi-label or
+    regression head is refused by name, not run as a softmax classifier."""
+    cfg = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        num_labels=3,
+        problem_type=problem_type,
+    )
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path)
+    with pytest.raises(HFCheckpointError, match=f"problem_type='{problem_type}' is not supported"):
+        load_hf(tmp_path)
+
+
 @pytest.mark.parametrize(
     "settings",
     [

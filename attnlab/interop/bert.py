@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.interop import io
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
@@ -93,7 +94,7 @@ TASK_OF_HEAD = {
     "none": "lm",
 }
 NAMED_HEADS = ("sequence", "token")  # heads whose labels have names (id2label)
-TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+TO_HF_ACTIVATIONS = {**io.TO_HF_ACTIVATIONS, "gelu_tanh": "gelu_new"}
 # Buffers transformers saves (position and token-type ids); recomputed, never loaded.
 IGNORED = re.compile(r"^(bert\.)?embeddings\.(position_ids|token_type_ids)$")
 # The next-sentence head of pre-training checkpoints (bert-base-uncased's file, whose
@@ -177,7 +178,7 @@ def export_type(cfg: ModelConfig) -> str:
     if cfg.position.kind != "learned":
         problems.append("BERT uses learned positions")
     if cfg.ffn.kind != "mlp" or cfg.ffn.activation not in TO_HF_ACTIVATIONS or not cfg.ffn.bias:
-        problems.append("BERT uses an MLP with biases and gelu/relu/silu")
+        problems.append(f"BERT uses an MLP with biases and {'/'.join(TO_HF_ACTIVATIONS)}")
     a = cfg.attention
     if a.kind != "mha" or a.kv_heads != a.n_heads or cfg.head_dim * a.n_heads != cfg.d_model:
         problems.append("BERT uses multi-head attention with head_dim = d_model / n_heads")

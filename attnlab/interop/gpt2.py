@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.interop import io
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
@@ -56,8 +57,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # attnlab -> Hugging Face activation names (GPT-2 checkpoints use "gelu_new" for tanh GELU).
-ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
-ACTIVATIONS["sigmoid"] = "sigmoid"
+ACTIVATIONS = {**io.TO_HF_ACTIVATIONS, "gelu_tanh": "gelu_new"}
 # Causal-mask tables that older transformers versions saved.
 IGNORED = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
 

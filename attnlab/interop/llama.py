@@ -21,6 +21,7 @@ from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
 from attnlab.functional.rope import interleaved_to_split
+from attnlab.interop import io
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
@@ -89,8 +90,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # attnlab -> Hugging Face activation names.
-ACTIVATIONS = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu", "silu": "silu"}
-ACTIVATIONS["sigmoid"] = "sigmoid"
+ACTIVATIONS = io.TO_HF_ACTIVATIONS
 # RoPE frequencies that older transformers versions saved.
 IGNORED = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")

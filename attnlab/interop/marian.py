@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.interop import io
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
@@ -81,7 +82,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
-TO_HF_ACTIVATIONS = {"gelu": "gelu", "silu": "swish", "relu": "relu"}
+TO_HF_ACTIVATIONS = {**io.TO_HF_ACTIVATIONS, "gelu_tanh": "gelu_new", "silu": "swish"}
 # transformers' Marian LayerNorms: torch's default eps, which config.json cannot change.
 LAYER_NORM_EPS = 1e-5
 # The fixed sinusoid tables transformers saves; recomputed, never loaded.
@@ -208,6 +209,11 @@ def export_type(cfg: ModelConfig) -> str:
             f"Marian needs post-norm LayerNorm with bias and eps={LAYER_NORM_EPS} (it has no "
             "eps setting), split sinusoids, a final logits bias, no final norms, an MLP and "
             "multi-head attention with biases"
+        )
+    if cfg.pad_id >= cfg.source_vocab_size:  # transformers' encoder embedding has it as padding_idx
+        raise unrepresentable(
+            f"pad_id={cfg.pad_id} is not a source token (src_vocab_size="
+            f"{cfg.source_vocab_size}); Marian's one pad_token_id pads both vocabularies"
         )
     return "marian"
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig
+from attnlab.interop import io
 from attnlab.interop.io import (
     PREPROCESSOR_CONFIG_NAME,
     Family,
@@ -68,7 +69,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "qkv_bias": True,
     },
 }
-TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+TO_HF_ACTIVATIONS = {**io.TO_HF_ACTIVATIONS, "gelu_tanh": "gelu_new"}
 # A pooler the classifier does not use (ViTModel checkpoints carry one).
 IGNORED = re.compile(r"^vit\.pooler\.dense\.(weight|bias)$")
 # transformers 5.x names -> the Hub (4.x) names this module maps
@@ -98,6 +99,14 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "vit") -> ViTConfig:
     classes = n_labels(hf)
     if ph != pw:
         raise HFCheckpointError("ViT: rectangular patches are not supported")
+    problem_type = hf.get("problem_type")
+    if problem_type not in (None, "single_label_classification"):
+        # attnlab's ViT scores its classes by a softmax (its loss, classify): a multi-label
+        # or regression head would be run as one
+        raise HFCheckpointError(
+            f"ViT: config.json problem_type={problem_type!r} is not supported; attnlab's ViT "
+            "is a single-label classifier (single_label_classification)"
+        )
     return ViTConfig(
         d_model=get(hf, "hidden_size"),
         n_layers=get(hf, "num_hidden_layers"),

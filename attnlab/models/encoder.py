@@ -90,6 +90,10 @@ class EncoderConfig(ModelConfig):
             _choice(at("problem_type"), self.problem_type, PROBLEM_TYPES)
             if self.head != "sequence":
                 _fail(at("problem_type"), f"head {self.head!r} has none; set it to null")
+            if self.problem_type == "single_label_classification" and self.n_labels == 1:
+                # a softmax over one class: loss 0 whatever the weights (transformers refuses it)
+                _fail(at("problem_type"), "single_label_classification needs n_labels >= 2; "
+                      "use regression for one output")  # fmt: skip
         names = self.label_names
         if names is not None and self.head not in ("sequence", "token"):
             _fail(at("label_names"), f"head {self.head!r} has no named labels; set it to null")
