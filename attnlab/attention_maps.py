@@ -41,6 +41,9 @@ MAX_TICK_LABELS = 40  # longer sequences are drawn without token labels
 # Text drawn as written: a token or path holding "$...$" is not mathtext (which would
 # misdraw "$x$" and fail to parse " $$").
 _PLAIN = {"parse_math": False}
+# what an undecodable byte of a path given on the command line becomes (surrogateescape);
+# matplotlib cannot draw it
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class AttentionMapError(ValueError):
@@ -212,6 +215,7 @@ def draw_attention(
             _panel(ax, grid, grid.weights[layer, head].float(), keys=last, queries=c == 0)
             ax.set_title(f"{grid.title}: layer {layer}, head {head}", **_PLAIN, fontsize=7)
     note = "attention weights; each panel's colours run from 0 to its largest weight"
+    title = _LONE_SURROGATE.sub("\ufffd", title)  # a file name's undecodable byte: no glyph
     fig.suptitle(f"{title}\n{note}" if title else note, **_PLAIN, fontsize=9)
     return fig
 

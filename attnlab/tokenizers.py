@@ -385,7 +385,13 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     if vocabulary is not None:
         return vocabulary
     try:
-        hf = HFTokenizer.from_file(str(file))
+        # read here, not by from_file: the Rust side takes only UTF-8 paths, and a folder's
+        # name may hold any bytes (a lone surrogate in str)
+        hf = HFTokenizer.from_str(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise TokenizerError(
+            f"{file}: not a valid tokenizer.json (byte offset {e.start} is not UTF-8)"
+        ) from None
     except Exception as e:  # tokenizers raises plain Exception for bad JSON
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TokenizerError(f"{file}: not a valid tokenizer.json ({first_line})") from None

@@ -257,6 +257,23 @@ def test_cli_out_that_is_a_folder_is_named_in_the_error(decoder_ckpt, tmp_path, 
     assert list(out.iterdir()) == [] and sorted(tmp_path.iterdir()) == [out]
 
 
+def test_cli_draws_for_a_path_that_is_not_utf8(decoder_ckpt, tmp_path, capsys):
+    # a file name's byte that is not UTF-8 comes in as a lone surrogate (surrogateescape):
+    # the title that names the checkpoint drew it and matplotlib raised a TypeError
+    import os
+    import shutil
+
+    try:
+        ckpt = shutil.copytree(decoder_ckpt, tmp_path / os.fsdecode(b"run\xe9"))
+    except (OSError, UnicodeError):
+        pytest.skip("the file system takes only UTF-8 names")
+    out = tmp_path / "map.png"
+    assert main(["attention-map", "--ckpt", str(ckpt), "--text", "hello", "--out",
+                 str(out)]) == 0  # fmt: skip
+    assert "8 heatmaps" in capsys.readouterr().out
+    assert _png_size(out) == _expected_size(2, 4)
+
+
 def test_labels_and_titles_with_dollar_signs_are_drawn_as_written(tmp_path):
     # a byte-level BPE token " $$" is not mathtext (it failed to parse), nor is "$x$"
     labels = ["\u2423$$", "$x$", "\\$", "a$b"]

@@ -293,6 +293,22 @@ def test_load_errors_name_the_file(tmp_path):
     assert str(corrupt) in str(info.value) and "\n" not in str(info.value)
 
 
+def test_loads_from_a_folder_whose_name_is_not_utf8(bpe, tmp_path):
+    # such a name's byte is a lone surrogate in str, which the Rust from_file refused
+    # ("not a valid tokenizer.json"): no checkpoint in that folder could run on text
+    try:
+        folder = tmp_path / os.fsdecode(b"run\xe9")
+        folder.mkdir()
+    except (OSError, UnicodeError):
+        pytest.skip("the file system takes only UTF-8 names")
+    bpe.save(folder)
+    assert load_tokenizer(folder).encode("the cat") == bpe.encode("the cat")
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"model": \xff}')
+    with pytest.raises(TokenizerError, match=r"bad.json: not a valid tokenizer.json \(byte"):
+        load_tokenizer(bad)
+
+
 def test_unknown_kind_and_out_of_range_ids(bpe):
     with pytest.raises(TokenizerError, match="unknown tokenizer kind 'word'"):
         train_tokenizer("word", ["text"])
