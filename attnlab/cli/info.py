@@ -108,10 +108,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         heads = f"{att.n_heads} heads ({cfg.n_kv_heads} kv) x {cfg.head_dim}"
     print(f"model         {source}")
-    print(
-        f"shape         {cfg.n_layers} layers, d_model {cfg.d_model}, {heads}, "
-        f"vocab {cfg.vocab_size}, max_seq_len {cfg.max_seq_len}"
-    )
+    print(f"shape         {_shape(cfg, heads)}")
     print(
         f"parameters    {params['total']:,} total ({human_count(params['total'])}), "
         f"{params['non_embedding']:,} non-embedding, {params['embedding']:,} embedding"
@@ -130,3 +127,24 @@ def run(args: argparse.Namespace) -> int:
         f"batch {args.batch} x {seq_len} tokens in {args.dtype}"
     )
     return 0
+
+
+def _shape(cfg: ModelConfig, heads: str) -> str:
+    """The shape line: the fields the architecture uses (a GRU has no heads, a ViT no
+    vocabulary: printing the base config's defaults for them described another model)."""
+    if cfg.arch == "gru-seq2seq":
+        return (
+            f"{cfg.n_layers} GRU layers, hidden {cfg.hidden_dim}, embeddings {cfg.embed_dim}, "
+            f"vocab {cfg.src_vocab_size} source / {cfg.vocab_size} target, "
+            f"max_seq_len {cfg.max_seq_len}"
+        )
+    if cfg.arch == "vit":
+        return (
+            f"{cfg.n_layers} layers, d_model {cfg.d_model}, {heads}, images "
+            f"{cfg.image_size}x{cfg.width}x{cfg.channels} in {cfg.n_patches} patches of "
+            f"{cfg.patch_size}, {cfg.n_classes} classes"
+        )
+    return (
+        f"{cfg.n_layers} layers, d_model {cfg.d_model}, {heads}, vocab {cfg.vocab_size}, "
+        f"max_seq_len {cfg.max_seq_len}"
+    )
