@@ -177,9 +177,11 @@ def mistral_7b() -> ModelConfig:
 
 
 def qwen2_0_5b() -> ModelConfig:
+    """Qwen/Qwen2-0.5B config.json: GQA 14/2, q/k/v biases, tied head; its
+    max_position_embeddings is 131072 (the model card quotes a 32K context)."""
     return llama_style(
         vocab_size=151936,
-        max_seq_len=32768,
+        max_seq_len=131072,
         d_model=896,
         n_layers=24,
         n_heads=14,

@@ -279,3 +279,89 @@ def test_weights_bytes_equal_the_built_model_cast_to_the_dtype(name, dtype):
     model = build_model(cfg).to(dtype)
     params = {id(p): p for p in model.parameters()}  # tied weights once
     assert weights_bytes(cfg, dtype) == sum(p.numel() * p.element_size() for p in params.values())
+
+
+# config.json of each published checkpoint on the Hugging Face hub (the architecture keys):
+# the reference the published presets are checked against.
+_LLAMA = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+_DEEPSEEK_YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                      beta_fast=32, beta_slow=1)  # fmt: skip
+_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+    num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+    n_group=8, topk_group=4, first_k_dense_replace=3, moe_layer_freq=1, kv_lora_rank=512,
+    q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+    rope_scaling=dict(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0),
+    routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+)  # fmt: skip
+CONFIG_JSON = {
+    "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
+                 vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new"),
+    "gpt2-medium": dict(model_type="gpt2", n_embd=1024, n_layer=24, n_head=16, n_positions=1024,
+                        vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new"),
+    "gpt2-large": dict(model_type="gpt2", n_embd=1280, n_layer=36, n_head=20, n_positions=1024,
+                       vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new"),
+    "gpt2-xl": dict(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, n_positions=1024,
+                    vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new"),
+    "llama-2-7b": dict(_LLAMA, model_type="llama", hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       vocab_size=32000, max_position_embeddings=4096),
+    "llama-2-70b": dict(_LLAMA, model_type="llama", hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        vocab_size=32000, max_position_embeddings=4096),
+    "llama-3-8b": dict(_LLAMA, model_type="llama", hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "mistral-7b": dict(_LLAMA, model_type="mistral", hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
+                       sliding_window=None),  # v0.2
+    "qwen2-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       vocab_size=151936, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                       rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False,
+                       sliding_window=131072, max_window_layers=24),
+    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                     rope_theta=1e6, tie_word_embeddings=False, use_sliding_window=False,
+                     sliding_window=131072, max_window_layers=28),
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=dict(_DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707),
+        routed_scaling_factor=1.0, topk_method="greedy", norm_topk_prob=False, n_group=1,
+        topk_group=1, tie_word_embeddings=False,
+    ),
+    "deepseek-v3": _DEEPSEEK_V3,
+    "deepseek-v3.2": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048,
+                          index_n_heads=64, index_head_dim=128),  # V3.2-Exp
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CONFIG_JSON))
+def test_published_presets_are_their_config_json(name):
+    """Each published preset is the model its checkpoint's config.json describes (as
+    import-hf reads it: every architecture field, context and RoPE settings included), and
+    its parameter count is the transformers model's built from that config.json."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.interop import config_from_hf
+
+    hf = CONFIG_JSON[name]
+    preset, imported = get_preset(name), config_from_hf(hf)
+
+    def architecture(cfg):  # training settings aside: dropout, init std; widths resolved
+        return cfg.override({"dropout": 0.0, "attention.dropout": 0.0, "init_std": 0.02,
+                             "ffn.hidden_dim": cfg.ffn.hidden_size(cfg.d_model)})  # fmt: skip
+
+    assert architecture(preset) == architecture(imported)
+    config = transformers.AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    assert count_parameters(preset)["total"] == reference.num_parameters()
