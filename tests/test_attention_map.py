@@ -337,3 +337,30 @@ def test_dsa_gathered_keys_record_the_naive_paths_map(topk):
         recorded.append(stack_layers(maps)["blocks.attn"])
     torch.testing.assert_close(recorded[1], recorded[0], atol=1e-6, rtol=1e-5)
     assert int((recorded[1][..., -1, :] > 0).sum(-1).max()) <= topk
+
+
+def test_cli_encoder_classifier_maps_the_input_classify_feeds_it(tmp_path, monkeypatch):
+    """An attnlab-trained text classifier reads [CLS] text [SEP] (classify, tag): its map is
+    of that input, labelled with the special tokens' names, not of the bare text."""
+    import attnlab.cli.attention_map as command
+    from attnlab.models.encoder import EncoderConfig
+    from attnlab.tasks.text import text_codec
+    from attnlab.tokenizers import train_tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    tokenizer = train_tokenizer("char", ["hello world"])
+    codec = text_codec(tokenizer)
+    cfg = EncoderConfig(vocab_size=codec.vocab_size, max_seq_len=16, d_model=16, n_layers=1,
+                        head="sequence", n_labels=2)  # fmt: skip
+    path, model = tmp_path / "classifier", build_model(cfg).eval()
+    save_checkpoint(path, model, RunConfig(model=cfg, task="text-classification"), tokenizer)
+    drawn, text_grids = [], command._text_grids
+    monkeypatch.setattr(command, "_text_grids", lambda *a: drawn.append(text_grids(*a)) or drawn[0])
+    assert main(["attention-map", "--ckpt", str(path), "--text", "hello",
+                 "--out", str(tmp_path / "m.png")]) == 0  # fmt: skip
+    ((grid,), _) = drawn[0]
+    assert grid.queries == ["[CLS]", "h", "e", "l", "l", "o", "[SEP]"]
+    ids = torch.tensor([codec.single(tokenizer.encode("hello"))])
+    with torch.no_grad(), record_attention(model) as recorded:
+        model(ids)
+    torch.testing.assert_close(grid.weights, stack_layers(recorded)["blocks.attn"][:, 0])

@@ -25,6 +25,7 @@ from attnlab.cli.common import (
     refuse_tokenizer_option,
     require_tokenizer,
     resolve_device,
+    text_codec,
     token_ids,
     tokenizer_option,
 )
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from attnlab.attention_maps import AttentionGrid
 
 ARCHS = ("decoder", "encoder", "seq2seq", "vit")
+# encoder tasks whose inputs are [CLS] text [SEP] (question answering's are pairs)
+WRAPPED_TASKS = ("text-classification", "token-classification")
 
 
 def index_list(text: str) -> list[int]:
@@ -150,12 +153,20 @@ def _text_grids(args, model, cfg, tokenizer, device: str) -> tuple[list[Attentio
             raise CLIError(f"--text: {e}") from None
         if not ids:
             raise CLIError("--text: the text is empty")
+    token_text = None if tokenizer is None else (lambda i: tokenizer.decode([i]))
+    if m.arch == "encoder" and cfg.task in WRAPPED_TASKS and args.ids is None:
+        # the input classify and tag feed the model: [CLS] text [SEP] (the map of the bare
+        # text was of an input the model never sees; an imported BERT's tokenizer adds them)
+        codec = text_codec(tokenizer, m.vocab_size)
+        if ids[:1] != [codec.cls_id]:
+            ids = codec.single(ids)
+        token_text = codec.token_text
     _check_length(len(ids), m.max_seq_len, option)
     maps = _record(model, torch.tensor([ids], device=device))
-    if tokenizer is None:
+    if token_text is None:
         labels = [str(i) for i in ids]
     else:
-        labels = [token_label(tokenizer.decode([i])) for i in ids]
+        labels = [token_label(token_text(i)) for i in ids]
     weights = maps["blocks.attn"]
     kind = "causal self-attention" if m.arch == "decoder" else "self-attention"
     return [AttentionGrid(kind, weights, labels, labels)], f"{args.ckpt}: {len(ids)} tokens"
