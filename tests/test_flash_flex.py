@@ -8,6 +8,8 @@ Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from oracle import causal_allowed, naive_attention, sliding_window_allowed
@@ -111,3 +113,22 @@ def test_block_mask_is_built_per_row_and_head_only_where_the_mask_reads_them(mon
         assert built == [shape]
         ref = eager_attention(q, k, v, prefix_lm_mask(20, 20, p))
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_leaves_a_callers_warning_registry_alone():
+    """A warning with the "default" action shows once per place; hiding torch's one
+    unfused-flex warning with catch_warnings at every call reset that registry, so a
+    caller's warning came again after each flex call (every decoding step)."""
+    q, k, v = _qkv()
+
+    def caller():
+        warnings.warn("the caller's warning", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        with torch.no_grad():
+            flex_attention(q, k, v, causal=True)  # torch's own once-only warning, hidden
+            for _ in range(3):
+                caller()
+                flex_attention(q, k, v, causal=True)
+    assert [str(w.message) for w in seen] == ["the caller's warning"]

@@ -87,6 +87,10 @@ def and_mods(*mods: MaskMod | None) -> MaskMod | None:
     return mod
 
 
+# Whether torch has had its one unfused-flex warning (hidden by the first call).
+_unfused_warned = False
+
+
 @functools.cache
 def _compiled():
     from torch.nn.attention.flex_attention import flex_attention
@@ -164,18 +168,21 @@ def flex_attention(
         )
     use_compile = q.is_cuda if compile is None else compile
     fn = _compiled() if use_compile else torch_flex
+    call = functools.partial(
+        fn, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=h != h_kv
+    )
+    global _unfused_warned
+    if use_compile or _unfused_warned:
+        return call()
+    # Unfused on CPU is our choice (no compile time); torch warns about it once per
+    # process, so only the first call hides it: catch_warnings resets every module's
+    # warning registry (a caller's "default" warning would show again after each call)
+    # and swaps the process-wide filters (not thread-safe).
     with warnings.catch_warnings():
-        # Unfused on CPU is our choice (no compile time); torch warns about it once.
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        return fn(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=h != h_kv,
-        )
+        out = call()
+    _unfused_warned = True
+    return out
 
 
 def _dim(mask: Tensor, i: int) -> int:
