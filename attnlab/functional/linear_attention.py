@@ -74,7 +74,11 @@ def causal_linear_attention(
     (which would run those products in float16 again: normalisers of ~750 tokens of
     d_h = 64 became inf and their rows 0) autocast is turned off here, for the same reason."""
     device = q_num.device.type
-    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16:
+    if (
+        torch.amp.is_autocast_available(device)  # (not the meta device)
+        and torch.is_autocast_enabled(device)
+        and torch.get_autocast_dtype(device) == torch.float16
+    ):
         with torch.autocast(device, enabled=False):
             return causal_linear_attention(
                 q_num, k_num, v, q_den, k_den, state, chunk_size=chunk_size, eps=eps
