@@ -913,9 +913,8 @@ class RunConfig(_Config):
             self.train.validate()
         self.data.validate()
         TASKS[self.task].data_options(self)  # the task's own settings are typed too
-        if not train:
-            return
-        if self.train.block_size is not None and self.train.block_size > self.model.max_seq_len:
+        block = self.train.block_size
+        if train and block is not None and block > self.model.max_seq_len:
             _fail(
                 "train.block_size",
                 f"{self.train.block_size} exceeds model.max_seq_len="

@@ -855,18 +855,15 @@ def beam_search_core(
             for j in range(n_keep)  # only the best k candidates may finish
             if ends_l[r][j] and alive_l[r][j]
         ]
-        ended = {}
         if ending:
             rows_e, cols_e = zip(*ending)
-            ended = dict(zip(ending, cand[list(rows_e), list(cols_e)].tolist()))
+            for (r, j), tokens in zip(ending, cand[list(rows_e), list(cols_e)].tolist()):
+                total = top_l[r][j]
+                tokens = tokens[:-1] if eos_l[r][j] else tokens
+                finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
         for r in range(b):
             if done[r]:
                 continue
-            for j in range(n_keep):
-                if (r, j) in ended:
-                    tokens = ended[r, j][:-1] if eos_l[r][j] else ended[r, j]
-                    total = top_l[r][j]
-                    finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
             finished[r] = sorted(finished[r], key=lambda h: -h.score)[:k]
             if not gnmt:
                 done[r] = len(finished[r]) >= k

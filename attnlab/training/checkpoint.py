@@ -268,15 +268,14 @@ def load_checkpoint(
 
     files = checkpoint_files(directory)
     try:
-        data = json.loads(files[CONFIG_FILE].read_text())
+        config = RunConfig.for_inference(json.loads(files[CONFIG_FILE].read_text()))
         try:
-            config = RunConfig.from_dict(data)
+            config.validate()  # what the model's own checks passed: the training settings
         except ConfigError as e:
-            if not inference or not str(e).startswith("train."):
+            if not inference:
                 raise
             # a run saved by an earlier version, whose training settings it accepted: its
             # model still runs (generate, eval, export), only resuming needs them valid
-            config = RunConfig.for_inference(data)
             warnings.warn(
                 f"{files[CONFIG_FILE]}: {e} (ignored to run the model; resuming the run "
                 "needs it fixed with --set)",
