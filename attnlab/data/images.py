@@ -1,6 +1,6 @@
 """Image classification data: scikit-learn's handwritten digits (8 x 8, 16 grey levels,
 1797 images, shipped inside the package, no download) and the pieces a task needs:
-a split, augmented batches, the batch -> loss step and the accuracy metric.
+a split, augmented batches and the accuracy metric.
 
 Shapes: b batch, C channels (1), H = W = 8."""
 
@@ -71,12 +71,6 @@ def image_batches(x: Tensor, y: Tensor, batch_size: int, *, seed: int = 0, augme
             sel = order[i : i + batch_size]
             images = random_shift(x[sel], generator=g) if augment else x[sel]
             yield images, y[sel]
-
-
-def classification_step(model: nn.Module, batch: tuple[Tensor, Tensor]):
-    """batch -> the model's output (its ``loss`` is the cross-entropy to optimise)."""
-    images, labels = batch
-    return model(images, targets=labels)
 
 
 @torch.no_grad()

@@ -99,8 +99,3 @@ def mlm_batches(
             special=special,
             generator=g,
         )
-
-
-def mlm_step(model, batch: tuple[Tensor, Tensor]):
-    inputs, targets = batch
-    return model(inputs, targets=targets)

@@ -4,8 +4,9 @@
   and the top-k keys per query; a Hadamard rotation and simulated FP8 quantisation of the
   index queries/keys, as DeepSeek's inference code applies before scoring.
 * NSA (Yuan et al. 2025, "Native Sparse Attention"): the blocks that compression summarises
-  (length l, stride d), which complete blocks a query may read, and Eq. 9, which turns
-  attention over compressed blocks into importance of selection blocks (length l').
+  (length l, stride d) and Eq. 9, which turns attention over compressed blocks into
+  importance of selection blocks (length l'). Which complete blocks a query may read is
+  the module's (``NativeSparseAttention.compressed``: a block's last key must be allowed).
 
 Shapes: b batch, t queries, s keys, H_I index heads, d_I index head dim, k selected keys,
 n_c compressed blocks, n_s selection blocks.
@@ -147,13 +148,6 @@ def block_windows(s: int, block_len: int, stride: int, device=None) -> Tensor:
     n = n_compressed_blocks(s, block_len, stride)
     start = torch.arange(n, device=device)[:, None] * stride
     return start + torch.arange(block_len, device=device)  # (n_c, l)
-
-
-def compressed_causal_mask(q_pos: Tensor, n: int, block_len: int, stride: int) -> Tensor:
-    """q_pos (..., t) -> (..., t, n_c) bool: block i (keys up to i d + l - 1) is complete
-    at or before the query's position, so a query never reads a summary of its future."""
-    last = torch.arange(n, device=q_pos.device) * stride + block_len - 1  # (n_c,)
-    return last <= q_pos[..., None]
 
 
 def selection_importance(p_cmp: Tensor, n_sel: int, block_len: int, stride: int, sel_len: int):
