@@ -6,6 +6,7 @@ and ``attnlab classify``, and beam search through DecoderLM.generate and the CLI
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -270,6 +271,43 @@ def test_mlm_batch_without_a_masked_token_has_zero_loss_not_nan():
     some[1, 2] = 4
     expected = torch.nn.functional.cross_entropy(logits[1, 2][None], torch.tensor([4]))
     torch.testing.assert_close(MaskedLMHead.loss(logits, some), expected)
+
+
+MOE_BALANCE = {"model.ffn.kind": "moe", "model.ffn.n_routed_experts": 4,
+               "model.ffn.n_activated_experts": 2, "model.ffn.seq_aux_loss_coef": 0.1}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["mlm", "transformer", "gru", "transformer-moe"])
+def test_accumulated_gradient_is_the_one_batch_gradient(case, tmp_path):
+    """The gradient a step accumulates over micro-batches (the trainer's own step) equals
+    the gradient of the loss plus auxiliary loss of the whole batch in one forward pass.
+    With a mixture of experts, padding counted in the balance loss made it differ (by
+    0.3% of the gradient: a micro-batch's padding depends on its longest example)."""
+    from attnlab.training.trainer import Trainer, _StopRequest
+
+    name, _, moe = case.partition("-")
+    cfg = small_run(name, max_steps=3, grad_accum=2, batch_size=8, grad_clip=0.0).override(
+        {"model.dropout": 0.0, **(MOE_BALANCE if moe else {})}
+    )
+    tr = Trainer(cfg, tmp_path, progress=False)
+    keys = tr.task.sample(16, torch.Generator().set_state(tr.data_generator.get_state()))
+    reference = copy.deepcopy(tr.model)  # the weights the step starts from
+    out = tr.task.step(reference, tr.task.batch(keys))
+    (out.loss if out.aux_loss is None else out.loss + out.aux_loss).backward()
+    assert (out.aux_loss is not None) == bool(moe)
+    accumulated = {}
+    tr.optimizer.step = lambda: accumulated.update(
+        {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+    )
+    try:
+        step = tr._train_step(_StopRequest(), lambda: False)
+    finally:
+        tr.release()
+    assert step.loss == pytest.approx(out.loss.item(), rel=1e-6)
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert accumulated.keys() == expected.keys()
+    for n in expected:
+        torch.testing.assert_close(accumulated[n], expected[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
 @pytest.mark.parametrize("case", ["mlm", "transformer", "gru"])

@@ -358,7 +358,7 @@ class EncoderModel(nn.Module):
         x = self.drop(self.emb_norm(x))
         mask = padding_mask(attention_mask) if attention_mask is not None else None  # (b,1,1,t)
         rope = self.rope.tables(positions) if self.rope is not None else None
-        x = self.blocks(x, positions=positions, rope=rope, mask=mask)
+        x = self.blocks(x, positions=positions, rope=rope, mask=mask, token_mask=attention_mask)
         return self.norm(x)
 
     def forward(

@@ -188,7 +188,7 @@ class Seq2SeqModel(nn.Module):
         positions = torch.arange(src.shape[1], device=src.device)[None, :]
         x = self._embed(src, self.src_emb, self.src_pos, positions)
         mask = padding_mask(src_mask) if src_mask is not None else None
-        return self.enc_norm(self.encoder(x, mask=mask))
+        return self.enc_norm(self.encoder(x, mask=mask, token_mask=src_mask))
 
     def decode(
         self,
@@ -197,10 +197,12 @@ class Seq2SeqModel(nn.Module):
         src_mask: Tensor | None = None,
         *,
         cache: Cache | None = None,
+        tgt_mask: Tensor | None = None,
     ) -> Tensor:
         """tgt (b, t) decoder inputs (starting with bos_id) -> hidden states (b, t, d).
         Under a cache, ``tgt`` continues the cached tokens and ``memory`` is needed on the
-        first step only (its keys/values are kept)."""
+        first step only (its keys/values are kept). ``tgt_mask`` (b, t): 1 real, 0 padding
+        (for a mixture of experts' loads and balance loss; attention is causal)."""
         b, t = check_ids("tgt", tgt)
         context_mask = padding_mask(src_mask) if src_mask is not None else None
         if cache is not None:
@@ -211,7 +213,9 @@ class Seq2SeqModel(nn.Module):
             positions = torch.arange(t, device=tgt.device)[None, :]
             self._check_length(t)
         x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions)
-        x = self.decoder(x, cache=cache, context=memory, context_mask=context_mask)
+        x = self.decoder(
+            x, cache=cache, context=memory, context_mask=context_mask, token_mask=tgt_mask
+        )
         if cache is not None:
             cache.commit()
         return self.dec_norm(x)
@@ -238,7 +242,9 @@ class Seq2SeqModel(nn.Module):
         if targets is not None:
             targets = check_targets("targets", targets, (b, t), "(b, t) like tgt")
         memory = self.encode(src, src_mask)
-        logits = self.logits(self.decode(tgt, memory, src_mask))
+        # the decoder's padding: the positions without a target
+        tgt_mask = targets != -100 if targets is not None else None
+        logits = self.logits(self.decode(tgt, memory, src_mask, tgt_mask=tgt_mask))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(

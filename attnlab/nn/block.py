@@ -71,9 +71,13 @@ class TransformerBlock(nn.Module):
         context_mask: Tensor | None = None,
         cross_cache: LayerCache | None = None,
         doc_ids: Tensor | None = None,
+        token_mask: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d) -> (b, t, d). ``doc_ids`` (b, t): packed documents, no attention
-        across them; passed only when given, to attention kinds with ``supports_documents``."""
+        across them; passed only when given, to attention kinds with ``supports_documents``.
+        ``token_mask`` (b, t): 1 real token, 0 padding; passed to FFNs with
+        ``takes_token_mask`` (a mixture of experts leaves padding out of its loads and
+        balance loss)."""
         docs = {} if doc_ids is None else {"doc_ids": doc_ids}
         x = self._residual(
             x,
@@ -94,7 +98,10 @@ class TransformerBlock(nn.Module):
                 mask=context_mask,
                 cache=cross_cache,
             )
-        return self._residual(x, self.ffn_norm, self.ffn)
+        ffn_kw = {}
+        if token_mask is not None and getattr(self.ffn, "takes_token_mask", False):
+            ffn_kw["token_mask"] = token_mask
+        return self._residual(x, self.ffn_norm, self.ffn, **ffn_kw)
 
 
 class TransformerStack(nn.ModuleList):
@@ -139,6 +146,7 @@ class TransformerStack(nn.ModuleList):
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
         doc_ids: Tensor | None = None,
+        token_mask: Tensor | None = None,
     ) -> Tensor:
         """Run every block in order; arguments as :meth:`TransformerBlock.forward`."""
         for i, block in enumerate(self):
@@ -152,5 +160,6 @@ class TransformerStack(nn.ModuleList):
                 context_mask=context_mask,
                 cross_cache=None if cache is None else cache.cross[i],
                 doc_ids=doc_ids,
+                token_mask=token_mask,
             )
         return x

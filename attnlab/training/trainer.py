@@ -7,13 +7,13 @@ Batches. ``train.batch_size`` examples per process per micro-step, so one optimi
 sees a global batch of ``batch_size * grad_accum * world_size`` examples. Every process
 draws the same global example keys (``Task.sample``) from one shared generator, laid out
 as ``(grad_accum, world_size, batch_size)``, and takes its own column. Each micro-batch's
-mean loss (plus the model's auxiliary loss) weighs the same in the step's gradient. So
-where every example has the same number of targets (language modelling, classification of
-whole examples) a 2-process run with ``batch_size=b`` equals a 1-process run with
+mean loss weighs by its share of the step's loss terms (``Task.loss_terms``: masked tokens,
+target lengths, tagged tokens; equal shares where every batch holds as many), and the
+model's auxiliary loss (a mean per micro-batch; a mixture of experts leaves padding out
+of it) by ``1 / grad_accum``. So the step's loss and gradient are those of the mean over
+all its targets: a 2-process run with ``batch_size=b`` equals a 1-process run with
 ``batch_size=2b``, and ``grad_accum=k`` with ``b`` equals ``grad_accum=1`` with ``k*b``
-(to float rounding). Where the count varies (masked tokens, target lengths, tagged
-tokens) the mean of per-slice means differs from the mean over the whole batch by the
-spread of those counts: slightly (1e-4 to 2e-3 of the loss in a tiny run).
+(to float rounding), for every task.
 
 Validation. Periodic evaluations cover a fixed sample of the validation set (for language
 modelling a fixed random sample of blocks spread over the split), the same whatever the
