@@ -183,3 +183,12 @@ def test_generation_config_without_a_key_gives_generation_defaults(tmp_path) -> 
     read = with_generation_config(tmp_path, hf)
     assert config_from_hf(read).forced_eos_ids == []
     assert config_from_hf(read).renormalize_logits is False
+
+
+def test_marian_end_token_listed_once_is_read_and_several_are_refused() -> None:
+    """generation_config.json may list Marian's end token ([0]): one is that token; several
+    (one eos_id holds one) are refused by name, not a TypeError from the comparisons."""
+    hf = {"model_type": "marian", **MINIMAL["marian"][0]}
+    assert config_from_hf({**hf, "eos_token_id": [3]}).eos_id == 3
+    with pytest.raises(HFCheckpointError, match="only one end-of-sequence token"):
+        config_from_hf({**hf, "eos_token_id": [3, 4]})

@@ -213,3 +213,31 @@ def test_forced_eos_ends_length_limited_outputs_as_transformers(marian, tmp_path
     save_hf(model, tmp_path / "back")
     back = json.loads((tmp_path / "back" / "config.json").read_text())
     assert back["forced_eos_token_id"] == EOS
+
+
+@pytest.mark.parametrize(
+    "tokens", [{"decoder_start_token_id": 5}, {"eos_token_id": 24}], ids=["start", "eos"]
+)
+def test_generation_config_tokens_win_over_config_json_as_in_transformers(marian, tmp_path, tokens):
+    """transformers' generate takes the decoder start and end tokens from
+    generation_config.json alone when a folder has one: where that file's differ from
+    config.json's, attnlab decodes with that file's too (it started from config.json's
+    decoder start and stopped at its EOS, translating otherwise)."""
+    import json
+    import shutil
+
+    _, path = marian
+    folder = tmp_path / "tokens"
+    shutil.copytree(path, folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, **tokens}))
+    ref = transformers.MarianMTModel.from_pretrained(folder).eval()
+    model = load_hf(folder)
+    eos = tokens.get("eos_token_id", EOS)
+    src, mask, _ = _batch()
+    for k in (1, 3):
+        kw = {} if k == 1 else {"num_beams": k, "length_penalty": 1.0, "early_stopping": True}
+        out = ref.generate(input_ids=src, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                           **kw)  # fmt: skip
+        expected = [seq[: seq.index(eos)] if eos in seq else seq for seq in out[:, 1:].tolist()]
+        assert model.generate(src, 10, src_mask=mask, num_beams=k) == expected

@@ -292,19 +292,24 @@ GENERATION_DEFAULTS = {
     "renormalize_logits": False,
     "forced_eos_token_id": None,
 }
+# The special tokens generate also takes from generation_config.json alone (Marian's
+# decoder start and end tokens): that file's where it has them, else config.json's.
+GENERATION_TOKEN_KEYS = ("decoder_start_token_id", "eos_token_id")
 
 
 def with_generation_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
     """``hf`` (folder ``path``'s config.json) with the :data:`GENERATION_KEYS` of its
     generation_config.json in place of its own where the folder has that file
     (transformers then ignores config.json's; a key that file lacks is set to
-    GenerationConfig's default), else ``hf`` unchanged."""
+    GenerationConfig's default), and the :data:`GENERATION_TOKEN_KEYS` that file has,
+    else ``hf`` unchanged."""
     file = path / GENERATION_CONFIG_NAME
     if not file.is_file():
         return hf
     generation = _json_object(file)
     out = {k: v for k, v in hf.items() if k not in GENERATION_KEYS}
-    return out | {k: generation.get(k, GENERATION_DEFAULTS[k]) for k in GENERATION_KEYS}
+    tokens = {k: generation[k] for k in GENERATION_TOKEN_KEYS if generation.get(k) is not None}
+    return out | {k: generation.get(k, GENERATION_DEFAULTS[k]) for k in GENERATION_KEYS} | tokens
 
 
 def with_preprocessor_config(path: Path, hf: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,8 @@ Opus-mt models ask generation never to emit the pad token (``bad_words_ids: [[pa
 ``renormalize_logits``): single-token entries become ``Seq2SeqConfig.blocked_ids`` (the
 end-of-sequence token left out, as transformers does), written back on export. Its
 ``forced_eos_token_id`` (the end token in every opus-mt config, read as the settings above)
-makes the last allowed token an end token: ``Seq2SeqConfig.forced_eos_ids``.
+makes the last allowed token an end token: ``Seq2SeqConfig.forced_eos_ids``. The decoder
+start and end tokens too are generation_config.json's where it has them, as generate's.
 
     model.shared (= encoder/decoder embed_tokens, lm_head)   -> src_emb (= tgt_emb, lm_head)
       unshared: model.encoder.embed_tokens                   -> src_emb (attnlab src_vocab_size)
@@ -112,6 +113,12 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "marian") -> Seq2SeqCon
         raise HFCheckpointError("an odd d_model is not supported")
     pad = get(hf, "pad_token_id")
     eos = get(hf, "eos_token_id")
+    if isinstance(eos, list):  # generation_config.json may list the end token(s)
+        if len(eos) != 1:
+            raise HFCheckpointError(
+                f"eos_token_id={eos}: only one end-of-sequence token is supported"
+            )
+        eos = eos[0]
     return Seq2SeqConfig(
         vocab_size=V,
         max_seq_len=get(hf, "max_position_embeddings"),
