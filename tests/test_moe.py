@@ -204,41 +204,6 @@ def test_sequence_balance_loss_trains_the_router():
     assert moe.aux_loss.item() == pytest.approx(0.01, rel=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["bert-tiny-mlm", "transformer-numbers"])
-def test_padding_counts_in_neither_the_balance_loss_nor_the_loads(preset):
-    """An example padded in a batch has the balance loss and router loads it has alone:
-    padding counted made a micro-batch's loss depend on its longest example, so gradient
-    accumulation differed from one large batch (by 0.3-0.6% of the gradient)."""
-    torch.manual_seed(0)
-    vocab = 20
-    sizes = {"vocab_size": vocab, **({"src_vocab_size": vocab} if "numbers" in preset else {})}
-    cfg = get_preset(preset).override(
-        {**MOE, **sizes, "ffn.seq_aux_loss_coef": 0.1, "max_seq_len": 16, "dropout": 0.0}
-    )
-    model = build_model(cfg).train()
-    lengths = (5, 9, 3)
-    rows = [torch.randint(0, vocab, (n,)) for n in lengths]
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-
-    def run(ids: torch.Tensor, mask: torch.Tensor):
-        for m in layers:
-            m.load.zero_()
-        if preset == "bert-tiny-mlm":
-            out = model(ids, attention_mask=mask)
-        else:  # padded sources and targets; the decoder's padding: positions without target
-            targets = ids.masked_fill(mask == 0, -100)
-            out = model(ids, ids, src_mask=mask, targets=targets)
-        return out.aux_loss, torch.stack([m.load.clone() for m in layers])
-
-    alone = [run(r[None], torch.ones(1, len(r), dtype=torch.long)) for r in rows]
-    t = max(lengths)
-    ids = torch.stack([torch.cat((r, torch.randint(0, vocab, (t - len(r),)))) for r in rows])
-    mask = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).long()  # (b, t)
-    aux, load = run(ids, mask)
-    torch.testing.assert_close(aux, torch.stack([a for a, _ in alone]).mean())
-    torch.testing.assert_close(load, sum(n for _, n in alone))
-
-
 def test_model_output_carries_aux_loss_and_per_layer_load():
     cfg = get_preset("deepseek-moe-tiny").override({"ffn.seq_aux_loss_coef": 0.001})
     model = build_model(cfg).train()
@@ -382,3 +347,166 @@ def test_routing_state_keeps_full_precision_in_a_bf16_model():
     assert moved.any()
     torch.testing.assert_close(step[moved], torch.full_like(step[moved], moe.bias_update_speed))
     assert moe.double().gate.e_score_correction_bias.dtype == torch.float64
+
+
+# --------------------------------------------------------------------------- padded batches
+# A padded batch's MoE statistics count its real tokens only: the load that moves the
+# balancing bias, MaxVio and the sequence-wise balance loss equal those of the sequences
+# run one by one, unpadded, computed here from the router's own choices by the formulas.
+
+PADDED_MOE = {**MOE, "ffn.n_activated_experts": 2, "ffn.seq_aux_loss_coef": 0.01,
+              "dropout": 0.0, "attention.dropout": 0.0}  # fmt: skip
+
+
+def _record_routing(model):
+    """Each MoE layer's router outputs, one (experts (N, k), scores (N, E)) per forward."""
+    seen: dict[str, list] = {}
+
+    def hook(name):
+        def record(module, inputs, outputs):
+            seen.setdefault(name, []).append((outputs[1], outputs[2]))
+
+        return record
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    handles = [m.gate.register_forward_hook(hook(n)) for n, m in layers.items()]
+    return layers, seen, handles
+
+
+def _paper_stats(routed, n_experts: int, top_k: int, coef: float):
+    """Load, MaxVio and balance loss of sequences routed one by one: ``routed`` holds each
+    sequence's (experts (T, k), scores (T, E)). DeepSeek-V3 eq. 17-20: per sequence
+    f_i = E / (k T) * (tokens choosing i), P_i = mean over its tokens of s_i / sum_j s_j,
+    loss alpha sum_i f_i P_i; averaged over the sequences."""
+    load, losses = torch.zeros(n_experts), []
+    for experts, scores in routed:
+        counts = torch.bincount(experts.flatten(), minlength=n_experts).float()
+        load += counts
+        f = n_experts / (top_k * experts.shape[0]) * counts
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        losses.append((f * p).sum())
+    return load, load.max() / load.mean() - 1, coef * torch.stack(losses).mean()
+
+
+def _check_padded_equals_alone(model, run_padded, runs_alone):
+    """Each MoE layer's load, MaxVio and balance loss after ``run_padded()`` equal the
+    formulas' over the sequences of ``runs_alone`` (one unpadded run each)."""
+    model.train()
+    layers, seen, handles = _record_routing(model)
+    try:
+        for run in runs_alone:
+            run()
+        alone = {name: list(calls) for name, calls in seen.items()}
+        for m in layers.values():
+            m.load.zero_()
+        run_padded()
+    finally:
+        for h in handles:
+            h.remove()
+    assert layers
+    for name, m in layers.items():
+        load, max_vio, loss = _paper_stats(alone[name], m.n_experts, m.top_k, m.aux_coef)
+        torch.testing.assert_close(m.load, load, rtol=0, atol=0)
+        torch.testing.assert_close(m.aux_metrics["max_vio"], max_vio)
+        torch.testing.assert_close(m.aux_loss, loss, rtol=1e-5, atol=1e-8)
+
+
+def _right_padded(rows: list[torch.Tensor], width: int, pad_id: int = 0):
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("extra", [0, 5])
+def test_moe_encoder_statistics_skip_padding(extra):
+    """An MoE BERT's padded batch (the last row all padding) reports the load, MaxVio and
+    balance loss of its sequences alone; padding was counted as tokens."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("bert-tiny-mlm").override(PADDED_MOE))
+    rows = [torch.randint(5, 200, (n,)) for n in (9, 5, 2)]
+    idx, mask = _right_padded([*rows, rows[0][:0]], 9 + extra)
+    _check_padded_equals_alone(
+        model,
+        lambda: model(idx, attention_mask=mask),
+        [lambda r=r: model(r[None]) for r in rows],
+    )
+
+
+def test_moe_seq2seq_statistics_skip_padding():
+    """The encoder-decoder: padded sources (src_mask) and padded targets (tgt_mask) count
+    as the pairs one by one, in the encoder's MoE layers and the decoder's."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("transformer-numbers").override(PADDED_MOE))
+    src_rows = [torch.randint(3, 13, (n,)) for n in (6, 3, 1)]
+    tgt_rows = [torch.randint(3, 32, (n,)) for n in (2, 7, 4)]
+    src, src_mask = _right_padded(src_rows, 8)
+    tgt, tgt_mask = _right_padded(tgt_rows, 9)
+    layers = [n for n, m in model.named_modules() if isinstance(m, MoE)]
+    assert any(n.startswith("encoder") for n in layers)
+    assert any(n.startswith("decoder") for n in layers)
+    _check_padded_equals_alone(
+        model,
+        lambda: model(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask),
+        [lambda s=s, t=t: model(s[None], t[None]) for s, t in zip(src_rows, tgt_rows)],
+    )
+
+
+def test_moe_decoder_statistics_skip_left_padding():
+    """A left-padded decoder batch with its attention mask counts as its prompts alone."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("deepseek-moe-tiny").override({"ffn.seq_aux_loss_coef": 0.01}))
+    rows = [torch.randint(0, 256, (n,)) for n in (8, 3, 5)]
+    idx = torch.zeros(3, 10, dtype=torch.long)
+    mask = torch.zeros(3, 10, dtype=torch.long)
+    for i, r in enumerate(rows):
+        idx[i, 10 - len(r) :], mask[i, 10 - len(r) :] = r, 1
+    _check_padded_equals_alone(
+        model,
+        lambda: model(idx, attention_mask=mask),
+        [lambda r=r: model(r[None]) for r in rows],
+    )
+
+
+def test_bias_update_does_not_depend_on_the_padding():
+    """The auxiliary-loss-free bias moves by the real tokens' load: a batch padded to any
+    width moves it as its sequences run one by one do."""
+    torch.manual_seed(0)
+    cfg = get_preset("bert-tiny-mlm").override({**PADDED_MOE, "ffn.bias_update_speed": 0.1})
+    model = build_model(cfg).train()
+    rows = [torch.randint(5, 200, (n,)) for n in (9, 5, 2)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    biases = []
+    for width in (None, 9, 30):  # None: one sequence at a time
+        model.load_state_dict(start)
+        if width is None:
+            for r in rows:
+                model(r[None])
+        else:
+            idx, mask = _right_padded(rows, width)
+            model(idx, attention_mask=mask)
+        update_router_biases(model)
+        biases.append([m.gate.e_score_correction_bias.clone() for m in model.modules()
+                       if isinstance(m, MoE)])  # fmt: skip
+    assert any(b.abs().sum() > 0 for b in biases[0])
+    for moved in biases[1:]:
+        for a, b in zip(moved, biases[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_moe_without_padding_is_unchanged_by_an_all_ones_mask():
+    """No padding: an all-ones mask gives the statistics of no mask (the packed path)."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("bert-tiny-mlm").override(PADDED_MOE)).train()
+    idx = torch.randint(5, 200, (3, 7))
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    model(idx)
+    plain = [(m.load.clone(), m.aux_metrics["max_vio"], m.aux_loss) for m in layers]
+    for m in layers:
+        m.load.zero_()
+    model(idx, attention_mask=torch.ones_like(idx))
+    for m, (load, max_vio, loss) in zip(layers, plain, strict=True):
+        torch.testing.assert_close(m.load, load, rtol=0, atol=0)
+        torch.testing.assert_close(m.aux_metrics["max_vio"], max_vio)
+        torch.testing.assert_close(m.aux_loss, loss)

@@ -26,7 +26,7 @@ from attnlab.functional.selection import (
 )
 from attnlab.models import build_model
 from attnlab.nn.mla import MultiHeadLatentAttention
-from attnlab.nn.sparse import NativeSparseAttention
+from attnlab.nn.sparse import DeepSeekSparseAttention, NativeSparseAttention
 from attnlab.presets import get_preset, get_run_preset
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -362,6 +362,76 @@ def test_indexer_warmup_learns_to_recall_the_attention_mass():
 def test_bad_dsa_config_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         _dsa_cfg(**override)
+
+
+def _pad(rows: list[torch.Tensor], width: int, side: str):
+    """Rows padded with 0 on ``side`` to ``width``, and their attention mask."""
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        cols = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
+        ids[i, cols], mask[i, cols] = r, 1
+    return ids, mask
+
+
+def _check_indexer_loss_over_real_rows(model, run_padded, rows) -> None:
+    """Each DSA layer's indexer loss (a mean over query rows) and top-k recall after
+    ``run_padded()`` equal the means over the real rows of the sequences run alone: the
+    per-sequence values weighted by their lengths."""
+    model.train()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, DeepSeekSparseAttention)}
+    assert layers
+    with torch.no_grad():  # an indexer far from the attention: a KL well above rounding
+        for m in layers.values():
+            for p in m.indexer.parameters():
+                p.normal_(std=0.5)
+    alone = []
+    for r in rows:
+        model(r[None])
+        alone.append({n: (m.aux_loss, m.aux_metrics["topk_recall"]) for n, m in layers.items()})
+    run_padded()
+    n = torch.tensor([float(len(r)) for r in rows])
+    for name, m in layers.items():
+        kl, recall = (torch.stack([a[name][j] for a in alone]) for j in (0, 1))
+        expected = (kl * n).sum() / n.sum()
+        assert expected > 1e-2
+        torch.testing.assert_close(m.aux_loss, expected, **TOL)
+        torch.testing.assert_close(
+            m.aux_metrics["topk_recall"], (recall * n).sum() / n.sum(), **TOL
+        )
+
+
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_encoder_indexer_loss_skips_padded_queries(stage):
+    """In an encoder a padded query still reads every real key, so its row entered the
+    indexer's KL; the loss is now the mean over the real rows, as the rows alone give."""
+    torch.manual_seed(0)
+    cfg = get_preset("bert-tiny-mlm").override(
+        {
+            "attention.kind": "dsa",
+            "attention.q_lora_rank": 16,
+            "attention.kv_lora_rank": 16,
+            "attention.index_topk": 3,
+            "attention.index_n_heads": 2,
+            "attention.dsa_stage": stage,
+            "dropout": 0.0,
+            "attention.dropout": 0.0,
+        }
+    )
+    model = build_model(cfg)
+    rows = [torch.randint(5, 200, (n,)) for n in (9, 5, 2)]
+    idx, mask = _pad(rows, 12, "right")
+    _check_indexer_loss_over_real_rows(model, lambda: model(idx, attention_mask=mask), rows)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_decoder_indexer_loss_skips_padded_queries(side):
+    """A padded decoder batch with its attention mask: left padding's queries have no key
+    (left out before), right padding's read the real keys before them (counted before)."""
+    model = _dsa(**{"dropout": 0.0})
+    rows = [torch.randint(0, V, (n,)) for n in (9, 4, 6)]
+    idx, mask = _pad(rows, 11, side)
+    _check_indexer_loss_over_real_rows(model, lambda: model(idx, attention_mask=mask), rows)
 
 
 # --------------------------------------------------------------------------- NSA

@@ -225,7 +225,17 @@ class DecoderLM(nn.Module):
             x = x + self.pos_emb(positions, dtype=x.dtype).to(x.dtype)
         x = self.drop(x)
         rope = self.rope.tables(positions) if self.rope is not None else None
-        x = self.blocks(x, positions=positions, rope=rope, cache=cache, mask=mask, doc_ids=doc_ids)
+        # (b, t): MoE and DSA statistics skip the padding
+        real = attention_mask.bool().expand(b, t) if attention_mask is not None else None
+        x = self.blocks(
+            x,
+            positions=positions,
+            rope=rope,
+            cache=cache,
+            mask=mask,
+            doc_ids=doc_ids,
+            real_tokens=real,
+        )
         if cache is not None:
             cache.commit()
         if last_only:

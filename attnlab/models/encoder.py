@@ -356,9 +356,12 @@ class EncoderModel(nn.Module):
                 token_type_ids = torch.zeros_like(idx)
             x = x + self.type_emb(token_type_ids)
         x = self.drop(self.emb_norm(x))
-        mask = padding_mask(attention_mask) if attention_mask is not None else None  # (b,1,1,t)
+        mask = real = None
+        if attention_mask is not None:
+            mask = padding_mask(attention_mask)  # (b, 1, 1, t)
+            real = attention_mask.bool().expand(b, t)  # MoE and DSA statistics skip padding
         rope = self.rope.tables(positions) if self.rope is not None else None
-        x = self.blocks(x, positions=positions, rope=rope, mask=mask, token_mask=attention_mask)
+        x = self.blocks(x, positions=positions, rope=rope, mask=mask, real_tokens=real)
         return self.norm(x)
 
     def forward(

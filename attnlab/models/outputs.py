@@ -4,7 +4,9 @@ Modules that add a training signal of their own (a mixture-of-experts balance lo
 sparse-attention indexer loss) set ``has_aux = True`` and, at each forward pass, the
 attributes ``aux_loss`` (a 0-d tensor or None) and ``aux_metrics`` (name -> value). The
 model sums the losses and gathers the metrics into its output; the trainer optimises
-``loss + aux_loss`` and logs the metrics. A module that sets ``trains_alone = True``
+``loss + aux_loss`` and logs the metrics. Their forward also takes ``real_tokens`` (b, t)
+bool, False at padding, which the blocks pass when the model has a padding mask: the
+statistics and losses count the real tokens only. A module that sets ``trains_alone = True``
 (DeepSeek sparse attention's dense warm-up stage) freezes the rest of the model: when
 training, the model reports its task loss detached and leaves out the other modules'
 auxiliary losses, so only the losses of the modules training alone (and the parameters they

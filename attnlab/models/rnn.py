@@ -178,11 +178,15 @@ class GRUSeq2Seq(nn.Module):
         src_mask: Tensor | None = None,
         tgt: Tensor | None = None,
         targets: Tensor | None = None,
+        *,
+        tgt_mask: Tensor | None = None,
     ) -> Seq2SeqOutput:
         """Teacher forcing. tgt (b, t) = BOS y_1 .. y_{t-1} (the decoder's inputs); targets
         (b, t) = y_1 .. EOS with -100 where there is nothing to predict (padding). Positional
         ``model(src, src_mask, tgt, targets)``, or the keywords the Transformer
-        encoder-decoder takes: ``model(src, tgt=..., src_mask=..., targets=...)``."""
+        encoder-decoder takes: ``model(src, tgt=..., src_mask=..., tgt_mask=...,
+        targets=...)``. ``tgt_mask`` is unused here: the loss already skips the padded
+        targets, and the GRU keeps no per-position statistics (the Transformer's MoE does)."""
         if tgt is None:
             raise ValueError("the decoder inputs tgt (b, t) are needed")
         b, t = check_ids("tgt", tgt)

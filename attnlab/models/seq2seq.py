@@ -187,8 +187,11 @@ class Seq2SeqModel(nn.Module):
         self._check_length(s)
         positions = torch.arange(src.shape[1], device=src.device)[None, :]
         x = self._embed(src, self.src_emb, self.src_pos, positions)
-        mask = padding_mask(src_mask) if src_mask is not None else None
-        return self.enc_norm(self.encoder(x, mask=mask, token_mask=src_mask))
+        mask = real = None
+        if src_mask is not None:
+            mask = padding_mask(src_mask)  # (b, 1, 1, s)
+            real = src_mask.bool().expand(b, s)  # MoE statistics skip the padding
+        return self.enc_norm(self.encoder(x, mask=mask, real_tokens=real))
 
     def decode(
         self,
@@ -202,8 +205,10 @@ class Seq2SeqModel(nn.Module):
         """tgt (b, t) decoder inputs (starting with bos_id) -> hidden states (b, t, d).
         Under a cache, ``tgt`` continues the cached tokens and ``memory`` is needed on the
         first step only (its keys/values are kept). ``tgt_mask`` (b, t): 1 real, 0 padding
-        (for a mixture of experts' loads and balance loss; attention is causal)."""
+        after the end; causal attention never reads it from a real position, so the mask
+        only keeps the padding out of the MoE statistics and balance loss."""
         b, t = check_ids("tgt", tgt)
+        check_padding_mask("tgt_mask", tgt_mask, b, t)
         context_mask = padding_mask(src_mask) if src_mask is not None else None
         if cache is not None:
             n = cache.length + t  # before begin(): a Python int, no host read per step
@@ -213,8 +218,9 @@ class Seq2SeqModel(nn.Module):
             positions = torch.arange(t, device=tgt.device)[None, :]
             self._check_length(t)
         x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions)
+        real = tgt_mask.bool().expand(b, t) if tgt_mask is not None else None
         x = self.decoder(
-            x, cache=cache, context=memory, context_mask=context_mask, token_mask=tgt_mask
+            x, cache=cache, context=memory, context_mask=context_mask, real_tokens=real
         )
         if cache is not None:
             cache.commit()
@@ -232,18 +238,18 @@ class Seq2SeqModel(nn.Module):
         tgt: Tensor,
         *,
         src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
         targets: Tensor | None = None,
     ) -> ModelOutput:
         """src (b, s); tgt (b, t) decoder inputs; ``targets`` (b, t) the next target token
-        at each position (-100 ignored): cross-entropy with ``cfg.label_smoothing``."""
+        at each position (-100 ignored): cross-entropy with ``cfg.label_smoothing``.
+        ``src_mask`` (b, s) and ``tgt_mask`` (b, t): 1 real, 0 padding (see :meth:`decode`)."""
         b, t = check_ids("tgt", tgt)
         if src.dim() == 2 and src.shape[0] != b:
             raise ValueError(f"src has {src.shape[0]} rows but tgt {b}; give one target per source")
         if targets is not None:
             targets = check_targets("targets", targets, (b, t), "(b, t) like tgt")
         memory = self.encode(src, src_mask)
-        # the decoder's padding: the positions without a target
-        tgt_mask = targets != -100 if targets is not None else None
         logits = self.logits(self.decode(tgt, memory, src_mask, tgt_mask=tgt_mask))
         loss = None
         if targets is not None:

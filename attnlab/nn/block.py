@@ -71,14 +71,16 @@ class TransformerBlock(nn.Module):
         context_mask: Tensor | None = None,
         cross_cache: LayerCache | None = None,
         doc_ids: Tensor | None = None,
-        token_mask: Tensor | None = None,
+        real_tokens: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d) -> (b, t, d). ``doc_ids`` (b, t): packed documents, no attention
         across them; passed only when given, to attention kinds with ``supports_documents``.
-        ``token_mask`` (b, t): 1 real token, 0 padding; passed to FFNs with
-        ``takes_token_mask`` (a mixture of experts leaves padding out of its loads and
-        balance loss)."""
+        ``real_tokens`` (b, t) bool, False at padding: passed only when given, to the
+        modules with auxiliary statistics (``has_aux``: MoE, DSA), which leave padding out."""
         docs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        real = {} if real_tokens is None else {"real_tokens": real_tokens}
+        attn_real = real if getattr(self.attn, "has_aux", False) else {}
+        ffn_real = real if getattr(self.ffn, "has_aux", False) else {}
         x = self._residual(
             x,
             self.attn_norm,
@@ -88,6 +90,7 @@ class TransformerBlock(nn.Module):
             cache=cache,
             mask=mask,
             **docs,
+            **attn_real,
         )
         if self.cross_attn is not None:
             x = self._residual(
@@ -98,10 +101,7 @@ class TransformerBlock(nn.Module):
                 mask=context_mask,
                 cache=cross_cache,
             )
-        ffn_kw = {}
-        if token_mask is not None and getattr(self.ffn, "takes_token_mask", False):
-            ffn_kw["token_mask"] = token_mask
-        return self._residual(x, self.ffn_norm, self.ffn, **ffn_kw)
+        return self._residual(x, self.ffn_norm, self.ffn, **ffn_real)
 
 
 class TransformerStack(nn.ModuleList):
@@ -146,7 +146,7 @@ class TransformerStack(nn.ModuleList):
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
         doc_ids: Tensor | None = None,
-        token_mask: Tensor | None = None,
+        real_tokens: Tensor | None = None,
     ) -> Tensor:
         """Run every block in order; arguments as :meth:`TransformerBlock.forward`."""
         for i, block in enumerate(self):
@@ -160,6 +160,6 @@ class TransformerStack(nn.ModuleList):
                 context_mask=context_mask,
                 cross_cache=None if cache is None else cache.cross[i],
                 doc_ids=doc_ids,
-                token_mask=token_mask,
+                real_tokens=real_tokens,
             )
         return x

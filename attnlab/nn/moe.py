@@ -191,13 +191,11 @@ class Experts(nn.Module):
 class MoE(KeepsPrecision):
     """Routed and shared experts. ``aux_metrics``: ``max_vio`` (DeepSeek-V3's MaxVio: the
     busiest expert's load over the mean load, minus 1, in this forward pass); ``aux_loss``:
-    the sequence-wise balance loss when seq_aux_loss_coef > 0 (training only).
-    ``token_mask`` (b, t), 1 real token, 0 padding: padding is routed (its outputs are not
-    read) but counts neither in the loads nor in the balance loss, so an example's loss
-    does not depend on the batch it is padded in (gradient accumulation equals one batch)."""
+    the sequence-wise balance loss when seq_aux_loss_coef > 0 (training only). Given
+    ``real_tokens`` (a padded batch), the load that balances the bias, MaxVio and the
+    balance loss count the real tokens only, as if each sequence came unpadded."""
 
     has_aux = True
-    takes_token_mask = True  # TransformerBlock passes the model's padding mask
 
     def __init__(self, d_model: int, cfg: FFNConfig, dropout: float = 0.0):
         super().__init__()
@@ -219,7 +217,9 @@ class MoE(KeepsPrecision):
 
     full_precision = ("load",)  # token counts: bf16 counts above 256 round
 
-    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, real_tokens: Tensor | None = None) -> Tensor:
+        """x (b, t, d) -> (b, t, d). ``real_tokens`` (b, t) bool: False at padding, which the
+        experts still compute (fixed shapes) but the statistics and the balance loss skip."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         weights, experts, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
@@ -227,44 +227,48 @@ class MoE(KeepsPrecision):
         if self.shared is not None:
             y = y + self.shared(x)
         with torch.no_grad():
-            # tokens per expert (a fixed-size count: no data-dependent shape when compiled)
-            flat_experts = experts.flatten()
-            counts = torch.ones(experts.shape, device=x.device)  # (N, k)
-            if token_mask is not None:  # padding takes no expert's capacity
-                counts = counts * token_mask.reshape(b * t, 1).to(counts.dtype)
-            load = torch.zeros(self.n_experts, device=x.device).index_add_(
-                0, flat_experts, counts.flatten()
-            )
+            # tokens per expert (a fixed-size count: no data-dependent shape when compiled);
+            # a padded token adds 0 (weighted, not indexed out: fixed shapes again)
+            load = torch.zeros(self.n_experts, device=x.device)
+            if real_tokens is None:
+                counted = torch.ones(experts.numel(), device=x.device)  # (N k,)
+            else:  # (N k,): pair p is token p // k
+                counted = real_tokens.reshape(b * t, 1).expand(experts.shape).flatten()
+            load.index_add_(0, experts.flatten(), counted.to(load.dtype))
             if self.training:
                 self.load += load
-            self.aux_metrics = {"max_vio": load.max() / load.mean() - 1}
+            # 0 when nothing was counted (a batch of padding only), not 0 / 0
+            max_vio = load.max() / load.mean() - 1
+            self.aux_metrics = {"max_vio": torch.where(load.any(), max_vio, 0.0)}
         self.aux_loss = None
         if self.training and self.aux_coef > 0:
             self.aux_loss = self._sequence_balance_loss(
                 scores.view(b, t, scores.shape[-1]),
                 experts.view(b, t, experts.shape[-1]),
-                token_mask,
+                real_tokens,
             )
         return self.dropout(y)
 
     def _sequence_balance_loss(
-        self, scores: Tensor, experts: Tensor, token_mask: Tensor | None = None
+        self, scores: Tensor, experts: Tensor, real_tokens: Tensor | None = None
     ) -> Tensor:
         """DeepSeek-V3 eq. 17-20, per sequence then averaged: alpha sum_i f_i P_i with
-        f_i = E / (k t) (tokens choosing i) and P_i = mean over tokens of s_i / sum_j s_j;
-        t and the means over a sequence's real tokens only (``token_mask``, (b, t))."""
+        f_i = E / (k T) (tokens choosing i) and P_i = mean over tokens of s_i / sum_j s_j.
+        With ``real_tokens`` (b, t), T is a sequence's real tokens and P_i their mean; the
+        average is over the sequences that have any (one of padding only adds nothing)."""
         b, t, _ = scores.shape
         chosen = torch.zeros_like(scores).scatter_(-1, experts, 1.0)  # (b, t, E)
-        probs = scores / scores.sum(dim=-1, keepdim=True)  # (b, t, E)
-        if token_mask is None:
+        share = scores / scores.sum(dim=-1, keepdim=True)  # (b, t, E)
+        if real_tokens is None:
             f = chosen.sum(dim=1) * self.n_experts / (self.top_k * t)  # (b, E)
-            return self.aux_coef * (f * probs.mean(dim=1)).sum(dim=-1).mean()
-        real = token_mask.to(scores.dtype)[..., None]  # (b, t, 1)
-        n = real.sum(dim=1)  # (b, 1): real tokens per sequence
-        f = (chosen * real).sum(dim=1) * self.n_experts / (self.top_k * n.clamp(min=1))
-        p = (probs * real).sum(dim=1) / n.clamp(min=1)  # (b, E)
-        rows = (n[:, 0] > 0).to(scores.dtype)  # (b,): sequences with a real token
-        return self.aux_coef * ((f * p).sum(dim=-1) * rows).sum() / rows.sum().clamp(min=1)
+            p = share.mean(dim=1)  # (b, E)
+            return self.aux_coef * (f * p).sum(dim=-1).mean()
+        real = real_tokens[..., None].to(scores.dtype)  # (b, t, 1)
+        n = real.sum(dim=1)  # (b, 1) real tokens per sequence
+        f = (chosen * real).sum(dim=1) * self.n_experts / (self.top_k * n.clamp(min=1))  # (b, E)
+        p = (share * real).sum(dim=1) / n.clamp(min=1)  # (b, E)
+        per_sequence = (f * p).sum(dim=-1)  # (b,): 0 for a sequence of padding only
+        return self.aux_coef * per_sequence.sum() / (n > 0).sum().clamp(min=1)
 
     @torch.no_grad()
     def update_bias(self, frozen: bool = False) -> None:

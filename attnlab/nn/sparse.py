@@ -191,10 +191,16 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
             p = masked_softmax(scores, allowed[:, None]).sum(1)  # (b, t, s)
             return p / p.sum(-1, keepdim=True).clamp(min=1e-20)
 
-    def _indexer_loss(self, scores, p_dense, allowed, indices, valid) -> None:
+    def _indexer_loss(self, scores, p_dense, allowed, indices, valid, real_tokens=None) -> None:
         """KL of the indexer to the main attention (dense stage: over every allowed key;
-        sparse stage: over the selected keys), and the recall of the dense mass by top-k."""
-        rows = allowed.any(-1).to(scores.dtype)  # (b, t): queries with at least one key
+        sparse stage: over the selected keys), and the recall of the dense mass by top-k,
+        averaged over the queries that have a key and are real tokens (``real_tokens``
+        (b, t), False at padding: a padded query of an encoder still reads the real keys).
+        ``valid`` (b, t, k): the selected slots that hold a key."""
+        rows = allowed.any(-1)  # (b, t): queries with at least one key
+        if real_tokens is not None:
+            rows = rows & real_tokens
+        rows = rows.to(scores.dtype)
         selected = selection_mask(indices, valid, allowed.shape[-1])
         support = allowed if self.stage == "warmup" else selected
         target = p_dense * support
@@ -215,8 +221,11 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         cache: LayerCache | None = None,
         mask: Tensor | None = None,
         context: Tensor | None = None,
+        real_tokens: Tensor | None = None,
     ) -> Tensor:
-        """As :meth:`MultiHeadLatentAttention.forward`; ``cache`` an :class:`IndexedLatentKV`."""
+        """As :meth:`MultiHeadLatentAttention.forward`; ``cache`` an :class:`IndexedLatentKV`.
+        ``real_tokens`` (b, t) bool, False at padding: those queries stay out of the
+        indexer's loss and metrics."""
         if context is not None:
             raise ValueError("DeepSeek sparse attention is self-attention only")
         b, t, _ = x.shape
@@ -250,7 +259,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         self.aux_loss, self.aux_metrics = None, {}
         if self.training and cache is None:
             p_dense = self._head_probs(q_nope, q_rope, latent, allowed)
-            self._indexer_loss(scores, p_dense, allowed, indices, valid)
+            self._indexer_loss(scores, p_dense, allowed, indices, valid, real_tokens)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.v_dim)  # (b, t, h d_v)
         return self.resid_dropout(self.out(y))
 

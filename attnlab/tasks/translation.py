@@ -69,7 +69,13 @@ def batch_to(batch: Seq2SeqBatch, device: torch.device | str | None) -> Seq2SeqB
 
 def seq2seq_loss(model: nn.Module, batch: Seq2SeqBatch) -> Any:
     """Teacher forcing: both encoder-decoders take these keywords."""
-    return model(batch.src, tgt=batch.tgt_in, src_mask=batch.src_mask, targets=batch.tgt_out)
+    return model(
+        batch.src,
+        tgt=batch.tgt_in,
+        src_mask=batch.src_mask,
+        tgt_mask=batch.tgt_mask,
+        targets=batch.tgt_out,
+    )
 
 
 class NumbersTranslation(Task):
