@@ -6,6 +6,7 @@ Shapes: b batch, T tokens so far, V vocabulary size.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import types
@@ -61,8 +62,10 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """logits (b, V) -> next tokens (b,). A temperature of 0 (or below
-    ``GREEDY_BELOW_TEMPERATURE``) is greedy (argmax). ``top_k`` keeps exactly k tokens
-    (ties at the k-th logit go to the lowest index, as argmax's: top_k=1 is greedy)."""
+    ``GREEDY_BELOW_TEMPERATURE``) is greedy (argmax). Applied in transformers' order:
+    temperature, then top-k, then top-p, on float32 (float64 kept) logits. ``top_k`` keeps
+    exactly k tokens (ties at the k-th logit go to the lowest index, as argmax's: top_k=1 is
+    greedy; transformers' TopKLogitsWarper keeps every tie)."""
     if temperature < GREEDY_BELOW_TEMPERATURE:
         return logits.argmax(dim=-1)
     logits = softmax_dtype(logits) / temperature
@@ -528,6 +531,26 @@ def _graph_cache(model, batch: int, capacity: int, rolling: bool):
 RECOMPILE_LIMIT = 64
 
 
+@functools.lru_cache(maxsize=8)
+def _recompile_limit_patch(limit: int):
+    """One reusable ``torch._dynamo.config.patch(recompile_limit=limit)`` per limit: each
+    patch object sets a ContextVar of its own that stays in the thread's context after
+    the ``with`` (torch 2.13), so a new one per guarded step (every token of a compiled
+    ``stream``) grew the context by one variable per token, for good."""
+    return torch._dynamo.config.patch(recompile_limit=limit)
+
+
+def _forget_compiled(code) -> None:
+    """Drop what dynamo compiled from ``code`` (a model's own decode-step code object),
+    once the model is gone: torch keeps the code object, so its compiled graphs (and the
+    ``__compiled_fn`` global each installs in this module) outlived every model that was
+    compiled and freed."""
+    try:
+        torch._dynamo.eval_frame.reset_code(code)
+    except (AttributeError, TypeError, RuntimeError):  # another torch's internals
+        pass
+
+
 def _compiled_step(model):
     """One decode step compiled with fullgraph=True (kept on the model: compiled once), in
     eval mode like the eager step (a model in training mode is switched for the call).
@@ -572,7 +595,7 @@ def _compiled_step(model):
                 if code is not None:
                     return code(model, ids, None, cache)
                 limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-                with torch._dynamo.config.patch(recompile_limit=limit):
+                with _recompile_limit_patch(limit):
                     out = compiled(model, ids, None, cache)
                 code = _code_that_ran(decode_one, model, ids, None, cache)
                 if code is not None:
@@ -584,6 +607,7 @@ def _compiled_step(model):
 
         step.cuda_graphs = cuda_graphs
         object.__setattr__(model, "_compiled_decode_step", step)  # not a submodule
+        weakref.finalize(model, _forget_compiled, decode_one.__code__).atexit = False
     return step
 
 

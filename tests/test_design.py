@@ -535,6 +535,56 @@ def test_compiled_decode_step_runs_in_eval_mode_like_the_eager_step(monkeypatch)
     assert model.training and all(m.training for m in model.modules())
 
 
+def test_compiled_decoding_leaves_the_threads_context_as_it_found_it(monkeypatch):
+    """Every guarded compiled step raises dynamo's recompile limit for its call; a fresh
+    torch._dynamo.config.patch per step left a context variable of its own in the thread's
+    context for good: one more per token of a compiled stream, per generate call. (torch.compile
+    replaced by the identity: every step is a guarded one.)"""
+    import contextvars
+
+    import attnlab.generation as gen
+
+    monkeypatch.setattr(gen.torch, "compile", lambda fn, **kw: fn)
+    model = build_model(get_preset("llama-tiny").override({"n_layers": 1})).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    list(model.stream(prompt, 3, compile=True))
+    before = len(contextvars.copy_context())
+    for _ in range(3):
+        list(model.stream(prompt, 8, compile=True))
+        model.generate([prompt, prompt], 8, compile=True)
+    assert len(contextvars.copy_context()) == before
+
+
+def test_a_freed_model_takes_its_compiled_decode_step_with_it(monkeypatch):
+    """torch keeps a compiled function's code object, and with it every graph compiled from
+    it and the ``__compiled_fn`` global each installs in attnlab.generation: a model compiled
+    and freed left them behind, for good, one set per model. (dynamo with its eager backend.)"""
+    import gc
+    import weakref
+
+    import attnlab.generation as gen
+
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw)
+    )
+
+    def compiled_fns() -> int:
+        return sum(name.startswith("__compiled_fn") for name in vars(gen))
+
+    gc.collect()
+    before = compiled_fns()
+    model = build_model(get_preset("llama-tiny").override({"n_layers": 1})).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,)).tolist()
+    model.generate(prompt, 2, compile=True)
+    assert compiled_fns() > before
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None
+    assert compiled_fns() == before
+
+
 def test_compile_fallback_catches_only_the_compiling_call(monkeypatch):
     """An error after the compiled step has run once is the model's error: it propagates."""
     import attnlab.generation as gen

@@ -337,6 +337,76 @@ def test_beam_search_with_several_stop_tokens_equals_transformers(tmp_path):
     assert model.generate([S], 4, num_beams=2, stop_tokens=EOS) == [B]
 
 
+def test_sampling_distribution_equals_transformers_warpers(monkeypatch):
+    """The distribution sample_next draws from equals that of transformers' warpers in
+    generate's order (temperature, top-k, top-p) on float32 logits, -inf ones included, for
+    float32 and half-precision logits (generate casts them to float32 first). Logits
+    without ties: at a tied top-k boundary attnlab keeps exactly k, transformers every tie."""
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    import attnlab.generation as gen
+
+    drawn = {}
+    real_multinomial = torch.multinomial
+
+    def multinomial(probs, n, generator=None):
+        drawn["probs"] = probs
+        return real_multinomial(probs, n, generator=generator)
+
+    monkeypatch.setattr(gen.torch, "multinomial", multinomial)
+    g = torch.Generator().manual_seed(0)
+    V = 40
+    for temperature, top_k, top_p in [
+        (1.0, None, None), (0.7, 5, None), (1.3, None, 0.8), (0.5, 10, 0.9), (1.0, V + 3, 1e-6),
+        (2.0, V, 1.0), (1.0, 1, 0.5),
+    ]:  # fmt: skip
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            logits = (torch.randperm(V, generator=g).float() / 4 - 5).expand(3, V).clone()
+            logits[1, : V // 3] = float("-inf")
+            logits = logits.to(dtype)  # distinct values in every dtype
+            warpers = [lp.TemperatureLogitsWarper(temperature), lp.TopPLogitsWarper(top_p or 1.0)]
+            if top_k is not None:
+                warpers.insert(1, lp.TopKLogitsWarper(top_k))
+            want = lp.LogitsProcessorList(warpers)(None, logits.float()).softmax(-1)
+            sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+            torch.testing.assert_close(drawn["probs"], want, rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_batched_beam_search_equals_transformers_with_early_stopping(tmp_path):
+    """A random tiny LLaMA, left-padded prompts, length penalties above, at and below 0:
+    every row's n-best tokens and scores are transformers' generate(num_beams=3,
+    early_stopping=True)."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.generation import beam_search
+    from attnlab.interop import load_hf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        bos_token_id=None, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
+        attn_implementation="eager", initializer_range=0.5,
+    )  # fmt: skip
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    prompts = [torch.randint(5, 24, (n,)).tolist() for n in (2, 5, 4)]
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 5 - len(p) :] = torch.tensor(p)
+    for alpha in (1.0, -0.5, 2.0):
+        out = ref.generate(
+            ids, attention_mask=(ids != 0).long(), max_new_tokens=5, num_beams=3,
+            num_return_sequences=3, length_penalty=alpha, early_stopping=True, do_sample=False,
+            pad_token_id=0, eos_token_id=3, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+        theirs = [row[: row.index(3)] if 3 in row else row for row in out.sequences[:, 5:].tolist()]
+        hyps = beam_search(model, prompts, 5, num_beams=3, eos_id=3, n_best=3, length_penalty=alpha)
+        assert [h.tokens for row in hyps for h in row] == theirs
+        scores = [h.score for row in hyps for h in row]
+        assert scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+
+
 def test_top_k_ties_go_to_the_lowest_index_so_top_k_1_is_greedy():
     logits = torch.zeros(3, 8)
     for seed in range(5):

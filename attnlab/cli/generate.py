@@ -107,7 +107,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=1.0,
         metavar="A",
-        help="beam scores are log p / length**A (default 1.0)",
+        help="beam scores are log p / length**A (default 1.0); the search ends once K beams "
+        "have finished, as transformers' generate(early_stopping=True)",
     )
     add_device_argument(p)
     add_dtype_argument(p)
