@@ -16,6 +16,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_data_cache(tmp_path_factory):
+    """Tokenizers and token streams that tests prepare without a cache_dir go to a folder of
+    this run, not the user's ~/.cache/attnlab (which `make test` filled with files): no
+    leftovers, and no stale entry from an earlier run decides what a test reads."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTNLAB_CACHE", str(tmp_path_factory.mktemp("attnlab_cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

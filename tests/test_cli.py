@@ -849,6 +849,7 @@ def test_threads_option_sets_torch_threads(capsys, monkeypatch):
 
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)  # conftest runs tests on one thread: 1 would prove nothing
         code, out, _ = run_main(["--threads", "1", "presets"], capsys)
         assert code == 0 and out and torch.get_num_threads() == 1
         code, _, err = run_main(["--threads", "0", "presets"], capsys)
