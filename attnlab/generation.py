@@ -6,6 +6,7 @@ Shapes: b batch, T tokens so far, V vocabulary size.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -287,7 +288,7 @@ def stream(
                 or len(rows) * max_new_tokens >= AUTO_COMPILE_MIN_TOKENS
             )
         )
-    return _decode(
+    steps = _decode(
         model,
         rows,
         single,
@@ -302,6 +303,23 @@ def stream(
         _closed_loop,
         budgets,
     )
+    return _in_inference_mode(steps)
+
+
+def _in_inference_mode(steps: Iterator) -> Iterator:
+    """``steps``, each computed in inference mode whatever the caller's mode (the caller's
+    own code between them runs in its own). Every call then hands the compiled step
+    inference tensors (tokens, static cache): dynamo guards on a tensor's dispatch keys,
+    and ``model.generate`` (inference mode) after ``stream`` or ``generation.generate``
+    (not) would otherwise compile a second version of the step for the same shapes."""
+    with contextlib.closing(steps):
+        while True:
+            with torch.inference_mode():
+                try:
+                    step = next(steps)
+                except StopIteration:
+                    return
+            yield step
 
 
 OVERFLOW_MODES = ("slide", "roll", "stop")

@@ -316,6 +316,39 @@ def test_decode_step_compiles_with_fullgraph_and_matches_eager(name, override, b
         tok = a.argmax(-1, keepdim=True)
 
 
+def test_compiled_step_compiles_once_per_batch_size(monkeypatch):
+    """generate, stream and generation.generate share one compiled step per batch size,
+    for prompts of other lengths in the same capacity bucket too: each call hands the step
+    inference tensors (dynamo guards on dispatch keys; stream() outside inference mode
+    compiled a second version for the same shapes). The 'eager' backend counts the graphs
+    without paying for code generation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    import attnlab.generation as generation
+
+    counter, real = CompileCounterWithBackend("eager"), torch.compile
+
+    def compile_eagerly(fn, options=None, **kw):  # (options: inductor's, which it drops)
+        return real(fn, backend=counter, **kw)
+
+    monkeypatch.setattr(generation.torch, "compile", compile_eagerly)
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(max_seq_len=128)
+    short, long = [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2]
+    want = model.generate(long, 6)
+    assert model.generate(long, 6, compile=True) == want
+    assert list(model.stream(long, 6, compile=True)) == want
+    generation.generate(model, short, 10, compile=True)
+    model.generate(short, 3, compile=True)
+    assert counter.frame_count == 1
+    model.generate([short, long], 4, compile=True)
+    list(model.stream([long, short], 4, compile=True))
+    assert counter.frame_count == 2  # one more for batch size 2
+    assert not counters["graph_break"]
+
+
 @pytest.mark.slow
 def test_generate_compile_equals_eager_generate(monkeypatch):
     import attnlab.nn.linear as linear_module

@@ -280,6 +280,41 @@ def test_weights_train_row_major_and_match_input_major_training(dataset, tmp_pat
     )
 
 
+@pytest.mark.parametrize("ffn", ["mlp", "moe"])
+def test_compiled_training_compiles_once(dataset, tmp_path, monkeypatch, ffn):
+    """train.compile=true: the model compiles once, as one graph, and later steps (also
+    after an evaluation, eager and in eval mode) run it without recompiling. A mixture of
+    experts breaks the graph at its per-expert token counts (a host read); its split sizes
+    turn dynamic at the second step, after which nothing recompiles either. The 'eager'
+    backend counts the graphs without paying for code generation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from attnlab.config import FFNConfig
+    from attnlab.training.trainer import Trainer, _StopRequest
+
+    counter, real = CompileCounterWithBackend("eager"), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: real(model, backend=counter))
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny_run(compile=True)
+    if ffn == "moe":
+        cfg.model.ffn = FFNConfig(
+            kind="moe", hidden_dim=64, n_routed_experts=4, n_activated_experts=2
+        )
+    trainer = Trainer(cfg, tmp_path / "run", progress=False, dataset=dataset)
+    stop, never = _StopRequest(), lambda: False
+    for _ in range(2):
+        trainer._train_step(stop, never)
+    graphs = counter.frame_count
+    trainer._evaluate(1)
+    for _ in range(2):
+        trainer._train_step(stop, never)
+    assert counter.frame_count == graphs
+    if ffn == "mlp":
+        assert graphs == 1 and not counters["graph_break"]
+
+
 def test_training_with_onednn_products_matches_f_linear(dataset, tmp_path, monkeypatch):
     """Six steps whose products are oneDNN's (float32 on CPU, the default where torch has
     oneDNN) end at the weights of six steps with F.linear's (MKL's) products."""
