@@ -494,6 +494,55 @@ def test_mlm_draws_the_last_block_of_each_split():
     assert torch.cat(model.inputs).numel() == 3 * block
 
 
+def test_mlm_random_replacements_are_tokenizer_tokens_never_mask():
+    """BERT's 10% random tokens come from the tokenizer's vocabulary: never attnlab's own
+    [MASK] (one id past it). With a two-token vocabulary and every token chosen: 80%
+    [MASK], 10% + 10% / 2 the original token, 10% / 2 the other one (a [MASK] drawn as a
+    random token would make it 83% / 13% / 3%)."""
+    from attnlab.data import TokenDataset
+
+    tokenizer = train_tokenizer("char", ["ab"])
+    stream = np.random.default_rng(0).integers(0, 2, 6000)
+    data = TokenDataset(tokenizer, train=stream[:5000], val=stream[5000:])
+    every = {"train.block_size": 50, "data.options.mask_prob": 1.0}
+    task = TASKS["mlm"](get_run_preset("bert-tiny-mlm").override(every), data=data)
+    assert task.mask_id == 2
+    blocks, _ = data.batch("train", torch.arange(0, 4000, 5), 50)  # (800, 50)
+    inputs, targets = task.mask(blocks, torch.arange(800))
+    assert torch.equal(targets, blocks)
+    assert (inputs == 2).float().mean() == pytest.approx(0.8, abs=0.01)
+    assert (inputs == blocks).float().mean() == pytest.approx(0.15, abs=0.01)
+    assert ((inputs != blocks) & (inputs != 2)).float().mean() == pytest.approx(0.05, abs=0.01)
+
+
+def test_mlm_evaluation_is_the_mean_over_every_masked_token():
+    """The validation loss is the cross-entropy averaged over all masked tokens of the
+    validation blocks (each block j masked with seed EVAL_SEED + j), computed here per
+    token, not a mean of the batches' means."""
+    import torch.nn.functional as F
+
+    from attnlab.models import build_model
+    from attnlab.tasks.mlm import EVAL_SEED
+
+    task = TASKS["mlm"](get_run_preset("bert-tiny-mlm").override({"train.block_size": 32}))
+    cfg = task.cfg.model
+    task.configure_model(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    got = task.evaluate(model, batch_size=3, max_batches=3)
+    blocks = task.data.windows("val", torch.arange(9) * 32, 32)  # (9, 32)
+    inputs, targets = task.mask(blocks, EVAL_SEED + torch.arange(9))
+    with torch.no_grad():
+        logits = model(inputs).logits
+    chosen = targets != -100
+    assert chosen.sum(1).unique().numel() > 1  # the blocks hold different numbers
+    want = F.cross_entropy(logits[chosen], targets[chosen])
+    assert got["masked_tokens"] == int(chosen.sum())
+    assert got["loss"] == pytest.approx(float(want), rel=1e-5)
+    correct = (logits.argmax(-1) == targets)[chosen].float().mean()
+    assert got["accuracy"] == pytest.approx(float(correct), rel=1e-6)
+
+
 def test_mask_whole_words_matches_a_per_word_reading():
     """mask_whole_words against its definition: words chosen per word and spread to their
     tokens, 80/10/10 drawn per token."""

@@ -235,6 +235,20 @@ def test_weights_load_without_trainer_state(tmp_path):
         train(None, tmp_path, resume=tmp_path, progress=False)
 
 
+def test_a_save_without_a_tokenizer_removes_an_older_saves(tmp_path):
+    """A model without a tokenizer saved over a checkpoint that had one: no stale
+    tokenizer.json stays behind, which a folder whose trainer_state.pt is then deleted
+    (weights only: the tokenizer is whatever file is there) would load as the model's."""
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    assert (tmp_path / "tokenizer.json").is_file()
+    save_checkpoint(tmp_path, model, cfg, None, {"step": 2})
+    assert not (tmp_path / "tokenizer.json").exists()
+    assert load_checkpoint(tmp_path, with_state=True).tokenizer is None
+    (tmp_path / ckpt_module.STATE_FILE).unlink()
+    assert load_checkpoint(tmp_path).tokenizer is None
+
+
 def test_config_and_weights_that_disagree_name_the_tensors(tmp_path):
     model, cfg, tokenizer = make_run(tie=False)
     save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})

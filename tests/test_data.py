@@ -397,6 +397,10 @@ def test_iter_eval_walks_non_overlapping_blocks():
     # A ragged last batch: 12 train blocks of 8 in 102 tokens, batches of 5.
     sizes = [len(x) for x, _ in ds.iter_eval("train", 5, block)]
     assert sizes == [5, 5, 2]
+    # A split of exactly k blocks + 1 token holds k blocks: the last target is its last token.
+    exact = TokenDataset(ds.tokenizer, train=ds.train, val=ds.val[: 4 * block + 1])
+    ys = torch.cat([y for _, y in exact.iter_eval("val", batch_size, block)])
+    assert ys.shape == (4, block) and ys[-1, -1] == exact.val[-1]
 
 
 def test_read_corpus_follows_symlinked_folders_once(tmp_path):

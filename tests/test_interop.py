@@ -312,6 +312,8 @@ EXPORTS = {
     "llama": ("llama", _llama()),
     "llama_interleaved": ("llama", _with(_llama(), **{"position.rope_layout": "interleaved"})),
     "llama_out_bias": ("llama", _with(_llama(), **{"attention.out_bias": True, "ffn.bias": True})),
+    # heads wider than d_model / n_heads: config.json must say head_dim
+    "llama_head_dim": ("llama", _with(_llama(), **{"attention.head_dim": 16})),
     "qwen2_interleaved_tied": (
         "qwen2",
         _with(

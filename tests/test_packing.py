@@ -110,6 +110,14 @@ def test_task_blocks_carry_document_ids_and_skip_first_tokens(embedded):
     assert torch.equal(y, y0.masked_fill(first, IGNORE_INDEX))
     assert docs[0].tolist() == [0] * 10 + [1] * 54 and docs[1].tolist() == [0] * 64
     assert document_positions(docs)[0, 10:13].tolist() == [0, 1, 2]  # positions restart
+    # Validation blocks too (evaluation): val token j is token len(train) + j of the stream.
+    n_train = len(embedded.train)
+    boundary = int(next(s for s in embedded.doc_starts if s >= n_train + 10)) - n_train
+    assert boundary + 54 < len(embedded.val)
+    x, y, docs = task.blocks("val", torch.tensor([boundary - 10]))
+    x0, y0 = plain.blocks("val", torch.tensor([boundary - 10]))
+    assert torch.equal(x, x0) and torch.equal(y, y0.masked_fill(first[:1], IGNORE_INDEX))
+    assert docs[0].tolist() == [0] * 10 + [1] * 54
 
 
 # ---------------------------------------------------------------- the model
@@ -307,6 +315,37 @@ def test_packed_training_learns_and_resumes_exactly(tmp_path, embedded):
     plain = train(cfg.override({"data.options": {}}), tmp_path / "plain", dataset=embedded,
                   max_steps=2, progress=False)  # fmt: skip
     assert plain.losses != straight.losses[:2]
+
+
+def test_packed_eval_block_losses_are_means_over_each_blocks_targets():
+    """The per-block losses behind the evaluation's sample size (eval_batches_needed) are
+    each block's mean over the targets it scores: a packed block leaves out each
+    document's first token, so its divisor is not the block length."""
+    from attnlab.data import TokenDataset
+    from attnlab.tokenizers import train_tokenizer
+
+    tokenizer = train_tokenizer("char", ["abcdefghijklmnopqrstuvwxyz"])
+    stream = np.random.default_rng(0).integers(0, 26, 800)
+    starts = np.cumsum(np.random.default_rng(1).integers(3, 12, 120))
+    doc_starts = np.concatenate(([0], starts[starts < 800]))
+    data = TokenDataset(tokenizer, train=stream[:600], val=stream[600:], doc_starts=doc_starts)
+    packed = DataConfig(options={"pack_documents": True})
+    cfg = RunConfig(model=get_preset("llama-tiny"), data=packed)
+    cfg.train.block_size = 16
+    task = LanguageModelling(cfg, data=data)
+    task.configure_model(cfg.model)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():
+        sums = task.eval_sums(model, batch_size=4, max_batches=None)
+        x, y, docs = task.blocks("val", torch.arange(data.n_eval_blocks("val", 16)) * 16)
+        losses = _packed_losses(model, x, y, docs)  # (b, t); ignored targets: 0
+    scored = (y != IGNORE_INDEX).sum(1)
+    assert (scored < 16).all() and scored.unique().numel() > 1
+    per_block = losses.sum(1) / scored
+    assert sums["blocks"] == len(per_block) and sums["tokens"] == scored.sum()
+    assert sums["block_loss_sum"] == pytest.approx(float(per_block.sum()), rel=1e-5)
+    assert sums["block_loss_sq"] == pytest.approx(float((per_block**2).sum()), rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -221,6 +221,24 @@ def test_lm_eval_sample_size_for_one_percent(dataset):
     assert sample == pytest.approx(whole, rel=0.01)
 
 
+def test_lm_eval_sample_size_is_cochrans_with_the_finite_population_correction(dataset):
+    """eval_batches_needed from the block losses' sums against Cochran's sample size written
+    out: n0 = (z s / (tol mean))^2 with s the sample standard deviation (n - 1), then
+    n0 / (1 + (n0 - 1) / N) for a split of N blocks, in whole batches."""
+    cfg = RunConfig(
+        model=gpt2_style(vocab_size=256, max_seq_len=16, d_model=16, n_layers=1, n_heads=2)
+    )
+    task = LanguageModelling(cfg, data=dataset)
+    N = dataset.n_eval_blocks("val", 16)
+    losses = np.array([2.0, 2.6, 1.7, 2.3])  # four blocks: n - 1 differs from n
+    sums = {"blocks": 4.0, "block_loss_sum": losses.sum(), "block_loss_sq": (losses**2).sum()}
+    mean, s = losses.mean(), losses.std(ddof=1)
+    for n0 in (2 * N, N / 2, 40.0, 1.5):  # the correction large to small; at least a batch
+        tol = 1.96 * s / (mean * math.sqrt(n0))
+        expected = math.ceil(n0 / (1 + (n0 - 1) / N) / 8)
+        assert task.eval_batches_needed(sums, 8, tol) == expected
+
+
 # --------------------------------------------------------------------------- a generic trainer
 
 
@@ -377,3 +395,26 @@ def test_aux_loss_of_a_model_module_reaches_the_trainer(tmp_path, dataset, monke
     assert aux.losses[0] == plain.losses[0] and aux.losses[1:] != plain.losses[1:]
     records = train_records(tmp_path / "aux")
     assert all(r["blocks.0.ffn/load"] == 1.5 and r["aux_loss"] > 0 for r in records)
+
+
+def test_an_aux_loss_accumulated_over_micro_batches_trains_as_one_batch(
+    tmp_path, dataset, monkeypatch
+):
+    """An aux loss is a mean per micro-batch (as the main loss): two micro-batches of b
+    must give the losses and gradients of one batch of 2b, the aux loss counted once, not
+    once per micro-batch. (This aux loss does not depend on the batch: any scale error
+    shows in the gradient norms, which Adam hides from losses and weights.)"""
+
+    def lm(**kw) -> RunConfig:
+        model = gpt2_style(vocab_size=256, max_seq_len=16, d_model=16, n_layers=1, n_heads=2)
+        train_kw = dict(batch_size=8, max_steps=3, warmup_steps=1, eval_every=0, eval_batches=1)
+        return RunConfig(model=model, train=TrainConfig(**{**train_kw, **kw}))
+
+    monkeypatch.setattr(trainer_module, "build_model", with_aux_outputs(0.05))
+    one = train(lm(), tmp_path / "one", dataset=dataset, progress=False)
+    two = train(lm(batch_size=4, grad_accum=2), tmp_path / "two", dataset=dataset, progress=False)
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
+    norms = [[r["grad_norm"] for r in train_records(tmp_path / n)] for n in ("one", "two")]
+    np.testing.assert_allclose(norms[1], norms[0], rtol=1e-5)
+    aux = [[r["aux_loss"] for r in train_records(tmp_path / n)] for n in ("one", "two")]
+    np.testing.assert_allclose(aux[1], aux[0], rtol=1e-5)

@@ -513,6 +513,37 @@ def test_grad_accumulation_equals_big_batch(tmp_path, dataset):
     assert_weights_close(final_weights(tmp_path / "acc"), final_weights(tmp_path / "big"), tol=1e-5)
 
 
+@pytest.mark.parametrize("clip", [0.05, 0.0])
+def test_the_optimizer_gets_clipped_gradients_and_the_scheduled_rate_in_every_group(
+    tmp_path, dataset, clip
+):
+    """What reaches the optimizer at each step: gradients of total norm min(norm,
+    grad_clip) (untouched with grad_clip=0), every parameter group (decay and no decay) at
+    lr_at(step); the logged grad_norm is the norm before clipping. AdamW all but ignores the
+    scale of its gradients, so neither losses nor weights show a clip that went wrong."""
+    from attnlab.training.trainer import Trainer
+
+    cfg = tiny_run(max_steps=4, grad_clip=clip)
+    trainer = Trainer(cfg, tmp_path, progress=False, dataset=dataset)
+    seen = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))
+        seen.append((float(norm), [g["lr"] for g in optimizer.param_groups]))
+
+    trainer.optimizer.register_step_pre_hook(record)
+    trainer.run()
+    logged = grad_norms(tmp_path)
+    assert len(seen) == len(logged) == 4
+    assert len(seen[0][1]) == 2  # the decay and no-decay groups
+    for step, ((norm, lrs), before) in enumerate(zip(seen, logged)):
+        assert lrs == [pytest.approx(lr_at(step, cfg.train), rel=1e-12)] * 2
+        assert norm == pytest.approx(min(before, clip) if clip else before, rel=1e-5)
+    if clip:
+        assert min(logged) > 2 * clip  # every step was clipped
+
+
 def test_bfloat16_autocast_trains(tmp_path, dataset):
     fp32 = train(tiny_run(max_steps=3), tmp_path / "fp32", dataset=dataset, progress=False)
     bf16 = train(
