@@ -607,13 +607,21 @@ class Cache:
             mask = mask & (k_pos > q_pos - window)
         return mask, False
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, *, cross: bool = True) -> None:
         """Make row j a copy of row ``index[j]`` (n,), for beam search: the batch becomes n
         (it may grow, b -> b * num_beams). Every layer entry (self and cross) and the shared
-        bookkeeping follow."""
+        bookkeeping follow. ``cross=False`` leaves the cross-attention entries as they are:
+        for a caller that knows row j's cross keys/values already equal row ``index[j]``'s
+        (beams of one source, reordered among themselves; the batch size must not change)."""
         if self._step is not None:
             raise CacheError("cannot reorder a cache in the middle of a step")
-        for entry in [*self.layers, *(c for c in self.cross if c is not None)]:
+        if not cross and index.shape[0] != self.batch:
+            raise CacheError(
+                f"cross=False keeps the cross keys/values of {self.batch} rows; {index.shape[0]} "
+                "rows need them reordered"
+            )
+        crossed = [c for c in self.cross if c is not None] if cross else []
+        for entry in [*self.layers, *crossed]:
             entry.reorder(index, self.batch)
         for name in ("key_valid", "slot_pos", "next_position"):
             setattr(self, name, getattr(self, name).index_select(0, index))

@@ -843,8 +843,11 @@ def beam_search_core(
     """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
     input and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
     (reorder caches / states), feed ``tokens`` (b * beams,) and return the next logits
-    (b * beams, V). ``eos_id``: the end token(s). The number of beams per row is
-    ``num_beams`` (fewer at first when the vocabulary is small). Returns, per row, its
+    (b * beams, V). Rows are grouped by input: row j continues one of the beams of input
+    row j // beams, so what all beams of an input share (an encoder's output) needs
+    reordering only when the number of beams changes. ``eos_id``: the end token(s). The
+    number of beams per row is ``num_beams`` (fewer at first when the vocabulary is small).
+    Returns, per row, its
     ``n_best`` best hypotheses, best first (scoring and stopping: the comment above,
     ``style``). ``blocked_ids`` are never chosen: as in transformers, their log-probabilities
     become -inf after the log-softmax, and with ``renormalize`` the rest are log-softmaxed

@@ -144,6 +144,23 @@ def test_greedy_equals_beam_of_width_one(n_layers):
         assert math.isclose(g.log_prob, b.log_prob, rel_tol=1e-5, abs_tol=1e-6)
 
 
+def test_greedy_reads_the_device_once_per_step(monkeypatch):
+    # one .tolist() of the step's tokens per step (not also the stop flags), and the same
+    # hypotheses as before
+    torch.manual_seed(0)
+    model = tiny_model(n_layers=2)
+    with torch.no_grad():
+        model.out.bias[EOS] -= 3.0  # rows that go on for a few steps
+    src, mask = padded_sources()
+    want = model.greedy(src, mask, max_len=8)
+    reads, steps = [], []
+    model.out.register_forward_hook(lambda *a: steps.append(1))
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    assert model.greedy(src, mask, max_len=8) == want
+    assert len(reads) == len(steps) + 2 > 3  # + the final scores and flags
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.8])
 def test_beam_is_sorted_and_scores_equal_teacher_forced_log_probs(alpha):
     model = tiny_model()
@@ -181,6 +198,44 @@ def test_wide_beam_equals_exhaustive_search():
     assert [h.tokens for h in results] == [tokens for _, tokens in candidates[:5]]
     for h, (score, _) in zip(results, candidates):
         assert math.isclose(h.score, score, rel_tol=1e-5)
+
+
+def test_beam_search_gathers_the_memory_only_when_beams_change(monkeypatch):
+    # the beams of a source share its memory: beam_search gathers it once (beams 1 -> k);
+    # gathering it at every step (the slow twin) gives the same hypotheses
+    from attnlab.models.rnn import Memory
+
+    model = tiny_model(n_layers=2)
+    src, mask = padded_sources()
+
+    def reordering_everything(max_len):
+        memory, hidden = model.encode(src, mask)
+        start = torch.full((src.shape[0],), model.cfg.bos_id)
+        logits, hidden, _ = model.step(start, hidden, memory)
+        state = {"hidden": hidden, "memory": memory}
+
+        def advance(source, tokens):
+            state["memory"] = state["memory"].index(source)
+            hidden = state["hidden"].index_select(1, source)
+            logits, state["hidden"], _ = model.step(tokens, hidden, state["memory"])
+            return logits
+
+        return beam_search_core(logits, advance, num_beams=4, max_new_tokens=max_len,
+                                eos_id=EOS, length_penalty=0.6, n_best=4, style="gnmt")  # fmt: skip
+
+    gathered = []
+    index = Memory.index
+    monkeypatch.setattr(Memory, "index", lambda self, rows: gathered.append(1) or index(self, rows))
+    for max_len in (5, 9):
+        with torch.no_grad():
+            want = reordering_everything(max_len)
+        gathered.clear()
+        got = model.beam_search(src, mask, beam_width=4, max_len=max_len, length_penalty=0.6,
+                                n_best=4)  # fmt: skip
+        assert len(gathered) == 1  # beams 1 -> 4, whatever the length
+        for got_row, want_row in zip(got, want):
+            # (beam_search's finished hypotheses end with EOS, the core's leave it out)
+            assert got_row == [w._replace(tokens=w.tokens + [EOS] * w.finished) for w in want_row]
 
 
 def test_beam_search_rejects_bad_settings():
@@ -291,6 +346,71 @@ def test_output_is_a_model_output_that_unpacks_as_logits_and_loss():
     assert isinstance(out, ModelOutput) and out.aux_loss is None and out.metrics == {}
     logits, loss = out
     assert logits is out.logits and loss is out.loss and out.attention.shape == (3, 5, 6)
+
+
+def teacher_forced_step_by_step(model, src, mask, tgt, targets):
+    """The slow twin of ``forward``: ``model.step`` at every position (embedding and output
+    layer included), as forward once ran."""
+    memory, hidden = model.encode(src, mask)
+    logits, weights = [], []
+    for i in range(tgt.shape[1]):
+        step_logits, hidden, step_weights = model.step(tgt[:, i], hidden, memory)
+        logits.append(step_logits)
+        weights.append(step_weights)
+    logits = torch.stack(logits, dim=1)  # (b, t, V)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return logits, loss, torch.stack(weights, dim=1)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_teacher_forcing_equals_stepping_one_position_at_a_time(dropout):
+    # forward embeds every target and applies the output layer once; the logits, the
+    # attention, the loss and every gradient equal step() run position by position, and
+    # with dropout the same masks are drawn (same seed, same order)
+    torch.manual_seed(0)
+    model = tiny_model(n_layers=2, dropout=dropout).train()
+    src, mask = padded_sources()
+    tgt, targets = torch.randint(0, TGT_V, (2, 3, 5))
+
+    def run(forward):
+        torch.manual_seed(1)  # the same dropout masks, if drawn in the same order
+        logits, loss, weights = forward()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return logits, loss, weights, grads
+
+    def fast():
+        out = model(src, mask, tgt, targets)
+        return out.logits, out.loss, out.attention
+
+    results = [run(fast), run(lambda: teacher_forced_step_by_step(model, src, mask, tgt, targets))]
+    (logits, loss, weights, grads), (want_logits, want_loss, want_weights, want_grads) = results
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_forcing_embeds_and_projects_all_positions_at_once():
+    # structural: one embedding and one output-layer product (forward), one embedding
+    # gradient (backward), whatever the target length; the recurrence alone is per step
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model().train()
+    src, mask = padded_sources()
+
+    def op_counts(t):
+        tgt = torch.randint(0, TGT_V, (3, t))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(src, mask, tgt, tgt).loss.backward()
+        names = [e.name for e in prof.events()]
+        return {n: names.count(n) for n in ("aten::embedding", "aten::embedding_dense_backward")}
+
+    # the source embedding and the target one
+    assert op_counts(4) == op_counts(9) == {
+        "aten::embedding": 2, "aten::embedding_dense_backward": 2}  # fmt: skip
 
 
 def test_learns_to_reverse_short_sequences():

@@ -157,6 +157,67 @@ def test_greedy_with_and_without_cache_agree():
         assert a[i] == seq[1:]
 
 
+def test_greedy_reads_the_device_once_per_step(monkeypatch):
+    # one .tolist() of the step's tokens per step (not also the stop flags)
+    torch.manual_seed(0)
+    model = Seq2SeqModel(_cfg("pre", eos_id=3)).eval()
+    src = torch.randint(4, V, (3, 6))
+    want = model.generate(src, 9)
+    reads, steps = [], []
+    model.lm_head.register_forward_hook(lambda *a: steps.append(1))
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    assert model.generate(src, 9) == want
+    assert len(reads) == len(steps) > 1
+
+
+def _beam_reordering_everything(model, src, src_mask, n, k):
+    """The slow twin of Seq2SeqModel.generate's beam search: the cache (cross keys/values
+    too) and the source mask gathered by ``source`` at every step."""
+    cache = model.new_cache(src.shape[0], n + 1)
+    state = {"mask": src_mask}
+
+    def advance(source, tokens):
+        cache.reorder(source)
+        state["mask"] = state["mask"].index_select(0, source)
+        return model.logits(model.decode(tokens[:, None], None, state["mask"], cache=cache))[:, -1]
+
+    start = torch.full((src.shape[0], 1), model.cfg.bos_id)
+    first = model.logits(model.decode(start, model.encode(src, src_mask), src_mask, cache=cache))
+    hyps = beam_search_core(first[:, -1], advance, num_beams=k, max_new_tokens=n,
+                            eos_id=model.cfg.eos_id, n_best=k)  # fmt: skip
+    return [[h.tokens for h in row] for row in hyps]
+
+
+def test_beam_search_gathers_cross_keys_and_source_mask_only_when_beams_change(monkeypatch):
+    # the beams of a source share its cross keys/values and mask: generate gathers them
+    # once (beams 1 -> k), the reordering twin at every step, to the same hypotheses
+    from attnlab.cache import CrossKV
+
+    torch.manual_seed(0)
+    model = Seq2SeqModel(_cfg("pre", eos_id=3)).eval()
+    src = torch.randint(4, V, (3, 7))
+    src_mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
+    gathered = []
+    reorder = CrossKV.reorder
+    monkeypatch.setattr(
+        CrossKV, "reorder", lambda self, *a: gathered.append(1) or reorder(self, *a)
+    )
+    for n in (6, 12):
+        gathered.clear()
+        got = model.generate(src, n, src_mask=src_mask, num_beams=3, n_best=3)
+        assert len(gathered) == model.cfg.decoder_layers  # once per layer, whatever n
+        with torch.inference_mode():
+            assert got == _beam_reordering_everything(model, src, src_mask, n, 3)
+
+
+def test_cache_keeps_cross_entries_only_for_the_same_batch():
+    model = Seq2SeqModel(_cfg("pre")).eval()
+    cache = model.new_cache(2, 4)
+    with pytest.raises(ValueError, match="cross=False"):
+        cache.reorder(torch.tensor([0, 0, 1, 1]), cross=False)
+
+
 def _oracle_beam(logprob_fn, k, n, eos, lp):
     """Exhaustive-by-level reference of the same rules, on plain Python lists."""
     running, finished = [(0.0, [])], []

@@ -163,14 +163,21 @@ class GRUSeq2Seq(nn.Module):
     def step(self, tokens: Tensor, hidden: Tensor, memory: Memory) -> tuple[Tensor, Tensor, Tensor]:
         """One decoder step: previous tokens (b,), state (L, b, H) -> logits (b, V),
         new state, attention weights (b, s)."""
+        features, hidden, weights = self._recur(self.tgt_embed(tokens), hidden, memory)
+        return self.out(features), hidden, weights
+
+    def _recur(
+        self, embedded: Tensor, hidden: Tensor, memory: Memory
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The recurrent part of a step: embedded previous tokens (b, E), state (L, b, H) ->
+        the output layer's input dropout([s_t; c_t]) (b, 3H), new state, weights (b, s)."""
         query = hidden[-1]  # (b, H): the top layer's previous state
         context, weights = self.attention(
             query, memory.states, memory.states, mask=memory.mask, projected_keys=memory.projected
         )  # (b, 2H), (b, s)
-        x = torch.cat([self.dropout(self.tgt_embed(tokens)), context], dim=-1)  # (b, E + 2H)
+        x = torch.cat([self.dropout(embedded), context], dim=-1)  # (b, E + 2H)
         output, hidden = self.decoder(x[:, None], hidden)  # (b, 1, H), (L, b, H)
-        logits = self.out(self.dropout(torch.cat([output[:, 0], context], dim=-1)))  # (b, V)
-        return logits, hidden, weights
+        return self.dropout(torch.cat([output[:, 0], context], dim=-1)), hidden, weights
 
     def forward(
         self,
@@ -195,12 +202,16 @@ class GRUSeq2Seq(nn.Module):
         if targets is not None:
             targets = check_targets("targets", targets, (b, t), "(b, t) like tgt")
         memory, hidden = self.encode(src, src_mask)
-        logits, weights = [], []
-        for i in range(tgt.shape[1]):
-            step_logits, hidden, step_weights = self.step(tgt[:, i], hidden, memory)
-            logits.append(step_logits)
+        # Only the recurrence runs step by step: the embedding and the output layer, which
+        # no step feeds back, take every position at once (one product, and one gradient
+        # each, instead of t). Dropout is still drawn step by step, in :meth:`step`'s order.
+        embedded = self.tgt_embed(tgt)  # (b, t, E)
+        features, weights = [], []
+        for i in range(t):
+            step_features, hidden, step_weights = self._recur(embedded[:, i], hidden, memory)
+            features.append(step_features)
             weights.append(step_weights)
-        logits_bt = torch.stack(logits, dim=1)  # (b, t, V)
+        logits_bt = self.out(torch.stack(features, dim=1))  # (b, t, V)
         loss = None
         if targets is not None:
             # in float32 (float64 kept), as every model's loss: a float16 loss sums past 65504
@@ -234,18 +245,19 @@ class GRUSeq2Seq(nn.Module):
         log_prob = torch.zeros(b, dtype=torch.float64, device=dev)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
         out: list[list[int]] = [[] for _ in range(b)]
+        stopped = [False] * b  # ``done`` on the host, kept from the tokens read
         for _ in range(max_len):
             logits, hidden, _ = self.step(tokens, hidden, memory)
             log_probs = logits.double().log_softmax(-1)  # (b, V)
             tokens = log_probs.argmax(-1)  # (b,)
             log_prob += torch.where(done, 0.0, log_probs.gather(1, tokens[:, None])[:, 0])
-            # the tokens and which rows went on, read once per step (not once per row)
-            step_tokens, was_done = tokens.tolist(), done.tolist()
-            for row, (token, stopped) in enumerate(zip(step_tokens, was_done)):
-                if not stopped:
+            # the tokens, read once per step (not once per row): the one host read
+            for row, token in enumerate(tokens.tolist()):
+                if not stopped[row]:
                     out[row].append(token)
+                    stopped[row] = token == self.cfg.eos_id
             done |= tokens == self.cfg.eos_id
-            if all(d or t == self.cfg.eos_id for d, t in zip(was_done, step_tokens)):
+            if all(stopped):
                 break
         return [
             Hypothesis(seq, score=lp, log_prob=lp, finished=bool(d))
@@ -318,8 +330,12 @@ class GRUSeq2Seq(nn.Module):
         state = {"hidden": hidden, "memory": memory}
 
         def advance(source: Tensor, tokens: Tensor) -> Tensor:
-            hidden = state["hidden"].index_select(1, source)  # (L, n, H)
-            state["memory"] = state["memory"].index(source)  # row j continues source[j]
+            hidden = state["hidden"].index_select(1, source)  # (L, n, H): row j continues source[j]
+            # The beams of a source come from its own beams (beam_search_core), so their
+            # memory, copies of the source's, only needs gathering when the number of beams
+            # changes (the first step).
+            if source.shape[0] != state["memory"].states.shape[0]:
+                state["memory"] = state["memory"].index(source)
             logits, state["hidden"], _ = self.step(tokens, hidden, state["memory"])
             return logits
 

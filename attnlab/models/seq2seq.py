@@ -311,8 +311,12 @@ class Seq2SeqModel(nn.Module):
             state = {"mask": None if src_mask is None else src_mask.expand(b, -1)}
 
             def advance(source: Tensor, tokens: Tensor) -> Tensor:
-                cache.reorder(source)  # the cross keys/values follow their rows
-                if state["mask"] is not None:
+                # The beams of a source come from its own beams (beam_search_core), so
+                # their cross keys/values and source mask, copies of the source's, only
+                # need gathering when the number of beams changes (the first step).
+                regroup = source.shape[0] != cache.batch
+                cache.reorder(source, cross=regroup)
+                if state["mask"] is not None and regroup:
                     state["mask"] = state["mask"].index_select(0, source)
                 return self.logits(self.decode(tokens[:, None], None, state["mask"], cache=cache))[
                     :, -1
@@ -343,7 +347,7 @@ class Seq2SeqModel(nn.Module):
 
         b, eos = start.shape[0], self.cfg.eos_id
         cache = self.new_cache(b, max_new_tokens + 1) if use_cache else None
-        seq, done = start, torch.zeros(b, dtype=torch.bool, device=start.device)
+        seq, stopped = start, [False] * b
         rows: list[list[int]] = [[] for _ in range(b)]
         step_in, mem = start, memory
         for step in range(max_new_tokens):
@@ -356,16 +360,17 @@ class Seq2SeqModel(nn.Module):
             if step == max_new_tokens - 1:
                 scores = force_tokens(scores, self.cfg.forced_eos_ids)
             nxt = scores.argmax(-1)  # (b,)
-            done_now = done | (nxt == eos)
-            # read once per step (the loop needs it to stop), not twice per row
-            stopped = done_now.tolist()
+            # the one host read per step (the loop needs it to stop); which rows have
+            # stopped is kept here, on the host
             for i, token in enumerate(nxt.tolist()):
                 if not stopped[i]:
-                    rows[i].append(token)
-            done = done_now
+                    stopped[i] = token == eos
+                    if not stopped[i]:
+                        rows[i].append(token)
             if all(stopped):
                 break
-            seq = torch.cat((seq, nxt[:, None]), dim=1)
+            if cache is None:  # the whole sequence again (with a cache: only the new token)
+                seq = torch.cat((seq, nxt[:, None]), dim=1)
             step_in = nxt[:, None]
         return rows
 
