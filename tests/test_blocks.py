@@ -121,6 +121,23 @@ def test_rmsnorm_bf16_keeps_dtype():
     torch.testing.assert_close(y.float(), RMSNorm(D)(x), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_half_precision_matches_the_formula_in_float32(dtype):
+    """A half-precision norm normalises in float32 and scales by its weight in its own
+    dtype, as LLaMA's: w * (x / sqrt(mean(x^2) + eps)).to(dtype). A random weight and
+    inputs of 1e-3, where mean(x^2) is about eps, so both show."""
+    norm = RMSNorm(D, eps=1e-6)
+    _randomise(norm)
+    norm = norm.to(dtype)
+    x = (torch.randn(3, 4, D) * 1e-3).to(dtype)
+    xf = x.float()
+    want = (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)).to(dtype) * norm.weight
+    y = norm(x)
+    assert y.dtype == dtype
+    # one rounding to dtype apart at most (F.rms_norm's float32 sums against the formula's)
+    torch.testing.assert_close(y, want, atol=1e-3, rtol=2**-7)
+
+
 def test_rmsnorm_float64_stays_float64():
     """A float64 model normalises in float64 (an upcast to float32, never a downcast): exact
     to float64 rounding, and gradcheck holds."""

@@ -246,6 +246,25 @@ def test_attend_matches_naive_loop(backend, case):
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash"])
+def test_attend_documents_with_fewer_queries_than_keys_match_naive_loop(backend):
+    """doc_ids (b, s) with t < s: the queries are the last t tokens of each packed row
+    (bottom-right, as ``causal``), so query i, token s - t + i, sees the earlier keys of
+    that token's document only. Eager and SDPA fold the documents into a mask
+    (``document_mask(doc_ids, t)``), flash skips tiles; the loop checks all three."""
+    b, t, s = 2, 4, 10
+    doc = torch.tensor([[0] * 3 + [1] * 5 + [2] * 2, [0] * 7 + [1] * 3])
+    q, k, v = _qkv(b=b, h=4, h_kv=2, t=t, s=s)
+    allowed = torch.zeros(b, 1, t, s, dtype=torch.bool)
+    for row in range(b):
+        for i in range(t):
+            p = s - t + i
+            for j in range(s):
+                allowed[row, 0, i, j] = j <= p and bool(doc[row, j] == doc[row, p])
+    out = attend(q, k, v, causal=True, doc_ids=doc, backend=backend)
+    torch.testing.assert_close(out, naive_attention(q, k, v, allowed), atol=ATOL, rtol=ATOL)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("h_kv", [4, 2, 1])
 def test_attend_boolean_and_additive_masks(backend, h_kv):

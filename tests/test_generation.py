@@ -164,6 +164,22 @@ def test_sample_next_respects_top_k_and_top_p():
     assert int(sample_next(logits)) == int(logits.argmax())  # temperature 0 is greedy
 
 
+def test_top_p_keeps_the_tokens_whose_mass_reaches_top_p_exactly():
+    """Uniform logits over 8 tokens (each exactly 1/8, so the running sums are exact): the
+    smallest set reaching top_p = 1/2 is 4 tokens, as transformers' TopPLogitsWarper keeps;
+    a strict comparison (mass before a token > top_p) would keep a fifth."""
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    logits = torch.zeros(1, 8)
+    g = torch.Generator().manual_seed(0)
+    for top_p in (0.5, 0.25, 0.125, 0.75):
+        n = int(lp.TopPLogitsWarper(top_p)(None, logits).isfinite().sum())
+        assert n == round(top_p * 8)
+        seen = {
+            int(sample_next(logits, temperature=1.0, top_p=top_p, generator=g)) for _ in range(200)
+        }
+        assert len(seen) == n
+
+
 def test_stop_tokens_stop_each_row(model):
     prompts = [_prompt(6, 3), _prompt(3, 4)]
     free = model.generate(prompts, 10)

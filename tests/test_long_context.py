@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import naive_attention
 
 from attnlab.analysis import kv_cache_bytes
 from attnlab.cache import DenseKV, RollingKV
@@ -310,6 +311,33 @@ def test_sinks_of_a_left_padded_row_are_its_first_real_tokens(position):
         batch = model(idx, attention_mask=mask).logits
         alone = model(idx[1:, 4:]).logits
     torch.testing.assert_close(batch[1, 4:], alone[0], **TOL)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_sink_layer_without_a_cache_equals_the_sink_pattern_by_hand(n_kv_heads):
+    """Past the window, a layer with sinks and no cache (training, a whole prompt) attends
+    at the tokens' own positions as StreamingLLM's pattern says: query p sees key j <= p
+    when j < sinks or p - j < window - sinks. Written out with the naive loop."""
+    from attnlab.nn.attention import MultiHeadAttention
+
+    window, sinks, b, T = 6, 2, 2, 14
+    cfg = AttentionConfig(
+        n_heads=4, n_kv_heads=n_kv_heads, sliding_window=window, sink_tokens=sinks
+    )
+    attn = MultiHeadAttention(32, cfg).eval()  # no RoPE: q, k, v are the projections
+    x = torch.randn(b, T, 32)
+    allowed = torch.tensor(
+        [[j <= p and (j < sinks or p - j < window - sinks) for j in range(T)] for p in range(T)]
+    )
+    q, k, v = attn.qkv(x).split((attn.q_dim, attn.kv_dim, attn.kv_dim), dim=-1)
+
+    def heads(z, n):  # (b, T, n d_h) -> (b, n, T, d_h)
+        return z.view(b, T, n, attn.head_dim).transpose(1, 2)
+
+    y = naive_attention(heads(q, 4), heads(k, n_kv_heads), heads(v, n_kv_heads), allowed)
+    want = attn.out(y.transpose(1, 2).reshape(b, T, attn.q_dim))
+    torch.testing.assert_close(attn(x, positions=torch.arange(T)[None]), want, **TOL)
 
 
 def test_sink_generation_runs_10x_past_max_seq_len_with_flat_memory():
