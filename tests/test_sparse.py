@@ -28,6 +28,7 @@ from attnlab.models import build_model
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.sparse import DeepSeekSparseAttention, NativeSparseAttention
 from attnlab.presets import get_preset, get_run_preset
+from attnlab.training.metrics import read_metrics
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 V = 256
@@ -97,6 +98,25 @@ def test_topk_covering_the_sequence_equals_dense_mla(path):
     _set_path(dsa, path), _set_path(mla, path)
     idx = torch.randint(0, V, (2, 24))
     torch.testing.assert_close(dsa(idx).logits, mla(idx).logits, **TOL)
+
+
+@torch.no_grad()
+def test_a_warmup_model_runs_as_dense_mla_whatever_its_topk():
+    """What `eval` and `generate` run from a warm-up checkpoint (its config says
+    dsa_stage=warmup): dense MLA with its weights, in a full forward pass and decoding from a
+    cache; the top-2 selection is computed but unused (the sparse stage's output differs)."""
+    from attnlab.generation import generate
+
+    dsa = _dsa(**{"attention.index_topk": 2, "attention.dsa_stage": "warmup"})
+    mla = build_model(_dsa_cfg(**{"attention.kind": "mla"})).eval()
+    mla.load_state_dict({k: v for k, v in dsa.state_dict().items() if ".indexer." not in k})
+    idx = torch.randint(0, V, (2, 24))
+    torch.testing.assert_close(dsa(idx).logits, mla(idx).logits, **TOL)
+    sparse = build_model(_dsa_cfg(**{"attention.index_topk": 2})).eval()
+    sparse.load_state_dict(dsa.state_dict())
+    assert not torch.allclose(sparse(idx).logits, mla(idx).logits, atol=1e-3)
+    prompts = idx[:, :5].tolist()
+    assert generate(dsa, prompts, 12, temperature=0) == generate(mla, prompts, 12, temperature=0)
 
 
 @torch.no_grad()
@@ -828,3 +848,140 @@ def test_hadamard_of_bf16_rounds_once_as_deepseeks_kernel():
     got = hadamard(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, hadamard(x.float()).bfloat16(), rtol=0, atol=0)
+
+
+def _dsa_run(folder, **sets):
+    """A tiny DSA run on a small corpus (its whole validation set evaluates quickly)."""
+    from attnlab.config import RunConfig
+
+    corpus = folder / "corpus.txt"
+    corpus.write_text("the cat sat on a mat and the dog ran far away.\n" * 40)
+    base = {
+        "data.path": str(corpus),
+        "model.attention.index_topk": 4,
+        "model.dropout": 0.0,
+        "train.batch_size": 2,
+        "train.block_size": 16,
+        "train.eval_every": 0,
+        "train.log_every": 1,
+    }
+    return RunConfig(model=get_preset("deepseek-v32-tiny")).override({**base, **sets})
+
+
+def test_sparse_stage_steps_equal_two_separately_clipped_trainings(tmp_path):
+    """Sparse stage: the indexer (its KL, detached inputs) and the rest of the model (the LM
+    loss) each get the update they would get trained alone with their own loss, their own
+    clipped gradient and their own AdamW: two trainings written out here. One clip over both
+    gradients shrank each part's update by the other's norm."""
+    import math
+
+    from attnlab.training.trainer import Trainer
+
+    lr, clip = 1e-2, 5e-4  # a clip that binds for both parts at every step
+    cfg = _dsa_run(
+        tmp_path,
+        **{"train.max_steps": 3, "train.warmup_steps": 0, "train.lr": lr, "train.min_lr": lr},
+        **{"train.grad_clip": clip},
+    )
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    model = copy.deepcopy(trainer.model)  # the reference, from the same initial weights
+    batches, batch = [], trainer.task.batch
+    trainer.task.batch = lambda keys, device=None: (
+        batches.append(batch(keys, device)) or batches[-1]
+    )
+    trainer.run()
+
+    tc = cfg.train
+    parts = {"indexer": [], "main": []}
+    for name, p in model.named_parameters():
+        parts["indexer" if ".indexer." in name else "main"].append(p)
+    opts = {  # AdamW for each part alone: matrices decay, vectors do not
+        part: torch.optim.AdamW(
+            [
+                {"params": [p for p in ps if p.dim() >= 2], "weight_decay": tc.weight_decay},
+                {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=(tc.beta1, tc.beta2),
+            eps=1e-8,
+        )
+        for part, ps in parts.items()
+    }
+    norms = []
+    for x, y in batches:
+        out = model(x, targets=y)  # the aux loss is the indexers' KL (no MoE balance loss)
+        losses = {"main": out.loss, "indexer": out.aux_loss}
+        total = 0.0
+        for part, ps in parts.items():
+            grads = torch.autograd.grad(losses[part], ps, retain_graph=True, allow_unused=True)
+            assert all(g is not None for g in grads), part  # each loss reaches its part...
+            norm = float(torch.cat([g.flatten() for g in grads]).double().norm())
+            assert norm > clip, part
+            total += norm**2
+            for p, g in zip(ps, grads):
+                p.grad = g * min(1.0, clip / (norm + 1e-6))  # clip_grad_norm_'s formula
+            opts[part].step()
+            opts[part].zero_grad()
+        norms.append(math.sqrt(total))
+        for m in model.modules():
+            if hasattr(m, "after_optimizer_step"):
+                m.after_optimizer_step(frozen=False)
+    assert len(batches) == 3
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(trainer.model.state_dict()[name], want, **TOL, msg=name)
+    logged = [
+        r["grad_norm"]
+        for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+        if r["kind"] == "train"
+    ]
+    assert logged == pytest.approx(norms, rel=1e-5)  # of every gradient, before clipping
+
+
+def test_best_checkpoint_is_per_dsa_stage_and_the_switch_resumes_exactly(tmp_path, monkeypatch):
+    """best/ holds a checkpoint of the stage being trained: in the warm-up (frozen model,
+    a constant validation loss) the latest, and after resuming into the sparse stage the best
+    sparse one, even where the sparse losses are worse than the dense warm-up's (made so
+    here, as right after the switch). It was the first warm-up evaluation, for good. A sparse
+    stage stopped and resumed continues as the uninterrupted one."""
+    import shutil
+
+    from attnlab.training import load_checkpoint, train
+    from attnlab.training.trainer import Trainer
+
+    evaluate = Trainer._evaluate
+
+    def sparse_worse(self, max_batches):
+        metrics, totals = evaluate(self, max_batches)
+        if self.model.blocks[0].attn.stage == "sparse":
+            metrics = {**metrics, "loss": metrics["loss"] + 10.0}
+        return metrics, totals
+
+    monkeypatch.setattr(Trainer, "_evaluate", sparse_worse)
+    lr = {"train.lr": 1e-2, "train.min_lr": 1e-2, "train.warmup_steps": 0}  # any length
+    warm = _dsa_run(tmp_path, **lr, **{"model.attention.dsa_stage": "warmup"})
+    warm = warm.override({"train.eval_every": 2, "train.max_steps": 4})
+    train(warm, tmp_path / "w", progress=False)
+    best = load_checkpoint(tmp_path / "w" / "best", with_state=True)
+    assert best.state["step"] == 4 and best.config.model.attention.dsa_stage == "warmup"
+
+    sparse = warm.override({"model.attention.dsa_stage": "sparse", "train.max_steps": 8})
+    runs = {}
+    for name, stops in (("straight", [8]), ("stopped", [6, 8])):
+        shutil.copytree(tmp_path / "w", tmp_path / name)
+        runs[name] = [
+            train(sparse, tmp_path / name, resume=tmp_path / name, max_steps=n, progress=False)
+            for n in stops
+        ]
+    (straight,), (first, second) = runs["straight"], runs["stopped"]
+    assert first.losses + second.losses == straight.losses
+    want = load_checkpoint(tmp_path / "straight").model.state_dict()
+    for name, w in load_checkpoint(tmp_path / "stopped").model.state_dict().items():
+        assert torch.equal(w, want[name]), name
+    vals = [r for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if r["kind"] == "val"]
+    sparse_vals = {r["step"]: r["val_loss"] for r in vals if r["step"] > 4}
+    assert sorted(sparse_vals) == [6, 8] and min(sparse_vals.values()) > 10
+    assert straight.best_val_loss == second.best_val_loss == min(sparse_vals.values())
+    for name in runs:
+        best = load_checkpoint(tmp_path / name / "best", with_state=True)
+        assert best.config.model.attention.dsa_stage == "sparse", name
+        assert best.state["val_loss"] == straight.best_val_loss, name

@@ -152,9 +152,10 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         return IndexedLatentKV(cache, self.kv_lora_rank, self.rope_dim, self.indexer.head_dim)
 
     def alone_parameters(self) -> list[nn.Parameter]:
-        """What trains in the warm-up stage (``trains_alone``; the trainer drops every other
-        gradient): the lightning indexer's parameters, which learn from the indexer's KL
-        loss alone (detached inputs)."""
+        """The lightning indexer's parameters, which learn from the indexer's KL loss alone
+        (detached inputs). What trains in the warm-up stage (``trains_alone``; the trainer
+        drops every other gradient); in both stages the trainer clips their gradient apart
+        from the rest of the model's, as if each part trained alone with its own loss."""
         return list(self.indexer.parameters())
 
     # ------------------------------------------------------------------ sparse core

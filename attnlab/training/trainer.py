@@ -22,7 +22,16 @@ The sample starts at ``train.eval_batches * train.batch_size`` examples and grow
 shrinks) to the size whose mean loss agrees with the whole set's within 1% (95%
 confidence, judged from the spread the task measures), up to the whole set. The best
 checkpoint (``best/``) is always chosen on that sample; the run's last evaluation also
-covers the whole validation set (logged as ``val_full_*``).
+covers the whole validation set (logged as ``val_full_*``). ``best/`` holds a checkpoint of
+the training stage in progress: resuming into a new one (``AttentionConfig.STAGE_FIELDS``:
+DSA's warm-up -> sparse) starts its tracking afresh (the new stage's first evaluation
+replaces the old stage's best/), and while a module trains alone (the warm-up, whose
+validation loss is the frozen model's) every evaluation replaces it.
+
+Clipping. ``train.grad_clip`` bounds the norm of the gradient of the parameters that learn
+from their module's own loss alone (``alone_parameters()``: DSA's indexers, detached
+inputs) and, apart, that of the rest of the model, so each part's step is the one it would
+take trained alone with its loss; the logged ``grad_norm`` is that of every gradient.
 
 Steps. ``step`` counts completed optimizer steps; the step that is running is
 ``step + 1``; metrics, checkpoints and errors name that 1-based number.
@@ -720,6 +729,27 @@ class Trainer:
         trained = {id(p) for m in alone for p in m.alone_parameters()}
         self._alone = bool(alone)
         self._frozen = [p for p in model.parameters() if id(p) not in trained] if alone else []
+        # Parameters that learn from their module's own loss alone (DSA's indexers, in every
+        # stage: detached inputs) have their gradient clipped on its own, apart from the
+        # rest of the model's, so each part's update is the one it would get trained alone
+        # with its loss: one shared norm let the indexer's gradient shrink the main
+        # model's update and the other way round.
+        own = {
+            id(p)
+            for m in model.modules()
+            if hasattr(m, "alone_parameters")
+            for p in m.alone_parameters()
+        }
+        self._clip_groups = [
+            [p for p in model.parameters() if id(p) not in own],
+            [p for p in model.parameters() if id(p) in own],
+        ]
+        # A new training stage (resumed with other STAGE_FIELDS) keeps its own best/.
+        self._new_stage = (
+            ckpt is not None
+            and resume is not None
+            and (cfg.model.to_dict() != ckpt.config.model.to_dict())
+        )
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
         # The frozen parameters stop requiring gradients once the optimizer holds them (its
         # groups and state stay those of the other stages, so a checkpoint resumes in
@@ -765,6 +795,8 @@ class Trainer:
         history: list[dict] = []
         if ckpt is not None and resume is not None:
             self._restore(ckpt.state)
+            if self._new_stage:  # best/ counts the checkpoints of the stage it trains
+                self.best_val_loss = None
             history = [
                 r for r in read_metrics(resume / METRICS_FILE) if r.get("step", 0) <= self.step
             ]
@@ -946,11 +978,14 @@ class Trainer:
                 entry[1] += 1
         for p in self._frozen:
             p.grad = None
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if tc.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        groups = [[p for p in group if p.grad is not None] for group in self._clip_groups]
+        groups = [group for group in groups if group] or [[]]
+        if tc.grad_clip > 0:  # each group to its own norm (self._clip_groups)
+            norms = [torch.nn.utils.clip_grad_norm_(group, tc.grad_clip) for group in groups]
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+        # the logged norm: of every gradient, before clipping
+        grad_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         # One collective per step: the mean loss, the work done, whether any must stop.
         loss_total, count_total, signalled, out_of_time = self._all_reduce(
             [
@@ -1163,7 +1198,9 @@ class Trainer:
                 fit_budget()  # refit with more timings (before saving: resume sees it)
             self.last_val_loss = val
             self.last_val_step = self.step
-            improved = self.best_val_loss is None or val < self.best_val_loss
+            # While a module trains alone (DSA's warm-up) the validation loss is the frozen
+            # model's and says nothing of what trains: each evaluation is the best so far.
+            improved = self.best_val_loss is None or val < self.best_val_loss or self._alone
             if improved and self.step > 0:
                 self.best_val_loss = val
             if main:
