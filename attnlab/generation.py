@@ -826,6 +826,33 @@ def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: f
         raise ValueError(f"length_penalty must be a finite number, got {alpha}")
 
 
+def read_together(*tensors: Tensor) -> list[list[list]]:
+    """(b, n_i) tensors read to the host in one transfer (one synchronisation with the
+    device, not one per tensor): each as its rows of Python floats, ints or bools, as its
+    own ``tolist()`` gives them. They travel as one float64 tensor, exact for float32 and
+    float64 values and for integers below 2**53; MPS has no float64, so there each tensor
+    is read on its own."""
+    if tensors[0].device.type == "mps":
+        return [t.tolist() for t in tensors]
+    rows = torch.cat([t.to(torch.float64) for t in tensors], dim=1).tolist()  # (b, sum n_i)
+    out, start = [], 0
+    for t in tensors:
+        end = start + t.shape[1]
+        kind = float if t.is_floating_point() else bool if t.dtype == torch.bool else int
+        out.append([list(map(kind, row[start:end])) for row in rows])
+        start = end
+    return out
+
+
+def path_tokens(node) -> list[int]:
+    """The tokens of a beam kept as linked (previous, token) nodes, first to last."""
+    tokens = []
+    while node is not None:
+        node, token = node
+        tokens.append(token)
+    return tokens[::-1]
+
+
 def beam_search_core(
     logits: Tensor,
     advance,
@@ -863,7 +890,9 @@ def beam_search_core(
     eos = torch.tensor(stops, dtype=torch.long, device=device)
     bound_lp = _length_penalty(max_new_tokens, alpha, style)  # the largest a prefix can get
     scores = torch.zeros(b, 1, device=device)  # (b, beams): summed log-probs, -inf: dead
-    seqs = torch.zeros(b, 1, 0, dtype=torch.long, device=device)  # (b, beams, n)
+    # each row's live beams' tokens, kept on the host as linked (previous, token) nodes
+    # (None: no tokens yet): a step adds one node per beam, whatever the length so far
+    paths: list[list] = [[None] for _ in range(b)]  # (b, beams)
     finished: list[list[Hypothesis]] = [[] for _ in range(b)]
     done = [False] * b
     for step in range(max_new_tokens):
@@ -880,7 +909,6 @@ def beam_search_core(
         n_cand = min(max(2, 1 + len(stops)) * k, beams * V)
         top, flat = logp.view(b, beams * V).topk(n_cand, dim=-1)  # (b, C)
         beam, tok = flat // V, flat % V
-        cand = torch.cat((seqs.gather(1, beam[..., None].expand(-1, -1, step)), tok[..., None]), 2)
         is_eos = torch.isin(tok, eos)
         ends = torch.ones_like(is_eos) if last and not gnmt else is_eos
         alive = torch.isfinite(top)
@@ -889,47 +917,40 @@ def beam_search_core(
         keep = going_on.topk(n_keep, dim=-1).indices  # (b, n_keep)
         kept = going_on.gather(1, keep)  # (b, n_keep), -inf where fewer beams go on
         penalty = _length_penalty(step + 1, alpha, style)
-        top_l, ends_l, eos_l, alive_l = top.tolist(), ends.tolist(), is_eos.tolist(), alive.tolist()
-        best_live = kept.max(dim=1).values.tolist()
-        # only the tokens of the candidates that finish, read in one go (reading every
-        # candidate's tokens at every step cost O(step): quadratic in max_new_tokens)
-        ending = [
-            (r, j)
-            for r in range(b)
-            if not done[r]
-            for j in range(n_keep)  # only the best k candidates may finish
-            if ends_l[r][j] and alive_l[r][j]
-        ]
-        if ending:
-            rows_e, cols_e = zip(*ending)
-            for (r, j), tokens in zip(ending, cand[list(rows_e), list(cols_e)].tolist()):
-                total = top_l[r][j]
-                tokens = tokens[:-1] if eos_l[r][j] else tokens
-                finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
+        # all the host needs of this step, read in one go (one synchronisation per step)
+        top_l, beam_l, tok_l, eos_l, ends_l, alive_l, keep_l, kept_l = read_together(
+            top, beam, tok, is_eos, ends, alive, keep, kept
+        )
+        # (b, C): each candidate's tokens, its new token's node after its beam's
+        cand = [[(paths[r][i], t) for i, t in zip(beam_l[r], tok_l[r])] for r in range(b)]
         for r in range(b):
             if done[r]:
                 continue
+            for j in range(n_keep):  # only the best k candidates may finish
+                if ends_l[r][j] and alive_l[r][j]:
+                    total, tokens = top_l[r][j], path_tokens(cand[r][j])
+                    tokens = tokens[:-1] if eos_l[r][j] else tokens
+                    finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
             finished[r] = sorted(finished[r], key=lambda h: -h.score)[:k]
+            best_live = max(kept_l[r])
             if not gnmt:
                 done[r] = len(finished[r]) >= k
-            elif best_live[r] == float("-inf"):
+            elif best_live == float("-inf"):
                 done[r] = True  # nothing goes on
             elif len(finished[r]) >= n_best:
-                done[r] = finished[r][n_best - 1].score >= best_live[r] / bound_lp
-        if last and gnmt:  # the length limit: unfinished beams fill short lists
-            for r in range(b):
-                if not done[r] and len(finished[r]) < n_best:
-                    rows = keep[r].tolist()
-                    live = [
-                        Hypothesis(cand[r, j].tolist(), top_l[r][j] / penalty, top_l[r][j], False)
-                        for j in rows
-                        if alive_l[r][j] and top_l[r][j] > float("-inf") and not eos_l[r][j]
-                    ]
-                    finished[r] += sorted(live, key=lambda h: -h.score)
+                done[r] = finished[r][n_best - 1].score >= best_live / bound_lp
+            if last and gnmt and not done[r] and len(finished[r]) < n_best:
+                # the length limit: unfinished beams fill short lists
+                live = [
+                    Hypothesis(path_tokens(cand[r][j]), top_l[r][j] / penalty, top_l[r][j], False)
+                    for j in keep_l[r]
+                    if alive_l[r][j] and top_l[r][j] > float("-inf") and not eos_l[r][j]
+                ]
+                finished[r] += sorted(live, key=lambda h: -h.score)
         if last or all(done):
             break
         scores = kept
-        seqs = cand.gather(1, keep[..., None].expand(-1, -1, step + 1))
+        paths = [[cand[r][j] for j in keep_l[r]] for r in range(b)]
         source = (torch.arange(b, device=device)[:, None] * beams + beam.gather(1, keep)).flatten()
         logits = advance(source, tok.gather(1, keep).flatten())  # (b * n_keep, V)
     return [f[:n_best] for f in finished]

@@ -30,3 +30,21 @@ def _private_data_cache(tmp_path_factory):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> list[tuple[str, int]]:
+    """Every read of tensor values on the host while the test runs, as (how, numel): each
+    ``tolist()``, ``item()``, ``int()``, ``float()``, ``bool()`` or ``__index__`` of a tensor
+    (on a GPU each is one synchronisation with the device; a test clears the list to count
+    from where it starts)."""
+    reads: list[tuple[str, int]] = []
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            reads.append((_name, self.numel()))
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads

@@ -13,6 +13,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnlab.cli.main import main
 from attnlab.config import ConfigError
@@ -28,7 +29,7 @@ from attnlab.data.generated import (
     tagged_sentences,
 )
 from attnlab.data.numbers import number_to_words
-from attnlab.models.encoder import mask_whole_words
+from attnlab.models.encoder import mask_padding, mask_whole_words
 from attnlab.presets import get_run_preset
 from attnlab.tasks import TASKS
 from attnlab.tasks.mlm import letter_edges, word_ids
@@ -37,11 +38,19 @@ from attnlab.tasks.question_answering import (
     answer_tokens,
     answer_words,
     best_span,
+    best_spans,
+    context_logits,
     encode_question,
     exact_match,
 )
-from attnlab.tasks.text import TextCodec
-from attnlab.tasks.token_classification import bio_tags, entity_counts, entity_spans, f1_scores
+from attnlab.tasks.text import IGNORE, TextCodec
+from attnlab.tasks.token_classification import (
+    TAGS,
+    bio_tags,
+    entity_counts,
+    entity_spans,
+    f1_scores,
+)
 from attnlab.tokenizers import train_tokenizer
 from attnlab.training import load_checkpoint, train
 from attnlab.training.metrics import read_metrics
@@ -301,6 +310,117 @@ def test_best_span_work_is_bounded_by_the_answer_length():
         pairs = [(a, b) for a in range(c) for b in range(a, min(c, a + limit))]
         want = max(pairs, key=lambda p: float(start[p[0]] + end[p[1]]))  # the first best
         assert best_span(start, end, limit)[:2] == want
+
+
+def _best_span_before(start_logits, end_logits, max_tokens):
+    """best_span as it was before the batched search: one context, two host reads."""
+    c = start_logits.shape[0]
+    w = min(max_tokens, c)
+    dev = start_logits.device
+    j = torch.arange(c, device=dev)[:, None] + torch.arange(w, device=dev)[None, :]  # (c, w)
+    scores = start_logits[:, None] + end_logits[j.clamp(max=c - 1)]  # (c, w)
+    flat = int(scores.masked_fill(j >= c, float("-inf")).argmax())
+    a, b = flat // w, flat // w + flat % w
+    p = start_logits.softmax(-1)[a] * end_logits.softmax(-1)[b]
+    return a, b, float(p)
+
+
+def test_best_spans_of_a_batch_equal_the_search_of_each_row():
+    """The batched search picks each row's span of the one-row search before it: random
+    contexts (offsets, lengths, answer limits), integer logits (many ties), padding at
+    -inf, and contexts whose logits are all -inf (every span ties at -inf)."""
+    g = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    for trial in range(300):
+        b, t = rng.randint(1, 6), rng.randint(2, 40)
+        logits = torch.randn(b, t, 2, generator=g) * 3
+        if trial % 2:
+            logits = logits.round()  # ties
+        lengths = [rng.randint(1, t - 1) for _ in range(b)]
+        offsets = [rng.randint(1, t - c) for c in lengths]
+        for r, (o, c) in enumerate(zip(offsets, lengths)):
+            logits[r, o + c :] = float("-inf")  # padding, as mask_padding leaves it
+            if rng.random() < 0.1:
+                logits[r, o : o + c, rng.randint(0, 1)] = float("-inf")
+        limit = rng.randint(1, 45)
+        window = context_logits(logits, offsets, lengths)  # (b, c, 2)
+        got = best_spans(window[..., 0], window[..., 1], lengths, limit).tolist()
+        for r, (o, c) in enumerate(zip(offsets, lengths)):
+            row = logits[r, o : o + c]
+            want = _best_span_before(row[:, 0], row[:, 1], limit)
+            assert got[r] == list(want[:2])
+            i, j, score = best_span(row[:, 0], row[:, 1], limit)  # the one-row wrapper
+            assert (i, j) == want[:2]
+            assert score == want[2] or np.isnan(score) and np.isnan(want[2])  # nan: all -inf
+
+
+def _qa_sums_before(task, logits, batch, features):
+    """QuestionAnswering.batch_sums before the batched search: a search per row."""
+    targets = batch["targets"]
+    logits = mask_padding(logits, batch.get("attention_mask"))
+    loss = (
+        F.cross_entropy(logits[..., 0], targets[:, 0], reduction="sum")
+        + F.cross_entropy(logits[..., 1], targets[:, 1], reduction="sum")
+    ) / 2
+    exact = f1 = 0.0
+    for row, f in zip(logits, features):
+        offset, spans, example = f.extra
+        window = row[offset : offset + len(spans)]
+        i, j, _ = _best_span_before(window[:, 0], window[:, 1], task.opts.max_answer_tokens)
+        text = example.context[spans[i][0] : spans[j][1]]
+        exact += exact_match(text, example.answer)
+        f1 += answer_f1(text, example.answer)
+    return {"loss_sum": loss, "exact": exact, "f1_sum": f1}
+
+
+def _tagging_sums_before(task, logits, batch, features):
+    """TokenClassification.batch_sums before one read per batch: two reads per row."""
+    labels = batch["targets"]
+    real = labels != IGNORE
+    predicted = logits.argmax(-1)
+    matched = n_pred = n_gold = 0
+    for gold_row, pred_row, keep in zip(labels, predicted, real):
+        gold = [TAGS[i] for i in gold_row[keep].tolist()]
+        pred = [TAGS[i] for i in pred_row[keep].tolist()]
+        m, p, g = entity_counts(gold, pred)
+        matched, n_pred, n_gold = matched + m, n_pred + p, n_gold + g
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                           reduction="sum")  # fmt: skip
+    return {
+        "loss_sum": loss,
+        "tokens": real.sum(),
+        "correct": (predicted == labels)[real].sum(),
+        "matched": matched,
+        "predicted": n_pred,
+        "gold": n_gold,
+    }
+
+
+@pytest.mark.parametrize(
+    "name, before",
+    [("question-answering", _qa_sums_before), ("token-classification", _tagging_sums_before)],
+)
+def test_evaluation_reads_each_batch_once_and_scores_as_per_row(name, before, host_reads):
+    """An evaluation batch's spans / tags reach the host in one read (the per-row twins read
+    once or twice per row), and only the loss is left for the evaluation loop to read; the
+    sums equal the twins' on random logits (integer ones too: ties), exactly."""
+    task = TASKS[name](small_run(name))
+    g = torch.Generator().manual_seed(0)
+    features = task.features["val"] + task.features["test"]
+    for trial, start in enumerate(range(0, len(features), 7)):
+        chunk = features[start : start + 7]
+        batch = task.collate(chunk)
+        logits = torch.randn(*batch["idx"].shape, task.n_labels(), generator=g) * 4
+        if trial % 2:
+            logits = logits.round()  # ties
+        host_reads.clear()
+        got = task.batch_sums(logits, batch, chunk)
+        assert len(host_reads) == 1, host_reads
+        assert [k for k, v in got.items() if isinstance(v, torch.Tensor)] == ["loss_sum"]
+        host_reads.clear()
+        want = before(task, logits, batch, chunk)
+        assert len(host_reads) >= len(chunk)  # the twin: a read (or two) per row
+        assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
 
 
 # --------------------------------------------------------------------------- tasks and trainer

@@ -7,13 +7,24 @@ Shapes: b batch, T tokens so far, V vocabulary size.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 from oracle import greedy_no_cache
+from torch import Tensor
 
-from attnlab.generation import sample_next
+from attnlab.functional.softmax import softmax_dtype
+from attnlab.generation import (
+    Hypothesis,
+    block_tokens,
+    check_beam_search,
+    force_tokens,
+    sample_next,
+    stop_ids,
+)
+from attnlab.generation import length_penalty as divisor
 from attnlab.models import DecoderLM, build_model
 from attnlab.presets import get_preset
 
@@ -533,3 +544,249 @@ def test_seq2seq_beam_search_takes_one_source_mask_for_every_row():
     for beams in (1, 2):
         want = s2s.generate(src, 4, src_mask=full, num_beams=beams)
         assert s2s.generate(src, 4, src_mask=one, num_beams=beams) == want
+
+
+# --------------------------------------------------------------------------- beam search reads
+# beam_search_core reads the device once per step; the implementation before (a read per
+# flag tensor, another for the tokens of the hypotheses that finish, the sequences kept on
+# the device) is kept here as its twin.
+
+
+def _beam_search_core_before(
+    logits: Tensor,
+    advance,
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    eos_id: int | Sequence[int] | None,
+    length_penalty: float = 1.0,
+    n_best: int = 1,
+    style: str = "transformers",
+    blocked_ids: Sequence[int] = (),
+    renormalize: bool = False,
+    forced_last_ids: Sequence[int] = (),
+) -> list[list[Hypothesis]]:
+    """beam_search_core as it was before one host read per step: a read per flag tensor
+    and per finishing step, the sequences on the device."""
+    k, alpha = num_beams, length_penalty
+    check_beam_search(k, max_new_tokens, n_best, alpha, style)
+    gnmt = style == "gnmt"
+    b, V = logits.shape
+    device = logits.device
+    stops = stop_ids(eos_id, "eos_id")
+    eos = torch.tensor(stops, dtype=torch.long, device=device)
+    bound_lp = divisor(max_new_tokens, alpha, style)  # the largest a prefix can get
+    scores = torch.zeros(b, 1, device=device)  # (b, beams): summed log-probs, -inf: dead
+    seqs = torch.zeros(b, 1, 0, dtype=torch.long, device=device)  # (b, beams, n)
+    finished: list[list[Hypothesis]] = [[] for _ in range(b)]
+    done = [False] * b
+    for step in range(max_new_tokens):
+        beams = scores.shape[1]
+        last = step == max_new_tokens - 1
+        logp = block_tokens(torch.log_softmax(softmax_dtype(logits), dim=-1), blocked_ids)
+        forced = list(forced_last_ids) if last else []
+        logp = force_tokens(logp, forced)
+        if renormalize and (blocked_ids or forced):
+            logp = torch.log_softmax(logp, dim=-1)
+        logp = logp.view(b, beams, V) + scores[..., None]  # (b, beams, V)
+        # enough candidates that k beams live on even if every stop token is among them
+        # (transformers keeps max(2, 1 + n_eos) * k)
+        n_cand = min(max(2, 1 + len(stops)) * k, beams * V)
+        top, flat = logp.view(b, beams * V).topk(n_cand, dim=-1)  # (b, C)
+        beam, tok = flat // V, flat % V
+        cand = torch.cat((seqs.gather(1, beam[..., None].expand(-1, -1, step)), tok[..., None]), 2)
+        is_eos = torch.isin(tok, eos)
+        ends = torch.ones_like(is_eos) if last and not gnmt else is_eos
+        alive = torch.isfinite(top)
+        n_keep = min(k, n_cand)
+        going_on = top.masked_fill(ends | ~alive, float("-inf"))
+        keep = going_on.topk(n_keep, dim=-1).indices  # (b, n_keep)
+        kept = going_on.gather(1, keep)  # (b, n_keep), -inf where fewer beams go on
+        penalty = divisor(step + 1, alpha, style)
+        top_l, ends_l, eos_l, alive_l = top.tolist(), ends.tolist(), is_eos.tolist(), alive.tolist()
+        best_live = kept.max(dim=1).values.tolist()
+        # only the tokens of the candidates that finish, read in one go (reading every
+        # candidate's tokens at every step cost O(step): quadratic in max_new_tokens)
+        ending = [
+            (r, j)
+            for r in range(b)
+            if not done[r]
+            for j in range(n_keep)  # only the best k candidates may finish
+            if ends_l[r][j] and alive_l[r][j]
+        ]
+        if ending:
+            rows_e, cols_e = zip(*ending)
+            for (r, j), tokens in zip(ending, cand[list(rows_e), list(cols_e)].tolist()):
+                total = top_l[r][j]
+                tokens = tokens[:-1] if eos_l[r][j] else tokens
+                finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
+        for r in range(b):
+            if done[r]:
+                continue
+            finished[r] = sorted(finished[r], key=lambda h: -h.score)[:k]
+            if not gnmt:
+                done[r] = len(finished[r]) >= k
+            elif best_live[r] == float("-inf"):
+                done[r] = True  # nothing goes on
+            elif len(finished[r]) >= n_best:
+                done[r] = finished[r][n_best - 1].score >= best_live[r] / bound_lp
+        if last and gnmt:  # the length limit: unfinished beams fill short lists
+            for r in range(b):
+                if not done[r] and len(finished[r]) < n_best:
+                    rows = keep[r].tolist()
+                    live = [
+                        Hypothesis(cand[r, j].tolist(), top_l[r][j] / penalty, top_l[r][j], False)
+                        for j in rows
+                        if alive_l[r][j] and top_l[r][j] > float("-inf") and not eos_l[r][j]
+                    ]
+                    finished[r] += sorted(live, key=lambda h: -h.score)
+        if last or all(done):
+            break
+        scores = kept
+        seqs = cand.gather(1, keep[..., None].expand(-1, -1, step + 1))
+        source = (torch.arange(b, device=device)[:, None] * beams + beam.gather(1, keep)).flatten()
+        logits = advance(source, tok.gather(1, keep).flatten())  # (b * n_keep, V)
+    return [f[:n_best] for f in finished]
+
+
+def _table_search(core, table, b, **kw):
+    """``core`` on a model whose logits depend on a beam's input row, length and last token
+    (rows of ``table``, picked by a hash), so both twins see the same model."""
+    n = table.shape[0]
+    state = [(r, 0, 0) for r in range(b)]  # per decoding row: (input row, length, last token)
+
+    def logits_of(rows):
+        return table[[(13 * r + 7 * length + last) % n for r, length, last in rows]]
+
+    def advance(source, tokens):
+        state[:] = [
+            (state[s][0], state[s][1] + 1, t) for s, t in zip(source.tolist(), tokens.tolist())
+        ]
+        return logits_of(state)
+
+    return core(logits_of(state), advance, **kw)
+
+
+def test_beam_search_core_equals_its_twin_on_random_settings():
+    """Same hypotheses, scores and order as the implementation before, over random
+    settings: beams (fewer at first on small vocabularies), both styles, length penalties,
+    stop sets, n_best, batch sizes, blocked / forced tokens, float32 and float64 logits,
+    and logits on a coarse grid, where scores tie often."""
+    from attnlab.generation import beam_search_core
+
+    rng = np.random.default_rng(0)
+    g = torch.Generator().manual_seed(0)
+    compared = finished_early = 0
+    for _ in range(400):
+        V = int(rng.choice([3, 5, 9]))
+        style = str(rng.choice(["transformers", "gnmt"]))
+        k = int(rng.choice([1, 2, 3, 5]))
+        alphas = [0.0, 0.6, 1.0, 2.0] + ([-0.5] if style == "transformers" else [])
+        kw = dict(
+            num_beams=k,
+            max_new_tokens=int(rng.integers(1, 9)),
+            eos_id=[None, 0, [0, 2], [0, 1, V - 1]][rng.integers(4)],
+            length_penalty=float(rng.choice(alphas)),
+            n_best=int(rng.integers(1, k + 1)),
+            style=style,
+        )
+        if rng.random() < 0.3:
+            kw.update(blocked_ids=[V - 2], renormalize=bool(rng.random() < 0.5))
+        if rng.random() < 0.3:
+            kw.update(forced_last_ids=[0])
+        table = torch.randn(23, V, generator=g) * 3
+        if rng.random() < 0.5:
+            table = table.round()  # many ties
+        if rng.random() < 0.3:
+            table = table.double()
+        b = int(rng.integers(1, 4))
+        want = _table_search(_beam_search_core_before, table, b, **kw)
+        got = _table_search(beam_search_core, table, b, **kw)
+        assert got == want, kw
+        compared += 1
+        finished_early += any(len(h.tokens) < kw["max_new_tokens"] for row in got for h in row)
+    assert finished_early > 50  # the settings exercise stops before the length limit
+
+
+def test_beam_search_core_reads_the_device_once_per_step(host_reads):
+    """One host read per step (the twin before read 5 or 6 per step), whatever the style."""
+    from attnlab.generation import beam_search_core
+
+    table = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    steps = []
+
+    def advance(source, tokens):
+        steps.append(1)
+        return table[tokens]
+
+    for style in ("transformers", "gnmt"):
+        for core in (beam_search_core, _beam_search_core_before):
+            host_reads.clear()
+            steps.clear()
+            hyps = core(table[[1, 2, 3]], advance, num_beams=4, max_new_tokens=12, eos_id=[0, 5],
+                        n_best=2, style=style)  # fmt: skip
+            n_steps = len(steps) + 1
+            assert n_steps > 3 and any(h.finished for row in hyps for h in row)
+            if core is beam_search_core:
+                assert len(host_reads) == n_steps, host_reads
+            else:  # the twin: at least 5 reads per step
+                assert len(host_reads) >= 5 * n_steps
+
+
+def _both_cores(monkeypatch, search, *args, **kwargs):
+    """What beam_search_core returns inside ``search(*args, **kwargs)``, then what its twin
+    returns there (every model calls the one core)."""
+    import attnlab.generation as generation
+    import attnlab.models.rnn as rnn
+
+    results = []
+    for core in (generation.beam_search_core, _beam_search_core_before):
+
+        def spy(*a, _core=core, **kw):
+            results.append(_core(*a, **kw))
+            return results[-1]
+
+        monkeypatch.setattr(generation, "beam_search_core", spy)
+        monkeypatch.setattr(rnn, "beam_search_core", spy)
+        search(*args, **kwargs)
+    return results
+
+
+@pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny", "seq2seq", "gru"])
+def test_every_family_beam_searches_as_with_the_twin(family, monkeypatch):
+    """Each model family's beam search, with the core and with its twin: the same
+    hypotheses and scores, over beams, length penalties, stop sets and batch sizes (the
+    seq2seq model with blocked, forced and renormalized tokens, as Marian's)."""
+    from attnlab.generation import beam_search
+    from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
+    from attnlab.models.seq2seq import Seq2SeqConfig
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    if family == "seq2seq":
+        marian = {"blocked_ids": [3], "forced_eos_ids": [2], "renormalize_logits": True}
+        model = build_model(Seq2SeqConfig(vocab_size=12, src_vocab_size=10, max_seq_len=16,
+                                          d_model=16, n_layers=1, init_std=0.5,
+                                          share_embeddings=False, **marian)).eval()  # fmt: skip
+    elif family == "gru":
+        model = GRUSeq2Seq(RNNSeq2SeqConfig(src_vocab_size=10, vocab_size=12, embed_dim=8,
+                                            hidden_dim=8)).eval()  # fmt: skip
+    else:
+        model = model_for(family, vocab_size=16)
+    for _ in range(6):
+        b, k = int(rng.integers(1, 4)), int(rng.choice([2, 3, 5]))
+        n, n_best = int(rng.integers(2, 7)), int(rng.integers(1, k + 1))
+        kw = dict(length_penalty=float(rng.choice([0.0, 0.6, 1.5])), n_best=n_best,
+                  style=str(rng.choice(["transformers", "gnmt"])))  # fmt: skip
+        src = torch.randint(3, 10, (b, 5))
+        if family == "seq2seq":
+            got, want = _both_cores(monkeypatch, model.generate, src, n, num_beams=k, **kw)
+        elif family == "gru":
+            got, want = _both_cores(monkeypatch, model.beam_search, src, beam_width=k, max_len=n,
+                                    **kw)  # fmt: skip
+        else:
+            eos = [None, 3, [3, 7, 11]][rng.integers(3)]
+            prompts = [torch.randint(0, 16, (int(rng.integers(1, 5)),)).tolist() for _ in range(b)]
+            got, want = _both_cores(monkeypatch, beam_search, model, prompts, n, num_beams=k,
+                                    eos_id=eos, **kw)  # fmt: skip
+        assert got == want

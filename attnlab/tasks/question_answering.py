@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,20 +85,43 @@ def answer_f1(predicted: str, answer: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def best_span(start_logits: Tensor, end_logits: Tensor, max_tokens: int) -> tuple[int, int, float]:
-    """(i, j, score): the span i <= j < i + ``max_tokens`` maximising start_i + end_j over
-    (c,) logits; score is p_start(i) * p_end(j) with softmax over the c tokens."""
-    c = start_logits.shape[0]
+def best_spans(
+    start_logits: Tensor, end_logits: Tensor, lengths: Sequence[int], max_tokens: int
+) -> Tensor:
+    """(b, 2): per row the span [i, j], i <= j < i + ``max_tokens``, maximising
+    start_i + end_j over the row's first ``lengths[row]`` tokens of the (b, c) logits (the
+    rest is padding); among ties the first in (i, j) order."""
+    c = start_logits.shape[1]
     # only the spans allowed, (c, w) [i, j - i], not all (c, c) pairs: O(c w) for long
     # contexts; row-major in (i, j) as well, so argmax picks the same span among ties
     w = min(max_tokens, c)
-    dev = start_logits.device  # (not a CPU tensor copied over per example)
+    dev = start_logits.device  # (not CPU tensors copied over)
     j = torch.arange(c, device=dev)[:, None] + torch.arange(w, device=dev)[None, :]  # (c, w)
-    scores = start_logits[:, None] + end_logits[j.clamp(max=c - 1)]  # (c, w)
-    flat = int(scores.masked_fill(j >= c, float("-inf")).argmax())
-    a, b = flat // w, flat // w + flat % w
+    scores = start_logits[:, :, None] + end_logits[:, j.clamp(max=c - 1)]  # (b, c, w)
+    ends_at = torch.tensor(lengths, device=dev)[:, None, None]  # (b, 1, 1)
+    outside = j >= ends_at  # (b, c, w): spans ending past the row's tokens
+    flat = scores.masked_fill(outside, float("-inf")).flatten(1).argmax(1)  # (b,)
+    return torch.stack((flat // w, flat // w + flat % w), dim=1)
+
+
+def best_span(start_logits: Tensor, end_logits: Tensor, max_tokens: int) -> tuple[int, int, float]:
+    """(i, j, score): the span i <= j < i + ``max_tokens`` maximising start_i + end_j over
+    (c,) logits (:func:`best_spans` of one row); score is p_start(i) * p_end(j) with softmax
+    over the c tokens."""
+    c = start_logits.shape[0]
+    a, b = best_spans(start_logits[None], end_logits[None], [c], max_tokens)[0].tolist()
     p = start_logits.softmax(-1)[a] * end_logits.softmax(-1)[b]
     return a, b, float(p)
+
+
+def context_logits(logits: Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> Tensor:
+    """(b, c, n) of ``logits`` (b, t, n): each row's context tokens, ``lengths[row]`` of
+    them from ``offsets[row]``, moved to the front (c the longest context; after a row's
+    own the values are padding)."""
+    dev, t, c = logits.device, logits.shape[1], max(lengths)
+    starts = torch.tensor(offsets, device=dev)[:, None]  # (b, 1)
+    index = (starts + torch.arange(c, device=dev)).clamp(max=t - 1)  # (b, c)
+    return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[2]))
 
 
 def encode_question(
@@ -168,11 +192,16 @@ class QuestionAnswering(EncoderTextTask):
             F.cross_entropy(logits[..., 0], targets[:, 0], reduction="sum")
             + F.cross_entropy(logits[..., 1], targets[:, 1], reduction="sum")
         ) / 2
+        # every row's best span at once, read in one go (one host read per batch)
+        offsets = [f.extra[0] for f in features]
+        lengths = [len(f.extra[1]) for f in features]  # context tokens
+        window = context_logits(logits, offsets, lengths)  # (b, c, 2)
+        limit = self.opts.max_answer_tokens
+        chosen = best_spans(window[..., 0], window[..., 1], lengths, limit).tolist()
         exact = f1 = 0.0
-        for row, f in zip(logits, features):
-            offset, spans, example = f.extra
-            limit = self.opts.max_answer_tokens
-            text, *_ = predict_answer(row, offset, spans, example.context, limit)
+        for (i, j), f in zip(chosen, features):
+            _, spans, example = f.extra
+            text = example.context[spans[i][0] : spans[j][1]]
             exact += exact_match(text, example.answer)
             f1 += answer_f1(text, example.answer)
         return {"loss_sum": loss, "exact": exact, "f1_sum": f1}

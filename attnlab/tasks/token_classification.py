@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -141,20 +142,21 @@ class TokenClassification(EncoderTextTask):
 
     def batch_sums(self, logits: Tensor, batch: dict[str, Tensor], features: list[Features]):
         labels = batch["targets"]  # (b, t)
-        real = labels != IGNORE
         predicted = logits.argmax(-1)  # (b, t)
-        matched = n_pred = n_gold = 0
-        for gold_row, pred_row, keep in zip(labels, predicted, real):
-            gold = [TAGS[i] for i in gold_row[keep].tolist()]
-            pred = [TAGS[i] for i in pred_row[keep].tolist()]
-            m, p, g = entity_counts(gold, pred)
+        tokens = correct = matched = n_pred = n_gold = 0
+        # every row's gold and predicted tags, read in one go (one host read per batch)
+        for gold_row, pred_row in zip(*torch.stack((labels, predicted)).tolist()):
+            pairs = [(g, p) for g, p in zip(gold_row, pred_row) if g != IGNORE]  # labelled
+            tokens += len(pairs)
+            correct += sum(g == p for g, p in pairs)
+            m, p, g = entity_counts([TAGS[g] for g, _ in pairs], [TAGS[p] for _, p in pairs])
             matched, n_pred, n_gold = matched + m, n_pred + p, n_gold + g
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                reduction="sum")  # fmt: skip
         return {
             "loss_sum": loss,
-            "tokens": real.sum(),
-            "correct": (predicted == labels)[real].sum(),
+            "tokens": tokens,
+            "correct": correct,
             "matched": matched,
             "predicted": n_pred,
             "gold": n_gold,
