@@ -144,7 +144,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=30.0, help="training wall time per model")
     p.add_argument("--only", nargs="*", help="variant names to run (default all)")
     p.add_argument("--out", default="attention_variants.png")

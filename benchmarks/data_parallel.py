@@ -50,7 +50,7 @@ def run(processes: int, threads: int, batch: int, args: argparse.Namespace) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--steps", type=int, default=300, help="training steps per run")
     ap.add_argument("--skip", type=int, default=50, help="first steps left out of the rate")

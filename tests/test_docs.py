@@ -3,9 +3,11 @@ docstring (``help()`` says what it is), and the README's Python examples run as 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
+import itertools
 import re
 import shlex
 from pathlib import Path
@@ -200,3 +202,121 @@ def test_benchmark_options_the_docs_use_exist():
             if f'"{option}"' not in source:
                 missing.append(f"{script}.py {option}")
     assert not missing, f"options the README gives that the benchmarks lack: {sorted(set(missing))}"
+
+
+def test_benchmark_variants_the_docs_use_exist():
+    """``python benchmarks/NAME.py ... --variants A "B, C" ...`` in the README: each variant
+    (each ``+``-joined part) is one the script defines, literally or by a generated name
+    (``heads4`` from ``f"heads{n}"``)."""
+    text = re.sub(r"\s*\n\s*", " ", (ROOT / "README.md").read_text())
+    missing = []
+    for span in re.findall(r"`([^`]*benchmarks/\w+\.py[^`]*--variants[^`]*)`", text):
+        words = shlex.split(span)
+        script = next(w for w in words if re.fullmatch(r"benchmarks/\w+\.py", w))
+        source = (ROOT / script).read_text()
+        start = words.index("--variants") + 1
+        for name in itertools.takewhile(lambda w: not w.startswith("--"), words[start:]):
+            for part in name.split("+") if name != "..." else []:
+                generated = re.sub(r"[\d.]+$", "", part)
+                if f'"{part}"' not in source and f'f"{generated}{{' not in source:
+                    missing.append(f"{script} {part}")
+    assert not missing, f"variants the README gives that the benchmarks lack: {missing}"
+
+
+def test_benchmark_help_descriptions_are_whole_sentences():
+    """A script's ``--help`` description cut from its docstring (first line, first
+    paragraph) ends where a sentence does, not mid-phrase."""
+    cut = []
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(script.read_text())
+        doc = ast.get_docstring(tree, clean=False) or ""
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "ArgumentParser":
+                for kw in node.keywords:
+                    if kw.arg == "description" and not isinstance(kw.value, ast.Name):
+                        shown = eval(compile(ast.Expression(kw.value), script.name, "eval"),
+                                     {"__doc__": doc})  # fmt: skip
+                        if not shown.rstrip().endswith((".", ":", ")")):
+                            cut.append(f"{script.name}: ...{shown.rstrip()[-40:]!r}")
+    assert not cut, f"--help descriptions cut mid-sentence: {cut}"
+
+
+def _config_fields():
+    """Dotted config keys: ``train.*``, ``data.*`` (``data.options.*``: any task's options)
+    and ``model.*`` over every architecture's config, nested sections included."""
+    import attnlab.models  # noqa: F401  (registers the architectures' configs)
+    from attnlab.config import ModelConfig, RunConfig
+    from attnlab.tasks import TASKS
+
+    keys: set[str] = set()
+
+    def walk(prefix: str, cfg) -> None:
+        for f in dataclasses.fields(cfg):
+            keys.add(f"{prefix}.{f.name}")
+            value = getattr(cfg, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(f"{prefix}.{f.name}", value)
+
+    run = RunConfig()
+    walk("train", run.train)
+    walk("data", run.data)
+    for cls in ModelConfig._variants.values():
+        walk("model", cls())
+    for task in TASKS.values():
+        options = getattr(task, "options", None)
+        if options is not None:
+            keys |= {f"data.options.{f.name}" for f in dataclasses.fields(options)}
+    return keys
+
+
+# ``model.`` followed by a method or file of a model object, not a config key.
+NOT_CONFIG = ("model.safetensors", "model.generate", "model.stream", "model.new_cache", "model.to")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+def test_config_keys_the_docs_name_exist(doc):
+    """Every ``train.x`` / ``data.x`` / ``model.x.y`` the docs name, and the short
+    ``attention.x`` / ``ffn.x`` / ``position.x`` / ``norm.x`` of a model config, is a field
+    of the typed configs (a renamed field leaves no stale key behind)."""
+    text = (ROOT / doc).read_text()
+    keys = _config_fields()
+    full = r"(?<![\w./-])((?:train|data|model)(?:\.[a-z_][a-z_0-9]*)+)"
+    short = r"`((?:attention|ffn|position|norm)(?:\.[a-z_][a-z_0-9]*)+)"
+    named = {m for m in re.findall(full, text) if not m.startswith(NOT_CONFIG)}
+    named |= {f"model.{m}" for m in re.findall(short, text)}
+    missing = sorted(k for k in named if k not in keys)
+    assert not missing, f"{doc} names config keys that do not exist: {missing}"
+
+
+def test_readme_names_every_preset():
+    """The README's preset summary names every preset ``attnlab presets`` lists."""
+    from attnlab.presets import list_presets
+
+    text = (ROOT / "README.md").read_text()
+    summary = text.split("Presets (`attnlab presets` lists them all", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([\w.-]+)`", summary))
+    missing = sorted(set(list_presets()) - named)
+    assert not missing, f"presets the README's summary leaves out: {missing}"
+
+
+def test_design_layout_names_every_package_and_module():
+    """docs/design.md's layout table covers the tree: each subpackage of ``attnlab/`` and
+    each top-level module (the ``attnlab/*.py`` row lists those without a row of their
+    own)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([^`]+)`", layout))
+    package = ROOT / "attnlab"
+    missing = [
+        f"attnlab/{p.name}/"
+        for p in sorted(package.iterdir())
+        if (p / "__init__.py").exists() and f"attnlab/{p.name}/" not in named
+    ]
+    missing += [
+        f"attnlab/{p.name}"
+        for p in sorted(package.glob("*.py"))
+        if p.name not in ("__init__.py", "__main__.py")
+        and f"attnlab/{p.name}" not in named
+        and p.name not in named
+    ]
+    assert not missing, f"docs/design.md's layout leaves out: {missing}"
