@@ -316,6 +316,20 @@ def test_generate_with_beams_prints_the_best_beam(work, capsys):
         assert out == prompt + ckpt.tokenizer.decode(best) + "\n"
 
 
+def test_generate_refuses_sampling_options_with_beams(work, capsys):
+    """--num-beams searches: --temperature, --top-k or --top-p given with it are refused by
+    name (they were silently ignored); without beams the default temperature still applies."""
+    argv = ["generate", "--ckpt", str(work / "run"), "--num-beams", "2", "--max-new-tokens", "2"]
+    for extra, named in ((["--top-k", "5"], "--top-k"), (["--temperature", "0.5", "--top-p",
+                         "0.9"], "--temperature, --top-p")):  # fmt: skip
+        code, _, err = run_main([*argv, *extra], capsys)
+        assert code == 1 and f"{named}: sampling, and --num-beams" in err
+        assert len(err.strip().splitlines()) == 1
+    argv = ["generate", "--ckpt", str(work / "run"), "--seed", "3", "--max-new-tokens", "40"]
+    outs = [run_main([*argv, *extra], capsys) for extra in ([], ["--temperature", "0.8"])]
+    assert outs[0][0] == 0 and outs[0] == outs[1]  # the default temperature is 0.8
+
+
 def test_continuation_is_decoded_after_the_prompt():
     """A SentencePiece-style decoder strips the leading space of what it decodes: the
     continuation is the text the new tokens add to the prompt's, not their text alone."""

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from attnlab.tokenizers import Tokenizer
 
 DEFAULT_PROMPT = "\n"  # a fresh line: the most neutral start a char-level model knows
+DEFAULT_TEMPERATURE = 0.8
+SAMPLING = ("temperature", "top_k", "top_p")  # the options --num-beams refuses
 DEFAULT_MAX_NEW_TOKENS = 256  # at most; without --max-new-tokens the context's room left
 
 
@@ -74,7 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"tokens to generate (default: what fits the model's context, at most "
         f"{DEFAULT_MAX_NEW_TOKENS}: min({DEFAULT_MAX_NEW_TOKENS}, max_seq_len - prompt tokens))",
     )
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument(
+        "--temperature", type=float, help=f"0 = greedy (default {DEFAULT_TEMPERATURE})"
+    )
     p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=seed_int, help="seed the sampler (reproducible output)")
@@ -100,7 +104,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         metavar="K",
         help="beam search with K beams: the most probable continuation, not a sample "
-        "(sampling options do not apply)",
+        "(refused with --temperature, --top-k or --top-p)",
     )
     p.add_argument(
         "--length-penalty",
@@ -204,6 +208,15 @@ def plan_length(
 def run(args: argparse.Namespace) -> int:
     from attnlab.generation import check_sampling
 
+    if args.num_beams > 1:  # a search, not a sample: options of sampling would be ignored
+        given = [f"--{n.replace('_', '-')}" for n in SAMPLING if getattr(args, n) is not None]
+        if given:
+            raise CLIError(
+                f"{', '.join(given)}: sampling, and --num-beams searches instead of sampling; "
+                "drop one of them"
+            )
+    if args.temperature is None:
+        args.temperature = DEFAULT_TEMPERATURE
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:  # before the (slow) model load
