@@ -132,7 +132,7 @@ def gpt2() -> ModelConfig:  # 124M
     return gpt2_style(vocab_size=50257, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12)
 
 
-def gpt2_medium() -> ModelConfig:  # 350M
+def gpt2_medium() -> ModelConfig:  # 355M
     return gpt2_style(vocab_size=50257, max_seq_len=1024, d_model=1024, n_layers=24, n_heads=16)
 
 
