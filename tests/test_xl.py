@@ -17,8 +17,13 @@ import torch.nn.functional as F
 from attnlab.cli.main import main
 from attnlab.config import AttentionConfig, ConfigError, ModelConfig, NormConfig
 from attnlab.models import TransformerXL, XLConfig, build_model
-from attnlab.models.xl import xl_loss_sums
-from attnlab.nn.relative import RelativeMultiHeadAttention, rel_shift, relative_sinusoids
+from attnlab.models.xl import same_length_mask, xl_loss_sums
+from attnlab.nn.relative import (
+    RelativeMultiHeadAttention,
+    rel_shift,
+    relative_encodings,
+    relative_sinusoids,
+)
 from attnlab.presets import get_preset
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -35,15 +40,17 @@ def test_rel_shift_aligns_each_row_to_its_distances():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("m", [0, 5])
-def test_relative_attention_equals_the_four_terms(m):
+@pytest.mark.parametrize("m, clamp_len", [(0, None), (5, None), (5, 3)])
+def test_relative_attention_equals_the_four_terms(m, clamp_len):
+    """clamp_len: R of min(distance, clamp_len), as the original's clamped pos_seq."""
     torch.manual_seed(0)
     d, h, t = 32, 4, 6
     attn = RelativeMultiHeadAttention(d, AttentionConfig(n_heads=h)).eval()
     attn.u.normal_()
     attn.v.normal_()
     x, memory = torch.randn(2, t, d), torch.randn(2, m, d)
-    got = attn(x, memory=memory if m else None)
+    encodings = None if clamp_len is None else relative_encodings(m + t, d, clamp_len=clamp_len)
+    got = attn(x, memory=memory if m else None, encodings=encodings)
     # direct O(T^2): A_ij = q^T k + q^T W_R R + u^T k + v^T W_R R, one (i, j) at a time
     d_h, s = d // h, m + t
     ctx = torch.cat((memory, x), 1)
@@ -53,7 +60,8 @@ def test_relative_attention_equals_the_four_terms(m):
     for i in range(t):
         scores = torch.full((2, h, s), float("-inf"))
         for j in range(m + i + 1):
-            R = relative_sinusoids(torch.tensor([m + i - j]), d)[0]  # (d,)
+            distance = min(m + i - j, clamp_len or m + i - j)
+            R = relative_sinusoids(torch.tensor([distance]), d)[0]  # (d,)
             r = attn.r(R[None])[0].view(h, d_h)  # W_R R_{i-j}
             a = (q[:, i] * k[:, j]).sum(-1)
             b = (q[:, i] * r).sum(-1)
@@ -139,6 +147,10 @@ def test_memory_evaluation_scores_every_token_once():
         ({"attention": {"sliding_window": 4}}, "attention.sliding_window: does not apply"),
         ({"attention": {"n_kv_heads": 1}}, "attention.n_kv_heads: Transformer-XL's relative"),
         ({"d_model": 33, "attention": {"n_heads": 3}}, "d_model: the relative encodings pair"),
+        ({"clamp_len": 0}, "clamp_len: must be a positive integer or null"),
+        ({"clamp_len": -1}, "clamp_len: must be a positive integer or null"),
+        ({"clamp_len": 2.5}, "clamp_len: expected int or null"),
+        ({"same_length": 1}, "same_length: expected true/false"),
     ],
 )
 def test_bad_xl_configs_name_the_field(change, message):
@@ -286,3 +298,190 @@ def test_streamed_validation_too_short_fails_before_training(tmp_path):
         StreamingLanguageModelling(cfg, data=data)
     cfg.train.batch_size = batch - 1  # two streams fit
     assert StreamingLanguageModelling(cfg, data=data).eval_examples(batch - 1, None) == 2
+
+
+# ---------------------------------------------------------------- clamp_len, same_length
+# The reference below follows the original code (kimiyoung/transformer-xl,
+# MemTransformerLM._forward and RelPartialLearnableMultiHeadAttn), written independently of
+# attnlab's relative shift, encodings table and masks: pos_seq = klen - 1, ..., 0 clamped
+# at clamp_len; dec_attn_mask = triu(ones, 1 + mlen) + tril(ones, -mask_shift_len) with
+# same_length; the (b)+(d) term of each pair read from R[pos_seq] by index.
+
+
+def original_mask(qlen: int, mlen: int, mem_len: int, same_length: bool) -> torch.Tensor:
+    """(qlen, klen) bool, True = masked: the original's dec_attn_mask."""
+    klen = mlen + qlen
+    all_ones = torch.ones(qlen, klen)
+    if not same_length:
+        return torch.triu(all_ones, diagonal=1 + mlen).bool()
+    mask_len = klen - mem_len
+    mask_shift_len = qlen - mask_len if mask_len > 0 else qlen
+    return (torch.triu(all_ones, 1 + mlen) + torch.tril(all_ones, -mask_shift_len)).bool()
+
+
+def original_pos_emb(klen: int, d: int, clamp_len: int | None) -> torch.Tensor:
+    """(klen, d): the original's PositionalEmbedding of pos_seq = klen - 1, ..., 0."""
+    pos_seq = torch.arange(klen - 1, -1, -1.0)
+    if clamp_len is not None and clamp_len > 0:
+        pos_seq.clamp_(max=clamp_len)
+    inv_freq = 1 / (10000 ** (torch.arange(0.0, d, 2.0) / d))
+    sinusoid_inp = torch.outer(pos_seq, inv_freq)
+    return torch.cat([sinusoid_inp.sin(), sinusoid_inp.cos()], dim=-1)
+
+
+def reference_attention(attn, x, mem, pos_emb, masked):
+    """One layer's relative attention, pair by pair over (i, j): row klen - 1 - (mlen + i
+    - j) of pos_emb is the encoding of key j's distance from query i (the shift's result)."""
+    b, qlen, _ = x.shape
+    mlen = mem.shape[1]
+    h, d_h = attn.n_heads, attn.head_dim
+    cat = torch.cat((mem, x), 1)
+    klen = cat.shape[1]
+    q = attn.q(x).view(b, qlen, h, d_h)
+    k, v = (y.view(b, klen, h, d_h) for y in attn.kv(cat).chunk(2, -1))
+    r = attn.r(pos_emb).view(klen, h, d_h)
+    rows = torch.arange(qlen)[:, None]
+    cols = torch.arange(klen)[None, :]
+    r_ij = r[klen - 1 - (mlen + rows - cols).clamp(min=0)]  # (qlen, klen, h, d_h)
+    ac = torch.einsum("bihd,bjhd->bhij", q + attn.u, k)
+    bd = torch.einsum("bihd,ijhd->bhij", q + attn.v, r_ij)
+    scores = ((ac + bd) / d_h**0.5).masked_fill(masked, float("-inf"))
+    y = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v)
+    return attn.out(y.reshape(b, qlen, h * d_h))
+
+
+def reference_segments(model, idx, segments, *, mem_len, clamp_len, same_length):
+    """The logits of idx read in ``segments``, a pre-norm Transformer-XL with its memory
+    (the last mem_len inputs of each layer) carried, in the original's formulas."""
+    cfg, logits = model.cfg, []
+    mems = [torch.zeros(idx.shape[0], 0, cfg.d_model)] * len(model.blocks)
+    for sl in segments:
+        x = model.tok_emb(idx[:, sl])
+        qlen, mlen = x.shape[1], mems[0].shape[1]
+        pos_emb = original_pos_emb(mlen + qlen, cfg.d_model, clamp_len)
+        masked = original_mask(qlen, mlen, mem_len, same_length)
+        new = []
+        for block, mem in zip(model.blocks, mems):
+            new.append(torch.cat((mem, x), 1)[:, -mem_len:])
+            a = reference_attention(
+                block.attn, block.attn_norm(x), block.attn_norm(mem), pos_emb, masked
+            )
+            x = x + a
+            x = x + block.ffn(block.ffn_norm(x))
+        mems = new
+        logits.append(model.lm_head(model.norm(x)))
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("t, m, mem_len", [(5, 0, 3), (5, 4, 6), (4, 6, 6), (3, 2, 9), (4, 4, 8)])
+def test_same_length_mask_is_the_original_formula(t, m, mem_len):
+    """m + t above, equal to and below mem_len (the original's mask_len > 0, = 0, < 0)."""
+    got = same_length_mask(t, m, mem_len)
+    assert torch.equal(~got, original_mask(t, m, mem_len, True))
+    # every query sees min(mem_len, its causal keys): the same number once m + i >= mem_len - 1
+    assert got.sum(-1).tolist() == [min(mem_len, m + i + 1) for i in range(t)]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "clamp_len, same_length", [(None, False), (3, False), (None, True), (3, True)]
+)
+def test_clamp_len_and_same_length_equal_the_original_formulas(clamp_len, same_length):
+    """Segments with memory (m from 0 to past mem_len) against the reference in the
+    original code's formulas; (None, False) checks the reference itself."""
+    model = tiny(mem_len=6, clamp_len=clamp_len, same_length=same_length)
+    idx = torch.randint(0, 40, (2, 17))
+    segments = (slice(0, 4), slice(4, 9), slice(9, 10), slice(10, 17))
+    got, mem = [], None
+    for sl in segments:
+        out = model(idx[:, sl], memory=mem)
+        mem = out.memory
+        got.append(out.logits)
+    want = reference_segments(
+        model, idx, segments, mem_len=6, clamp_len=clamp_len, same_length=same_length
+    )
+    torch.testing.assert_close(torch.cat(got, 1), want, **TOL)
+
+
+@torch.no_grad()
+def test_defaults_are_bitwise_the_former_forward():
+    """The xl-tiny preset: clamp_len None and same_length False compute exactly what each
+    layer computed alone before (its own unclamped encodings, causality only); a clamp at
+    or above every distance and a same-length window holding every key change nothing."""
+    torch.manual_seed(0)
+    cfg = get_preset("xl-tiny")
+    model = build_model(cfg).eval()
+    idx = torch.randint(0, 256, (2, 12))
+    first = model(idx[:, :7])
+    got = model(idx[:, 7:], memory=first.memory).logits
+    x = model.tok_emb(idx[:, 7:])
+    for block, mem in zip(model.blocks, first.memory):
+        x = block(x, mem)  # encodings=None: the layer computes them, unclamped
+    assert torch.equal(got, model.lm_head(model.norm(x)))
+    for change in ({"clamp_len": 11}, {"same_length": True, "mem_len": 12}):
+        other = build_model(ModelConfig.from_dict({**cfg.to_dict(), **change})).eval()
+        other.load_state_dict(model.state_dict())
+        out = other(idx[:, 7:], memory=[mm[:, -7:] for mm in first.memory])
+        assert torch.equal(out.logits, model(idx[:, 7:], memory=first.memory).logits)
+
+
+def test_longer_memory_at_evaluation_with_clamp_len():
+    """Trained with mem_len 4 (distances up to 4 + t - 1 = 7), evaluated with mem_len 24:
+    with clamp_len 7 no distance has an encoding training never met (every key past 7
+    reads R_7), and the stream's loss equals the reference's. Gradients stay finite."""
+    model = tiny(mem_len=4)
+    tokens = torch.randint(0, 40, (41,))
+    model.cfg = model.cfg.override({"mem_len": 24, "clamp_len": 7, "same_length": True})
+    total, count = xl_loss_sums(model, tokens, 4)
+    segments = [slice(k, k + 4) for k in range(0, 40, 4)]
+    with torch.no_grad():
+        want = reference_segments(model, tokens[None], segments, mem_len=24, clamp_len=7,
+                                  same_length=True)  # fmt: skip
+    loss = F.cross_entropy(want[0], tokens[1:], reduction="sum")
+    assert count == 40 and total == pytest.approx(float(loss), rel=1e-5)
+    table = relative_encodings(28, 32, clamp_len=7)  # distances 27, ..., 0
+    assert torch.equal(table[:21], table[20].expand(21, -1))  # 27 ... 7 all read R_7
+    model.train()
+    out = model(tokens[None, :4], targets=tokens[None, 1:5])
+    out = model(tokens[None, 4:8], memory=out.memory, targets=tokens[None, 5:9])
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.isfinite().all() for g in grads)
+    assert all(bool(block.attn.r.weight.grad.abs().sum()) for block in model.blocks)
+
+
+def test_eval_sets_a_longer_memory_clamp_len_and_same_length(tmp_path, capsys):
+    """attnlab eval --set model.mem_len/clamp_len/same_length: the stream's loss is the
+    model's under those settings, its weights as trained; other fields are refused."""
+    from attnlab.config import RunConfig
+    from attnlab.tokenizers import train_tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    text = "the memory of a transformer carries the segments along " * 3
+    tokenizer = train_tokenizer("char", [text])
+    model = tiny(mem_len=4, max_seq_len=8)
+    save_checkpoint(tmp_path / "ckpt", model, RunConfig(model=model.cfg, task="lm-stream"),
+                    tokenizer)  # fmt: skip
+    (tmp_path / "text.txt").write_text(text)
+    ev = ["eval", "--ckpt", str(tmp_path / "ckpt"), "--data", str(tmp_path / "text.txt")]
+    ev += ["--block-size", "4", "--json"]
+    settings = {"mem_len": 40, "clamp_len": 7, "same_length": True}
+    sets = [f"--set=model.{k}={json.dumps(v)}" for k, v in settings.items()]
+    assert main([*ev, *sets]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model.cfg = model.cfg.override(settings)
+    tokens = torch.as_tensor(tokenizer.encode_array(text).astype("int64"))
+    total, count = xl_loss_sums(model, tokens, 4)
+    assert report["memory"] == 40 and report["tokens"] == count
+    assert report["loss"] == pytest.approx(total / count, rel=1e-6)
+    assert main(ev) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(report["loss"])
+    assert main([*ev[:-1], *sets]) == 0  # the text line names the settings
+    assert "memory 40 carried, distances clamped at 7, same length)" in capsys.readouterr().out
+    for bad, message in (
+        ("model.n_layers=1", "--set model.n_layers: eval changes only evaluation settings; "
+         "those of this model: model.mem_len, model.clamp_len, model.same_length"),
+        ("model.clamp_len=0", "--set model.clamp_len: must be a positive integer or null"),
+    ):  # fmt: skip
+        assert main([*ev, "--set", bad]) == 1
+        assert message in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """``attnlab eval``: a checkpoint's task metrics on its validation set; for language
 models the held-out loss, perplexity and bits per token / character, also of any text.
 A model with a segment memory (Transformer-XL) reads the text as one stream, segment by
-segment, its memory carried from each segment to the next."""
+segment, its memory carried from each segment to the next; ``--set model.mem_len=...``
+(and ``clamp_len``, ``same_length``) evaluates it with another memory than it trained with."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from attnlab.cli.common import (
     add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
+    parse_assignments,
     positive_int,
     refuse_tokenizer_option,
     require_tokenizer,
@@ -65,6 +67,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="overlapping windows of the block size moved by S tokens: each token scored "
         "once with at least block - S tokens of context (S <= block size)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an evaluation setting of the model, e.g. model.mem_len=1600 (Transformer-XL: "
+        "mem_len, clamp_len, same_length; repeatable)",
+    )
     add_device_argument(p)
     add_dtype_argument(p)
     add_tokenizer_argument(p)
@@ -100,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--errors applies to the text of --data; give --data PATH or drop it")
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
+    cfg = _evaluation_settings(args.set, model, cfg)
     from attnlab.data.numbers import CharVocabPair
 
     if cfg.model.arch == "vit":
@@ -122,12 +132,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<15} {shown}")
         return 0
     characters, bits_per_char = report["characters"], report["bits_per_char"]
+    clamp = getattr(cfg.model, "clamp_len", None)
     print(f"data            {report['source']}")
     print(
         f"tokens          {report['tokens']:,} ({characters:,} characters, "
         f"block {report['block_size']}"
         + (f", stride {report['stride']}" if report.get("stride") else "")
         + (f", memory {report['memory']} carried" if report.get("memory") else "")
+        + (f", distances clamped at {clamp}" if clamp else "")
+        + (", same length" if getattr(cfg.model, "same_length", False) else "")
         + ")"
     )
     print(f"loss            {report['loss']:.4f} nats/token")
@@ -136,6 +149,31 @@ def run(args: argparse.Namespace) -> int:
     if bits_per_char is not None:
         print(f"bits/character  {bits_per_char:.4f}")
     return 0
+
+
+def _evaluation_settings(items: list[str] | None, model, cfg: RunConfig) -> RunConfig:
+    """``--set model.NAME=VALUE``: the model's evaluation settings (its config's
+    ``EVAL_FIELDS``, which it reads at every forward pass) changed on the loaded model, its
+    weights as trained; any other field is refused."""
+    overrides = parse_assignments(items)
+    if not overrides:
+        return cfg
+    import dataclasses
+
+    from attnlab.config import ConfigError
+
+    allowed = [f"model.{name}" for name in type(cfg.model).EVAL_FIELDS]
+    which = f"those of this model: {', '.join(allowed)}"
+    for key in overrides:
+        if key not in allowed:
+            which = which if allowed else f"a {cfg.model.arch!r} model has none"
+            raise CLIError(f"--set {key}: eval changes only evaluation settings; {which}")
+    try:
+        model_cfg = cfg.model.override({k.removeprefix("model."): v for k, v in overrides.items()})
+    except ConfigError as e:
+        raise CLIError(f"--set model.{e}") from None
+    model.cfg = model_cfg
+    return dataclasses.replace(cfg, model=model_cfg)
 
 
 def _task_metrics(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:

@@ -11,12 +11,19 @@ so a stream is read segment by segment with a context of up to mem_len + t token
 layer (and, through the layers, up to n_layers x mem_len). Without ``memory`` it is a
 causal LM over the segment alone: the generic trainer trains it so (no memory carry).
 
+The paper evaluates with a longer memory than it trains with (WikiText-103: mem_len 150 in
+training, 1600 in evaluation) and two settings of its code: ``clamp_len`` (relative
+distances above it use its encoding) and ``same_length`` (every query sees the mem_len most
+recent keys, its own included, where otherwise each query of a segment sees one key more
+than the one before it).
+
 Shapes: b batch, t segment length, m memory length, d d_model, V vocabulary size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,7 @@ from attnlab.config import (
     _positive,
     register_model_config,
 )
+from attnlab.functional.masks import sliding_window_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
@@ -42,22 +50,33 @@ from attnlab.nn.feedforward import build_ffn
 from attnlab.nn.linear import Linear
 from attnlab.nn.modes import enter_eval, restore
 from attnlab.nn.norm import build_norm
-from attnlab.nn.relative import RelativeMultiHeadAttention
+from attnlab.nn.relative import RelativeMultiHeadAttention, relative_encodings
 
 
 @dataclass
 class XLConfig(ModelConfig):
     """A Transformer-XL: ``mem_len`` hidden states kept per layer from earlier segments.
-    Positions are relative inside attention, so ``position.kind`` must be ``none``."""
+    Positions are relative inside attention, so ``position.kind`` must be ``none``.
+    ``clamp_len``: relative distances above it use its encoding (None: no clamp);
+    ``same_length``: each query attends to the mem_len most recent keys, its own included
+    (False: to all of memory and segment up to itself). Both are the original code's
+    evaluation settings; with mem_len, ``attnlab eval --set`` may change them."""
+
+    EVAL_FIELDS: ClassVar[tuple[str, ...]] = ("mem_len", "clamp_len", "same_length")
 
     arch: str = "xl"
     position: PositionConfig = field(default_factory=lambda: PositionConfig(kind="none"))
     mem_len: int = 64
+    clamp_len: int | None = None
+    same_length: bool = False
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
         at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
         _positive(at("mem_len"), self.mem_len)
+        if self.clamp_len is not None and self.clamp_len <= 0:
+            _fail(at("clamp_len"), f"must be a positive integer or null (no clamp), got "
+                  f"{self.clamp_len}")  # fmt: skip
         if self.d_model % 2:
             _fail(at("d_model"), f"the relative encodings pair sines with cosines; give an even "
                   f"width, got {self.d_model}")  # fmt: skip
@@ -84,6 +103,16 @@ class XLConfig(ModelConfig):
 register_model_config("xl", XLConfig)
 
 
+def same_length_mask(
+    t: int, m: int, mem_len: int, *, device: torch.device | str | None = None
+) -> Tensor:
+    """(t, m + t) bool, True where query i (key position m + i) may attend key j with
+    ``same_length``: the mem_len most recent keys, its own included. It is the original
+    code's mask, triu(ones, 1 + m) + tril(ones, -(mem_len - m)) its complement (no tril
+    while m + t <= mem_len: then causality alone)."""
+    return sliding_window_mask(t, m + t, mem_len, device=device)
+
+
 @dataclass
 class XLOutput(ModelOutput):
     """A model output plus ``memory``: one (b, m, d) tensor per layer for the next segment."""
@@ -103,13 +132,17 @@ class XLBlock(nn.Module):
         self.ffn = build_ffn(cfg.ffn, cfg.d_model, dropout=cfg.dropout, layer=layer)
 
     def forward(
-        self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        mask: Tensor | None = None,
+        encodings: Tensor | None = None,
     ) -> Tensor:
         if self.pre_norm:
             mem = None if memory is None else self.attn_norm(memory)
-            x = x + self.attn(self.attn_norm(x), memory=mem, mask=mask)
+            x = x + self.attn(self.attn_norm(x), memory=mem, mask=mask, encodings=encodings)
             return x + self.ffn(self.ffn_norm(x))
-        x = self.attn_norm(x + self.attn(x, memory=memory, mask=mask))
+        x = self.attn_norm(x + self.attn(x, memory=memory, mask=mask, encodings=encodings))
         return self.ffn_norm(x + self.ffn(x))
 
 
@@ -168,19 +201,26 @@ class TransformerXL(nn.Module):
             raise ValueError(f"memory has {len(memory)} layers, the model {len(self.blocks)}")
         if memory is not None and memory[0].shape[0] != b:
             raise ValueError(f"memory holds {memory[0].shape[0]} rows but idx {b}")
+        cfg, m = self.cfg, 0 if memory is None else memory[0].shape[1]
         mask = None
         if attention_mask is not None:
-            m = 0 if memory is None else memory[0].shape[1]
             keys = attention_mask.bool()
             if m:
                 keys = torch.cat((keys.new_ones(keys.shape[0], m), keys), dim=1)
             mask = keys[:, None, None, :]  # (b, 1, 1, s)
+        if cfg.same_length:
+            window = same_length_mask(t, m, cfg.mem_len, device=idx.device)  # (t, s)
+            mask = window if mask is None else mask & window  # (b, 1, t, s)
         x = self.drop(self.tok_emb(idx))  # (b, t, d)
+        # one (s, d) table of distances s - 1, ..., 0 for every layer (each has its own W_R)
+        encodings = relative_encodings(
+            m + t, cfg.d_model, clamp_len=cfg.clamp_len, dtype=x.dtype, device=idx.device
+        )
         new_memory = []
         for i, block in enumerate(self.blocks):
             mem = None if memory is None else memory[i]
             new_memory.append(self._next_memory(mem, x))
-            x = block(x, mem, mask)
+            x = block(x, mem, mask, encodings)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))  # (b, t, V)

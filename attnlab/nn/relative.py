@@ -8,7 +8,9 @@ encoding of the distance m + i - j:
          = (q_i + u)^T k_j  +  (q_i + v)^T W_R R_{m+i-j}
 
 Terms (b)+(d) are computed for every query against the s distances s-1, ..., 0 (one
-(t, s) product instead of a (t, s, d) gather), then aligned by the relative shift.
+(t, s) product instead of a (t, s, d) gather), then aligned by the relative shift. With
+``clamp_len`` (the original code's), distances past it use R_clamp_len: a model evaluated
+with a longer memory than it was trained with meets no encoding it never saw.
 
 Shapes: b batch, t queries (the segment), m memory length, s = m + t keys, d d_model,
 h heads, d_h head dim.
@@ -39,6 +41,23 @@ def relative_sinusoids(
     )  # (d/2,)
     angles = distances.to(dtype)[:, None] * inv_freq[None, :]  # (n, d/2)
     return torch.cat((angles.sin(), angles.cos()), dim=-1)
+
+
+def relative_encodings(
+    s: int,
+    d_model: int,
+    *,
+    clamp_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """(s, d_model) the encodings R of the distances s - 1, ..., 0 (the column order
+    :func:`rel_shift` expects), each distance above ``clamp_len`` (None: none) replaced by
+    ``clamp_len``, as the original's ``pos_seq.clamp_(max=clamp_len)``."""
+    distances = torch.arange(s - 1, -1, -1, device=device)  # (s,) s - 1, ..., 0
+    if clamp_len is not None:
+        distances = distances.clamp(max=clamp_len)
+    return relative_sinusoids(distances, d_model, dtype)
 
 
 def rel_shift(x: Tensor) -> Tensor:
@@ -78,17 +97,26 @@ class RelativeMultiHeadAttention(nn.Module):
         return x.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)  # (b, h, n, d_h)
 
     def forward(
-        self, x: Tensor, *, memory: Tensor | None = None, mask: Tensor | None = None
+        self,
+        x: Tensor,
+        *,
+        memory: Tensor | None = None,
+        mask: Tensor | None = None,
+        encodings: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d) the segment; memory (b, m, d) the previous segment's states (no
-        gradient); mask: extra boolean mask broadcastable to (b, h, t, s)."""
+        gradient); mask: extra boolean mask broadcastable to (b, h, t, s); encodings (s, d):
+        :func:`relative_encodings` of the s keys, which the model computes once per forward
+        pass for all its layers (clamped as its config says); None: unclamped, computed
+        here."""
         b, t, _ = x.shape
         context = x if memory is None else torch.cat((memory, x), dim=1)  # (b, s, d)
         s = context.shape[1]
         q = self._heads(self.q(x))  # (b, h, t, d_h)
         k, v = (self._heads(y) for y in self.kv(context).chunk(2, dim=-1))  # (b, h, s, d_h)
-        distances = torch.arange(s - 1, -1, -1, device=x.device)  # s - 1, ..., 0
-        r = self.r(relative_sinusoids(distances, self.d_model, x.dtype).to(x.dtype))  # (s, h d_h)
+        if encodings is None:
+            encodings = relative_encodings(s, self.d_model, dtype=x.dtype, device=x.device)
+        r = self.r(encodings.to(x.dtype))  # (s, h d_h)
         r = r.view(s, self.n_heads, self.head_dim).transpose(0, 1)  # (h, s, d_h)
         # float16 in float32: its products overflow
         q_u, q_v, k_s, r_s = score_operands(q + self.u[:, None, :], q + self.v[:, None, :], k, r)
