@@ -416,6 +416,8 @@ class AttentionConfig(_Config):
                 if getattr(self, name):
                     _fail(f"{path}.{name}", "does not apply to NSA, which has its own window: "
                           "use nsa_window")  # fmt: skip
+            if self.dropout:  # its three branches attend without dropout (nn/sparse.py)
+                _fail(f"{path}.dropout", "is not implemented for attention.kind='nsa'; set it to 0")
 
     def _validate_mla(self, path: str, d_model: int) -> None:
         self._validate_sparse(path, d_model)
@@ -493,10 +495,15 @@ class AttentionConfig(_Config):
         self._validate_global(path)
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
-        if self.kind == "linear":  # a running sum over every past token: no window, no sinks
-            for name in ("sliding_window", "layer_pattern", "sink_tokens", "sink_logits"):
+        if self.kind == "linear":  # a running sum over every past token: no window, no sinks,
+            linear_off = ("sliding_window", "layer_pattern", "sink_tokens", "sink_logits")
+            for name in (*linear_off, "dropout"):  # no attention weights to drop
                 if getattr(self, name):
                     _fail(f"{path}.{name}", "does not apply to attention.kind='linear'")
+            if self.backend not in ("eager", "sdpa"):  # (sdpa: the default)
+                _fail(f"{path}.backend", "does not apply to attention.kind='linear', which "
+                      f"forms no softmax attention for {self.backend!r}; leave it at sdpa or "
+                      "eager")  # fmt: skip
         if self.n_heads % self.kv_heads:
             _fail(
                 f"{path}.n_kv_heads",

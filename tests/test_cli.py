@@ -655,6 +655,11 @@ BAD_INPUTS = [
         ],
         "model.attention.backend='flex' cannot train on cpu",
     ),
+    (  # refused before the data and the first evaluation, not at the first step
+        ["train", "--preset", "gpt2-tiny", "--set", "model.attention.backend=flash"]
+        + ["--set", "model.attention.dropout=0.1"],
+        "model.attention.backend='flash' has no attention dropout",
+    ),
     (
         ["generate", "--ckpt", "{work}/run", "--tokenizer", "{tmp}/small.json", "--prompt", "a"],
         "the tokenizer has 2 tokens, the model",

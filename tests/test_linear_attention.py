@@ -151,7 +151,13 @@ def test_generation_rolls_past_max_seq_len_in_constant_memory():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("sliding_window", 4), ("sink_logits", True), ("layer_pattern", "LG")],
+    [
+        ("sliding_window", 4),
+        ("sink_logits", True),
+        ("layer_pattern", "LG"),
+        ("dropout", 0.1),  # no attention weights to drop: it was silently ignored
+        ("backend", "flash"),  # no softmax attention: it was silently ignored
+    ],
 )
 def test_linear_rejects_windows_and_sinks(field, value):
     data = {"attention": {"kind": "linear", field: value}}

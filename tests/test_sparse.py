@@ -21,6 +21,7 @@ from attnlab.functional.selection import (
     fake_fp8,
     hadamard,
     index_scores,
+    selection_importance,
     selection_mask,
     topk_select,
 )
@@ -560,6 +561,19 @@ def test_nsa_selected_and_window_branches_against_a_loop():
         )
 
 
+@pytest.mark.slow
+def test_nsa_block_importance_compiles_with_inductor():
+    """train.compile with NSA: inductor failed on the importance weights' tensor floor
+    division ("vr must not be None for symbol q0"); counted in strides, it compiles and
+    equals eager (inductor's C++ build: some seconds)."""
+    torch.manual_seed(0)
+    p_cmp = torch.rand(2, 2, 16, 7)  # (b, h_kv, t, n_c): blocks of 4 every 2 over 16 keys
+    compiled = torch.compile(selection_importance, fullgraph=True, dynamic=False)
+    for block_len, stride, sel_len in ((4, 2, 4), (4, 2, 8), (2, 2, 4)):
+        want = selection_importance(p_cmp, 4, block_len, stride, sel_len)
+        torch.testing.assert_close(compiled(p_cmp, 4, block_len, stride, sel_len), want)
+
+
 @torch.no_grad()
 def test_nsa_always_selects_the_initial_and_two_local_blocks():
     """NSA Sec. 4.1: the n selected blocks include 1 initial and 2 local blocks, always
@@ -672,6 +686,7 @@ def test_nsa_learns():
         ({"attention.nsa_n_select": 2}, "attention.nsa_n_select"),
         ({"attention.sliding_window": 8}, "attention.sliding_window"),
         ({"attention.sink_logits": True}, "attention.sink_logits"),  # was named sliding_window
+        ({"attention.dropout": 0.1}, "attention.dropout"),  # was silently ignored
     ],
 )
 def test_bad_nsa_config_names_the_field(override, field):

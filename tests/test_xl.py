@@ -146,6 +146,8 @@ def test_memory_evaluation_scores_every_token_once():
         ({"attention": {"kind": "linear"}}, "attention.kind: Transformer-XL uses its own"),
         ({"attention": {"sliding_window": 4}}, "attention.sliding_window: does not apply"),
         ({"attention": {"n_kv_heads": 1}}, "attention.n_kv_heads: Transformer-XL's relative"),
+        # its relative attention never calls a backend: flash was silently computed eagerly
+        ({"attention": {"backend": "flash"}}, "attention.backend: 'flash' does not apply"),
         ({"d_model": 33, "attention": {"n_heads": 3}}, "d_model: the relative encodings pair"),
         ({"clamp_len": 0}, "clamp_len: must be a positive integer or null"),
         ({"clamp_len": -1}, "clamp_len: must be a positive integer or null"),

@@ -157,9 +157,14 @@ def selection_importance(p_cmp: Tensor, n_sel: int, block_len: int, stride: int,
     once per stride-long piece it shares with block j, so each block is weighted by its
     overlap in strides: block i covers [i d, i d + l), and l, l' are multiples of d (with
     l = l' = 2d the weights of blocks 2j-1, 2j, 2j+1 are 1, 2, 1)."""
-    n_c = p_cmp.shape[-1]
-    start = torch.arange(n_c, device=p_cmp.device) * stride  # (n_c,)
-    j0 = torch.arange(n_sel, device=p_cmp.device)[:, None] * sel_len  # (n_sel, 1)
-    shared = torch.minimum(start + block_len, j0 + sel_len) - torch.maximum(start, j0)
-    weight = shared.clamp(min=0) // stride  # (n_sel, n_c): stride-long pieces in common
+    if block_len % stride or sel_len % stride:
+        raise ValueError(f"block_len={block_len} and sel_len={sel_len} must be multiples of "
+                         f"stride={stride}")  # fmt: skip
+    # Counted in strides, so no tensor is floor-divided (inductor failed to compile that:
+    # "vr must not be None", which crashed train.compile with NSA)
+    n_c, block, sel = p_cmp.shape[-1], block_len // stride, sel_len // stride  # in strides
+    start = torch.arange(n_c, device=p_cmp.device)  # (n_c,)
+    j0 = torch.arange(n_sel, device=p_cmp.device)[:, None] * sel  # (n_sel, 1)
+    shared = torch.minimum(start + block, j0 + sel) - torch.maximum(start, j0)
+    weight = shared.clamp(min=0)  # (n_sel, n_c): stride-long pieces in common
     return p_cmp @ weight.to(p_cmp.dtype).T  # (..., n_sel)

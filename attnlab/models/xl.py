@@ -92,6 +92,10 @@ class XLConfig(ModelConfig):
         for name in ("sliding_window", "sink_tokens", "sink_logits"):
             if getattr(self.attention, name):
                 _fail(at(f"attention.{name}"), "does not apply to Transformer-XL")
+        if self.attention.backend not in ("eager", "sdpa"):  # (sdpa: the default)
+            _fail(at("attention.backend"), f"{self.attention.backend!r} does not apply to "
+                  "Transformer-XL, whose relative attention forms its scores itself; leave "
+                  "it at sdpa or eager")  # fmt: skip
         if self.attention.kv_heads != self.attention.n_heads:
             _fail(
                 at("attention.n_kv_heads"),

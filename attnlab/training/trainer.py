@@ -90,7 +90,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from attnlab.allocator import keep_freed_memory
-from attnlab.config import AttentionConfig, ModelConfig, RunConfig
+from attnlab.config import LATENT_KINDS, AttentionConfig, ModelConfig, RunConfig
 from attnlab.fileio import error_reason
 from attnlab.models import build_model
 from attnlab.nn.linear import set_layout
@@ -226,7 +226,8 @@ def resolve_device(
 
 def check_backend(model_cfg: ModelConfig, device: torch.device) -> None:
     """A TrainingError, naming ``model.attention.backend``, when that backend cannot train
-    on ``device`` (it would otherwise fail at the first step)."""
+    on ``device`` or lacks the ``model.attention.dropout`` asked for (it would otherwise fail
+    at the first step)."""
     from attnlab import kernels
     from attnlab.functional.attention import BACKENDS
 
@@ -241,6 +242,15 @@ def check_backend(model_cfg: ModelConfig, device: torch.device) -> None:
         raise TrainingError(
             f"model.attention.backend={name!r} cannot train on {device.type}: {reason}; "
             "use flash, sdpa or eager"
+        )
+    att = model_cfg.attention
+    # attend() would refuse the dropout at the first step, after the data and an evaluation
+    # (MLA's absorbed path drops its weights itself, without a backend)
+    absorbed = att.kind in LATENT_KINDS and att.mla_path == "absorbed"
+    if att.dropout > 0 and not BACKENDS[name].dropout and not absorbed:
+        raise TrainingError(
+            f"model.attention.backend={name!r} has no attention dropout, but "
+            f"model.attention.dropout={att.dropout}; set it to 0 or use sdpa or eager"
         )
 
 
