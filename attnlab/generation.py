@@ -874,13 +874,12 @@ def beam_search_core(
     row j // beams, so what all beams of an input share (an encoder's output) needs
     reordering only when the number of beams changes. ``eos_id``: the end token(s). The
     number of beams per row is ``num_beams`` (fewer at first when the vocabulary is small).
-    Returns, per row, its
-    ``n_best`` best hypotheses, best first (scoring and stopping: the comment above,
-    ``style``). ``blocked_ids`` are never chosen: as in transformers, their log-probabilities
-    become -inf after the log-softmax, and with ``renormalize`` the rest are log-softmaxed
-    again (``renormalize_logits``), else they keep the mass the blocked tokens had. At the
-    last step only ``forced_last_ids`` may be chosen, each with log-probability 0 (before
-    the renormalization): transformers' ``forced_eos_token_id``."""
+    Returns, per row, its ``n_best`` best hypotheses, best first (scoring and stopping: the
+    comment above, ``style``). ``blocked_ids`` are never chosen: as in transformers, their
+    log-probabilities become -inf after the log-softmax, and with ``renormalize`` the rest
+    are log-softmaxed again (``renormalize_logits``), else they keep the mass the blocked
+    tokens had. At the last step only ``forced_last_ids`` may be chosen, each with
+    log-probability 0 (before the renormalization): transformers' ``forced_eos_token_id``."""
     k, alpha = num_beams, length_penalty
     check_beam_search(k, max_new_tokens, n_best, alpha, style)
     gnmt = style == "gnmt"

@@ -200,9 +200,11 @@ def test_wide_beam_equals_exhaustive_search():
         assert math.isclose(h.score, score, rel_tol=1e-5)
 
 
-def test_beam_search_gathers_the_memory_only_when_beams_change(monkeypatch):
-    # the beams of a source share its memory: beam_search gathers it once (beams 1 -> k);
-    # gathering it at every step (the slow twin) gives the same hypotheses
+@pytest.mark.parametrize("width, gathers", [(4, 1), (8, 2)])
+def test_beam_search_gathers_the_memory_only_when_beams_change(monkeypatch, width, gathers):
+    # the beams of a source share its memory: beam_search gathers it once (beams 1 -> k),
+    # or twice when k exceeds the TGT_V = 6 tokens (beams 1 -> 6 -> 8); gathering it at
+    # every step (the slow twin) gives the same hypotheses
     from attnlab.models.rnn import Memory
 
     model = tiny_model(n_layers=2)
@@ -220,7 +222,7 @@ def test_beam_search_gathers_the_memory_only_when_beams_change(monkeypatch):
             logits, state["hidden"], _ = model.step(tokens, hidden, state["memory"])
             return logits
 
-        return beam_search_core(logits, advance, num_beams=4, max_new_tokens=max_len,
+        return beam_search_core(logits, advance, num_beams=width, max_new_tokens=max_len,
                                 eos_id=EOS, length_penalty=0.6, n_best=4, style="gnmt")  # fmt: skip
 
     gathered = []
@@ -230,9 +232,9 @@ def test_beam_search_gathers_the_memory_only_when_beams_change(monkeypatch):
         with torch.no_grad():
             want = reordering_everything(max_len)
         gathered.clear()
-        got = model.beam_search(src, mask, beam_width=4, max_len=max_len, length_penalty=0.6,
-                                n_best=4)  # fmt: skip
-        assert len(gathered) == 1  # beams 1 -> 4, whatever the length
+        got = model.beam_search(src, mask, beam_width=width, max_len=max_len,
+                                length_penalty=0.6, n_best=4)  # fmt: skip
+        assert len(gathered) == gathers  # whatever the length
         for got_row, want_row in zip(got, want):
             # (beam_search's finished hypotheses end with EOS, the core's leave it out)
             assert got_row == [w._replace(tokens=w.tokens + [EOS] * w.finished) for w in want_row]

@@ -708,6 +708,31 @@ def test_beam_search_core_equals_its_twin_on_random_settings():
     assert finished_early > 50  # the settings exercise stops before the length limit
 
 
+@pytest.mark.parametrize("b", [3, 0])
+def test_read_together_gives_each_tensors_tolist_in_one_read(b, host_reads):
+    """Half-precision, float32 and float64 values (inf, nan, subnormals), bools and ids
+    past 2**24 (where float32 would round them) come back exactly as each tolist() gives
+    them, with one read for all; an empty batch gives empty rows."""
+    from attnlab.generation import read_together
+
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([float("-inf"), float("inf"), float("nan"), 1e-7])
+    tensors = [
+        torch.cat((torch.randn(b, 5, generator=g) * 1e4, special.expand(b, -1)), 1).to(dtype)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    ]
+    tensors += [
+        torch.randint(0, 2, (b, 3), generator=g).bool(),
+        torch.randint(2**24, 2**53, (b, 6), generator=g),
+        torch.randint(-(2**24), 2**24, (b, 2), generator=g, dtype=torch.int32),
+    ]
+    want = [t.tolist() for t in tensors]
+    host_reads.clear()
+    got = read_together(*tensors)
+    assert len(host_reads) == 1
+    assert repr(got) == repr(want)  # repr: nan equals nan, and 1 / 1.0 / True differ
+
+
 def test_beam_search_core_reads_the_device_once_per_step(host_reads):
     """One host read per step (the twin before read 5 or 6 per step), whatever the style."""
     from attnlab.generation import beam_search_core

@@ -510,3 +510,18 @@ def test_moe_without_padding_is_unchanged_by_an_all_ones_mask():
         torch.testing.assert_close(m.load, load, rtol=0, atol=0)
         torch.testing.assert_close(m.aux_metrics["max_vio"], max_vio)
         torch.testing.assert_close(m.aux_loss, loss)
+
+
+def test_moe_batch_of_padding_only_counts_nothing():
+    """A batch of padding only: no load, MaxVio 0 and a balance loss of 0 (not 0 / 0 = nan,
+    which would reach the logged metrics and, through the loss, the weights)."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("bert-tiny-mlm").override(PADDED_MOE)).train()
+    idx = torch.randint(5, 200, (2, 6))
+    out = model(idx, attention_mask=torch.zeros_like(idx))
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers
+    for m in layers:
+        assert not m.load.any()
+        assert m.aux_metrics["max_vio"] == 0 and m.aux_loss == 0
+    assert out.aux_loss == 0 and all(v == 0 for v in out.metrics.values())

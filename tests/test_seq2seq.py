@@ -211,6 +211,26 @@ def test_beam_search_gathers_cross_keys_and_source_mask_only_when_beams_change(m
             assert got == _beam_reordering_everything(model, src, src_mask, n, 3)
 
 
+def test_beam_search_regathers_cross_keys_while_beams_grow_on_a_small_vocabulary(monkeypatch):
+    # 7 beams over 5 tokens: 1 -> 5 beams at the first step, 5 -> 7 at the second, so the
+    # cross keys/values and mask are gathered twice, and match the reordering twin
+    from attnlab.cache import CrossKV
+
+    torch.manual_seed(0)
+    model = Seq2SeqModel(_cfg("pre", eos_id=3).override({"vocab_size": 5})).eval()
+    src = torch.randint(0, 5, (3, 7))
+    src_mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
+    gathered = []
+    reorder = CrossKV.reorder
+    monkeypatch.setattr(
+        CrossKV, "reorder", lambda self, *a: gathered.append(1) or reorder(self, *a)
+    )
+    got = model.generate(src, 8, src_mask=src_mask, num_beams=7, n_best=7)
+    assert len(gathered) == 2 * model.cfg.decoder_layers
+    with torch.inference_mode():
+        assert got == _beam_reordering_everything(model, src, src_mask, 8, 7)
+
+
 def test_cache_keeps_cross_entries_only_for_the_same_batch():
     model = Seq2SeqModel(_cfg("pre")).eval()
     cache = model.new_cache(2, 4)

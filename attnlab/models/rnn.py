@@ -333,7 +333,8 @@ class GRUSeq2Seq(nn.Module):
             hidden = state["hidden"].index_select(1, source)  # (L, n, H): row j continues source[j]
             # The beams of a source come from its own beams (beam_search_core), so their
             # memory, copies of the source's, only needs gathering when the number of beams
-            # changes (the first step).
+            # changes (1 -> k at the first step; over the first few on a vocabulary smaller
+            # than k).
             if source.shape[0] != state["memory"].states.shape[0]:
                 state["memory"] = state["memory"].index(source)
             logits, state["hidden"], _ = self.step(tokens, hidden, state["memory"])

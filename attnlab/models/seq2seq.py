@@ -313,7 +313,8 @@ class Seq2SeqModel(nn.Module):
             def advance(source: Tensor, tokens: Tensor) -> Tensor:
                 # The beams of a source come from its own beams (beam_search_core), so
                 # their cross keys/values and source mask, copies of the source's, only
-                # need gathering when the number of beams changes (the first step).
+                # need gathering when the number of beams changes (1 -> k at the first
+                # step; over the first few on a vocabulary smaller than k).
                 regroup = source.shape[0] != cache.batch
                 cache.reorder(source, cross=regroup)
                 if state["mask"] is not None and regroup:

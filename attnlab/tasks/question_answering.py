@@ -98,7 +98,7 @@ def best_spans(
     dev = start_logits.device  # (not CPU tensors copied over)
     j = torch.arange(c, device=dev)[:, None] + torch.arange(w, device=dev)[None, :]  # (c, w)
     scores = start_logits[:, :, None] + end_logits[:, j.clamp(max=c - 1)]  # (b, c, w)
-    ends_at = torch.tensor(lengths, device=dev)[:, None, None]  # (b, 1, 1)
+    ends_at = torch.tensor(lengths, device=dev).clamp(max=c)[:, None, None]  # (b, 1, 1)
     outside = j >= ends_at  # (b, c, w): spans ending past the row's tokens
     flat = scores.masked_fill(outside, float("-inf")).flatten(1).argmax(1)  # (b,)
     return torch.stack((flat // w, flat // w + flat % w), dim=1)

@@ -713,10 +713,12 @@ class Trainer:
 
         # Model and optimizer. Same seed on every process; DDP also broadcasts rank 0's.
         torch.manual_seed(tc.seed)
+        # a new stage (STAGE_FIELDS), or fine-tuning for another number of labels
+        new_model_config = ckpt is not None and cfg.model.to_dict() != ckpt.config.model.to_dict()
         if ckpt is not None:
             model = ckpt.model
-            if cfg.model.to_dict() != ckpt.config.model.to_dict():  # a new stage (STAGE_FIELDS)
-                model = build_model(cfg.model)  # or fine-tuning for another number of labels
+            if new_model_config:
+                model = build_model(cfg.model)
                 weights = ckpt.model.state_dict()
                 if init_from is not None:
                     weights = _fitting_weights(model, weights, init_from)
@@ -755,11 +757,7 @@ class Trainer:
             [p for p in model.parameters() if id(p) in own],
         ]
         # A new training stage (resumed with other STAGE_FIELDS) keeps its own best/.
-        self._new_stage = (
-            ckpt is not None
-            and resume is not None
-            and (cfg.model.to_dict() != ckpt.config.model.to_dict())
-        )
+        self._new_stage = new_model_config and resume is not None
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
         # The frozen parameters stop requiring gradients once the optimizer holds them (its
         # groups and state stay those of the other stages, so a checkpoint resumes in
