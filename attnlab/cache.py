@@ -157,7 +157,9 @@ class RollingKV(LayerCache):
     ):
         super().__init__(cache)
         self.window = window
-        # A bounded cache never holds more than max_len tokens; a rolling one needs w.
+        # A bounded cache never holds more than max_len tokens; a rolling one needs w. Only
+        # w - 1 are read (a query's own key comes with its step): the spare slot, 1/w of the
+        # ring, keeps it non-empty at w = 1 and "a layer holds its window" exact (analysis).
         self.size = window if cache.rolling else min(window, cache.max_len)
         self._shapes = (n_kv_heads, head_dim, v_head_dim or head_dim)
         self._keys: tuple[Tensor, Tensor] | None = None  # (pos, valid) of this step's keys
@@ -301,6 +303,7 @@ class SinkKV(LayerCache):
 
     def __init__(self, cache: Cache, n_kv_heads: int, head_dim: int, window: int, sinks: int):
         super().__init__(cache)
+        # a ring of r = window - sinks, one slot more than is read: see RollingKV's size
         self.window, self.sinks, self.recent = window, sinks, window - sinks
         self._shapes = (n_kv_heads, head_dim)
         self.reset()

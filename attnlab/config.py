@@ -706,8 +706,8 @@ class ModelConfig(_Config):
     _variant_key: typing.ClassVar[str] = "arch"
     _variants: typing.ClassVar[dict[str, type]] = {}
     # Fields the model reads at every forward pass, not in building its weights, which
-    # `attnlab eval --set model.NAME=...` may change on a trained model (Transformer-XL's
-    # memory length and distance clamp).
+    # `attnlab eval` and `attnlab generate` (`--set model.NAME=...`) may change on a trained
+    # model (Transformer-XL's memory length, distance clamp and same-length mask).
     EVAL_FIELDS: typing.ClassVar[tuple[str, ...]] = ()
 
     arch: str = "decoder"

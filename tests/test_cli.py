@@ -681,6 +681,15 @@ BAD_INPUTS = [
     (["generate", "--ckpt", "{work}/run", "--top-p", "0"], "--top-p"),
     (["generate", "--ckpt", "{work}/run", "--top-k", "0"], "--top-k"),
     (["generate", "--ckpt", "{work}/run", "--max-new-tokens", "-3"], "--max-new-tokens"),
+    (  # a decoder reads no evaluation settings (Transformer-XL's: tests/test_xl.py)
+        ["generate", "--ckpt", "{work}/run", "--set", "model.mem_len=8"],
+        "--set model.mem_len: generate changes only evaluation settings; a 'decoder' model "
+        "has none",
+    ),
+    (
+        ["eval", "--ckpt", "{work}/run", "--set", "model.dropout=0"],
+        "--set model.dropout: eval changes only evaluation settings; a 'decoder' model has none",
+    ),
     (["eval", "--ckpt", "{work}/run", "--data", "{tmp}/missing.txt"], "missing.txt"),
     (["eval", "--ckpt", "{work}/run", "--data", "{tmp}/euro.txt"], "U+20AC"),
     (

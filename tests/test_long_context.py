@@ -91,6 +91,38 @@ def test_all_local_rolling_cache_takes_chunks_of_any_size_past_capacity():
     assert cache.nbytes == nbytes == 4 * 2 * (2 * 2 * 4 * 8 * 4)  # layers, k+v, b h w d_h f32
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("window, sinks", [(1, 0), (3, 0), (5, 0), (3, 2), (6, 1)])
+def test_the_oldest_ring_slot_is_never_read(window, sinks):
+    """A ring keeps one slot more than attention reads (the query's own key comes with its
+    step; see RollingKV's size): garbage in the slot the next token overwrites leaves the
+    logits bitwise the same, over decode steps and chunks, with left padding; garbage in
+    the second-oldest changes them (it is read)."""
+    cfg = tiny(window=window, n_layers=2, max_seq_len=64).cfg
+    cfg.attention.sink_tokens = sinks
+    model = DecoderLM(cfg).eval()
+    idx = torch.randint(0, 40, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :7] = 0  # left padding longer than the window
+
+    def logits(slot: int | None) -> torch.Tensor:
+        cache, out, i = model.new_cache(2, 32), [], 0
+        for n in [4, 1, 1, 7, 1, 2, 1, 1, 9, 1, 1, 1]:  # 30 tokens
+            out.append(model(idx[:, i : i + n], cache=cache, attention_mask=mask[:, i : i + n]))
+            i += n
+            for ring in cache.layers:
+                size = ring.k.shape[2]
+                if slot is not None and slot < size:
+                    ring.k[:, :, (int(ring.written) + slot) % size] = 1e4
+                    ring.v[:, :, (int(ring.written) + slot) % size] = -1e4
+        return torch.cat([o.logits for o in out], 1)
+
+    clean = logits(None)
+    assert torch.equal(logits(0), clean)
+    if window - sinks > 1:
+        assert not torch.equal(logits(1), clean)
+
+
 # --------------------------------------------------------------------------- analysis
 
 

@@ -487,3 +487,36 @@ def test_eval_sets_a_longer_memory_clamp_len_and_same_length(tmp_path, capsys):
     ):  # fmt: skip
         assert main([*ev, "--set", bad]) == 1
         assert message in capsys.readouterr().err
+
+
+def test_generate_sets_a_longer_memory(tmp_path, capsys):
+    """attnlab generate --set model.mem_len (clamp_len, same_length): the greedy tokens of
+    the Python API's generation by a model built with those settings, the same weights;
+    other fields are refused by name, as eval refuses them."""
+    from attnlab.config import RunConfig
+    from attnlab.training.checkpoint import save_checkpoint
+
+    model = tiny(mem_len=4, max_seq_len=8)
+    save_checkpoint(tmp_path / "ckpt", model, RunConfig(model=model.cfg, task="lm-stream"), None)
+    prompt = torch.randint(0, 40, (19,)).tolist()  # read in segments of max_seq_len
+    gen = ["generate", "--ckpt", str(tmp_path / "ckpt"), "--temperature", "0"]
+    gen += ["--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "30"]
+    outputs = {}
+    for settings in ({}, {"mem_len": 24}, {"mem_len": 24, "clamp_len": 5, "same_length": True}):
+        sets = [f"--set=model.{k}={json.dumps(v)}" for k, v in settings.items()]
+        assert main([*gen, *sets]) == 0
+        got = [int(i) for i in capsys.readouterr().out.split(",")][len(prompt) :]
+        other = build_model(model.cfg.override(settings)).eval()  # built with them
+        other.load_state_dict(model.state_dict())
+        assert got == other.generate(prompt, 30)
+        outputs[json.dumps(settings)] = got
+    assert len(set(map(tuple, outputs.values()))) == 3  # each setting changed the tokens
+    for bad, message in (
+        ("model.n_layers=1", "--set model.n_layers: generate changes only evaluation settings; "
+         "those of this model: model.mem_len, model.clamp_len, model.same_length"),
+        ("train.lr=1", "--set train.lr: generate changes only evaluation settings"),
+        ("model.mem_len=0", "--set model.mem_len: must be > 0, got 0"),
+    ):  # fmt: skip
+        assert main([*gen, "--set", bad]) == 1
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

@@ -99,6 +99,44 @@ def parse_assignments(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def add_evaluation_settings_argument(p: argparse.ArgumentParser) -> None:
+    """``--set model.NAME=VALUE`` of a command that runs a trained model (eval, generate):
+    its evaluation settings, applied by :func:`evaluation_settings`."""
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an evaluation setting of the model, e.g. model.mem_len=1600 (Transformer-XL: "
+        "mem_len, clamp_len, same_length; repeatable)",
+    )
+
+
+def evaluation_settings(
+    items: list[str] | None, model: torch.nn.Module, cfg: RunConfig, command: str
+) -> RunConfig:
+    """``--set model.NAME=VALUE`` of ``command``: the model's evaluation settings (its
+    config's ``EVAL_FIELDS``, which it reads at every forward pass) changed on the loaded
+    model, its weights as trained; any other field is refused by name."""
+    overrides = parse_assignments(items)
+    if not overrides:
+        return cfg
+    import dataclasses
+
+    allowed = [f"model.{name}" for name in type(cfg.model).EVAL_FIELDS]
+    which = f"those of this model: {', '.join(allowed)}"
+    if not allowed:
+        which = f"a {cfg.model.arch!r} model has none"
+    for key in overrides:
+        if key not in allowed:
+            raise CLIError(f"--set {key}: {command} changes only evaluation settings; {which}")
+    try:
+        model_cfg = cfg.model.override({k.removeprefix("model."): v for k, v in overrides.items()})
+    except ConfigError as e:
+        raise CLIError(f"--set model.{e}") from None
+    model.cfg = model_cfg
+    return dataclasses.replace(cfg, model=model_cfg)
+
+
 def read_json_file(path: str | Path, what: str = "config") -> dict[str, Any]:
     path = Path(path)
     try:

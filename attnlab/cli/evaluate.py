@@ -18,9 +18,10 @@ from attnlab.cli.common import (
     CLIError,
     add_device_argument,
     add_dtype_argument,
+    add_evaluation_settings_argument,
     add_tokenizer_argument,
+    evaluation_settings,
     load_for_inference,
-    parse_assignments,
     positive_int,
     refuse_tokenizer_option,
     require_tokenizer,
@@ -67,13 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="overlapping windows of the block size moved by S tokens: each token scored "
         "once with at least block - S tokens of context (S <= block size)",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="an evaluation setting of the model, e.g. model.mem_len=1600 (Transformer-XL: "
-        "mem_len, clamp_len, same_length; repeatable)",
-    )
+    add_evaluation_settings_argument(p)
     add_device_argument(p)
     add_dtype_argument(p)
     add_tokenizer_argument(p)
@@ -109,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--errors applies to the text of --data; give --data PATH or drop it")
     device = resolve_device(args.device)
     model, cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
-    cfg = _evaluation_settings(args.set, model, cfg)
+    cfg = evaluation_settings(args.set, model, cfg, "eval")
     from attnlab.data.numbers import CharVocabPair
 
     if cfg.model.arch == "vit":
@@ -149,31 +144,6 @@ def run(args: argparse.Namespace) -> int:
     if bits_per_char is not None:
         print(f"bits/character  {bits_per_char:.4f}")
     return 0
-
-
-def _evaluation_settings(items: list[str] | None, model, cfg: RunConfig) -> RunConfig:
-    """``--set model.NAME=VALUE``: the model's evaluation settings (its config's
-    ``EVAL_FIELDS``, which it reads at every forward pass) changed on the loaded model, its
-    weights as trained; any other field is refused."""
-    overrides = parse_assignments(items)
-    if not overrides:
-        return cfg
-    import dataclasses
-
-    from attnlab.config import ConfigError
-
-    allowed = [f"model.{name}" for name in type(cfg.model).EVAL_FIELDS]
-    which = f"those of this model: {', '.join(allowed)}"
-    for key in overrides:
-        if key not in allowed:
-            which = which if allowed else f"a {cfg.model.arch!r} model has none"
-            raise CLIError(f"--set {key}: eval changes only evaluation settings; {which}")
-    try:
-        model_cfg = cfg.model.override({k.removeprefix("model."): v for k, v in overrides.items()})
-    except ConfigError as e:
-        raise CLIError(f"--set model.{e}") from None
-    model.cfg = model_cfg
-    return dataclasses.replace(cfg, model=model_cfg)
 
 
 def _task_metrics(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:

@@ -6,6 +6,9 @@ printed. Without ``--max-new-tokens`` the continuation fits the model's context:
 ``min(256, max_seq_len - prompt tokens)``, or, when the prompt fills the whole context,
 ``min(256, max_seq_len // 2)`` tokens (at least 1) with the context sliding as it goes.
 
+A Transformer-XL checkpoint may generate with another memory than it trained with:
+``--set model.mem_len=...`` (and ``clamp_len``, ``same_length``), as ``attnlab eval``.
+
 A checkpoint without a tokenizer (e.g. imported from a weight-only Hugging Face folder)
 takes ``--tokenizer FILE``, or token ids with ``--prompt-ids 1,2,3``; with no tokenizer at
 all, the output is token ids too (comma-separated: the prompt's, then the new ones).
@@ -25,7 +28,9 @@ from attnlab.cli.common import (
     CLIError,
     add_device_argument,
     add_dtype_argument,
+    add_evaluation_settings_argument,
     add_tokenizer_argument,
+    evaluation_settings,
     load_for_inference,
     non_negative_int,
     positive_int,
@@ -114,6 +119,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="beam scores are log p / length**A (default 1.0); the search ends once K beams "
         "have finished, as transformers' generate(early_stopping=True)",
     )
+    add_evaluation_settings_argument(p)
     add_device_argument(p)
     add_dtype_argument(p)
     p.add_argument(
@@ -222,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # before the (slow) model load
         raise CLIError(f"--{str(e).replace('_', '-')}") from None
     device = resolve_device(args.device)
-    model, _, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
+    model, run_cfg, tokenizer = load_for_inference(args.ckpt, device, args.dtype)
     cfg = model.cfg
     if not hasattr(model, "stream"):  # encoders, encoder-decoders, image classifiers
         raise CLIError(
@@ -230,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
             "(arch 'decoder' or 'xl'): use translate for seq2seq checkpoints, fill-mask, "
             "classify, tag or answer for encoders"
         )
+    cfg = evaluation_settings(args.set, model, run_cfg, "generate").model
     tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.vocab_size)
     from attnlab.interop import HFCheckpointError
     from attnlab.tokenizers import TokenizerError

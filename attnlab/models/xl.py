@@ -60,7 +60,8 @@ class XLConfig(ModelConfig):
     ``clamp_len``: relative distances above it use its encoding (None: no clamp);
     ``same_length``: each query attends to the mem_len most recent keys, its own included
     (False: to all of memory and segment up to itself). Both are the original code's
-    evaluation settings; with mem_len, ``attnlab eval --set`` may change them."""
+    evaluation settings; with mem_len, ``--set`` of ``attnlab eval`` and ``attnlab generate``
+    may change them."""
 
     EVAL_FIELDS: ClassVar[tuple[str, ...]] = ("mem_len", "clamp_len", "same_length")
 
