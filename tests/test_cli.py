@@ -317,8 +317,9 @@ def test_generate_with_beams_prints_the_best_beam(work, capsys):
 
 
 def test_generate_refuses_sampling_options_with_beams(work, capsys):
-    """--num-beams searches: --temperature, --top-k or --top-p given with it are refused by
-    name (they were silently ignored); without beams the default temperature still applies."""
+    """--num-beams searches: --top-k, --top-p or a --temperature above 0 given with it are
+    refused by name (they were silently ignored); without beams the default temperature
+    still applies."""
     argv = ["generate", "--ckpt", str(work / "run"), "--num-beams", "2", "--max-new-tokens", "2"]
     for extra, named in ((["--top-k", "5"], "--top-k"), (["--temperature", "0.5", "--top-p",
                          "0.9"], "--temperature, --top-p")):  # fmt: skip

@@ -109,7 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         metavar="K",
         help="beam search with K beams: the most probable continuation, not a sample "
-        "(refused with --temperature, --top-k or --top-p)",
+        "(refused with --top-k, --top-p or a --temperature above 0)",
     )
     p.add_argument(
         "--length-penalty",
@@ -215,7 +215,9 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.generation import check_sampling
 
     if args.num_beams > 1:  # a search, not a sample: options of sampling would be ignored
-        given = [f"--{n.replace('_', '-')}" for n in SAMPLING if getattr(args, n) is not None]
+        given = [  # --temperature 0 (greedy) does not sample
+            f"--{n.replace('_', '-')}" for n in SAMPLING if getattr(args, n) not in (None, 0)
+        ]
         if given:
             raise CLIError(
                 f"{', '.join(given)}: sampling, and --num-beams searches instead of sampling; "
