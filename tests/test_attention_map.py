@@ -22,9 +22,11 @@ from attnlab.attention_maps import (  # noqa: E402
     AttentionMapError,
     draw_attention,
     figure_inches,
+    panel_rows,
     record_attention,
     save_png,
     stack_layers,
+    token_label,
 )
 from attnlab.cli.main import main  # noqa: E402
 from attnlab.config import AttentionConfig, ModelConfig, PositionConfig, RunConfig  # noqa: E402
@@ -364,3 +366,71 @@ def test_cli_encoder_classifier_maps_the_input_classify_feeds_it(tmp_path, monke
     with torch.no_grad(), record_attention(model) as recorded:
         model(ids)
     torch.testing.assert_close(grid.weights, stack_layers(recorded)["blocks.attn"][:, 0])
+
+
+def test_stack_layers_groups_by_name_and_orders_layers_by_number():
+    """Twelve layers (two digits) recorded in any order: one group per module name with its
+    layer index taken out, layers in numeric order (10 after 9)."""
+    maps = {}
+    for i in [11, 2, 10, 0, 9, 1, 3, 4, 5, 6, 7, 8]:
+        maps[f"decoder.{i}.cross_attn"] = torch.full((1, 2, 3, 4), float(i))
+        maps[f"decoder.{i}.self_attn"] = torch.full((1, 2, 3, 3), -float(i))
+    maps["pool.attn"] = torch.zeros(1, 2, 1, 4)
+    stacked = stack_layers(maps)
+    assert sorted(stacked) == ["decoder.cross_attn", "decoder.self_attn", "pool.attn"]
+    assert stacked["decoder.cross_attn"].shape == (12, 1, 2, 3, 4)
+    assert stacked["decoder.cross_attn"][:, 0, 0, 0, 0].tolist() == list(range(12))
+    assert stacked["decoder.self_attn"][:, 0, 0, 0, 0].tolist() == [-i for i in range(12)]
+    assert stacked["pool.attn"].shape == (1, 1, 2, 1, 4)
+
+
+def test_a_module_that_runs_twice_while_recording_is_an_error():
+    model = tiny_decoder()
+    idx = torch.randint(0, 20, (1, 5))
+    with pytest.raises(AttentionMapError, match="ran twice"):
+        with torch.no_grad(), record_attention(model):
+            model(idx)
+            model(idx)
+
+
+def test_panel_rows_heads_fit_every_grid_and_the_panel_limit_is_exact():
+    from attnlab.attention_maps import MAX_PANELS
+
+    def grid(layers, heads):
+        return AttentionGrid("g", torch.rand(layers, heads, 3, 3), ["a"] * 3, ["b"] * 3)
+
+    rows, heads = panel_rows([grid(2, 4), grid(1, 2)], None, None)
+    assert heads == [0, 1] and len(rows) == 3  # the heads every grid has
+    with pytest.raises(AttentionMapError, match="--heads 3: the model has 2 heads"):
+        panel_rows([grid(2, 4), grid(1, 2)], None, [3])
+    rows, heads = panel_rows([grid(MAX_PANELS, 1)], None, None)
+    assert len(rows) * len(heads) == MAX_PANELS
+    with pytest.raises(AttentionMapError, match=f"{MAX_PANELS + 1} heatmaps"):
+        panel_rows([grid(MAX_PANELS + 1, 1)], None, None)
+
+
+def test_drawn_panels_show_the_weights_asked_for():
+    """Each panel shows its layer and head; a patch grid shows query 0 ([CLS]) over keys
+    1.. as an image; key labels go under each grid's bottom row, query labels left."""
+    torch.manual_seed(0)
+    text = AttentionGrid("text", torch.rand(2, 2, 3, 3), ["q0", "q1", "q2"], ["k0", "k1", "k2"])
+    image = AttentionGrid("vit", torch.rand(1, 2, 5, 5), ["c"] * 5, ["c"] * 5, patches=(2, 2))
+    fig = draw_attention([text, image], heads=[1])
+    axes = fig.axes
+    assert len(axes) == 3
+    for ax, want in zip(axes[:2], text.weights[:, 1]):  # layers 0 and 1, head 1
+        assert torch.equal(torch.as_tensor(ax.images[0].get_array()), want)
+    shown = torch.as_tensor(axes[2].images[0].get_array())
+    assert torch.equal(shown, image.weights[0, 1, 0, 1:].reshape(2, 2))
+
+    def labels(ticks):
+        return [t.get_text() for t in ticks]
+
+    assert labels(axes[0].get_xticklabels()) == []  # the grid's next row holds them
+    assert labels(axes[1].get_xticklabels()) == ["k0", "k1", "k2"]
+    assert labels(axes[0].get_yticklabels()) == ["q0", "q1", "q2"]
+
+
+def test_token_labels_show_spaces_and_line_breaks():
+    assert token_label(" a\nb") == "\u2423a\u21b5b"
+    assert token_label("") == "\u2205"

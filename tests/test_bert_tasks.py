@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from attnlab.cli.main import main
 from attnlab.config import ConfigError
+from attnlab.data.corpus import DataError
 from attnlab.data.generated import (
     CITIES,
     EVERYONE,
@@ -24,6 +25,7 @@ from attnlab.data.generated import (
     MONTHS,
     SURNAMES,
     WEEKDAYS,
+    distinct_splits,
     number_languages,
     qa_examples,
     tagged_sentences,
@@ -81,8 +83,26 @@ def test_languages_are_split_by_number_and_ambiguous_texts_left_out():
     assert not kept & shared
 
 
+def is_date(text: str) -> bool:
+    """A weekday, or a real calendar day written as "March 3", "3 March 1990", "March 3,
+    1990" or "Monday, March 3" (a day without a year is read in the leap year 2000)."""
+    from datetime import datetime
+
+    if text in WEEKDAYS:
+        return True
+    for form in ("%d %B %Y", "%B %d, %Y", "%B %d %Y", "%A, %B %d %Y"):
+        for written in (text, f"{text} 2000"):
+            try:
+                datetime.strptime(written, form)
+                return True
+            except ValueError:
+                pass
+    return False
+
+
 def test_tagged_sentences_entities_and_held_out_names():
     data = tagged_sentences(400, 60, 60, seed=1, held_out=0.25)
+    in_words = {number_to_words(n) for n in range(2, 1000)}  # a NUM may be written out
     seen, unseen = EVERYONE.split(0.25, seed=1)
     texts = {split: {s.text for s in data.split(split)} for split in ("train", "val", "test")}
     assert len(texts["train"]) == 400 and not texts["train"] & (texts["val"] | texts["test"])
@@ -98,11 +118,17 @@ def test_tagged_sentences_entities_and_held_out_names():
                     assert text in names.cities
                 elif label == "DATE":
                     assert any(w in text for w in MONTHS + WEEKDAYS)
+                    assert is_date(text), text
                 else:
-                    assert text[0].isdigit() or text[0].isalpha()
+                    # words may open the sentence, capitalised
+                    assert text.lower() in in_words or 2 <= int(text.replace(",", "")) <= 20_000
     assert set(seen.cities) | set(unseen.cities) == set(CITIES)
     assert not set(seen.first_names) & set(unseen.first_names)
     assert len(unseen.surnames) == round(0.25 * len(SURNAMES))
+    # a small fraction still holds out three of each (a QA context names up to three people)
+    _, few = EVERYONE.split(0.01, seed=1)
+    assert len(few.first_names) == len(few.surnames) == len(few.cities) == 3
+    assert len(qa_examples(20, 5, 5, seed=1, held_out=0.01).test) == 5
     assert tagged_sentences(50, 5, 5, seed=1) == tagged_sentences(50, 5, 5, seed=1)
     assert tagged_sentences(50, 5, 5, seed=1) != tagged_sentences(50, 5, 5, seed=2)
 
@@ -126,6 +152,54 @@ def test_qa_answers_are_spans_of_their_context():
             assert person in sentence
             if split != "train":
                 assert person in unseen.first_names
+
+
+# The facts and questions as the module documents them, written out here independently:
+# relation -> (fact pattern, question pattern); a fact's groups are (person, value).
+QA_FACTS = {
+    "born": (r"(\w+) was born in (\d{4})", r"When was (\w+) born\?"),
+    "lives": (r"(\w+) lives in ([A-Z][A-Za-z ]+)", r"Where does (\w+) live\?"),
+    "job": (r"(\w+) works as a (\w+)", r"What is the job of (\w+)\?"),
+    "colour": (r"The favourite colour of (\w+) is (\w+)", r"What colour does (\w+) like best\?"),
+    "plays": (r"(\w+) plays the (\w+)", r"Which instrument does (\w+) play\?"),
+    "cats": (r"(\w+) has (\d) cats", r"How many cats does (\w+) have\?"),
+}
+
+
+def test_qa_question_asks_the_one_fact_whose_value_is_the_answer():
+    """Read every context back into (person, relation) -> value by the fact patterns: no
+    person-relation pair is stated twice (two values would make the question ambiguous),
+    and the question's person and relation name the fact whose value is the answer, at
+    ``start``."""
+    import re
+
+    data = qa_examples(200, 20, 20, seed=3)
+    for e in data.train + data.val + data.test:
+        facts = {}
+        sentences = e.context[:-1].split(". ")
+        assert 3 <= len(sentences) <= 5, e.context
+        offset = 0
+        for sentence in sentences:
+            [(relation, match)] = [
+                (r, m) for r, (fact, _) in QA_FACTS.items() if (m := re.fullmatch(fact, sentence))
+            ]
+            key = (match.group(1), relation)
+            assert key not in facts, e.context  # each pair stated once
+            facts[key] = (match.group(2), offset + match.start(2))
+            offset += len(sentence) + 2
+        [(relation, match)] = [
+            (r, m) for r, (_, q) in QA_FACTS.items() if (m := re.fullmatch(q, e.question))
+        ]
+        assert facts[(match.group(1), relation)] == (e.answer, e.start), (e.context, e.question)
+
+
+def test_distinct_splits_keep_every_key_once_and_say_when_too_few_exist():
+    data = distinct_splits(lambda rng: rng.randrange(10), str, 5, 2, 3, seed=0)
+    drawn = data.train + data.val + data.test
+    assert (len(data.train), len(data.val), len(data.test)) == (5, 2, 3)
+    assert sorted(drawn) == list(range(10))  # ten distinct draws of ten values
+    with pytest.raises(DataError, match="only 10 distinct examples"):
+        distinct_splits(lambda rng: rng.randrange(10), str, 5, 3, 3, seed=0)
 
 
 @pytest.mark.parametrize("make", [tagged_sentences, qa_examples])

@@ -70,6 +70,38 @@ def test_kernel_regression_demo(tmp_path, capsys):
     )  # noqa: E501
 
 
+def test_kernel_regression_demo_errors_are_against_the_d2l_function(tmp_path, capsys):
+    """The printed test MSEs, recomputed here: the data of d2l.ai 11.2 (x ~ U(0, 5) drawn
+    from the seed, y = 2 sin(x) + x^0.8 + noise), the mean of y and a Nadaraya-Watson
+    estimate with Gaussian weights exp(-((x - x_i) / h)^2 / 2) over an even grid of [0, 5]."""
+    n, n_test, h, noise = 40, 30, 0.5, 0.5
+    code = main([
+        "demo", "kernel-regression", "--out", str(tmp_path), "--n-train", str(n), "--n-test",
+        str(n_test), "--steps", "1", "--seed", "5", "--bandwidth", str(h), "--noise", str(noise),
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    g = torch.Generator().manual_seed(5)
+    x = torch.sort(torch.rand(n, generator=g) * 5).values.double()
+    y = 2 * torch.sin(x) + x**0.8 + noise * torch.randn(n, generator=g).double()
+    grid = torch.linspace(0, 5, n_test, dtype=torch.float64)
+    truth = 2 * torch.sin(grid) + grid**0.8
+    weights = torch.exp(-(((grid[:, None] - x[None, :]) / h) ** 2) / 2)  # (n_test, n)
+    estimate = (weights / weights.sum(1, keepdim=True)) @ y
+    for name, pred in (("mean of y (baseline)", y.mean()), ("fixed gaussian", estimate)):
+        [row] = table_rows(out, name)
+        assert float(row[-1]) == pytest.approx(((pred - truth) ** 2).mean().item(), rel=1e-3)
+
+
+def test_bahdanau_demo_scores():
+    from attnlab.demos.bahdanau import char_accuracy, exact
+
+    assert exact(["one", "two", "si"], ["one", "twO", "six"]) == pytest.approx(1 / 3)
+    # position by position over the longer of each pair: 2 of 3, then 2 of 4
+    assert char_accuracy(["abc", "ab"], ["abd", "abcd"]) == pytest.approx(4 / 7)
+    assert char_accuracy(["xbcde"], ["abc"]) == pytest.approx(2 / 5)
+
+
 def test_sqrt_dk_demo_prints_variances_near_d_and_one(tmp_path, capsys):
     code = main(["demo", "sqrt-dk", "--out", str(tmp_path), "--d-max", "64", "--n-rows", "200"])
     assert code == 0
@@ -108,6 +140,12 @@ def test_temperature_sweep_goes_from_argmax_to_uniform():
     want = torch.distributions.Categorical(logits=logits).entropy().item()
     assert one["entropy"] == pytest.approx(want, rel=1e-9)
     assert entropy(torch.tensor([1.0, 0.0])).item() == 0.0  # 0 log 0 = 0, not nan
+    # exp(entropy): the number of equally likely outcomes with that entropy (1 to n)
+    assert one["effective"] == pytest.approx(math.exp(want), rel=1e-9)
+    assert cold["effective"] == pytest.approx(1.0) and hot["effective"] == pytest.approx(20)
+    rows = torch.stack([logits.softmax(-1), (logits / 3).softmax(-1)])  # (2, n): one per row
+    want_rows = torch.distributions.Categorical(probs=rows).entropy()
+    torch.testing.assert_close(entropy(rows), want_rows)
 
 
 def test_temperature_demo_without_model(tmp_path, capsys):

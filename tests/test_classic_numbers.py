@@ -51,6 +51,18 @@ def test_encode_decode_round_trip_with_specials(data):
         assert data.tgt_vocab.decode(ids + [data.tgt_vocab.pad_id] * 3) == words
         assert data.src_vocab.decode(data.src_vocab.encode(digits)) == digits
     assert data.tgt_vocab.itos[:3] == ["<pad>", "<bos>", "<eos>"]
+    # a decoder's output runs on after its EOS: what follows is not text
+    vocab = data.src_vocab
+    assert vocab.decode(vocab.encode("12", eos=True) + vocab.encode("34", eos=True)) == "12"
+
+
+def test_target_vocabulary_holds_the_letters_of_every_split():
+    """The held-out numbers' words may hold letters no training number has ("z" of zero):
+    the target vocabulary is the alphabet of every split, so a test batch encodes."""
+    data = make_numbers_dataset("en", max_number=20, n_train=1, n_val=0, n_test=19, seed=0)
+    words = [num2words(n, lang="en") for n in range(20)]
+    assert data.tgt_vocab.chars == "".join(sorted(set("".join(words))))
+    collate(data.test, data.src_vocab, data.tgt_vocab)
 
 
 def test_french_vocabulary_has_accents_and_english_has_commas():
@@ -95,6 +107,11 @@ def test_iterate_batches_covers_every_pair_once_and_shuffles_by_seed(data):
     shuffled = seen(shuffle=True, seed=1)
     assert sorted(shuffled) == sorted(plain) and shuffled != plain
     assert shuffled == seen(shuffle=True, seed=1)
+    # a last batch of one pair is kept too
+    assert len(pairs) % 64 != 1
+    tail = pairs[: 64 * 2 + 1]
+    batches = list(iterate_batches(tail, data.src_vocab, data.tgt_vocab, 64))
+    assert [b.src.shape[0] for b in batches] == [64, 64, 1]
 
 
 @pytest.mark.parametrize(

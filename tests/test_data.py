@@ -301,6 +301,40 @@ def test_folder_corpus_reads_txt_and_md(tmp_path):
     assert [Path(name).name for name, _ in docs] == ["a.txt", "b.md"]
 
 
+def test_folder_corpus_order_suffixes_and_blank_files(tmp_path):
+    """Documents in order of their path relative to the folder (not the order the file
+    system lists them, nor the folders' files first), suffixes in any case, and a file of
+    whitespace only adds no document."""
+    root = tmp_path / "c"
+    for name in ("z.txt", "m/a.txt", "A.txt", "b.MD", "m/NOTES.TXT", "blank.txt"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(" \n\t\n" if name == "blank.txt" else f"text of {name}\n")
+    (tmp_path / "outside.txt").write_text("text of 0.txt\n")
+    (root / "0.txt").symlink_to(tmp_path / "outside.txt")  # a linked file sorts by its name
+    docs = read_corpus(root)
+    names = ["0.txt", "A.txt", "b.MD", "m/NOTES.TXT", "m/a.txt", "z.txt"]  # code point order
+    assert [name for name, _ in docs] == [str(root / name) for name in names]
+    assert [text for _, text in docs] == [f"text of {name}\n" for name in names]
+
+
+def test_sources_digest_changes_with_names_contents_order_and_boundaries():
+    from attnlab.data.corpus import RawSource, sources_digest
+
+    def digest(*pairs):
+        return sources_digest([RawSource(key, key, data) for key, data in pairs])
+
+    base = digest(("a.txt", b"one"), ("b.txt", b"two"))
+    assert base == digest(("a.txt", b"one"), ("b.txt", b"two"))
+    others = [
+        digest(("a.txt", b"one"), ("c.txt", b"two")),  # a file renamed
+        digest(("a.txt", b"one"), ("b.txt", b"twO")),  # an edit
+        digest(("b.txt", b"two"), ("a.txt", b"one")),  # the order
+        digest(("a.txt", b"one"), ("b.txt", b"two"), ("c.txt", b"")),  # one more document
+        digest(("a.txtone", b""), ("b.txt", b"two")),  # the same bytes, cut elsewhere
+    ]
+    assert len({base, *others}) == 1 + len(others)
+
+
 def test_unwritable_cache_warns_and_still_works(corpus_dir, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("a file where the cache folder should be")

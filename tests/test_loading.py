@@ -152,7 +152,9 @@ def test_safetensors_reader_chunks_any_layout(tmp_path, monkeypatch):
 
     import attnlab.weights as weights
 
-    tensors = {"a": torch.randn(37, 11), "b": torch.randn(5).bfloat16(), "c": torch.tensor(3)}
+    # d: a row (160 bytes) wider than a chunk
+    tensors = {"a": torch.randn(37, 11), "b": torch.randn(5).bfloat16(), "c": torch.tensor(3),
+               "d": torch.randn(3, 40)}  # fmt: skip
     save_file(tensors, tmp_path / "x.safetensors")
     monkeypatch.setattr(weights, "CHUNK_BYTES", 64)
     f = SafetensorsFile(tmp_path / "x.safetensors")
@@ -164,10 +166,75 @@ def test_safetensors_reader_chunks_any_layout(tmp_path, monkeypatch):
     f.read_into("a", half)
     assert torch.equal(half, ref["a"].half())
     assert torch.equal(f.read("b"), ref["b"]) and torch.equal(f.read("c"), ref["c"])
+    wide = torch.empty(3, 40, dtype=torch.float64)
+    f.read_into("d", wide)
+    assert torch.equal(wide, ref["d"].double())
     with open(tmp_path / "x.safetensors", "r+b") as fh:  # truncated data
         fh.truncate(os.path.getsize(tmp_path / "x.safetensors") - 4)
     with pytest.raises(weights.WeightsFileError, match="truncated"):
         SafetensorsFile(tmp_path / "x.safetensors")
+
+
+def test_safetensors_reader_reads_every_dtype_and_checks_offsets(tmp_path):
+    """Each dtype the reader knows reads back as the safetensors library reads it (same
+    dtype, same values), and a header whose offsets disagree with its shape is refused."""
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    import attnlab.weights as weights
+
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    tensors = {str(dtype): (torch.randn(3, 5, generator=g) * 50).to(dtype) for dtype in dtypes}
+    save_file(tensors, tmp_path / "all.safetensors")
+    f = SafetensorsFile(tmp_path / "all.safetensors")
+    ref = load_file(tmp_path / "all.safetensors")
+    for name in tensors:
+        got = f.read(name)
+        assert got.dtype == ref[name].dtype and torch.equal(got, ref[name]), name
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(weights.WeightsFileError, match="'a' has inconsistent offsets"):
+        SafetensorsFile(bad)
+
+
+def test_materialize_keeps_flags_full_precision_and_fills_saved_buffers():
+    """``materialize`` on a model built on the meta device: a frozen parameter stays
+    frozen, one a module names in ``full_precision`` stays float32 under a bf16 load, and
+    persistent buffers (a batch norm's running statistics) are filled like parameters."""
+    from torch import nn
+
+    from attnlab.weights import materialize, parameters_on_meta
+
+    class Net(nn.Module):
+        full_precision = ("kept",)
+
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Parameter(torch.randn(3, 4))
+            self.frozen.requires_grad_(False)
+            self.kept = nn.Parameter(torch.randn(4))
+            self.lin = nn.Linear(4, 4)
+            self.norm = nn.BatchNorm1d(4)
+
+    torch.manual_seed(0)
+    ref = Net()
+    ref.norm(torch.randn(8, 4) * 3 + 1)  # running statistics away from their start
+    state = ref.state_dict()
+    with parameters_on_meta():
+        net = Net()
+    assert net.lin.weight.is_meta and not net.frozen.requires_grad
+    materialize(net, lambda name, t: t.copy_(state[name]), dtype=torch.bfloat16)
+    assert not net.frozen.requires_grad and net.lin.weight.requires_grad
+    assert net.kept.dtype == torch.float32 and torch.equal(net.kept, ref.kept)
+    assert net.lin.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(net.lin.weight, ref.lin.weight.bfloat16(), rtol=0, atol=0)
+    assert net.norm.num_batches_tracked.item() == 1
+    torch.testing.assert_close(net.norm.running_mean, ref.norm.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(net.norm.running_var, ref.norm.running_var, rtol=0, atol=0)
 
 
 def test_checkpoint_misshaped_tensor_names_both_shapes(tmp_path):

@@ -114,6 +114,86 @@ def test_digits_and_random_shift():
         assert ok
 
 
+def test_digits_split_keeps_each_image_with_its_label():
+    """Against scikit-learn's own arrays: the two splits together are every image once, each
+    with its label, pixels 0..16 scaled to exactly 0..1."""
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import load_digits
+
+    from attnlab.data.images import digits
+
+    ref = load_digits()
+    want = sorted(
+        (img.astype(int).tobytes(), int(label)) for img, label in zip(ref.images, ref.target)
+    )
+    data = digits(test_fraction=0.25, seed=3)
+    x = torch.cat([data.train_x, data.test_x]) * 16  # (n, 1, 8, 8) back to grey levels
+    y = torch.cat([data.train_y, data.test_y])
+    assert torch.equal(x, x.round()) and float(x.max()) == 16.0
+    got = sorted((img[0].numpy().astype(int).tobytes(), int(label)) for img, label in zip(x, y))
+    assert got == want
+    assert len(data.test_y) == round(0.25 * len(ref.target))
+
+
+def test_shift_moves_each_image_by_pad_minus_its_offsets():
+    from attnlab.data.images import shift
+
+    x = torch.arange(1, 2 * 3 * 64 + 1, dtype=torch.float32).view(2, 3, 8, 8)
+    dy, dx = torch.tensor([0, 2]), torch.tensor([2, 1])
+    out = shift(x, dy, dx, pad=1)
+    for i in range(2):  # moved down by 1 - dy, right by 1 - dx; zeros where nothing moves in
+        down, right = 1 - int(dy[i]), 1 - int(dx[i])
+        want = torch.zeros(3, 8, 8)
+        for r in range(8):
+            for c in range(8):
+                if 0 <= r - down < 8 and 0 <= c - right < 8:
+                    want[:, r, c] = x[i, :, r - down, c - right]
+        assert torch.equal(out[i], want)
+
+
+def test_random_shift_draws_every_offset_and_batches_keep_their_labels():
+    from attnlab.data.images import image_batches, random_shift, shift
+
+    x = torch.arange(1, 65, dtype=torch.float32).view(1, 1, 8, 8).expand(300, 1, 8, 8)
+    out = random_shift(x, pad=1, generator=torch.Generator().manual_seed(0))
+    offsets = [(dy, dx) for dy in range(3) for dx in range(3)]
+    moved = {o: shift(x[:1], torch.tensor([o[0]]), torch.tensor([o[1]]))[0] for o in offsets}
+    seen = {next(o for o in offsets if torch.equal(img, moved[o])) for img in out}
+    assert seen == set(offsets)
+    # images of constant grey level = label: an augmented image's inner pixels still say it
+    images = torch.arange(40, dtype=torch.float32)[:, None, None, None].expand(40, 1, 8, 8)
+    batches = image_batches(images, torch.arange(40), 8, seed=1)
+    for _ in range(10):
+        batch, labels = next(batches)
+        assert torch.equal(batch[:, 0, 1:-1, 1:-1], labels[:, None, None].float().expand(8, 6, 6))
+
+
+def test_accuracy_counts_argmax_hits_and_restores_modes():
+    from types import SimpleNamespace
+
+    from attnlab.data.images import accuracy
+
+    class Picks(torch.nn.Module):  # logits: the image's first 3 pixels
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return SimpleNamespace(logits=x.flatten(1)[:, :3])
+
+    x = torch.zeros(7, 1, 8, 8)
+    predicted = torch.tensor([0, 1, 2, 0, 1, 2, 0])
+    x[torch.arange(7), 0, 0, predicted] = 1.0
+    y = torch.tensor([0, 1, 2, 1, 1, 0, 0])  # 5 of 7 right
+    model = Picks().train()
+    model.inner.eval()
+    assert accuracy(model, x, y, batch_size=3) == pytest.approx(5 / 7)
+    assert model.training and not model.inner.training
+    with pytest.raises(IndexError):  # no logits to take the arg-max of: modes still return
+        accuracy(model, x[..., :0], y)
+    assert model.training and not model.inner.training
+
+
 def test_text_classification_trains_single_label_classifiers():
     """A multi-label classifier (an imported problem_type) fine-tuned by the task, whose
     loss is softmax cross-entropy over one label, is a single-label one afterwards."""

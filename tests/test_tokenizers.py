@@ -100,17 +100,43 @@ def test_bpe_round_trip_of_unseen_unicode(bpe):
         assert bpe.decode(ids) == text
 
 
-def test_char_starts_count_each_character_once(bpe):
+@pytest.mark.parametrize(
+    "text",
+    [TRICKY, "".join(map(chr, range(0xA0, 0x100))) + "\u0800\uffff"],  # all of 0x80-0xBF
+    ids=["tricky", "continuation-bytes"],
+)
+def test_char_starts_count_each_character_once(bpe, text):
     # bits per character: the characters a run of tokens predicts, where a character cut
     # across byte-level tokens counts once (decoding a run alone gives stray U+FFFDs)
-    for tokenizer in (bpe, train_tokenizer("char", [TRICKY])):
+    for tokenizer in (bpe, train_tokenizer("char", [text])):
         starts = tokenizer.char_starts()
-        ids = np.asarray(tokenizer.encode(TRICKY))
+        ids = np.asarray(tokenizer.encode(text))
         assert starts.shape == (tokenizer.vocab_size,)
-        assert starts[ids].sum() == len(TRICKY)
+        assert starts[ids].sum() == len(text)
         for cut in range(1, len(ids)):  # any two runs: every character in exactly one
-            assert starts[ids[:cut]].sum() + starts[ids[cut:]].sum() == len(TRICKY)
+            assert starts[ids[:cut]].sum() + starts[ids[cut:]].sum() == len(text)
             assert starts[ids[:cut]].sum() == len(tokenizer.decode(ids[:cut]))  # a prefix
+
+
+def test_added_special_tokens_encode_decode_and_count_as_their_text(bpe):
+    """Special tokens added to a byte-level tokenizer (GPT-2's "<|endoftext|>", and one
+    whose text holds a space and an accent, which no byte-level symbol spells): their ids
+    are in the vocabulary, a text holding them encodes to them and decodes back with them
+    kept, and each counts as the characters of its text."""
+    specials = ["<|endoftext|>", "<|fin du café|>"]
+    hf = HFTokenizer.from_str(bpe.to_json())
+    hf.add_special_tokens(specials)
+    tokenizer = tokenizers_module.Tokenizer(hf)
+    added = [hf.token_to_id(token) for token in specials]
+    assert added == [bpe.vocab_size, bpe.vocab_size + 1]
+    assert tokenizer.vocab_size == bpe.vocab_size + 2
+    text = "the end.<|endoftext|>A new one <|fin du café|> and more"
+    ids = tokenizer.encode(text)
+    assert set(added) <= set(ids) and ids == hf.encode(text).ids
+    assert tokenizer.decode(ids) == text
+    starts = tokenizer.char_starts()
+    assert starts[ids].sum() == len(text)
+    assert starts[added].tolist() == [len(token) for token in specials]
 
 
 def test_bpe_vocab_size_and_compression(bpe, small_corpus):
@@ -166,6 +192,20 @@ def test_sentencepiece_style_text_is_not_cut(monkeypatch):
     ids = tokenizer.encode(text)
     assert ids == tokenizer.hf.encode(text, add_special_tokens=False).ids
     assert tokenizer.decode(ids) == text
+
+
+def test_byte_level_with_a_prefix_space_is_not_cut(bpe, monkeypatch):
+    """A byte-level pre-tokenizer with ``add_prefix_space`` (RoBERTa's) puts a space before
+    every text, so before every cut piece too: a long text encodes whole."""
+    from tokenizers import pre_tokenizers
+
+    hf = HFTokenizer.from_str(bpe.to_json())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer = tokenizers_module.Tokenizer(hf)
+    text = default_corpus()[:20_000]
+    monkeypatch.setattr(tokenizers_module, "_CHUNK_CHARS", 500)
+    assert len(split_for_encoding(text)) > 20
+    assert tokenizer.encode(text) == hf.encode(text).ids
 
 
 @pytest.mark.parametrize("pre_tokenizer", [None, "metaspace"])

@@ -78,9 +78,11 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 512) -> f
     """Fraction of images whose arg-max class is the label (eval mode, restored after)."""
     modes = enter_eval(model)
     correct = 0
-    for i in range(0, len(y), batch_size):
-        correct += int(
-            (model(x[i : i + batch_size]).logits.argmax(-1) == y[i : i + batch_size]).sum()
-        )
-    restore(modes)
+    try:
+        for i in range(0, len(y), batch_size):
+            correct += int(
+                (model(x[i : i + batch_size]).logits.argmax(-1) == y[i : i + batch_size]).sum()
+            )
+    finally:  # also when the model raises: the caller's modes come back
+        restore(modes)
     return correct / len(y)
