@@ -276,6 +276,25 @@ def test_cli_draws_for_a_path_that_is_not_utf8(decoder_ckpt, tmp_path, capsys):
     assert _png_size(out) == _expected_size(2, 4)
 
 
+def test_each_panel_draws_its_layer_and_head_and_vit_cls_over_the_patches():
+    """Panel (row, column) shows the weights of its layer and head: a t x s heatmap, or for a
+    ViT grid the [CLS] query's weights over the patches (keys 1..N, [CLS] itself left out)
+    laid out as the image's rows x columns of patches. Heads must exist in every grid."""
+    g = torch.Generator().manual_seed(0)
+    text = AttentionGrid("self", torch.rand(2, 3, 4, 4, generator=g), list("abcd"), list("abcd"))
+    image = AttentionGrid("vit", torch.rand(2, 3, 7, 7, generator=g), [], [], patches=(2, 3))
+    fig = draw_attention([text, image], layers=[1], heads=[2, 0])
+    axes = [fig.axes[i : i + 2] for i in (0, 2)]  # rows: (text, layer 1), (vit, layer 1)
+    for c, head in enumerate((2, 0)):
+        drawn = torch.as_tensor(axes[0][c].images[0].get_array())
+        torch.testing.assert_close(drawn, text.weights[1, head])
+        drawn = torch.as_tensor(axes[1][c].images[0].get_array())
+        torch.testing.assert_close(drawn, image.weights[1, head, 0, 1:].reshape(2, 3))
+    narrow = AttentionGrid("cross", torch.rand(1, 2, 4, 4, generator=g), list("abcd"), list("abcd"))
+    with pytest.raises(AttentionMapError, match="--heads 2: the model has 2 heads"):
+        draw_attention([text, narrow], heads=[2])
+
+
 def test_labels_and_titles_with_dollar_signs_are_drawn_as_written(tmp_path):
     # a byte-level BPE token " $$" is not mathtext (it failed to parse), nor is "$x$"
     labels = ["\u2423$$", "$x$", "\\$", "a$b"]

@@ -294,6 +294,41 @@ def test_source_padding_does_not_change_other_rows():
     ]
 
 
+def test_encoder_state_and_decoder_steps_are_bahdanaus_equations_written_out():
+    """Bahdanau et al. (2015) written out here, with torch's GRU (its documented h_n layout,
+    (layer, direction) pairs) as the encoder of each row's real tokens alone: layer l's
+    initial decoder state is tanh(W_s [forward final; backward final] of layer l); at each
+    step the top layer's previous state queries the source, e_j = v . tanh(W_q s + W_k h_j),
+    and the context joins the embedded token at the GRU's input and its output at the
+    output layer. Two layers, so that a layer or direction taken for another shows."""
+    torch.manual_seed(0)
+    model = tiny_model(n_layers=2)
+    src, mask = padded_sources()
+    tgt = torch.randint(0, TGT_V, (3, 4))
+    L, H = 2, model.cfg.hidden_dim
+    att = model.attention
+    with torch.no_grad():
+        out = model(src, mask, tgt)
+        _, hidden = model.encode(src, mask)
+        for row in range(3):
+            n = int(mask[row].sum())
+            states, h_n = model.encoder(model.src_embed(src[row : row + 1, :n]))
+            h_n = h_n.view(L, 2, 1, H)  # torch's layout: (layer, direction)
+            s = torch.tanh(model.init_state(torch.cat((h_n[:, 0], h_n[:, 1]), dim=-1)))
+            torch.testing.assert_close(hidden[:, row : row + 1], s, atol=1e-6, rtol=1e-5)
+            for i in range(tgt.shape[1]):
+                scores = att.w_v(torch.tanh(att.w_q(s[-1])[:, None] + att.w_k(states)))
+                weights = scores[..., 0].softmax(-1)  # (1, n)
+                context = weights @ states[0]  # (1, 2H)
+                x = torch.cat((model.tgt_embed(tgt[row : row + 1, i]), context), dim=-1)
+                y, s = model.decoder(x[:, None], s)
+                logits = model.out(torch.cat((y[:, 0], context), dim=-1))
+                torch.testing.assert_close(out.logits[row, i], logits[0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    out.attention[row, i, :n], weights[0], atol=1e-6, rtol=1e-5
+                )
+
+
 def test_left_padded_source_is_refused_not_encoded_as_tokens():
     """Packing reads the first ``length`` tokens of a row: under left padding it encoded the
     pads and dropped the last real tokens (logits 0.13 off the row alone), silently."""

@@ -166,6 +166,56 @@ def test_sigmoid_bert_is_exported(tmp_path):
     torch.testing.assert_close(again, expected, atol=TOL, rtol=TOL)
 
 
+def test_config_settings_are_read_and_written_back(tmp_path):
+    """layer_norm_eps (large here, so that it moves the logits), the dropouts (the classifier's
+    its own) and initializer_range are imported into the fields that use them and exported
+    back: a fine-tuned import trains with the checkpoint's settings."""
+    hf_cfg = _bert_config(num_labels=3, layer_norm_eps=0.05, classifier_dropout=0.25)
+    hf_cfg.hidden_dropout_prob, hf_cfg.attention_probs_dropout_prob = 0.15, 0.05
+    hf_cfg.initializer_range = 0.07
+    ref = transformers.BertForSequenceClassification(hf_cfg).eval()
+    _randomize(ref, 4)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    cfg = model.cfg
+    assert (cfg.norm.eps, cfg.dropout, cfg.attention.dropout) == (0.05, 0.15, 0.05)
+    assert (cfg.classifier_dropout, cfg.init_std) == (0.25, 0.07)
+    assert model.head.dropout.p == 0.25 and model.drop.p == 0.15
+    idx, types, mask = _inputs(3)
+    with torch.no_grad():
+        expected = ref(input_ids=idx, token_type_ids=types, attention_mask=mask).logits
+        torch.testing.assert_close(
+            model(idx, token_type_ids=types, attention_mask=mask).logits, expected,
+            atol=TOL, rtol=TOL,
+        )  # fmt: skip
+    save_hf(model, tmp_path / "ours")
+    back = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "ours").eval()
+    c = back.config
+    assert (c.layer_norm_eps, c.hidden_dropout_prob, c.attention_probs_dropout_prob) == (
+        0.05, 0.15, 0.05,
+    )  # fmt: skip
+    assert (c.classifier_dropout, c.initializer_range) == (0.25, 0.07)
+    with torch.no_grad():
+        again = back(input_ids=idx, token_type_ids=types, attention_mask=mask).logits
+    torch.testing.assert_close(again, expected, atol=TOL, rtol=TOL)
+
+
+def test_pre_norm_encoder_ends_in_its_final_norm():
+    """A pre-norm stack leaves its residual stream unnormalised: the encoder's hidden states
+    are the final norm's output (LayerNorm with weight w and bias b: per token, mean b and
+    standard deviation |w| across features when w and b are constants)."""
+    torch.manual_seed(0)
+    cfg = EncoderConfig(vocab_size=VOCAB, d_model=16, n_layers=2, head="none", init_std=0.5)
+    model = EncoderModel(cfg.override({"norm.placement": "pre"})).eval()
+    with torch.no_grad():
+        model.norm.weight.fill_(3.0)
+        model.norm.bias.fill_(-2.0)
+        h = model(torch.randint(0, VOCAB, (2, 7))).logits  # (b, t, d)
+    torch.testing.assert_close(h.mean(-1), torch.full((2, 7), -2.0), atol=1e-5, rtol=0)
+    var = h.var(-1, unbiased=False)
+    torch.testing.assert_close(var, torch.full((2, 7), 9.0), atol=1e-3, rtol=1e-3)
+
+
 def test_single_label_problem_type_needs_two_labels(tmp_path):
     """A softmax over one class has loss 0 whatever the weights; transformers refuses
     problem_type single_label_classification with num_labels=1, and so does attnlab (a

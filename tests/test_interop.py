@@ -275,6 +275,30 @@ def test_legacy_gpt2_layout(tmp_path):
         load_hf(tmp_path)
 
 
+def test_gpt2_settings_both_ways(tmp_path):
+    """What the round trips of attnlab presets leave alone: an MLP width other than 4 d
+    (n_inner), a layer_norm_epsilon large enough to move the logits and the dropouts are
+    imported and written back, so transformers rebuilds the same model."""
+    torch.manual_seed(0)
+    cfg = _hf_config("gpt2")  # n_inner 48 = 1.5 d
+    cfg.layer_norm_epsilon, cfg.attn_pdrop, cfg.resid_pdrop, cfg.embd_pdrop = 0.05, 0.05, 0.15, 0.15
+    ref = transformers.GPT2LMHeadModel(cfg)
+    _randomize(ref, 14)
+    ref.eval().save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    c = model.cfg
+    assert (c.ffn.hidden_dim, c.norm.eps, c.attention.dropout, c.dropout) == (48, 0.05, 0.05, 0.15)
+    idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    expected = _hf_logits(ref, idx)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, expected, atol=TOL, rtol=TOL)
+    save_hf(model, tmp_path / "ours")
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours").eval()
+    b = back.config
+    assert (b.n_inner, b.layer_norm_epsilon, b.attn_pdrop, b.resid_pdrop) == (48, 0.05, 0.05, 0.15)
+    torch.testing.assert_close(_hf_logits(back, idx), expected, atol=TOL, rtol=TOL)
+
+
 def test_load_dtype(tmp_path):
     _hf_model("qwen2", seed=12).save_pretrained(tmp_path)
     model = load_hf(tmp_path, dtype=torch.bfloat16)

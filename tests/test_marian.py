@@ -19,7 +19,7 @@ V, PAD, EOS = 43, 1, 2
 
 
 def _config(**kw):
-    return transformers.MarianConfig(
+    settings = dict(
         vocab_size=V,
         decoder_vocab_size=V,
         d_model=32,
@@ -38,8 +38,8 @@ def _config(**kw):
         activation_function="swish",
         dropout=0.0,
         attn_implementation="eager",
-        **kw,
     )
+    return transformers.MarianConfig(**{**settings, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +150,41 @@ def test_activations_imported_are_exported(act, tmp_path):
         out = model(src, tgt, src_mask=mask).logits
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(again, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_unscaled_embeddings_start_token_and_dropout_both_ways(tmp_path):
+    """What the fixture's opus-mt settings leave alone: scale_embedding false (MarianConfig's
+    default), a decoder start token other than the pad token and the dropouts are imported
+    and written back."""
+    import json
+
+    torch.manual_seed(2)
+    ref = transformers.MarianMTModel(
+        _config(scale_embedding=False, decoder_start_token_id=5, attention_dropout=0.05)
+    ).eval()
+    ref.config.dropout = 0.2
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "embed_positions" not in name and p.dim() > 1:
+                p.copy_(0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    cfg = model.cfg
+    assert (cfg.scale_embeddings, cfg.bos_id, cfg.pad_id) == (False, 5, PAD)
+    assert (cfg.dropout, cfg.attention.dropout) == (0.2, 0.05)
+    src, mask, tgt = _batch()
+    tgt[:, 0] = 5
+    with torch.no_grad():
+        expected = ref(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+        out = model(src, tgt, src_mask=mask).logits
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        save_hf(model, tmp_path / "ours")
+        back = transformers.MarianMTModel.from_pretrained(tmp_path / "ours").eval()
+        again = back(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+    torch.testing.assert_close(again, expected, atol=1e-4, rtol=1e-4)
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (written["scale_embedding"], written["decoder_start_token_id"]) == (False, 5)
+    assert (written["dropout"], written["attention_dropout"]) == (0.2, 0.05)
 
 
 def test_base_marian_model_is_refused_by_name(tmp_path):

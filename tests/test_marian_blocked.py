@@ -136,3 +136,19 @@ def test_longer_bad_words_are_refused(folders, tmp_path, capsys):
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bad_words_ids: only single tokens" in err
+
+
+def test_end_token_among_the_bad_words_is_never_blocked(folders, tmp_path):
+    """transformers leaves the end token out of ``bad_words_ids`` (blocking it would never
+    end a translation): imported so, and decoded as transformers decodes."""
+    import shutil
+
+    folder = tmp_path / "eos"
+    shutil.copytree(folders["generation"], folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    generation["bad_words_ids"] = [[PAD], [EOS]]
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    model = load_hf(folder)
+    assert model.cfg.blocked_ids == [PAD]
+    for k, lp, n in ((1, 1.0, 1), (3, 1.0, 1)):
+        assert attnlab_generate(model, k, lp, n) == transformers_generate(folder, k, lp, n)

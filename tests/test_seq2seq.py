@@ -101,6 +101,34 @@ def test_matches_torch_transformer(placement):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["sinusoidal", "learned"])
+def test_stacks_receive_scaled_tokens_plus_their_positions(kind):
+    """What each stack reads (the torch.nn.Transformer test feeds both the same embedded
+    inputs): sqrt(d) E[ids] plus, for sinusoids, Vaswani et al.'s PE(p, 2i) = sin(p /
+    10000^(2i/d)), PE(p, 2i+1) = cos(...) written out; for learned positions, the source's
+    table under the source and the target's under the target."""
+    torch.manual_seed(0)
+    model = Seq2SeqModel(_cfg("pre", position={"kind": kind}, share_embeddings=False)).eval()
+    seen = {}
+    for name in ("encoder", "decoder"):
+        getattr(model, name).register_forward_pre_hook(
+            lambda m, args, name=name: seen.__setitem__(name, args[0])
+        )
+    src, tgt = torch.randint(0, V, (2, 9)), torch.randint(0, V, (2, 6))
+    with torch.no_grad():
+        model(src, tgt)
+    for name, ids, emb, pos in (("encoder", src, model.src_emb, model.src_pos),
+                                ("decoder", tgt, model.tgt_emb, model.tgt_pos)):  # fmt: skip
+        p = torch.arange(ids.shape[1], dtype=torch.float64)[:, None]  # (t, 1)
+        if kind == "learned":
+            table = pos.weight[: ids.shape[1]]
+        else:
+            angle = p / 10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (t, d/2)
+            table = torch.stack((angle.sin(), angle.cos()), dim=-1).flatten(1).float()
+        want = emb.weight[ids] * D**0.5 + table
+        torch.testing.assert_close(seen[name], want, atol=1e-5, rtol=1e-5)
+
+
 def test_cached_decoding_equals_full_pass_and_cross_kv_once():
     torch.manual_seed(0)
     model = Seq2SeqModel(_cfg("pre")).eval()

@@ -65,6 +65,61 @@ def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_
     torch.testing.assert_close(again(images).logits, out, atol=1e-6, rtol=1e-6)
 
 
+def test_vit_settings_names_and_the_transformers_5_layout_both_ways(tmp_path):
+    """What the logits test's defaults leave alone: no q/k/v biases, a layer_norm_eps large
+    enough to move the logits, twelve named classes (listed in config.json in the order of
+    their keys as text, "10" before "2": a JSON object's order means nothing); and a state
+    dict in transformers 5's own names (vit.layers.i.attention.q_proj, ...), as a model's
+    ``state_dict()`` saved directly holds it. Export writes the settings back, and a
+    non-square model's image processor resizes to its height x width."""
+    import json
+
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    names = [f"class {i}" for i in range(12)]
+    cfg = transformers.ViTConfig(
+        image_size=[12, 8], patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=24, qkv_bias=False, layer_norm_eps=0.05,
+        id2label=dict(enumerate(names)), attn_implementation="eager",
+    )  # fmt: skip
+    ref = transformers.ViTForImageClassification(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written["id2label"] = dict(sorted(written["id2label"].items()))  # "10" before "2"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(written))
+    images = torch.randn(2, 3, 12, 8)
+    with torch.no_grad():
+        expected = ref(pixel_values=images).logits
+    model = load_hf(tmp_path / "hf")
+    assert (model.cfg.attention.qkv_bias, model.cfg.norm.eps) == (False, 0.05)
+    assert model.cfg.class_names == names
+    torch.testing.assert_close(model(images).logits, expected, atol=1e-4, rtol=1e-4)
+    # transformers 5's in-memory names
+    (tmp_path / "v5").mkdir()
+    (tmp_path / "v5" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "vit.layers.0.attention.q_proj.weight" in state
+    save_file(state, tmp_path / "v5" / "model.safetensors", metadata={"format": "pt"})
+    torch.testing.assert_close(
+        load_hf(tmp_path / "v5")(images).logits, expected, atol=1e-4, rtol=1e-4
+    )
+    save_hf(model, tmp_path / "ours")
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (written["qkv_bias"], written["layer_norm_eps"]) == (False, 0.05)
+    back = transformers.ViTForImageClassification.from_pretrained(tmp_path / "ours").eval()
+    assert [back.config.id2label[i] for i in range(12)] == names
+    with torch.no_grad():
+        torch.testing.assert_close(back(pixel_values=images).logits, expected, atol=1e-4, rtol=1e-4)
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "ours")
+    image = Image.fromarray(np.zeros((30, 50, 3), dtype=np.uint8), "RGB")  # 30 high, 50 wide
+    assert processor(image, return_tensors="pt")["pixel_values"].shape == (1, 3, 12, 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_vit_in_another_dtype_takes_float32_pixels(dtype, tmp_path):
     """As transformers' ViT, the model casts the pixels to its weights' dtype: a bf16 or

@@ -118,6 +118,23 @@ def test_left_padded_rows_equal_their_tokens_alone():
     torch.testing.assert_close(out.logits[1, 3:], model(idx[1:, 3:]).logits[0], **TOL)
 
 
+@torch.no_grad()
+def test_padded_segment_after_a_memory_keeps_every_memory_key():
+    """The padding mask of a segment read after a memory covers the segment's keys, after
+    the memory's (all real): a right-padded last segment gives its real tokens the logits of
+    the segment cut at its end, with the same memory."""
+    model = tiny(mem_len=16)
+    idx = torch.randint(0, 40, (2, 13))
+    memory = model(idx[:, :6]).memory
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    attention_mask[1, 4:] = 0
+    out = model(idx[:, 6:], memory=memory, attention_mask=attention_mask)
+    unpadded = model(idx[:, 6:], memory=memory).logits
+    torch.testing.assert_close(out.logits[0], unpadded[0], **TOL)
+    cut = model(idx[1:, 6:10], memory=[m[1:] for m in memory]).logits
+    torch.testing.assert_close(out.logits[1, :4], cut[0], **TOL)
+
+
 def test_memory_is_capped_and_detached():
     model = tiny(mem_len=5).train()
     out = model(torch.randint(0, 40, (2, 8)))
