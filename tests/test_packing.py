@@ -420,7 +420,7 @@ def test_cli_trains_packed_and_evaluates(tmp_path, folder, capsys, monkeypatch):
     assert strided["loss"] == pytest.approx(total / count, rel=1e-5)
     assert strided["characters"] == count  # char tokens: one character each
 
-    bad = argv[:6] + [str(tmp_path / "bad"), *argv[7:], "--set", "model.attention.kind=linear"]
+    bad = argv[:6] + [str(tmp_path / "bad"), *argv[7:-2], "--set", "model.attention.kind=linear"]
     assert main(bad) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab")
