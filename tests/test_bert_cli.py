@@ -96,6 +96,12 @@ def test_fill_mask_char_checkpoint(tmp_path, capsys):
     assert main(["fill-mask", "--ckpt", str(tmp_path), "the c[MASK]t"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("[MASK] 1 (token 5):") and "filled: the c" in out
+    one = run_json(capsys, "fill-mask", "--ckpt", str(tmp_path), "the c[MASK]t", "--json")
+    (mask,) = one["masks"]  # the text report shows the JSON's 5 (default) candidates
+    lines = ["[MASK] 1 (token 5):"]
+    lines += [f"  {c['prob']:.4f}  {c['token']!r}" for c in mask["candidates"]]
+    assert out == "\n".join([*lines, f"filled: {one['filled']}"]) + "\n"
+    assert len(mask["candidates"]) == 5
 
 
 def test_fill_mask_bpe_puts_the_space_in_the_masked_token(tmp_path, capsys):
@@ -280,6 +286,12 @@ def test_classify_texts(trained, capsys):
         )
     assert main(["classify", "--ckpt", ckpt, "ventuno"]) == 0
     assert capsys.readouterr().out.startswith("ventuno\t")
+    for k in (1, 2):  # --top K: the K likeliest, as the full ranking has them
+        top = run_json(capsys, "classify", "--ckpt", ckpt, "--top", str(k), "--json", "ventuno")
+        assert top["ventuno"]["top"] == report["ventuno"]["top"][:k]
+    assert main(["classify", "--ckpt", ckpt, "--top", "2", "ventuno"]) == 0
+    shown = ", ".join(f"{c}: {p:.3f}" for c, p in report["ventuno"]["top"][:2])
+    assert capsys.readouterr().out == f"ventuno\t{report['ventuno']['class']}\t({shown})\n"
     assert main(["classify", "--ckpt", ckpt, "ventuno", "dos", "ventuno"]) == 0
     lines = capsys.readouterr().out.splitlines()  # one line per input, repeats included
     assert [line.split("\t")[0] for line in lines] == ["ventuno", "dos", "ventuno"]
@@ -317,9 +329,18 @@ def test_tag_command(trained, capsys):
             "DATE",
             "NUM",
         )
+    for word in report["words"]:  # a word's tag is its first token's
+        start = text.index(word["word"])
+        first = next(t for t in report["tokens"] if start <= t["start"] < start + len(word["word"]))
+        assert word["tag"] == first["tag"]
     assert main(["tag", "--ckpt", ckpt, text, "Bob called."]) == 0
     out = capsys.readouterr().out
     assert out.count("entities:") == 2 and out.startswith("Alice ")
+    first_text = out.split("\n\n")[0].splitlines()  # the text report shows the JSON's
+    width = max(len(w["word"]) for w in report["words"])
+    assert first_text[:-1] == [f"{w['word']:<{width}}  {w['tag']}" for w in report["words"]]
+    found = ", ".join(f"{e['label']} {e['text']!r}" for e in report["entities"])
+    assert first_text[-1] == f"entities: {found or 'none'}"
     assert "max_seq_len" in run_error(capsys, "tag", "--ckpt", ckpt, "Paris " * 200)
     err = run_error(capsys, "tag", "--ckpt", trained["text-classification"], "Bob")
     assert "token-classification checkpoint (attnlab train --preset bert-tiny-ner)" in err
@@ -343,7 +364,15 @@ def test_answer_command(trained, capsys):
     assert report["answer"] == context[start : c.offsets[j][1]]
     assert report["score"] == pytest.approx(score, abs=1e-4)
     assert main(["answer", "--ckpt", ckpt, "--context", context, "--question", question]) == 0
-    assert capsys.readouterr().out.startswith(report["answer"] + "\t")
+    answer, shown = capsys.readouterr().out.removesuffix("\n").split("\t")
+    assert answer == report["answer"] and shown == f"{float(shown):.3f}"  # 3 decimals
+    assert float(shown) == pytest.approx(score, abs=6e-4)
+    # --max-answer-tokens: the best span of at most that many tokens
+    short = run_json(capsys, "answer", "--ckpt", ckpt, "--context", context, "--question",
+                     question, "--max-answer-tokens", "1", "--json")  # fmt: skip
+    i, j, score = best_span(window[:, 0], window[:, 1], 1)
+    assert i == j and short["end"] == c.offsets[j][1]
+    assert short["score"] == pytest.approx(score, abs=1e-4)
     err = run_error(
         capsys, "answer", "--ckpt", ckpt, "--context", context * 40, "--question", question
     )

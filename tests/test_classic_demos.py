@@ -103,9 +103,17 @@ def test_bahdanau_demo_scores():
 
 
 def test_sqrt_dk_demo_prints_variances_near_d_and_one(tmp_path, capsys):
-    code = main(["demo", "sqrt-dk", "--out", str(tmp_path), "--d-max", "64", "--n-rows", "200"])
-    assert code == 0
+    argv = ["demo", "sqrt-dk", "--out", str(tmp_path), "--d-max", "64", "--n-rows", "200"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the demos run their small tensors on one thread
+        code = main(argv)
+        assert code == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
     out = capsys.readouterr().out
+    assert main([*argv, "--seed", "0"]) == 0  # the default seed
+    assert capsys.readouterr().out == out
     assert_png(tmp_path / "sqrt_dk.png")
     for d in (1, 8, 64):
         [row] = table_rows(out, str(d))

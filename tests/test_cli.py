@@ -151,6 +151,39 @@ def test_train_config_layering(tmp_path):
     assert name == "llama-tiny"
 
 
+def test_config_file_merges_into_a_run_presets_sections(tmp_path):
+    # a partial --config replaces only the fields it names: the demo's batch, schedule and
+    # budget stay (a section replaced whole would fall back to TrainConfig's defaults)
+    from attnlab.cli import train as train_cmd
+    from attnlab.cli.main import build_parser
+    from attnlab.presets import get_run_preset
+
+    (tmp_path / "partial.json").write_text(json.dumps({"train": {"lr": 0.005}}))
+    argv = ["train", "--preset", "demo", "--config", str(tmp_path / "partial.json")]
+    cfg, _ = train_cmd.run_config(build_parser().parse_args(argv))
+    expected = get_run_preset("demo").to_dict()
+    expected["train"]["lr"] = 0.005
+    assert cfg.to_dict() == expected
+
+
+def test_train_shortcuts_and_the_default_preset(capsys, tmp_path, monkeypatch):
+    """Without --preset the run is the demo's; --save-every and --task set their own
+    fields, and a --set value may itself hold '='."""
+    from attnlab.presets import get_run_preset
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(["train", "--print-config"], capsys)
+    assert code == 0, err
+    assert json.loads(out) == get_run_preset("demo").to_dict()
+    argv = ["train", "--preset", "gpt2-tiny", "--save-every", "3", "--task", "lm-stream"]
+    code, out, err = run_main([*argv, "--set", "data.path=a=b.txt", "--print-config"], capsys)
+    assert code == 0, err
+    cfg = json.loads(out)
+    assert (cfg["train"]["save_every"], cfg["task"]) == (3, "lm-stream")
+    assert cfg["train"]["eval_every"] == get_run_preset("gpt2-tiny").train.eval_every
+    assert cfg["data"]["path"] == "a=b.txt"
+
+
 def test_train_resume_continues_the_run(work, tmp_path, capsys, monkeypatch):
     shutil.copytree(work / "run", tmp_path / "run")
     monkeypatch.chdir(work)  # data.path is relative to where the run started
@@ -331,6 +364,86 @@ def test_generate_refuses_sampling_options_with_beams(work, capsys):
     assert outs[0][0] == 0 and outs[0] == outs[1]  # the default temperature is 0.8
 
 
+def test_generate_gives_its_options_to_the_library(work, capsys, monkeypatch):
+    """Each sampling option reaches the decode loop as given (the default temperature
+    0.8, sliding, the cache), and the text is the library's for the same options."""
+    from attnlab.models.decoder import DecoderLM
+
+    seen = []
+    stream = DecoderLM.stream
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs)
+        return stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderLM, "stream", spy)
+    ckpt = load_checkpoint(work / "run")
+    argv = ["generate", "--ckpt", str(work / "run"), "--prompt", "The", "--seed", "1"]
+    code, out, err = run_main([*argv, "--max-new-tokens", "4", "--no-compile"], capsys)
+    assert code == 0, err
+    given = {k: seen[-1][k] for k in ("temperature", "top_k", "top_p", "seed", "use_cache")}
+    assert given == dict(temperature=0.8, top_k=None, top_p=None, seed=1, use_cache=True)
+    assert seen[-1]["overflow"] == "slide"
+    options = ["--temperature", "0.5", "--top-k", "7", "--top-p", "0.5", "--no-cache"]
+    code, out, err = run_main([*argv, *options, "--overflow", "stop", "--max-new-tokens",
+                               "20"], capsys)  # fmt: skip
+    assert code == 0, err
+    given = {k: seen[-1][k] for k in ("temperature", "top_k", "top_p", "seed", "use_cache")}
+    assert given == dict(temperature=0.5, top_k=7, top_p=0.5, seed=1, use_cache=False)
+    assert seen[-1]["overflow"] == "stop"
+    ids = ckpt.tokenizer.encode("The")
+    new = ckpt.model.generate(ids, 20, temperature=0.5, top_k=7, top_p=0.5, seed=1)
+    assert out == "The" + ckpt.tokenizer.decode(new) + "\n"
+
+
+def test_stream_prints_what_the_whole_decode_prints(tmp_path, capsys):
+    """--stream holds back a byte-level token that ends inside a character until it is
+    whole; what is still held at the end is printed then: the output equals the
+    non-streamed one (random weights: invalid UTF-8 everywhere)."""
+    from attnlab.config import RunConfig
+    from attnlab.models import build_model
+    from attnlab.presets import get_preset
+    from attnlab.training.checkpoint import save_checkpoint
+
+    bpe = train_tokenizer("bpe", [_corpus()], vocab_size=300)
+    cfg = get_preset("llama-tiny").override({"vocab_size": bpe.vocab_size, "max_seq_len": 32})
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path, build_model(cfg), RunConfig(model=cfg), bpe)
+    argv = ["generate", "--ckpt", str(tmp_path), "--prompt", "The", "--temperature", "1"]
+    held = 0
+    for seed in range(4):
+        outs = []
+        for stream in ([], ["--stream"]):
+            code, out, err = run_main([*argv, "--seed", str(seed), "--max-new-tokens", "12",
+                                       *stream], capsys)  # fmt: skip
+            assert code == 0, err
+            outs.append(out)
+        assert outs[0] == outs[1]
+        held += outs[0].endswith("\ufffd\n")  # the stream's last piece was held back
+    assert held  # the case is met
+
+
+def test_generate_plans_roll_and_stop_past_the_context():
+    # roll: a bounded cache goes on past max_seq_len (no warning); stop: only the room left
+    from attnlab.cli.generate import plan_length
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plan_length([1] * 60, 10, 64, "roll") == ([1] * 60, 10)
+    with pytest.warns(UserWarning, match="room for 4 new tokens"):
+        assert plan_length([1] * 60, 10, 64, "stop") == ([1] * 60, 4)
+
+
+def test_generate_refuses_ids_and_beams_that_do_not_fit(work, capsys):
+    vocab_size = load_checkpoint(work / "run").config.model.vocab_size
+    argv = ["generate", "--ckpt", str(work / "run"), "--prompt-ids", f"1,{vocab_size}"]
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, f"token id {vocab_size} is outside")
+    argv = ["generate", "--ckpt", str(work / "run"), "--prompt", "The", "--num-beams", "2"]
+    code, _, err = run_main([*argv, "--max-new-tokens", "62"], capsys)  # 3 + 62 > 64
+    assert_one_line_error(code, err, "exceed max_seq_len=64; lower --max-new-tokens")
+
+
 def test_continuation_is_decoded_after_the_prompt():
     """A SentencePiece-style decoder strips the leading space of what it decodes: the
     continuation is the text the new tokens add to the prompt's, not their text alone."""
@@ -387,6 +500,30 @@ def test_eval_json_matches_direct_loss(work):
     assert report["bits_per_char"] == pytest.approx(bits, rel=1e-5)
 
 
+def test_eval_options_and_text_report_match_the_json(work, capsys):
+    """--batch-size and --block-size set the blocks scored; the text report shows the JSON
+    report's numbers."""
+    ckpt = load_checkpoint(work / "run")
+    corpus = str(work / "corpus.txt")
+    argv = ["eval", "--ckpt", str(work / "run"), "--data", corpus, "--batch-size", "2"]
+    argv += ["--block-size", "16", "--max-batches", "3"]  # the run's: batch 4, block 32
+    code, out, err = run_main([*argv, "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    ids = ckpt.tokenizer.encode((work / "corpus.txt").read_text())
+    assert (report["tokens"], report["block_size"], report["source"]) == (6 * 16, 16, corpus)
+    assert report["loss"] == pytest.approx(_direct_loss(ckpt.model, ids, 16, 6), rel=1e-5)
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    rows = {line[:16].strip(): line[16:] for line in out.splitlines()}
+    assert rows["data"] == corpus
+    assert rows["tokens"] == f"{report['tokens']} ({report['characters']} characters, block 16)"
+    assert rows["loss"] == f"{report['loss']:.4f} nats/token"
+    assert rows["perplexity"] == f"{report['perplexity']:.3f}"
+    assert rows["bits/token"] == f"{report['bits_per_token']:.4f}"
+    assert rows["bits/character"] == f"{report['bits_per_char']:.4f}"
+
+
 def test_eval_validation_split_prints_summary(work, capsys, monkeypatch):
     monkeypatch.chdir(work)
     monkeypatch.setenv("ATTNLAB_CACHE", str(work / "cache"))
@@ -410,6 +547,66 @@ def test_info_json_matches_built_model(work):
     assert report["kv_cache_bytes"] == model.new_cache(3, 50, torch.bfloat16).nbytes
     assert report["weights_bytes"] == 2 * model.num_parameters()
     assert report["flops_per_token"]["training"] == 3 * report["flops_per_token"]["forward"]
+
+
+def test_info_json_numbers_are_the_calculators(capsys):
+    """Every number of info's JSON is attnlab.analysis's for the model, length, batch and
+    dtype given; without --seq-len the length is max_seq_len; --set takes model fields only."""
+    from attnlab import analysis
+    from attnlab.presets import get_preset
+
+    cfg = get_preset("llama-tiny")
+    argv = ["info", "--preset", "llama-tiny", "--seq-len", "50", "--batch", "3"]
+    code, out, err = run_main([*argv, "--dtype", "bfloat16", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["seq_len"], report["batch"], report["dtype"]) == (50, 3, "bfloat16")
+    assert report["flops_per_token"] == analysis.flops_per_token(cfg, 50)
+    assert report["flops_per_token"] != analysis.flops_per_token(cfg, cfg.max_seq_len)
+    per_token = analysis.kv_cache_bytes_per_token(cfg, torch.bfloat16)
+    assert report["kv_cache_bytes_per_token"] == per_token
+    assert report["kv_cache_bytes"] == analysis.kv_cache_bytes(cfg, 50, 3, torch.bfloat16)
+    assert report["weights_bytes"] == analysis.weights_bytes(cfg, torch.bfloat16)
+    code, out, err = run_main(["info", "--preset", "llama-tiny", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["seq_len"] == cfg.max_seq_len and report["dtype"] == "float32"
+    assert report["flops_per_token"] == analysis.flops_per_token(cfg, cfg.max_seq_len)
+    code, _, err = run_main(["info", "--preset", "llama-tiny", "--set", "train.lr=1"], capsys)
+    assert_one_line_error(code, err, "--set train.lr: info only uses model.* fields")
+
+
+def test_info_text_shows_the_calculators_numbers(capsys):
+    """The text report: counts with thousands separators and K/M/B (10^3 steps), bytes in
+    KiB/MiB/GiB (2^10 steps), each the calculator's number."""
+    from attnlab import analysis
+    from attnlab.presets import get_preset
+
+    cfg = get_preset("llama-2-7b")
+    argv = ["info", "--preset", "llama-2-7b", "--seq-len", "100", "--batch", "2"]
+    code, out, err = run_main([*argv, "--dtype", "float16"], capsys)
+    assert code == 0, err
+    rows = {line[:14].strip(): line[14:] for line in out.splitlines()}
+    params = analysis.count_parameters(cfg)
+    assert rows["parameters"] == (
+        f"{params['total']:,} total ({params['total'] / 1e9:.2f}B), "
+        f"{params['non_embedding']:,} non-embedding, {params['embedding']:,} embedding"
+    )
+    weights = analysis.weights_bytes(cfg, torch.float16)
+    assert rows["weights"] == f"{weights / 2**30:.2f} GiB in float16"
+    flops = analysis.flops_per_token(cfg, 100)
+    assert rows["FLOPs/token"].startswith(f"forward {flops['forward'] / 1e9:.2f}B (dense ")
+    assert f"training {flops['training'] / 1e9:.2f}B (3x forward)" in rows["FLOPs/token"]
+    per_token = analysis.kv_cache_bytes_per_token(cfg, torch.float16)  # 512 KiB
+    total = analysis.kv_cache_bytes(cfg, 100, 2, torch.float16)  # 100 MiB
+    assert rows["KV cache"] == (
+        f"{per_token / 2**10:.2f} KiB per token; {total / 2**20:.2f} MiB for batch 2 x 100 "
+        "tokens in float16"
+    )
+    code, out, err = run_main(["info", "--preset", "gpt2"], capsys)  # 124M: millions
+    assert code == 0, err
+    total = analysis.count_parameters(get_preset("gpt2"))["total"]
+    assert f"{total:,} total ({total / 1e6:.2f}M)" in out
 
 
 def test_info_from_preset_and_config_file(work, capsys):
@@ -806,6 +1003,28 @@ def test_init_from_with_a_lower_lr_keeps_min_lr_a_tenth_of_it(work, capsys):
     assert json.loads(out)["train"]["min_lr"] == 0
 
 
+def test_init_from_defaults_are_the_fine_tuning_config(work, capsys):
+    """--init-from DIR alone: the checkpoint's config with a tenth of its lr (min_lr a tenth
+    of that), 10 warm-up steps, 200 steps, no time budget and no data path; the default
+    output folder is runs/<its name>-finetuned."""
+    from attnlab.cli import train as train_cmd
+    from attnlab.cli.main import build_parser
+    from attnlab.training.trainer import FINETUNE_MAX_STEPS, FINETUNE_WARMUP_STEPS
+
+    trained = load_checkpoint(work / "run").config
+    code, out, err = run_main(["train", "--init-from", str(work / "run"), "--print-config"], capsys)
+    assert code == 0, err
+    cfg = json.loads(out)
+    assert cfg["train"]["lr"] == pytest.approx(trained.train.lr / 10)
+    assert cfg["train"]["min_lr"] == pytest.approx(trained.train.lr / 100)
+    assert (cfg["train"]["warmup_steps"], cfg["train"]["max_steps"]) == (10, 200)
+    assert (FINETUNE_WARMUP_STEPS, FINETUNE_MAX_STEPS) == (10, 200)  # as --help says
+    assert cfg["train"]["time_budget"] is None and cfg["data"]["path"] is None
+    assert cfg["model"] == trained.model.to_dict()
+    args = build_parser().parse_args(["train", "--init-from", str(work / "run")])
+    assert train_cmd.run_config(args)[1] == "run-finetuned"
+
+
 def test_init_from_fine_tunes_an_imported_hf_model(tmp_path, capsys, monkeypatch):
     """`attnlab train --init-from HF_FOLDER --data FILE`: a tiny random LLaMA saved by
     transformers (vocabulary padded past its tokenizer's, as Qwen2 / Llama 3 do) is
@@ -885,6 +1104,43 @@ def test_threads_option_sets_torch_threads(capsys, monkeypatch):
         assert_one_line_error(code, err, "--threads must be a positive integer")
     finally:
         torch.set_num_threads(before)
+
+
+def test_interrupt_and_os_errors_are_one_line_each(capsys, monkeypatch, tmp_path):
+    """Ctrl-C in a command exits 130 (128 + SIGINT) with one line; an OSError names its
+    file."""
+    from attnlab.cli import presets as presets_cmd
+    from attnlab.cli.main import _error_line
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(presets_cmd, "run", interrupted)  # the handler main's parser takes
+    code, out, err = run_main(["presets"], capsys)
+    assert (code, out, err) == (130, "", "attnlab: interrupted\n")
+    missing = tmp_path / "gone.txt"
+    try:
+        missing.read_text()
+    except OSError as e:
+        assert _error_line(e) == f"{missing}: No such file or directory"
+
+
+def test_argument_types_and_device_resolution(monkeypatch):
+    """Seeds take torch's whole range (negative ones too); --device auto picks CUDA where
+    there is one, and an explicit cuda is refused where there is none."""
+    import argparse
+
+    from attnlab.cli.common import CLIError, resolve_device, seed_int
+
+    assert seed_int("-5") == -5 and seed_int(str(-(2**63))) == -(2**63)
+    with pytest.raises(argparse.ArgumentTypeError):
+        seed_int(str(-(2**63) - 1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(CLIError, match="--device cuda: CUDA is not available"):
+        resolve_device("cuda")
 
 
 def test_eval_reads_invalid_utf8_as_its_errors_option_says(work, tmp_path, capsys):

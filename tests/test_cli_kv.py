@@ -50,6 +50,30 @@ def test_kv_json_matches_the_library(capsys):
     assert reports[0]["mha_ratio"] == 4 * (24 + 16) / (32 + 8)  # h (d_qk + d_v) / (d_c + d_r)
 
 
+def test_kv_defaults_and_the_table_show_the_json(capsys):
+    """Defaults: bfloat16, one sequence of 4096 tokens, an 80 GB GPU; weights that do not
+    fit leave room for no cache; the table's columns are the JSON's numbers."""
+    argv = ["kv", "--preset", "llama-2-7b", "--preset", "deepseek-v3"]
+    code, out, _ = _run([*argv, "--json"], capsys)
+    assert code == 0
+    small, big = json.loads(out)
+    for r in (small, big):
+        assert (r["dtype"], r["batch"], r["gpu_gb"], list(r["bytes"])) == (
+            "bfloat16", 1, 80.0, ["4096"]
+        )  # fmt: skip
+        assert r["bytes"]["4096"] == kv_cache_bytes(get_preset(r["model"]), 4096, 1, torch.bfloat16)
+    assert small["fit"]["4096"] == int((80e9 - small["weights_bytes"]) // small["bytes"]["4096"])
+    assert big["weights_bytes"] > 80e9 and big["fit"]["4096"] == 0  # 671B parameters
+    code, out, _ = _run(argv, capsys)
+    assert code == 0
+    for r in (small, big):
+        row = next(line for line in out.splitlines() if line.startswith(r["model"]))
+        gb, fit = f"{r['bytes']['4096'] / 1e9:.3g}", f"{r['fit']['4096']:,}"
+        assert row.split()[2:] == [f"{r['bytes_per_token']:,}", f"{r['mha_ratio']:.2f}x", gb, fit]
+    code, _, err = _run(["kv", "--preset", "llama-tiny", "--set", "train.lr=1"], capsys)
+    assert code == 1 and err == "attnlab: error: --set train.lr: kv only uses model.* fields\n"
+
+
 def test_kv_fit_counts_the_moe_routers_kept_in_float32(capsys):
     argv = ["kv", "--preset", "deepseek-moe-tiny", "--json", "--gpu-gb", "0.001"]
     code, out, _ = _run(argv, capsys)  # bf16 default

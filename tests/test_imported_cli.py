@@ -129,6 +129,44 @@ def test_translate_text_with_the_imported_tokenizer(folders, capsys):
     assert capsys.readouterr().out.startswith("abc\t")
 
 
+def test_translate_defaults_and_beam_options_reach_the_model(folders, capsys, monkeypatch):
+    """Without --max-new-tokens a translation may fill the context (max_seq_len - 1 new
+    tokens); --num-beams, --length-penalty (default 0.6) and --beam-style (default gnmt)
+    reach the model's beam search, and the output is what it gives for them."""
+    from attnlab.models.seq2seq import Seq2SeqModel
+    from attnlab.tokenizers import load_tokenizer
+    from attnlab.training.checkpoint import load_checkpoint
+
+    seen = []
+    generate = Seq2SeqModel.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Seq2SeqModel, "generate", spy)
+    ref, _, ckpt = folders["marian"]
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    model = load_checkpoint(ckpt).model
+    text = "hello world"
+    ids = tokenizer.encode(text) + [EOS]
+    n = model.cfg.max_seq_len - 1
+    assert main(["translate", "--ckpt", str(ckpt), "--json", text]) == 0
+    assert json.loads(capsys.readouterr().out)[text] == tokenizer.decode(_greedy(ref, ids, n))
+    src = torch.tensor([ids])
+    for options, kwargs in [
+        ([], dict(length_penalty=0.6, style="gnmt")),
+        (["--length-penalty", "-2", "--beam-style", "transformers"],
+         dict(length_penalty=-2.0, style="transformers")),
+        (["--length-penalty", "3"], dict(length_penalty=3.0, style="gnmt")),
+    ]:  # fmt: skip
+        assert main(["translate", "--ckpt", str(ckpt), "--json", "--num-beams", "3", *options,
+                     text]) == 0  # fmt: skip
+        assert {k: seen[-1][k] for k in ("num_beams", *kwargs)} == {"num_beams": 3, **kwargs}
+        (want,) = model.generate(src, n, num_beams=3, **kwargs)
+        assert json.loads(capsys.readouterr().out)[text] == tokenizer.decode(want)
+
+
 def test_translate_ids_without_a_tokenizer(folders, capsys):
     ref, _, ckpt = folders["marian-sep"]  # separate vocabularies, no tokenizer.json
     assert main(["translate", "--ckpt", str(ckpt), "hello"]) == 1
@@ -188,6 +226,23 @@ def test_classify_names_classes_from_id2label(folders, tmp_path, capsys, which):
         assert report[str(path)]["top"][0][1] == pytest.approx(float(row.max()), abs=1e-3)
     assert main(["classify", "--ckpt", str(folder), str(paths[0])]) == 0
     assert capsys.readouterr().out.split("\t")[1] == names[want[0]]
+
+
+def test_classify_invert_reads_one_minus_each_pixel(folders, tmp_path, capsys):
+    from PIL import ImageOps
+
+    _, _, ckpt = folders["vit"]
+    path = str(tmp_path / "x.png")
+    ImageOps.invert(_image(path, seed=3)).save(tmp_path / "inverted.png")
+    reports = []
+    for argv in ([path, "--invert"], [str(tmp_path / "inverted.png")]):
+        assert main(["classify", "--ckpt", str(ckpt), "--json", "--top", "3", *argv]) == 0
+        (report,) = json.loads(capsys.readouterr().out).values()
+        reports.append(report)
+    assert reports[0] == reports[1]
+    assert main(["classify", "--ckpt", str(ckpt), "--json", "--top", "3", path]) == 0
+    (plain,) = json.loads(capsys.readouterr().out).values()
+    assert plain["top"] != reports[0]["top"]  # inverting changes what the model sees
 
 
 def test_attention_map_of_imported_models(folders, tmp_path, capsys):

@@ -1340,6 +1340,46 @@ def test_quick_preset_is_the_demo_made_shallow_with_the_same_tokens_per_step_and
     )
 
 
+def test_run_presets_have_the_settings_their_docstrings_give():
+    """Each run preset's recipe as its docstring (and the README) states it."""
+    demo = get_run_preset("demo")
+    m, t = demo.model, demo.train
+    assert (m.n_layers, m.d_model, m.attention.n_heads, m.position.kind, m.norm.kind,
+            m.ffn.kind, m.init_std) == (4, 128, 4, "rope", "rmsnorm", "glu", 0.06)  # fmt: skip
+    assert (t.batch_size, t.block_size, t.lr, t.beta1, t.schedule) == (8, 128, 2e-3, 0.8, "cosine")
+    assert (t.time_budget, t.max_steps, demo.data.tokenizer) == (150.0, 2500, "char")
+    nano = get_run_preset("nanogpt-cpu")
+    m, t = nano.model, nano.train
+    assert (m.n_layers, m.attention.n_heads, m.d_model, m.max_seq_len) == (4, 4, 128, 64)
+    assert (m.position.kind, m.norm.kind, m.norm.bias, m.ffn.kind, m.ffn.activation) == (
+        "learned", "layernorm", True, "mlp", "gelu"
+    )  # fmt: skip
+    assert m.ffn.hidden_dim in (None, 4 * 128) and m.tie_embeddings and m.dropout == 0.0
+    assert (t.batch_size, t.block_size, t.grad_accum, t.lr, t.min_lr) == (12, 64, 1, 1e-3, 1e-4)
+    assert (t.beta2, t.weight_decay, t.warmup_steps, t.max_steps, t.schedule) == (
+        0.99, 0.1, 100, 2000, "cosine"
+    )  # fmt: skip
+    assert (t.grad_clip, t.dtype, t.time_budget, nano.data.tokenizer) == (
+        1.0, "float32", None, "char"
+    )  # fmt: skip
+    xl = get_run_preset("xl-tiny")
+    assert (xl.task, xl.train.batch_size, xl.train.block_size, xl.model.mem_len) == (
+        "lm-stream", 16, 64, 64
+    )  # fmt: skip
+    assert (xl.train.time_budget, xl.data.tokenizer) == (120.0, "char")
+    vit = get_run_preset("vit-digits")
+    assert (vit.model.patch_size, vit.model.d_model, vit.model.n_layers) == (2, 64, 3)
+    assert (vit.train.time_budget, vit.train.max_steps, vit.data.options["shift"]) == (
+        150.0, 3000, 1
+    )  # fmt: skip
+    numbers = get_run_preset("transformer-numbers")
+    m = numbers.model
+    assert (m.n_layers, m.n_decoder_layers, m.d_model, m.attention.n_heads) == (2, 2, 64, 4)
+    assert (m.norm.placement, m.position.kind, numbers.train.max_steps) == (
+        "pre", "sinusoidal", 900
+    )  # fmt: skip
+
+
 def test_get_run_preset_wraps_model_presets():
     cfg = get_run_preset("gpt2-tiny")
     assert cfg.model == get_preset("gpt2-tiny") and cfg.train == TrainConfig()

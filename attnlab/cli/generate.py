@@ -271,7 +271,19 @@ def run(args: argparse.Namespace) -> int:
         if args.num_beams > 1:
             raise CLIError(f"--num-beams: beam search needs a decoder checkpoint ({cfg.arch})")
     else:
-        ids, max_new_tokens = plan_length(ids, args.max_new_tokens, cfg.max_seq_len, args.overflow)
+        with warnings.catch_warnings(record=True) as planned:
+            warnings.simplefilter("always")
+            ids, max_new_tokens = plan_length(
+                ids, args.max_new_tokens, cfg.max_seq_len, args.overflow
+            )
+        if args.num_beams > 1 and len(ids) + max_new_tokens > cfg.max_seq_len:
+            # beams cannot slide: one error line, without the plan's notes on sliding
+            raise CLIError(
+                f"--num-beams: prompt ({len(ids)} tokens) + {max_new_tokens} new tokens "
+                f"exceed max_seq_len={cfg.max_seq_len}; lower --max-new-tokens"
+            )
+        for note in planned:
+            warnings.warn_explicit(note.message, note.category, note.filename, note.lineno)
     options = dict(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -283,14 +295,8 @@ def run(args: argparse.Namespace) -> int:
         stop_tokens=stops,
     )
     beams = args.num_beams > 1
-    if beams:
-        if args.stream:
-            raise CLIError("--stream and --num-beams exclude each other: beams end together")
-        if len(ids) + max_new_tokens > model.cfg.max_seq_len:
-            raise CLIError(
-                f"--num-beams: prompt ({len(ids)} tokens) + {max_new_tokens} new tokens "
-                f"exceed max_seq_len={model.cfg.max_seq_len}; lower --max-new-tokens"
-            )
+    if beams and args.stream:
+        raise CLIError("--stream and --num-beams exclude each other: beams end together")
     if args.seed is not None:
         torch.manual_seed(args.seed)
     try:
