@@ -917,16 +917,17 @@ def beam_search_core(
         kept = going_on.gather(1, keep)  # (b, n_keep), -inf where fewer beams go on
         penalty = _length_penalty(step + 1, alpha, style)
         # all the host needs of this step, read in one go (one synchronisation per step)
-        top_l, beam_l, tok_l, eos_l, ends_l, alive_l, keep_l, kept_l = read_together(
-            top, beam, tok, is_eos, ends, alive, keep, kept
+        top_l, beam_l, tok_l, eos_l, keep_l, kept_l = read_together(
+            top, beam, tok, is_eos, keep, kept
         )
+        every_one_ends = last and not gnmt  # (``ends`` on the host; ``alive``: isfinite)
         # (b, C): each candidate's tokens, its new token's node after its beam's
         cand = [[(paths[r][i], t) for i, t in zip(beam_l[r], tok_l[r])] for r in range(b)]
         for r in range(b):
             if done[r]:
                 continue
             for j in range(n_keep):  # only the best k candidates may finish
-                if ends_l[r][j] and alive_l[r][j]:
+                if (every_one_ends or eos_l[r][j]) and math.isfinite(top_l[r][j]):
                     total, tokens = top_l[r][j], path_tokens(cand[r][j])
                     tokens = tokens[:-1] if eos_l[r][j] else tokens
                     finished[r].append(Hypothesis(tokens, total / penalty, total, eos_l[r][j]))
@@ -943,7 +944,7 @@ def beam_search_core(
                 live = [
                     Hypothesis(path_tokens(cand[r][j]), top_l[r][j] / penalty, top_l[r][j], False)
                     for j in keep_l[r]
-                    if alive_l[r][j] and top_l[r][j] > float("-inf") and not eos_l[r][j]
+                    if math.isfinite(top_l[r][j]) and not eos_l[r][j]
                 ]
                 finished[r] += sorted(live, key=lambda h: -h.score)
         if last or all(done):

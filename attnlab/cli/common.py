@@ -7,6 +7,7 @@ them, so ``attnlab presets`` or ``attnlab info`` stay quick to start.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,8 +121,6 @@ def evaluation_settings(
     overrides = parse_assignments(items)
     if not overrides:
         return cfg
-    import dataclasses
-
     allowed = [f"model.{name}" for name in type(cfg.model).EVAL_FIELDS]
     which = f"those of this model: {', '.join(allowed)}"
     if not allowed:
