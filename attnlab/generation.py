@@ -293,15 +293,15 @@ def stream(
         rows,
         single,
         max_new_tokens,
-        use_cache,
-        pad_id,
-        stops,
-        dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
-        compile,
-        overflow == "roll",
-        fallback,
-        _closed_loop,
-        budgets,
+        use_cache=use_cache,
+        pad_id=pad_id,
+        stops=stops,
+        sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
+        compile=compile,
+        roll=overflow == "roll",
+        fallback=fallback,
+        closed_loop=_closed_loop,
+        budgets=budgets,
     )
     return _in_inference_mode(steps)
 
@@ -333,11 +333,24 @@ OVERFLOW_MODES = ("slide", "roll", "stop")
 AUTO_COMPILE_MIN_TOKENS = 8192
 
 
+def _left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    """The prompt ``rows`` as one (b, T) batch, each row ending at the last column, and
+    which of its entries are real tokens (b, T) bool."""
+    b, longest = len(rows), max(len(r) for r in rows)
+    seq = torch.full((b, longest), pad_id, dtype=torch.long, device=device)  # (b, T)
+    valid = torch.zeros((b, longest), dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        seq[i, longest - len(r) :] = torch.tensor(r, dtype=torch.long)
+        valid[i, longest - len(r) :] = True
+    return seq, valid
+
+
 def _decode(
     model,
     rows,
     single,
     max_new_tokens,
+    *,
     use_cache,
     pad_id,
     stops,
@@ -351,11 +364,7 @@ def _decode(
     device = model.tok_emb.weight.device
     b, limit = len(rows), model.cfg.max_seq_len
     longest = max(len(r) for r in rows)
-    seq = torch.full((b, longest), pad_id, dtype=torch.long, device=device)  # (b, T)
-    valid = torch.zeros((b, longest), dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):  # left padding: each row ends at the last column
-        seq[i, longest - len(r) :] = torch.tensor(r, dtype=torch.long)
-        valid[i, longest - len(r) :] = True
+    seq, valid = _left_padded(rows, pad_id, device)  # (b, T)
     stops = stops.to(device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     if budgets is not None:  # a row is done once it has its budget of new tokens
@@ -983,11 +992,7 @@ def beam_search(
             f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
             f"max_seq_len={model.cfg.max_seq_len}"
         )
-    seq = torch.full((b, longest), pad_id, dtype=torch.long, device=device)
-    valid = torch.zeros((b, longest), dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):  # left padding
-        seq[i, longest - len(r) :] = torch.tensor(r, dtype=torch.long)
-        valid[i, longest - len(r) :] = True
+    seq, valid = _left_padded(rows, pad_id, device)  # (b, longest)
     modes = enter_eval(model)
     try:
         cache = model.new_cache(b, longest + max_new_tokens)

@@ -196,8 +196,6 @@ def _check_fits(ckpt: str, task, cfg: RunConfig) -> None:
 def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:
     """Loss, perplexity and bits per token and per character, on the validation split or
     on any text (``--data``)."""
-    from attnlab.data import TokenDataset, prepare_data
-    from attnlab.data.lm import DataError, document_starts
     from attnlab.tasks.lm import LanguageModelling
 
     if cfg.model.arch not in LM_ARCHS:
@@ -212,26 +210,13 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     batch_size = args.batch_size or cfg.train.batch_size
     packed = cfg.task == "lm" and LanguageModelling.data_options(cfg).pack_documents
     if args.data is not None:
-        if not Path(args.data).exists():
-            raise CLIError(f"--data {args.data}: no such file or folder")
-        # read as the model's tokenizer reads a text: an imported LLaMA's opens with <s>
-        # (packed documents are cut at their texts' boundaries, which holds none)
-        errors = args.errors or cfg.data.errors
-        tokens, texts = _tokens_of_file(args.data, tokenizer, errors, not packed)
-        if len(tokens) < 2:
-            raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
-        if args.stride is None:  # short texts: one shorter block (windows need no cut)
-            block_size = min(block_size, len(tokens) - 1)
-        doc_starts = None
-        if packed:  # the documents apart, as in training
-            try:
-                starts = document_starts(tokenizer, tokens, texts)
-            except DataError as e:
-                raise CLIError(f"--data {args.data}: {e}") from None
-            doc_starts = np.concatenate((starts, starts + len(tokens)))  # (train, then val)
-        data = TokenDataset(tokenizer=tokenizer, train=tokens, val=tokens, doc_starts=doc_starts)
+        data = _file_data(args, cfg, tokenizer, packed)
         source = args.data
+        if args.stride is None:  # short texts: one shorter block (windows need no cut)
+            block_size = min(block_size, len(data.val) - 1)
     else:
+        from attnlab.data import prepare_data
+
         data = prepare_data(cfg.data, tokenizer=tokenizer)
         source = f"validation split of {cfg.data.path or 'the embedded corpus'}"
     task = None
@@ -296,6 +281,30 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         "memory": memory,
         "source": source,
     }
+
+
+def _file_data(args, cfg: RunConfig, tokenizer, packed: bool):
+    """The text of ``--data`` as a TokenDataset whose validation split is all of it (and
+    so is its training split), its documents apart when training packed them."""
+    from attnlab.data import TokenDataset
+    from attnlab.data.lm import DataError, document_starts
+
+    if not Path(args.data).exists():
+        raise CLIError(f"--data {args.data}: no such file or folder")
+    # read as the model's tokenizer reads a text: an imported LLaMA's opens with <s>
+    # (packed documents are cut at their texts' boundaries, which holds none)
+    errors = args.errors or cfg.data.errors
+    tokens, texts = _tokens_of_file(args.data, tokenizer, errors, not packed)
+    if len(tokens) < 2:
+        raise CLIError(f"--data {args.data}: needs at least 2 tokens, got {len(tokens)}")
+    doc_starts = None
+    if packed:  # the documents apart, as in training
+        try:
+            starts = document_starts(tokenizer, tokens, texts)
+        except DataError as e:
+            raise CLIError(f"--data {args.data}: {e}") from None
+        doc_starts = np.concatenate((starts, starts + len(tokens)))  # (train, then val)
+    return TokenDataset(tokenizer=tokenizer, train=tokens, val=tokens, doc_starts=doc_starts)
 
 
 def characters_of(tokenizer: Tokenizer, ids) -> int:

@@ -247,23 +247,7 @@ def run(args: argparse.Namespace) -> int:
         stops = [] if args.ignore_eos else stop_token_ids(args.ckpt)
     except HFCheckpointError as e:
         raise CLIError(str(e)) from None
-    if args.prompt_ids is not None:
-        ids = args.prompt_ids
-        bad = [i for i in ids if i >= cfg.vocab_size]
-        if bad:
-            raise CLIError(
-                f"--prompt-ids: token id {bad[0]} is outside the model's vocabulary "
-                f"[0, {cfg.vocab_size})"
-            )
-        try:
-            shown = None if tokenizer is None else tokenizer.decode(ids)
-        except TokenizerError as e:
-            raise CLIError(f"--prompt-ids: {e}") from None
-    else:
-        alternatives = " or token ids with --prompt-ids 1,2,3"
-        shown, ids = encode_prompt(
-            require_tokenizer(tokenizer, args.ckpt, alternatives), args.prompt
-        )
+    shown, ids = _prompt(args, tokenizer, cfg.vocab_size)
     if getattr(model, "unbounded_context", False):  # Transformer-XL: its memory carries on
         max_new_tokens = args.max_new_tokens
         if max_new_tokens is None:
@@ -309,6 +293,27 @@ def run(args: argparse.Namespace) -> int:
             f"has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}; give the model's "
             "own tokenizer.json with --tokenizer FILE"
         ) from None
+
+
+def _prompt(args: argparse.Namespace, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """The prompt as it is printed (None: ``--prompt-ids`` without a tokenizer, printed as
+    ids) and its token ids: ``--prompt-ids`` as given, else ``--prompt`` encoded."""
+    from attnlab.tokenizers import TokenizerError
+
+    if args.prompt_ids is None:
+        alternatives = " or token ids with --prompt-ids 1,2,3"
+        return encode_prompt(require_tokenizer(tokenizer, args.ckpt, alternatives), args.prompt)
+    ids = args.prompt_ids
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        raise CLIError(
+            f"--prompt-ids: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+        )
+    try:
+        shown = None if tokenizer is None else tokenizer.decode(ids)
+    except TokenizerError as e:
+        raise CLIError(f"--prompt-ids: {e}") from None
+    return shown, ids
 
 
 def _write(args, model, tokenizer, ids, shown, max_new_tokens, beams, stops, options) -> int:

@@ -20,6 +20,7 @@ import os
 import shlex
 import signal
 from pathlib import Path
+from typing import Any
 
 from attnlab.cli.common import (
     CLIError,
@@ -115,13 +116,15 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
     """The resolved RunConfig and the name the default output folder takes."""
     if args.resume is not None and args.init_from is not None:
         raise CLIError("--resume and --init-from exclude each other")
+    # fine-tuning keeps the checkpoint's model (a --preset starts from the preset instead)
+    finetuning = args.init_from is not None and args.preset is None
     if args.resume is not None and args.preset is None:
         from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
 
         resume = check_dir(args.resume, "run folder to resume")
         base = read_json_file(checkpoint_files(resume)[CONFIG_FILE], "checkpoint config")
         name = resume.name
-    elif args.init_from is not None and args.preset is None:
+    elif finetuning:
         base = _finetune_base(args.init_from)
         name = Path(args.init_from).name + "-finetuned"
     else:
@@ -134,7 +137,29 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
     except ConfigError as e:
         where = args.config or (args.resume and f"{args.resume}/config.json") or name
         raise CLIError(f"{where}: {e}") from None
-    overrides = parse_assignments(args.set)
+    overrides = {**parse_assignments(args.set), **_option_overrides(args)}
+    lr = overrides.get("train.lr")
+    if (
+        finetuning
+        and "train.min_lr" not in overrides
+        and isinstance(lr, (int, float))
+        and not isinstance(lr, bool)
+    ):
+        # fine-tuning's min_lr was a tenth of its default lr: it stays a tenth of the given
+        # one (else a lower --set train.lr failed on a min_lr the user never set)
+        from attnlab.training.trainer import FINETUNE_LR_FACTOR
+
+        overrides["train.min_lr"] = lr * FINETUNE_LR_FACTOR
+    if overrides:
+        cfg = cfg.override(overrides)
+    if finetuning:
+        _check_model_kept(cfg, base["model"], args.init_from)
+    return cfg, name
+
+
+def _option_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The dotted config fields that train's own options set (they win over --set)."""
+    overrides: dict[str, Any] = {}
     if args.task is not None:
         from attnlab.tasks import TASKS
 
@@ -155,24 +180,7 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
         overrides["train.time_budget"] = args.time_budget
     if args.save_every is not None:
         overrides["train.save_every"] = args.save_every
-    lr = overrides.get("train.lr")
-    if (
-        args.init_from is not None
-        and args.preset is None
-        and "train.min_lr" not in overrides
-        and isinstance(lr, (int, float))
-        and not isinstance(lr, bool)
-    ):
-        # fine-tuning's min_lr was a tenth of its default lr: it stays a tenth of the given
-        # one (else a lower --set train.lr failed on a min_lr the user never set)
-        from attnlab.training.trainer import FINETUNE_LR_FACTOR
-
-        overrides["train.min_lr"] = lr * FINETUNE_LR_FACTOR
-    if overrides:
-        cfg = cfg.override(overrides)
-    if args.init_from is not None and args.preset is None:
-        _check_model_kept(cfg, base["model"], args.init_from)
-    return cfg, name
+    return overrides
 
 
 def _check_model_kept(cfg: RunConfig, model: dict, init_from: str) -> None:

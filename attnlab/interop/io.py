@@ -155,6 +155,40 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
     if not isinstance(params, dict):
         raise HFCheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    _check_rope_parameters(hf, params, rope_type, supported)
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
+    if rope_type != "default":
+        out["rope_scaling"] = rope_type
+        for hf_key, ours in ROPE_KEYS[rope_type].items():
+            if params.get(hf_key) is not None:
+                out[ours] = params[hf_key]
+    if rope_type in ("llama3", "yarn"):
+        # as transformers reads it: a top-level original_max_position_embeddings (Phi-3's
+        # place for it) wins over the RoPE parameters' own; without either, the pre-training
+        # context is the model's own (not attnlab's default)
+        original = (
+            hf.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings")
+        )
+        if original is not None:
+            out["rope_original_max_seq_len"] = original
+        if rope_type == "yarn" and params["factor"] is None:
+            # transformers (DeepSeek-V3's configs): the stretch is the ratio of the contexts
+            if original is None or hf.get("max_position_embeddings") is None:
+                raise HFCheckpointError(
+                    "YaRN factor null needs max_position_embeddings and its original to derive it"
+                )
+            out["rope_factor"] = hf["max_position_embeddings"] / original
+    return out
+
+
+def _check_rope_parameters(
+    hf: dict[str, Any], params: dict[str, Any], rope_type: str, supported: tuple[str, ...]
+) -> None:
+    """Refuse RoPE parameters attnlab does not implement: an unsupported ``rope_type``,
+    keys it does not read, a partial rotation, or required keys left out."""
     if rope_type not in supported:
         raise HFCheckpointError(
             f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
@@ -188,32 +222,6 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
     ]
     if missing:
         raise HFCheckpointError(f"RoPE parameters for rope_type {rope_type!r} need {missing}")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
-    if rope_type != "default":
-        out["rope_scaling"] = rope_type
-        for hf_key, ours in ROPE_KEYS[rope_type].items():
-            if params.get(hf_key) is not None:
-                out[ours] = params[hf_key]
-    if rope_type in ("llama3", "yarn"):
-        # as transformers reads it: a top-level original_max_position_embeddings (Phi-3's
-        # place for it) wins over the RoPE parameters' own; without either, the pre-training
-        # context is the model's own (not attnlab's default)
-        original = (
-            hf.get("original_max_position_embeddings")
-            or params.get("original_max_position_embeddings")
-            or hf.get("max_position_embeddings")
-        )
-        if original is not None:
-            out["rope_original_max_seq_len"] = original
-    if rope_type == "yarn" and params["factor"] is None:
-        # transformers (DeepSeek-V3's configs): the stretch is the ratio of the contexts
-        if original is None or hf.get("max_position_embeddings") is None:
-            raise HFCheckpointError(
-                "YaRN factor null needs max_position_embeddings and its original to derive it"
-            )
-        out["rope_factor"] = hf["max_position_embeddings"] / original
-    return out
 
 
 def rope_to_hf(pos: PositionConfig) -> dict[str, Any]:

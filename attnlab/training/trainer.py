@@ -575,6 +575,99 @@ def _fitting_weights(model: nn.Module, weights: dict[str, Tensor], init_from) ->
     return {**weights, **{k: own[k] for k in fresh}}
 
 
+def _starting_point(
+    cfg: RunConfig | None, resume: Path | None, init_from: str | os.PathLike[str] | None
+) -> tuple[RunConfig, Checkpoint | None]:
+    """The run's config and the checkpoint it starts from: the one it resumes (``cfg``
+    None: its saved config), the one it fine-tunes (``cfg`` None: :func:`finetune_config`;
+    the model is the checkpoint's), or none."""
+    ckpt = None
+    if resume is not None:
+        ckpt = load_checkpoint(resume, device="cpu", with_state=True, inference=False)
+        if ckpt.state is None:
+            raise TrainingError(
+                f"resume: {resume} has no trainer state (trainer_state.pt: step, "
+                "optimizer and RNG states), so the run cannot continue where it stopped; "
+                "its weights serve inference, or start a new run from them (attnlab train "
+                f"--init-from {resume})"
+            )
+        if cfg is None:
+            cfg = ckpt.config
+        _check_resume_config(cfg, ckpt.config, resume)
+        if init_from is not None:
+            raise TrainingError("resume and init_from exclude each other")
+    elif cfg is None and init_from is None:
+        raise TrainingError("train() needs a RunConfig unless it resumes a checkpoint")
+    if init_from is not None:
+        ckpt = _load_init(init_from)
+        cfg = _copy_config(cfg if cfg is not None else finetune_config(ckpt.config))
+        cfg.model = ckpt.config.model
+    return cfg, ckpt
+
+
+def _with_overrides(
+    cfg: RunConfig, max_steps: int | None, time_budget: float | None, save_every: int | None
+) -> RunConfig:
+    """A validated copy of ``cfg`` with train()'s own arguments applied."""
+    cfg = _copy_config(cfg)
+    if max_steps is not None:
+        cfg.train.max_steps = max_steps
+        if time_budget is None:
+            cfg.train.time_budget = None  # an explicit step count wins over the budget
+    if time_budget is not None:
+        cfg.train.time_budget = time_budget
+    if save_every is not None:
+        cfg.train.save_every = save_every
+    cfg.validate()
+    return cfg
+
+
+def _starting_model(cfg: RunConfig, ckpt: Checkpoint | None, init_from) -> tuple[nn.Module, bool]:
+    """The model to train, and whether its config differs from the checkpoint's (a new
+    stage, STAGE_FIELDS, or fine-tuning for another number of labels): then it is built
+    afresh and given the checkpoint's weights."""
+    if ckpt is None:
+        return build_model(cfg.model), False
+    if cfg.model.to_dict() == ckpt.config.model.to_dict():
+        return ckpt.model, False
+    model = build_model(cfg.model)
+    weights = ckpt.model.state_dict()
+    if init_from is not None:
+        weights = _fitting_weights(model, weights, init_from)
+    model.load_state_dict(weights)
+    return model, True
+
+
+def _parameter_roles(model: nn.Module) -> tuple[bool, list[nn.Parameter], list[list]]:
+    """Whether some module trains alone, the parameters that then freeze, and the two
+    groups whose gradients are clipped apart.
+
+    A module that trains alone (DSA's warm-up) freezes the rest of the model: its
+    alone_parameters() alone keep gradients (eagerly the others get none, but a compiled
+    backward gives them zeros, which AdamW's weight decay would apply), and the other
+    modules' updates after a step (MoE routers' balancing bias) hold still.
+
+    Parameters that learn from their module's own loss alone (DSA's indexers, in every
+    stage: detached inputs) have their gradient clipped on its own, apart from the rest of
+    the model's, so each part's update is the one it would get trained alone with its
+    loss: one shared norm let the indexer's gradient shrink the main model's update and
+    the other way round."""
+    alone = [m for m in model.modules() if getattr(m, "trains_alone", False)]
+    trained = {id(p) for m in alone for p in m.alone_parameters()}
+    frozen = [p for p in model.parameters() if id(p) not in trained] if alone else []
+    own = {
+        id(p)
+        for m in model.modules()
+        if hasattr(m, "alone_parameters")
+        for p in m.alone_parameters()
+    }
+    clip_groups = [
+        [p for p in model.parameters() if id(p) not in own],
+        [p for p in model.parameters() if id(p) in own],
+    ]
+    return bool(alone), frozen, clip_groups
+
+
 def _tokenizer_json(tokenizer) -> str | None:
     return None if tokenizer is None else tokenizer.to_json()
 
@@ -624,28 +717,8 @@ class Trainer:
     ) -> None:
         self.out_dir = Path(out_dir)
         self.progress = progress
-        ckpt = None
-        if resume is not None:
-            resume = Path(resume)
-            ckpt = load_checkpoint(resume, device="cpu", with_state=True, inference=False)
-            if ckpt.state is None:
-                raise TrainingError(
-                    f"resume: {resume} has no trainer state (trainer_state.pt: step, "
-                    "optimizer and RNG states), so the run cannot continue where it stopped; "
-                    "its weights serve inference, or start a new run from them (attnlab train "
-                    f"--init-from {resume})"
-                )
-            if cfg is None:
-                cfg = ckpt.config
-            _check_resume_config(cfg, ckpt.config, resume)
-            if init_from is not None:
-                raise TrainingError("resume and init_from exclude each other")
-        elif cfg is None and init_from is None:
-            raise TrainingError("train() needs a RunConfig unless it resumes a checkpoint")
-        if init_from is not None:
-            ckpt = _load_init(init_from)
-            cfg = _copy_config(cfg if cfg is not None else finetune_config(ckpt.config))
-            cfg.model = ckpt.config.model
+        resume = Path(resume) if resume is not None else None
+        cfg, ckpt = _starting_point(cfg, resume, init_from)
         same_folder = resume is not None and _same_path(resume, self.out_dir)
         if not overwrite and not same_folder and _holds_checkpoint(self.out_dir):
             hint = "resume from it, choose another output folder, or pass overwrite=True"
@@ -661,51 +734,11 @@ class Trainer:
         if self.device.type == "cpu" and cfg.train.keep_freed_memory:
             keep_freed_memory()  # without it each step page-faults its memory back in
 
-        cfg = _copy_config(cfg)
-        if max_steps is not None:
-            cfg.train.max_steps = max_steps
-            if time_budget is None:
-                cfg.train.time_budget = None  # an explicit step count wins over the budget
-        if time_budget is not None:
-            cfg.train.time_budget = time_budget
-        if save_every is not None:
-            cfg.train.save_every = save_every
-        cfg.validate()
+        cfg = _with_overrides(cfg, max_steps, time_budget, save_every)
         tc = cfg.train
 
-        # The task and its data: rank 0 first, so a tokenizer / data cache it writes is
-        # reused, not raced.
-        task_cls = get_task(cfg.task)
-        tokenizer = ckpt.tokenizer if ckpt is not None else None
-        if init_from is not None and tokenizer is None and task_cls.uses_tokenizer:
-            raise TrainingError(
-                f"init_from: {init_from} has no tokenizer.json; the data must be encoded "
-                "with the tokenizer the model was trained with"
-            )
-        task: Task | None = None
-        if self.dist.is_main:
-            task = task_cls(cfg, tokenizer=tokenizer, data=dataset)
-        self._barrier()
-        if task is None:
-            task = task_cls(cfg, tokenizer=tokenizer, data=dataset)
-        self.task = task
-        self.tokenizer = task.tokenizer
-        if ckpt is not None and _tokenizer_json(self.tokenizer) != _tokenizer_json(ckpt.tokenizer):
-            raise TrainingError(
-                "resume: the dataset's tokenizer differs from the checkpoint's; build the "
-                "dataset with the checkpoint's tokenizer"
-            )
-        if init_from is not None:
-            vocab = cfg.model.vocab_size  # may exceed the tokenizer's (padded embeddings)
-            task.configure_model(cfg.model)
-            if cfg.model.vocab_size > vocab:
-                raise TrainingError(
-                    f"init_from: the tokenizer has {cfg.model.vocab_size} tokens but the "
-                    f"model only {vocab} embeddings"
-                )
-            cfg.model.vocab_size = vocab
-        else:
-            task.configure_model(cfg.model)
+        self.task = self._build_task(cfg, ckpt, init_from, dataset)
+        self.tokenizer = self.task.tokenizer
         cfg.validate()
         if resume is not None:  # the model as the task configured it, as the run saved it
             _check_resume_config(cfg, ckpt.config, resume, configured=True)
@@ -713,18 +746,7 @@ class Trainer:
 
         # Model and optimizer. Same seed on every process; DDP also broadcasts rank 0's.
         torch.manual_seed(tc.seed)
-        # a new stage (STAGE_FIELDS), or fine-tuning for another number of labels
-        new_model_config = ckpt is not None and cfg.model.to_dict() != ckpt.config.model.to_dict()
-        if ckpt is not None:
-            model = ckpt.model
-            if new_model_config:
-                model = build_model(cfg.model)
-                weights = ckpt.model.state_dict()
-                if init_from is not None:
-                    weights = _fitting_weights(model, weights, init_from)
-                model.load_state_dict(weights)
-        else:
-            model = build_model(cfg.model)
+        model, new_model_config = _starting_model(cfg, ckpt, init_from)
         self.model = model.to(self.device).train()
         # Weights are trained row-major (contiguous): fused AdamW copies every non-contiguous
         # parameter, gradient and moment to contiguous scratch and back at each step, and
@@ -733,29 +755,7 @@ class Trainer:
         # ``set_layout(model, "input")`` after training, as loading a checkpoint does.
         set_layout(self.model, "rows")
         self._after_step = [m for m in model.modules() if hasattr(m, "after_optimizer_step")]
-        # A module that trains alone (DSA's warm-up) freezes the rest of the model: its
-        # alone_parameters() alone keep gradients (eagerly the others get none, but a
-        # compiled backward gives them zeros, which AdamW's weight decay would apply), and
-        # the other modules' updates after a step (MoE routers' balancing bias) hold still.
-        alone = [m for m in model.modules() if getattr(m, "trains_alone", False)]
-        trained = {id(p) for m in alone for p in m.alone_parameters()}
-        self._alone = bool(alone)
-        self._frozen = [p for p in model.parameters() if id(p) not in trained] if alone else []
-        # Parameters that learn from their module's own loss alone (DSA's indexers, in every
-        # stage: detached inputs) have their gradient clipped on its own, apart from the
-        # rest of the model's, so each part's update is the one it would get trained alone
-        # with its loss: one shared norm let the indexer's gradient shrink the main
-        # model's update and the other way round.
-        own = {
-            id(p)
-            for m in model.modules()
-            if hasattr(m, "alone_parameters")
-            for p in m.alone_parameters()
-        }
-        self._clip_groups = [
-            [p for p in model.parameters() if id(p) not in own],
-            [p for p in model.parameters() if id(p) in own],
-        ]
+        self._alone, self._frozen, self._clip_groups = _parameter_roles(model)
         # A new training stage (resumed with other STAGE_FIELDS) keeps its own best/.
         self._new_stage = new_model_config and resume is not None
         self.optimizer = build_optimizer(self.model, tc, self.device.type)
@@ -825,6 +825,40 @@ class Trainer:
             and not any(_same_path(p, stale) for p in sources)
         ):
             shutil.rmtree(stale)  # else it would pass for this run's until an improvement
+
+    def _build_task(self, cfg: RunConfig, ckpt: Checkpoint | None, init_from, dataset) -> Task:
+        """The run's task and its data, built on rank 0 first (so a tokenizer or data cache
+        it writes is reused, not raced), which then sizes ``cfg.model`` (its vocabulary)."""
+        task_cls = get_task(cfg.task)
+        tokenizer = ckpt.tokenizer if ckpt is not None else None
+        if init_from is not None and tokenizer is None and task_cls.uses_tokenizer:
+            raise TrainingError(
+                f"init_from: {init_from} has no tokenizer.json; the data must be encoded "
+                "with the tokenizer the model was trained with"
+            )
+        task: Task | None = None
+        if self.dist.is_main:
+            task = task_cls(cfg, tokenizer=tokenizer, data=dataset)
+        self._barrier()
+        if task is None:
+            task = task_cls(cfg, tokenizer=tokenizer, data=dataset)
+        if ckpt is not None and _tokenizer_json(task.tokenizer) != _tokenizer_json(ckpt.tokenizer):
+            raise TrainingError(
+                "resume: the dataset's tokenizer differs from the checkpoint's; build the "
+                "dataset with the checkpoint's tokenizer"
+            )
+        if init_from is not None:
+            vocab = cfg.model.vocab_size  # may exceed the tokenizer's (padded embeddings)
+            task.configure_model(cfg.model)
+            if cfg.model.vocab_size > vocab:
+                raise TrainingError(
+                    f"init_from: the tokenizer has {cfg.model.vocab_size} tokens but the "
+                    f"model only {vocab} embeddings"
+                )
+            cfg.model.vocab_size = vocab
+        else:
+            task.configure_model(cfg.model)
+        return task
 
     # ------------------------------------------------------------------ state
 
