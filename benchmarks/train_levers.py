@@ -10,7 +10,15 @@ bf16 autocast; ``train.optimizer=muon`` (torch.optim.Muon for the hidden weight 
 AdamW for embeddings, norms and biases: the split Muon's authors use); ``input-major`` and
 ``compile-input-major``: the weights stored input-major (the eager decoding layout) instead
 of the row-major layout the trainer gives them; ``mkl`` and ``compile-mkl``: the linear
-layers' products by F.linear (MKL's sgemm) instead of oneDNN's (``attnlab.nn.linear.ONEDNN``).
+layers' products by F.linear (MKL's sgemm) instead of oneDNN's (``attnlab.nn.linear.ONEDNN``);
+``compile-max-autotune`` and ``compile-cpp-wrapper``: the compiled step under two of
+inductor's settings (``INDUCTOR``), set while that variant's steps run: ``max_autotune``
+(``mode="max-autotune-no-cudagraphs"``: on CPU it tries its C++ GEMM templates, which take
+only constant, frozen weights as the second operand) and ``cpp_wrapper`` (the compiled
+graph's calls made from C++ instead of Python); ``compile-eager-attention`` and
+``compile-eager-attention-max-autotune``: attention as its explicit products and softmax
+(``model.attention.backend=eager``), which max_autotune may give to its C++ batched-GEMM
+template.
 
     python benchmarks/train_levers.py [--steps 300] [--preset demo] [--threads 2]
 """
@@ -18,6 +26,7 @@ layers' products by F.linear (MKL's sgemm) instead of oneDNN's (``attnlab.nn.lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -40,7 +49,22 @@ OVERRIDES = {  # variant -> overrides of the preset
     "compile-input-major": {"train.compile": True},
     "mkl": {},
     "compile-mkl": {"train.compile": True},
+    "compile-max-autotune": {"train.compile": True},
+    "compile-cpp-wrapper": {"train.compile": True},
+    "compile-eager-attention": {"train.compile": True, "model.attention.backend": "eager"},
+    "compile-eager-attention-max-autotune": {
+        "train.compile": True, "model.attention.backend": "eager"},
 }
+INDUCTOR = {  # variant -> torch._inductor.config settings while its steps run (compile included)
+    "compile-max-autotune": {"max_autotune": True},
+    "compile-cpp-wrapper": {"cpp_wrapper": True},
+    "compile-eager-attention-max-autotune": {"max_autotune": True},
+}
+
+
+def inductor_settings(variant: str) -> contextlib.AbstractContextManager:
+    settings = INDUCTOR.get(variant)
+    return torch._inductor.config.patch(settings) if settings else contextlib.nullcontext()
 
 
 def main() -> None:
@@ -74,9 +98,10 @@ def main() -> None:
                 set_lr(opt, lr)
             keys = tr.task.sample(tc.batch_size, tr.data_generator)
             batch = tr.task.batch(keys, tr.device)
-            with autocast_context(tr.device, tr.autocast_dtype):
+            with inductor_settings(name), autocast_context(tr.device, tr.autocast_dtype):
                 out = tr.task.step(tr.train_model, batch)
-            out.objective.backward()
+            with inductor_settings(name):  # the backward graph may compile at its first call
+                out.objective.backward()
             torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tc.grad_clip)
             for opt in opts:
                 opt.step()

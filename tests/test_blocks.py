@@ -174,6 +174,23 @@ def test_sinusoidal_table_matches_loop():
     torch.testing.assert_close(emb(pos), sinusoid_table(13, 8).float()[pos])
 
 
+def test_sinusoidal_table_at_far_positions_is_float32_rounding_of_the_float64_one():
+    """Positions up to 32k: each float32 value within float32's rounding of the float64 table
+    (6e-8, a half ulp of a value up to 1). Angles formed in float32 were off by up to
+    p * 6e-8 (1e-3 here), and the sines with them."""
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 32768, (64,), generator=g)
+    d = 16
+    w = [10000 ** (-2 * j / d) for j in range(d // 2)]
+    want = torch.tensor(
+        [[f(p * x) for x in w for f in (math.sin, math.cos)] for p in pos.tolist()],
+        dtype=torch.float64,
+    )
+    got = sinusoidal_table(pos, d)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=6e-8)
+
+
 def test_sinusoidal_positions_refuse_an_odd_width():
     """Sines and cosines come in pairs: an odd d_model gave d_model + 1 columns, not the
     (b, t, d) the embedding promises."""

@@ -235,6 +235,22 @@ def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatc
     assert capsys.readouterr().out.startswith("def f")
 
 
+def test_relative_sinusoids_at_far_distances_are_float32_rounding_of_the_float64_ones():
+    """Distances up to 32k: float32 encodings within float32's rounding of the float64 ones
+    (6e-8); angles formed in float32 were off by up to p * 6e-8 (1e-3 here)."""
+    import math
+
+    g = torch.Generator().manual_seed(0)
+    distances = torch.randint(0, 32768, (64,), generator=g)
+    d = 16
+    w = [10000 ** (-2 * k / d) for k in range(d // 2)]
+    want = [[math.sin(p * x) for x in w] + [math.cos(p * x) for x in w] for p in distances.tolist()]
+    got = relative_sinusoids(distances, d)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=0,
+                               atol=6e-8)  # fmt: skip
+
+
 def test_float64_xl_computes_in_float64():
     """model.double(): float64 relative sinusoids (they were float32 values) and a float64
     loss (it was rounded to float32, and its gradient with it)."""

@@ -18,8 +18,9 @@ in another document) is never computed. Tiles cut by a boundary get an elementwi
 
 Statistics (m, l, L, D) and accumulators are float32 (float64 for float64 inputs, as in
 the eager softmax); matrix products run in the input dtype (bf16 P is cast before P V, as
-the CUDA kernels do), except float16 scores, products in float32 as the kernels' are (a
-float16 q . k past 65504 would be inf before the scale).
+the CUDA kernels do; bf16 scores are rounded to bf16, as the eager backend's are, where the
+CUDA kernels keep them in float32), except float16 scores, products in float32 as the
+kernels' are (a float16 q . k past 65504 would be inf before the scale).
 
 Shapes: b batch, h query heads, h_kv key/value heads, g = h / h_kv queries per kv head,
 t query length, s key length, d_h head dim, r rows (queries) and c columns (keys) of a tile.

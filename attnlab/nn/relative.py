@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from attnlab.config import AttentionConfig
 from attnlab.functional.softmax import compute_dtype, masked_softmax, score_operands, softmax_dtype
+from attnlab.nn.embedding import angle_dtype
 from attnlab.nn.linear import Linear
 
 
@@ -35,12 +36,13 @@ def relative_sinusoids(
     (Transformer-XL's layout: all sines, then all cosines); float32, float64 for a ``dtype``
     of float64."""
     dtype = compute_dtype(dtype)
+    wide = angle_dtype(dtype, distances.device)  # float64 angles: float32's grow off with p
     inv_freq = torch.exp(
-        torch.arange(0, d_model, 2, dtype=dtype, device=distances.device)
+        torch.arange(0, d_model, 2, dtype=wide, device=distances.device)
         * (-math.log(10000.0) / d_model)
     )  # (d/2,)
-    angles = distances.to(dtype)[:, None] * inv_freq[None, :]  # (n, d/2)
-    return torch.cat((angles.sin(), angles.cos()), dim=-1)
+    angles = distances.to(wide)[:, None] * inv_freq[None, :]  # (n, d/2)
+    return torch.cat((angles.sin(), angles.cos()), dim=-1).to(dtype)
 
 
 def relative_encodings(
