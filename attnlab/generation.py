@@ -244,50 +244,15 @@ def stream(
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     check_sampling(temperature, top_k, top_p)
-    if overflow not in OVERFLOW_MODES:
-        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
-    if overflow == "roll" and model.cfg.attention.kind == "nsa":
-        raise ValueError(
-            "overflow='roll' is not available for native sparse attention: its blocks lie "
-            "over cache slots from slot 0, which a rolling cache wraps; use overflow='slide'"
-        )
-    if overflow == "roll" and not (use_cache and model.relative_positions):
-        raise ValueError(
-            "overflow='roll' decodes with a rolling cache: it needs use_cache=True and relative "
-            f"positions (rope or none); this model uses {model.cfg.position.kind!r} positions"
-        )
+    _check_overflow(model, overflow, use_cache)
     rows, single, generator = check_request(model, prompts, max_new_tokens, seed, generator)
-    limit = model.cfg.max_seq_len
-    if any(len(r) > limit for r in rows):
-        warnings.warn(
-            f"prompt longer than max_seq_len={limit}: keeping its last {limit} tokens",
-            stacklevel=2,
-        )
-        rows = [r[-limit:] for r in rows]
-    longest = max(len(r) for r in rows)
-    budgets = None  # per row: the new tokens it may have (overflow="stop", rows that differ)
-    if overflow == "stop":
-        # each row ends when its own prompt + new tokens reach max_seq_len
-        room = [min(max_new_tokens, limit - len(r)) for r in rows]
-        max_new_tokens = max(room)
-        budgets = room if min(room) < max_new_tokens else None
-    elif overflow == "slide" and longest + max_new_tokens > limit:
-        warnings.warn(
-            f"prompt + max_new_tokens exceeds max_seq_len={limit}: when the context is full it "
-            f"slides to its last {limit - limit // 2} tokens",
-            stacklevel=2,
-        )
+    rows, max_new_tokens, budgets = _fit_to_context(
+        rows, max_new_tokens, model.cfg.max_seq_len, overflow
+    )
     stops = torch.tensor(stop_ids(stop_tokens), dtype=torch.long)
     fallback = compile == "auto"
     if compile == "auto":
-        compile = (
-            use_cache
-            and not getattr(model, "_compile_failed", False)
-            and (
-                getattr(model, "_compiled_decode_step", None) is not None
-                or len(rows) * max_new_tokens >= AUTO_COMPILE_MIN_TOKENS
-            )
-        )
+        compile = _compile_pays_off(model, len(rows) * max_new_tokens, use_cache)
     steps = _decode(
         model,
         rows,
@@ -304,6 +269,65 @@ def stream(
         budgets=budgets,
     )
     return _in_inference_mode(steps)
+
+
+def _check_overflow(model: DecoderLM, overflow: str, use_cache: bool) -> None:
+    """``stream``'s ``overflow`` is one of OVERFLOW_MODES, and "roll" one this model and
+    ``use_cache`` allow."""
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
+    if overflow == "roll" and model.cfg.attention.kind == "nsa":
+        raise ValueError(
+            "overflow='roll' is not available for native sparse attention: its blocks lie "
+            "over cache slots from slot 0, which a rolling cache wraps; use overflow='slide'"
+        )
+    if overflow == "roll" and not (use_cache and model.relative_positions):
+        raise ValueError(
+            "overflow='roll' decodes with a rolling cache: it needs use_cache=True and relative "
+            f"positions (rope or none); this model uses {model.cfg.position.kind!r} positions"
+        )
+
+
+def _fit_to_context(
+    rows: list[list[int]], max_new_tokens: int, limit: int, overflow: str
+) -> tuple[list[list[int]], int, list[int] | None]:
+    """The prompt ``rows`` cropped to the context of ``limit`` tokens, the new tokens to
+    decode, and (overflow="stop", rows that differ) each row's own number of them; warns
+    (for ``stream``'s caller) of a cropped prompt and of a context that will slide."""
+    if any(len(r) > limit for r in rows):
+        warnings.warn(
+            f"prompt longer than max_seq_len={limit}: keeping its last {limit} tokens",
+            stacklevel=3,
+        )
+        rows = [r[-limit:] for r in rows]
+    longest = max(len(r) for r in rows)
+    budgets = None  # per row: the new tokens it may have (overflow="stop", rows that differ)
+    if overflow == "stop":
+        # each row ends when its own prompt + new tokens reach max_seq_len
+        room = [min(max_new_tokens, limit - len(r)) for r in rows]
+        max_new_tokens = max(room)
+        budgets = room if min(room) < max_new_tokens else None
+    elif overflow == "slide" and longest + max_new_tokens > limit:
+        warnings.warn(
+            f"prompt + max_new_tokens exceeds max_seq_len={limit}: when the context is full it "
+            f"slides to its last {limit - limit // 2} tokens",
+            stacklevel=3,
+        )
+    return rows, max_new_tokens, budgets
+
+
+def _compile_pays_off(model: DecoderLM, new_tokens: int, use_cache: bool) -> bool:
+    """compile="auto": compile the decode step of ``new_tokens`` (batch x max_new_tokens)
+    when this model already has one, or when there are enough new tokens to pay for
+    compiling it, unless compiling has failed for this model before."""
+    return (
+        use_cache
+        and not getattr(model, "_compile_failed", False)
+        and (
+            getattr(model, "_compiled_decode_step", None) is not None
+            or new_tokens >= AUTO_COMPILE_MIN_TOKENS
+        )
+    )
 
 
 def _in_inference_mode(steps: Iterator) -> Iterator:

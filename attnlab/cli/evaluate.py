@@ -30,6 +30,8 @@ from attnlab.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from attnlab.config import RunConfig
     from attnlab.tokenizers import Tokenizer
 
@@ -226,10 +228,8 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     elif args.stride is not None:
         documents = None
         if packed:  # each document's windows on their own, as in training
-            import torch
-
-            ids = data.document_ids("val", torch.zeros(1, dtype=torch.int64), len(data.val))[0]
-            cuts = [0, *((ids[1:] != ids[:-1]).nonzero()[:, 0] + 1).tolist(), len(data.val)]
+            starts = _starts_document(data, len(data.val))
+            cuts = [0, *(starts.nonzero()[:, 0] + 1).tolist(), len(data.val)]
             documents = list(zip(cuts[:-1], cuts[1:]))
         result = _strided(args, model, data.val, block_size, batch_size, device, documents)
         if documents is not None:  # the characters of the targets scored
@@ -254,12 +254,9 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
     # exactly tokens[1 : 1 + n]; their text gives the characters predicted. Packed
     # documents: n blocks' targets less each document's first token (not scored).
     if task is not None and task.pack_documents:
-        import torch
-
         walked = task.n_eval_blocks(batch_size, args.max_batches) * block_size
         targets = data.val[1 : 1 + walked]
-        docs = data.document_ids("val", torch.zeros(1, dtype=torch.int64), walked + 1)[0]
-        firsts = targets[(docs[1:] != docs[:-1]).numpy()]
+        firsts = targets[_starts_document(data, walked + 1).numpy()]
         characters = characters_of(tokenizer, targets) - sum(
             characters_of(tokenizer, [i]) for i in firsts
         )
@@ -281,6 +278,15 @@ def _language_modelling(args, model, cfg: RunConfig, tokenizer, device: str) -> 
         "memory": memory,
         "source": source,
     }
+
+
+def _starts_document(data, n: int) -> Tensor:
+    """(n - 1,) bool: whether each of the validation split's tokens 1 .. n - 1 begins a
+    packed document (token 0 begins one)."""
+    import torch
+
+    ids = data.document_ids("val", torch.zeros(1, dtype=torch.int64), n)[0]  # (n,)
+    return ids[1:] != ids[:-1]
 
 
 def _file_data(args, cfg: RunConfig, tokenizer, packed: bool):

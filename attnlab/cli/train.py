@@ -244,15 +244,12 @@ def _fmt(loss: float | None) -> str:
     return "n/a" if loss is None else f"{loss:.4f}"
 
 
-def run(args: argparse.Namespace) -> int:
-    cfg, name = run_config(args)
-    if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=2))
-        return 0
-    if args.data is not None and not Path(args.data).exists():  # fail before building anything
-        raise CLIError(f"--data {args.data}: no such file or folder")
+def _output_folder(args: argparse.Namespace, name: str) -> Path:
+    """The run's folder (``--out``, else the resumed run's, else runs/NAME), checked: a
+    folder that holds no other run's checkpoint, unless ``--overwrite``."""
+    from attnlab.training.checkpoint import CHECKPOINT_FILES, STATE_FILE
+
     if args.resume is not None and args.out is None:
-        from attnlab.training.checkpoint import STATE_FILE
         from attnlab.training.trainer import BEST_DIR
 
         resume = Path(args.resume)
@@ -263,8 +260,6 @@ def run(args: argparse.Namespace) -> int:
                 f"training there would overwrite it: give --out for the resumed run"
             )
     out = Path(args.out or args.resume or Path("runs") / name)
-    from attnlab.training.checkpoint import CHECKPOINT_FILES
-
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out}: exists and is not a folder; give a folder for the run")
     same = args.resume is not None and out.resolve() == Path(args.resume).resolve()
@@ -279,6 +274,17 @@ def run(args: argparse.Namespace) -> int:
             f"{out} already holds a checkpoint; the run resumed from {args.resume} would "
             "overwrite it: choose another --out (or pass --overwrite)"
         )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, name = run_config(args)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    if args.data is not None and not Path(args.data).exists():  # fail before building anything
+        raise CLIError(f"--data {args.data}: no such file or folder")
+    out = _output_folder(args, name)
     from attnlab.training import train
     from attnlab.training.metrics import METRICS_FILE, PLOT_FILE
     from attnlab.training.trainer import TrainingError

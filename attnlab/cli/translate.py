@@ -29,7 +29,7 @@ from attnlab.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from attnlab.config import RunConfig
+    from attnlab.config import ModelConfig, RunConfig
 
 SEQ2SEQ_ARCHS = ("seq2seq", "gru-seq2seq")
 
@@ -196,24 +196,35 @@ def check_ids(ids: list[int], vocab_size: int, option: str) -> list[int]:
     return ids
 
 
+def _source_rows(
+    args: argparse.Namespace, text: Seq2SeqText, model_cfg: ModelConfig
+) -> list[list[int]]:
+    """The ids of the sources to translate: the texts (encoded), then ``--source-ids``."""
+    if not args.sources and not args.source_ids:
+        raise CLIError("give the texts to translate (or token ids with --source-ids)")
+    if args.source_ids and text.numbers:
+        raise CLIError("--source-ids is for imported models; give the numbers as digits")
+    rows = [text.encode_source(s) for s in args.sources]
+    source_vocab = getattr(model_cfg, "source_vocab_size", model_cfg.vocab_size)
+    rows += [check_ids(ids, source_vocab, "--source-ids") for ids in args.source_ids or ()]
+    longest = max(len(r) for r in rows)
+    limit = model_cfg.max_seq_len
+    if longest > limit:
+        raise CLIError(f"a source of {longest} tokens exceeds max_seq_len={limit}")
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     device = resolve_device(args.device)
     model, cfg, text = load_seq2seq(args, device)
     m = cfg.model
-    if not args.sources and not args.source_ids:
-        raise CLIError("give the texts to translate (or token ids with --source-ids)")
-    if args.source_ids and text.numbers:
-        raise CLIError("--source-ids is for imported models; give the numbers as digits")
+    rows = _source_rows(args, text, m)
     shown = list(args.sources) + [",".join(map(str, ids)) for ids in args.source_ids or ()]
-    rows = [text.encode_source(s) for s in args.sources]
-    source_vocab = getattr(m, "source_vocab_size", m.vocab_size)
-    rows += [check_ids(ids, source_vocab, "--source-ids") for ids in args.source_ids or ()]
-    longest = max(len(r) for r in rows)
-    if longest > m.max_seq_len:
-        raise CLIError(f"a source of {longest} tokens exceeds max_seq_len={m.max_seq_len}")
-    pad = m.pad_id
+    # Padded on the right, as the encoder's training batches are (data.numbers.collate);
+    # a decoder's prompts are padded on the left instead (generation._left_padded).
+    longest, pad = max(len(r) for r in rows), m.pad_id
     src = torch.tensor([r + [pad] * (longest - len(r)) for r in rows], device=device)
     src_mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in rows]).bool()
     options = {"num_beams": args.num_beams}

@@ -81,6 +81,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1177,9 +1178,124 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
+    def _budget_fit_due(self, n_timed: int) -> bool:
+        """Whether to fit the schedule to the time budget after this step (``n_timed``: the
+        steps this call has timed after its first FIT_SKIP_STEPS): first once FIT_STEPS are
+        timed (or the run's steps are all taken before that), then every REFIT_EVERY steps."""
+        if self.tc.time_budget is None:
+            return False
+        if not self.budget_fitted:
+            return n_timed >= FIT_STEPS or self.step >= self.run_steps
+        return self.step % REFIT_EVERY == 0
+
+    def _validate(
+        self, sample: int | None, final: bool
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """The validation metrics on ``sample`` batches (timed, for the time budget's fits)
+        and, for the run's ``final`` evaluation, those of the whole validation set (the
+        sample's own when it is the whole set; {} before the end)."""
+        tc = self.tc
+        t0 = _clock()
+        metrics, sums = self._evaluate(sample)
+        if not math.isfinite(metrics["loss"]):  # the weights diverged in the last step
+            what = f"validation loss is {metrics['loss']}"
+            raise self._diverged(what, self.step, "stopped without saving")
+        self.eval_time = _clock() - t0
+        self.val_coverage = self.task.eval_coverage(tc.batch_size, sample)
+        if self.step > 0 and sample is not None:  # grow the sample to agree within 1%
+            self._grow_eval_sample(sample, sums)
+        if not final:
+            return metrics, {}
+        n_sample = self.task.eval_examples(tc.batch_size, sample)
+        whole = self.task.eval_examples(tc.batch_size, None)
+        if sample is not None and (n_sample is None or n_sample != whole):
+            full, _ = self._evaluate(None)  # the whole validation set, reported
+            self.val_coverage = self.task.eval_coverage(tc.batch_size, None)
+            return metrics, full
+        return metrics, metrics  # the sample is the whole set
+
+    def _grow_eval_sample(self, sample: int, sums: dict[str, float]) -> None:
+        """Grow the evaluation sample (from ``sample`` batches, whose totals are ``sums``)
+        to the size at which its loss agrees within EVAL_REL_TOL, and the expected time of
+        the next evaluation with it."""
+        tc = self.tc
+        needed = self.task.eval_batches_needed(sums, tc.batch_size, EVAL_REL_TOL)
+        grown = None if needed is None else max(needed, sample)
+        n_old = self.task.eval_examples(tc.batch_size, sample)
+        n_new = self.task.eval_examples(tc.batch_size, grown)
+        if n_new != n_old:
+            self.eval_batches = grown
+            self.eval_time *= n_new / n_old if n_old else 1.0  # the next one's
+
+    def _record_validation(
+        self,
+        metrics: dict[str, float],
+        full: dict[str, float],
+        sample: int | None,
+        report: Callable[[str], None],
+    ) -> bool:
+        """Keep and log an evaluation's ``metrics`` on ``sample`` batches (and ``full``, the
+        whole validation set's, or {}); whether it is a new best/ to save."""
+        tc = self.tc
+        self.last_val_metrics = full or metrics
+        val = metrics["loss"]  # best/ is always chosen on the sample
+        self.last_val_loss = val
+        self.last_val_step = self.step
+        # While a module trains alone (DSA's warm-up) the validation loss is the frozen
+        # model's and says nothing of what trains: each evaluation is the best so far.
+        improved = self.best_val_loss is None or val < self.best_val_loss or self._alone
+        new_best = improved and self.step > 0
+        if new_best:
+            self.best_val_loss = val
+        if self.dist.is_main:
+            self.logger.log(
+                "val",
+                self.step,
+                **{f"val_{name}": value for name, value in metrics.items()},
+                **{f"val_full_{name}": value for name, value in full.items()},
+                val_coverage=self.task.eval_coverage(tc.batch_size, sample),
+                best_val_loss=self.best_val_loss,
+                train_time=self.train_time,
+            )
+            self._plot()
+            if self.progress:
+                text = f"step {self.step}: val loss {val:.4f}"
+                if full and full is not metrics:
+                    text += f" (whole validation set: {full['loss']:.4f})"
+                report(text)
+        return new_best
+
+    def _log_interval(
+        self, interval: dict, grad_norm: float, elapsed: Callable[[], float], bar: tqdm
+    ) -> None:
+        """Log the log ``interval`` that ends at this step (mean loss, throughput, the
+        model's metrics; a collective) and show it on the progress bar."""
+        unit = self.task.unit
+        rate = interval["work"] / max(interval["time"], 1e-9)
+        lr = self.optimizer.param_groups[0]["lr"]
+        mean_loss = sum(interval["losses"]) / len(interval["losses"])
+        model_metrics = self._reduce_metrics(interval["metrics"])  # collective
+        if self.dist.is_main:
+            self.logger.log(
+                "train",
+                self.step,
+                **model_metrics,
+                train_loss=mean_loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                **{f"{unit}_per_second": rate},  # tokens_per_second for language modelling
+                elapsed=elapsed(),
+            )
+        bar.set_postfix(
+            {
+                "loss": f"{mean_loss:.4f}",
+                "lr": f"{lr:.2e}",
+                f"{unit}/s": f"{rate:.0f}",
+            }
+        )
+
     def run(self) -> TrainResult:
         tc, main, unit = self.tc, self.dist.is_main, self.task.unit
-        rate_key = f"{unit}_per_second"  # tokens_per_second for language modelling
         t_start = _clock()
         elapsed = lambda: self.elapsed_before + _clock() - t_start
         time_up = lambda: tc.time_budget is not None and elapsed() >= tc.time_budget
@@ -1208,61 +1324,18 @@ class Trainer:
             bar.total = self.run_steps
             bar.refresh()
 
+        def report(text: str) -> None:  # an evaluation's line, above the progress bar
+            bar.write(text, file=console)
+
         def evaluate_and_save(save: bool, final: bool = False) -> None:
             nonlocal last_saved
             sample = self.eval_batches
-            t0 = _clock()
-            metrics, sums = self._evaluate(sample)
-            if not math.isfinite(metrics["loss"]):  # the weights diverged in the last step
-                what = f"validation loss is {metrics['loss']}"
-                raise self._diverged(what, self.step, "stopped without saving")
-            self.eval_time = _clock() - t0
-            self.val_coverage = self.task.eval_coverage(tc.batch_size, sample)
-            if self.step > 0 and sample is not None:  # grow the sample to agree within 1%
-                needed = self.task.eval_batches_needed(sums, tc.batch_size, EVAL_REL_TOL)
-                grown = None if needed is None else max(needed, sample)
-                n_old = self.task.eval_examples(tc.batch_size, sample)
-                n_new = self.task.eval_examples(tc.batch_size, grown)
-                if n_new != n_old:
-                    self.eval_batches = grown
-                    self.eval_time *= n_new / n_old if n_old else 1.0  # the next one's
-            full: dict[str, float] = {}
-            n_sample = self.task.eval_examples(tc.batch_size, sample)
-            whole = self.task.eval_examples(tc.batch_size, None)
-            if final and sample is not None and (n_sample is None or n_sample != whole):
-                full, _ = self._evaluate(None)  # the whole validation set, reported
-                self.val_coverage = self.task.eval_coverage(tc.batch_size, None)
-            elif final:
-                full = metrics
-            self.last_val_metrics = full or metrics
-            val = metrics["loss"]  # best/ is always chosen on the sample
+            metrics, full = self._validate(sample, final)
             if self.budget_fitted and 0 < self.step < self.run_steps:
                 fit_budget()  # refit with more timings (before saving: resume sees it)
-            self.last_val_loss = val
-            self.last_val_step = self.step
-            # While a module trains alone (DSA's warm-up) the validation loss is the frozen
-            # model's and says nothing of what trains: each evaluation is the best so far.
-            improved = self.best_val_loss is None or val < self.best_val_loss or self._alone
-            if improved and self.step > 0:
-                self.best_val_loss = val
-            if main:
-                self.logger.log(
-                    "val",
-                    self.step,
-                    **{f"val_{name}": value for name, value in metrics.items()},
-                    **{f"val_full_{name}": value for name, value in full.items()},
-                    val_coverage=self.task.eval_coverage(tc.batch_size, sample),
-                    best_val_loss=self.best_val_loss,
-                    train_time=self.train_time,
-                )
-                self._plot()
-                if self.progress:
-                    text = f"step {self.step}: val loss {val:.4f}"
-                    if full and full is not metrics:
-                        text += f" (whole validation set: {full['loss']:.4f})"
-                    bar.write(text, file=console)
+            new_best = self._record_validation(metrics, full, sample, report)
             if save:
-                if improved and self.step > 0:
+                if new_best:
                     self._save(self.out_dir / BEST_DIR, elapsed())
                 self._save(self.out_dir, elapsed())
                 last_saved = self.step
@@ -1301,14 +1374,7 @@ class Trainer:
                         entry[1] += n
                     bar.update(1)
 
-                    n_timed = len(step_times) - FIT_SKIP_STEPS
-                    if tc.time_budget is not None and (
-                        (
-                            not self.budget_fitted
-                            and (n_timed >= FIT_STEPS or self.step >= self.run_steps)
-                        )
-                        or (self.budget_fitted and self.step % REFIT_EVERY == 0)
-                    ):
+                    if self._budget_fit_due(n_timed=len(step_times) - FIT_SKIP_STEPS):
                         fit_budget()
 
                     # The run's last steps are logged (a signal's stop carries them on
@@ -1316,28 +1382,7 @@ class Trainer:
                     last = self.step >= self.run_steps
                     last |= result.out_of_time and not result.signalled
                     if self.step % tc.log_every == 0 or last:
-                        rate = iv["work"] / max(iv["time"], 1e-9)
-                        lr = self.optimizer.param_groups[0]["lr"]
-                        mean_loss = sum(iv["losses"]) / len(iv["losses"])
-                        model_metrics = self._reduce_metrics(iv["metrics"])  # collective
-                        if main:
-                            self.logger.log(
-                                "train",
-                                self.step,
-                                **model_metrics,
-                                train_loss=mean_loss,
-                                lr=lr,
-                                grad_norm=result.grad_norm,
-                                **{rate_key: rate},
-                                elapsed=elapsed(),
-                            )
-                        bar.set_postfix(
-                            {
-                                "loss": f"{mean_loss:.4f}",
-                                "lr": f"{lr:.2e}",
-                                f"{unit}/s": f"{rate:.0f}",
-                            }
-                        )
+                        self._log_interval(iv, result.grad_norm, elapsed, bar)
                         iv = self.interval = _new_interval()
 
                     if result.signalled:
