@@ -329,6 +329,35 @@ def test_encoder_state_and_decoder_steps_are_bahdanaus_equations_written_out():
                 )
 
 
+def test_dropout_sits_on_the_embeddings_and_the_output_layers_input():
+    """In training, dropout acts on the embedded source and target tokens and on the output
+    layer's input [s_t; c_t], and nowhere else (one GRU layer: none between layers). With
+    the dropout module replaced by a fixed scaling, forward is Bahdanau's equations written
+    out with that scaling in those three places."""
+
+    class Halve(torch.nn.Module):  # dropout's scaling with one fixed mask: every unit kept
+        def forward(self, x):
+            return 0.5 * x
+
+    torch.manual_seed(0)
+    model = tiny_model(n_layers=1, dropout=0.3).train()
+    model.dropout = Halve()
+    src, tgt = torch.randint(3, SRC_V, (1, 5)), torch.randint(0, TGT_V, (1, 4))
+    H, att = model.cfg.hidden_dim, model.attention
+    with torch.no_grad():
+        out = model(src, tgt=tgt)
+        states, h_n = model.encoder(0.5 * model.src_embed(src))
+        h_n = h_n.view(1, 2, 1, H)  # torch's layout: (layer, direction)
+        s = torch.tanh(model.init_state(torch.cat((h_n[:, 0], h_n[:, 1]), dim=-1)))
+        for i in range(tgt.shape[1]):
+            scores = att.w_v(torch.tanh(att.w_q(s[-1])[:, None] + att.w_k(states)))
+            context = scores[..., 0].softmax(-1) @ states[0]  # (1, 2H)
+            x = torch.cat((0.5 * model.tgt_embed(tgt[:, i]), context), dim=-1)
+            y, s = model.decoder(x[:, None], s)
+            logits = model.out(0.5 * torch.cat((y[:, 0], context), dim=-1))
+            torch.testing.assert_close(out.logits[0, i], logits[0], atol=1e-5, rtol=1e-5)
+
+
 def test_left_padded_source_is_refused_not_encoded_as_tokens():
     """Packing reads the first ``length`` tokens of a row: under left padding it encoded the
     pads and dropped the last real tokens (logits 0.13 off the row alone), silently."""

@@ -96,6 +96,21 @@ def test_seq2seq_models_name_malformed_inputs():
             model(src[0], tgt=tgt)
 
 
+def test_seq2seq_names_a_target_mask_of_another_shape():
+    """tgt_mask (b, t) like tgt: the source's mask given by mistake failed as an expand
+    error deep in decode, or (with a matching width) silently masked other positions."""
+    torch.manual_seed(0)
+    src, tgt = torch.randint(3, 20, (2, 7)), torch.randint(3, 20, (2, 5))
+    attention = AttentionConfig(n_heads=2, qkv_bias=True, out_bias=True)
+    cfg = Seq2SeqConfig(vocab_size=20, max_seq_len=16, d_model=16, n_layers=1, attention=attention)
+    model = Seq2SeqModel(cfg)
+    for bad in (torch.ones(2, 7), torch.ones(3, 5), torch.ones(2, 1, 1, 5)):
+        with pytest.raises(ValueError, match=r"tgt_mask must be \(2, 5\)"):
+            model(src, tgt=tgt, tgt_mask=bad)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1] * 5])
+    torch.testing.assert_close(model(src, tgt=tgt, tgt_mask=mask).logits, model(src, tgt).logits)
+
+
 def test_xl_names_memory_of_another_batch():
     torch.manual_seed(0)
     m = TransformerXL(XLConfig(vocab_size=20, d_model=16, n_layers=1,

@@ -170,6 +170,23 @@ def test_linear_rejects_windows_and_sinks(field, value):
         ModelConfig.from_dict({"attention": {"kind": "linaer"}})
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_linear_takes_the_eager_and_sdpa_backends_and_computes_the_same(backend):
+    """The refusal of the other backends leaves both of these (sdpa the default): linear
+    attention forms no softmax attention, so either gives the same logits."""
+    torch.manual_seed(0)
+    data = {"vocab_size": 40, "d_model": 32, "n_layers": 2, "max_seq_len": 16,
+            "attention": {"kind": "linear", "n_heads": 4}}  # fmt: skip
+    plain = DecoderLM(ModelConfig.from_dict(data)).eval()
+    cfg = ModelConfig.from_dict({**data, "attention": {**data["attention"], "backend": backend}})
+    assert cfg.attention.backend == backend
+    model = DecoderLM(cfg).eval()
+    model.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 40, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, plain(idx).logits, rtol=0, atol=0)
+
+
 def test_trains_from_the_cli(tmp_path):
     out = tmp_path / "run"
     sets = [

@@ -276,3 +276,25 @@ def test_generation_config_tokens_win_over_config_json_as_in_transformers(marian
                            **kw)  # fmt: skip
         expected = [seq[: seq.index(eos)] if eos in seq else seq for seq in out[:, 1:].tolist()]
         assert model.generate(src, 10, src_mask=mask, num_beams=k) == expected
+
+
+def test_null_generation_config_tokens_keep_config_jsons(marian, tmp_path):
+    """A generation_config.json whose decoder start and end tokens are null has none: the
+    model keeps config.json's (transformers would have no start token to generate from),
+    and translates as the folder without those entries."""
+    import json
+    import shutil
+
+    _, path = marian
+    folder = tmp_path / "null_tokens"
+    shutil.copytree(path, folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    nulls = {"decoder_start_token_id": None, "eos_token_id": None}
+    (folder / "generation_config.json").write_text(json.dumps({**generation, **nulls}))
+    model, plain = load_hf(folder), load_hf(path)
+    assert (model.cfg.bos_id, model.cfg.eos_id) == (plain.cfg.bos_id, plain.cfg.eos_id)
+    assert (model.cfg.bos_id, model.cfg.eos_id) == (PAD, EOS)
+    src, mask, _ = _batch()
+    for k in (1, 3):
+        got = model.generate(src, 10, src_mask=mask, num_beams=k)
+        assert got == plain.generate(src, 10, src_mask=mask, num_beams=k)

@@ -177,6 +177,33 @@ def test_inconsistent_mla_config_names_the_field(override, field):
         run.override({f"model.{k}": v for k, v in override.items()})
 
 
+def test_absorbed_path_trains_with_attention_dropout_whatever_the_backend():
+    """MLA's absorbed path drops its attention weights itself, without a backend: the
+    trainer's check lets attention dropout train there with a backend that has none
+    (flash), and the weights are dropped (two seeds, two losses); the naive and auto paths
+    call the backend, so there it is refused before training, naming it."""
+    from attnlab.training import TrainingError
+    from attnlab.training.trainer import check_backend
+
+    sets = {"attention.backend": "flash", "attention.dropout": 0.5, "dropout": 0.0}
+    idx = torch.randint(0, V, (2, 9))
+    for path in ("naive", "auto"):
+        cfg = get_preset("deepseek-tiny").override({**sets, "attention.mla_path": path})
+        with pytest.raises(TrainingError, match="backend='flash' has no attention dropout"):
+            check_backend(cfg, torch.device("cpu"))
+    cfg = get_preset("deepseek-tiny").override({**sets, "attention.mla_path": "absorbed"})
+    check_backend(cfg, torch.device("cpu"))
+    model = build_model(cfg).train()
+    losses = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        loss = model(idx[:, :-1], targets=idx[:, 1:]).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] != losses[1]
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
 def test_mla_defaults_follow_the_paper():
     cfg = ModelConfig.from_dict({"d_model": 128, "attention": {"kind": "mla", "n_heads": 4}})
     dims = cfg.attention.mla_dims(cfg.d_model)

@@ -453,6 +453,23 @@ def test_moe_seq2seq_statistics_skip_padding():
     )
 
 
+def test_moe_translation_batches_count_their_pairs_alone():
+    """The translation task's teacher-forcing step gives the model both masks of its padded
+    batch: the MoE statistics count each (source, target) pair as if it ran alone."""
+    from attnlab.data.numbers import CharVocab, collate
+    from attnlab.tasks.translation import seq2seq_loss
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("transformer-numbers").override(PADDED_MOE))
+    src_vocab, tgt_vocab = CharVocab("0123456789"), CharVocab("abcdefghijklmnopqrstuvwxyz -")
+    pairs = [("1234", "one thousand"), ("7", "seven"), ("45", "forty-five")]
+    _check_padded_equals_alone(
+        model,
+        lambda: seq2seq_loss(model, collate(pairs, src_vocab, tgt_vocab)),
+        [lambda p=p: seq2seq_loss(model, collate([p], src_vocab, tgt_vocab)) for p in pairs],
+    )
+
+
 def test_moe_decoder_statistics_skip_left_padding():
     """A left-padded decoder batch with its attention mask counts as its prompts alone."""
     torch.manual_seed(0)

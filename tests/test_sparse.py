@@ -694,6 +694,20 @@ def test_bad_nsa_config_names_the_field(override, field):
         _nsa_cfg(**override)
 
 
+@pytest.mark.parametrize("block_len, stride, sel_len", [(5, 2, 4), (4, 2, 5), (4, 4, 6)])
+def test_block_importance_refuses_lengths_that_are_not_whole_strides(block_len, stride, sel_len):
+    """Eq. 9's weights count the stride-long pieces two blocks share: with a length that is
+    not a multiple of the stride they would be silently wrong, so the call is refused,
+    naming the lengths (the config refuses them before a model is built)."""
+    p_cmp = torch.rand(1, 1, 4, 3)
+    with pytest.raises(ValueError) as err:
+        selection_importance(p_cmp, 2, block_len, stride, sel_len)
+    message = str(err.value)
+    lengths = f"block_len={block_len} and sel_len={sel_len}"
+    assert f"{lengths} must be multiples of stride={stride}" in message
+    assert "\n" not in message
+
+
 def test_dsa_trains_from_a_run_preset():
     run = get_run_preset("demo")
     assert run.model.attention.kind != "dsa"
@@ -950,6 +964,45 @@ def test_sparse_stage_steps_equal_two_separately_clipped_trainings(tmp_path):
         if r["kind"] == "train"
     ]
     assert logged == pytest.approx(norms, rel=1e-5)  # of every gradient, before clipping
+
+
+def test_logged_grad_norm_is_of_every_gradient_when_the_parts_clip_apart(tmp_path):
+    """The logged grad_norm is the norm of the whole gradient, before clipping: the indexer's
+    and the rest's together, not the main part's alone. An indexer far from the attention
+    (a KL well above rounding) makes its share of the norm plain."""
+    import math
+
+    from attnlab.training.trainer import Trainer
+
+    cfg = _dsa_run(tmp_path, **{"train.max_steps": 1, "train.grad_clip": 5e-4})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".indexer." in name:
+                p.normal_(std=0.5)
+    model = copy.deepcopy(trainer.model).train()  # the first step's weights
+    batches, batch = [], trainer.task.batch
+    trainer.task.batch = lambda keys, device=None: (
+        batches.append(batch(keys, device)) or batches[-1]
+    )
+    trainer.run()
+
+    ((x, y),) = batches
+    out = model(x, targets=y)  # the aux loss is the indexers' KL (no MoE balance loss)
+    names, params = zip(*model.named_parameters())
+    grads = torch.autograd.grad(out.loss + out.aux_loss, params, allow_unused=True)
+    squares = {"indexer": 0.0, "main": 0.0}
+    for name, g in zip(names, grads):
+        if g is not None:
+            part = "indexer" if ".indexer." in name else "main"
+            squares[part] += float(g.double().square().sum())
+    assert squares["indexer"] > 1e-2 * squares["main"] > 0  # both parts count
+    (logged,) = [
+        r["grad_norm"]
+        for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+        if r["kind"] == "train"
+    ]
+    assert logged == pytest.approx(math.sqrt(sum(squares.values())), rel=1e-5)
 
 
 def test_best_checkpoint_is_per_dsa_stage_and_the_switch_resumes_exactly(tmp_path, monkeypatch):

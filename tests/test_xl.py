@@ -439,6 +439,64 @@ def test_clamp_len_and_same_length_equal_the_original_formulas(clamp_len, same_l
 
 
 @torch.no_grad()
+def test_post_norm_layers_read_the_clamped_encodings_and_the_same_length_mask():
+    """Post-norm blocks (attention over the raw memory and segment, then the norm) under
+    clamp_len and same_length against the original formulas written out layer by layer:
+    each layer reads the model's clamped encodings, not unclamped ones of its own."""
+    model = tiny(mem_len=6, clamp_len=3, same_length=True, norm=NormConfig(placement="post"))
+    idx = torch.randint(0, 40, (2, 17))
+    segments = (slice(0, 4), slice(4, 9), slice(9, 10), slice(10, 17))
+    got, mem = [], None
+    for sl in segments:
+        out = model(idx[:, sl], memory=mem)
+        mem = out.memory
+        got.append(out.logits)
+    want, mems = [], [torch.zeros(2, 0, model.cfg.d_model)] * len(model.blocks)
+    for sl in segments:
+        x = model.tok_emb(idx[:, sl])
+        qlen, mlen = x.shape[1], mems[0].shape[1]
+        pos_emb = original_pos_emb(mlen + qlen, model.cfg.d_model, 3)
+        masked = original_mask(qlen, mlen, 6, True)
+        new = []
+        for block, m in zip(model.blocks, mems):
+            new.append(torch.cat((m, x), 1)[:, -6:])
+            x = block.attn_norm(x + reference_attention(block.attn, x, m, pos_emb, masked))
+            x = block.ffn_norm(x + block.ffn(x))
+        mems = new
+        want.append(model.lm_head(model.norm(x)))
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), **TOL)
+
+
+@torch.no_grad()
+def test_same_length_applies_to_a_padded_segment_too():
+    """With a padding mask, same_length still limits each query to the mem_len most recent
+    keys: a right-padded segment after a memory gives its real tokens the logits of the
+    segment cut at its end (same memory), and an unpadded row those of the row alone."""
+    model = tiny(mem_len=6, same_length=True)
+    idx = torch.randint(0, 40, (2, 13))
+    memory = model(idx[:, :6]).memory  # m + t = 13 > mem_len: the window bites
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    attention_mask[1, 4:] = 0
+    out = model(idx[:, 6:], memory=memory, attention_mask=attention_mask)
+    alone = model(idx[:1, 6:], memory=[m[:1] for m in memory]).logits
+    torch.testing.assert_close(out.logits[0], alone[0], **TOL)
+    cut = model(idx[1:, 6:10], memory=[m[1:] for m in memory]).logits
+    torch.testing.assert_close(out.logits[1, :4], cut[0], **TOL)
+
+
+@torch.no_grad()
+def test_eager_backend_is_accepted_and_computes_the_same():
+    """The refusal of the backends XL's attention never calls leaves eager (and the default
+    sdpa): the relative attention forms its scores itself, so the logits are the same."""
+    model = tiny(mem_len=8)
+    eager = build_model(model.cfg.override({"attention.backend": "eager"})).eval()
+    assert eager.cfg.attention.backend == "eager"
+    eager.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 40, (2, 9))
+    torch.testing.assert_close(eager(idx).logits, model(idx).logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
 def test_defaults_are_bitwise_the_former_forward():
     """The xl-tiny preset: clamp_len None and same_length False compute exactly what each
     layer computed alone before (its own unclamped encodings, causality only); a clamp at
