@@ -12,7 +12,7 @@ AdamW for embeddings, norms and biases: the split Muon's authors use); ``input-m
 of the row-major layout the trainer gives them; ``mkl`` and ``compile-mkl``: the linear
 layers' products by F.linear (MKL's sgemm) instead of oneDNN's (``attnlab.nn.linear.ONEDNN``);
 ``compile-max-autotune`` and ``compile-cpp-wrapper``: the compiled step under two of
-inductor's settings (``INDUCTOR``), set while that variant's steps run: ``max_autotune``
+inductor's settings (``INDUCTOR``, given as ``torch.compile``'s options): ``max_autotune``
 (``mode="max-autotune-no-cudagraphs"``: on CPU it tries its C++ GEMM templates, which take
 only constant, frozen weights as the second operand) and ``cpp_wrapper`` (the compiled
 graph's calls made from C++ instead of Python); ``compile-eager-attention`` and
@@ -26,7 +26,6 @@ template.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import tempfile
 import time
@@ -55,16 +54,11 @@ OVERRIDES = {  # variant -> overrides of the preset
     "compile-eager-attention-max-autotune": {
         "train.compile": True, "model.attention.backend": "eager"},
 }
-INDUCTOR = {  # variant -> torch._inductor.config settings while its steps run (compile included)
+INDUCTOR = {  # variant -> torch.compile(options=...): inductor's settings for its graphs
     "compile-max-autotune": {"max_autotune": True},
     "compile-cpp-wrapper": {"cpp_wrapper": True},
     "compile-eager-attention-max-autotune": {"max_autotune": True},
 }
-
-
-def inductor_settings(variant: str) -> contextlib.AbstractContextManager:
-    settings = INDUCTOR.get(variant)
-    return torch._inductor.config.patch(settings) if settings else contextlib.nullcontext()
 
 
 def main() -> None:
@@ -87,6 +81,8 @@ def main() -> None:
             tr = Trainer(cfg, f"{tmp}/{name}", progress=False)
             if name.endswith("input-major"):
                 set_layout(tr.model, "input")
+            if name in INDUCTOR:  # its own options: a plain compile's graphs would serve it
+                tr.train_model = torch.compile(tr.model, options=INDUCTOR[name])
             runs[name] = (tr, [tr.optimizer], [], [])
     tc = next(iter(runs.values()))[0].tc
     for step in range(args.steps):
@@ -98,10 +94,9 @@ def main() -> None:
                 set_lr(opt, lr)
             keys = tr.task.sample(tc.batch_size, tr.data_generator)
             batch = tr.task.batch(keys, tr.device)
-            with inductor_settings(name), autocast_context(tr.device, tr.autocast_dtype):
+            with autocast_context(tr.device, tr.autocast_dtype):
                 out = tr.task.step(tr.train_model, batch)
-            with inductor_settings(name):  # the backward graph may compile at its first call
-                out.objective.backward()
+            out.objective.backward()
             torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tc.grad_clip)
             for opt in opts:
                 opt.step()
