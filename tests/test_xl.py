@@ -417,6 +417,16 @@ def test_same_length_mask_is_the_original_formula(t, m, mem_len):
     assert got.sum(-1).tolist() == [min(mem_len, m + i + 1) for i in range(t)]
 
 
+def segment_logits(model, idx, segments):
+    """The model's logits over ``idx``, read segment by segment with its memory."""
+    got, mem = [], None
+    for sl in segments:
+        out = model(idx[:, sl], memory=mem)
+        mem = out.memory
+        got.append(out.logits)
+    return torch.cat(got, 1)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize(
     "clamp_len, same_length", [(None, False), (3, False), (None, True), (3, True)]
@@ -427,15 +437,11 @@ def test_clamp_len_and_same_length_equal_the_original_formulas(clamp_len, same_l
     model = tiny(mem_len=6, clamp_len=clamp_len, same_length=same_length)
     idx = torch.randint(0, 40, (2, 17))
     segments = (slice(0, 4), slice(4, 9), slice(9, 10), slice(10, 17))
-    got, mem = [], None
-    for sl in segments:
-        out = model(idx[:, sl], memory=mem)
-        mem = out.memory
-        got.append(out.logits)
+    got = segment_logits(model, idx, segments)
     want = reference_segments(
         model, idx, segments, mem_len=6, clamp_len=clamp_len, same_length=same_length
     )
-    torch.testing.assert_close(torch.cat(got, 1), want, **TOL)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 @torch.no_grad()
@@ -446,11 +452,7 @@ def test_post_norm_layers_read_the_clamped_encodings_and_the_same_length_mask():
     model = tiny(mem_len=6, clamp_len=3, same_length=True, norm=NormConfig(placement="post"))
     idx = torch.randint(0, 40, (2, 17))
     segments = (slice(0, 4), slice(4, 9), slice(9, 10), slice(10, 17))
-    got, mem = [], None
-    for sl in segments:
-        out = model(idx[:, sl], memory=mem)
-        mem = out.memory
-        got.append(out.logits)
+    got = segment_logits(model, idx, segments)
     want, mems = [], [torch.zeros(2, 0, model.cfg.d_model)] * len(model.blocks)
     for sl in segments:
         x = model.tok_emb(idx[:, sl])
@@ -464,7 +466,7 @@ def test_post_norm_layers_read_the_clamped_encodings_and_the_same_length_mask():
             x = block.ffn_norm(x + block.ffn(x))
         mems = new
         want.append(model.lm_head(model.norm(x)))
-    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), **TOL)
+    torch.testing.assert_close(got, torch.cat(want, 1), **TOL)
 
 
 @torch.no_grad()
