@@ -468,6 +468,54 @@ def test_a_model_with_a_compiled_step_pickles_and_copies_without_it():
     assert model._compiled_decode_step is not None  # the original keeps its own
 
 
+@pytest.mark.parametrize(
+    "name, override",
+    [
+        ("gpt2-tiny", {}),  # its GELU (tanh) was a lambda kept on each MLP: unpicklable
+        ("deepseek-v32-tiny", {}),  # DSA keeps its indexer loss on the module
+        ("deepseek-moe-tiny", {"ffn.seq_aux_loss_coef": 0.01}),  # MoE its balance loss
+    ],
+)
+def test_a_model_after_a_training_step_copies_and_pickles_into_an_equal_model(name, override):
+    """copy.deepcopy and torch.save(model) after a training pass: the modules' aux losses
+    held the step's graph (deepcopy refused a tensor that is not a leaf), GPT-2's GELU was
+    a lambda (pickle refused it). The copies share no memory and compute what the
+    original does, loss and gradients."""
+    import copy
+    import io
+
+    model = build_model(get_preset(name).override(override)).train()
+
+    def step(m, idx):
+        m.zero_grad()
+        out = m(idx, targets=idx)
+        (out.loss + (0 if out.aux_loss is None else out.aux_loss)).backward()
+        return [out.loss, out.aux_loss, *(p.grad for p in m.parameters())]
+
+    step(model, torch.randint(0, model.cfg.vocab_size, (2, 12)))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        ours = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        assert not ours & {p.untyped_storage().data_ptr() for p in other.parameters()}
+        for got, want in zip(step(other, idx), step(model, idx), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "xl-tiny"])
+def test_forward_exports_with_torch_export(name):
+    """torch.export.export refused the model's output (a dataclass it did not know as a
+    pytree); the exported program computes the model's logits."""
+    model = build_model(get_preset(name)).eval()
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    program = torch.export.export(model, (idx,))
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(idx).logits, model(idx).logits, **TOL)
+
+
 def test_static_capacity_buckets():
     from attnlab.generation import static_capacity
 

@@ -3,7 +3,8 @@
 Modules that add a training signal of their own (a mixture-of-experts balance loss, a
 sparse-attention indexer loss) set ``has_aux = True`` and, at each forward pass, the
 attributes ``aux_loss`` (a 0-d tensor or None) and ``aux_metrics`` (name -> value). The
-model sums the losses and gathers the metrics into its output; the trainer optimises
+model sums the losses and gathers the metrics into its output (the graph goes with the
+output: the modules keep their losses' values, detached); the trainer optimises
 ``loss + aux_loss`` and logs the metrics. Their forward also takes ``real_tokens`` (b, t)
 bool, False at padding, which the blocks pass when the model has a padding mask: the
 statistics and losses count the real tokens only. A module that sets ``trains_alone = True``
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 
@@ -39,6 +41,10 @@ class ModelOutput:
         return (self.logits, self.loss)[i]
 
 
+# A pytree node, as torch's tuples and dicts are: torch.export.export(model, (idx,)) refused
+# an output of an unknown type. (Each subclass is registered beside it.)
+torch.export.register_dataclass(ModelOutput, serialized_type_name="attnlab.ModelOutput")
+
 LMOutput = ModelOutput  # the name the decoder's output has always had
 
 
@@ -56,6 +62,10 @@ def collect_aux(
     total, metrics = None, {}
     for name, m in modules:
         loss = getattr(m, "aux_loss", None)
+        if loss is not None:
+            # the output carries the graph; the module keeps the value (a tensor with a
+            # graph held on a module made copy.deepcopy(model) fail after a training pass)
+            m.aux_loss = loss.detach()
         if alone and not getattr(m, "trains_alone", False):
             loss = None
         if loss is not None:

@@ -94,6 +94,9 @@ class Seq2SeqOutput(ModelOutput):
     attention: Tensor | None = None
 
 
+torch.export.register_dataclass(Seq2SeqOutput, serialized_type_name="attnlab.Seq2SeqOutput")
+
+
 class Memory(NamedTuple):
     """What the decoder reads at every step: the encoder states and their padding."""
 

@@ -125,6 +125,9 @@ class XLOutput(ModelOutput):
     memory: list[Tensor] | None = None
 
 
+torch.export.register_dataclass(XLOutput, serialized_type_name="attnlab.XLOutput")
+
+
 class XLBlock(nn.Module):
     def __init__(self, cfg: XLConfig, layer: int = 0):
         super().__init__()

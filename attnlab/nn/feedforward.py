@@ -14,10 +14,18 @@ from attnlab.config import FFNConfig
 from attnlab.nn.dropout import dropout as build_dropout
 from attnlab.nn.linear import Linear
 
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GPT-2's GELU (tanh approximation). A module-level function, not a lambda: modules
+    keep their activation as an attribute, and a lambda made the model unpicklable
+    (``torch.save(model)``, ``pickle``)."""
+    return F.gelu(x, approximate="tanh")
+
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": gelu_tanh,
     "silu": F.silu,
     "sigmoid": F.sigmoid,
 }
