@@ -2,8 +2,12 @@
 several tokens.
 
 Decoding multiplies one token's vector by every weight matrix: a memory-bound vector-matrix
-product whose speed is the memory bandwidth it reaches. Two changes from ``nn.Linear``, both
-invisible to state dicts and checkpoints (the weight keeps its logical shape (out, in)):
+product whose speed is the memory bandwidth it reaches. Two changes from ``nn.Linear``; the
+weight keeps its logical shape (out, in), so state dict keys, shapes and values and
+checkpoints are ``nn.Linear``'s, though a state dict's input-major entries are
+non-contiguous views (``safetensors.torch.save_file`` refuses those: save
+``{k: v.contiguous() ...}``, or with ``safetensors.torch.save_model``, as attnlab's
+checkpoints are):
 
 1. The weight is stored input-major (the memory of W^T, strides (1, out)): MKL streams it
    faster than the row-major layout for one vector.
