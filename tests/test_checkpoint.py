@@ -12,6 +12,7 @@ import torch
 import attnlab.training.checkpoint as ckpt_module
 from attnlab.config import DataConfig, RunConfig, TrainConfig
 from attnlab.models import build_model
+from attnlab.models.tying import UntiedWeightsError
 from attnlab.presets import gpt2_style, llama_style
 from attnlab.tokenizers import train_tokenizer
 from attnlab.training import CheckpointError, load_checkpoint, save_checkpoint
@@ -71,6 +72,32 @@ def test_round_trip(tmp_path, tie):
     # No trainer state given: loads with state None, and is still complete.
     save_checkpoint(tmp_path / "bare", model, cfg, tokenizer)
     assert load_checkpoint(tmp_path / "bare", with_state=True).state is None
+
+
+def test_a_model_whose_tied_weights_came_apart_is_refused(tmp_path):
+    """The config ties the head to the embedding but the head is a Parameter of its own
+    (replaced, or made by a loading path that did not re-tie): the file stores a tied
+    tensor once, so one of the two would be lost. The save refuses before writing
+    anything, naming both and the fix; after ``model.tie_weights()`` it saves."""
+    model, cfg, tokenizer = make_run(tie=True)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + 0.1)
+    message = r"lm_head\.weight is not the same tensor as tok_emb\.weight.*model\.tie_weights\(\)"
+    with pytest.raises(UntiedWeightsError, match=message):
+        save_checkpoint(tmp_path / "ckpt", model, cfg, tokenizer)
+    assert not (tmp_path / "ckpt").exists()
+    model.tie_weights()
+    assert model.lm_head.weight is model.tok_emb.weight
+    save_checkpoint(tmp_path / "ckpt", model, cfg, tokenizer)
+    x = torch.randint(0, tokenizer.vocab_size, (2, 9))
+    with torch.no_grad():
+        expected = model.eval()(x).logits
+        assert torch.equal(load_checkpoint(tmp_path / "ckpt").model(x).logits, expected)
+    # An identity check, no data read: a model on the meta device is checked as well.
+    with torch.device("meta"):
+        meta = build_model(cfg.model)
+    meta.lm_head.weight = torch.nn.Parameter(torch.empty_like(meta.tok_emb.weight))
+    with pytest.raises(UntiedWeightsError, match=message):
+        save_checkpoint(tmp_path / "meta", meta, cfg, tokenizer)
 
 
 def test_failure_before_commit_keeps_previous(tmp_path, monkeypatch):

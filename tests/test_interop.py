@@ -22,6 +22,7 @@ from attnlab.interop import (  # noqa: E402
     save_hf,
 )
 from attnlab.models.decoder import DecoderLM  # noqa: E402
+from attnlab.models.tying import UntiedWeightsError  # noqa: E402
 from attnlab.presets import gpt2_style, llama_style, vaswani_tiny  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -406,6 +407,31 @@ def test_export_unrepresentable(tmp_path):
     with pytest.raises(HFCheckpointError, match="sliding window"):
         hf_model_type(_with(_llama(), **{"attention.sliding_window": 4, "ffn.bias": True}))
     assert not (tmp_path / "config.json").exists()
+
+
+def test_export_of_a_meta_loaded_tied_model_after_a_step_and_refusal_of_an_untied_one(tmp_path):
+    """A tied GPT-2 given its weights by ``load_state_dict(assign=True)`` on the meta device
+    keeps one head/embedding Parameter: after an optimizer step its export (which stores the
+    tied tensor once) reloads with its logits. A model whose head came apart is refused."""
+    cfg = EXPORTS["gpt2"][1]
+    torch.manual_seed(0)
+    twin = DecoderLM(cfg)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    model.load_state_dict({k: v.clone() for k, v in twin.state_dict().items()}, assign=True)
+    assert model.lm_head.weight is model.tok_emb.weight
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model(idx, targets=idx).loss.backward()
+    opt.step()
+    save_hf(model.eval(), tmp_path / "tied")
+    with torch.no_grad():
+        assert torch.equal(load_hf(tmp_path / "tied")(idx).logits, model(idx).logits)
+
+    model.lm_head.weight = torch.nn.Parameter(model.tok_emb.weight.detach().clone())
+    with pytest.raises(UntiedWeightsError, match=r"lm_head\.weight .* tok_emb\.weight"):
+        save_hf(model, tmp_path / "untied")
+    assert not (tmp_path / "untied").exists()
 
 
 _MLA = {

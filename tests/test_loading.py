@@ -14,14 +14,18 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_model
 
 import attnlab.training.checkpoint as ckpt_module
 from attnlab.cli.main import main
 from attnlab.config import RunConfig
 from attnlab.interop import load_hf, save_hf
+from attnlab.models import build_model
 from attnlab.models.decoder import DecoderLM
+from attnlab.models.encoder import EncoderConfig
+from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
 from attnlab.nn.linear import Linear, is_input_major
-from attnlab.presets import gpt2_style, llama_style
+from attnlab.presets import gpt2_style, llama_style, vaswani_tiny, xl_tiny
 from attnlab.tokenizers import train_tokenizer
 from attnlab.training import CheckpointError, load_checkpoint, save_checkpoint
 from attnlab.weights import SafetensorsFile
@@ -250,6 +254,107 @@ def test_checkpoint_misshaped_tensor_names_both_shapes(tmp_path):
     save_file(tensors, file, metadata=metadata)
     with pytest.raises(CheckpointError, match=r"norm\.weight has shape \(31,\).* \(32,\)"):
         load_checkpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- tied weights
+
+# Every family that ties parameters (a head tied to its token embedding; Marian's target
+# embedding shared with the source's or not), as PyTorch's own loading paths meet them.
+TIED = {
+    "gpt2": lambda: CONFIGS["gpt2_tied"],
+    "llama_tied": lambda: CONFIGS["qwen_tied_llama3_rope"],
+    "vaswani": lambda: vaswani_tiny().override({"vocab_size": V, "d_model": 32}),
+    "xl": lambda: xl_tiny().override({"vocab_size": V, "d_model": 32, "mem_len": 8}),
+    "bert_mlm": lambda: EncoderConfig(vocab_size=V, max_seq_len=32, d_model=32, n_layers=2),
+    "seq2seq_shared": lambda: Seq2SeqConfig(vocab_size=V, max_seq_len=32, d_model=32, n_layers=2),
+    "marian_separate": lambda: Seq2SeqConfig(
+        vocab_size=V, max_seq_len=32, d_model=32, n_layers=2, share_embeddings=False,
+        sinusoid_layout="split", final_logits_bias=True,
+    ),
+}  # fmt: skip
+TIED_TASKS = {"xl": "lm-stream", "encoder": "mlm", "seq2seq": "seq2seq"}
+
+
+def _tied_batch(model, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(3, V, (2, 10), generator=g)
+    if isinstance(model, Seq2SeqModel):
+        tgt = torch.randint(3, V, (2, 7), generator=g)
+        return {"src": idx, "tgt": tgt, "targets": tgt.roll(-1, 1)}
+    return {"idx": idx, "targets": idx.roll(-1, 1)}
+
+
+def _trained_one_step(model, batch) -> torch.Tensor:
+    """Logits after one AdamW step on ``batch`` (large enough to move every weight)."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    model(**batch).loss.backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        return model(**{k: v for k, v in batch.items() if k != "targets"}).logits
+
+
+def _loaded_the_pytorch_way(cfg, twin, path: str, tmp_path):
+    """``cfg``'s model given ``twin``'s weights by a standard PyTorch loading path."""
+    state = {k: v.clone() for k, v in twin.state_dict().items()}
+    if path == "assign_file":  # safetensors stores a tied tensor once, under one name
+        save_model(twin, str(tmp_path / "model.safetensors"))
+        state = load_file(str(tmp_path / "model.safetensors"))
+        assert len(state) < len(twin.state_dict())
+    if path == "to_meta":  # built, then moved to the meta device
+        model = build_model(cfg).to("meta")
+    else:
+        with torch.device("meta"):
+            model = build_model(cfg)
+    if path.startswith("assign"):
+        model.load_state_dict(state, assign=True)  # strict: a tied name left out is filled
+        # no state dict holds a non-persistent buffer (RoPE's frequencies): made anew
+        for m in model.modules():
+            if any(b.is_meta for b in m.buffers(recurse=False)):
+                m.to_empty(device="cpu", recurse=False)
+        return model
+    model.to_empty(device="cpu")
+    for name, source in model.tied_parameters().items():  # to_empty keeps them too
+        assert model.get_parameter(name) is model.get_parameter(source), name
+    model.load_state_dict(state)
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.parametrize("path", ["assign", "assign_file", "to_empty", "to_meta"])
+@pytest.mark.parametrize("family", list(TIED))
+def test_pytorch_loading_paths_keep_ties(family, path, tmp_path):
+    """Meta-device init + ``load_state_dict(assign=True)`` (from a state dict, or from a
+    safetensors file that stores a tied tensor once), and ``to_empty`` (after building on
+    the meta device or ``model.to("meta")``) + ``load_state_dict`` + ``tie_weights()``
+    give tied parameters that are one Parameter: one optimizer step later the model still
+    equals its normally built twin trained the same way, and its checkpoint reloads with
+    the same logits. (They were two Parameters: the step moved them apart, and the save,
+    storing the tied tensor once, reloaded with logits about 0.1 off.)"""
+    cfg = TIED[family]()
+    torch.manual_seed(0)
+    twin = build_model(cfg)
+    ties = twin.tied_parameters()
+    assert "lm_head.weight" in ties or "head.decoder.weight" in ties
+    model = _loaded_the_pytorch_way(cfg, twin, path, tmp_path)
+    for name, source in ties.items():
+        assert model.get_parameter(name) is model.get_parameter(source), name
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in twin.named_parameters()]
+    assert not any(p.is_meta for p in model.parameters())
+
+    batch = _tied_batch(twin)
+    logits = _trained_one_step(model, batch)
+    assert torch.equal(logits, _trained_one_step(twin, batch))
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert torch.equal(p, q), name
+
+    task = TIED_TASKS.get(cfg.arch, "lm")
+    save_checkpoint(tmp_path / "ckpt", model, RunConfig(model=cfg, task=task), None)
+    loaded = load_checkpoint(tmp_path / "ckpt").model
+    inputs = {k: v for k, v in batch.items() if k != "targets"}
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, logits)
 
 
 # --------------------------------------------------------------------------- tokenizer

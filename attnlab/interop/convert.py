@@ -24,6 +24,7 @@ from attnlab.interop.io import (
 )
 from attnlab.interop.registry import FAMILIES, lookup
 from attnlab.models import build_model
+from attnlab.models.tying import check_tied
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
 
@@ -207,7 +208,9 @@ def save_hf(model: nn.Module, path: str | Path) -> None:
     A tied head is not stored (transformers re-ties it). Interleaved RoPE q/k rows are
     reordered to the split layout where the family rotates split halves. Raises
     :class:`HFCheckpointError` for configs no supported architecture represents (see
-    :func:`hf_model_type`)."""
+    :func:`hf_model_type`), :class:`~attnlab.models.tying.UntiedWeightsError` for a model
+    whose config ties parameters that are not one tensor (before writing anything)."""
+    check_tied(model)
     cfg = model.cfg
     family, model_type = _export_family(cfg)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())

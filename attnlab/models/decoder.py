@@ -27,6 +27,7 @@ from attnlab.models.outputs import (
     finish_loss,
     init_residual_projections,
 )
+from attnlab.models.tying import TiedModule
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.dropout import dropout
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["DecoderLM", "LMOutput"]
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(TiedModule):
     """A decoder-only language model built from a :class:`ModelConfig`.
 
     ``model(idx, targets=...)`` returns :class:`LMOutput` (``logits, loss = ...``);
@@ -83,8 +84,7 @@ class DecoderLM(nn.Module):
         # Post-norm blocks already end in a norm; pre-norm stacks need a final one.
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
         self.lm_head = Linear(d, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
         self.apply(self._init_weights)
         init_residual_projections(self, cfg.init_std, cfg.n_layers)
         self._aux = aux_modules(self)
@@ -102,6 +102,10 @@ class DecoderLM(nn.Module):
         for name in self._PROCESS_STATE:
             state.pop(name, None)
         return state
+
+    def tied_parameters(self) -> dict[str, str]:
+        """The head is the token embedding when ``tie_embeddings``."""
+        return {"lm_head.weight": "tok_emb.weight"} if self.cfg.tie_embeddings else {}
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -33,6 +33,7 @@ from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
+from attnlab.models.tying import TiedModule
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.feedforward import ACTIVATIONS
@@ -278,7 +279,7 @@ HEADS: dict[str, type[nn.Module]] = {
 # --------------------------------------------------------------------------- model
 
 
-class EncoderModel(nn.Module):
+class EncoderModel(TiedModule):
     """An encoder-only transformer with the head ``cfg.head`` names.
 
     ``model(idx, attention_mask=..., token_type_ids=..., targets=...)`` returns
@@ -306,9 +307,14 @@ class EncoderModel(nn.Module):
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
         self.head = HEADS[cfg.head](cfg)
         self.apply(self._init_weights)
-        if cfg.head == "mlm" and cfg.tie_embeddings:
-            self.head.decoder.weight = self.tok_emb.weight
+        self.tie_weights()
         self._aux = aux_modules(self)  # MoE balance losses, DSA indexers (outputs.py)
+
+    def tied_parameters(self) -> dict[str, str]:
+        """The masked-LM decoder is the token embedding when ``tie_embeddings``."""
+        if self.cfg.head == "mlm" and self.cfg.tie_embeddings:
+            return {"head.decoder.weight": "tok_emb.weight"}
+        return {}
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -36,6 +36,7 @@ from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
+from attnlab.models.tying import TiedModule
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
 from attnlab.nn.linear import Linear
@@ -124,7 +125,7 @@ class Seq2SeqConfig(ModelConfig):
 register_model_config("seq2seq", Seq2SeqConfig)
 
 
-class Seq2SeqModel(nn.Module):
+class Seq2SeqModel(TiedModule):
     """``model(src, tgt, src_mask=..., targets=...)`` -> :class:`ModelOutput` with logits
     (b, t, V); ``encode``/``decode`` run the halves; ``generate`` decodes greedily or with
     beams."""
@@ -152,9 +153,16 @@ class Seq2SeqModel(nn.Module):
             nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.final_logits_bias else None
         )
         self.apply(self._init_weights)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tgt_emb.weight
+        self.tie_weights()
         self._aux = aux_modules(self)  # MoE balance losses (outputs.py)
+
+    def tied_parameters(self) -> dict[str, str]:
+        """With ``share_embeddings`` the target embedding is the source's (one module);
+        with ``tie_embeddings`` the head is the target embedding."""
+        tied = {"tgt_emb.weight": "src_emb.weight"} if self.cfg.share_embeddings else {}
+        if self.cfg.tie_embeddings:
+            tied["lm_head.weight"] = "tgt_emb.weight"
+        return tied
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -46,6 +46,7 @@ from attnlab.models.outputs import (
     finish_loss,
     init_residual_projections,
 )
+from attnlab.models.tying import TiedModule
 from attnlab.nn.feedforward import build_ffn
 from attnlab.nn.linear import Linear
 from attnlab.nn.modes import enter_eval, restore
@@ -155,7 +156,7 @@ class XLBlock(nn.Module):
 
 
 @register_model("xl")
-class TransformerXL(nn.Module):
+class TransformerXL(TiedModule):
     """Transformer-XL (Dai et al. 2019): a decoder LM with segment-level recurrence (each
     segment attends to the cached hidden states of the previous ones) and relative
     positional encodings."""
@@ -170,11 +171,14 @@ class TransformerXL(nn.Module):
         pre = cfg.norm.placement == "pre"
         self.norm = build_norm(cfg.norm, cfg.d_model) if pre else nn.Identity()
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
         self.apply(self._init_weights)
         init_residual_projections(self, cfg.init_std, cfg.n_layers)
         self._aux = aux_modules(self)  # MoE balance losses (outputs.py)
+
+    def tied_parameters(self) -> dict[str, str]:
+        """The head is the token embedding when ``tie_embeddings``."""
+        return {"lm_head.weight": "tok_emb.weight"} if self.cfg.tie_embeddings else {}
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

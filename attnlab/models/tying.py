@@ -1,0 +1,96 @@
+"""Tied parameters: one Parameter that two modules hold (a head tied to the token embedding).
+
+PyTorch keeps a tie only while both modules hold the same Parameter object, and some
+standard paths make a new Parameter for each module, one module at a time:
+``load_state_dict(assign=True)`` (each module takes its own entry), ``model.to("meta")``
+and ``to_empty`` (each module's parameters re-made). The two then hold equal values, which
+the first optimizer step moves apart, and a save that stores the tied tensor once keeps
+only one of them.
+
+A model that ties parameters subclasses :class:`TiedModule` and says which in
+``tied_parameters()`` (from its config). The base class keeps them one Parameter:
+
+- ``tie_weights()`` makes each tied name its source's Parameter again (the source's values
+  win), as transformers' ``tie_weights`` does; the model's ``__init__`` ties through it;
+- ``load_state_dict`` fills a tied name missing from the state dict from its partner (a file
+  that stores the tensor once, as safetensors does, loads strictly) and re-ties afterwards;
+- conversions (``to``, ``to_empty``, ``half``, ...) re-tie afterwards, as
+  ``torch.nn.RNNBase`` re-flattens its weights after them.
+
+:func:`check_tied` is the save paths' guard: a model whose config ties parameters that are
+not one tensor is refused, rather than saved with one of them dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+class UntiedWeightsError(ValueError):
+    """A model's config ties two parameters that are not the same tensor."""
+
+
+class TiedModule(nn.Module):
+    """Base class of the models that tie parameters; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_load_state_dict_pre_hook(_fill_tied_entries)
+        self.register_load_state_dict_post_hook(_retie_after_load)
+
+    def tied_parameters(self) -> dict[str, str]:
+        """``{name: source}``: the parameters that are another parameter, by this model's
+        config (a source may itself be tied to an earlier one). None by default."""
+        return {}
+
+    def tie_weights(self) -> None:
+        """Make each tied parameter (:meth:`tied_parameters`) its source's Parameter again;
+        the source's values win. Loading and conversions call it; call it yourself after
+        replacing parameters by other means."""
+        for name, source in self.tied_parameters().items():
+            module_name, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(module_name), attr, self.get_parameter(source))
+
+    def _apply(self, fn, recurse: bool = True):
+        # a conversion that cannot work in place (to("meta"), to_empty) gives each module a
+        # new Parameter of its own
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
+
+
+def _fill_tied_entries(module: TiedModule, state_dict: dict[str, Any], prefix: str, *_) -> None:
+    """Load-state-dict pre-hook: a tied name missing from ``state_dict`` (the loader's own
+    copy) takes its partner's tensor."""
+    pairs = [(prefix + a, prefix + b) for a, b in module.tied_parameters().items()]
+    for _ in pairs:  # a chain of n ties is filled within n rounds
+        for a, b in pairs:
+            if a in state_dict and b not in state_dict:
+                state_dict[b] = state_dict[a]
+            elif b in state_dict and a not in state_dict:
+                state_dict[a] = state_dict[b]
+
+
+def _retie_after_load(module: TiedModule, incompatible_keys) -> None:
+    """Load-state-dict post-hook: ``assign=True`` gave each module a Parameter of its own."""
+    module.tie_weights()
+
+
+def untied_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """``(name, source)`` pairs that ``model``'s config ties but that are not the same
+    Parameter (an identity check: no data is read)."""
+    tied = model.tied_parameters() if isinstance(model, TiedModule) else {}
+    return [(a, b) for a, b in tied.items() if model.get_parameter(a) is not model.get_parameter(b)]
+
+
+def check_tied(model: nn.Module) -> None:
+    """Raise :class:`UntiedWeightsError` if ``model`` has tied parameters that came apart:
+    a save, which stores a tied tensor once, would drop one of them."""
+    for name, source in untied_parameters(model):
+        raise UntiedWeightsError(
+            f"cannot save: {name} is not the same tensor as {source}, which the model's "
+            f"config ties it to, so one of them would be lost; call model.tie_weights() "
+            f"to make {name} {source} again (it takes {source}'s values), then save"
+        )
