@@ -52,7 +52,9 @@ OVERRIDES = {  # variant -> overrides of the preset
     "compile-cpp-wrapper": {"train.compile": True},
     "compile-eager-attention": {"train.compile": True, "model.attention.backend": "eager"},
     "compile-eager-attention-max-autotune": {
-        "train.compile": True, "model.attention.backend": "eager"},
+        "train.compile": True,
+        "model.attention.backend": "eager",
+    },
 }
 INDUCTOR = {  # variant -> torch.compile(options=...): inductor's settings for its graphs
     "compile-max-autotune": {"max_autotune": True},

@@ -357,6 +357,24 @@ def test_pytorch_loading_paths_keep_ties(family, path, tmp_path):
         assert torch.equal(loaded(**inputs).logits, logits)
 
 
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_state_dict_giving_tied_parameters_different_values_is_refused(assign):
+    """A state dict whose head and embedding differ (an untied model's) cannot load into a
+    model whose config ties them: one of the two would be dropped, and which one depended
+    on ``assign`` (the head's values copied last, the embedding's re-tied). Equal values
+    (a cloned tied state dict) load."""
+    cfg = CONFIGS["gpt2_tied"]
+    torch.manual_seed(0)
+    twin, model = build_model(cfg), build_model(cfg)
+    state = {k: v.clone() for k, v in twin.state_dict().items()}
+    model.load_state_dict(state, assign=assign)
+    assert torch.equal(model.lm_head.weight, twin.lm_head.weight)
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    message = r"lm_head\.weight is tied to tok_emb\.weight .* different values"
+    with pytest.raises(RuntimeError, match=message):
+        build_model(cfg).load_state_dict(state, assign=assign)
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 

@@ -13,7 +13,8 @@ A model that ties parameters subclasses :class:`TiedModule` and says which in
 - ``tie_weights()`` makes each tied name its source's Parameter again (the source's values
   win), as transformers' ``tie_weights`` does; the model's ``__init__`` ties through it;
 - ``load_state_dict`` fills a tied name missing from the state dict from its partner (a file
-  that stores the tensor once, as safetensors does, loads strictly) and re-ties afterwards;
+  that stores the tensor once, as safetensors does, loads strictly), refuses tied names
+  given different values (an untied model's state dict), and re-ties afterwards;
 - conversions (``to``, ``to_empty``, ``half``, ...) re-tie afterwards, as
   ``torch.nn.RNNBase`` re-flattens its weights after them.
 
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 class UntiedWeightsError(ValueError):
@@ -61,16 +63,42 @@ class TiedModule(nn.Module):
         return self
 
 
-def _fill_tied_entries(module: TiedModule, state_dict: dict[str, Any], prefix: str, *_) -> None:
+def _fill_tied_entries(
+    module: TiedModule,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata,
+    strict,
+    missing_keys,
+    unexpected_keys,
+    error_msgs: list[str],
+) -> None:
     """Load-state-dict pre-hook: a tied name missing from ``state_dict`` (the loader's own
-    copy) takes its partner's tensor."""
+    copy) takes its partner's tensor; tied names given different values (an untied model's
+    state dict) are an error, not one of the two chosen silently."""
     pairs = [(prefix + a, prefix + b) for a, b in module.tied_parameters().items()]
+    for a, b in pairs:
+        if a in state_dict and b in state_dict and not _same_values(state_dict[a], state_dict[b]):
+            error_msgs.append(
+                f"{a} is tied to {b} by the model's config, but the state dict holds "
+                "different values for them (an untied model's?)"
+            )
     for _ in pairs:  # a chain of n ties is filled within n rounds
         for a, b in pairs:
             if a in state_dict and b not in state_dict:
                 state_dict[b] = state_dict[a]
             elif b in state_dict and a not in state_dict:
                 state_dict[a] = state_dict[b]
+
+
+def _same_values(x: Any, y: Any) -> bool:
+    """Whether a tied pair's two state-dict entries agree: views of one tensor do, or equal
+    values (other shapes are left to load_state_dict's size check; meta tensors hold none)."""
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or x.is_meta or y.is_meta:
+        return True
+    if x.shape != y.shape or (x.data_ptr() == y.data_ptr() and x.stride() == y.stride()):
+        return True
+    return bool(torch.equal(x, y.to(x.device, x.dtype)))
 
 
 def _retie_after_load(module: TiedModule, incompatible_keys) -> None:
