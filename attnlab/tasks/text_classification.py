@@ -21,7 +21,6 @@ from torch import Tensor
 
 from attnlab.config import _Config, _fail, _positive
 from attnlab.data.generated import Splits, number_languages
-from attnlab.functional.softmax import softmax_dtype
 from attnlab.tasks.text import EncoderTextTask, Features
 
 DEFAULT_LANGS = ("en", "fr", "de", "es", "it", "pt")
@@ -98,8 +97,7 @@ class TextClassification(EncoderTextTask):
     def batch_sums(self, logits: Tensor, batch: dict[str, Tensor], features: list[Features]):
         labels = batch["targets"]
         return {
-            # in float32 (float64 kept), as every loss: a bf16 model's sum rounded to bf16
-            "loss_sum": F.cross_entropy(softmax_dtype(logits), labels, reduction="sum"),
+            "loss_sum": F.cross_entropy(logits, labels, reduction="sum"),
             "correct": (logits.argmax(-1) == labels).sum(),
         }
 

@@ -29,7 +29,6 @@ from torch import Tensor
 
 from attnlab.config import _Config, _fail, _positive
 from attnlab.data.generated import ENTITY_TYPES, Entity, Splits, TaggedSentence, tagged_sentences
-from attnlab.functional.softmax import softmax_dtype
 from attnlab.tasks.text import IGNORE, EncoderTextTask, Features, pad
 
 TAGS = ("O", *(f"{prefix}-{label}" for label in ENTITY_TYPES for prefix in "BI"))
@@ -152,9 +151,8 @@ class TokenClassification(EncoderTextTask):
             correct += sum(g == p for g, p in pairs)
             m, p, g = entity_counts([TAGS[g] for g, _ in pairs], [TAGS[p] for _, p in pairs])
             matched, n_pred, n_gold = matched + m, n_pred + p, n_gold + g
-        # in float32 (float64 kept), as every loss: a bf16 model's sum rounded to bf16
-        loss = F.cross_entropy(softmax_dtype(logits).flatten(0, 1), labels.flatten(),
-                               ignore_index=IGNORE, reduction="sum")  # fmt: skip
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                               reduction="sum")  # fmt: skip
         return {
             "loss_sum": loss,
             "tokens": tokens,
