@@ -237,7 +237,26 @@ def materialize(
             with torch.no_grad():
                 fill(qualname, b)
         module._buffers[attr] = b
-    for module in model.modules():
-        if hasattr(module, "reset_buffers"):  # RoPE: exact frequencies in the new dtype
-            module.reset_buffers()
+    reset_buffers(model)  # RoPE: exact frequencies in the new dtype
     return model
+
+
+def reset_buffers(model: nn.Module, *, meta_to: torch.device | str | None = None) -> None:
+    """Recompute the buffers that no state dict holds (non-persistent: RoPE frequencies, MoE
+    token counts) as the constructors make them, through each module's ``reset_buffers()``,
+    in each buffer's own dtype (as the model's conversions set it) and on its device.
+
+    With ``meta_to``, only the modules holding a buffer on the meta device (left there by
+    ``load_state_dict`` into a model built on the meta device) are reset, their meta
+    buffers first given memory on ``meta_to``; buffers of modules without
+    ``reset_buffers()`` are left as they are."""
+    for module in model.modules():
+        if not hasattr(module, "reset_buffers"):
+            continue
+        if meta_to is not None:
+            meta = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
+            if not meta:
+                continue
+            for k in meta:
+                module._buffers[k] = torch.empty_like(module._buffers[k], device=meta_to)
+        module.reset_buffers()

@@ -24,8 +24,9 @@ from attnlab.models import build_model
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.encoder import EncoderConfig
 from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
+from attnlab.models.vit import vit_digits
 from attnlab.nn.linear import Linear, is_input_major
-from attnlab.presets import gpt2_style, llama_style, vaswani_tiny, xl_tiny
+from attnlab.presets import deepseek_moe_tiny, gpt2_style, llama_style, vaswani_tiny, xl_tiny
 from attnlab.tokenizers import train_tokenizer
 from attnlab.training import CheckpointError, load_checkpoint, save_checkpoint
 from attnlab.weights import SafetensorsFile
@@ -308,11 +309,9 @@ def _loaded_the_pytorch_way(cfg, twin, path: str, tmp_path):
         with torch.device("meta"):
             model = build_model(cfg)
     if path.startswith("assign"):
-        model.load_state_dict(state, assign=True)  # strict: a tied name left out is filled
-        # no state dict holds a non-persistent buffer (RoPE's frequencies): made anew
-        for m in model.modules():
-            if any(b.is_meta for b in m.buffers(recurse=False)):
-                m.to_empty(device="cpu", recurse=False)
+        # strict: a tied name left out is filled; RoPE's frequencies, in no state dict, are
+        # recomputed on the loaded parameters' device
+        model.load_state_dict(state, assign=True)
         return model
     model.to_empty(device="cpu")
     for name, source in model.tied_parameters().items():  # to_empty keeps them too
@@ -373,6 +372,117 @@ def test_a_state_dict_giving_tied_parameters_different_values_is_refused(assign)
     message = r"lm_head\.weight is tied to tok_emb\.weight .* different values"
     with pytest.raises(RuntimeError, match=message):
         build_model(cfg).load_state_dict(state, assign=assign)
+
+
+# --------------------------------------------------------------------------- buffers
+
+# Every family with non-persistent buffers, which no state dict holds: RoPE frequencies
+# (decoder, encoder) and MoE token counts (every family built of blocks, which may take MoE
+# feed-forwards).
+MOE = {
+    "ffn.kind": "moe",
+    "ffn.n_routed_experts": 4,
+    "ffn.n_activated_experts": 2,
+    "ffn.moe_hidden_dim": 16,
+    "ffn.router": "deepseek-v3",
+}
+BUFFERED = {
+    "llama3_rope": lambda: CONFIGS["qwen_tied_llama3_rope"],
+    "deepseek_mla_moe": lambda: deepseek_moe_tiny().override({"vocab_size": V, "max_seq_len": 32}),
+    "bert_rope_moe": lambda: EncoderConfig(
+        vocab_size=V, max_seq_len=32, d_model=32, n_layers=2
+    ).override({"position.kind": "rope", **MOE}),
+    "vaswani_moe": lambda: vaswani_tiny().override({"vocab_size": V, "d_model": 32, **MOE}),
+    "xl_moe": lambda: xl_tiny().override({"vocab_size": V, "d_model": 32, "mem_len": 8, **MOE}),
+    "vit_moe": lambda: vit_digits().override(MOE),
+}  # fmt: skip
+
+
+def _buffered_batch(model) -> dict[str, torch.Tensor]:
+    if model.cfg.arch != "vit":
+        return _tied_batch(model)
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(2, model.cfg.channels, model.cfg.image_size, model.cfg.width, generator=g)
+    return {"images": images, "targets": torch.tensor([3, 7])}
+
+
+def _check_same_buffers_and_outputs(model, twin) -> None:
+    """``model``'s buffers are bit for bit ``twin``'s (real, same dtype), its logits equal,
+    and a training forward pass counts the same MoE loads."""
+    non_persistent = set(dict(twin.named_buffers())) - set(twin.state_dict())
+    assert non_persistent  # the family has some: a missing recomputation shows
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in twin.named_buffers()]
+    for (name, b), (_, ref) in zip(model.named_buffers(), twin.named_buffers()):
+        assert b.device.type == "cpu" and b.dtype == ref.dtype, (name, b.device, b.dtype)
+        assert torch.equal(b, ref), name
+    batch = _buffered_batch(twin)
+    inputs = {k: v for k, v in batch.items() if k != "targets"}
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, twin(**inputs).logits)
+        model.train()
+        twin.train()
+        assert torch.equal(model(**batch).loss, twin(**batch).loss)
+    for (name, b), (_, ref) in zip(model.named_buffers(), twin.named_buffers()):
+        assert torch.equal(b, ref), name  # the loads a balancing step reads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("family", list(BUFFERED))
+def test_meta_init_and_assign_load_recompute_non_persistent_buffers(family, dtype):
+    """The standard PyTorch meta-device loading pattern (build on meta, ``.to(dtype)`` there,
+    ``load_state_dict(state, assign=True)``) gives the model built normally: the buffers no
+    state dict holds are recomputed on the parameters' device in their own dtype (RoPE
+    frequencies exact in float64, MoE counts float32 in a bf16 model). They stayed on the
+    meta device: forward raised "Tensor on device meta is not on the expected device cpu",
+    or, without RoPE, the MoE loads of a training step were never counted."""
+    cfg = BUFFERED[family]()
+    torch.manual_seed(0)
+    twin = build_model(cfg).to(dtype)
+    state = {k: v.clone() for k, v in twin.state_dict().items()}
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to(dtype).load_state_dict(state, assign=True)
+    assert not any(p.is_meta for p in model.parameters())
+    _check_same_buffers_and_outputs(model, twin)
+
+
+@pytest.mark.parametrize("family", [f for f in BUFFERED if BUFFERED[f]().ffn.kind == "moe"])
+def test_to_empty_then_load_recomputes_non_persistent_buffers(family):
+    """``to_empty`` + ``load_state_dict``: the state dict refills what it holds, and the model
+    recomputes the rest (RoPE's table in its own ``_apply``, MoE counts after ``to_empty``):
+    MoE counts were left as uninitialised memory (here NaN) and summed onto."""
+    cfg = BUFFERED[family]()
+    torch.manual_seed(0)
+    twin = build_model(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # uninitialised memory is filled with NaN
+    try:
+        model.to_empty(device="cpu")
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    model.load_state_dict(twin.state_dict())
+    _check_same_buffers_and_outputs(model, twin)
+
+
+@pytest.mark.parametrize("family", ["llama3_rope", "vit_moe"])
+def test_a_model_left_on_meta_stays_there(family):
+    """Loading a meta state dict (``assign`` or not) into a meta model leaves every tensor on
+    the meta device, without error; a real state dict loaded next makes it whole."""
+    cfg = BUFFERED[family]()
+    with torch.device("meta"):
+        model = build_model(cfg)
+        shapes = build_model(cfg).state_dict()
+    for assign in (False, True):
+        model.load_state_dict(shapes, assign=assign)
+        assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    torch.manual_seed(0)
+    twin = build_model(cfg)
+    model.load_state_dict({k: v.clone() for k, v in twin.state_dict().items()}, assign=True)
+    _check_same_buffers_and_outputs(model, twin)
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -1,4 +1,5 @@
-"""Tied parameters: one Parameter that two modules hold (a head tied to the token embedding).
+"""Tied parameters: one Parameter that two modules hold (a head tied to the token embedding);
+and non-persistent buffers made real again after meta-device loading.
 
 PyTorch keeps a tie only while both modules hold the same Parameter object, and some
 standard paths make a new Parameter for each module, one module at a time:
@@ -18,6 +19,19 @@ A model that ties parameters subclasses :class:`TiedModule` and says which in
 - conversions (``to``, ``to_empty``, ``half``, ...) re-tie afterwards, as
   ``torch.nn.RNNBase`` re-flattens its weights after them.
 
+The same base keeps a model whole through those paths in what no state dict holds: its
+non-persistent buffers (RoPE frequencies, MoE token counts), which each module's
+``reset_buffers()`` recomputes as its constructor makes them (through
+:func:`attnlab.weights.reset_buffers`, which attnlab's own loaders call too). Every model
+with such buffers subclasses it, tied parameters or not:
+
+- after ``load_state_dict`` (any ``assign``), buffers still on the meta device (a model
+  built there) while the loaded parameters are real are recomputed on the parameters'
+  device, each in the dtype the model's conversions gave it (``model.to(bf16)`` on the meta
+  device included): exactly a normally built model's. A model left on meta stays there;
+- ``to_empty`` recomputes them all: it leaves every tensor uninitialised, and
+  ``load_state_dict`` refills only those of the state dict.
+
 :func:`check_tied` is the save paths' guard: a model whose config ties parameters that are
 not one tensor is refused, rather than saved with one of them dropped.
 """
@@ -29,18 +43,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab.weights import reset_buffers
+
 
 class UntiedWeightsError(ValueError):
     """A model's config ties two parameters that are not the same tensor."""
 
 
 class TiedModule(nn.Module):
-    """Base class of the models that tie parameters; see the module docstring."""
+    """Base class of the models that tie parameters or hold non-persistent buffers; see the
+    module docstring."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_load_state_dict_pre_hook(_fill_tied_entries)
         self.register_load_state_dict_post_hook(_retie_after_load)
+        self.register_load_state_dict_post_hook(_real_buffers_after_load)
 
     def tied_parameters(self) -> dict[str, str]:
         """``{name: source}``: the parameters that are another parameter, by this model's
@@ -60,6 +78,14 @@ class TiedModule(nn.Module):
         # new Parameter of its own
         super()._apply(fn, recurse)
         self.tie_weights()
+        return self
+
+    def to_empty(self, *, device, recurse: bool = True):
+        # uninitialised memory for every tensor: the state dict refills its own, not the
+        # non-persistent buffers (RoPE recomputes its table in _apply; MoE counts would not)
+        super().to_empty(device=device, recurse=recurse)
+        if recurse:
+            reset_buffers(self)
         return self
 
 
@@ -104,6 +130,15 @@ def _same_values(x: Any, y: Any) -> bool:
 def _retie_after_load(module: TiedModule, incompatible_keys) -> None:
     """Load-state-dict post-hook: ``assign=True`` gave each module a Parameter of its own."""
     module.tie_weights()
+
+
+def _real_buffers_after_load(module: TiedModule, incompatible_keys) -> None:
+    """Load-state-dict post-hook: the non-persistent buffers of a model built on the meta
+    device stay there, since no state dict holds them; made on the loaded parameters'
+    device (none real: the model stays on meta)."""
+    device = next((p.device for p in module.parameters() if not p.is_meta), None)
+    if device is not None:
+        reset_buffers(module, meta_to=device)
 
 
 def untied_parameters(model: nn.Module) -> list[tuple[str, str]]:

@@ -217,6 +217,12 @@ class MoE(KeepsPrecision):
 
     full_precision = ("load",)  # token counts: bf16 counts above 256 round
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """No tokens counted yet, as built (after building on the meta device or
+        ``to_empty``: no state dict holds the counts)."""
+        self.load.zero_()
+
     def forward(self, x: Tensor, real_tokens: Tensor | None = None) -> Tensor:
         """x (b, t, d) -> (b, t, d). ``real_tokens`` (b, t) bool: False at padding, which the
         experts still compute (fixed shapes) but the statistics and the balance loss skip."""
