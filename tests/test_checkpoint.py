@@ -12,7 +12,7 @@ import torch
 import attnlab.training.checkpoint as ckpt_module
 from attnlab.config import DataConfig, RunConfig, TrainConfig
 from attnlab.models import build_model
-from attnlab.models.tying import UntiedWeightsError
+from attnlab.models.loadable import UntiedWeightsError
 from attnlab.presets import gpt2_style, llama_style
 from attnlab.tokenizers import train_tokenizer
 from attnlab.training import CheckpointError, load_checkpoint, save_checkpoint

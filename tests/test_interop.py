@@ -22,7 +22,7 @@ from attnlab.interop import (  # noqa: E402
     save_hf,
 )
 from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.models.tying import UntiedWeightsError  # noqa: E402
+from attnlab.models.loadable import UntiedWeightsError  # noqa: E402
 from attnlab.presets import gpt2_style, llama_style, vaswani_tiny  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

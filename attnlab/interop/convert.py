@@ -24,7 +24,7 @@ from attnlab.interop.io import (
 )
 from attnlab.interop.registry import FAMILIES, lookup
 from attnlab.models import build_model
-from attnlab.models.tying import check_tied
+from attnlab.models.loadable import check_tied
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
 
@@ -208,7 +208,7 @@ def save_hf(model: nn.Module, path: str | Path) -> None:
     A tied head is not stored (transformers re-ties it). Interleaved RoPE q/k rows are
     reordered to the split layout where the family rotates split halves. Raises
     :class:`HFCheckpointError` for configs no supported architecture represents (see
-    :func:`hf_model_type`), :class:`~attnlab.models.tying.UntiedWeightsError` for a model
+    :func:`hf_model_type`), :class:`~attnlab.models.loadable.UntiedWeightsError` for a model
     whose config ties parameters that are not one tensor (before writing anything)."""
     check_tied(model)
     cfg = model.cfg

@@ -21,13 +21,13 @@ from attnlab.config import ModelConfig
 from attnlab.functional.masks import document_positions, padding_mask, positions_from_padding
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
+from attnlab.models.loadable import LoadableModel
 from attnlab.models.outputs import (
     LMOutput,
     aux_modules,
     finish_loss,
     init_residual_projections,
 )
-from attnlab.models.tying import TiedModule
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.dropout import dropout
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["DecoderLM", "LMOutput"]
 
 
-class DecoderLM(TiedModule):
+class DecoderLM(LoadableModel):
     """A decoder-only language model built from a :class:`ModelConfig`.
 
     ``model(idx, targets=...)`` returns :class:`LMOutput` (``logits, loss = ...``);

@@ -32,8 +32,8 @@ from attnlab.functional.masks import padding_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
+from attnlab.models.loadable import LoadableModel
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
-from attnlab.models.tying import TiedModule
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.feedforward import ACTIVATIONS
@@ -279,7 +279,7 @@ HEADS: dict[str, type[nn.Module]] = {
 # --------------------------------------------------------------------------- model
 
 
-class EncoderModel(TiedModule):
+class EncoderModel(LoadableModel):
     """An encoder-only transformer with the head ``cfg.head`` names.
 
     ``model(idx, attention_mask=..., token_type_ids=..., targets=...)`` returns

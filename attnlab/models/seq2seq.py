@@ -35,8 +35,8 @@ from attnlab.functional.masks import padding_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
+from attnlab.models.loadable import LoadableModel
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
-from attnlab.models.tying import TiedModule
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
 from attnlab.nn.linear import Linear
@@ -125,7 +125,7 @@ class Seq2SeqConfig(ModelConfig):
 register_model_config("seq2seq", Seq2SeqConfig)
 
 
-class Seq2SeqModel(TiedModule):
+class Seq2SeqModel(LoadableModel):
     """``model(src, tgt, src_mask=..., targets=...)`` -> :class:`ModelOutput` with logits
     (b, t, V); ``encode``/``decode`` run the halves; ``generate`` decodes greedily or with
     beams."""

@@ -30,8 +30,8 @@ from attnlab.config import (
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_targets
+from attnlab.models.loadable import LoadableModel
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
-from attnlab.models.tying import TiedModule
 from attnlab.nn.block import TransformerStack
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
@@ -128,7 +128,7 @@ def _divisors(h: int, w: int) -> str:
 register_model_config("vit", ViTConfig)
 
 
-class VisionTransformer(TiedModule):
+class VisionTransformer(LoadableModel):
     """``model(images, targets=labels)`` -> :class:`ModelOutput` with logits (b, n)."""
 
     def __init__(self, cfg: ViTConfig):

@@ -40,13 +40,13 @@ from attnlab.functional.masks import sliding_window_mask
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.build import register_model
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
+from attnlab.models.loadable import LoadableModel
 from attnlab.models.outputs import (
     ModelOutput,
     aux_modules,
     finish_loss,
     init_residual_projections,
 )
-from attnlab.models.tying import TiedModule
 from attnlab.nn.feedforward import build_ffn
 from attnlab.nn.linear import Linear
 from attnlab.nn.modes import enter_eval, restore
@@ -156,7 +156,7 @@ class XLBlock(nn.Module):
 
 
 @register_model("xl")
-class TransformerXL(TiedModule):
+class TransformerXL(LoadableModel):
     """Transformer-XL (Dai et al. 2019): a decoder LM with segment-level recurrence (each
     segment attends to the cached hidden states of the previous ones) and relative
     positional encodings."""

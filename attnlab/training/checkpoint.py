@@ -4,7 +4,7 @@ A checkpoint directory holds
 
     config.json         the full RunConfig (vocab_size set from the tokenizer)
     tokenizer.json      the tokenizer (Hugging Face format); absent for models without one
-    model.safetensors   the weights (tied tensors stored once; see attnlab.models.tying)
+    model.safetensors   the weights (tied tensors stored once; see attnlab.models.loadable)
     trainer_state.pt    optimizer state, step, RNG states, schedule; tensors and plain data only
 
 beside whatever else a run writes there (metrics.jsonl, loss.png, best/). Inference needs
@@ -52,7 +52,7 @@ from torch import nn
 from attnlab.config import ConfigError, RunConfig
 from attnlab.fileio import error_reason, usual_permissions
 from attnlab.models import build_model
-from attnlab.models.tying import check_tied
+from attnlab.models.loadable import check_tied
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
 
 CONFIG_FILE = "config.json"
@@ -152,7 +152,7 @@ def save_checkpoint(
     ``trainer_state`` must hold only tensors, numbers, strings, bools, None and
     lists/tuples/dicts of them (what ``torch.load(weights_only=True)`` accepts).
 
-    Raises :class:`~attnlab.models.tying.UntiedWeightsError` (before writing anything) for a
+    Raises :class:`~attnlab.models.loadable.UntiedWeightsError` (before writing anything) for a
     model whose config ties parameters that are not one tensor: the file stores them once.
     """
     check_tied(unwrap_model(model))

@@ -1,5 +1,6 @@
-"""Tied parameters: one Parameter that two modules hold (a head tied to the token embedding);
-and non-persistent buffers made real again after meta-device loading.
+"""Models that stay whole through PyTorch's own loading and conversion paths: tied parameters
+(one Parameter that two modules hold, a head tied to the token embedding) and the
+non-persistent buffers no state dict holds.
 
 PyTorch keeps a tie only while both modules hold the same Parameter object, and some
 standard paths make a new Parameter for each module, one module at a time:
@@ -8,7 +9,7 @@ and ``to_empty`` (each module's parameters re-made). The two then hold equal val
 the first optimizer step moves apart, and a save that stores the tied tensor once keeps
 only one of them.
 
-A model that ties parameters subclasses :class:`TiedModule` and says which in
+A model that ties parameters subclasses :class:`LoadableModel` and says which in
 ``tied_parameters()`` (from its config). The base class keeps them one Parameter:
 
 - ``tie_weights()`` makes each tied name its source's Parameter again (the source's values
@@ -50,7 +51,7 @@ class UntiedWeightsError(ValueError):
     """A model's config ties two parameters that are not the same tensor."""
 
 
-class TiedModule(nn.Module):
+class LoadableModel(nn.Module):
     """Base class of the models that tie parameters or hold non-persistent buffers; see the
     module docstring."""
 
@@ -90,7 +91,7 @@ class TiedModule(nn.Module):
 
 
 def _fill_tied_entries(
-    module: TiedModule,
+    module: LoadableModel,
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata,
@@ -127,12 +128,12 @@ def _same_values(x: Any, y: Any) -> bool:
     return bool(torch.equal(x, y.to(x.device, x.dtype)))
 
 
-def _retie_after_load(module: TiedModule, incompatible_keys) -> None:
+def _retie_after_load(module: LoadableModel, incompatible_keys) -> None:
     """Load-state-dict post-hook: ``assign=True`` gave each module a Parameter of its own."""
     module.tie_weights()
 
 
-def _real_buffers_after_load(module: TiedModule, incompatible_keys) -> None:
+def _real_buffers_after_load(module: LoadableModel, incompatible_keys) -> None:
     """Load-state-dict post-hook: the non-persistent buffers of a model built on the meta
     device stay there, since no state dict holds them; made on the loaded parameters'
     device (none real: the model stays on meta)."""
@@ -144,7 +145,7 @@ def _real_buffers_after_load(module: TiedModule, incompatible_keys) -> None:
 def untied_parameters(model: nn.Module) -> list[tuple[str, str]]:
     """``(name, source)`` pairs that ``model``'s config ties but that are not the same
     Parameter (an identity check: no data is read)."""
-    tied = model.tied_parameters() if isinstance(model, TiedModule) else {}
+    tied = model.tied_parameters() if isinstance(model, LoadableModel) else {}
     return [(a, b) for a, b in tied.items() if model.get_parameter(a) is not model.get_parameter(b)]
 
 
