@@ -374,6 +374,22 @@ def test_a_state_dict_giving_tied_parameters_different_values_is_refused(assign)
         build_model(cfg).load_state_dict(state, assign=assign)
 
 
+def test_conversions_keep_a_head_untied_by_hand_apart():
+    """A conversion re-ties only the pairs that were one Parameter before it: a head the
+    user untied (to train it on its own) keeps its Parameter and values through ``.to()``,
+    as in any module, and stays apart through ``to("meta")`` (a save then refuses it).
+    ``.to(float64)`` made it the embedding again, its own values silently dropped."""
+    torch.manual_seed(0)
+    model = build_model(CONFIGS["gpt2_tied"])
+    head = torch.nn.Parameter(model.lm_head.weight.detach() + 1)
+    model.lm_head.weight = head
+    model.to(torch.float64)
+    assert model.lm_head.weight is head and head.dtype == torch.float64
+    assert not torch.equal(head, model.tok_emb.weight)
+    model.to("meta")
+    assert model.lm_head.weight is not model.tok_emb.weight
+
+
 # --------------------------------------------------------------------------- buffers
 
 # Every family with non-persistent buffers, which no state dict holds: RoPE frequencies

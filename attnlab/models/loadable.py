@@ -17,8 +17,9 @@ A model that ties parameters subclasses :class:`LoadableModel` and says which in
 - ``load_state_dict`` fills a tied name missing from the state dict from its partner (a file
   that stores the tensor once, as safetensors does, loads strictly), refuses tied names
   given different values (an untied model's state dict), and re-ties afterwards;
-- conversions (``to``, ``to_empty``, ``half``, ...) re-tie afterwards, as
-  ``torch.nn.RNNBase`` re-flattens its weights after them.
+- conversions (``to``, ``to_empty``, ``half``, ...) re-tie afterwards the pairs that were
+  one Parameter before (one untied by hand keeps its values), as ``torch.nn.RNNBase``
+  re-flattens its weights after them.
 
 The same base keeps a model whole through those paths in what no state dict holds: its
 non-persistent buffers (RoPE frequencies, MoE token counts), which each module's
@@ -68,17 +69,23 @@ class LoadableModel(nn.Module):
 
     def tie_weights(self) -> None:
         """Make each tied parameter (:meth:`tied_parameters`) its source's Parameter again;
-        the source's values win. Loading and conversions call it; call it yourself after
-        replacing parameters by other means."""
-        for name, source in self.tied_parameters().items():
+        the source's values win. Loading calls it (conversions keep the ties there were);
+        call it yourself after replacing parameters by other means."""
+        self._tie(self.tied_parameters().items())
+
+    def _tie(self, pairs) -> None:
+        for name, source in pairs:
             module_name, _, attr = name.rpartition(".")
             setattr(self.get_submodule(module_name), attr, self.get_parameter(source))
 
     def _apply(self, fn, recurse: bool = True):
         # a conversion that cannot work in place (to("meta"), to_empty) gives each module a
-        # new Parameter of its own
+        # new Parameter of its own: the pairs that were one Parameter become one again (a
+        # pair untied by hand stays apart, its values kept, as in any module)
+        apart = set(untied_parameters(self))
+        tied = [pair for pair in self.tied_parameters().items() if pair not in apart]
         super()._apply(fn, recurse)
-        self.tie_weights()
+        self._tie(tied)
         return self
 
     def to_empty(self, *, device, recurse: bool = True):
@@ -125,7 +132,7 @@ def _same_values(x: Any, y: Any) -> bool:
         return True
     if x.shape != y.shape or (x.data_ptr() == y.data_ptr() and x.stride() == y.stride()):
         return True
-    return bool(torch.equal(x, y.to(x.device, x.dtype)))
+    return bool(torch.allclose(x, y.to(x.device, x.dtype), rtol=0, atol=0, equal_nan=True))
 
 
 def _retie_after_load(module: LoadableModel, incompatible_keys) -> None:
