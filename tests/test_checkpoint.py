@@ -100,6 +100,17 @@ def test_a_model_whose_tied_weights_came_apart_is_refused(tmp_path):
         save_checkpoint(tmp_path / "meta", meta, cfg, tokenizer)
 
 
+def test_a_compiled_model_whose_tied_weights_came_apart_is_refused(tmp_path):
+    """The trainer saves the model as it holds it, wrapped by ``torch.compile``: the check
+    looks through the wrapper at the model's own ties (the wrapper ties nothing), so an
+    untied head is refused there too, before anything is written."""
+    model, cfg, tokenizer = make_run(tie=True)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + 0.1)
+    with pytest.raises(UntiedWeightsError, match=r"lm_head\.weight .* tok_emb\.weight"):
+        save_checkpoint(tmp_path / "ckpt", torch.compile(model), cfg, tokenizer)
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_failure_before_commit_keeps_previous(tmp_path, monkeypatch):
     """A save that dies while writing its files leaves the previous checkpoint intact."""
     model_a, cfg, tokenizer = make_run(seed=0)

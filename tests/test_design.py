@@ -516,6 +516,31 @@ def test_forward_exports_with_torch_export(name):
         torch.testing.assert_close(program.module()(idx).logits, model(idx).logits, **TOL)
 
 
+def test_every_model_output_is_a_pytree_node():
+    """Each ModelOutput subclass is registered beside it, as ModelOutput is (torch.export
+    refused outputs of an unregistered type): flattening gives its tensors, and unflattening
+    gives back the same class with the same fields."""
+    import dataclasses
+
+    from torch.utils import _pytree as pytree
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    classes = [ModelOutput, *subclasses(ModelOutput)]
+    assert {c.__name__ for c in classes} >= {"ModelOutput", "XLOutput", "Seq2SeqOutput"}
+    for cls in classes:
+        extra = {f.name: torch.ones(2) for f in dataclasses.fields(cls)
+                 if f.name not in ("logits", "loss", "aux_loss", "metrics")}  # fmt: skip
+        out = cls(logits=torch.randn(2, 3), loss=torch.tensor(1.5), **extra)
+        leaves, spec = pytree.tree_flatten(out)
+        assert len(leaves) == 2 + len(extra) and all(isinstance(x, torch.Tensor) for x in leaves)
+        back = pytree.tree_unflatten(leaves, spec)
+        assert type(back) is cls and torch.equal(back.logits, out.logits), cls.__name__
+
+
 def test_static_capacity_buckets():
     from attnlab.generation import static_capacity
 

@@ -374,6 +374,100 @@ def test_a_state_dict_giving_tied_parameters_different_values_is_refused(assign)
         build_model(cfg).load_state_dict(state, assign=assign)
 
 
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("stored", ["tok_emb.weight", "lm_head.weight"])
+def test_a_state_dict_holding_either_tied_name_once_loads_strictly(stored, assign):
+    """A state dict that holds the tied tensor once, under either name (safetensors keeps
+    one of the two; a Hugging Face checkpoint leaves out the head), loads strictly into
+    the tied model: the missing name is filled from the one given, and the model computes
+    what its twin does."""
+    torch.manual_seed(0)
+    twin = build_model(CONFIGS["gpt2_tied"]).eval()
+    state = {k: v.clone() for k, v in twin.state_dict().items()}
+    other = "lm_head.weight" if stored == "tok_emb.weight" else "tok_emb.weight"
+    del state[other]
+    torch.manual_seed(1)
+    model = build_model(CONFIGS["gpt2_tied"]).eval()
+    model.load_state_dict(state, assign=assign)
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert torch.equal(model.tok_emb.weight, twin.tok_emb.weight)
+    idx = _tied_batch(twin)["idx"]
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, twin(idx).logits)
+
+
+@pytest.mark.parametrize("wrap", ["compiled", "container"])
+def test_a_wrapped_tied_model_loads_and_refuses_by_its_prefixed_names(wrap):
+    """Inside a wrapper (``torch.compile``'s, keys under ``_orig_mod.``; a module holding the
+    model as a child) the state dict's names carry a prefix: the tied tensor stored once
+    still loads strictly, and different values for the tied names are still refused."""
+    torch.manual_seed(0)
+    twin = build_model(CONFIGS["gpt2_tied"]).eval()
+
+    def wrapped():
+        model = build_model(CONFIGS["gpt2_tied"])
+        return torch.compile(model) if wrap == "compiled" else torch.nn.ModuleDict({"lm": model})
+
+    outer = wrapped()
+    prefix = "_orig_mod." if wrap == "compiled" else "lm."
+    state = {prefix + k: v.clone() for k, v in twin.state_dict().items()}
+    del state[prefix + "lm_head.weight"]
+    outer.load_state_dict(state)
+    model = outer._orig_mod if wrap == "compiled" else outer["lm"]
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert torch.equal(model.lm_head.weight, twin.lm_head.weight)
+    state[prefix + "lm_head.weight"] = twin.lm_head.weight.detach() + 1
+    with pytest.raises(RuntimeError, match=r"lm_head\.weight is tied to .* different values"):
+        wrapped().load_state_dict(state)
+
+
+def test_tied_entries_are_compared_by_exact_value():
+    """The pre-load check of a tied pair compares values exactly: one ulp apart is
+    different values (refused); a NaN in both at the same place, the same values in another
+    dtype, or a state dict of shapes only (meta tensors, an untied model's among them) is
+    not; a transposed view of the same memory is other values. Shapes that differ are left
+    to load_state_dict's own size check, which names the tensor."""
+    cfg = CONFIGS["gpt2_tied"].override({"vocab_size": 32})  # square: V == d_model
+    torch.manual_seed(0)
+    twin = build_model(cfg)
+    message = r"lm_head\.weight is tied to tok_emb\.weight .* different values"
+
+    def state(**entries):
+        out = {k: v.clone() for k, v in twin.state_dict().items()}
+        out.update(entries)
+        return out
+
+    emb = twin.tok_emb.weight.detach()
+    ulp = emb.clone()
+    ulp[3, 5] = torch.nextafter(ulp[3, 5], torch.tensor(float("inf")))
+    with pytest.raises(RuntimeError, match=message):
+        build_model(cfg).load_state_dict(state(**{"lm_head.weight": ulp}))
+    transposed = emb.clone()
+    with pytest.raises(RuntimeError, match=message):  # same memory, other values
+        build_model(cfg).load_state_dict(
+            state(**{"tok_emb.weight": transposed, "lm_head.weight": transposed.t()})
+        )
+    nan = emb.clone()
+    nan[1, 2] = float("nan")
+    model = build_model(cfg)
+    model.load_state_dict(state(**{"tok_emb.weight": nan, "lm_head.weight": nan.clone()}))
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert torch.equal(model.tok_emb.weight.isnan(), nan.isnan())
+    model = build_model(cfg)
+    model.load_state_dict(state(**{"lm_head.weight": emb.double()}))  # the same values
+    assert torch.equal(model.lm_head.weight, emb)
+    wider = torch.randn(33, 32)
+    with pytest.raises(RuntimeError, match=r"size mismatch for tok_emb\.weight"):
+        build_model(cfg).load_state_dict(state(**{"tok_emb.weight": wider}))
+    with torch.device("meta"):
+        model = build_model(cfg)
+        shapes = build_model(cfg.override({"tie_embeddings": False})).state_dict()
+    assert shapes["lm_head.weight"].stride() != shapes["tok_emb.weight"].stride()
+    for assign in (False, True):
+        model.load_state_dict(shapes, assign=assign)
+        assert model.lm_head.weight is model.tok_emb.weight and model.lm_head.weight.is_meta
+
+
 def test_conversions_keep_a_head_untied_by_hand_apart():
     """A conversion re-ties only the pairs that were one Parameter before it: a head the
     user untied (to train it on its own) keeps its Parameter and values through ``.to()``,
@@ -499,6 +593,24 @@ def test_a_model_left_on_meta_stays_there(family):
     twin = build_model(cfg)
     model.load_state_dict({k: v.clone() for k, v in twin.state_dict().items()}, assign=True)
     _check_same_buffers_and_outputs(model, twin)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_loading_into_a_real_model_keeps_its_non_persistent_buffers(assign):
+    """Only buffers left on the meta device are recomputed after ``load_state_dict``: a real
+    model's own (the MoE token counts a training pass has gathered for its next balancing
+    update) are neither zeroed nor replaced by loading weights into it."""
+    cfg = BUFFERED["deepseek_mla_moe"]()
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    model(**_tied_batch(model))  # counts the tokens each expert took
+    counts = {n: b for n, b in model.named_buffers() if n.endswith(".load")}
+    assert counts and all(b.sum() > 0 for b in counts.values())
+    before = {n: b.clone() for n, b in counts.items()}
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=assign)
+    for name, b in model.named_buffers():
+        if name in counts:
+            assert b is counts[name] and torch.equal(b, before[name]), name
 
 
 # --------------------------------------------------------------------------- tokenizer
