@@ -637,6 +637,76 @@ def test_a_periodic_save_at_the_last_step_keeps_the_final_evaluation(tmp_path, d
     assert load_checkpoint(tmp_path / "best", with_state=True).state["step"] == 4
 
 
+def _val_losses(monkeypatch, losses):
+    """Stub the trainer's sample evaluations to report ``losses(step)`` (the real metrics
+    and totals otherwise), and record ``(step, max_batches)`` of every evaluation."""
+    real, calls = trainer_module.Trainer._evaluate, []
+
+    def evaluate(self, max_batches):
+        calls.append((self.step, max_batches))
+        metrics, sums = real(self, max_batches)
+        return {**metrics, "loss": losses(self.step)}, sums
+
+    monkeypatch.setattr(trainer_module.Trainer, "_evaluate", evaluate)
+    return calls
+
+
+def test_the_untrained_baseline_is_never_the_best(tmp_path, dataset, monkeypatch):
+    """The step-0 evaluation (the untrained model's) goes on the curve only: it sets no
+    best_val_loss, so a first trained evaluation worse than it is still saved as best/."""
+    _val_losses(monkeypatch, lambda step: 1.0 if step == 0 else 2.0)
+    result = train(tiny_run(max_steps=2, eval_every=2), tmp_path, dataset=dataset, progress=False)
+    val = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "val"]
+    assert [(r["step"], r["best_val_loss"]) for r in val] == [(0, None), (2, 2.0)]
+    assert result.best_val_loss == 2.0
+    assert load_checkpoint(tmp_path / "best", with_state=True).state["step"] == 2
+
+
+def test_an_equal_validation_loss_keeps_the_earlier_best(tmp_path, dataset, monkeypatch):
+    """best/ is rewritten only by a strictly lower loss: later evaluations that tie keep
+    the first step that reached it."""
+    _val_losses(monkeypatch, lambda step: 5.0 if step == 0 else 3.0)
+    cfg = tiny_run(max_steps=6, eval_every=2)
+    result = train(cfg, tmp_path, dataset=dataset, progress=False)
+    assert result.best_val_loss == 3.0
+    assert load_checkpoint(tmp_path / "best", with_state=True).state["step"] == 2
+
+
+def test_the_evaluation_sample_never_shrinks(tmp_path, dataset, monkeypatch):
+    """A later evaluation's spread asking for fewer batches than the sample holds leaves
+    the sample as it is (it only grows)."""
+    from attnlab.tasks.lm import LanguageModelling
+
+    needs = iter([6, 3, 1, 1])  # at steps 2, 4, 6, 8
+    monkeypatch.setattr(
+        LanguageModelling, "eval_batches_needed", lambda self, sums, b, tol: next(needs)
+    )
+    calls = _val_losses(monkeypatch, lambda step: 3.0)
+    train(tiny_run(max_steps=8, eval_every=2), tmp_path, dataset=dataset, progress=False)
+    samples = [n for step, n in calls if n is not None]  # the final whole-set one aside
+    assert samples == [2, 2, 6, 6, 6]
+    assert load_checkpoint(tmp_path, with_state=True).state["eval_batches"] == 6
+
+
+def test_the_untrained_baseline_does_not_size_the_evaluation_sample(tmp_path, dataset, monkeypatch):
+    """The sample grows from trained evaluations only: the step-0 one's spread (the
+    untrained model's) leaves it at train.eval_batches for the next evaluation."""
+    from attnlab.tasks.lm import LanguageModelling
+
+    monkeypatch.setattr(LanguageModelling, "eval_batches_needed", lambda self, *a: 5)
+    calls = _val_losses(monkeypatch, lambda step: 3.0)
+    train(tiny_run(max_steps=4, eval_every=2), tmp_path, dataset=dataset, progress=False)
+    assert [(step, n) for step, n in calls if n is not None] == [(0, 2), (2, 2), (4, 5)]
+
+
+def test_an_evaluation_of_the_whole_set_reports_its_coverage(tmp_path, dataset):
+    """A sample as large as the validation set: the final evaluation is that sample's, and
+    the run reports it as covering the whole set."""
+    cfg = tiny_run(max_steps=2, eval_batches=100_000)
+    result = train(cfg, tmp_path, dataset=dataset, progress=False)
+    assert result.val_coverage.startswith("all ")
+
+
 def test_muon_trains_and_resumes_exactly(tmp_path, dataset):
     """train.optimizer=muon: Muon takes exactly the hidden linear weights (not the
     embeddings or the tied head), the loss falls, and a run stopped at step 5 and resumed
