@@ -64,7 +64,7 @@ class LoadableModel(nn.Module):
 
     def tied_parameters(self) -> dict[str, str]:
         """``{name: source}``: the parameters that are another parameter, by this model's
-        config (a source may itself be tied to an earlier one). None by default."""
+        config (a source may itself be tied to an earlier one). None by default: {}."""
         return {}
 
     def tie_weights(self) -> None:
