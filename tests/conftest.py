@@ -16,6 +16,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The test files that run on a GPU where there is one; every other test runs on the CPU.
+GPU_TEST_FILES = ("test_gpu.py", "test_flash_triton.py")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_a_gpu_test(request, monkeypatch):
+    """The suite is written for a machine without a GPU, as CI's: its tests compare with
+    CPU references, and "auto" devices would pick a GPU where there is one. There, every
+    test outside GPU_TEST_FILES sees none: torch.cuda.is_available() is False, and the
+    processes it starts (torchrun, the CLI) have no visible GPU."""
+    if torch.cuda.is_available() and request.node.path.name not in GPU_TEST_FILES:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_data_cache(tmp_path_factory):
     """Tokenizers and token streams that tests prepare without a cache_dir go to a folder of

@@ -410,8 +410,9 @@ def test_linear_split_product_error_no_worse_than_f_linear(dtype, bias, monkeypa
     assert len(calls) == 8  # the split product ran
     # 1%: the two kernels may differ in an output's last bit; summing the halves in bf16
     # (the old path) was about 1.5x worse. float32 sums two partial sums and the bias
-    # separately: errors of ~1e-6 (F.linear's order is MKL's), within 1.5x.
-    slack = 1.5 if dtype == torch.float32 else 1.01
+    # separately: errors of ~1e-6 (F.linear's order is MKL's), within 1.5x here (AMD EPYC)
+    # and 1.6-1.7x on an Intel Xeon.
+    slack = 2.0 if dtype == torch.float32 else 1.01
     assert errors["split"] <= slack * errors["F.linear"], errors
 
 
@@ -515,8 +516,11 @@ def test_linear_compiled_vector_product_is_one_operator():
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
         uses_op = any("attnlab.split_vecmat" in t for t in graphs[-1])
         assert uses_op == (shape == (1, 1, 512) and not grad), (shape, grad, graphs[-1])
-    # row-major (the compiled decode step's layout): a product and a sum, no matmul
+    # row-major (the compiled decode step's layout): a product and a sum, no matmul (compiled
+    # afresh: torch 2.11 reran the graph above, whose product gives the same values)
     set_layout(lin, "rows")
+    torch._dynamo.reset()
+    f = torch.compile(lin, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=backend))
     with torch.no_grad():
         x = torch.randn(1, 1, 512)
         y = f(x)

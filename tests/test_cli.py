@@ -1127,7 +1127,8 @@ def test_interrupt_and_os_errors_are_one_line_each(capsys, monkeypatch, tmp_path
 
 def test_argument_types_and_device_resolution(monkeypatch):
     """Seeds take torch's whole range (negative ones too); --device auto picks CUDA where
-    there is one, and an explicit cuda is refused where there is none."""
+    there is one, and an explicit cuda is refused where there is none or the index is
+    beyond the machine's GPUs."""
     import argparse
 
     from attnlab.cli.common import CLIError, resolve_device, seed_int
@@ -1136,7 +1137,10 @@ def test_argument_types_and_device_resolution(monkeypatch):
     with pytest.raises(argparse.ArgumentTypeError):
         seed_int(str(-(2**63) - 1))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("auto") == "cuda" and resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(CLIError, match=r"--device cuda:2: this machine has 2 GPU\(s\), cuda:0 to"):
+        resolve_device("cuda:2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu"
     with pytest.raises(CLIError, match="--device cuda: CUDA is not available"):

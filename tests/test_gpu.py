@@ -89,3 +89,165 @@ def test_bf16_training_on_cuda_learns(tmp_path):
     losses = [float(tr._train_step(stop, never).loss) for _ in range(40)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0  # (CPU, same steps: -1.9)
+
+
+# ------------------------------------------------------------------ the same model on CUDA
+# Every model kind, run on the GPU with the CPU model's weights, gives the CPU's outputs,
+# gradients and tokens: what the meta-device test in test_design.py checks by construction
+# (no tensor made on the CPU, no host read), checked here on the device itself. Float32:
+# matmuls without TF32, so CUDA and CPU differ by rounding alone.
+
+from tests.test_design import ENTRY_KINDS  # noqa: E402
+
+CLOSE = {"atol": 1e-4, "rtol": 1e-4}
+NSA = {
+    "attention.kind": "nsa", "attention.n_kv_heads": 2, "attention.nsa_block_len": 4,
+    "attention.nsa_stride": 2, "attention.nsa_select_len": 4, "attention.nsa_n_select": 4,
+    "attention.nsa_window": 5,
+}  # fmt: skip
+DECODER_KINDS = {
+    **ENTRY_KINDS,
+    "nsa": ("llama-tiny", NSA),
+    "moe": ("deepseek-moe-tiny", {}),
+    "gpt2": ("gpt2-tiny", {}),
+    "sinusoidal post-norm": ("vaswani-tiny", {}),
+}
+
+
+def _on_cuda(model):
+    import copy
+
+    return copy.deepcopy(model).cuda()
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", list(DECODER_KINDS))
+def test_every_decoder_kind_trains_and_decodes_on_cuda_as_on_cpu(kind):
+    """Loss, logits of a left-padded batch (sdpa's fix-up of rows with no key runs on the
+    GPU without looking) and gradients as on the CPU; greedy decoding gives the CPU's tokens,
+    eager and compiled (the compiled step a CUDA graph)."""
+    name, override = DECODER_KINDS[kind]
+    torch._dynamo.reset()
+    cpu = build_model(get_preset(name).override(override)).train()
+    gpu = _on_cuda(cpu)
+    vocab = cpu.cfg.vocab_size
+    idx = torch.randint(0, vocab, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    want = cpu(idx, targets=idx)
+    got = gpu(idx.cuda(), targets=idx.cuda())
+    torch.testing.assert_close(got.loss.cpu(), want.loss, **CLOSE)
+    torch.testing.assert_close(got.logits.cpu(), want.logits, **CLOSE)
+    want.loss.backward()
+    got.loss.backward()
+    want_grads, got_grads = _grads(cpu), _grads(gpu)
+    assert want_grads.keys() == got_grads.keys() and want_grads
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], **CLOSE, msg=n)
+    cpu.eval(), gpu.eval()
+    if kind not in ("linear", "nsa"):  # attention masks: multi-head and latent attention
+        with torch.no_grad():
+            padded = cpu(idx, attention_mask=mask).logits
+            on_gpu = gpu(idx.cuda(), attention_mask=mask.cuda()).logits.cpu()
+        torch.testing.assert_close(on_gpu[0], padded[0], **CLOSE)
+        torch.testing.assert_close(on_gpu[1, 3:], padded[1, 3:], **CLOSE)
+    prompts = [idx[0, :5].tolist(), idx[1, :8].tolist()]
+    tokens = cpu.generate(prompts, 10)
+    assert gpu.generate(prompts, 10) == tokens
+    assert gpu.generate(prompts, 10, compile=True) == tokens
+    assert gpu.generate(prompts[0], 10, compile=True) == cpu.generate(prompts[0], 10)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash", "triton", "flex"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_every_attention_backend_on_cuda_gives_the_cpus_model(backend, window):
+    """Each backend on the GPU (``flash`` runs the Triton kernels there) against the CPU's
+    eager attention: logits, gradients, and packed documents' logits."""
+    override = {"attention.sliding_window": window}
+    cpu = build_model(get_preset("llama-tiny").override(override)).train()
+    gpu = build_model(get_preset("llama-tiny").override({**override, "attention.backend": backend}))
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = gpu.cuda().train()
+    idx = torch.randint(0, cpu.cfg.vocab_size, (2, 40))
+    want = cpu(idx, targets=idx)
+    got = gpu(idx.cuda(), targets=idx.cuda())
+    torch.testing.assert_close(got.logits.cpu(), want.logits, **CLOSE)
+    want.loss.backward()
+    got.loss.backward()
+    want_grads, got_grads = _grads(cpu), _grads(gpu)
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], **CLOSE, msg=n)
+    docs = torch.tensor([[0] * 15 + [1] * 25, [0] * 30 + [1] * 10])
+    with torch.no_grad():
+        want = cpu(idx, doc_ids=docs).logits
+        got = gpu(idx.cuda(), doc_ids=docs.cuda()).logits.cpu()
+    torch.testing.assert_close(got, want, **CLOSE)
+
+
+def _arch_cfg(arch: str):
+    from attnlab.config import ModelConfig
+
+    return ModelConfig.from_dict(
+        {"arch": arch, "vocab_size": 40, "max_seq_len": 32, "d_model": 32, "n_layers": 2,
+         "attention": {"n_heads": 4}, "ffn": {"kind": "moe", "n_routed_experts": 4,
+         "n_activated_experts": 2, "seq_aux_loss_coef": 0.01}}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["encoder", "seq2seq", "vit", "xl"])
+def test_every_architecture_on_cuda_gives_the_cpus_outputs(arch):
+    """The encoder (with padding), encoder-decoder (and its greedy and beam decoding),
+    ViT and Transformer-XL (and its decoding with segment memory) on the GPU, each with a
+    mixture-of-experts FFN, against the same model on the CPU."""
+    cpu = build_model(_arch_cfg(arch)).train()
+    gpu = _on_cuda(cpu)
+    idx = torch.randint(3, 40, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+
+    def run(model, device):
+        x, m = idx.to(device), mask.to(device)
+        if arch == "seq2seq":
+            return model(x, x, src_mask=m.bool(), targets=x)
+        if arch == "vit":
+            g = torch.Generator().manual_seed(1)
+            images = torch.randn(2, model.cfg.channels, model.cfg.image_size, model.cfg.width,
+                                 generator=g)  # fmt: skip
+            return model(images.to(device), targets=torch.tensor([0, 1], device=device))
+        if arch == "encoder":
+            return model(x, attention_mask=m, targets=x)
+        return model(x, targets=x)
+
+    want, got = run(cpu, "cpu"), run(gpu, "cuda")
+    torch.testing.assert_close(got.loss.cpu(), want.loss, **CLOSE)
+    (want.loss + want.aux_loss).backward()
+    (got.loss + got.aux_loss).backward()
+    want_grads, got_grads = _grads(cpu), _grads(gpu)
+    assert want_grads.keys() == got_grads.keys() and want_grads
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], **CLOSE, msg=n)
+    cpu.eval(), gpu.eval()
+    if arch == "seq2seq":
+        for beams in (1, 3):
+            want = cpu.generate(idx, 8, src_mask=mask.bool(), num_beams=beams)
+            got = gpu.generate(idx.cuda(), 8, src_mask=mask.bool().cuda(), num_beams=beams)
+            assert got == want
+    if arch == "xl":
+        prompt = idx[0].tolist()
+        assert gpu.generate(prompt, 40) == cpu.generate(prompt, 40)  # past the memory
+
+
+def test_gru_encoder_decoder_on_cuda_decodes_as_on_cpu():
+    from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
+
+    cfg = RNNSeq2SeqConfig(src_vocab_size=9, vocab_size=8, embed_dim=8, hidden_dim=12)
+    cpu = GRUSeq2Seq(cfg).eval()
+    gpu = _on_cuda(cpu)
+    src = torch.randint(3, 9, (3, 6))
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 3, 1])[:, None]
+    for beams in (1, 3):
+        want = cpu.generate(src, 8, src_mask=mask, num_beams=beams)
+        assert gpu.generate(src.cuda(), 8, src_mask=mask.cuda(), num_beams=beams) == want

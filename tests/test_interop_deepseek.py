@@ -241,6 +241,8 @@ def test_bf16_load_keeps_the_router_in_float32_as_transformers(case, tmp_path):
     theirs = {n: t for n, t in [*ref.named_parameters(), *ref.named_buffers()] if ".gate." in n}
     mine = [m for m in ours.modules() if type(m).__name__ == "Router"]
     assert mine and len(mine) * (2 if family == "v3" else 1) == len(theirs)
+    if any(t.dtype != torch.float32 for t in theirs.values()):  # (5.17 did, 5.24 does not)
+        pytest.skip(f"transformers {transformers.__version__} loads the routers in bf16")
     for name, tensor in theirs.items():
         layer = int(name.split(".layers.")[1].split(".")[0])
         router = ours.blocks[layer].ffn.gate

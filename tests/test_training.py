@@ -1348,22 +1348,29 @@ def test_two_processes_equal_one_with_double_batch(tmp_path, dataset, cache_dir)
 
 def test_device_resolution():
     resolve = trainer_module.resolve_device
-    assert resolve("auto", cuda_available=False) == torch.device("cpu")
-    assert resolve("auto", cuda_available=True) == torch.device("cuda", 0)
-    assert resolve("cpu", cuda_available=True, local_rank=1, local_world_size=2).type == "cpu"
+    assert resolve("auto", cuda_count=0) == torch.device("cpu")
+    assert resolve("auto", cuda_count=1) == torch.device("cuda", 0)
+    assert resolve("cpu", cuda_count=2, local_rank=1, local_world_size=2).type == "cpu"
     # Under torchrun, "cuda" gives each process of the machine its own GPU ...
     for rank in (0, 1):
-        device = resolve("cuda", cuda_available=True, local_rank=rank, local_world_size=2)
-        assert device == torch.device("cuda", rank)
-    # ... an explicit index is taken as named by a single process ...
-    assert resolve("cuda:1", cuda_available=True) == torch.device("cuda", 1)
+        for name in ("cuda", "auto"):
+            device = resolve(name, cuda_count=2, local_rank=rank, local_world_size=2)
+            assert device == torch.device("cuda", rank)
+    # ... and refuses more processes than GPUs (CUDA would say "invalid device ordinal") ...
+    for name in ("cuda", "auto"):
+        with pytest.raises(TrainingError, match=r"process 1 of the 2 .* has 1 GPU; .*=1\)"):
+            resolve(name, cuda_count=1, local_rank=1, local_world_size=2)
+    # ... an explicit index is taken as named by a single process, where the machine has it ...
+    assert resolve("cuda:1", cuda_count=2) == torch.device("cuda", 1)
+    with pytest.raises(TrainingError, match=r"'cuda:2' but this machine has 2 GPUs \(cuda:0 to"):
+        resolve("cuda:2", cuda_count=2)
     # ... and refused when several processes would share it.
     with pytest.raises(TrainingError, match="all 2 processes of this machine on one GPU"):
-        resolve("cuda:1", cuda_available=True, local_rank=1, local_world_size=2)
+        resolve("cuda:1", cuda_count=2, local_rank=1, local_world_size=2)
     with pytest.raises(TrainingError, match="CUDA is not available"):
-        resolve("cuda", cuda_available=False)
+        resolve("cuda", cuda_count=0)
     with pytest.raises(TrainingError, match="not a device"):
-        resolve("gpu", cuda_available=False)
+        resolve("gpu", cuda_count=0)
 
 
 def test_explicit_gpu_under_torchrun_is_refused(monkeypatch):
@@ -1372,6 +1379,7 @@ def test_explicit_gpu_under_torchrun_is_refused(monkeypatch):
     for name, value in {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(TrainingError, match="cuda:1"):
         trainer_module._setup_distributed("cuda:1")
 

@@ -197,11 +197,16 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        kind = torch.device(name).type
+        device = torch.device(name)
     except RuntimeError:
         raise CLIError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    kind = device.type
     if kind == "cuda" and not torch.cuda.is_available():
         raise CLIError(f"--device {name}: CUDA is not available on this machine; use cpu")
+    if kind == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
+        raise CLIError(
+            f"--device {name}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}"
+        )
     if kind == "mps" and not torch.backends.mps.is_available():
         raise CLIError(f"--device {name}: MPS is not available on this machine; use cpu")
     if kind not in ("cpu", "cuda", "mps"):

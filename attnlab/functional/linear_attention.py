@@ -74,8 +74,10 @@ def causal_linear_attention(
     (which would run those products in float16 again: normalisers of ~750 tokens of
     d_h = 64 became inf and their rows 0) autocast is turned off here, for the same reason."""
     device = q_num.device.type
+    # (the meta device has no autocast; torch.amp.is_autocast_available would say so, but
+    # torch 2.11's compiler cannot trace it)
     if (
-        torch.amp.is_autocast_available(device)  # (not the meta device)
+        device != "meta"
         and torch.is_autocast_enabled(device)
         and torch.get_autocast_dtype(device) == torch.float16
     ):

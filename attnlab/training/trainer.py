@@ -186,14 +186,14 @@ class _Dist:
 
 
 def resolve_device(
-    name: str, *, cuda_available: bool, local_rank: int = 0, local_world_size: int = 1
+    name: str, *, cuda_count: int, local_rank: int = 0, local_world_size: int = 1
 ) -> torch.device:
-    """The device of process ``local_rank`` of the ``local_world_size`` on this machine.
-    "auto" is cuda when there is one; "cuda" becomes cuda:<local_rank>. An explicit index
-    ("cuda:1") is refused when several processes share the machine: they would all
-    train on that one GPU."""
+    """The device of process ``local_rank`` of the ``local_world_size`` on this machine,
+    which has ``cuda_count`` GPUs. "auto" is cuda when there is one; "cuda" becomes
+    cuda:<local_rank>. An explicit index ("cuda:1") is refused when several processes share
+    the machine (they would all train on that one GPU), and so is a GPU the machine lacks."""
     if name == "auto":
-        name = "cuda" if cuda_available else "cpu"
+        name = "cuda" if cuda_count else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -210,7 +210,7 @@ def resolve_device(
             "cpu, cuda or cuda:N"
         )
     if device.type == "cuda":
-        if not cuda_available:
+        if not cuda_count:
             raise TrainingError(
                 f"train.device={name!r} but CUDA is not available; use train.device=cpu"
             )
@@ -222,7 +222,22 @@ def resolve_device(
                 "machine on one GPU; use train.device=cuda (process i takes cuda:i) and "
                 "choose the GPUs with CUDA_VISIBLE_DEVICES"
             )
+        if device.index >= cuda_count:
+            gpus = f"this machine has {cuda_count} GPU{'s' if cuda_count > 1 else ''}"
+            if local_world_size > 1:
+                raise TrainingError(
+                    f"process {local_rank} of the {local_world_size} on this machine would "
+                    f"train on {device}, but {gpus}; start at most {cuda_count} per machine "
+                    f"(torchrun --nproc_per_node={cuda_count}) or set train.device=cpu"
+                )
+            raise TrainingError(
+                f"train.device={name!r} but {gpus} (cuda:0 to cuda:{cuda_count - 1})"
+            )
     return device
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_backend(model_cfg: ModelConfig, device: torch.device) -> None:
@@ -258,7 +273,7 @@ def check_backend(model_cfg: ModelConfig, device: torch.device) -> None:
 def _resolve_device(name: str, local_rank: int, local_world_size: int) -> torch.device:
     device = resolve_device(
         name,
-        cuda_available=torch.cuda.is_available(),
+        cuda_count=_cuda_count(),
         local_rank=local_rank,
         local_world_size=local_world_size,
     )
@@ -726,7 +741,7 @@ class Trainer:
             if resume is not None:
                 hint = f"the run resumed from {resume} would overwrite it; {hint}"
             raise TrainingError(f"{self.out_dir} already holds a checkpoint; {hint}")
-        device = resolve_device(cfg.train.device, cuda_available=torch.cuda.is_available())
+        device = resolve_device(cfg.train.device, cuda_count=_cuda_count())
         check_backend(cfg.model, device)
         check_memory(cfg.model, device, optimizer=cfg.train.optimizer)  # before building
         if cfg.train.tensorboard and (problem := tensorboard_missing()) is not None:
