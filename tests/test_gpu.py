@@ -1,5 +1,6 @@
 """What only a CUDA GPU can check (skipped elsewhere): the compiled decode step replayed as
-a CUDA graph, and training in bfloat16 autocast. The Triton kernels' GPU checks live in
+a CUDA graph, training in bfloat16 autocast, and every model kind, attention backend and
+architecture on the GPU against the same model on the CPU. The Triton kernels' GPU checks live in
 test_flash_triton.py.
 
 Run on a GPU machine: ``python -m pytest tests/test_gpu.py tests/test_flash_triton.py``.
@@ -7,8 +8,11 @@ Run on a GPU machine: ``python -m pytest tests/test_gpu.py tests/test_flash_trit
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from test_design import ENTRY_KINDS
 
 from attnlab.models import build_model
 from attnlab.presets import get_preset
@@ -97,8 +101,6 @@ def test_bf16_training_on_cuda_learns(tmp_path):
 # (no tensor made on the CPU, no host read), checked here on the device itself. Float32:
 # matmuls without TF32, so CUDA and CPU differ by rounding alone.
 
-from tests.test_design import ENTRY_KINDS  # noqa: E402
-
 CLOSE = {"atol": 1e-4, "rtol": 1e-4}
 NSA = {
     "attention.kind": "nsa", "attention.n_kv_heads": 2, "attention.nsa_block_len": 4,
@@ -115,8 +117,6 @@ DECODER_KINDS = {
 
 
 def _on_cuda(model):
-    import copy
-
     return copy.deepcopy(model).cuda()
 
 
