@@ -3,10 +3,9 @@
 # decoding, bf16 training, every model kind and attention backend on CUDA against the CPU),
 # the rest of the test suite under that machine's torch, then decoding a 1.1B model in
 # bfloat16 against transformers, bf16 training MFU, and the attention kernels' memory and
-# time. Each part runs under its
-# own time limit (seconds, in the second column) so one stuck part does not take the others
-# down; each part's full output goes to $OUT/<part>.log (default ./gpu-logs), the last
-# lines of it to stdout.
+# time. Each part runs under its own time limit (seconds, in the second column) so one stuck
+# part does not take the others down; each part's full output goes to $OUT/<part>.log
+# (default ./gpu-logs), the last lines of it to stdout.
 #
 #   bash benchmarks/gpu.sh                 # every part
 #   bash benchmarks/gpu.sh decode mfu      # some parts
