@@ -341,6 +341,7 @@ def test_images_read_as_transformers_pipeline_reads_them(tmp_path, case):
     """As transformers' image-classification pipeline (image_utils.load_image): a photo's
     EXIF orientation is applied (it was classified on its side) and a YCbCr file's pixels
     become R, G, B (they were fed as luma and chroma)."""
+    import PIL
     from PIL import Image
     from transformers.image_utils import load_image as hf_load_image
 
@@ -355,6 +356,10 @@ def test_images_read_as_transformers_pipeline_reads_them(tmp_path, case):
     else:
         path = tmp_path / "x.tiff"
         image.convert("YCbCr").save(path)
+        try:  # Pillow before 13 (the last for Python 3.10 is 12.3) cannot read this file back
+            Image.open(path).load()
+        except OSError as e:
+            pytest.skip(f"this Pillow {PIL.__version__} cannot read the YCbCr TIFF it wrote ({e})")
     want = np.asarray(hf_load_image(str(path)), dtype=np.float32) / 255  # (H, W, 3)
     h, w = want.shape[:2]
     assert (h, w) == ((12, 8) if case == "exif-rotated" else (8, 12))

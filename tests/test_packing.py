@@ -311,10 +311,12 @@ def test_packed_training_learns_and_resumes_exactly(tmp_path, embedded):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert load_checkpoint(tmp_path / "run").config.data.options == {"pack_documents": True}
-    # Packing changes what is computed: the same run without it has other losses.
+    # Packing changes what is computed: the same run without it has other losses. The whole
+    # run, not its first steps: only a block that crosses a document boundary differs, and
+    # which blocks are drawn depends on the corpus (Python 3.10's crossed none in two steps).
     plain = train(cfg.override({"data.options": {}}), tmp_path / "plain", dataset=embedded,
-                  max_steps=2, progress=False)  # fmt: skip
-    assert plain.losses != straight.losses[:2]
+                  progress=False)  # fmt: skip
+    assert plain.losses != straight.losses
 
 
 def test_packed_eval_block_losses_are_means_over_each_blocks_targets():

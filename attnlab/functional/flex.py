@@ -63,14 +63,18 @@ def prefix_lm_mod(t: int, s: int, prefix: int | Tensor) -> MaskMod:
 
 
 def tensor_mod(allowed: Tensor) -> MaskMod:
-    """A boolean mask broadcastable to (b, h, t, s) as a mask_mod (indexes a 4-D view)."""
+    """A mask broadcastable to (b, h, t, s) as a mask_mod (bool; or values, for a score_mod):
+    indexes its dimensions of size > 1, the others broadcast."""
     while allowed.dim() < 4:
         allowed = allowed[None]
-    bi = (lambda b: b) if allowed.shape[0] > 1 else (lambda b: 0)
-    hi = (lambda h: h) if allowed.shape[1] > 1 else (lambda h: 0)
-    qi = (lambda q: q) if allowed.shape[2] > 1 else (lambda q: 0)
-    ki = (lambda k: k) if allowed.shape[3] > 1 else (lambda k: 0)
-    return lambda b, h, q_idx, kv_idx: allowed[bi(b), hi(h), qi(q_idx), ki(kv_idx)]
+    # Size-1 (broadcast) dimensions are dropped here, and the rest indexed by tensors only:
+    # torch 2.10's vmap (create_block_mask runs the mod under it) cannot mix an int index
+    # with tensor ones (it calls .item()).
+    read = tuple(i for i, n in enumerate(allowed.shape) if n > 1)
+    kept = allowed[tuple(slice(None) if n > 1 else 0 for n in allowed.shape)]
+    if not read:  # one value for every (b, h, q_idx, kv_idx)
+        return lambda b, h, q_idx, kv_idx: kept
+    return lambda b, h, q_idx, kv_idx: kept[tuple((b, h, q_idx, kv_idx)[i] for i in read)]
 
 
 def and_mods(*mods: MaskMod | None) -> MaskMod | None:
