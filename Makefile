@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench bench-variants clean
+.PHONY: install test test-floors lint demo bench bench-variants clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,32 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q
 
+# The oldest versions pyproject.toml allows, on the oldest Python it allows (FLOORS_PY):
+# uv resolves every direct dependency to its lowest version (what those need, to the
+# newest). ruff and the suite run as in `test`, first with the dev extras, then with the
+# runtime dependencies and pytest alone (tests that need a dev extra skip). The venvs go to
+# .venv-floors; torch's CUDA wheels make it a download of about 3 GB. 50 min on 2 cores.
+FLOORS_PY ?= python3.10
+FLOORS := .venv-floors
+UV := $(FLOORS)/uv/bin/python -m uv
+
+test-floors:
+	rm -rf $(FLOORS)
+	$(PY) -m venv $(FLOORS)/uv
+	$(FLOORS)/uv/bin/python -m pip install --quiet uv
+	$(UV) venv --quiet --python $(FLOORS_PY) $(FLOORS)/dev
+	$(UV) venv --quiet --python $(FLOORS_PY) $(FLOORS)/runtime
+	$(UV) pip compile --quiet --resolution lowest-direct --python $(FLOORS)/dev/bin/python \
+		--extra dev pyproject.toml -o $(FLOORS)/dev.txt
+	echo "pytest>=7" > $(FLOORS)/pytest.in
+	$(UV) pip compile --quiet --resolution lowest-direct --python $(FLOORS)/runtime/bin/python \
+		pyproject.toml $(FLOORS)/pytest.in -o $(FLOORS)/runtime.txt
+	$(UV) pip sync --quiet --python $(FLOORS)/dev/bin/python $(FLOORS)/dev.txt
+	$(UV) pip sync --quiet --python $(FLOORS)/runtime/bin/python $(FLOORS)/runtime.txt
+	$(FLOORS)/dev/bin/python -m ruff check .
+	PYTHONPATH=$(CURDIR) $(FLOORS)/dev/bin/python -m pytest -q -p no:cacheprovider
+	PYTHONPATH=$(CURDIR) $(FLOORS)/runtime/bin/python -m pytest -q -p no:cacheprovider
+
 demo: $(STAMP)
 	$(BIN)/attnlab train --preset demo --out runs/demo --overwrite
 	$(BIN)/attnlab generate --ckpt runs/demo --prompt "The " --max-new-tokens 400 --temperature 0.8 --seed 0
@@ -43,5 +69,5 @@ bench-variants: $(STAMP)
 # The project's build outputs and caches (the token cache now lives in ~/.cache/attnlab:
 # `rm -rf "$${XDG_CACHE_HOME:-$$HOME/.cache}/attnlab"` clears it).
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .attnlab_cache build dist *.egg-info
+	rm -rf $(VENV) $(FLOORS) runs .pytest_cache .ruff_cache .attnlab_cache build dist *.egg-info
 	find . -name __pycache__ -type d -not -path "./.venv/*" -prune -exec rm -rf {} +

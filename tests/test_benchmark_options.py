@@ -71,6 +71,8 @@ def test_train_backends_refuses_unknown_and_gpu_only_variants(bench, monkeypatch
 def test_device_cuda_without_cuda_is_a_usage_error(bench, monkeypatch, capsys, script):
     """``--device cuda`` on a machine without CUDA used to end in torch's AssertionError
     traceback (after loading the corpus, for train_backends)."""
+    if script == "vs_transformers":
+        pytest.importorskip("transformers")
     module = bench(script)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err = refused(monkeypatch, capsys, module, "--device", "cuda")

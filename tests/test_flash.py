@@ -339,6 +339,44 @@ def test_registry_errors_are_single_clear_lines():
         attend(q, k, v, backend="sdpa", window=2)
 
 
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, problem",
+    [
+        (
+            "3.2.0",
+            "1.26.4",
+            "Triton 3.2.0's interpreter cannot run these kernels on CPU; pip install 'triton>=3.4'",
+        ),
+        (
+            "3.6.0",
+            "2.4.0",
+            "Triton 3.6.0's interpreter fails under numpy 2.4.0; "
+            "pip install 'triton>=3.7' or 'numpy<2.4'",
+        ),
+        ("3.6.0", "2.3.5", None),
+        ("3.7.0", "2.4.6", None),
+        ("3.10.1+git1234", "2.10.0", None),
+    ],
+)
+def test_an_interpreter_that_cannot_run_the_kernels_is_named(
+    monkeypatch, triton_version, numpy_version, problem
+):
+    """Under TRITON_INTERPRET=1 the triton backend is unavailable, with the reason, where
+    the installed triton and numpy cannot run the kernels (measured: triton 3.2-3.3 look
+    for a GPU driver; 3.4-3.6 fail under numpy >= 2.4)."""
+    import attnlab.kernels as kernels
+
+    versions = {"triton": triton_version, "numpy": numpy_version}
+    monkeypatch.setattr(kernels.importlib.metadata, "version", versions.__getitem__)
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.triton_unavailable_reason() == problem
+    if problem is not None:
+        q, k, v = _qkv()
+        with pytest.raises(RuntimeError, match="attention backend 'triton' cannot run: Triton"):
+            kernels.triton_attention(q, k, v)
+
+
 REGISTRY_CASES = {
     # name: (t, s, h_kv, causal, padding, window)
     "plain": (9, 9, 4, False, False, None),

@@ -22,7 +22,10 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from attnlab.functional.attention import attend, eager_attention  # noqa: E402
 from attnlab.functional.masks import padding_mask, to_additive  # noqa: E402
-from attnlab.kernels import interpreting, triton_attention  # noqa: E402
+from attnlab.kernels import interpreting, triton_attention, triton_unavailable_reason  # noqa: E402
+
+if triton_unavailable_reason() is not None:  # e.g. an interpreter too old for these kernels
+    pytest.skip(triton_unavailable_reason(), allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"

@@ -245,6 +245,7 @@ def _hf_deepseek_config(**rope):
     ],
 )
 def test_yarn_matches_transformers(rope):
+    pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 

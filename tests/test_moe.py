@@ -80,6 +80,7 @@ def _hf_router_config(**kw):
 
 @torch.no_grad()
 def test_v3_router_matches_transformers():
+    pytest.importorskip("transformers")
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
     hf = DeepseekV3TopkRouter(_hf_router_config(n_group=4, topk_group=2, routed_scaling_factor=2.5))
@@ -105,6 +106,7 @@ def test_v3_router_matches_transformers():
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
 @torch.no_grad()
 def test_v2_router_matches_transformers(method):
+    pytest.importorskip("transformers")
     from transformers import DeepseekV2Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 

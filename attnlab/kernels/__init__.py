@@ -7,8 +7,10 @@ before the first kernel call), which is how the tests check them on CPU.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 
 import torch
 from torch import Tensor
@@ -24,7 +26,33 @@ def triton_unavailable_reason() -> str | None:
         return "the 'triton' package is not installed (pip install triton)"
     if not (torch.cuda.is_available() or interpreting()):
         return "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    if interpreting():
+        return _interpreter_problem()
     return None
+
+
+def _interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels with the installed triton and numpy
+    (it runs them in numpy), or None. Measured: triton 3.0-3.3 cannot (3.0 rejects the
+    kernels, 3.2-3.3 look for a GPU driver), and 3.4-3.6 fail under numpy 2.4 and later."""
+    triton_version = importlib.metadata.version("triton")
+    numpy_version = importlib.metadata.version("numpy")
+    if _major_minor(triton_version) < (3, 4):
+        return (
+            f"Triton {triton_version}'s interpreter cannot run these kernels on CPU; "
+            "pip install 'triton>=3.4'"
+        )
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (
+            f"Triton {triton_version}'s interpreter fails under numpy {numpy_version}; "
+            "pip install 'triton>=3.7' or 'numpy<2.4'"
+        )
+    return None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
 
 
 def triton_available() -> bool:
