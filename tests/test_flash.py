@@ -356,6 +356,8 @@ def test_registry_errors_are_single_clear_lines():
         ("3.6.0", "2.3.5", None),
         ("3.7.0", "2.4.6", None),
         ("3.10.1+git1234", "2.10.0", None),
+        (None, "2.4.0", None),  # installed some other way: let it try
+        ("unknown", "2.4.0", None),
     ],
 )
 def test_an_interpreter_that_cannot_run_the_kernels_is_named(
@@ -367,7 +369,13 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named(
     import attnlab.kernels as kernels
 
     versions = {"triton": triton_version, "numpy": numpy_version}
-    monkeypatch.setattr(kernels.importlib.metadata, "version", versions.__getitem__)
+
+    def version(name):
+        if versions.get(name) is None:
+            raise kernels.importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(kernels.importlib.metadata, "version", version)
     monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kernels.triton_unavailable_reason() == problem
@@ -375,6 +383,26 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named(
         q, k, v = _qkv()
         with pytest.raises(RuntimeError, match="attention backend 'triton' cannot run: Triton"):
             kernels.triton_attention(q, k, v)
+
+
+def test_a_nightly_triton_is_known_by_its_distribution_name(monkeypatch):
+    """PyTorch's nightlies install the ``triton`` module as the pytorch-triton distribution."""
+    import attnlab.kernels as kernels
+
+    versions = {"pytorch-triton": "3.3.0+git96316ce5", "numpy": "1.26.4"}
+
+    def version(name):
+        if name not in versions:
+            raise kernels.importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(kernels.importlib.metadata, "version", version)
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.triton_unavailable_reason() == (
+        "Triton 3.3.0+git96316ce5's interpreter cannot run these kernels on CPU; "
+        "pip install 'triton>=3.4'"
+    )
 
 
 REGISTRY_CASES = {

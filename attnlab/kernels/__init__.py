@@ -35,24 +35,33 @@ def _interpreter_problem() -> str | None:
     """Why Triton's interpreter cannot run the kernels with the installed triton and numpy
     (it runs them in numpy), or None. Measured: triton 3.0-3.3 cannot (3.0 rejects the
     kernels, 3.2-3.3 look for a GPU driver), and 3.4-3.6 fail under numpy 2.4 and later."""
-    triton_version = importlib.metadata.version("triton")
-    numpy_version = importlib.metadata.version("numpy")
-    if _major_minor(triton_version) < (3, 4):
+    triton_version = _installed_version("triton", "pytorch-triton")  # the latter: nightlies
+    numpy_version = _installed_version("numpy")
+    if triton_version is None or numpy_version is None:  # versions unknown: let it try
+        return None
+    if triton_version[1] < (3, 4):
         return (
-            f"Triton {triton_version}'s interpreter cannot run these kernels on CPU; "
+            f"Triton {triton_version[0]}'s interpreter cannot run these kernels on CPU; "
             "pip install 'triton>=3.4'"
         )
-    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+    if triton_version[1] < (3, 7) and numpy_version[1] >= (2, 4):
         return (
-            f"Triton {triton_version}'s interpreter fails under numpy {numpy_version}; "
+            f"Triton {triton_version[0]}'s interpreter fails under numpy {numpy_version[0]}; "
             "pip install 'triton>=3.7' or 'numpy<2.4'"
         )
     return None
 
 
-def _major_minor(version: str) -> tuple[int, int]:
-    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
-    return int(major), int(minor)
+def _installed_version(*distributions: str) -> tuple[str, tuple[int, int]] | None:
+    """The first of these distributions installed: its version, and as (major, minor)."""
+    for name in distributions:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found = re.match(r"(\d+)\.(\d+)", version)
+        return (version, (int(found[1]), int(found[2]))) if found else None
+    return None
 
 
 def triton_available() -> bool:
