@@ -27,9 +27,10 @@ test: $(STAMP)
 
 # The oldest versions pyproject.toml allows, on the oldest Python it allows (FLOORS_PY):
 # uv resolves every direct dependency to its lowest version (what those need, to the
-# newest). ruff and the suite run as in `test`, first with the dev extras, then with the
-# runtime dependencies and pytest alone (tests that need a dev extra skip). The venvs go to
-# .venv-floors; torch's CUDA wheels make it a download of about 3 GB. 50 min on 2 cores.
+# newest) and installs them into plain venvs (which, below Python 3.12, hold the setuptools
+# torch.compile needs). ruff and the suite run as in `test`, first with the dev extras,
+# then with the runtime dependencies and pytest alone (tests that need a dev extra skip).
+# The venvs go to .venv-floors; torch's CUDA wheels make it a download of about 3 GB.
 FLOORS_PY ?= python3.10
 FLOORS := .venv-floors
 UV := $(FLOORS)/uv/bin/python -m uv
@@ -38,15 +39,15 @@ test-floors:
 	rm -rf $(FLOORS)
 	$(PY) -m venv $(FLOORS)/uv
 	$(FLOORS)/uv/bin/python -m pip install --quiet uv
-	$(UV) venv --quiet --python $(FLOORS_PY) $(FLOORS)/dev
-	$(UV) venv --quiet --python $(FLOORS_PY) $(FLOORS)/runtime
+	$(FLOORS_PY) -m venv $(FLOORS)/dev
+	$(FLOORS_PY) -m venv $(FLOORS)/runtime
 	$(UV) pip compile --quiet --resolution lowest-direct --python $(FLOORS)/dev/bin/python \
 		--extra dev pyproject.toml -o $(FLOORS)/dev.txt
 	echo "pytest>=7" > $(FLOORS)/pytest.in
 	$(UV) pip compile --quiet --resolution lowest-direct --python $(FLOORS)/runtime/bin/python \
 		pyproject.toml $(FLOORS)/pytest.in -o $(FLOORS)/runtime.txt
-	$(UV) pip sync --quiet --python $(FLOORS)/dev/bin/python $(FLOORS)/dev.txt
-	$(UV) pip sync --quiet --python $(FLOORS)/runtime/bin/python $(FLOORS)/runtime.txt
+	$(UV) pip install --quiet --python $(FLOORS)/dev/bin/python -r $(FLOORS)/dev.txt
+	$(UV) pip install --quiet --python $(FLOORS)/runtime/bin/python -r $(FLOORS)/runtime.txt
 	$(FLOORS)/dev/bin/python -m ruff check .
 	PYTHONPATH=$(CURDIR) $(FLOORS)/dev/bin/python -m pytest -q -p no:cacheprovider
 	PYTHONPATH=$(CURDIR) $(FLOORS)/runtime/bin/python -m pytest -q -p no:cacheprovider
