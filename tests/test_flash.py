@@ -339,6 +339,17 @@ def test_registry_errors_are_single_clear_lines():
         attend(q, k, v, backend="sdpa", window=2)
 
 
+@pytest.fixture
+def fresh_interpreter_check():
+    """The interpreter check reads the installed versions once per process: read them anew
+    (here, faked) and forget the fakes after."""
+    import attnlab.kernels as kernels
+
+    kernels._interpreter_problem.cache_clear()
+    yield kernels
+    kernels._interpreter_problem.cache_clear()
+
+
 @pytest.mark.parametrize(
     "triton_version, numpy_version, problem",
     [
@@ -361,13 +372,12 @@ def test_registry_errors_are_single_clear_lines():
     ],
 )
 def test_an_interpreter_that_cannot_run_the_kernels_is_named(
-    monkeypatch, triton_version, numpy_version, problem
+    monkeypatch, fresh_interpreter_check, triton_version, numpy_version, problem
 ):
     """Under TRITON_INTERPRET=1 the triton backend is unavailable, with the reason, where
     the installed triton and numpy cannot run the kernels (measured: triton 3.2-3.3 look
     for a GPU driver; 3.4-3.6 fail under numpy >= 2.4)."""
-    import attnlab.kernels as kernels
-
+    kernels = fresh_interpreter_check
     versions = {"triton": triton_version, "numpy": numpy_version}
 
     def version(name):
@@ -385,10 +395,9 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named(
             kernels.triton_attention(q, k, v)
 
 
-def test_a_nightly_triton_is_known_by_its_distribution_name(monkeypatch):
+def test_a_nightly_triton_is_known_by_its_distribution_name(monkeypatch, fresh_interpreter_check):
     """PyTorch's nightlies install the ``triton`` module as the pytorch-triton distribution."""
-    import attnlab.kernels as kernels
-
+    kernels = fresh_interpreter_check
     versions = {"pytorch-triton": "3.3.0+git96316ce5", "numpy": "1.26.4"}
 
     def version(name):

@@ -7,6 +7,7 @@ before the first kernel call), which is how the tests check them on CPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -31,6 +32,7 @@ def triton_unavailable_reason() -> str | None:
     return None
 
 
+@functools.cache  # the installed versions stay for the process; reading them takes ~2 ms
 def _interpreter_problem() -> str | None:
     """Why Triton's interpreter cannot run the kernels with the installed triton and numpy
     (it runs them in numpy), or None. Measured: triton 3.0-3.3 cannot (3.0 rejects the
