@@ -10,7 +10,7 @@ library loaded ahead of PyTorch that defines it to answer yes makes MKL choose i
 the instruction sets alone (the CPU's own CPUID flags, so nothing runs that the CPU lacks).
 
 Measured on a 2-core AMD EPYC with AVX-512 (``python benchmarks/mkl_any_cpu.py``, in the
-README's "Model FLOP utilisation of training"): a 2048 x 2048 float32 product 209 -> 489
+docs/benchmarks.md, "Model FLOP utilisation of training"): a 2048 x 2048 float32 product 209 -> 489
 GFLOP/s, the demo preset's attention forward and backward (batch 8, 4 heads, 128 x 32)
 1.8x faster, training steps 1.08-1.10x (demo) and 1.11x (llama-30m), eager and
 compiled. Results stay IEEE float32 products (the kernels differ, so the last bits of a

@@ -21,7 +21,7 @@ backend runs on CUDA) take flash's place in the table, and the timings wait for 
 (forward + backward, best of --repeats, after a warm-up run that also autotunes the
 kernels and is not counted in the memory either).
 
-    python benchmarks/flash_attention.py                 # the README table, ~4 minutes
+    python benchmarks/flash_attention.py                 # docs/benchmarks.md's table, ~4 min
     python benchmarks/flash_attention.py --lengths 1024 2048 --threads 2
     python benchmarks/flash_attention.py --device cuda --dtype bfloat16 --batch 4 --heads 16 \
         --repeats 5 --no-flex

@@ -1,5 +1,5 @@
-"""benchmarks/attention_variants.py reports what the README says its table holds: the cache
-bytes each token adds, and for linear attention its whole recurrent state."""
+"""benchmarks/attention_variants.py reports what docs/benchmarks.md says its table holds:
+the cache bytes each token adds, and for linear attention its whole recurrent state."""
 
 from __future__ import annotations
 

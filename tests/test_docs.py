@@ -16,6 +16,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# The user-facing documents; benchmarks.md holds the benchmark tables the README summarises.
+DOCS = ("README.md", "docs/design.md", "docs/benchmarks.md")
 API_MODULES = ("attnlab", "attnlab.models", "attnlab.nn", "attnlab.tasks")
 
 
@@ -165,7 +167,7 @@ def _referenced_paths(text: str) -> set[str]:
     return set(re.findall(pattern, text))
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+@pytest.mark.parametrize("doc", DOCS)
 def test_files_the_docs_name_exist(doc):
     text = (ROOT / doc).read_text()
     missing = sorted(p for p in _referenced_paths(text) if not (ROOT / p).exists())
@@ -189,10 +191,54 @@ def test_readme_module_table_names_existing_files():
     assert not missing, f"the README's module table names missing files: {missing}"
 
 
+def _docs_text() -> str:
+    """Every document's text, each line break (and the spaces around it) one space."""
+    text = "\n".join((ROOT / doc).read_text() for doc in DOCS)
+    return re.sub(r"\s*\n\s*", " ", text)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped (hyphens and
+    underscores kept), spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors of a document's headings (outside code blocks; a repeated heading gets
+    ``-1``, ``-2``... as on GitHub)."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    for heading in re.findall(r"^#{1,6} (.+)$", prose, flags=re.M):
+        base = _anchor(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        anchors.add(base if n == 0 else f"{base}-{n}")
+    return anchors
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_links_between_the_docs_resolve(doc):
+    """Each relative Markdown link ``[text](path#anchor)`` names a file that exists and, with
+    an anchor, a heading of that file."""
+    path = ROOT / doc
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+:", target):  # http(s):, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and (linked.suffix != ".md" or anchor not in _anchors(linked.read_text())):
+            broken.append(target)
+    assert not broken, f"{doc} links to missing files or headings: {broken}"
+
+
 def test_benchmark_options_the_docs_use_exist():
-    """``python benchmarks/NAME.py --option ...`` in the README: the script (or the shared
+    """``python benchmarks/NAME.py --option ...`` in the docs: the script (or the shared
     ``_common.py``) defines each option."""
-    text = re.sub(r"\s*\n\s*", " ", (ROOT / "README.md").read_text())
+    text = _docs_text()
     missing = []
     command = r"benchmarks/(\w+)\.py((?: --?[\w-]+(?: (?!-)[^\s`]+)*)*)"  # options, values
     for script, options in re.findall(command, text):
@@ -201,14 +247,14 @@ def test_benchmark_options_the_docs_use_exist():
         for option in re.findall(r"(?<!\S)--[\w-]+", options):
             if f'"{option}"' not in source:
                 missing.append(f"{script}.py {option}")
-    assert not missing, f"options the README gives that the benchmarks lack: {sorted(set(missing))}"
+    assert not missing, f"options the docs give that the benchmarks lack: {sorted(set(missing))}"
 
 
 def test_benchmark_variants_the_docs_use_exist():
-    """``python benchmarks/NAME.py ... --variants A "B, C" ...`` in the README: each variant
+    """``python benchmarks/NAME.py ... --variants A "B, C" ...`` in the docs: each variant
     (each ``+``-joined part) is one the script defines, literally or by a generated name
     (``heads4`` from ``f"heads{n}"``)."""
-    text = re.sub(r"\s*\n\s*", " ", (ROOT / "README.md").read_text())
+    text = _docs_text()
     missing = []
     for span in re.findall(r"`([^`]*benchmarks/\w+\.py[^`]*--variants[^`]*)`", text):
         words = shlex.split(span)
@@ -220,7 +266,7 @@ def test_benchmark_variants_the_docs_use_exist():
                 generated = re.sub(r"[\d.]+$", "", part)
                 if f'"{part}"' not in source and f'f"{generated}{{' not in source:
                     missing.append(f"{script} {part}")
-    assert not missing, f"variants the README gives that the benchmarks lack: {missing}"
+    assert not missing, f"variants the docs give that the benchmarks lack: {missing}"
 
 
 def test_benchmark_help_descriptions_are_whole_sentences():
@@ -273,7 +319,7 @@ def _config_fields():
 NOT_CONFIG = ("model.safetensors", "model.generate", "model.stream", "model.new_cache", "model.to")
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+@pytest.mark.parametrize("doc", DOCS)
 def test_config_keys_the_docs_name_exist(doc):
     """Every ``train.x`` / ``data.x`` / ``model.x.y`` the docs name, and the short
     ``attention.x`` / ``ffn.x`` / ``position.x`` / ``norm.x`` of a model config, is a field
