@@ -254,6 +254,71 @@ def test_clear_errors(tmp_path):
         load_checkpoint(d)
 
 
+def _rewrite_weights_metadata(path: Path, drop: tuple[str, ...] = (), **metadata: str) -> None:
+    """Save ``path``'s tensors again, its metadata without ``drop`` and updated by
+    ``metadata``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        stored = {k: v for k, v in f.metadata().items() if k not in drop}
+    save_file(tensors, path, metadata={**stored, **metadata})
+
+
+def test_a_checkpoint_records_its_format_and_attnlab_version(tmp_path):
+    from safetensors import safe_open
+
+    import attnlab
+
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    state = torch.load(tmp_path / ckpt_module.STATE_FILE, weights_only=True)
+    assert state["format_version"] == ckpt_module.FORMAT_VERSION
+    assert state["attnlab_version"] == attnlab.__version__
+    with safe_open(tmp_path / ckpt_module.WEIGHTS_FILE, "pt") as f:
+        meta = f.metadata()
+    assert meta["format_version"] == str(ckpt_module.FORMAT_VERSION)
+    assert meta["attnlab_version"] == attnlab.__version__
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_checkpoint_of_a_newer_format_asks_for_a_newer_attnlab(tmp_path, with_state):
+    """A later attnlab's checkpoint format is refused in one line that names the version
+    that wrote it and says to upgrade, from the trainer state or, in a weights-only folder,
+    from the weights' metadata; a folder from before the weights recorded it still loads."""
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    newer = ckpt_module.FORMAT_VERSION + 1
+    weights_file = tmp_path / ckpt_module.WEIGHTS_FILE
+    if with_state:
+        state_file = tmp_path / ckpt_module.STATE_FILE
+        state = torch.load(state_file, weights_only=True)
+        torch.save({**state, "format_version": newer, "attnlab_version": "9.0"}, state_file)
+        culprit = ckpt_module.STATE_FILE
+    else:
+        (tmp_path / ckpt_module.STATE_FILE).unlink()
+        _rewrite_weights_metadata(weights_file, format_version=str(newer), attnlab_version="9.0")
+        culprit = ckpt_module.WEIGHTS_FILE
+    pattern = rf"{culprit}: written by attnlab 9\.0 in checkpoint format {newer}, newer .*upgrade"
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(info.value)
+    if not with_state:  # weights written before the format was recorded in them
+        _rewrite_weights_metadata(weights_file, drop=("format_version", "attnlab_version"))
+        assert_same_weights(weights(load_checkpoint(tmp_path).model), weights(model))
+
+
+def test_an_unknown_trainer_state_format_is_refused(tmp_path):
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    state_file = tmp_path / ckpt_module.STATE_FILE
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, "format_version": 0}, state_file)
+    with pytest.raises(CheckpointError, match=r"format 0 by attnlab .* is not the format 1"):
+        load_checkpoint(tmp_path)
+
+
 def test_weights_load_without_trainer_state(tmp_path):
     """Inference needs config, weights and tokenizer only: a folder whose trainer_state.pt
     was deleted (or never written) loads; only resuming needs the state."""

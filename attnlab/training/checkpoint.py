@@ -23,6 +23,10 @@ random ``checkpoint_id``, so mixed files from two saves are caught instead of lo
 that cannot write its files (a full disk) raises OSError naming the folder, which it leaves
 as it was.
 
+The weights' metadata and the trainer state record the checkpoint format
+(``FORMAT_VERSION``) and the attnlab version that wrote them: a checkpoint of another format
+is refused in one line naming that version (a later format: upgrade attnlab to load it).
+
 The trainer state also records whether the checkpoint has a tokenizer, so a stale
 ``tokenizer.json`` of an older save is never mistaken for this one's (a save without one
 removes it last, after its commit).
@@ -49,6 +53,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_model
 from torch import nn
 
+from attnlab import __version__
 from attnlab.config import ConfigError, RunConfig
 from attnlab.fileio import error_reason, usual_permissions
 from attnlab.models import build_model
@@ -169,11 +174,17 @@ def save_checkpoint(
         save_model(
             unwrap_model(model),
             str(tmp / WEIGHTS_FILE),
-            metadata={"checkpoint_id": checkpoint_id, "format": "attnlab"},
+            metadata={
+                "checkpoint_id": checkpoint_id,
+                "format": "attnlab",
+                "format_version": str(FORMAT_VERSION),
+                "attnlab_version": __version__,
+            },
         )
         usual_permissions(tmp / WEIGHTS_FILE)  # safetensors writes it owner-only
         state = {
             "format_version": FORMAT_VERSION,
+            "attnlab_version": __version__,
             "checkpoint_id": checkpoint_id,
             "has_state": trainer_state is not None,
             "has_tokenizer": tokenizer is not None,
@@ -245,12 +256,25 @@ def _read_state(path: Path, device: str | torch.device) -> dict:
         ) from None
     if not isinstance(state, dict) or "checkpoint_id" not in state:
         raise CheckpointError(f"{path}: not an attnlab trainer state")
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: trainer state format {state.get('format_version')!r} is not the "
-            f"supported {FORMAT_VERSION}"
-        )
+    _check_format(path, state.get("format_version"), state.get("attnlab_version"))
     return state
+
+
+def _check_format(path: Path, version, written_by) -> None:
+    """Refuse a file of another checkpoint format than this attnlab's, saying which attnlab
+    wrote it and what to do."""
+    if version == FORMAT_VERSION:
+        return
+    by = f" by attnlab {written_by}" if written_by else ""
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: written{by} in checkpoint format {version}, newer than the format "
+            f"{FORMAT_VERSION} that attnlab {__version__} reads; upgrade attnlab to load it"
+        )
+    raise CheckpointError(
+        f"{path}: checkpoint format {version!r}{by} is not the format {FORMAT_VERSION} that "
+        f"attnlab {__version__} reads"
+    )
 
 
 def load_checkpoint(
@@ -383,6 +407,13 @@ def _load_weights(
     except (WeightsFileError, OSError) as e:
         first_line = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{weights}: cannot read weights ({first_line})") from None
+    stored_format = file.metadata.get("format_version")  # absent before it was recorded
+    if stored_format is not None:
+        _check_format(
+            weights,
+            int(stored_format) if stored_format.isdigit() else stored_format,
+            file.metadata.get("attnlab_version"),
+        )
     if state is not None and file.metadata.get("checkpoint_id") != state["checkpoint_id"]:
         raise CheckpointError(
             f"{directory}: {WEIGHTS_FILE} and {STATE_FILE} come from different saves; "
