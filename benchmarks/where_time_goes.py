@@ -15,6 +15,10 @@ The same step compiled (``train.compile``) is profiled by kind of work: the matr
 products, attention (forward and backward kernels), inductor's fused element-wise kernels
 (timed one by one: ``cpp.enable_kernel_profile``), the AdamW step, and the rest (the
 compiled graphs' Python wrappers, autograd, gradient clipping, the step's other Python).
+A second table sets the model FLOPs of the products and of attention (mfu.py's count,
+attnlab.analysis.flops_per_token) against their profiled times and the float32 matmul peak
+measured before and after the profile: how fast each kind of work runs, and the MFU the step
+would reach if everything else took no time.
 
     python benchmarks/where_time_goes.py [--steps 100] [--preset demo] [--threads 2]
         [--only decoding|training] [--kernels 0]
@@ -29,10 +33,12 @@ import tempfile
 import time
 
 import torch
+from mfu import matmul_flops
 from torch.profiler import ProfilerActivity, profile
 
 from _common import copy_bandwidth, machine, read_bandwidth, setup_threads, table
 from attnlab import build_model
+from attnlab.analysis import flops_per_token
 from attnlab.generation import _compiled_step
 from attnlab.presets import get_run_preset, llama_30m
 
@@ -203,9 +209,11 @@ def compiled_training_breakdown(preset: str, steps: int, kernels: int = 0) -> No
             tr._train_step(stop, never)
             times.append(time.perf_counter() - t)
         profiled = min(steps, 20)
+        peak = matmul_flops(torch.float32)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(profiled):
                 tr._train_step(stop, never)
+        peak = max(peak, matmul_flops(torch.float32))
     kinds = {k: 0.0 for k in ("matmuls", "attention", "fused element-wise", "AdamW", "rest")}
     fused: list[tuple[float, int, str]] = []  # ms per step, calls per step, kernel
     for e in prof.key_averages():
@@ -227,9 +235,33 @@ def compiled_training_breakdown(preset: str, steps: int, kernels: int = 0) -> No
     )
     tokens = tokens_per_step(tr)
     print_shares("per compiled training step", "step (profiled)", kinds, tokens)
+    print_rates(tr, kinds, tokens, peak)
     if kernels:
         rows = [[f"{ms:.2f}", calls, name[:110]] for ms, calls, name in sorted(fused)[::-1]]
         print(table(["ms per step", "calls", "fused kernel"], rows[:kernels]))
+
+
+def print_rates(tr, ms: dict[str, float], tokens: int, peak: float) -> None:
+    """Model FLOPs per step of the products and of attention (training: 3x the forward's),
+    each against its profiled ms and the float32 matmul peak ``peak`` (FLOP/s)."""
+    if tr.cfg.model.arch != "decoder":
+        return  # flops_per_token counts decoder LMs
+    per_token = flops_per_token(tr.cfg.model, tr.task.block_size)
+    gflop = {k: 3 * per_token[k] * tokens / 1e9 for k in ("dense", "attention")}
+    total_ms = sum(ms.values())
+    rows = []
+    for name, flop, part_ms in (
+        ("matmuls", gflop["dense"], ms["matmuls"]),
+        ("attention", gflop["attention"], ms["attention"]),
+        ("step (profiled)", sum(gflop.values()), total_ms),
+        ("matmuls + attention alone", sum(gflop.values()), ms["matmuls"] + ms["attention"]),
+    ):
+        rate = flop / part_ms * 1e3  # GFLOP/s
+        rows.append(
+            [name, f"{flop:.2f}", f"{part_ms:.2f}", f"{rate:.1f}", f"{rate / peak * 1e9:.0%}"]
+        )
+    print(f"model FLOPs per step; float32 matmul peak {peak / 1e9:.1f} GFLOP/s around the profile")
+    print(table(["work", "GFLOP", "ms", "GFLOP/s", "of peak"], rows))
 
 
 def main() -> None:
