@@ -103,6 +103,33 @@ def test_additive_attention_integer_padding_mask_means_keep_or_drop():
         assert bool((got[1][1, :, 2:] == 0).all())
 
 
+def test_additive_attention_mask_shapes():
+    """Per key: (b, s), (1, s) or (s,); per query: (b or 1, t or 1, s): each as the same
+    mask broadcast to (b, t, s). A mask that fits neither, such as a (t, s) one for a batch
+    of another size, is refused by name, not broadcast into a wrong output shape."""
+    attn = AdditiveAttention(query_dim=5, key_dim=7, attention_dim=6)
+    q, k, v = torch.randn(2, 3, 5), torch.randn(2, 6, 7), torch.randn(2, 6, 2)
+    per_query = torch.rand(2, 3, 6) > 0.4
+    per_query[..., 0] = True
+    want = attn(q, k, v, mask=per_query)
+    assert want[0].shape == (2, 3, 2) and want[1].shape == (2, 3, 6)
+    assert bool((want[1][~per_query] == 0).all())
+    keys = per_query[:, 0]  # (b, s)
+    for mask in (keys, keys[:, None], keys[:, None].expand(2, 3, 6)):
+        torch.testing.assert_close(attn(q, k, v, mask=mask), attn(q, k, v, mask=keys[:, None]))
+    shared = keys[0]
+    for mask in (shared, shared[None], shared[None, None], per_query[:1, :1]):
+        torch.testing.assert_close(
+            attn(q, k, v, mask=mask), attn(q, k, v, mask=shared.expand(2, 3, 6)), rtol=0, atol=0
+        )
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 6\) does not fit 2 rows of 6"):
+        attn(q, k, v, mask=per_query[0])  # (t, s): ambiguous, refused
+    with pytest.raises(ValueError, match="does not fit"):
+        attn(q, k, v, mask=torch.ones(2, 2, 6, dtype=torch.bool))  # t of 2, not 3
+    with pytest.raises(ValueError, match="does not fit"):
+        attn(q, k, v, mask=torch.ones(2, 5, dtype=torch.bool))  # 5 keys, not 6
+
+
 def test_additive_attention_query_and_key_sizes_may_differ_and_gradients_flow():
     attn = AdditiveAttention(3, 9, 4)
     q = torch.randn(2, 3, requires_grad=True)

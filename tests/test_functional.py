@@ -285,6 +285,25 @@ def test_attend_boolean_and_additive_masks(backend, h_kv):
     torch.testing.assert_close(attend(q, k, v, allowed, scale=0.3, backend=backend), expected)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_every_backend_takes_a_one_dimensional_key_mask(kind):
+    """A mask (s,) broadcasts to (b, h, t, s): ``sdpa`` raised an IndexError (torch's SDPA
+    wants at least 2-D) where eager, flash and flex took it."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    keys = torch.tensor([True, False, True, True, False])
+    m = to_additive(keys) if kind == "additive" else keys
+    want = naive_attention(q, k, v, keys)
+    for backend in ("eager", "sdpa", "flash", "flex"):
+        torch.testing.assert_close(attend(q, k, v, m, backend=backend), want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            attend(q, k, v, m, causal=True, backend=backend),
+            naive_attention(q, k, v, keys & causal_allowed(3, 5)),
+            atol=ATOL,
+            rtol=0,
+        )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["bool", "additive", "additive+bias", "causal+padding"])
 def test_fully_masked_rows_give_zeros_and_finite_grads(backend, kind):

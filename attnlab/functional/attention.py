@@ -103,6 +103,8 @@ def sdpa_attention(
     and zeros (not NaN) for query rows that may attend to nothing."""
     n_rep = _check(q, k, v, mask)
     t, s = q.shape[-2], k.shape[-2]
+    while mask is not None and mask.dim() < 2:  # a key mask (s,): torch's SDPA wants >= 2-D
+        mask = mask[None]
     causal = causal and t > 1  # one query is the newest position: it may see every key
     # A branch, not the expression: under dynamic shapes t == s is a SymBool (bool() keeps
     # it one), which SDPA's is_causal rejects: a graph break at every call

@@ -51,8 +51,11 @@ class AdditiveAttention(nn.Module):
         mask: Tensor | None = None,
         projected_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """query (b, d_q) or (b, t, d_q); keys (b, s, d_k); values (b, s, d_v); mask (b, s)
-        bool or 0/1 integers, True (1) at real keys (or anything broadcastable to (b, t, s)).
+        """query (b, d_q) or (b, t, d_q); keys (b, s, d_k); values (b, s, d_v); mask: bool or
+        0/1 integers, True (1) at real keys, or an additive float mask: (b, s), (1, s) or
+        (s,), the same keys for every query (source padding), or (b or 1, t or 1, s) per
+        query. A 2-D mask is always per key, never (t, s): give a per-query mask its batch
+        dim.
 
         Returns (context, weights): (b, d_v) and (b, s) for a single query, else
         (b, t, d_v) and (b, t, s). A query with no real key gets zero weights and context.
@@ -68,8 +71,19 @@ class AdditiveAttention(nn.Module):
             # 0/1 integers (a padding mask as the Transformer models take it) mean keep/drop:
             # masked_softmax would add them as an additive mask and attend to the padding
             mask = mask.bool()
-        if mask is not None and mask.dim() == 2:
-            mask = mask[:, None, :]  # (b, 1, s): the same source padding for every query
+        if mask is not None:
+            b, t, s = scores.shape
+            if mask.dim() == 1:
+                mask = mask[None]  # (s,): one set of keys for every row
+            fits = mask.dim() in (2, 3) and mask.shape[0] in (1, b) and mask.shape[-1] == s
+            if not fits or (mask.dim() == 3 and mask.shape[1] not in (1, t)):
+                raise ValueError(
+                    f"mask of shape {tuple(mask.shape)} does not fit {b} rows of {s} keys: "
+                    f"give (b, s) = ({b}, {s}) per key or (b, t, s) = ({b}, {t}, {s}) per "
+                    "query (1 for b or t broadcasts)"
+                )
+            if mask.dim() == 2:
+                mask = mask[:, None, :]  # (b, 1, s): the same source padding for every query
         weights = masked_softmax(scores, mask)  # (b, t, s)
         context = weights @ values  # (b, t, d_v)
         if single:
