@@ -317,6 +317,53 @@ def test_8_bit_images_of_every_mode_scale_to_0_1(tmp_path, mode, channels):
     torch.testing.assert_close(x, want)
 
 
+@pytest.mark.parametrize("resample", ["nearest", "bilinear", "bicubic", "lanczos"])
+@pytest.mark.parametrize("mode, size", [("RGB", (9, 7)), ("RGB", (40, 30)), ("L", (13, 21))])
+def test_images_of_another_size_are_resized_as_the_image_processor_does(
+    tmp_path, resample, mode, size
+):
+    """Resized with the config's PIL filter on the 8-bit pixels, then scaled and normalised:
+    the pixel values transformers' ViTImageProcessor gives with that ``resample``."""
+    from PIL import Image
+    from transformers import ViTImageProcessor
+
+    from attnlab.cli.classify import load_image
+    from attnlab.models.vit import RESAMPLE_FILTERS
+
+    channels = 3 if mode == "RGB" else 1
+    raw = np.random.default_rng(1).integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    image = Image.fromarray(raw[..., 0] if channels == 1 else raw, mode)
+    image.save(tmp_path / "x.png")
+    processor = ViTImageProcessor(
+        size={"height": 16, "width": 12},
+        resample=RESAMPLE_FILTERS[resample],
+        image_mean=[0.5] * channels,
+        image_std=[0.25] * channels,
+    )
+    want = processor(image, return_tensors="pt", input_data_format="channels_last")
+    x = load_image(str(tmp_path / "x.png"), channels, 16, 12, resample)
+    torch.testing.assert_close((x - 0.5) / 0.25, want["pixel_values"][0], rtol=0, atol=1e-6)
+
+
+def test_one_bit_and_16_bit_images_resize_to_0_1(tmp_path):
+    from PIL import Image
+
+    from attnlab.cli.classify import load_image
+
+    bits = np.random.default_rng(2).integers(0, 2, (10, 6)).astype(bool)
+    Image.fromarray(bits).save(tmp_path / "b.png")
+    same = load_image(str(tmp_path / "b.png"), 1, 10, 6)
+    torch.testing.assert_close(same, torch.from_numpy(bits.astype(np.float32))[None])
+    nearest = load_image(str(tmp_path / "b.png"), 1, 20, 12, "nearest")
+    want = torch.from_numpy(bits.astype(np.float32)).repeat_interleave(2, 0).repeat_interleave(2, 1)
+    torch.testing.assert_close(nearest, want[None])
+    deep = np.random.default_rng(3).integers(0, 65536, (10, 6)).astype(np.uint16)
+    Image.fromarray(deep).save(tmp_path / "d.png")
+    x = load_image(str(tmp_path / "d.png"), 1, 20, 12, "nearest")
+    want = torch.from_numpy(deep.astype(np.float32) / 65535).repeat_interleave(2, 0)
+    torch.testing.assert_close(x, want.repeat_interleave(2, 1)[None])
+
+
 @pytest.mark.parametrize("mode, channels", [("RGBA", 3), ("L", 3), ("RGB", 1), ("RGBA", 2)])
 def test_wrong_channel_count_names_the_conversion_that_fits(tmp_path, mode, channels):
     """The error's advice works: the image converted as it says loads (it said

@@ -208,6 +208,23 @@ def test_vit_head_that_is_no_single_label_classifier_is_refused(problem_type, tm
         load_hf(tmp_path)
 
 
+def test_vit_with_one_label_is_refused_both_ways(tmp_path):
+    """transformers reads num_labels 1 without a problem_type as regression (MSE loss, a
+    sigmoid in its image-classification pipeline); attnlab's softmax over one class gave
+    every image probability 1 and loss 0: refused on import and on export."""
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=16,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=24, num_labels=1)  # fmt: skip
+    assert cfg.problem_type is None
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path / "hf")
+    with pytest.raises(HFCheckpointError, match="one label and no problem_type.*regression"):
+        load_hf(tmp_path / "hf")
+    ours = ViTConfig(image_size=8, patch_size=4, d_model=16, n_layers=1, n_classes=1)
+    with pytest.raises(HFCheckpointError, match="n_classes=1"):
+        save_hf(build_model(ours), tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -244,6 +261,37 @@ def test_imported_normalisation_equals_the_image_processor(settings, tmp_path):
     back = again(Image.fromarray(raw, "RGB"), return_tensors="pt")["pixel_values"]
     torch.testing.assert_close(back, want, atol=1e-5, rtol=1e-5)
     assert load_hf(tmp_path / "out").cfg.image_mean == model.cfg.image_mean
+
+
+@pytest.mark.parametrize("resample", [None, 0, 3])
+def test_the_image_processors_resampling_filter_is_imported_and_exported(resample, tmp_path):
+    """preprocessor_config.json's ``resample`` (absent: ViTImageProcessor's bilinear)
+    becomes the config's filter, which ``classify`` resizes with; export writes it back, and
+    a number that is no PIL filter is refused by name."""
+    import json
+
+    from attnlab.models.vit import RESAMPLE_FILTERS
+
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=24)  # fmt: skip
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path / "hf")
+    if resample is not None:
+        processor = transformers.ViTImageProcessor(
+            size={"height": 8, "width": 8}, resample=resample
+        )
+        processor.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    want = 2 if resample is None else resample
+    assert RESAMPLE_FILTERS[model.cfg.resample] == want
+    save_hf(model, tmp_path / "out")
+    assert transformers.AutoImageProcessor.from_pretrained(tmp_path / "out").resample == want
+    assert load_hf(tmp_path / "out").cfg.resample == model.cfg.resample
+    file = tmp_path / "hf" / "preprocessor_config.json"
+    file.write_text(json.dumps({"image_processor_type": "ViTImageProcessor", "resample": 9}))
+    with pytest.raises(HFCheckpointError, match=r"resample=9 is not one of PIL's filters"):
+        load_hf(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="resample: unknown filter 'cubic'"):
+        ViTConfig(resample="cubic").validate()
 
 
 def test_vit_normalisation_config_errors():

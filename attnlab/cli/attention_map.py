@@ -226,7 +226,7 @@ def _vit_grids(args, model, cfg, vocab, device: str) -> tuple[list[AttentionGrid
     if args.text is not None or args.ids is not None:
         raise CLIError("a ViT reads images, not text: give --image FILE instead of --text/--ids")
     m = cfg.model
-    image = load_image(args.image, m.channels, m.image_size, m.width)
+    image = load_image(args.image, m.channels, m.image_size, m.width, m.resample)
     if args.invert:
         image = 1.0 - image
     maps = _record(model, normalize_pixels(image[None], m).to(device))

@@ -28,7 +28,7 @@ from attnlab.cli.common import (
     tokenizer_option,
 )
 from attnlab.functional.softmax import softmax_dtype
-from attnlab.models.vit import normalize_pixels
+from attnlab.models.vit import RESAMPLE_FILTERS, normalize_pixels
 
 CHANNELS_OF_MODE = {"1": 1, "L": 1, "I": 1, "I;16": 1, "F": 1, "P": 3, "RGB": 3, "RGBA": 4,
                     "LA": 2, "CMYK": 4, "YCbCr": 3}  # fmt: skip
@@ -61,9 +61,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def load_image(path: str, channels: int, height: int, width: int) -> torch.Tensor:
+def load_image(
+    path: str, channels: int, height: int, width: int, resample: str = "bilinear"
+) -> torch.Tensor:
     """(channels, height, width) float32 in [0, 1]; CLIError when the file is not an image
-    or its channel count is not ``channels``."""
+    or its channel count is not ``channels``. An image of another size is resized with
+    PIL's ``resample`` filter (a ViT config's ``resample``), as transformers' image
+    processors do: 8-bit images as 8-bit pixels (rounded), others as float32."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not Path(path).is_file():
@@ -84,16 +88,18 @@ def load_image(path: str, channels: int, height: int, width: int) -> torch.Tenso
         )
     if image.mode in ("P", "YCbCr"):  # palette indices, luma and chroma: not R, G, B
         image = image.convert("RGB")
+    if image.mode == "1":  # 1-bit pixels as 8-bit ones (0 and 255): resized as 8-bit
+        image = image.convert("L")
     # The largest pixel value of the mode: pixels become [0, 1] (float images are taken as is).
     eight_bit = dict.fromkeys(("L", "LA", "RGB", "RGBA", "CMYK", "YCbCr"), 255.0)
-    top = {"1": 1.0, "I": 65535.0, "I;16": 65535.0, **eight_bit}.get(image.mode)
+    top = {"I": 65535.0, "I;16": 65535.0, **eight_bit}.get(image.mode)
+    if image.size != (width, height):  # PIL's sizes are (width, height)
+        if image.mode not in eight_bit:  # 16/32-bit integers, float: resized as float
+            image = image.convert("F")
+        image = image.resize((width, height), Image.Resampling(RESAMPLE_FILTERS[resample]))
     array = np.asarray(image, dtype=np.float32)
     x = torch.from_numpy(array / top if top else array)
     x = x[None] if x.dim() == 2 else x.permute(2, 0, 1)  # (C, H, W)
-    if tuple(x.shape[1:]) != (height, width):
-        x = torch.nn.functional.interpolate(
-            x[None], size=(height, width), mode="bilinear", antialias=True, align_corners=False
-        )[0]
     return x.clamp(0.0, 1.0)
 
 
@@ -137,7 +143,9 @@ def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: 
     """path -> {"class": digit, "top": [[digit, prob], ...]} for each image file."""
     m = cfg.model
     names = m.class_names or [str(i) for i in range(m.n_classes)]
-    images = torch.stack([load_image(p, m.channels, m.image_size, m.width) for p in paths])
+    images = torch.stack(
+        [load_image(p, m.channels, m.image_size, m.width, m.resample) for p in paths]
+    )
     if invert:
         images = 1.0 - images
     images = normalize_pixels(images, m)  # an imported ViT's image processor's normalisation

@@ -31,7 +31,14 @@ CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"  # an image processor's settings
 # What an image processor does to pixels before the model, read with config.json (ViT).
-PREPROCESSOR_KEYS = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+PREPROCESSOR_KEYS = (
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "resample",
+)
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -15,7 +15,9 @@ Written in the Hub layout (transformers 4.x names, which 5.x renames on load); b
 
 The image processor's normalisation (preprocessor_config.json, else ViTImageProcessor's
 defaults: mean and std 0.5) becomes the config's image_mean / image_std, which ``attnlab
-classify`` applies to pixels in [0, 1]; export writes it back.
+classify`` applies to pixels in [0, 1], and its ``resample`` filter (default bilinear) the
+config's ``resample``, with which ``classify`` resizes images of another size; export
+writes both back.
 
 Shapes: d d_model.
 """
@@ -47,7 +49,7 @@ from attnlab.interop.io import (
     unplan,
     unrepresentable,
 )
-from attnlab.models.vit import ViTConfig
+from attnlab.models.vit import RESAMPLE_FILTERS, ViTConfig
 
 ARCHITECTURES = {"vit": ("ViTForImageClassification",)}
 
@@ -100,6 +102,14 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "vit") -> ViTConfig:
     if ph != pw:
         raise HFCheckpointError("ViT: rectangular patches are not supported")
     problem_type = hf.get("problem_type")
+    if problem_type is None and classes == 1:
+        # transformers reads one label without a problem_type as regression (an MSE loss;
+        # its image-classification pipeline a sigmoid): attnlab's softmax over one class
+        # would give every image probability 1
+        raise HFCheckpointError(
+            "ViT: config.json has one label and no problem_type, which transformers reads as "
+            "regression; attnlab's ViT is a single-label classifier (2 or more labels)"
+        )
     if problem_type not in (None, "single_label_classification"):
         # attnlab's ViT scores its classes by a softmax (its loss, classify): a multi-label
         # or regression head would be run as one
@@ -131,7 +141,20 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "vit") -> ViTConfig:
         n_classes=classes,
         class_names=label_names(hf, classes),
         **normalization(hf, hf.get("num_channels", 3)),
+        resample=resample_filter(hf.get("resample", RESAMPLE_FILTERS["bilinear"])),
     )
+
+
+def resample_filter(code: Any) -> str:
+    """The name of an image processor's ``resample`` (PIL's filter number; ViTImageProcessor's
+    default is bilinear, 2)."""
+    names = {number: name for name, number in RESAMPLE_FILTERS.items()}
+    if isinstance(code, bool) or code not in names:
+        raise HFCheckpointError(
+            f"{PREPROCESSOR_CONFIG_NAME}: resample={code!r} is not one of PIL's filters "
+            f"({', '.join(f'{n} {name}' for n, name in sorted(names.items()))})"
+        )
+    return names[code]
 
 
 # transformers' ViTImageProcessor defaults (IMAGENET_STANDARD_MEAN / _STD, 8-bit rescaling)
@@ -174,8 +197,8 @@ def normalization(hf: dict[str, Any], channels: int) -> dict[str, list[float] | 
 
 def preprocessor_config(cfg: ViTConfig) -> dict[str, dict[str, Any]]:
     """The preprocessor_config.json export writes: transformers' ViTImageProcessor resizing
-    to the model's size (bilinear, as ``attnlab classify``) and normalising as the model's
-    image_mean / image_std (none: do_normalize false)."""
+    to the model's size with the model's filter (``resample``, as ``attnlab classify``) and
+    normalising as the model's image_mean / image_std (none: do_normalize false)."""
     normalize = cfg.image_mean is not None
     channels = cfg.channels
     return {
@@ -183,7 +206,7 @@ def preprocessor_config(cfg: ViTConfig) -> dict[str, dict[str, Any]]:
             "image_processor_type": "ViTImageProcessor",
             "do_resize": True,
             "size": {"height": cfg.image_size, "width": cfg.width},
-            "resample": 2,  # PIL's bilinear
+            "resample": RESAMPLE_FILTERS[cfg.resample],  # PIL's filter number
             "do_rescale": True,
             "rescale_factor": 1 / 255,
             "do_normalize": normalize,
@@ -214,6 +237,11 @@ def export_type(cfg: ModelConfig) -> str:
         raise unrepresentable(
             "ViT needs pre-norm LayerNorm with bias, an MLP with biases and multi-head "
             "attention with head_dim = d_model / n_heads and an output bias"
+        )
+    if cfg.n_classes == 1:  # transformers reads num_labels 1 as regression (see above)
+        raise unrepresentable(
+            "ViT with n_classes=1: transformers reads one label as regression; a "
+            "single-label classifier needs n_classes >= 2"
         )
     return "vit"
 

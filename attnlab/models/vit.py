@@ -36,6 +36,10 @@ from attnlab.nn.block import TransformerStack
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
 
+# PIL's resampling filters by name, with the number a Hugging Face image processor's
+# ``resample`` gives (PIL.Image.Resampling).
+RESAMPLE_FILTERS = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
+
 
 @dataclass
 class ViTConfig(ModelConfig):
@@ -60,6 +64,9 @@ class ViTConfig(ModelConfig):
     # None: the pixels as they are. Applied by what feeds images (normalize_pixels).
     image_mean: list[float] | None = None
     image_std: list[float] | None = None
+    # How images of another size are resized to the model's (PIL's filter, on the 8-bit
+    # pixels, as a Hugging Face image processor's ``resample``): one of RESAMPLE_FILTERS.
+    resample: str = "bilinear"
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -91,6 +98,9 @@ class ViTConfig(ModelConfig):
             ):
                 _fail(at(name), f"must be finite{' and > 0' if name == 'image_std' else ''}, "
                       f"got {values}")  # fmt: skip
+        if self.resample not in RESAMPLE_FILTERS:
+            _fail(at("resample"), f"unknown filter {self.resample!r}; choose one of "
+                  f"{', '.join(RESAMPLE_FILTERS)}")  # fmt: skip
         h, w, p = self.image_size, self.width, self.patch_size
         if h % p or w % p:
             _fail(
