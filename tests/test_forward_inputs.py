@@ -160,6 +160,37 @@ def test_multi_label_classifier_trains_a_sigmoid_per_label():
     torch.testing.assert_close(out.loss, F.mse_loss(out.logits, y))
 
 
+def test_a_classifier_without_problem_type_infers_it_from_the_targets_as_transformers(
+    tmp_path,
+):
+    """problem_type None: class ids -> softmax cross-entropy, float (b, n) targets -> a
+    sigmoid per label (transformers' multi_label_classification; they were read as class
+    probabilities, which an explicit single_label_classification still takes): the losses
+    of transformers' BertForSequenceClassification, imported."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.interop import load_hf
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=24,
+                                  num_labels=3)  # fmt: skip
+    hf = transformers.BertForSequenceClassification(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    m = load_hf(tmp_path).eval()
+    assert m.cfg.problem_type is None
+    idx = torch.randint(0, 40, (3, 6))
+    y = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    ids = torch.tensor([2, 0, 1])
+    with torch.no_grad():
+        for targets in (y, ids):
+            hf.config.problem_type = None  # transformers sets it at its first loss
+            want = hf(input_ids=idx, labels=targets).loss
+            torch.testing.assert_close(m(idx, targets=targets).loss, want)
+    soft = _encoder("sequence", 3, "single_label_classification")
+    out = soft(idx, targets=y.softmax(-1))
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, y.softmax(-1)))
+
+
 def test_encoder_names_malformed_targets_and_token_types():
     idx = torch.randint(0, 40, (2, 6))
     with pytest.raises(ValueError, match=r"targets must be \(b, 2\) start and end"):

@@ -164,14 +164,21 @@ class SequenceClassificationHead(nn.Module):
         attention_mask: Tensor | None = None,
         problem_type: str | None = None,
     ) -> Tensor:
-        """As transformers' sequence classifiers, by ``problem_type`` (None: ``regression``
-        for one label, else ``single_label_classification``): single label, targets (b,)
-        class ids (-100 ignored) or (b, n) class probabilities, softmax cross-entropy;
-        multi label, targets (b, n) 0 / 1 per class, a sigmoid cross-entropy per class;
-        regression, targets (b, n) real values ((b,) for one label), mean squared error."""
+        """As transformers' sequence classifiers, by ``problem_type`` (None, as transformers
+        infers it: ``regression`` for one label, else ``single_label_classification`` for
+        integer targets and ``multi_label_classification`` for float ones): single label,
+        targets (b,) class ids (-100 ignored) or, given that problem_type, (b, n) class
+        probabilities, softmax cross-entropy; multi label, targets (b, n) 0 / 1 per class, a
+        sigmoid cross-entropy per class; regression, targets (b, n) real values ((b,) for
+        one label), mean squared error."""
         b, n = logits.shape
         if problem_type is None:
-            problem_type = "regression" if n == 1 else "single_label_classification"
+            if n == 1:
+                problem_type = "regression"
+            elif targets.is_floating_point():
+                problem_type = "multi_label_classification"
+            else:
+                problem_type = "single_label_classification"
         prediction = softmax_dtype(logits)
         if problem_type == "regression":
             # (b,) or (b, 1) for one label, as transformers' squeeze: a (b, 1) target
