@@ -66,7 +66,9 @@ def sample_next(
     ``GREEDY_BELOW_TEMPERATURE``) is greedy (argmax). Applied in transformers' order:
     temperature, then top-k, then top-p, on float32 (float64 kept) logits. ``top_k`` keeps
     exactly k tokens (ties at the k-th logit go to the lowest index, as argmax's: top_k=1 is
-    greedy; transformers' TopKLogitsWarper keeps every tie)."""
+    greedy; transformers' TopKLogitsWarper keeps every tie). ``top_p`` keeps as many tokens
+    as transformers' TopPLogitsWarper; of tokens tied at its boundary, the lowest indices
+    (transformers' choice among them follows its sort's order of ties)."""
     if temperature < GREEDY_BELOW_TEMPERATURE:
         return logits.argmax(dim=-1)
     logits = softmax_dtype(logits) / temperature
@@ -79,8 +81,10 @@ def sample_next(
         keep = above | (tied & (tied.cumsum(dim=-1) <= room))
         logits = logits.masked_fill(~keep, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose probability reaches top_p.
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        # Keep the smallest set of most likely tokens whose probability reaches top_p; ties
+        # in the order of their index (stable: an unstable sort orders a large row's ties
+        # arbitrarily), so tied tokens at the boundary go to the lowest index, as top-k's.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
         drop_sorted = before >= top_p  # never drops the first token

@@ -872,3 +872,27 @@ def test_accumulated_tagging_micro_batches_train_as_one_batch(tmp_path):
     a, b = (load_checkpoint(tmp_path / str(n)).model.state_dict() for n in (1, 2))
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_word_ids_wordpiece_groups_continuation_pieces():
+    """An imported BERT's WordPiece: "##" pieces continue the word before them and every
+    other token starts a word (its tokens carry no space: "the" "dog" are two words, "dog"
+    "##s" one), as transformers' whole-word masking groups them."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    from attnlab.tokenizers import Tokenizer
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "dog", "##s", "run",
+             "##ning", "fast", "un", "##believ", "##able", "."]  # fmt: skip
+    hf = HFTokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    hf.normalizer = normalizers.BertNormalizer(lowercase=True)
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece()
+    tok = Tokenizer(hf)
+    ids = tok.encode("the dogs running unbelievable fast.")
+    assert [hf.id_to_token(i) for i in ids] == [
+        "the", "dog", "##s", "run", "##ning", "un", "##believ", "##able", "fast", "."
+    ]  # fmt: skip
+    words = word_ids(torch.tensor(ids), *letter_edges(tok)).tolist()
+    assert words == [0, 1, 1, 2, 2, 3, 3, 3, 4, 5]

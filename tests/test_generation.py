@@ -191,6 +191,41 @@ def test_top_p_keeps_the_tokens_whose_mass_reaches_top_p_exactly():
         assert len(seen) == n
 
 
+def test_top_p_ties_at_the_boundary_go_to_the_lowest_index():
+    """Tokens tied at the nucleus boundary: as many kept as transformers' TopPLogitsWarper
+    keeps, the lowest indices among the tied ones (as top-k's ties), also in a row long
+    enough that torch's unstable sort orders its ties arbitrarily."""
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    captured = []
+
+    def probs_of(logits, top_p):
+        original = torch.multinomial
+
+        def record(probs, n, generator=None):
+            captured.append(probs)
+            return original(probs, n, generator=generator)
+
+        torch.multinomial = record
+        try:
+            sample_next(logits, temperature=1.0, top_p=top_p)
+        finally:
+            torch.multinomial = original
+        return captured.pop()
+
+    kept = probs_of(torch.tensor([[1.0, 1.0, 0.0]]), 0.3)[0] > 0
+    assert kept.tolist() == [True, False, False]
+    logits = torch.randint(0, 20, (2, 50_000), generator=torch.Generator().manual_seed(0)).float()
+    kept = probs_of(logits, 0.5) > 0
+    reference = lp.TopPLogitsWarper(0.5)(None, logits).isfinite()
+    assert torch.equal(kept.sum(-1), reference.sum(-1))
+    for row, keep in zip(logits, kept):
+        boundary = row[keep].min()
+        assert (row[keep] > boundary).sum() == (row > boundary).sum()  # all above it kept
+        tied = (row == boundary).nonzero().flatten()
+        n = int((keep & (row == boundary)).sum())
+        assert keep[tied[:n]].all()  # the lowest-index ties
+
+
 def test_stop_tokens_stop_each_row(model):
     prompts = [_prompt(6, 3), _prompt(3, 4)]
     free = model.generate(prompts, 10)

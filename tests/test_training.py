@@ -151,6 +151,10 @@ def test_wsd_schedule_matches_formula():
     # A shorter schedule starts its decay sooner: never a higher rate at a given step.
     for total in (30, 60, 90, 109):
         assert all(lr_at(s, cfg, total) <= lr_at(s, cfg) + 1e-18 for s in range(10, 200))
+    # The last stable step is the peak exactly: (1 - r) / f rounded to 0.9999999999999998
+    edge = TrainConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=100, schedule="wsd",
+                       decay_fraction=0.2)  # fmt: skip
+    assert lr_at(82, edge) == 1e-3 and not decaying(82, edge) and decaying(83, edge)
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])

@@ -15,8 +15,10 @@ continues the word of the token before it when its text begins with a letter and
 previous token's text ends with one; any other token starts a new word. With the char
 tokenizer a word is a run of letters (every other character is a word of its own); with
 byte-level BPE a token beginning with a space ("Ġcat") or a non-letter starts a word, a
-sub-word piece ("is" after "ĠPar") continues it. "Letter": ``str.isalpha`` or U+FFFD, what
-a token holding part of a multi-byte character decodes to. A block may begin inside a
+sub-word piece ("is" after "ĠPar") continues it; with an imported BERT's WordPiece a
+"##" piece continues the word before it and every other token starts one (its pieces
+carry no space). "Letter": ``str.isalpha`` or U+FFFD, what a token holding part of a
+multi-byte character decodes to. A block may begin inside a
 word: that part is a word of its own. The validation set is the first ``batch_size * max_batches``
 consecutive blocks of the validation split, each masked with a seed fixed by its index.
 Metrics: the cross-entropy over masked positions (``loss``) and masked-token accuracy.
@@ -26,6 +28,7 @@ Shapes: b batch, t block size.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,7 +64,19 @@ class MLMOptions(_Config):
 
 def letter_edges(tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """(begins, ends) (V,) bool: whether the text of each token id begins / ends with a
-    letter (``str.isalpha`` or U+FFFD, a piece of a multi-byte character)."""
+    letter (``str.isalpha`` or U+FFFD, a piece of a multi-byte character).
+
+    A WordPiece tokenizer (an imported BERT's) marks a word's continuation itself: its
+    pieces carry no space, so "the" "dog" would read as one word and "dog" "##s" as two.
+    There a token continues the previous word exactly when it begins with the model's
+    continuing-subword prefix ("##"), as transformers' whole-word masking reads it:
+    ``begins`` is that prefix, ``ends`` true for every token."""
+    if tokenizer.kind == "wordpiece":
+        model = json.loads(tokenizer.hf.to_str())["model"]
+        prefix = model.get("continuing_subword_prefix") or "##"
+        tokens = [tokenizer.hf.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
+        begins = np.array([t.startswith(prefix) and len(t) > len(prefix) for t in tokens])
+        return begins, np.ones(len(tokens), dtype=bool)
     texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
 
     def letter(char: str) -> bool:

@@ -33,7 +33,9 @@ def cosine_decay(r: float, cfg: TrainConfig) -> float:
 
 
 def wsd_decay(r: float, cfg: TrainConfig) -> float:
-    return min(1.0, (1.0 - r) / cfg.decay_fraction)
+    if r <= 1.0 - cfg.decay_fraction:  # the stable phase: exactly 1 (the quotient rounds)
+        return 1.0
+    return (1.0 - r) / cfg.decay_fraction
 
 
 # name -> decay(r, cfg): 1 at r = 0, 0 at r = 1, never increasing in r
