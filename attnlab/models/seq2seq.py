@@ -53,7 +53,7 @@ class Seq2SeqConfig(ModelConfig):
 
     ``n_layers`` counts encoder layers, ``n_decoder_layers`` decoder layers (None: the
     same). ``sinusoid_layout``: ``interleaved`` (sin, cos pairs: Vaswani) or ``split``
-    (all sines then all cosines: fairseq, Marian). ``final_norm``: a norm after each stack
+    (all sines then all cosines: transformers' Marian). ``final_norm``: a norm after each stack
     (None: for pre-norm only; torch.nn.Transformer has one for post-norm too).
     ``blocked_ids``: tokens decoding never emits (Marian's ``bad_words_ids``: its pad
     token); ``renormalize_logits``: beam search renormalizes the log-probabilities once

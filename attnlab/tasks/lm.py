@@ -65,12 +65,15 @@ def lm_loss_sums(
 
 
 def strided_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
-    """Overlapping windows over a stream of ``n_tokens`` tokens (the Hugging Face
-    "perplexity of fixed-length models" method): (begin, end, scored) with inputs
-    tokens[begin:end], targets tokens[begin + 1 : end + 1], of which the last ``scored``
-    are counted. Window k starts at k * stride; every target tokens[1:] is scored exactly
-    once, each after at least ``window - stride`` tokens of context (all before it in the
-    first window). stride == window: non-overlapping blocks."""
+    """Overlapping windows over a stream of ``n_tokens`` tokens (the sliding window of
+    Hugging Face's "perplexity of fixed-length models", with each window also predicting
+    the token after its last input): (begin, end, scored) with inputs tokens[begin:end],
+    targets tokens[begin + 1 : end + 1], of which the last ``scored`` are counted. Window k
+    starts at k * stride; every target tokens[1:] is scored exactly once, each after at
+    least ``window - stride`` tokens of context (all before it in the first window).
+    stride == window: non-overlapping blocks, every token scored. (Hugging Face's recipe
+    takes its targets inside each window: one token less of context for each, and with
+    stride == window the first token of every window goes unscored.)"""
     if not 1 <= stride <= window:
         raise ValueError(f"stride must be in [1, window={window}], got {stride}")
     if n_tokens < 2:
