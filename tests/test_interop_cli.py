@@ -280,6 +280,44 @@ def test_unsupported_model_type_is_one_error_listing_the_supported(tmp_path, cap
     assert set(SUPPORTED_MODEL_TYPES) >= {"deepseek_v2", "deepseek_v3", "bert", "marian", "vit"}
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"n_layer": "two"}, "n_layers: expected an integer, got 'two'"),
+        ({"model_type": ["gpt2"]}, "model_type must be a string"),
+        ({"architectures": "GPT2LMHeadModel"}, "architectures must be a list of names"),
+    ],
+)
+def test_malformed_hf_config_value_is_one_error(change, message, tmp_path, capsys):
+    """A config.json value of the wrong type is one error line, not a traceback (a string
+    reached a comparison, a list a dict lookup)."""
+    _reference("gpt2", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    for argv in (
+        ["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")],
+        ["info", "--ckpt", str(tmp_path / "hf")],
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("attnlab: error: ") and err.count("\n") == 1
+        assert message in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_integral_float_in_hf_config_reads_as_an_integer(tmp_path, capsys):
+    """``"n_embd": 16.0`` (some hub configs write integers as floats) is 16, as transformers
+    reads it, not a float that failed in torch.empty."""
+    ref = _reference("gpt2", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    floats = {k: float(config[k]) for k in ("n_embd", "n_layer", "n_head", "n_positions")}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **floats}))
+    _cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    cfg = load_checkpoint(tmp_path / "ckpt").config.model
+    assert (cfg.d_model, cfg.n_layers) == (ref.config.n_embd, ref.config.n_layer)
+    assert type(cfg.d_model) is int and type(cfg.n_layers) is int
+
+
 def test_generate_and_eval_on_imported_deepseek(tmp_path, cache, capsys):
     ref = _reference("deepseek_v3", tmp_path / "hf")
     _cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"))

@@ -43,6 +43,9 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     family, model_type = lookup(hf_config)
     try:
         cfg = family.config_from_hf(with_defaults(hf_config, family, model_type), model_type)
+        # through from_dict: its type checks (a "two" or a 16.0 in config.json, written
+        # into the config as is, failed later in a comparison or in torch.empty)
+        cfg = type(cfg).from_dict(cfg.to_dict())
         cfg.validate()
     except ConfigError as e:
         raise HFCheckpointError(f"config.json maps to an invalid attnlab config: {e}") from None

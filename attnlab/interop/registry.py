@@ -36,6 +36,10 @@ def lookup(hf: dict[str, Any]) -> tuple[Family, str]:
     by its ``architectures`` entry. Every listed architecture must belong to the type."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise HFCheckpointError(f"config.json architectures must be a list of names, got {archs!r}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise HFCheckpointError(f"config.json model_type must be a string, got {model_type!r}")
     if model_type is None and archs and archs[0] in BY_ARCHITECTURE:
         model_type = BY_ARCHITECTURE[archs[0]]
     if model_type not in BY_MODEL_TYPE:
