@@ -37,8 +37,8 @@ def _is_int(value) -> bool:
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:  # also rejects NaN
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and not _is_int(top_k):
         # (a float reached torch.topk at the first token: a TypeError, after stream() had
         # returned, naming topk's argument 'k')
@@ -47,6 +47,16 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's next-token logits hold NaN or inf, so nothing can be sampled from them."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the model's next-token logits are not finite (NaN or inf): its weights are "
+            "corrupt or overflow the dtype they were loaded in (try float32)"
+        )
 
 
 # Below this temperature, sampling is greedy: dividing logits by a smaller number overflows
@@ -91,7 +101,12 @@ def sample_next(
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    try:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    except RuntimeError as e:  # "probability tensor contains either inf, nan or element < 0"
+        if "probability tensor" in str(e):
+            raise NonFiniteLogitsError() from None
+        raise
 
 
 def _ids(row) -> list[int]:
@@ -750,6 +765,8 @@ def generate(
             eos_id=stop_ids(kwargs.get("stop_tokens")),
             pad_id=kwargs.get("pad_id", 0),
         )
+        if not all(hyps):  # every beam's score was NaN: none was ever kept
+            raise NonFiniteLogitsError()
         rows = [row[0].tokens for row in hyps]
         return rows[0] if single else rows
     steps = stream(model, prompts, max_new_tokens, _closed_loop=True, **kwargs)

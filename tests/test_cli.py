@@ -349,6 +349,30 @@ def test_generate_with_beams_prints_the_best_beam(work, capsys):
         assert out == prompt + ckpt.tokenizer.decode(best) + "\n"
 
 
+def test_generate_of_weights_that_give_nan_logits_is_one_line_and_prints_nothing(
+    work, tmp_path, capsys
+):
+    """A checkpoint whose logits are NaN (corrupt weights, or weights overflowing float16):
+    sampling and beam search each end in one error line, with nothing on stdout (the
+    prompt was printed before the traceback)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(work / "run", bad)
+    with safe_open(bad / "model.safetensors", "pt") as f:  # its metadata: the checkpoint id
+        metadata = f.metadata()
+        weights = {k: torch.full_like(f.get_tensor(k), float("nan")) for k in f.keys()}
+    save_file(weights, bad / "model.safetensors", metadata=metadata)
+    argv = ["generate", "--ckpt", str(bad), "--prompt", "The", "--max-new-tokens", "3"]
+    for extra in (["--temperature", "1.0"], ["--num-beams", "2"]):
+        code, out, err = run_main([*argv, *extra], capsys)
+        assert_one_line_error(code, err, "logits are not finite")
+        assert out == ""
+
+
 def test_generate_refuses_sampling_options_with_beams(work, capsys):
     """--num-beams searches: --top-k, --top-p or a --temperature above 0 given with it are
     refused by name (they were silently ignored); without beams the default temperature

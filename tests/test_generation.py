@@ -78,8 +78,10 @@ def test_seeded_sampling_is_reproducible():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"temperature": -0.5}, "temperature must be >= 0"),
-        ({"temperature": float("nan")}, "temperature must be >= 0"),
+        ({"temperature": -0.5}, "temperature must be finite and >= 0"),
+        ({"temperature": float("nan")}, "temperature must be finite and >= 0"),
+        # logits / inf are all 0: top-k kept the lowest ids, not the likeliest
+        ({"temperature": float("inf")}, "temperature must be finite and >= 0"),
         ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
         ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
@@ -95,6 +97,20 @@ def test_sampling_argument_errors(kwargs, match):
         m.generate([1, 2], **kwargs)
     with pytest.raises(ValueError, match=match):
         m.stream([1, 2], **kwargs)  # raised at the call, not at the first next()
+
+
+def test_non_finite_logits_are_one_clear_error():
+    """Weights that give NaN logits (corrupt, or overflowing float16): sampling raised
+    torch.multinomial's RuntimeError and beam search an IndexError (no beam was kept)."""
+    from attnlab.generation import NonFiniteLogitsError
+
+    m = model_for("gpt2-tiny")
+    with torch.no_grad():
+        m.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLogitsError, match="not finite"):
+        m.generate([1, 2], 3, temperature=1.0, seed=0)
+    with pytest.raises(NonFiniteLogitsError, match="not finite"):
+        m.generate([[1, 2], [3]], 3, num_beams=2)
 
 
 def test_prompt_errors():

@@ -331,17 +331,17 @@ def _write(args, model, tokenizer, ids, shown, max_new_tokens, beams, stops, opt
             )
         else:
             tokens = model.stream(ids, max_new_tokens, **options)  # checks, before any output
+        if not args.stream:  # all of it before any output (an error prints nothing)
+            tokens = list(tokens)
         if shown is None:
             _print(",".join(map(str, args.prompt_ids)))
-            if not args.stream:
-                tokens = list(tokens)
             for token in tokens:
                 _print(f",{token}")
             _print("\n")
             return 0
         _print(shown)
         if not args.stream:
-            _print(continuation(tokenizer, ids, list(tokens)) + "\n")
+            _print(continuation(tokenizer, ids, tokens) + "\n")
             return 0
         new_ids: list[int] = []
         printed = ""
