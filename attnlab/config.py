@@ -193,7 +193,9 @@ class _Config:
 
     def override(self: T, assignments: dict[str, Any]) -> T:
         """Return a copy with dotted keys replaced: ``{"attention.n_heads": 8}``. Keys of a
-        free mapping field (``data.options``) may be added: their owner checks them."""
+        free mapping field (``data.options``) may be added: their owner checks them. A
+        mapping given for a section (``{"attention": {"n_heads": 8}}``) is merged into it,
+        as a config file's sections are: the section's other keys stay."""
         data = self.to_dict()  # type: ignore[attr-defined]
         for dotted, value in assignments.items():
             node = data
@@ -218,6 +220,8 @@ class _Config:
                 section = ".".join(parents) or "the top level"
                 valid = ", ".join(sorted(node))
                 _fail(dotted, f"unknown key{hint} (valid keys of {section}: {valid})")
+            if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+                value = deep_merge(node[leaf], value)  # a section: the keys not given stay
             node[leaf] = value
         return type(self).from_dict(data)  # type: ignore[attr-defined]
 
@@ -225,6 +229,17 @@ class _Config:
         """Raise :class:`ConfigError`, naming the field, where a value is out of range or
         conflicts with another; called whenever a config is built or parsed."""
         pass
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``, recursing into sections present in both."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _lr_schedules() -> tuple[str, ...]:

@@ -166,6 +166,28 @@ def test_config_file_merges_into_a_run_presets_sections(tmp_path):
     assert cfg.to_dict() == expected
 
 
+def test_set_with_an_object_merges_into_the_section_as_a_config_file_does(tmp_path):
+    """--set model.attention={"n_heads": 4} keeps the section's other keys (it replaced the
+    whole section: the preset's GQA fell back to n_kv_heads null, and every other field to
+    its default), as --config with the same partial section does."""
+    from attnlab.cli import train as train_cmd
+    from attnlab.cli.main import build_parser
+    from attnlab.presets import get_preset
+
+    base = ["train", "--preset", "llama-tiny"]
+    by_set, _ = train_cmd.run_config(
+        build_parser().parse_args([*base, "--set", 'model.attention={"n_heads": 8}'])
+    )
+    (tmp_path / "partial.json").write_text(json.dumps({"model": {"attention": {"n_heads": 8}}}))
+    by_file, _ = train_cmd.run_config(
+        build_parser().parse_args([*base, "--config", str(tmp_path / "partial.json")])
+    )
+    assert by_set.to_dict() == by_file.to_dict()
+    attention = by_set.model.attention
+    assert attention.n_heads == 8
+    assert attention.n_kv_heads == get_preset("llama-tiny").attention.n_kv_heads is not None
+
+
 def test_train_shortcuts_and_the_default_preset(capsys, tmp_path, monkeypatch):
     """Without --preset the run is the demo's; --save-every and --task set their own
     fields, and a --set value may itself hold '='."""
@@ -984,6 +1006,11 @@ def test_import_and_export_replace_only_their_own_output(work, tmp_path, capsys)
     (user / "config.json").write_text('{"my": "settings"}')
     hf2 = tmp_path / "hf2"
     shutil.copytree(hf, hf2)
+    foreign = tmp_path / "foreign"  # a model folder saved by another tool: no marker
+    shutil.copytree(hf, foreign, ignore=shutil.ignore_patterns(".attnlab-export"))
+    loose = tmp_path / "loose"  # weights of the user's own, no config
+    loose.mkdir()
+    shutil.copy(hf / "model.safetensors", loose / "model.safetensors")
 
     def files() -> dict[Path, bytes]:
         return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
@@ -995,6 +1022,9 @@ def test_import_and_export_replace_only_their_own_output(work, tmp_path, capsys)
         (["import-hf", str(hf), str(user)], "config.json that is not an attnlab"),
         (["export-hf", str(run), str(ckpt)], "holds an attnlab checkpoint"),
         (["export-hf", str(run), str(user)], "config.json that is not a Hugging Face"),
+        # it replaced that model's config and weights and deleted its tokenizer files
+        (["export-hf", str(run), str(foreign)], "Hugging Face model that export-hf did not"),
+        (["export-hf", str(run), str(loose)], "files an export writes (model.safetensors)"),
     ]:
         code, _, err = run_main(argv, capsys)
         assert_one_line_error(code, err, needle)

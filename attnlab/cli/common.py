@@ -151,17 +151,6 @@ def read_json_file(path: str | Path, what: str = "config") -> dict[str, Any]:
     return data
 
 
-def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """``update`` over ``base``, recursing into sections present in both."""
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def run_preset(name: str) -> RunConfig:
     """A run preset (model + training + data) by name; a model preset name gives that
     model with the default training and data settings."""

@@ -38,6 +38,12 @@ from attnlab.cli.common import (
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # which transformers class runs tokenizer.json
 GENERATION_CONFIG = "generation_config.json"  # eos_token_id, read by ``generate``
+# Written first into the folder export-hf writes: later exports may replace that folder's
+# files, and only that folder's (a Hugging Face model saved by anything else is refused).
+EXPORT_MARKER = ".attnlab-export"
+# What an export writes or removes: an unmarked folder holding any of them is refused.
+EXPORT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
+                GENERATION_CONFIG, TOKENIZER_FILE, TOKENIZER_CONFIG)  # fmt: skip
 # config.json's special token ids, which transformers' generate takes from
 # generation_config.json alone when there is one
 TOKEN_ID_KEYS = ("bos_token_id", "decoder_start_token_id", "pad_token_id", "eos_token_id")
@@ -89,12 +95,17 @@ def _refuse_foreign(out: Path, writes: str) -> None:
         raise CLIError(f"{out}: exists and is not a folder; give a folder to write into")
     config = out / CONFIG_FILE
     if writes == "hf":
+        clash = [name for name in EXPORT_FILES if (out / name).exists()]
         if (out / STATE_FILE).exists():
             found = "an attnlab checkpoint"
         elif config.exists() and not is_hf_dir(out):
             found = "a config.json that is not a Hugging Face config"
+        elif (out / EXPORT_MARKER).is_file() or not clash:
+            return  # an earlier export's folder, or nothing this would replace
+        elif is_hf_dir(out):
+            found = f"a Hugging Face model that export-hf did not write (no {EXPORT_MARKER})"
         else:
-            return
+            found = f"files an export writes ({', '.join(clash)})"
     else:
         if is_hf_dir(out):
             found = "a Hugging Face model folder"
@@ -182,6 +193,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from attnlab.fileio import atomic_write_text
     from attnlab.interop import save_hf
     from attnlab.interop.io import GENERATION_KEYS, read_config
     from attnlab.training.checkpoint import load_checkpoint
@@ -190,6 +202,8 @@ def run_export(args: argparse.Namespace) -> int:
     _refuse_same(ckpt_dir, out)
     _refuse_foreign(out, "hf")
     ckpt = load_checkpoint(ckpt_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / EXPORT_MARKER, f"written by attnlab export-hf from {ckpt_dir}\n")
     save_hf(ckpt.model, out)
     written = ["config.json", "model.safetensors"]
     # transformers reads generation settings from generation_config.json alone when there

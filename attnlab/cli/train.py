@@ -25,7 +25,6 @@ from typing import Any
 from attnlab.cli.common import (
     CLIError,
     check_dir,
-    deep_merge,
     non_negative_int,
     parse_assignments,
     positive_float,
@@ -34,7 +33,7 @@ from attnlab.cli.common import (
     run_preset,
     seed_int,
 )
-from attnlab.config import ConfigError, RunConfig
+from attnlab.config import ConfigError, RunConfig, deep_merge
 
 DEFAULT_PRESET = "demo"
 
