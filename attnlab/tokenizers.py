@@ -379,6 +379,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     vocabulary saved by attnlab, e.g. the numbers task's, comes back as its own class)."""
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
+    if file.exists() and not file.is_file():
+        raise TokenizerError(f"{file}: not a regular file; give a tokenizer.json file")
     if not file.is_file():
         raise TokenizerError(f"{file}: tokenizer file not found; save one with Tokenizer.save")
     vocabulary = _task_vocabulary(file)

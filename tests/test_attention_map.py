@@ -259,6 +259,22 @@ def test_cli_out_that_is_a_folder_is_named_in_the_error(decoder_ckpt, tmp_path, 
     assert list(out.iterdir()) == [] and sorted(tmp_path.iterdir()) == [out]
 
 
+WRITTEN_AS = "(the map is written as a PNG)"
+
+
+def test_cli_out_must_be_a_png_name(decoder_ckpt, tmp_path, capsys):
+    """A PNG was written under any name given, over any file (a checkpoint's weights)."""
+    weights = decoder_ckpt / "model.safetensors"
+    before = weights.read_bytes()
+    for out in (weights, tmp_path / "map.txt", tmp_path / "map"):
+        argv = ["attention-map", "--ckpt", str(decoder_ckpt), "--out", str(out), "--text", "hi"]
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err == f"attnlab: error: --out {out}: give a .png file name {WRITTEN_AS}\n"
+    assert weights.read_bytes() == before and sorted(tmp_path.iterdir()) == []
+    assert main([*argv[:4], str(tmp_path / "map.PNG"), "--text", "hi"]) == 0
+
+
 def test_cli_draws_for_a_path_that_is_not_utf8(decoder_ckpt, tmp_path, capsys):
     # a file name's byte that is not UTF-8 comes in as a lone surrogate (surrogateescape):
     # the title that names the checkpoint drew it and matplotlib raised a TypeError

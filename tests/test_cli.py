@@ -1031,6 +1031,20 @@ def test_import_and_export_replace_only_their_own_output(work, tmp_path, capsys)
     assert files() == before
 
 
+def test_inputs_of_the_wrong_kind_are_named_as_such(work, tmp_path, capsys):
+    """An HF folder given to export-hf, a folder given as a --tokenizer file: the error
+    said "invalid run config (activation_function: unknown key ...)" and "tokenizer file
+    not found" (it exists)."""
+    hf = tmp_path / "hf"
+    assert run_main(["export-hf", str(work / "run"), str(hf)], capsys)[0] == 0
+    code, _, err = run_main(["export-hf", str(hf), str(tmp_path / "again")], capsys)
+    assert_one_line_error(code, err, "is a Hugging Face model folder already")
+    assert "import-hf" in err and not (tmp_path / "again").exists()
+    argv = ["generate", "--ckpt", str(work / "run"), "--prompt", "a", "--tokenizer"]
+    code, _, err = run_main([*argv, "/dev/null"], capsys)
+    assert_one_line_error(code, err, "not a regular file")
+
+
 def test_bad_input_in_a_real_process(work, tmp_path):
     # The same promise from the installed entry point: no traceback, one line, exit != 0.
     for args, needle in [

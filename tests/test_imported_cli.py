@@ -345,6 +345,16 @@ def test_images_of_another_size_are_resized_as_the_image_processor_does(
     torch.testing.assert_close((x - 0.5) / 0.25, want["pixel_values"][0], rtol=0, atol=1e-6)
 
 
+def test_a_folder_given_as_an_image_is_named_as_one(tmp_path):
+    from attnlab.cli.classify import load_image
+    from attnlab.cli.common import CLIError
+
+    with pytest.raises(CLIError, match="a folder; give image files"):
+        load_image(str(tmp_path), 3, 8, 8)
+    with pytest.raises(CLIError, match="no such file"):
+        load_image(str(tmp_path / "x.png"), 3, 8, 8)
+
+
 def test_one_bit_and_16_bit_images_resize_to_0_1(tmp_path):
     from PIL import Image
 

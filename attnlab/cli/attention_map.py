@@ -13,6 +13,7 @@ heatmaps (rows: layers, columns: heads), recorded by :mod:`attnlab.attention_map
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attnlab.cli.common import (
@@ -81,6 +82,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from attnlab.attention_maps import AttentionMapError, draw_attention, save_png
 
+    out = Path(args.out)
+    if out.suffix.lower() != ".png" and not out.is_dir():  # a PNG under another name, or
+        # over another file (a checkpoint's model.safetensors); a folder: save_png says so
+        raise CLIError(f"--out {args.out}: give a .png file name (the map is written as a PNG)")
     device = resolve_device(args.device)
     model, cfg, vocab = load_for_inference(args.ckpt, device, args.dtype)
     arch = cfg.model.arch

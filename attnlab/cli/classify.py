@@ -70,6 +70,8 @@ def load_image(
     processors do: 8-bit images as 8-bit pixels (rounded), others as float32."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
+    if Path(path).is_dir():
+        raise CLIError(f"{path}: a folder; give image files")
     if not Path(path).is_file():
         raise CLIError(f"{path}: no such file")
     try:

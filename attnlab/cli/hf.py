@@ -199,6 +199,11 @@ def run_export(args: argparse.Namespace) -> int:
     from attnlab.training.checkpoint import load_checkpoint
 
     ckpt_dir, out = check_dir(args.ckpt, "checkpoint folder"), Path(args.out)
+    if is_hf_dir(ckpt_dir):
+        raise CLIError(
+            f"{ckpt_dir} is a Hugging Face model folder already; export-hf reads attnlab "
+            f"checkpoints (attnlab import-hf {ckpt_dir} DIR makes one)"
+        )
     _refuse_same(ckpt_dir, out)
     _refuse_foreign(out, "hf")
     ckpt = load_checkpoint(ckpt_dir)
