@@ -1045,6 +1045,19 @@ def test_inputs_of_the_wrong_kind_are_named_as_such(work, tmp_path, capsys):
     assert_one_line_error(code, err, "not a regular file")
 
 
+def test_train_refuses_a_folder_with_files_it_would_replace(tmp_path, capsys):
+    """A folder without a checkpoint but with a metrics.jsonl or loss.png of the user's
+    own: training there replaced them (rc 0); --overwrite still may."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"mine": 1}\n')
+    (out / "notes.txt").write_text("kept")
+    argv = ["train", "--preset", "gpt2-tiny", "--max-steps", "1", "--quiet", "--out", str(out)]
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, "holds metrics.jsonl, which the run would replace")
+    assert (out / "metrics.jsonl").read_text() == '{"mine": 1}\n'
+
+
 def test_bad_input_in_a_real_process(work, tmp_path):
     # The same promise from the installed entry point: no traceback, one line, exit != 0.
     for args, needle in [

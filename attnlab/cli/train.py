@@ -273,6 +273,17 @@ def _output_folder(args: argparse.Namespace, name: str) -> Path:
             f"{out} already holds a checkpoint; the run resumed from {args.resume} would "
             "overwrite it: choose another --out (or pass --overwrite)"
         )
+    from attnlab.training.metrics import METRICS_FILE, PLOT_FILE
+    from attnlab.training.trainer import BEST_DIR
+
+    # without a checkpoint: files of the user's own (or of a run killed before its first
+    # save) under the names a run writes, which it would replace
+    others = [f for f in (METRICS_FILE, PLOT_FILE, BEST_DIR) if (out / f).exists()]
+    if not args.overwrite and not same and others:
+        raise CLIError(
+            f"{out} holds {', '.join(others)}, which the run would replace: choose another "
+            "--out (or pass --overwrite)"
+        )
     return out
 
 
