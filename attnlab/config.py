@@ -195,7 +195,8 @@ class _Config:
         """Return a copy with dotted keys replaced: ``{"attention.n_heads": 8}``. Keys of a
         free mapping field (``data.options``) may be added: their owner checks them. A
         mapping given for a section (``{"attention": {"n_heads": 8}}``) is merged into it,
-        as a config file's sections are: the section's other keys stay."""
+        as a config file's sections are: the section's other keys stay; one given for a
+        free mapping replaces it."""
         data = self.to_dict()  # type: ignore[attr-defined]
         for dotted, value in assignments.items():
             node = data
@@ -220,8 +221,11 @@ class _Config:
                 section = ".".join(parents) or "the top level"
                 valid = ", ".join(sorted(node))
                 _fail(dotted, f"unknown key{hint} (valid keys of {section}: {valid})")
-            if isinstance(value, dict) and isinstance(node.get(leaf), dict):
-                value = deep_merge(node[leaf], value)  # a section: the keys not given stay
+            current = owner.get(leaf) if isinstance(owner, dict) else getattr(owner, leaf, None)
+            if isinstance(value, dict) and dataclasses.is_dataclass(current):
+                # a section: the keys not given stay (a free mapping, data.options, is
+                # replaced whole: another task's options would linger in it)
+                value = deep_merge(node[leaf], value)
             node[leaf] = value
         return type(self).from_dict(data)  # type: ignore[attr-defined]
 
