@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # heavy imports, kept out of the CLI's start-up
     from attnlab.models.decoder import DecoderLM
     from attnlab.tokenizers import Tokenizer
 
-HF_CONFIG_KEYS = ("model_type", "architectures")  # what tells an HF config.json apart
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -166,9 +165,11 @@ def is_run_config(data: dict[str, Any]) -> bool:
 def model_config_from_file(path: str | Path) -> ModelConfig:
     """A JSON file holding a RunConfig (e.g. a checkpoint's config.json), a ModelConfig,
     or a Hugging Face config.json."""
+    from attnlab.interop.io import is_hf_config
+
     data = read_json_file(path)
     try:
-        if any(key in data for key in HF_CONFIG_KEYS):
+        if is_hf_config(data):
             from attnlab.interop import config_from_hf
 
             return config_from_hf(data)
@@ -204,15 +205,10 @@ def resolve_device(name: str) -> str:
 
 
 def is_hf_dir(path: Path) -> bool:
-    """A Hugging Face model folder: config.json with model_type, and safetensors weights."""
-    config = path / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        data = json.loads(config.read_text())
-    except (ValueError, OSError):
-        return False
-    return isinstance(data, dict) and any(key in data for key in HF_CONFIG_KEYS)
+    """A Hugging Face model folder (its config.json is Hugging Face's), not an attnlab one."""
+    from attnlab.interop.io import is_hf_folder
+
+    return is_hf_folder(path)
 
 
 def check_dir(path: str | Path, what: str) -> Path:

@@ -34,6 +34,7 @@ from attnlab.cli.common import (
     is_hf_dir,
     is_run_config,
 )
+from attnlab.interop.io import CONFIG_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # which transformers class runs tokenizer.json
@@ -42,7 +43,7 @@ GENERATION_CONFIG = "generation_config.json"  # eos_token_id, read by ``generate
 # files, and only that folder's (a Hugging Face model saved by anything else is refused).
 EXPORT_MARKER = ".attnlab-export"
 # What an export writes or removes: an unmarked folder holding any of them is refused.
-EXPORT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
                 GENERATION_CONFIG, TOKENIZER_FILE, TOKENIZER_CONFIG)  # fmt: skip
 # config.json's special token ids, which transformers' generate takes from
 # generation_config.json alone when there is one
@@ -210,7 +211,7 @@ def run_export(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / EXPORT_MARKER, f"written by attnlab export-hf from {ckpt_dir}\n")
     save_hf(ckpt.model, out)
-    written = ["config.json", "model.safetensors"]
+    written = [CONFIG_NAME, WEIGHTS_NAME]
     # transformers reads generation settings from generation_config.json alone when there
     # is one: the settings save_hf put in config.json (Marian's blocked pad token) and its
     # special token ids (Marian's decoder start) go there too

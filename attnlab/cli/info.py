@@ -55,7 +55,9 @@ def model_config(args: argparse.Namespace) -> tuple[ModelConfig, str]:
     else:
         path = check_dir(args.ckpt, "checkpoint folder")
         if is_hf_dir(path):
-            cfg = model_config_from_file(path / "config.json")
+            from attnlab.interop.io import CONFIG_NAME
+
+            cfg = model_config_from_file(path / CONFIG_NAME)
         else:  # the config only: no need to read (possibly many GB of) weights
             from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
 

@@ -273,6 +273,25 @@ def common_config(cfg: ModelConfig, family: Family, model_type: str, dtype: torc
     }
 
 
+HF_CONFIG_KEYS = ("model_type", "architectures")  # what tells an HF config.json apart
+
+
+def is_hf_config(data: Any) -> bool:
+    """A parsed config.json that is Hugging Face's (an attnlab checkpoint's holds a RunConfig)."""
+    return isinstance(data, dict) and any(key in data for key in HF_CONFIG_KEYS)
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A folder whose config.json is a Hugging Face config (not an attnlab checkpoint's)."""
+    config = Path(path) / CONFIG_NAME
+    if not config.is_file():
+        return False
+    try:
+        return is_hf_config(json.loads(config.read_text(encoding="utf-8")))
+    except (ValueError, OSError):
+        return False
+
+
 def read_config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise HFCheckpointError(f"{path}: not a directory; pass a Hugging Face model directory")

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
 import shutil
@@ -554,12 +553,9 @@ def _load_init(path: str | os.PathLike[str]) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise TrainingError(f"init_from: {path} is not a checkpoint folder")
-    config = path / "config.json"
-    try:
-        hf = "model_type" in json.loads(config.read_text())
-    except (OSError, ValueError):
-        hf = False
-    if not hf:
+    from attnlab.interop.io import is_hf_folder
+
+    if not is_hf_folder(path):
         ckpt = load_checkpoint(path, device="cpu", inference=False)
         ckpt.model.train()
         return ckpt
