@@ -217,6 +217,18 @@ def test_train_resume_continues_the_run(work, tmp_path, capsys, monkeypatch):
     assert load_checkpoint(tmp_path / "run", with_state=True).state["step"] == 7
 
 
+def test_train_resume_of_a_finished_run_says_how_to_go_on(work, tmp_path, capsys, monkeypatch):
+    shutil.copytree(work / "run", tmp_path / "run")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    step = load_checkpoint(tmp_path / "run", with_state=True).state["step"]
+    code, out, err = run_main(["train", "--resume", str(tmp_path / "run"), "--quiet"], capsys)
+    assert code == 0, err
+    assert "no step left to take: resume with a larger --max-steps" in out
+    assert f"finished at step {step}" in out
+    assert load_checkpoint(tmp_path / "run", with_state=True).state["step"] == step
+
+
 def test_same_command_with_resume_appended(work, tmp_path, capsys, monkeypatch):
     """Re-running a train command with --resume appended continues the run (the folder's
     name has a space: every printed hint is an exact, quoted command)."""

@@ -592,6 +592,25 @@ def test_resume_equals_uninterrupted(tmp_path, dataset):
     assert steps == list(range(1, 11))
 
 
+@pytest.mark.parametrize("eval_every", [0, 4])
+def test_resuming_a_finished_run_changes_nothing_and_reports_its_end(
+    tmp_path, dataset, eval_every
+):
+    """A run resumed after its last step takes no step, logs no second stop record and
+    reports the validation of its end (the whole validation set), not the last sample's."""
+    cfg = tiny_run(eval_every=eval_every, max_steps=8)
+    first = train(cfg, tmp_path / "run", dataset=dataset, progress=False)
+    records = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = train(cfg, tmp_path / "run", resume=tmp_path / "run", dataset=dataset, progress=False)
+    assert again.step == first.step == 8 and again.losses == []
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == records
+    assert again.stop_message == first.stop_message
+    assert again.val_loss == first.val_loss and again.val_step == first.val_step == 8
+    assert again.val_metrics == first.val_metrics
+    assert again.val_coverage == first.val_coverage
+    assert "all " in first.val_coverage  # the final evaluation covers the whole set
+
+
 @pytest.mark.parametrize("stop_in", [4, 10])
 def test_a_stop_in_an_evaluation_step_evaluates_on_resume(tmp_path, dataset, stop_in):
     """SIGTERM during step 4 (eval_every=4) or the last step: the stopped run saves without
@@ -1249,7 +1268,8 @@ def test_explicit_max_steps_drops_the_time_budget(tmp_path, dataset, monkeypatch
     again = train(None, tmp_path, resume=tmp_path, max_steps=6, dataset=data, progress=False)
     assert again.step == 6 and again.stop_message == "stopped at step 6: max_steps=6 reached"
     stops = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "stop"]
-    assert [r["reason"] for r in stops] == ["time_budget"] * 3 + ["max_steps"]
+    # The resumes that took no step logged no second stop record.
+    assert [r["reason"] for r in stops] == ["time_budget", "max_steps"]
     # A fresh run of a config with a budget: max_steps wins unless time_budget is given.
     fresh = train(cfg, tmp_path / "b", max_steps=4, dataset=data, progress=False)
     assert fresh.step == 4 and fresh.stop_reason == "max_steps"

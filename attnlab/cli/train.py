@@ -317,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = Path(result.out_dir)
     print(result.stop_message)
+    if args.resume is not None and not result.losses and not result.interrupted:
+        print("the resumed run had no step left to take: resume with a larger --max-steps or "
+              "--time-budget to train on")  # fmt: skip
     if result.interrupted:
         print(f"continue with: {command('attnlab', 'train', '--resume', out)}")
     train_loss, val_loss = _fmt(result.train_loss), _fmt(result.val_loss)

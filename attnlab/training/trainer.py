@@ -820,6 +820,7 @@ class Trainer:
             history = [
                 r for r in read_metrics(resume / METRICS_FILE) if r.get("step", 0) <= self.step
             ]
+            self._restore_last_validation(history)
         self.logger = (
             MetricsLogger(self.out_dir, tensorboard=tc.tensorboard, history=history)
             if self.dist.is_main
@@ -913,6 +914,25 @@ class Trainer:
             self.budget_fitted = True
             fitted_warmup = state.get("fitted_warmup")  # None: a checkpoint older than it
             self.fitted_warmup = None if fitted_warmup is None else int(fitted_warmup)
+
+    def _restore_last_validation(self, history: list[dict]) -> None:
+        """The metrics and coverage of the resumed run's last evaluation, from its records:
+        the whole validation set's where that evaluation made them (a finished run resumed
+        reports what it reported when it finished)."""
+        records = [r for r in history if r.get("kind") == "val" and r["step"] == self.last_val_step]
+        if not records:
+            return
+        record = records[-1]
+        full = {k[len("val_full_") :]: v for k, v in record.items() if k.startswith("val_full_")}
+        if full:
+            self.last_val_metrics = full
+            self.val_coverage = self.task.eval_coverage(self.tc.batch_size, None)
+            return
+        skip = ("val_coverage",)
+        self.last_val_metrics = {
+            k[len("val_") :]: v for k, v in record.items() if k.startswith("val_") and k not in skip
+        }
+        self.val_coverage = record.get("val_coverage", "")
 
     def _trainer_state(self, elapsed: float) -> dict:
         metrics = {k: [float(total), n] for k, (total, n) in self.interval["metrics"].items()}
@@ -1129,6 +1149,12 @@ class Trainer:
     def _log_stop(self, reason: str, message: str) -> None:
         self.stop_message = message
         if self.dist.is_main and getattr(self, "logger", None) is not None:
+            records = self.logger.records
+            # A finished run resumed without more steps to take stops where it stopped.
+            if records and records[-1] == {
+                "kind": "stop", "step": self.step, "reason": reason, "message": message
+            }:  # fmt: skip
+                return
             self.logger.log("stop", self.step, reason=reason, message=message)
 
     def _plot(self) -> None:
