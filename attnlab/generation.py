@@ -470,12 +470,29 @@ def _decode(
     # end: it yields the device tensors and reads them all at once (collect), so a GPU runs
     # step after step without waiting for the host to read each token.
     on_device = closed_loop and not stops.numel() and budgets is None
+    # Sampling refuses NaN or inf logits itself; greedy decoding checks the largest logit
+    # of each row (NaN wins max): at each step where the tokens are read anyway, else once
+    # at the end, before generate returns anything.
+    greedy = sampling["temperature"] < GREEDY_BELOW_TEMPERATURE
+    maxima: list[Tensor] = []
+
+    def check_finite() -> None:
+        if maxima and not bool(torch.isfinite(torch.stack(maxima)).all()):
+            raise NonFiniteLogitsError()
+
     try:
         if max_new_tokens > 0:
             ids, mask = window()
             logits = _forward_last(model, ids, mask, cache)  # prefill
         for step in range(max_new_tokens):
-            nxt = sample_next(logits, **sampling)  # (b,)
+            if greedy:
+                top, nxt = logits.max(dim=-1)  # (b,): argmax, and its logit
+                if on_device:
+                    maxima.append(top)
+                elif not all(map(math.isfinite, top.tolist())):
+                    raise NonFiniteLogitsError()
+            else:
+                nxt = sample_next(logits, **sampling)  # (b,)
             if stops.numel() or budgets is not None:  # (else no row is ever done)
                 if stops.numel():
                     done = done | torch.isin(nxt, stops)
@@ -487,6 +504,8 @@ def _decode(
                 nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             else:
                 out = nxt if on_device else nxt.tolist()
+            if on_device and step == max_new_tokens - 1:
+                check_finite()
             yield out[0] if single else out
             if step == max_new_tokens - 1:
                 return

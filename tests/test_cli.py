@@ -401,7 +401,7 @@ def test_generate_of_weights_that_give_nan_logits_is_one_line_and_prints_nothing
         weights = {k: torch.full_like(f.get_tensor(k), float("nan")) for k in f.keys()}
     save_file(weights, bad / "model.safetensors", metadata=metadata)
     argv = ["generate", "--ckpt", str(bad), "--prompt", "The", "--max-new-tokens", "3"]
-    for extra in (["--temperature", "1.0"], ["--num-beams", "2"]):
+    for extra in ([], ["--temperature", "1.0"], ["--num-beams", "2"]):
         code, out, err = run_main([*argv, *extra], capsys)
         assert_one_line_error(code, err, "logits are not finite")
         assert out == ""

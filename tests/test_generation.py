@@ -111,6 +111,41 @@ def test_non_finite_logits_are_one_clear_error():
         m.generate([1, 2], 3, temperature=1.0, seed=0)
     with pytest.raises(NonFiniteLogitsError, match="not finite"):
         m.generate([[1, 2], [3]], 3, num_beams=2)
+    # Greedy decoding took argmax of NaN (token 0, or wherever NaN was) and returned it.
+    for kw in ({}, {"stop_tokens": [5]}, {"use_cache": False}):
+        with pytest.raises(NonFiniteLogitsError, match="not finite"):
+            m.generate([[1, 2], [3]], 3, **kw)
+    with pytest.raises(NonFiniteLogitsError, match="not finite"):
+        next(iter(m.stream([1, 2], 3)))  # before the first token
+
+
+def test_greedy_decoding_refuses_logits_that_turn_non_finite_later(monkeypatch):
+    """Logits finite at the prompt and infinite at the third step (a float16 overflow):
+    generate raises before it returns anything; stream after the tokens before it."""
+    import attnlab.generation as generation
+    from attnlab.generation import NonFiniteLogitsError
+
+    m = model_for("gpt2-tiny")
+    first_two = m.generate([1, 2], 2, use_cache=False)
+    forward = generation._forward_last
+    calls = []
+
+    def overflowing(model, ids, mask, cache):
+        logits = forward(model, ids, mask, cache)
+        calls.append(1)
+        return logits + float("inf") if len(calls) == 3 else logits
+
+    monkeypatch.setattr(generation, "_forward_last", overflowing)
+    with pytest.raises(NonFiniteLogitsError):
+        m.generate([1, 2], 5, use_cache=False)
+    calls.clear()
+    steps = iter(m.stream([1, 2], 5, use_cache=False))
+    assert [next(steps), next(steps)] == first_two
+    with pytest.raises(NonFiniteLogitsError):
+        next(steps)
+    calls.clear()
+    with pytest.raises(NonFiniteLogitsError):
+        list(m.stream([1, 2], 5, use_cache=False))
 
 
 def test_prompt_errors():
