@@ -187,6 +187,32 @@ def test_fill_mask_filled_text_is_the_pipelines_sequence(tmp_path, capsys):
     assert report["filled"] == fast.decode(ids, skip_special_tokens=True) == "catss"
 
 
+def test_fill_mask_ids_past_the_tokenizer_decode_to_nothing(tmp_path, capsys):
+    # A model with more embeddings than its tokenizer has tokens (a padded vocabulary): a
+    # candidate id that no token has decodes to nothing, as in the pipeline (it was
+    # named "[MASK]", the token the tokenizer has at id 4).
+    wordpiece_bert_folder(tmp_path)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), mask_token="[MASK]",
+        cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]",
+    )  # fmt: skip
+    config = transformers.BertConfig.from_pretrained(tmp_path)
+    config.vocab_size = len(fast) + 3
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias[len(fast) :] += 20.0  # the padded ids win
+    model.save_pretrained(tmp_path)
+    want = transformers.pipeline("fill-mask", model=model, tokenizer=fast, top_k=4)("the [MASK]")
+    report = run_json(capsys, "fill-mask", "--ckpt", str(tmp_path), "the [MASK]", "--top-k",
+                      "4", "--json")  # fmt: skip
+    (got,) = report["masks"]
+    assert [c["id"] for c in got["candidates"]] == [r["token"] for r in want]
+    assert [c["token"] for c in got["candidates"]] == [r["token_str"] for r in want]
+    assert [c["token"] for c in got["candidates"]][:3] == ["", "", ""]
+    assert report["filled"] == want[0]["sequence"] == "the"
+
+
 def test_fine_tuning_an_imported_bert_on_mlm(tmp_path, monkeypatch):
     """``attnlab train --init-from BERT_FOLDER --task mlm``: the WordPiece stream (whose
     tokens do not spell out the text) is split into its documents, tokens are masked with

@@ -624,6 +624,16 @@ def test_task_configs_are_checked():
         train(short, "unused", progress=False, max_steps=1)
 
 
+def test_question_answering_refuses_a_model_with_one_token_type(tmp_path):
+    # The context is token type 1: with one type embedding the first step failed inside
+    # torch ("IndexError: index out of range in self"). None (0) or two train.
+    one_type = small_run("question-answering").override({"model.type_vocab_size": 1})
+    with pytest.raises(ConfigError, match=r"model.type_vocab_size=1: .*set it to 2"):
+        train(one_type, tmp_path / "one", progress=False, max_steps=1)
+    no_types = small_run("question-answering", max_steps=1, eval_every=0)
+    train(no_types.override({"model.type_vocab_size": 0}), tmp_path / "none", progress=False)
+
+
 # --------------------------------------------------------------------------- whole-word masking
 
 

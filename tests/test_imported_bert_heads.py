@@ -191,6 +191,36 @@ def test_answer_equals_the_transformers_model(folders, capsys):
             assert report["score"] == pytest.approx(score, abs=1e-4)
 
 
+def test_answer_refuses_a_context_without_tokens_and_an_empty_question(folders, capsys):
+    # BERT's normaliser drops zero-width and control characters: a context of only those
+    # has no token to answer with (it was an IndexError from the span search).
+    models, fast = folders
+    _, hf_dir, ckpt = models["qa"]
+    assert fast("\u200b\u0007", add_special_tokens=False)["input_ids"] == []
+    for folder in (hf_dir, ckpt):
+        err = run_error(capsys, "answer", "--ckpt", folder, "--context", "\u200b\u0007",
+                        "--question", "Where does Bob live?")  # fmt: skip
+        assert "--context has no tokens" in err
+        # no question: transformers' question-answering pipeline refused it too (4.x)
+        err = run_error(capsys, "answer", "--ckpt", folder, "--context", "Bob lives in Lyon.",
+                        "--question", " ")  # fmt: skip
+        assert "--question is empty" in err
+
+
+def test_answer_refuses_a_model_with_one_token_type(tmp_path, capsys):
+    # The context is token type 1, which a one-type model has no embedding for (it was a
+    # traceback from inside torch).
+    config = transformers.BertConfig(
+        vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=32, type_vocab_size=1,
+    )  # fmt: skip
+    transformers.BertForQuestionAnswering(config).save_pretrained(tmp_path)
+    wordpiece().save(str(tmp_path / "tokenizer.json"))
+    err = run_error(capsys, "answer", "--ckpt", tmp_path, "--context", "Bob lives in Lyon.",
+                    "--question", "Where does Bob live?")  # fmt: skip
+    assert "type_vocab_size=1" in err
+
+
 def test_export_writes_the_label_names_back(folders, tmp_path, capsys):
     models, _ = folders
     for name in ("sequence", "numbered", "token", "multi"):

@@ -54,7 +54,20 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.context.strip():
         raise CLIError("--context is empty; give the text that holds the answer")
+    if not args.question.strip():
+        raise CLIError("--question is empty; give the question to answer")
+    if cfg.model.type_vocab_size == 1:  # the context is token type 1 (BERT's pair layout)
+        raise CLIError(
+            f"{args.ckpt}: the model has one token type (type_vocab_size=1); answer feeds "
+            "the question as type 0 and the context as type 1, so it needs a model with "
+            "two (or none: 0)"
+        )
     ids, types, offset, spans = encode_question(codec, args.question, args.context)
+    if not spans:  # BERT's normaliser drops control and zero-width characters
+        raise CLIError(
+            "--context has no tokens (the tokenizer drops every character of it); give the "
+            "text that holds the answer"
+        )
     check_length(len(ids), cfg.model.max_seq_len, "the question and context")
     with torch.no_grad():
         logits = model(

@@ -92,9 +92,13 @@ def masked_ids(
     return ids, pieces, mask_id
 
 
-def token_text(tokenizer: Tokenizer, token: int) -> str:
-    """The text of one predicted id ([MASK] for the mlm task's extra id)."""
-    return tokenizer.decode([token]) if token < tokenizer.vocab_size else MASK
+def token_text(tokenizer: Tokenizer, token: int, mask_id: int) -> str:
+    """The text of one predicted id: [MASK] for the mlm task's extra id ``mask_id``, and
+    nothing for another id past the tokenizer's (an embedding no token has: a padded
+    vocabulary), as the fill-mask pipeline decodes it."""
+    if token < tokenizer.vocab_size:
+        return tokenizer.decode([token])
+    return MASK if token == mask_id else ""
 
 
 def fill_mask(
@@ -119,7 +123,7 @@ def fill_mask(
     for position, row in zip(positions, probs):
         top = row.topk(min(top_k, row.numel()))
         candidates = [
-            {"token": token_text(tokenizer, int(i)), "id": int(i), "prob": float(p)}
+            {"token": token_text(tokenizer, int(i), mask_id), "id": int(i), "prob": float(p)}
             for p, i in zip(top.values, top.indices)
         ]
         masks.append({"position": position, "candidates": candidates})

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.config import _Config, _fail, _positive
+from attnlab.config import ConfigError, ModelConfig, _Config, _fail, _positive
 from attnlab.data.generated import QAExample, Splits, qa_examples
 from attnlab.models.encoder import mask_padding
 from attnlab.tasks.text import EncoderTextTask, Features, TextCodec
@@ -178,6 +178,14 @@ class QuestionAnswering(EncoderTextTask):
             first, last = answer_tokens(spans, e.start, e.end)
             out.append(Features(ids, types, (offset + first, offset + last), (offset, spans, e)))
         return out
+
+    def configure_model(self, model_cfg: ModelConfig) -> None:
+        super().configure_model(model_cfg)
+        if model_cfg.type_vocab_size == 1:  # an embedding for type 0 only
+            raise ConfigError(
+                "model.type_vocab_size=1: question-answering feeds the question as token "
+                "type 0 and the context as type 1; set it to 2 (or 0: no token types)"
+            )
 
     def n_labels(self) -> int:
         return 2  # start, end
