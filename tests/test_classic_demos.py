@@ -93,6 +93,97 @@ def test_kernel_regression_demo_errors_are_against_the_d2l_function(tmp_path, ca
         assert float(row[-1]) == pytest.approx(((pred - truth) ** 2).mean().item(), rel=1e-3)
 
 
+def test_kernel_regression_demo_prints_the_leave_one_out_error_of_the_learned_bandwidth(
+    tmp_path, capsys
+):
+    """The printed leave-one-out MSEs, recomputed here at the bandwidths printed beside them
+    (1.0 before training, the learned h after): after one Adam step the demo printed the
+    error before that step (the same figure twice, 0.7787 -> 0.7787, with h 1.0 -> 0.9512),
+    not the error of the bandwidth it reported (0.7466)."""
+    import re
+
+    n, noise = 50, 0.5
+    argv = ["demo", "kernel-regression", "--out", str(tmp_path), "--steps", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    match = re.search(r"learned bandwidth: 1\.0 -> (\S+) in 1 Adam steps, leave-one-out MSE "
+                      r"(\S+) -> (\S+)", out)  # fmt: skip
+    assert match, out
+    h, before, after = (float(v) for v in match.groups())
+    g = torch.Generator().manual_seed(0)
+    x = torch.sort(torch.rand(n, generator=g) * 5).values.double()
+    y = 2 * torch.sin(x) + x**0.8 + noise * torch.randn(n, generator=g).double()
+
+    def loo(bandwidth: float) -> float:  # each point from all the others, Gaussian weights
+        w = torch.exp(-(((x[:, None] - x[None, :]) / bandwidth) ** 2) / 2).fill_diagonal_(0)
+        return (((w / w.sum(1, keepdim=True)) @ y - y) ** 2).mean().item()
+
+    assert before == pytest.approx(loo(1.0), rel=1e-3)
+    assert after == pytest.approx(loo(h), rel=1e-3)
+    assert abs(loo(h) - loo(1.0)) > 0.01 * loo(1.0)  # the two figures differ at 4 digits
+
+
+def test_bahdanau_demo_counts_the_epochs_it_trained(tmp_path, capsys, monkeypatch):
+    """55 training numbers in batches of 32 are 2 steps an epoch: 3 steps are 1.5 epochs
+    (a pass stopped part-way was counted whole: "2 epochs"). A clock that ticks once per
+    reading makes the time budget a number of steps."""
+    import itertools
+    import types
+
+    from attnlab.demos import bahdanau
+
+    ticks = itertools.count()
+    monkeypatch.setattr(bahdanau, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    argv = ["demo", "bahdanau", "--out", str(tmp_path), "--seconds", "5", "--max-number", "60",
+            "--n-test", "5", "--hidden", "8", "--beam", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "55 training numbers below 60, 5 held out; 3 steps (1.5 epochs)" in out
+
+
+def test_temperature_demo_encodes_the_prompt_as_generate_does(tmp_path, capsys):
+    """A LLaMA-style tokenizer puts <s> before a text, as ``generate --prompt`` and
+    transformers' ``tokenizer(text)`` encode it: the distribution shown is the one
+    generation samples from (before, the prompt lacked <s>: another distribution)."""
+    from oracle import llama_style_tokenizer
+
+    from attnlab.config import RunConfig
+    from attnlab.models import build_model
+    from attnlab.tokenizers import Tokenizer
+    from attnlab.training.checkpoint import save_checkpoint
+
+    tokenizer = Tokenizer(llama_style_tokenizer("the cat sat on the mat. " * 20, vocab_size=40))
+    cfg = quick_run(1, seed=0).model
+    cfg.vocab_size = tokenizer.vocab_size
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # weights far from the init: a peaked next-token distribution
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    save_checkpoint(tmp_path / "ckpt", model, RunConfig(model=cfg), tokenizer)
+    prompt = "the cat"
+    argv = ["demo", "temperature", "--out", str(tmp_path / "fig"), "--ckpt",
+            str(tmp_path / "ckpt"), "--prompt", prompt]  # fmt: skip
+    assert main(argv) == 0
+    printed = float(table_rows(capsys.readouterr().out, "1")[1][1])  # tau = 1, the model's
+
+    def entropy_after(ids: list[int]) -> float:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        return torch.distributions.Categorical(logits=logits).entropy().item()
+
+    bos = tokenizer.hf.token_to_id("<s>")
+    with_bos = entropy_after(tokenizer.hf.encode(prompt).ids)  # transformers' tokenizer(text)
+    assert tokenizer.hf.encode(prompt).ids[0] == bos
+    assert printed == pytest.approx(with_bos, rel=1e-3)
+    assert entropy_after(tokenizer.encode(prompt)) != pytest.approx(with_bos, rel=1e-2)
+    # a prompt the tokenizer cannot encode is one error line naming --prompt
+    capsys.readouterr()
+    assert main([*argv[:-1], "\ud800"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prompt" in err[0], err
+
+
 def test_bahdanau_demo_scores():
     from attnlab.demos.bahdanau import char_accuracy, exact
 
@@ -199,6 +290,8 @@ def test_temperature_demo_with_checkpoint(tmp_path, capsys):
     [
         (["demo", "kernel-regression", "--bandwidth", "0"], 2, "--bandwidth"),
         (["demo", "kernel-regression", "--noise", "-1"], 1, "--noise"),
+        (["demo", "kernel-regression", "--n-train", "1"], 1, "--n-train"),
+        (["demo", "bahdanau", "--lang", "xx"], 1, "--lang"),
         (["demo", "sqrt-dk", "--n-keys", "1"], 1, "--n-keys"),
         (["demo", "temperature", "--ckpt", "/nonexistent/ckpt"], 1, "/nonexistent/ckpt"),
         (["demo", "temperature", "--n-logits", "x"], 2, "--n-logits"),

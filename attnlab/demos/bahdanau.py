@@ -9,12 +9,14 @@ runs alone; training runs for real go through attnlab's shared trainer.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
 import torch
 
-from attnlab.data.numbers import collate, iterate_batches, make_numbers_dataset
+from attnlab.data.corpus import DataError
+from attnlab.data.numbers import check_language, collate, iterate_batches, make_numbers_dataset
 from attnlab.demos.common import format_table, new_figure, save_figure
 from attnlab.models.rnn import GRUSeq2Seq, RNNSeq2SeqConfig
 
@@ -40,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if n_train < 1:
         raise ValueError(f"--n-test {args.n_test} leaves no training numbers below "
                          f"--max-number {args.max_number}")  # fmt: skip
+    try:
+        check_language(args.lang)
+    except DataError as e:
+        raise ValueError(f"--lang: {e}") from None
     data = make_numbers_dataset(args.lang, max_number=args.max_number, n_train=n_train, n_val=0,
                                 n_test=args.n_test, seed=args.seed)  # fmt: skip
     src_vocab, tgt_vocab = data.src_vocab, data.tgt_vocab
@@ -64,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
                 break
         epoch += 1
     model.eval()
+    # passes over the training set: the last one may have stopped part-way
+    epochs = len(losses) / math.ceil(len(data.train) / args.batch_size)
     print(f"{args.lang}: {len(data.train)} training numbers below {args.max_number}, "
-          f"{len(data.test)} held out; {len(losses)} steps ({epoch} epochs) in {args.seconds:g} s, "
+          f"{len(data.test)} held out; {len(losses)} steps ({epochs:.1f} epochs) in "
+          f"{args.seconds:g} s, "
           f"last train loss {sum(losses[-20:]) / len(losses[-20:]):.3f}")  # fmt: skip
 
     test = collate(data.test, src_vocab, tgt_vocab)

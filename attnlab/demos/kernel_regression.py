@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.noise >= 0:
         raise ValueError(f"--noise must be >= 0, got {args.noise}")
+    if args.n_train < 2:  # the learned bandwidth predicts each point from the others
+        raise ValueError(f"--n-train must be at least 2 to leave one out, got {args.n_train}")
     g = torch.Generator().manual_seed(args.seed)
     x = torch.sort(torch.rand(args.n_train, generator=g) * 5).values
     y = true_function(x) + args.noise * torch.randn(args.n_train, generator=g)
@@ -58,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     losses = learned.train_bandwidth(steps=args.steps, lr=0.05)
     with torch.no_grad():
         predictions["learned"], weights["learned"] = learned(x_test, return_weights=True)
+        # at the bandwidth printed: losses[-1] is the error before the last step
+        final_loss = learned.leave_one_out_loss().item()
     h = learned.bandwidth.item()
     rows.append(["learned gaussian (LOO)", "gaussian", h, test_mse(predictions["learned"])])
 
@@ -68,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(["estimator", "kernel", "bandwidth", "test MSE"], rows))
     print(
         f"learned bandwidth: 1.0 -> {h:.4g} in {args.steps} Adam steps, leave-one-out MSE "
-        f"{losses[0]:.4g} -> {losses[-1]:.4g}"
+        f"{losses[0]:.4g} -> {final_loss:.4g}"
     )
     plot(args.out, x, y, x_test, y_test, predictions, weights, args.bandwidth, h)
     return 0

@@ -128,7 +128,14 @@ def _model_logits(args: argparse.Namespace, out: Path):
                          "needs a language model (arch 'decoder' or 'xl')")  # fmt: skip
     if ckpt.tokenizer is None:
         raise ValueError(f"--ckpt {args.ckpt}: has no tokenizer.json to encode --prompt with")
-    ids = torch.tensor([ckpt.tokenizer.encode(args.prompt)])
+    from attnlab.tokenizers import TokenizerError
+
+    try:
+        # as generate encodes a prompt: with the special tokens the tokenizer's
+        # post-processor adds (an imported LLaMA's <s>; attnlab's own tokenizers: none)
+        ids = torch.tensor([ckpt.tokenizer.encode(args.prompt, add_special_tokens=True)])
+    except TokenizerError as e:
+        raise ValueError(f"--prompt: {e}") from None
     if ids.numel() == 0:
         raise ValueError("--prompt is empty; give some text to continue")
     with torch.no_grad():
