@@ -70,6 +70,13 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise WeightsFileError(f"{self.path}: header is not a JSON object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict) or not all(
+            isinstance(v, str) for v in self.metadata.values()
+        ):  # the format's metadata maps text to text (readers call str methods on it)
+            raise WeightsFileError(
+                f"{self.path}: __metadata__ is not a JSON object of strings "
+                f"({json.dumps(self.metadata)[:80]})"
+            )
         self._data_start = 8 + n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, e in header.items():

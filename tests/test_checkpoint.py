@@ -309,6 +309,27 @@ def test_a_checkpoint_of_a_newer_format_asks_for_a_newer_attnlab(tmp_path, with_
         assert_same_weights(weights(load_checkpoint(tmp_path).model), weights(model))
 
 
+@pytest.mark.parametrize("metadata", [{"format_version": 1}, ["format_version"]])
+def test_weights_metadata_that_is_not_text_is_one_clear_error(tmp_path, metadata):
+    """The safetensors format's metadata maps text to text; a header breaking that (written
+    by hand or by another tool) was an AttributeError traceback from ``str.isdigit``."""
+    import json
+    import struct
+
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, tokenizer)
+    weights_file = tmp_path / ckpt_module.WEIGHTS_FILE
+    raw = weights_file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = {**json.loads(raw[8 : 8 + n]), "__metadata__": metadata}
+    encoded = json.dumps(header).encode()
+    weights_file.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + n :])
+    pattern = "__metadata__ is not a JSON object of strings"
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(info.value)
+
+
 def test_an_unknown_trainer_state_format_is_refused(tmp_path):
     model, cfg, tokenizer = make_run()
     save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
@@ -379,6 +400,32 @@ def test_config_and_weights_that_disagree_name_the_tensors(tmp_path):
         CheckpointError, match=r"unexpected \(\d+\): blocks\.1\.\S+ \(\d+,( \d+)?\)"
     ):
         load_checkpoint(tmp_path)
+
+
+def test_an_untied_models_weights_under_a_config_that_ties_them_are_refused(tmp_path):
+    """The weights of a model with a head of its own, under a config that ties the head to
+    the embedding (a config.json of another run): both tensors are stored, and loading kept
+    one of them for both without a word (the model's outputs silently changed)."""
+    from safetensors import safe_open
+
+    model, cfg, tokenizer = make_run(tie=False)
+    assert not torch.equal(model.lm_head.weight, model.tok_emb.weight)
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    (tmp_path / "config.json").write_text(cfg.override({"model.tie_embeddings": True}).to_json())
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert "do not match config.json" in message
+    assert "stored with different values (1): lm_head.weight and tok_emb.weight" in message
+    # Equal values stored under both names (a writer that keeps tied copies) still load.
+    model.lm_head.weight = torch.nn.Parameter(model.tok_emb.weight.detach().clone())
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    with safe_open(tmp_path / ckpt_module.WEIGHTS_FILE, "pt") as f:  # both stored
+        assert {"lm_head.weight", "tok_emb.weight"} <= set(f.keys())
+    (tmp_path / "config.json").write_text(cfg.override({"model.tie_embeddings": True}).to_json())
+    loaded = load_checkpoint(tmp_path).model
+    assert loaded.lm_head.weight is loaded.tok_emb.weight
+    torch.testing.assert_close(loaded.tok_emb.weight, model.tok_emb.weight, rtol=0, atol=0)
 
 
 def test_inference_falls_back_from_a_backend_the_device_cannot_run(tmp_path, monkeypatch):

@@ -468,6 +468,29 @@ def test_a_file_linked_inside_the_corpus_is_one_document(tmp_path):
     assert keys == ["b.txt", "outside.txt"]  # the real name wins over the links' names
 
 
+def test_a_hard_link_inside_the_corpus_is_one_document(tmp_path):
+    """A hard link is another name of the same file, as a symbolic link is: its text was
+    read twice, the copy (last in sorted order) in the validation split, text the model
+    trained on."""
+    import os
+
+    from attnlab.data.corpus import load_sources
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "b.txt").write_text(DOC_A * 20)
+    (root / "a.txt").write_text(DOC_B)
+    try:
+        os.link(root / "b.txt", root / "z_copy.txt")
+    except OSError:
+        pytest.skip("this file system has no hard links")
+    assert [source.key for source in load_sources(root)] == ["a.txt", "b.txt"]
+    ds = prepare_data(DataConfig(path=str(root), val_fraction=0.3), cache_dir=tmp_path / "c")
+    np.testing.assert_array_equal(
+        np.concatenate([ds.train, ds.val]), char_ids(DOC_B + DOCUMENT_SEPARATOR + DOC_A * 20)
+    )
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_a_folder_reached_directly_and_by_a_link_has_one_name_whatever_the_listing_order(
     tmp_path, monkeypatch, reverse
@@ -507,3 +530,28 @@ def test_a_folder_reached_directly_and_by_a_link_has_one_name_whatever_the_listi
 
     monkeypatch.setattr(os, "scandir", Listing)
     assert [source.key for source in load_sources(root)] == ["z_real/x.txt"]
+
+
+def test_a_corpus_file_whose_name_is_not_utf8_is_read_and_cached(tmp_path):
+    """A folder may hold a file whose name is not UTF-8 (os.walk gives its bytes as lone
+    surrogates): its text is a document like any other; the cache key crashed with a
+    UnicodeEncodeError. The key is the name's own bytes, so it still tells files apart."""
+    import os
+
+    root = tmp_path / "root"
+    root.mkdir()
+    try:
+        with open(os.path.join(os.fsencode(root), b"caf\xe9.txt"), "w") as f:
+            f.write(DOC_A)
+    except OSError:  # a file system that takes UTF-8 names only
+        pytest.skip("this file system refuses names that are not UTF-8")
+    (root / "b.txt").write_text(DOC_B, encoding="utf-8")
+    cfg, cache = DataConfig(path=str(root)), tmp_path / "cache"
+    first = prepare_data(cfg, cache_dir=cache)
+    assert [Path(name).name for name in first.sources] == ["b.txt", "caf\udce9.txt"]
+    text = DOC_B + DOCUMENT_SEPARATOR + DOC_A
+    np.testing.assert_array_equal(np.concatenate([first.train, first.val]), char_ids(text))
+    assert prepare_data(cfg, cache_dir=cache).from_cache
+    # another name of the same bytes is another corpus
+    os.rename(os.path.join(os.fsencode(root), b"caf\xe9.txt"), root / "c.txt")
+    assert not prepare_data(cfg, cache_dir=cache).from_cache

@@ -995,6 +995,23 @@ def test_overwrite_drops_the_older_runs_best_checkpoint_but_never_its_own_source
     assert not best.exists()
 
 
+def test_overwrite_drops_a_best_link_not_the_checkpoint_it_points_to(tmp_path, dataset):
+    """best/ of the overwritten run is a link to a checkpoint elsewhere (kept apart by
+    hand): the fresh run drops the link and keeps its own best/ in its folder; it crashed
+    with "Cannot call rmtree on a symbolic link"."""
+    kept = tmp_path / "kept"
+    train(tiny_run(max_steps=2, eval_every=2), kept, dataset=dataset, progress=False)
+    files = {f.name: f.read_bytes() for f in (kept / "best").iterdir()}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "best").symlink_to(kept / "best", target_is_directory=True)
+    cfg = tiny_run(max_steps=2, eval_every=2, seed=5)
+    train(cfg, out, dataset=dataset, progress=False, overwrite=True)
+    assert {f.name: f.read_bytes() for f in (kept / "best").iterdir()} == files
+    assert not (out / "best").is_symlink()
+    assert load_checkpoint(out / "best").config.train.seed == 5
+
+
 class FakeClock:
     """Stands in for the trainer's clock: time moves only when the dataset says so."""
 

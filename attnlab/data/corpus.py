@@ -106,10 +106,12 @@ def _text_files(root: Path) -> list[Path]:
             f = Path(folder) / name
             if f.suffix.lower() in TEXT_SUFFIXES and f.is_file():
                 files.append(f)
-    # a file reached both directly and through a link keeps its own name
-    real: dict[str, Path] = {}
+    # a file reached both directly and through a link keeps its own name; one file is one
+    # inode (a hard link is another name of it, with a path of its own)
+    real: dict[tuple[int, int], Path] = {}
     for f in sorted(files, key=lambda f: (f.is_symlink(), f.as_posix())):
-        real.setdefault(os.path.realpath(f), f)
+        status = f.stat()
+        real.setdefault((status.st_dev, status.st_ino), f)
     return list(real.values())
 
 
@@ -117,7 +119,8 @@ def sources_digest(sources: list[RawSource]) -> str:
     """A hash of the corpus content and the order of its documents (the cache key)."""
     digest = hashlib.sha256()
     for source in sources:
-        for part in (source.key.encode("utf-8"), source.data):
+        # surrogateescape: a file name that is not UTF-8 holds its bytes as lone surrogates
+        for part in (source.key.encode("utf-8", "surrogateescape"), source.data):
             digest.update(len(part).to_bytes(8, "little"))
             digest.update(part)
     return digest.hexdigest()

@@ -432,7 +432,15 @@ def _load_weights(
     missing = [n for n in wanted if not stored & set(names[id(tensors[n])])]
     unexpected = sorted(n for n in stored if n not in tensors)
     wrong = [n for n in wanted if n in stored and file.shape(n) != tensors[n].shape]
-    if missing or unexpected or wrong:
+    # Tensors the config ties but the file holds apart (an untied model's weights): only one
+    # of them would be loaded, the other dropped without a word.
+    apart = []
+    for group in names.values():
+        present = [n for n in group if n in stored and n not in wrong]
+        if len(present) > 1:
+            first = file.read(present[0])
+            apart += [(n, present[0]) for n in present[1:] if not torch.equal(file.read(n), first)]
+    if missing or unexpected or wrong or apart:
 
         def stored_shape(name: str) -> tuple[int, ...]:
             return tuple(file.shape(name))
@@ -448,6 +456,11 @@ def _load_weights(
             ),
             _listed("missing", missing, lambda n: f"{n} {config_shape(n)}"),
             _listed("unexpected", unexpected, lambda n: f"{n} {stored_shape(n)}"),
+            _listed(
+                "tied by the config but stored with different values",
+                apart,
+                lambda pair: f"{pair[0]} and {pair[1]}",
+            ),
         ]
         raise CheckpointError(
             f"{weights}: the weights do not match {CONFIG_FILE} (tensors: "

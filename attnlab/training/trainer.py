@@ -837,7 +837,12 @@ class Trainer:
             and _holds_checkpoint(stale)
             and not any(_same_path(p, stale) for p in sources)
         ):
-            shutil.rmtree(stale)  # else it would pass for this run's until an improvement
+            # else it would pass for this run's until an improvement; a link to a folder
+            # elsewhere is dropped, not the checkpoint it points to
+            if stale.is_symlink():
+                stale.unlink()
+            else:
+                shutil.rmtree(stale)
 
     def _build_task(self, cfg: RunConfig, ckpt: Checkpoint | None, init_from, dataset) -> Task:
         """The run's task and its data, built on rank 0 first (so a tokenizer or data cache
