@@ -31,6 +31,8 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield tmp
         usual_permissions(tmp)
+        with open(tmp, "rb") as written:  # on disk before the rename: after a power loss
+            os.fsync(written.fileno())  # the target is the old file or the new, never empty
         os.replace(tmp, target)
     except BaseException as e:
         tmp.unlink(missing_ok=True)

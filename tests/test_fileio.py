@@ -19,6 +19,28 @@ def test_atomic_write_text_replaces_target(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["file.txt"]
 
 
+def test_the_new_file_is_on_disk_before_it_replaces_the_target(tmp_path, monkeypatch):
+    """fsync before the rename: without it, a power loss after the rename could leave an
+    empty target where the old file was (the rename reached the disk, the data not)."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def recording_replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    atomic_write_text(tmp_path / "file.txt", "text")
+    assert [kind for kind, _ in events] == ["fsync", "replace"]
+    assert events[0][1] == events[1][1]  # the temporary file, synced, then renamed
+    assert (tmp_path / "file.txt").read_text() == "text"
+
+
 def test_failed_write_keeps_old_file_and_cleans_up(tmp_path):
     target = tmp_path / "file.bin"
     target.write_bytes(b"old")
