@@ -204,6 +204,27 @@ def test_cache_overflow_raises_clear_error():
     assert len(cache) == 6
 
 
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_cache_of_another_batch_is_refused_before_it_changes(window, batch):
+    """A cache made for 2 rows fed 1 or 3 failed deep inside a layer (a reshape, a cat or a
+    broadcast: no word of the cache), after a dense cache had taken the one row's keys into
+    both of its rows; it is refused by name and stays as it was."""
+    from attnlab.cache import CacheError
+
+    model = tiny("mqa", window=window)
+    idx = torch.randint(0, V, (2, 7))
+    cache = model.new_cache(2, 12)
+    model(idx[:, :5], cache=cache)
+    before = [t.clone() for t in cache.state()]
+    with pytest.raises(CacheError, match=f"made for batch 2, idx has batch {batch}"):
+        model(torch.randint(0, V, (batch, 2)), cache=cache)
+    assert len(cache) == 5 and all(torch.equal(a, b) for a, b in zip(before, cache.state()))
+    steps = [model(idx[:, i : i + 1], cache=cache).logits for i in (5, 6)]
+    torch.testing.assert_close(torch.cat(steps, 1), model(idx).logits[:, 5:], **TOL)
+
+
 # --------------------------------------------------------------------------- sliding window
 
 

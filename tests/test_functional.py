@@ -173,6 +173,16 @@ def test_sliding_window_mask(t, s, w):
     assert torch.equal(sliding_window_mask(t, s, w), sliding_window_allowed(t, s, w))
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash", "flex"])
+def test_windowed_attention_rejects_fewer_keys_than_queries(backend):
+    """Causal attention with a window over fewer keys than queries: eager and sdpa gave the
+    first t - s queries (before every key) zeros where flash and flex raised, as plain
+    causal attention does on every backend."""
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="key length s=3 is shorter than query length t=5"):
+        attend(q, k, k, causal=True, window=2, backend=backend)
+
+
 def test_prefix_lm_mask_is_made_on_the_device_of_its_prefix_lengths():
     """Prefix lengths on another device (meta here, a GPU in use) give the mask there: it
     was made on the CPU and failed beside them."""
@@ -263,6 +273,34 @@ def test_attend_documents_with_fewer_queries_than_keys_match_naive_loop(backend)
                 allowed[row, 0, i, j] = j <= p and bool(doc[row, j] == doc[row, p])
     out = attend(q, k, v, causal=True, doc_ids=doc, backend=backend)
     torch.testing.assert_close(out, naive_attention(q, k, v, allowed), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash", "flex"])
+def test_attend_refuses_document_ids_of_the_queries_only(backend):
+    """doc_ids are one per key (b, s): the ids of a decoding step's one query (b, 1) were
+    broadcast by eager and sdpa over every key, so it attended across documents (the
+    result of no doc_ids at all); flex failed with an IndexError."""
+    q, k, v = _qkv(b=2, h=4, h_kv=2, t=1, s=6)
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]])
+    with pytest.raises(ValueError, match=r"doc_ids must be \(b, s\) = \(2, 6\), got \(2, 1\)"):
+        attend(q, k, v, causal=True, doc_ids=doc[:, -1:], backend=backend)
+    with pytest.raises(ValueError, match=r"doc_ids must be \(b, s\) = \(1, 6\), got \(2, 6\)"):
+        attend(q[:1], k[:1], v[:1], causal=True, doc_ids=doc, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash", "flex"])
+def test_attend_refuses_a_mask_wider_than_the_scores(backend):
+    """A mask must broadcast to the scores (b, h, t, s): one with more rows than the queries
+    widened eager's output to its batch (one row in, two out) and flex read its first row
+    only; sdpa and flash failed deep inside."""
+    q, k, v = _qkv(b=1, h=4, h_kv=2, t=3, s=5)
+    wider = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 3, 5\) does not broadcast"):
+        attend(q, k, v, wider, backend=backend)
+    with pytest.raises(ValueError, match=r"mask of shape \(1, 1, 1, 3, 5\) does not broadcast"):
+        attend(q, k, v, wider[None, :1], backend=backend)
+    with pytest.raises(ValueError, match=r"to the scores \(b, h, t, s\) = \(1, 4, 3, 5\)"):
+        attend(q, k, v, torch.ones(1, 2, 3, 5, dtype=torch.bool), backend=backend)  # h_kv heads
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

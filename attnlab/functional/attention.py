@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional.flash import check_keys, flash_attention, heads_error
+from attnlab.functional.flash import check_doc_ids, check_keys, flash_attention, heads_error
 from attnlab.functional.masks import (
     additive_in,
     causal_mask,
     check_mask_dtype,
+    check_mask_shape,
     combine_masks,
     document_mask,
     sliding_window_mask,
@@ -60,6 +61,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> int:
         raise ValueError(heads_error(h, h_kv, v.shape[1]))
     check_keys(q, k, v)
     check_mask_dtype(mask)
+    check_mask_shape(mask, (q.shape[0], h, q.shape[2], k.shape[2]))
     return h // h_kv
 
 
@@ -322,6 +324,7 @@ def attend(
         )
     entry = BACKENDS[backend]
     _check(q, k, v, mask)
+    check_doc_ids(doc_ids, q.shape[0], q.shape[2], k.shape[2])
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
     # Compiled graphs never record (and dynamo cannot trace ContextVar.get).

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnlab.functional.masks import check_mask_dtype
+from attnlab.functional.masks import check_mask_dtype, check_mask_shape
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
@@ -261,6 +261,16 @@ def check_keys(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
+def check_doc_ids(doc_ids: Tensor | None, b: int, t: int, s: int) -> None:
+    """Document ids are one per key, (b, s), and the queries are the last t of those keys:
+    eager and sdpa took (b, t) ids of a decoding step (t < s) and broadcast its one column
+    over every key, so the step attended across documents."""
+    if doc_ids is not None and tuple(doc_ids.shape) != (b, s):
+        raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
+    if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]
+        raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
+
+
 def check_arguments(
     q: Tensor,
     k: Tensor,
@@ -283,10 +293,8 @@ def check_arguments(
         raise ValueError(heads_error(h, h_kv, v.shape[1]))
     check_keys(q, k, v)
     check_mask_dtype(mask)
-    if doc_ids is not None and doc_ids.shape != (b, s):
-        raise ValueError(f"doc_ids must be (b, s) = {(b, s)}, got {tuple(doc_ids.shape)}")
-    if doc_ids is not None and t > s:  # query i's document is doc_ids[:, s - t + i]
-        raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
+    check_mask_shape(mask, (b, h, t, s))
+    check_doc_ids(doc_ids, b, t, s)
     if mask is not None and mask.requires_grad:
         raise ValueError("flash attention does not differentiate the mask; detach it")
 

@@ -27,7 +27,13 @@ def causal_mask(
 def sliding_window_mask(
     t: int, s: int, window: int, *, device: torch.device | str | None = None
 ) -> Tensor:
-    """(t, s) bool: causal, and only the last ``window`` keys (the query's own included)."""
+    """(t, s) bool: causal, and only the last ``window`` keys (the query's own included).
+    Fewer keys than queries is refused, as :func:`causal_mask` does (the first queries would
+    sit before every key: eager and sdpa gave them zeros where flash and flex raised)."""
+    if s < t:
+        raise ValueError(
+            f"sliding_window_mask: key length s={s} is shorter than query length t={t}"
+        )
     q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
     k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
@@ -112,6 +118,22 @@ def check_mask_dtype(mask: Tensor | None, name: str = "mask") -> None:
         raise ValueError(
             f"{name} must be bool (True = may attend) or floating point (additive: 0 or "
             f"-inf), got {mask.dtype}; for a 1 = keep / 0 = drop mask pass {name}.bool()"
+        )
+
+
+def check_mask_shape(mask: Tensor | None, scores: tuple[int, ...], name: str = "mask") -> None:
+    """Refuse a mask that does not broadcast to the scores (b, h, t, s): one with more rows,
+    heads or dimensions than the queries silently widened eager's output (a (2, 1, t, s)
+    mask gave a batch of one query row two output rows) and flex read its first rows only."""
+    if mask is None:
+        return
+    shape = tuple(mask.shape)
+    if len(shape) > len(scores) or any(
+        n != 1 and n != m for n, m in zip(reversed(shape), reversed(scores))
+    ):
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to the scores (b, h, t, s) = "
+            f"{tuple(scores)}; give it 1 or the scores' size in each dimension"
         )
 
 

@@ -218,6 +218,12 @@ class DecoderLM(LoadableModel):
         mask = None
         if cache is not None:
             self._check_cache_dtype(cache, idx.device)
+            if cache.batch != b:  # before begin(): a wrong batch failed deep inside a layer,
+                # after the cache had taken (broadcast) some of its keys
+                raise CacheError(
+                    f"the cache was made for batch {cache.batch}, idx has batch {b}; make one for "
+                    f"this batch with model.new_cache({b}, max_len)"
+                )
             positions = cache.begin(t, attention_mask, positions=positions).positions
         else:
             if positions is None:
