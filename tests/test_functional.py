@@ -183,6 +183,15 @@ def test_windowed_attention_rejects_fewer_keys_than_queries(backend):
         attend(q, k, k, causal=True, window=2, backend=backend)
 
 
+@pytest.mark.parametrize("window", [True, 2.0, "2"])
+def test_a_window_that_is_not_an_int_is_refused_on_every_backend(window):
+    """flash and flex read window=True as 1 where eager and sdpa failed inside."""
+    q = torch.randn(1, 2, 4, 8)
+    for backend in ("eager", "sdpa", "flash", "flex"):
+        with pytest.raises(ValueError, match="window must be a number of keys"):
+            attend(q, q, q, causal=True, window=window, backend=backend)
+
+
 def test_prefix_lm_mask_is_made_on_the_device_of_its_prefix_lengths():
     """Prefix lengths on another device (meta here, a GPU in use) give the mask there: it
     was made on the CPU and failed beside them."""
