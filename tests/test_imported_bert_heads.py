@@ -54,6 +54,17 @@ def wordpiece():
     return hf
 
 
+def save_small_bert(folder, cls: str, **config) -> None:
+    """A one-layer transformers ``cls`` (random weights) and the WordPiece tokenizer in
+    ``folder``: a model folder for one error case."""
+    config = transformers.BertConfig(
+        vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=32, **config,
+    )  # fmt: skip
+    getattr(transformers, cls)(config).save_pretrained(folder)
+    wordpiece().save(str(folder / "tokenizer.json"))
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """name -> (transformers model, HF folder, imported checkpoint), and the transformers
@@ -210,12 +221,7 @@ def test_answer_refuses_a_context_without_tokens_and_an_empty_question(folders, 
 def test_answer_refuses_a_model_with_one_token_type(tmp_path, capsys):
     # The context is token type 1, which a one-type model has no embedding for (it was a
     # traceback from inside torch).
-    config = transformers.BertConfig(
-        vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=32, type_vocab_size=1,
-    )  # fmt: skip
-    transformers.BertForQuestionAnswering(config).save_pretrained(tmp_path)
-    wordpiece().save(str(tmp_path / "tokenizer.json"))
+    save_small_bert(tmp_path, "BertForQuestionAnswering", type_vocab_size=1)
     err = run_error(capsys, "answer", "--ckpt", tmp_path, "--context", "Bob lives in Lyon.",
                     "--question", "Where does Bob live?")  # fmt: skip
     assert "type_vocab_size=1" in err
@@ -299,12 +305,7 @@ def test_saved_padding_and_truncation_change_nothing(folders, tmp_path, capsys):
 
 
 def test_classify_refuses_a_regression_head(tmp_path, capsys):
-    config = transformers.BertConfig(
-        vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=16, num_labels=1,
-    )  # fmt: skip
-    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
-    wordpiece().save(str(tmp_path / "tokenizer.json"))
+    save_small_bert(tmp_path, "BertForSequenceClassification", num_labels=1)
     err = run_error(capsys, "classify", "--ckpt", tmp_path, "the cat")
     assert "n_labels=1" in err
 
