@@ -26,6 +26,8 @@ variants are added to the library.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -88,12 +90,40 @@ def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
     return params, sum(w for _, w in linears)
 
 
+MAX_MEASURED_LAYERS = 10_000  # building 1e18 layers one module at a time never ends
+
+
 def meta_model(cfg: ModelConfig):
-    """The model of ``cfg`` on the meta device (shapes only)."""
+    """The model of ``cfg`` on the meta device (shapes only). ValueError for a model that
+    cannot be built so: more than MAX_MEASURED_LAYERS layers (each is built in turn: 1e18 of
+    them never finished), or a tensor of more elements than torch counts (2**63)."""
     from attnlab.models import build_model
 
-    with torch.device("meta"):  # shapes only: no memory, no initialisation work
-        return build_model(cfg)
+    for name in ("n_layers", "n_decoder_layers"):
+        layers = getattr(cfg, name, None)
+        if layers is not None and layers > MAX_MEASURED_LAYERS:
+            raise ValueError(
+                f"model.{name}={layers}: a model of this kind is measured by building it, "
+                f"layer by layer, on the meta device; give at most {MAX_MEASURED_LAYERS:,} layers"
+            )
+    with _countable("the model's tensors", "smaller sizes (model.d_model, model.vocab_size, ...)"):
+        with torch.device("meta"):  # shapes only: no memory, no initialisation work
+            return build_model(cfg)
+
+
+@contextmanager
+def _countable(what: str, fix: str):
+    """Meta tensors past int64's elements, as one ValueError saying which sizes to lower."""
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError) as e:
+        # torch's words for a size past int64: "Storage size calculation overflowed",
+        # "Overflow when unpacking long"
+        if "overflow" not in str(e).lower():
+            raise
+        raise ValueError(
+            f"{what} would have more elements than torch can count (2**63); give {fix}"
+        ) from None
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:
@@ -246,7 +276,11 @@ def kv_cache_bytes(
         check_global_tokens(cfg.attention.global_tokens, window)
     held = min(seq_len, window) if window is not None else seq_len
     if cfg.attention.kind not in _KV_FORMULA_KINDS:
-        cache = meta_model(cfg).new_cache(batch, held, dtype, device="meta")
+        model = meta_model(cfg)
+        with _countable(
+            f"a KV cache of batch {batch} x {held} tokens", "a smaller batch or seq_len"
+        ):
+            cache = model.new_cache(batch, held, dtype, device="meta")
         return int(cache.nbytes)
     if window is not None:  # local layers hold their window, global ones everything
         per_layer = kv_cache_bytes_per_token(cfg, dtype) // cfg.n_layers
@@ -265,14 +299,20 @@ def windowed_kv_entries(cfg: ModelConfig, seq_len: int) -> int:
     attention (MLA, DSA) keeps every token on every layer: its window only masks."""
     if cfg.attention.kind != "mha":
         return cfg.n_layers * seq_len
-    windows = [cfg.attention.window_of(layer) for layer in range(cfg.n_layers)]
     n_global = len(cfg.attention.global_tokens)
     sinks = cfg.attention.sink_tokens > 0
 
-    def held(w: int) -> int:
+    def held(w: int | None) -> int:
+        if w is None:  # a global layer
+            return seq_len
         return (w if sinks else min(w, seq_len)) + n_global
 
-    return sum(seq_len if w is None else held(w) for w in windows)
+    # the layers repeat attention.layer_pattern: one period's count times the periods (a
+    # loop over n_layers never ended for a config of 1e18 layers)
+    period = len(cfg.attention.layer_pattern or "L")
+    full, rest = divmod(cfg.n_layers, period)
+    windows = [cfg.attention.window_of(layer) for layer in range(period)]
+    return full * sum(map(held, windows)) + sum(map(held, windows[:rest]))
 
 
 def weights_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:

@@ -14,6 +14,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,6 +52,15 @@ def _positive(path: str, value: int | float | None, *, allow_zero: bool = False)
         _fail(path, "must be finite, got inf")
 
 
+class _OutOfRange(ConfigError):
+    """An integer past int64: its own message, not a union's "expected int or null"."""
+
+
+def _short(value: int) -> str:
+    """An integer as a message shows it: 1.000e+300 for one of 301 digits."""
+    return str(value) if abs(value) < 10**20 else f"{Decimal(value):.3e}"
+
+
 def _seed(path: str, value: int) -> None:
     """A seed torch.manual_seed takes (with room for the trainer's seed + rank)."""
     if not SEED_MIN <= value <= SEED_MAX:
@@ -69,6 +79,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 continue
             try:
                 return _coerce(path, value, arg)
+            except _OutOfRange:
+                raise
             except ConfigError:
                 pass
         _fail(path, f"expected {_type_name(tp)}, got {value!r}")
@@ -95,11 +107,14 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return value
         _fail(path, f"expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        _fail(path, f"expected an integer, got {value!r}")
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            _fail(path, f"expected an integer, got {value!r}")
+        if not SEED_MIN <= value <= SEED_MAX:  # torch's sizes and counts are int64
+            message = f"must be from -2**63 to 2**63 - 1 (torch's int64), got {_short(value)}"
+            raise _OutOfRange(f"{path}: {message}" if path else message)
+        return value
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
@@ -844,6 +859,12 @@ class DataConfig(_Config):
     def validate(self, path: str = "data") -> None:
         _choice(f"{path}.tokenizer", self.tokenizer, ("char", "bpe"))
         _choice(f"{path}.errors", self.errors, ("strict", "replace"))
+        if self.path == "":  # Path("") is the current folder: it was read as the corpus
+            _fail(
+                f"{path}.path",
+                "is empty; give a text file or a folder of .txt / .md files (or null for the "
+                "embedded corpus)",
+            )
         if not 0.0 < self.val_fraction < 1.0:
             _fail(f"{path}.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         if self.bpe_vocab_size < 257:
@@ -888,6 +909,12 @@ class TrainConfig(_Config):
     def validate(self, path: str = "train") -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_batches", "log_every"):
             _positive(f"{path}.{name}", getattr(self, name))
+        if self.batch_size * self.grad_accum > SEED_MAX:  # one step samples them as one tensor
+            _fail(
+                f"{path}.grad_accum",
+                f"{self.batch_size} x {self.grad_accum} accumulated sequences per step exceed "
+                "torch's int64; lower train.batch_size or train.grad_accum",
+            )
         for name in (
             "warmup_steps",
             "weight_decay",

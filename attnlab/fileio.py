@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,11 +21,21 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an unused temporary path beside ``target`` (parent folders are created); when
     the block ends without an error, the file written there replaces ``target``, else it is
     removed and ``target`` is left as it was (an OSError naming the temporary file names
-    ``target`` instead). A ``target`` that is a folder raises IsADirectoryError naming it."""
+    ``target`` instead). A ``target`` that is a folder raises IsADirectoryError naming it, one
+    whose folder is a file NotADirectoryError naming that file."""
     target = Path(target)
     if target.is_dir():  # before any work; the rename would name the temporary file instead
         raise IsADirectoryError(errno.EISDIR, "is a folder; give a file path", str(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        # a file where one of the folders must be: named, not "File exists" or the path
+        # below it "Not a directory"
+        file = next((p for p in reversed(target.parents) if p.exists() and not p.is_dir()), None)
+        if file is None:
+            raise
+        what = f"is {file_kind(file)}, not a folder"
+        raise NotADirectoryError(errno.ENOTDIR, what, str(file)) from None
     # A unique name the caller creates: the file gets the usual permissions (mkstemp's
     # would be owner-only) and concurrent writers never share a temporary file.
     tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
@@ -39,6 +50,20 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         if isinstance(e, OSError) and str(e.filename) == str(tmp):
             e.filename = str(target)  # a full disk names the file asked for, not the temporary
         raise
+
+
+def file_kind(path: str | os.PathLike[str]) -> str:
+    """What ``path`` is, in words for an error message: "a folder", "a regular file", "a
+    character device" (/dev/null), "a named pipe (FIFO)", "a socket", "a block device", or
+    "missing" when nothing is there (links followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "missing"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a regular file"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def error_reason(e: BaseException) -> str:

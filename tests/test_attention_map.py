@@ -255,7 +255,7 @@ def test_cli_out_that_is_a_folder_is_named_in_the_error(decoder_ckpt, tmp_path, 
     assert main(["attention-map", "--ckpt", str(decoder_ckpt), "--out", str(out), "--text",
                  "hello"]) == 1  # fmt: skip
     err = capsys.readouterr().err
-    assert err == f"attnlab: error: {out}: is a folder; give a file path\n"  # not a temp file
+    assert err == f"attnlab: error: --out {out}: is a folder; give a .png file name\n"
     assert list(out.iterdir()) == [] and sorted(tmp_path.iterdir()) == [out]
 
 
@@ -353,6 +353,34 @@ def test_cli_seq2seq_draws_three_kinds_with_the_greedy_target(tmp_path, capsys):
     assert main(["attention-map", "--ckpt", str(path), "--text", "12", "--target", "xyz",
                  "--out", str(out)]) == 1  # fmt: skip
     assert "--target 'xyz'" in capsys.readouterr().err
+
+
+def test_cli_seq2seq_too_long_a_target_names_the_option_that_made_it(tmp_path, capsys, monkeypatch):
+    """A greedy translation past max_seq_len (--max-new-tokens above it) was reported as
+    "--target: N tokens exceed", an option not given; --target-ids as --target too."""
+    from attnlab.data.numbers import CharVocab, CharVocabPair
+    from attnlab.models.seq2seq import Seq2SeqConfig, Seq2SeqModel
+    from attnlab.training.checkpoint import save_checkpoint
+
+    vocab = CharVocabPair(CharVocab("0123456789"), CharVocab("abcdefghij -"))
+    cfg = Seq2SeqConfig(vocab_size=len(vocab.target), src_vocab_size=len(vocab.source),
+                        share_embeddings=False, max_seq_len=16, d_model=32, n_layers=1)  # fmt: skip
+    path = tmp_path / "numbers"
+    save_checkpoint(path, build_model(cfg), RunConfig(model=cfg, task="seq2seq"), vocab)
+    # a model that never ends its translation: as long as it is allowed
+    monkeypatch.setattr(Seq2SeqModel, "generate", lambda self, src, n, **kw: [[5] * n])
+    out = tmp_path / "s2s.png"
+    argv = ["attention-map", "--ckpt", str(path), "--text", "12", "--out", str(out)]
+    for extra, message in [
+        (["--max-new-tokens", "40"], "--max-new-tokens 40: the greedy translation has 40 "
+         "tokens, past the model's max_seq_len=16 (with BOS); give at most 15"),
+        (["--target-ids", ",".join(["5"] * 16)], "--target-ids: 17 tokens exceed"),
+    ]:  # fmt: skip
+        assert main([*argv, *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("attnlab: error: ") and err.count("\n") == 1 and message in err
+        assert not out.exists()
+    assert main([*argv, "--max-new-tokens", "15"]) == 0  # 15 + BOS fit
 
 
 @pytest.mark.parametrize("topk", [3, 64])

@@ -321,7 +321,8 @@ def test_classify_texts(trained, capsys):
     assert main(["classify", "--ckpt", ckpt, "ventuno", "dos", "ventuno"]) == 0
     lines = capsys.readouterr().out.splitlines()  # one line per input, repeats included
     assert [line.split("\t")[0] for line in lines] == ["ventuno", "dos", "ventuno"]
-    assert "max_seq_len" in run_error(capsys, "classify", "--ckpt", ckpt, "tre" * 40)
+    err = run_error(capsys, "classify", "--ckpt", ckpt, "tre" * 40)  # named by its start
+    assert "max_seq_len" in err and f"the text {('tre' * 40)[:50]!r}... (120 characters)" in err
     err = run_error(capsys, "classify", "--ckpt", ckpt, "ventuno", "douze!")
     assert "the text 'douze!': " in err and "not in the vocabulary" in err  # which input
     assert "--invert applies to images" in run_error(

@@ -289,7 +289,24 @@ def test_temperature_demo_with_checkpoint(tmp_path, capsys):
     "argv, code, needle",
     [
         (["demo", "kernel-regression", "--bandwidth", "0"], 2, "--bandwidth"),
-        (["demo", "kernel-regression", "--noise", "-1"], 1, "--noise"),
+        (["demo", "kernel-regression", "--noise", "-1"], 2, "argument --noise"),
+        # the error named the library's bandwidth: "bandwidth must be ..., got nan"
+        (["demo", "kernel-regression", "--noise", "inf"], 2, "argument --noise: must be a"),
+        (["demo", "kernel-regression", "--noise", "1e30"], 1, "--noise 1e+30: the squared"),
+        (["demo", "kernel-regression", "--bandwidth", "1e39"], 1, "--bandwidth 1e+39: outside"),
+        (["demo", "kernel-regression", "--bandwidth", "1e-300"], 1, "--bandwidth 1e-300: out"),
+        # sizes past the machine's memory: an allocation traceback, or hours of crawling
+        (
+            ["demo", "kernel-regression", "--n-train", "100000000000"],
+            1,
+            "--n-train / --n-test: the",
+        ),
+        (["demo", "sqrt-dk", "--n-keys", "1000000000000"], 1, "--d-max / --n-keys / --n-rows: the"),
+        (
+            ["demo", "temperature", "--n-logits", "1000000000000", "--train-seconds", "0"],
+            1,
+            "--n-logits: the demo's tensors would take",
+        ),
         (["demo", "kernel-regression", "--n-train", "1"], 1, "--n-train"),
         (["demo", "bahdanau", "--lang", "xx"], 1, "--lang"),
         (["demo", "sqrt-dk", "--n-keys", "1"], 1, "--n-keys"),
@@ -341,6 +358,26 @@ def test_bahdanau_demo(tmp_path, capsys):
         [row] = table_rows(out, name)
         assert 0.0 <= float(row[1]) <= 1.0 and 0.0 <= float(row[2]) <= 1.0
     assert "55 training numbers below 60, 5 held out" in out
+
+
+def test_bahdanau_demo_trains_at_least_one_step(tmp_path, capsys):
+    """A --seconds shorter than one step took none, and the report divided by zero."""
+    argv = ["demo", "bahdanau", "--out", str(tmp_path), "--seconds", "1e-9", "--max-number",
+            "20", "--n-test", "2", "--hidden", "8", "--beam", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert "1 steps (1.0 epochs) in 1e-09 s, last train loss" in capsys.readouterr().out
+
+
+def test_demo_out_that_is_a_file_is_refused_before_the_demo_runs(tmp_path, capsys):
+    """It failed with "File exists" when the first figure was written, after the work."""
+    out = tmp_path / "figures"
+    out.write_text("mine")
+    assert main(["demo", "sqrt-dk", "--out", str(out), "--d-max", "2"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"attnlab: error: --out {out}: is a regular file, not a folder; give a figure folder\n"
+    )
+    assert out.read_text() == "mine"
 
 
 def test_bahdanau_demo_rejects_a_test_set_that_leaves_no_training_data(tmp_path, capsys):

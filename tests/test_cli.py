@@ -9,6 +9,7 @@ of them also run as real subprocesses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -80,6 +81,22 @@ def assert_one_line_error(code, err: str, needle: str) -> None:
     assert len(lines) == 1, err
     assert lines[0].startswith("attnlab") and ": error: " in lines[0], lines[0]
     assert needle in lines[0], lines[0]
+
+
+@contextlib.contextmanager
+def watchdog(seconds: int):
+    """Fail (TimeoutError) instead of hanging when the block runs longer than ``seconds``."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)
@@ -667,6 +684,47 @@ def test_info_text_shows_the_calculators_numbers(capsys):
     assert f"{total:,} total ({total / 1e6:.2f}M)" in out
 
 
+def test_info_of_huge_and_tiny_models_prints_scaled_numbers(capsys):
+    """Past 9999.99B (counts) and 10,000 GiB (bytes) numbers are powers of ten: 1e18 layers
+    printed "200960000000000.00B" and "748634338378906.25 GiB"; a sliding-window model of
+    1e18 layers never finished (a loop over the layers). A tiny model prints plain numbers."""
+    from decimal import Decimal
+
+    from attnlab import analysis
+    from attnlab.cli.common import parse_assignments
+    from attnlab.config import RunConfig
+    from attnlab.presets import get_preset
+
+    def info(preset: str, sets: list[str]):
+        with watchdog(20):
+            code, out, err = run_main(
+                ["info", "--preset", preset, *[a for s in sets for a in ("--set", s)]], capsys
+            )
+        assert code == 0, err
+        cfg = RunConfig(model=get_preset(preset)).override(parse_assignments(sets)).model
+        return {line[:14].strip(): line[14:] for line in out.splitlines()}, cfg
+
+    window = ["model.attention.sliding_window=16", "model.attention.layer_pattern=LLG"]
+    for preset, sets in [("demo", []), ("gpt2-tiny", window)]:
+        rows, cfg = info(preset, [*sets, "model.n_layers=1e18"])
+        total = analysis.count_parameters(cfg)["total"]
+        assert f"{total:,} total ({Decimal(total):.2e})" in rows["parameters"]
+        assert rows["weights"] == f"{Decimal(4 * total):.2e} B in float32"
+        forward = analysis.flops_per_token(cfg, cfg.max_seq_len)["forward"]
+        assert rows["FLOPs/token"].startswith(f"forward {Decimal(forward):.2e} (dense ")
+        kv = analysis.kv_cache_bytes(cfg, cfg.max_seq_len)
+        assert rows["KV cache"].endswith(
+            f"; {Decimal(kv):.2e} B for batch 1 x {cfg.max_seq_len} tokens in float32"
+        )
+        assert "0B" not in " ".join(rows.values())  # no "200960000000000.00B"
+    tiny = ["model.n_layers=1", "model.d_model=2", "model.attention.n_heads=1",
+            "model.vocab_size=1", "model.max_seq_len=1", "model.ffn.hidden_dim=1"]  # fmt: skip
+    rows, cfg = info("demo", tiny)
+    total = analysis.count_parameters(cfg)["total"]
+    assert rows["parameters"].startswith(f"{total} total ({total}), ")
+    assert rows["weights"] == f"{4 * total} B in float32"
+
+
 def test_info_from_preset_and_config_file(work, capsys):
     code, out, err = run_main(["info", "--config", str(work / "run" / "config.json")], capsys)
     assert code == 0, err
@@ -966,9 +1024,80 @@ BAD_INPUTS = [
     (["train", "--preset", "gpt2-tiny", "--seed", "18446744073709551616"], "--seed"),
     (["train", "--preset", "gpt2-tiny", "--set", "train.lr=Infinity"], "train.lr: must be finite"),
     (["generate", "--ckpt", "{work}/run", "--seed", "18446744073709551616"], "--seed"),
-    (
+    (  # the option, not the library's length_penalty
         ["generate", "--ckpt", "{work}/run", "--num-beams", "2", "--length-penalty", "nan"],
-        "length_penalty must be a finite number",
+        "argument --length-penalty: must be a finite number, got 'nan'",
+    ),
+    # options of a decoding the command does not do were silently ignored
+    (
+        ["generate", "--ckpt", "{work}/run", "--length-penalty", "2"],
+        "--length-penalty applies to beam search; give --num-beams K",
+    ),
+    (["generate", "--ckpt", "{work}/run", "--num-beams", "2", "--no-cache"], "--no-cache: beam"),
+    (["generate", "--ckpt", "{work}/run", "--num-beams", "2", "--compile"], "--compile: beam"),
+    (  # was overflow='roll' ... use_cache=True, the library's names
+        ["generate", "--ckpt", "{work}/run", "--overflow", "roll"],
+        "--overflow roll needs relative positions (rope or none): a rolling cache keeps no "
+        "absolute ones; this model uses 'learned' positions: use --overflow slide or stop",
+    ),
+    (
+        ["generate", "--ckpt", "{work}/run", "--overflow", "roll", "--no-cache"],
+        "--overflow roll decodes with a rolling cache; drop --no-cache",
+    ),
+    (["translate", "--ckpt", "{tmp}/missing", "1", "--length-penalty", "1"], "--length-penalty"),
+    (["translate", "--ckpt", "{tmp}/missing", "1", "--beam-style", "gnmt"], "--beam-style applies"),
+    (
+        ["translate", "--ckpt", "{tmp}/missing", "1", "--num-beams", "2", "--length-penalty", "-1"],
+        "--length-penalty -1: gnmt beam scoring (--beam-style gnmt, the default) takes A >= 0",
+    ),
+    (  # was "run/trainer_state.pt: cannot read trainer state safely (... cpu:1 ...)"
+        ["generate", "--ckpt", "{work}/run", "--device", "cpu:1"],
+        "--device cpu:1: the CPU device has no index; use cpu",
+    ),
+    # a path that is neither a regular file nor a folder (was "no .txt or .md files under the
+    # folder /dev/null"; a FIFO given as a JSON file was read and waited for a writer)
+    (
+        ["train", "--preset", "gpt2-tiny", "--data", "/dev/null"],
+        "--data /dev/null: is a character device, not a text file or a folder",
+    ),
+    (["train", "--preset", "gpt2-tiny", "--data", "{tmp}/fifo"], "is a named pipe (FIFO), not a"),
+    (["eval", "--ckpt", "{work}/run", "--data", "/dev/null"], "--data /dev/null: is a character"),
+    (["eval", "--ckpt", "{work}/run", "--data", "{tmp}/empty"], "--data: no .txt or .md files"),
+    (
+        ["train", "--preset", "gpt2-tiny", "--config", "{tmp}/fifo"],
+        "fifo: is a named pipe (FIFO), not a regular file; give a JSON config file",
+    ),
+    (["info", "--config", "/dev/null"], "/dev/null: is a character device, not a regular file"),
+    (["info", "--ckpt", "/dev/null"], "is a character device, not a folder; give a checkpoint"),
+    (
+        ["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/out", "--tokenizer", "/dev/null"],
+        "--tokenizer /dev/null: is a character device, not a file",
+    ),
+    # an empty path was the current folder: read as the corpus, written into by export-hf
+    (["train", "--preset", "gpt2-tiny", "--data", ""], "argument --data: expected a path"),
+    (["train", "--preset", "gpt2-tiny", "--set", "data.path="], "data.path: is empty"),
+    (["train", "--preset", "gpt2-tiny", "--out", ""], "argument --out: expected a path"),
+    (["export-hf", "{work}/run", ""], "argument OUT: expected a path, got ''"),
+    (["generate", "--ckpt", ""], "argument --ckpt: expected a path"),
+    # sizes past what torch counts, and models too deep to build (info, kv and train's
+    # memory check build them on the meta device: 1e18 layers never ended)
+    (["info", "--preset", "demo", "--set", "model.d_model=1e300"], "must be from -2**63 to"),
+    (["info", "--preset", "xl-tiny", "--set", "model.d_model=1e12"], "more elements than torch"),
+    (["info", "--preset", "xl-tiny", "--set", "model.n_layers=1e18"], "at most 10,000 layers"),
+    (["kv", "--preset", "deepseek-v3", "--set", "model.n_layers=1e18"], "at most 10,000 layers"),
+    (  # a cache measured on the meta device (linear attention's state): a torch traceback
+        ["info", "--preset", "gpt2-tiny", "--set", "model.attention.kind=linear"]
+        + ["--seq-len", "100000000000000000", "--batch", "1000000000"],
+        "a KV cache of batch 1000000000 x 100000000000000000 tokens would have more elements",
+    ),
+    (
+        ["train", "--preset", "gpt2-tiny", "--set", "train.grad_accum=1e18"],
+        "train.grad_accum: 12 x 1000000000000000000 accumulated sequences per step exceed",
+    ),
+    (["--threads", "100000000000000000000", "presets"], "--threads must be at most"),
+    (  # was the line "Overflow when unpacking long long", naming nothing
+        ["eval", "--ckpt", "{work}/run", "--batch-size", "100000000000000000000"],
+        "argument --batch-size: must be at most 2**63 - 1",
     ),
     (["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/other"], "holds a training run"),
     (["import-hf", "{tmp}/hf_no_tokenizer", "{tmp}/bad.json"], "is not a folder"),
@@ -993,6 +1122,7 @@ def bad_files(work, tmp_path) -> Path:
     (tmp_path / "hf_no_tokenizer").mkdir()
     (tmp_path / "hf_no_tokenizer" / "config.json").write_text('{"model_type": "gpt2"}')
     train_tokenizer("char", ["a "]).save(tmp_path / "small.json")  # fewer tokens than the model
+    os.mkfifo(tmp_path / "fifo")  # whose reader waits for a writer: never one here
     return tmp_path
 
 
@@ -1000,7 +1130,8 @@ def bad_files(work, tmp_path) -> Path:
 def test_bad_input_is_one_error_line(argv, needle, work, bad_files, capsys, monkeypatch):
     monkeypatch.chdir(bad_files)
     argv = [a.format(work=work, tmp=bad_files) for a in argv]
-    code, out, err = run_main(argv, capsys)
+    with watchdog(60):  # some of them hung (a FIFO read, 1e18 layers built)
+        code, out, err = run_main(argv, capsys)
     assert_one_line_error(code, err, needle)
     assert not (bad_files / "runs").exists()  # nothing started
 
@@ -1216,6 +1347,39 @@ def test_interrupt_and_os_errors_are_one_line_each(capsys, monkeypatch, tmp_path
         missing.read_text()
     except OSError as e:
         assert _error_line(e) == f"{missing}: No such file or directory"
+
+
+def test_sizes_too_large_are_one_error_line_and_other_runtime_errors_keep_their_traceback(
+    capsys, monkeypatch
+):
+    """A size too large for the machine (torch's CPU allocator failing: batch_size=1e18 in
+    training, a demo's counts) or for torch's int64 (translate --max-new-tokens 2**63 - 1
+    sized a cache of one more) was a traceback, or the line "Overflow when unpacking long
+    long"; it is one line naming the command. Other RuntimeErrors are bugs and still raise."""
+    from attnlab.cli import presets as presets_cmd
+
+    def failing(message: str, kind: type = RuntimeError):
+        def run(args):
+            raise kind(message)
+
+        return run
+
+    for kind in (TypeError, ValueError):  # torch's argument parsing raises either
+        overflow = "zeros(): argument 'size' failed to unpack ... Overflow when unpacking long"
+        monkeypatch.setattr(presets_cmd, "run", failing(overflow, kind))
+        code, out, err = run_main(["presets"], capsys)
+        assert_one_line_error(code, err, "a size past torch's int64 (2**63 - 1), made of the")
+
+    oom = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+           "memory: you tried to allocate 400000000000 bytes. Error code 12 (Cannot allocate "
+           "memory)")  # fmt: skip
+    monkeypatch.setattr(presets_cmd, "run", failing(oom))
+    code, out, err = run_main(["presets"], capsys)
+    assert_one_line_error(code, err, "out of memory: a tensor (372.53 GiB at once) does not fit")
+    assert "give presets smaller sizes" in err
+    monkeypatch.setattr(presets_cmd, "run", failing("a bug"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["presets"])
 
 
 def test_argument_types_and_device_resolution(monkeypatch):

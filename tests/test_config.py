@@ -167,6 +167,21 @@ def test_train_config_rejects_infinity_and_seeds_torch_cannot_take():
     assert RunConfig.from_dict({"train": {"seed": -5}}).train.seed == -5
 
 
+def test_integers_past_int64_are_refused_by_name():
+    """Torch's sizes and counts are int64: a d_model of 1e300 was taken (info printed its
+    301 digits, kv failed converting it to a float), and a batch of 1e18 sequences
+    accumulated 1e18 times overflowed torch.randint's size (a TypeError traceback)."""
+    int64 = r"must be from -2\*\*63 to 2\*\*63 - 1 \(torch's int64\)"
+    with pytest.raises(ConfigError, match=rf"^d_model: {int64}, got 1\.000e\+300$"):
+        ModelConfig.from_dict({"d_model": 10**300})
+    # a field of int or null: its own message, not "expected int or null"
+    with pytest.raises(ConfigError, match=rf"^attention.sliding_window: {int64}, got 1\.000e\+30"):
+        ModelConfig.from_dict({"attention": {"sliding_window": 1e30}})
+    assert ModelConfig.from_dict({"n_layers": 2**63 - 1}).n_layers == 2**63 - 1
+    with pytest.raises(ConfigError, match=r"^train.grad_accum: 2 x 4611686018427387904 accum"):
+        RunConfig.from_dict({"train": {"batch_size": 2, "grad_accum": 2**62}})
+
+
 def test_round_trip_detects_change():
     cfg = get_preset("gpt2-tiny")
     other = ModelConfig.from_json(cfg.to_json().replace('"n_layers": 2', '"n_layers": 3'))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnlab.data.lm as lm
-from attnlab.config import DataConfig
+from attnlab.config import ConfigError, DataConfig
 from attnlab.data import (
     DOCUMENT_SEPARATOR,
     EMBEDDED_NAME,
@@ -94,6 +94,12 @@ def test_read_corpus_errors(tmp_path):
     (folder / "y.txt").write_text("")
     with pytest.raises(DataError, match="are empty"):
         read_corpus(folder)
+    # neither a file nor a folder: was searched as a folder, "no .txt or .md files under the
+    # folder /dev/null"
+    with pytest.raises(DataError, match="data.path: /dev/null is a character device, not a"):
+        read_corpus("/dev/null")
+    with pytest.raises(ConfigError, match="data.path: is empty; give a text file or a folder"):
+        DataConfig(path="").validate()  # "" is the current folder: it was read as the corpus
 
 
 def test_undecodable_bytes(tmp_path):

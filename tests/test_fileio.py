@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from attnlab.fileio import atomic_path, atomic_write_text, usual_permissions
+from attnlab.fileio import atomic_path, atomic_write_text, file_kind, usual_permissions
 
 
 def test_atomic_write_text_replaces_target(tmp_path):
@@ -70,6 +70,28 @@ def test_folder_target_is_refused_by_its_own_name(tmp_path):
     assert error.value.filename == str(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots"]
     assert list(target.iterdir()) == []
+
+
+def test_a_file_where_the_targets_folder_must_be_is_named_as_not_a_folder(tmp_path):
+    # mkdir's FileExistsError said "corpus.txt: File exists" (attention-map --out
+    # corpus.txt/map.png): true, but not what was wrong
+    (tmp_path / "corpus.txt").write_text("mine")
+    for target in ("corpus.txt/map.png", "corpus.txt/sub/map.png"):
+        with pytest.raises(NotADirectoryError) as error:
+            atomic_write_text(tmp_path / target, "text")
+        assert error.value.filename == str(tmp_path / "corpus.txt")
+        assert error.value.strerror == "is a regular file, not a folder"
+    assert (tmp_path / "corpus.txt").read_text() == "mine"
+
+
+def test_file_kind_names_what_is_there(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("x")
+    assert file_kind(tmp_path) == "a folder"
+    assert file_kind(tmp_path / "file") == "a regular file"
+    assert file_kind(tmp_path / "fifo") == "a named pipe (FIFO)"
+    assert file_kind(os.devnull) == "a character device"
+    assert file_kind(tmp_path / "missing") == "missing"
 
 
 def test_a_failed_write_names_the_target_not_the_temporary_file(tmp_path):

@@ -353,6 +353,9 @@ def test_a_folder_given_as_an_image_is_named_as_one(tmp_path):
         load_image(str(tmp_path), 3, 8, 8)
     with pytest.raises(CLIError, match="no such file"):
         load_image(str(tmp_path / "x.png"), 3, 8, 8)
+    # it is there: was "/dev/null: no such file"
+    with pytest.raises(CLIError, match="^/dev/null: a character device, not an image file"):
+        load_image("/dev/null", 3, 8, 8)
 
 
 def test_one_bit_and_16_bit_images_resize_to_0_1(tmp_path):

@@ -137,6 +137,19 @@ def test_kv_cache_bytes_are_window_bounded_on_local_layers(pattern, seq_len):
     assert want == 2 * entries * 2 * 2 * 8 * 4  # batch, k+v, h_kv, d_h, float32
 
 
+def test_kv_cache_bytes_of_1e18_layers_come_from_one_period_of_the_pattern():
+    """The entries were summed layer by layer: 1e18 layers (attnlab info --set
+    model.n_layers=1e18) never finished."""
+    from test_cli import watchdog
+
+    cfg = tiny(window=5, pattern="LLLG", n_layers=6).cfg.override({"n_layers": 10**18 + 2})
+    periods = 10**18 // 4  # LLLG, then the rest: LL
+    local, global_ = 3 * periods + 2, periods
+    with watchdog(20):
+        got = kv_cache_bytes(cfg, 16, batch=2)
+    assert got == 2 * (local * 5 + global_ * 16) * 2 * 2 * 8 * 4  # batch, k+v, h_kv, d_h, fp32
+
+
 @pytest.mark.parametrize("seq_len", [3, 16])
 @pytest.mark.parametrize(
     "preset, changes",

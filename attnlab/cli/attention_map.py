@@ -22,6 +22,7 @@ from attnlab.cli.common import (
     add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
+    path_arg,
     positive_int,
     refuse_tokenizer_option,
     require_tokenizer,
@@ -58,15 +59,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "target --target (default: the greedy translation). ViT: the [CLS] token's "
         "attention over the patches of --image.",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
-    p.add_argument("--out", required=True, metavar="FILE", help="PNG file to write")
+    p.add_argument(
+        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
+    )
+    p.add_argument("--out", type=path_arg, required=True, metavar="FILE", help="PNG file to write")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--text", metavar="TEXT", help="the input text (seq2seq: the source)")
     source.add_argument("--ids", type=token_ids, metavar="IDS", help="the input as token ids")
     target = p.add_mutually_exclusive_group()
     target.add_argument("--target", metavar="TEXT", help="seq2seq: the target text")
     target.add_argument("--target-ids", type=token_ids, metavar="IDS", help="seq2seq: target ids")
-    p.add_argument("--image", metavar="FILE", help="ViT: the image")
+    p.add_argument("--image", type=path_arg, metavar="FILE", help="ViT: the image")
     p.add_argument("--invert", action="store_true", help="ViT: use 1 - pixel (dark on light)")
     p.add_argument("--layers", type=index_list, metavar="I,J", help="layers to draw (default all)")
     p.add_argument("--heads", type=index_list, metavar="I,J", help="heads to draw (default all)")
@@ -83,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     from attnlab.attention_maps import AttentionMapError, draw_attention, save_png
 
     out = Path(args.out)
-    if out.suffix.lower() != ".png" and not out.is_dir():  # a PNG under another name, or
-        # over another file (a checkpoint's model.safetensors); a folder: save_png says so
+    if out.is_dir():
+        raise CLIError(f"--out {args.out}: is a folder; give a .png file name")
+    if out.suffix.lower() != ".png":  # a PNG under another name, or over another file (a
+        # checkpoint's model.safetensors)
         raise CLIError(f"--out {args.out}: give a .png file name (the map is written as a PNG)")
     device = resolve_device(args.device)
     model, cfg, vocab = load_for_inference(args.ckpt, device, args.dtype)
@@ -200,7 +205,14 @@ def _seq2seq_grids(args, model, cfg, vocab, device: str) -> tuple[list[Attention
         tgt_ids = text.encode_target(args.target, "--target")
     else:  # the model's own greedy translation
         tgt_ids = model.generate(src, args.max_new_tokens or m.max_seq_len - 1)[0]
-    _check_length(len(tgt_ids) + 1, m.max_seq_len, "--target")
+        if len(tgt_ids) + 1 > m.max_seq_len:  # it fits unless --max-new-tokens let it grow
+            raise CLIError(
+                f"--max-new-tokens {args.max_new_tokens}: the greedy translation has "
+                f"{len(tgt_ids)} tokens, past the model's max_seq_len={m.max_seq_len} (with "
+                f"BOS); give at most {m.max_seq_len - 1}"
+            )
+    option = "--target-ids" if args.target_ids is not None else "--target"
+    _check_length(len(tgt_ids) + 1, m.max_seq_len, option)
     tgt_in = torch.tensor([[m.bos_id, *tgt_ids]], device=device)  # (1, t): BOS + target
     maps = _record(model, src, tgt_in)
     source = text.source_labels(src_ids)

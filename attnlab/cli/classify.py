@@ -22,11 +22,13 @@ from attnlab.cli.common import (
     add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
+    path_arg,
     positive_int,
     refuse_tokenizer_option,
     resolve_device,
     tokenizer_option,
 )
+from attnlab.fileio import file_kind
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.vit import RESAMPLE_FILTERS, normalize_pixels
 
@@ -45,7 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "scaled to [0, 1]; the digits were light strokes on a dark ground (use --invert for "
         "dark on light).",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
+    p.add_argument(
+        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
+    )
     p.add_argument(
         "inputs",
         nargs="+",
@@ -72,8 +76,10 @@ def load_image(
 
     if Path(path).is_dir():
         raise CLIError(f"{path}: a folder; give image files")
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise CLIError(f"{path}: no such file")
+    if not Path(path).is_file():  # /dev/null, a FIFO (whose read would wait): not "no such file"
+        raise CLIError(f"{path}: {file_kind(path)}, not an image file; give image files")
     try:
         image = Image.open(path)
         image.load()
@@ -161,6 +167,14 @@ def classify_images(model, cfg, paths: list[str], invert: bool, k: int, device: 
     return report
 
 
+def _shown(text: str, limit: int = 50) -> str:
+    """A text as an error names it: a long one by its start (the whole of a page-long text
+    made an error line of that length)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str, ckpt) -> dict:
     """text -> {"class": label name, "top": [[name, prob], ...]} for each text: softmax
     over the classes of ``[CLS] text [SEP]`` (the texts padded to one batch), or a sigmoid
@@ -183,9 +197,9 @@ def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str,
         try:
             rows.append(codec.single(codec.encode(text)[0]))
         except TokenizerError as e:
-            raise CLIError(f"the text {text!r}: {e}") from None
+            raise CLIError(f"the text {_shown(text)}: {e}") from None
     for text, row in zip(texts, rows):
-        check_length(len(row), cfg.model.max_seq_len, f"the text {text!r}")
+        check_length(len(row), cfg.model.max_seq_len, f"the text {_shown(text)}")
     idx, valid = pad(rows, codec.pad_id), pad([[1] * len(r) for r in rows], 0)
     with torch.no_grad():
         logits = model(idx.to(device), attention_mask=valid.to(device)).logits

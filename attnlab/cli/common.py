@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attnlab.config import SEED_MAX, SEED_MIN, ConfigError, ModelConfig, RunConfig
+from attnlab.fileio import file_kind
 
 if TYPE_CHECKING:  # heavy imports, kept out of the CLI's start-up
     from attnlab.models.decoder import DecoderLM
@@ -34,13 +37,21 @@ def positive_int(text: str) -> int:
     value = _number(text, int)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    return _int64(value, text)
 
 
 def non_negative_int(text: str) -> int:
     value = _number(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return _int64(value, text)
+
+
+def _int64(value: int, text: str) -> int:
+    """``value`` if torch takes it as a size or count (past int64, "Overflow when unpacking
+    long long" was the whole error, or a traceback)."""
+    if value > SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most 2**63 - 1, got {text!r}")
     return value
 
 
@@ -49,6 +60,29 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
+
+
+def finite_float(text: str) -> float:
+    value = _number(text, float)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if not 0 <= value < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def path_arg(text: str) -> str:
+    """A file or folder path, not empty: ``Path("")`` is the current folder, which a
+    command would read (a corpus, a model) or write into instead of the one meant, and
+    ``if args.out`` would take an empty one for none given."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return text
 
 
 def seed_int(text: str) -> int:
@@ -137,6 +171,8 @@ def evaluation_settings(
 
 def read_json_file(path: str | Path, what: str = "config") -> dict[str, Any]:
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO's read would wait
+        raise CLIError(f"{path}: is {file_kind(path)}, not a regular file; give a JSON {what} file")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -199,6 +235,8 @@ def resolve_device(name: str) -> str:
         )
     if kind == "mps" and not torch.backends.mps.is_available():
         raise CLIError(f"--device {name}: MPS is not available on this machine; use cpu")
+    if kind == "cpu" and device.index is not None:  # torch takes cpu:1, but there is one CPU
+        raise CLIError(f"--device {name}: the CPU device has no index; use cpu")
     if kind not in ("cpu", "cuda", "mps"):
         raise CLIError(f"--device {name}: the {kind} device is not supported; use cpu or cuda")
     return name
@@ -216,8 +254,22 @@ def check_dir(path: str | Path, what: str) -> Path:
     if not path.exists():
         raise CLIError(f"{path}: {what} not found")
     if not path.is_dir():
-        raise CLIError(f"{path}: {what} must be a folder")
+        raise CLIError(f"{path}: is {file_kind(path)}, not a folder; give a {what}")
     return path
+
+
+def check_data_path(path: str) -> Path:
+    """``--data PATH`` (train, eval): a text file or a folder, checked before any work (a
+    device or FIFO was searched as a folder, and reported as one without text files)."""
+    data = Path(path)
+    if not data.exists():
+        raise CLIError(f"--data {path}: no such file or folder")
+    if not data.is_file() and not data.is_dir():
+        raise CLIError(
+            f"--data {path}: is {file_kind(data)}, not a text file or a folder; give a .txt or "
+            ".md file, or a folder of them"
+        )
+    return data
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:
@@ -274,6 +326,7 @@ def stop_token_ids(path: str | Path) -> list[int]:
 def add_tokenizer_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
+        type=path_arg,
         metavar="FILE",
         help="tokenizer.json to use instead of the checkpoint's (for checkpoints without one)",
     )
@@ -322,7 +375,15 @@ def require_tokenizer(
 # ------------------------------------------------------------------ formatting
 
 
+HUMAN_COUNT_MAX = 10**13  # from here "12345.67B" would be unreadable: powers of ten
+HUMAN_BYTES_MAX = 10**4 << 30  # 10,000 GiB (a 671B model's float32 weights are 2,500)
+
+
 def human_count(n: float) -> str:
+    """``836.74K``, ``8.03B`` (up to ``9999.99B``); past that ``2.01e+23`` (an int of any
+    size: no float conversion to overflow)."""
+    if abs(n) >= HUMAN_COUNT_MAX:
+        return f"{Decimal(n):.2e}"
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"
@@ -330,6 +391,9 @@ def human_count(n: float) -> str:
 
 
 def human_bytes(n: float) -> str:
+    """``512 B``, ``3.19 MiB``, ``2499.77 GiB`` (up to 10,000 GiB); past that ``8.04e+23 B``."""
+    if abs(n) >= HUMAN_BYTES_MAX:
+        return f"{Decimal(n):.2e} B"
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"

@@ -4,12 +4,14 @@ with no name list them. Each prints a table and writes its figures into --out.""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
-from attnlab.cli.common import non_negative_int
+from attnlab.cli.common import CLIError, non_negative_int, path_arg
 from attnlab.config import SEED_MAX
 from attnlab.demos import DEMOS
+from attnlab.fileio import file_kind
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +25,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     names = p.add_subparsers(dest="demo", metavar="NAME")  # same parser class: one-line errors
     for name, module in DEMOS.items():
         q = names.add_parser(name, help=module.DESCRIPTION, description=module.__doc__)
-        q.add_argument("--out", metavar="DIR", default=f"runs/demo-{name}", help="figure folder")
+        q.add_argument(
+            "--out", type=path_arg, metavar="DIR", default=f"runs/demo-{name}", help="figure folder"
+        )
         q.add_argument("--seed", type=_seed, default=0, help="random seed")
         module.add_arguments(q)
 
@@ -44,4 +48,7 @@ def run(args: argparse.Namespace) -> int:
     # The demos run small tensors: one thread is as fast, and two threads fighting other
     # processes for two cores made a training step ten times slower.
     torch.set_num_threads(1)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():  # found only when the first figure was written
+        raise CLIError(f"--out {out}: is {file_kind(out)}, not a folder; give a figure folder")
     return int(DEMOS[args.demo].run(args) or 0)

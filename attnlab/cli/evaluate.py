@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,8 +19,10 @@ from attnlab.cli.common import (
     add_dtype_argument,
     add_evaluation_settings_argument,
     add_tokenizer_argument,
+    check_data_path,
     evaluation_settings,
     load_for_inference,
+    path_arg,
     positive_int,
     refuse_tokenizer_option,
     require_tokenizer,
@@ -47,9 +48,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "language model the mean next-token loss over consecutive non-overlapping blocks "
         "of its validation split, or of any text with --data.",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
+    p.add_argument(
+        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
+    )
     p.add_argument(
         "--data",
+        type=path_arg,
         metavar="PATH",
         help="a .txt or .md file, or a folder read recursively for them, to evaluate on (its "
         "whole blocks; --stride scores every token)",
@@ -93,8 +97,9 @@ def _tokens_of_file(
 
     try:
         texts = [doc for _, doc in read_corpus(path, errors=errors)]
-    except DataError as e:  # the option eval has for it
-        raise CLIError(str(e).replace("set data.errors=replace", "give --errors replace")) from None
+    except DataError as e:  # the options eval has for them
+        message = str(e).replace("set data.errors=replace", "give --errors replace")
+        raise CLIError(message.replace("data.path: ", "--data: ", 1)) from None
     try:
         return tokenizer.encode_array(DOCUMENT_SEPARATOR.join(texts), special_tokens), texts
     except TokenizerError as e:
@@ -295,8 +300,7 @@ def _file_data(args, cfg: RunConfig, tokenizer, packed: bool):
     from attnlab.data import TokenDataset
     from attnlab.data.lm import DataError, document_starts
 
-    if not Path(args.data).exists():
-        raise CLIError(f"--data {args.data}: no such file or folder")
+    check_data_path(args.data)
     # read as the model's tokenizer reads a text: an imported LLaMA's opens with <s>
     # (packed documents are cut at their texts' boundaries, which holds none)
     errors = args.errors or cfg.data.errors

@@ -31,8 +31,10 @@ from attnlab.cli.common import (
     add_evaluation_settings_argument,
     add_tokenizer_argument,
     evaluation_settings,
+    finite_float,
     load_for_inference,
     non_negative_int,
+    path_arg,
     positive_int,
     require_tokenizer,
     resolve_device,
@@ -49,6 +51,7 @@ DEFAULT_PROMPT = "\n"  # a fresh line: the most neutral start a char-level model
 DEFAULT_TEMPERATURE = 0.8
 SAMPLING = ("temperature", "top_k", "top_p")  # the options --num-beams refuses
 DEFAULT_MAX_NEW_TOKENS = 256  # at most; without --max-new-tokens the context's room left
+DEFAULT_LENGTH_PENALTY = 1.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Continue a prompt with a trained model. Prints the prompt followed by "
         "the generated text.",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
+    p.add_argument(
+        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
+    )
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument(
         "--prompt",
@@ -81,9 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"tokens to generate (default: what fits the model's context, at most "
         f"{DEFAULT_MAX_NEW_TOKENS}: min({DEFAULT_MAX_NEW_TOKENS}, max_seq_len - prompt tokens))",
     )
-    p.add_argument(
-        "--temperature", type=float, help=f"0 = greedy (default {DEFAULT_TEMPERATURE})"
-    )
+    p.add_argument("--temperature", type=float, help=f"0 = greedy (default {DEFAULT_TEMPERATURE})")
     p.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=seed_int, help="seed the sampler (reproducible output)")
@@ -113,11 +116,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--length-penalty",
-        type=float,
-        default=1.0,
+        type=finite_float,
         metavar="A",
-        help="beam scores are log p / length**A (default 1.0); the search ends once K beams "
-        "have finished, as transformers' generate(early_stopping=True)",
+        help=f"with --num-beams: beam scores are log p / length**A (default "
+        f"{DEFAULT_LENGTH_PENALTY}); the search ends once K beams have finished, as "
+        "transformers' generate(early_stopping=True)",
     )
     add_evaluation_settings_argument(p)
     add_device_argument(p)
@@ -223,6 +226,17 @@ def run(args: argparse.Namespace) -> int:
                 f"{', '.join(given)}: sampling, and --num-beams searches instead of sampling; "
                 "drop one of them"
             )
+        # beam search always caches and never compiles: these were silently ignored
+        for option, given in (("--no-cache", args.no_cache), ("--compile", args.compile)):
+            if given:
+                raise CLIError(
+                    f"{option}: beam search (--num-beams) always caches and never compiles; "
+                    "drop one of them"
+                )
+    elif args.length_penalty is not None:  # it ranks beams: alone it was silently ignored
+        raise CLIError("--length-penalty applies to beam search; give --num-beams K (K > 1)")
+    if args.length_penalty is None:
+        args.length_penalty = DEFAULT_LENGTH_PENALTY
     if args.temperature is None:
         args.temperature = DEFAULT_TEMPERATURE
     try:
@@ -240,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
         )
     cfg = evaluation_settings(args.set, model, run_cfg, "generate").model
     tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.vocab_size)
+    _check_roll(args, model)
     from attnlab.interop import HFCheckpointError
     from attnlab.tokenizers import TokenizerError
 
@@ -293,6 +308,27 @@ def run(args: argparse.Namespace) -> int:
             f"has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}; give the model's "
             "own tokenizer.json with --tokenizer FILE"
         ) from None
+
+
+def _check_roll(args: argparse.Namespace, model) -> None:
+    """``--overflow roll`` where the model and options allow it (a rolling cache of relative
+    positions), refused by its options' names (the library's said overflow='roll' and
+    use_cache=True)."""
+    if args.overflow != "roll" or getattr(model, "unbounded_context", False) or args.num_beams > 1:
+        return
+    if args.no_cache:
+        raise CLIError("--overflow roll decodes with a rolling cache; drop --no-cache")
+    if model.cfg.attention.kind == "nsa":
+        raise CLIError(
+            "--overflow roll: native sparse attention's blocks lie over cache slots from slot 0, "
+            "which a rolling cache wraps; use --overflow slide"
+        )
+    if not model.relative_positions:
+        raise CLIError(
+            "--overflow roll needs relative positions (rope or none): a rolling cache keeps "
+            f"no absolute ones; this model uses {model.cfg.position.kind!r} positions: use "
+            "--overflow slide or stop"
+        )
 
 
 def _prompt(args: argparse.Namespace, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:

@@ -33,7 +33,9 @@ from attnlab.cli.common import (
     check_dir,
     is_hf_dir,
     is_run_config,
+    path_arg,
 )
+from attnlab.fileio import file_kind
 from attnlab.interop.io import CONFIG_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -60,9 +62,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "SRC/tokenizer.json or --tokenizer; without either, the checkpoint has none (generate "
         "then takes --tokenizer or --prompt-ids).",
     )
-    p.add_argument("src", metavar="SRC", help="Hugging Face model folder")
-    p.add_argument("out", metavar="OUT", help="attnlab checkpoint folder to write")
-    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: SRC's)")
+    p.add_argument("src", type=path_arg, metavar="SRC", help="Hugging Face model folder")
+    p.add_argument("out", type=path_arg, metavar="OUT", help="attnlab checkpoint folder to write")
+    p.add_argument(
+        "--tokenizer", type=path_arg, metavar="FILE", help="tokenizer.json (default: SRC's)"
+    )
     add_dtype_argument(p)
     p.set_defaults(handler=run_import)
 
@@ -75,8 +79,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "for a ViT) that transformers' "
         "from_pretrained and AutoTokenizer load.",
     )
-    p.add_argument("ckpt", metavar="CKPT", help="attnlab checkpoint folder")
-    p.add_argument("out", metavar="OUT", help="folder to write")
+    p.add_argument("ckpt", type=path_arg, metavar="CKPT", help="attnlab checkpoint folder")
+    p.add_argument("out", type=path_arg, metavar="OUT", help="folder to write")
     p.set_defaults(handler=run_export)
 
 
@@ -165,11 +169,17 @@ def run_import(args: argparse.Namespace) -> int:
         )
     hf_config = with_generation_config(src, read_config(src))
     family, _ = lookup(hf_config)  # the family and config, before the weights
-    tokenizer_file = Path(args.tokenizer) if args.tokenizer else src / TOKENIZER_FILE
+    given = args.tokenizer is not None
+    tokenizer_file = Path(args.tokenizer) if given else src / TOKENIZER_FILE
     tokenizer = None
     if tokenizer_file.is_file():
         tokenizer = load_tokenizer(tokenizer_file)
-    elif args.tokenizer:
+    elif given and tokenizer_file.exists():  # a folder, /dev/null: it is there, not "not found"
+        raise CLIError(
+            f"--tokenizer {tokenizer_file}: is {file_kind(tokenizer_file)}, not a file; give a "
+            "tokenizer.json file"
+        )
+    elif given:
         raise CLIError(f"{tokenizer_file}: tokenizer not found; give a tokenizer.json file")
     model_cfg = config_from_hf(hf_config)
     # the largest embedding table: a seq2seq model's tokenizer may serve its source only

@@ -15,6 +15,7 @@ from attnlab.cli.common import (
     is_hf_dir,
     model_config_from_file,
     parse_assignments,
+    path_arg,
     positive_int,
     run_preset,
 )
@@ -30,9 +31,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", metavar="NAME", help="a model or run preset (see presets)")
-    source.add_argument("--ckpt", metavar="DIR", help="an attnlab or Hugging Face model folder")
     source.add_argument(
-        "--config", metavar="FILE", help="JSON: a run config, a model config or an HF config"
+        "--ckpt", type=path_arg, metavar="DIR", help="an attnlab or Hugging Face model folder"
+    )
+    source.add_argument(
+        "--config",
+        type=path_arg,
+        metavar="FILE",
+        help="JSON: a run config, a model config or an HF config",
     )
     p.add_argument(
         "--set",

@@ -6,6 +6,7 @@ handler) and ``run(args) -> int``. Library errors for bad input all derive from
 ValueError (ConfigError, DataError, TokenizerError, CheckpointError), OSError or, for a
 corrupt weights file, SafetensorError; a third-party package that is not installed (the
 lazily imported matplotlib, num2words, scikit-learn) is one line naming what to install;
+so is a size given too large (a tensor past the machine's memory, or past torch's int64);
 anything else is a bug and keeps its traceback.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import warnings
 
@@ -83,6 +85,11 @@ def _thread_count(text: str) -> int:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"--threads must be a positive integer, got {text!r}")
+    cpus = os.cpu_count() or 1
+    if n > cpus:  # torch took 2**31 - 1 and failed past it; threads past the CPUs only wait
+        raise argparse.ArgumentTypeError(
+            f"--threads must be at most this machine's {cpus} CPUs, got {text!r}"
+        )
     return n
 
 
@@ -111,6 +118,35 @@ def _missing_package(error: ImportError) -> str | None:
     return f"the {name!r} package is not installed (pip install {PIP_NAMES.get(name, name)})"
 
 
+def _too_large(error: BaseException, command: str) -> str | None:
+    """The error line for a size given too large: a tensor the machine cannot hold (torch's
+    CPU allocator failing, or CUDA out of memory), or a size torch cannot even take (past
+    int64: a product of sizes the options allow one by one). None for any other error."""
+    torch = sys.modules.get("torch")
+    text = str(error)
+    # torch's words, as a TypeError, ValueError or (for a tensor's size) RuntimeError
+    if "Overflow when unpacking long" in text or "Storage size calculation overflowed" in text:
+        return (
+            f"a size past torch's int64 (2**63 - 1), made of the sizes given; give {command} "
+            "smaller sizes (batch, lengths, counts)"
+        )
+    cuda = torch is not None and isinstance(error, torch.OutOfMemoryError)
+    if not cuda and "can't allocate memory" not in text:
+        return None
+    found = re.search(r"allocate (\d+) bytes", text) or re.search(r"allocate ([\d.]+ \w+)", text)
+    size = ""
+    if found:
+        from attnlab.cli.common import human_bytes
+
+        amount = found.group(1)
+        size = f" ({human_bytes(int(amount)) if amount.isdigit() else amount} at once)"
+    where = "the GPU" if cuda else "this machine"
+    return (
+        f"out of memory: a tensor{size} does not fit in {where}'s memory; give {command} "
+        "smaller sizes (batch, lengths, counts)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -133,10 +169,21 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except (CLIError, ValueError, OSError, SafetensorError) as error:
-        print(f"attnlab: error: {_error_line(error)}", file=sys.stderr)
+        line = _too_large(error, _command(args)) or _error_line(error)
+        print(f"attnlab: error: {line}", file=sys.stderr)
         return EXIT_ERROR
     except ImportError as error:
         if (line := _missing_package(error)) is None:
             raise
         print(f"attnlab: error: {line}", file=sys.stderr)
         return EXIT_ERROR
+    except (RuntimeError, TypeError) as error:
+        if (line := _too_large(error, _command(args))) is None:
+            raise  # a bug
+        print(f"attnlab: error: {line}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The subcommand as typed: ``train``, ``demo sqrt-dk``."""
+    return " ".join(filter(None, (args.command, getattr(args, "demo", None))))

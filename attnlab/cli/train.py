@@ -24,9 +24,11 @@ from typing import Any
 
 from attnlab.cli.common import (
     CLIError,
+    check_data_path,
     check_dir,
     non_negative_int,
     parse_assignments,
+    path_arg,
     positive_float,
     positive_int,
     read_json_file,
@@ -50,7 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--preset", metavar="NAME", help=f"run or model preset (default {DEFAULT_PRESET})"
     )
     p.add_argument(
-        "--config", metavar="FILE", help="JSON run config, full or partial, merged over it"
+        "--config",
+        type=path_arg,
+        metavar="FILE",
+        help="JSON run config, full or partial, merged over it",
     )
     p.add_argument(
         "--set",
@@ -60,6 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--data",
+        type=path_arg,
         metavar="PATH",
         help="a .txt or .md file, or a folder read recursively for .txt and .md files "
         "(sets data.path)",
@@ -71,13 +77,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--out",
+        type=path_arg,
         metavar="DIR",
         help="output folder (default runs/<preset>; with --resume, the resumed folder; with "
         "--init-from, runs/<its name>-finetuned)",
     )
-    p.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
+    p.add_argument("--resume", type=path_arg, metavar="DIR", help="continue the run saved in DIR")
     p.add_argument(
         "--init-from",
+        type=path_arg,
         metavar="DIR",
         help="fine-tune: start from the weights and tokenizer of an attnlab checkpoint or "
         "Hugging Face model folder, with a fresh optimizer and schedule (default lr a "
@@ -292,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    if args.data is not None and not Path(args.data).exists():  # fail before building anything
-        raise CLIError(f"--data {args.data}: no such file or folder")
+    if args.data is not None:  # fail before building anything
+        check_data_path(args.data)
     out = _output_folder(args, name)
     from attnlab.training import train
     from attnlab.training.metrics import METRICS_FILE, PLOT_FILE

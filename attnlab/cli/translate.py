@@ -20,7 +20,9 @@ from attnlab.cli.common import (
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
+    finite_float,
     load_for_inference,
+    path_arg,
     positive_int,
     refuse_tokenizer_option,
     resolve_device,
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from attnlab.config import ModelConfig, RunConfig
 
 SEQ2SEQ_ARCHS = ("seq2seq", "gru-seq2seq")
+DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_STYLE = 0.6, "gnmt"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transformer-numbers / gru-numbers), or text with an imported Marian model "
         "(attnlab import-hf); without a tokenizer, token ids with --source-ids.",
     )
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint (or HF) folder")
+    p.add_argument(
+        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
+    )
     p.add_argument(
         "sources", nargs="*", metavar="TEXT", help="texts to translate, e.g. digit strings 1234"
     )
@@ -59,17 +64,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-beams", type=positive_int, default=1, metavar="K", help="1: greedy")
     p.add_argument(
         "--length-penalty",
-        type=float,
-        default=0.6,
+        type=finite_float,
         metavar="A",
-        help="beam scores are log p / lp(length) ** A (default 0.6)",
+        help=f"with --num-beams: beam scores are log p / lp(length) ** A (default "
+        f"{DEFAULT_LENGTH_PENALTY}; gnmt takes A >= 0)",
     )
     p.add_argument(
         "--beam-style",
         choices=("gnmt", "transformers"),
-        default="gnmt",
-        help="gnmt (default): lp = (5 + n) / 6, stop when no beam can win; transformers: "
-        "lp = n, stop when num_beams have finished (as generate(early_stopping=True))",
+        help="with --num-beams: gnmt (default): lp = (5 + n) / 6, stop when no beam can win; "
+        "transformers: lp = n, stop when num_beams have finished (as "
+        "generate(early_stopping=True))",
     )
     p.add_argument(
         "--max-new-tokens", type=positive_int, metavar="N", help="default: max_seq_len - 1"
@@ -214,9 +219,30 @@ def _source_rows(
     return rows
 
 
+def check_beam_options(args: argparse.Namespace) -> dict:
+    """The beam search options of ``args`` for ``model.generate``: refused by name without
+    ``--num-beams`` K > 1 (they were silently ignored) and where they rank nothing (the
+    library's error named its length_penalty)."""
+    if args.num_beams == 1:
+        for option, value in (("--length-penalty", args.length_penalty),
+                              ("--beam-style", args.beam_style)):  # fmt: skip
+            if value is not None:
+                raise CLIError(f"{option} applies to beam search; give --num-beams K (K > 1)")
+        return {"num_beams": 1}
+    alpha = DEFAULT_LENGTH_PENALTY if args.length_penalty is None else args.length_penalty
+    style = args.beam_style or DEFAULT_BEAM_STYLE
+    if style == "gnmt" and alpha < 0:  # its stopping rule needs lp to grow with the length
+        raise CLIError(
+            f"--length-penalty {alpha:g}: gnmt beam scoring (--beam-style gnmt, the default) "
+            "takes A >= 0; give --beam-style transformers for a negative A"
+        )
+    return {"num_beams": args.num_beams, "length_penalty": alpha, "style": style}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    options = check_beam_options(args)  # before the (slow) model load
     device = resolve_device(args.device)
     model, cfg, text = load_seq2seq(args, device)
     m = cfg.model
@@ -227,9 +253,6 @@ def run(args: argparse.Namespace) -> int:
     longest, pad = max(len(r) for r in rows), m.pad_id
     src = torch.tensor([r + [pad] * (longest - len(r)) for r in rows], device=device)
     src_mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in rows]).bool()
-    options = {"num_beams": args.num_beams}
-    if args.num_beams > 1:
-        options.update(length_penalty=args.length_penalty, style=args.beam_style)
     try:
         out = model.generate(
             src, args.max_new_tokens or m.max_seq_len - 1, src_mask=src_mask.to(device), **options

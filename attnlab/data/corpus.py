@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnlab.fileio import file_kind
+
 EMBEDDED_NAME = "<embedded: pydoc_data.topics>"
 DOCUMENT_SEPARATOR = "\n\n"  # between documents when a corpus becomes one token stream
 TEXT_SUFFIXES = (".txt", ".md")  # what a folder corpus reads
@@ -62,6 +64,11 @@ def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
         if not data.strip():
             raise DataError(f"data.path: {root} is empty; give a file with text in it")
         return [RawSource(str(root), root.name, data)]
+    if not root.is_dir():  # /dev/null, a FIFO: searched as a folder, reported as one
+        raise DataError(
+            f"data.path: {root} is {file_kind(root)}, not a text file or a folder; give a "
+            ".txt / .md file or a folder of them"
+        )
     files = sorted(_text_files(root), key=lambda f: f.relative_to(root).as_posix())
     if not files:
         raise DataError(f"data.path: no .txt or .md files under the folder {root}")

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     model = GRUSeq2Seq(cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses, start, epoch = [], time.perf_counter(), 0
-    while time.perf_counter() - start < args.seconds:
+    while time.perf_counter() - start < args.seconds or not losses:  # at least one step
         for batch in iterate_batches(data.train, src_vocab, tgt_vocab, args.batch_size,
                                      shuffle=True, seed=args.seed + epoch):  # fmt: skip
             loss = model(batch.src, batch.src_mask, batch.tgt_in, batch.tgt_out).loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,6 +11,23 @@ from attnlab.fileio import atomic_path
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+
+def check_memory(nbytes: int, options: str) -> None:
+    """Refuse sizes whose tensors alone would outgrow this machine's memory: the demo would
+    fail at an allocation, or crawl toward one for hours. ``options`` names the options
+    that set them."""
+    from attnlab.cli.common import human_bytes
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no way to tell: let it try
+        return
+    if nbytes > total:
+        raise ValueError(
+            f"{options}: the demo's tensors would take {human_bytes(nbytes)}, more than this "
+            f"machine's {human_bytes(total)} of memory; give smaller values"
+        )
 
 
 def new_figure(n_panels: int, *, width: float = 5.0, height: float = 4.0) -> tuple:

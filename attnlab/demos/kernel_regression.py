@@ -8,11 +8,12 @@ mean squared error against the noise-free function on an even grid of [0, 5].
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
 
-from attnlab.demos.common import format_table, new_figure, save_figure
+from attnlab.demos.common import check_memory, format_table, new_figure, save_figure
 from attnlab.models.kernel_regression import KERNELS, KernelRegression
 
 NAME = "kernel-regression"
@@ -26,23 +27,41 @@ def true_function(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from attnlab.cli.common import positive_float, positive_int
+    from attnlab.cli.common import non_negative_float, positive_float, positive_int
 
     p.add_argument("--n-train", type=positive_int, default=50, help="noisy training points")
     p.add_argument("--n-test", type=positive_int, default=100, help="test grid points")
-    p.add_argument("--noise", type=float, default=0.5, help="noise standard deviation")
+    p.add_argument("--noise", type=non_negative_float, default=0.5, help="noise standard deviation")
     p.add_argument("--bandwidth", type=positive_float, default=0.5, help="fixed kernels' h")
     p.add_argument("--steps", type=positive_int, default=300, help="gradient steps on log h")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.noise >= 0:
-        raise ValueError(f"--noise must be >= 0, got {args.noise}")
+    if not 0 <= args.noise < math.inf:  # (the parser's check, for callers of run)
+        raise ValueError(f"--noise must be a finite number >= 0, got {args.noise}")
+    # float32, as the models compute: a bandwidth of 1e-300 was 0 there, one of 1e39 inf,
+    # and the error named the library's bandwidth, not this option
+    if not 0 < torch.tensor(math.log(args.bandwidth)).exp().item() < math.inf:
+        raise ValueError(
+            f"--bandwidth {args.bandwidth:g}: outside float32's range (the demo's precision); "
+            "give a bandwidth from 1e-38 to 1e38"
+        )
     if args.n_train < 2:  # the learned bandwidth predicts each point from the others
         raise ValueError(f"--n-train must be at least 2 to leave one out, got {args.n_train}")
+    # the (n_train, n_train) leave-one-out weights and (n_test, n_train) test weights, each
+    # with a few float32 intermediates (distances, scores)
+    check_memory(16 * args.n_train * max(args.n_train, args.n_test), "--n-train / --n-test")
     g = torch.Generator().manual_seed(args.seed)
     x = torch.sort(torch.rand(args.n_train, generator=g) * 5).values
     y = true_function(x) + args.noise * torch.randn(args.n_train, generator=g)
+    # a prediction is a weighted mean of the targets: its squared error is at most
+    # (2 max |y|)^2; past float32's range the learned bandwidth went NaN (an error that
+    # named the library's bandwidth)
+    if not math.isfinite(((2 * y.abs().max()) ** 2 * args.n_train).item()):
+        raise ValueError(
+            f"--noise {args.noise:g}: the squared errors of targets that noisy overflow "
+            "float32 (the demo's precision); give a smaller --noise"
+        )
     x_test = torch.linspace(0, 5, args.n_test)
     y_test = true_function(x_test)
 

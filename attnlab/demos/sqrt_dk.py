@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.demos.common import format_table, new_figure, save_figure
+from attnlab.demos.common import check_memory, format_table, new_figure, save_figure
 
 NAME = "sqrt-dk"
 DESCRIPTION = "why scores are divided by sqrt(d_k): score variance, softmax saturation, gradient"
@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.n_keys < 2:
         raise ValueError(f"--n-keys must be at least 2 for a softmax to choose, got {args.n_keys}")
+    # float64: a chunk of 64 rows' keys at the largest d_k, and every row's softmax Jacobian
+    need = 8 * max(64 * args.n_keys * args.d_max, args.n_rows * args.n_keys**2)
+    check_memory(need, "--d-max / --n-keys / --n-rows")
     g = torch.Generator().manual_seed(args.seed)
     d_ks = [2**i for i in range(int(math.log2(args.d_max)) + 1)]
     rows = [measure(d, n_keys=args.n_keys, n_rows=args.n_rows, generator=g) for d in d_ks]

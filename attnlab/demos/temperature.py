@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from attnlab.config import DataConfig, RunConfig, TrainConfig
-from attnlab.demos.common import format_table, new_figure, save_figure
+from attnlab.demos.common import check_memory, format_table, new_figure, save_figure
 from attnlab.presets import llama_style
 
 NAME = "temperature"
@@ -41,11 +41,14 @@ def sweep(logits: torch.Tensor, temperatures) -> list[dict[str, float]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from attnlab.cli.common import non_negative_int, positive_int
+    from attnlab.cli.common import non_negative_int, path_arg, positive_int
 
     p.add_argument("--n-logits", type=positive_int, default=50, help="size of the random logits")
     p.add_argument(
-        "--ckpt", metavar="DIR", help="an attnlab checkpoint to read a distribution from"
+        "--ckpt",
+        type=path_arg,
+        metavar="DIR",
+        help="an attnlab checkpoint to read a distribution from",
     )
     p.add_argument("--prompt", default="The ", help="text before the next token")
     p.add_argument(
@@ -59,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.n_logits < 2:
         raise ValueError(f"--n-logits must be at least 2, got {args.n_logits}")
+    check_memory(32 * args.n_logits, "--n-logits")  # float64 logits and a few softmaxes
     out = Path(args.out)
     g = torch.Generator().manual_seed(args.seed)
     logits = 2.0 * torch.randn(args.n_logits, generator=g, dtype=torch.float64)
