@@ -183,8 +183,8 @@ def test_windowed_attention_rejects_fewer_keys_than_queries(backend):
         attend(q, k, k, causal=True, window=2, backend=backend)
 
 
-@pytest.mark.parametrize("window", [True, 2.0, "2"])
-def test_a_window_that_is_not_an_int_is_refused_on_every_backend(window):
+@pytest.mark.parametrize("window", [True, "2"])
+def test_a_window_that_is_not_a_number_is_refused_on_every_backend(window):
     """flash and flex read window=True as 1 where eager and sdpa failed inside."""
     q = torch.randn(1, 2, 4, 8)
     for backend in ("eager", "sdpa", "flash", "flex"):

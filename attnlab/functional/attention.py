@@ -326,8 +326,9 @@ def attend(
     entry = BACKENDS[backend]
     _check(q, k, v, mask)
     check_doc_ids(doc_ids, q.shape[0], q.shape[2], k.shape[2])
-    if isinstance(window, bool) or not isinstance(window, (numbers.Integral, type(None))):
-        raise ValueError(f"window must be a number of keys (an int), got {window!r}")
+    # a number of keys (a float w keeps the keys k > p - w, as every backend reads it)
+    if isinstance(window, bool) or not isinstance(window, (numbers.Real, type(None))):
+        raise ValueError(f"window must be a number of keys, got {window!r}")
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
     # Compiled graphs never record (and dynamo cannot trace ContextVar.get).
