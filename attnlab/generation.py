@@ -290,20 +290,39 @@ def stream(
     return _in_inference_mode(steps)
 
 
+def roll_blocker(model: DecoderLM, use_cache: bool) -> str | None:
+    """What keeps ``overflow="roll"`` from this model and ``use_cache``, the one place its
+    rules live: ``"cache"`` (it decodes with a rolling cache), ``"nsa"`` (native sparse
+    attention's blocks lie over cache slots from slot 0, which a rolling cache wraps),
+    ``"positions"`` (a rolling cache keeps no absolute positions: it needs rope or none),
+    or None where rolling is possible."""
+    if not use_cache:
+        return "cache"
+    if model.cfg.attention.kind == "nsa":
+        return "nsa"
+    if not model.relative_positions:
+        return "positions"
+    return None
+
+
 def _check_overflow(model: DecoderLM, overflow: str, use_cache: bool) -> None:
     """``stream``'s ``overflow`` is one of OVERFLOW_MODES, and "roll" one this model and
-    ``use_cache`` allow."""
+    ``use_cache`` allow (``roll_blocker``)."""
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
-    if overflow == "roll" and model.cfg.attention.kind == "nsa":
+    blocker = roll_blocker(model, use_cache) if overflow == "roll" else None
+    if blocker == "cache":
+        raise ValueError("overflow='roll' decodes with a rolling cache: it needs use_cache=True")
+    if blocker == "nsa":
         raise ValueError(
             "overflow='roll' is not available for native sparse attention: its blocks lie "
             "over cache slots from slot 0, which a rolling cache wraps; use overflow='slide'"
         )
-    if overflow == "roll" and not (use_cache and model.relative_positions):
+    if blocker == "positions":
         raise ValueError(
-            "overflow='roll' decodes with a rolling cache: it needs use_cache=True and relative "
-            f"positions (rope or none); this model uses {model.cfg.position.kind!r} positions"
+            "overflow='roll' needs relative positions (rope or none): a rolling cache keeps no "
+            f"absolute ones; this model uses {model.cfg.position.kind!r} positions: use "
+            "overflow='slide' or 'stop'"
         )
 
 

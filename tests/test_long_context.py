@@ -223,8 +223,10 @@ def test_generate_overflow_modes():
     with pytest.raises(ValueError, match="overflow must be one of"):
         model.generate([1, 2], 3, overflow="wrap")
     learned = tiny(window=None, max_seq_len=8, n_layers=2, position="learned")
-    with pytest.raises(ValueError, match="needs use_cache=True and relative positions"):
+    with pytest.raises(ValueError, match="needs relative positions"):
         learned.generate([1, 2], 3, overflow="roll")
+    with pytest.raises(ValueError, match="rolling cache: it needs use_cache=True"):
+        model.generate([1, 2], 3, overflow="roll", use_cache=False)
     # roll on a dense model: each layer sees its last max_seq_len tokens
     prompt = [3, 1, 4, 1, 5]
     assert model.generate(prompt, 20, overflow="roll") == _greedy_windowed_stream(model, prompt, 20)

@@ -311,19 +311,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_roll(args: argparse.Namespace, model) -> None:
-    """``--overflow roll`` where the model and options allow it (a rolling cache of relative
-    positions), refused by its options' names (the library's said overflow='roll' and
-    use_cache=True)."""
+    """``--overflow roll`` where the model and options allow it (``generation.roll_blocker``),
+    refused by its options' names (the library names its arguments)."""
+    from attnlab.generation import roll_blocker
+
     if args.overflow != "roll" or getattr(model, "unbounded_context", False) or args.num_beams > 1:
         return
-    if args.no_cache:
+    blocker = roll_blocker(model, use_cache=not args.no_cache)
+    if blocker == "cache":
         raise CLIError("--overflow roll decodes with a rolling cache; drop --no-cache")
-    if model.cfg.attention.kind == "nsa":
+    if blocker == "nsa":
         raise CLIError(
             "--overflow roll: native sparse attention's blocks lie over cache slots from slot 0, "
             "which a rolling cache wraps; use --overflow slide"
         )
-    if not model.relative_positions:
+    if blocker == "positions":
         raise CLIError(
             "--overflow roll needs relative positions (rope or none): a rolling cache keeps "
             f"no absolute ones; this model uses {model.cfg.position.kind!r} positions: use "
