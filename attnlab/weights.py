@@ -114,6 +114,8 @@ class SafetensorsFile:
         dtype, shape, offset, numel = self.entries[name]
         if tuple(dest.shape) != shape:
             raise ValueError(f"{name}: destination shape {tuple(dest.shape)} != file's {shape}")
+        if numel == 0:  # nothing to read (its rows would be 0 bytes each)
+            return
         with open(self.path, "rb", buffering=0) as f:
             if dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous():
                 # straight into place

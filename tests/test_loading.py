@@ -180,6 +180,25 @@ def test_safetensors_reader_chunks_any_layout(tmp_path, monkeypatch):
         SafetensorsFile(tmp_path / "x.safetensors")
 
 
+def test_safetensors_reader_reads_zero_size_tensors_into_any_dtype(tmp_path):
+    """A tensor with no elements (a zero-width dimension) reads into a destination of its
+    own or another dtype, even placed last in the file: it read one row's bytes per row
+    (past the end of the data) when converting."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"a": torch.randn(3, 4), "empty": torch.zeros(5, 0), "none": torch.zeros(0, 2)}
+    save_file(tensors, tmp_path / "z.safetensors")
+    f = SafetensorsFile(tmp_path / "z.safetensors")
+    ref = load_file(tmp_path / "z.safetensors")
+    for name in ("empty", "none"):
+        for dtype in (torch.float32, torch.float16, torch.float64):
+            dest = torch.empty(ref[name].shape, dtype=dtype)
+            f.read_into(name, dest)
+            assert dest.shape == ref[name].shape
+        assert f.read(name).shape == ref[name].shape
+    assert torch.equal(f.read("a"), ref["a"])
+
+
 def test_safetensors_reader_reads_every_dtype_and_checks_offsets(tmp_path):
     """Each dtype the reader knows reads back as the safetensors library reads it (same
     dtype, same values), and a header whose offsets disagree with its shape is refused."""
