@@ -18,7 +18,10 @@ only constant, frozen weights as the second operand) and ``cpp_wrapper`` (the co
 graph's calls made from C++ instead of Python); ``compile-eager-attention`` and
 ``compile-eager-attention-max-autotune``: attention as its explicit products and softmax
 (``model.attention.backend=eager``), which max_autotune may give to its C++ batched-GEMM
-template.
+template; ``compile-compiled-autograd``: the compiled step with its backward traced whole by
+compiled autograd (``torch._dynamo.compiled_autograd``) and compiled, instead of autograd
+running the compiled graphs' backward pieces (entered around this variant's forward and
+backward only, so the variants still take turns in one process).
 
     python benchmarks/train_levers.py [--steps 300] [--preset demo] [--threads 2]
 """
@@ -26,6 +29,7 @@ template.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -55,12 +59,23 @@ OVERRIDES = {  # variant -> overrides of the preset
         "train.compile": True,
         "model.attention.backend": "eager",
     },
+    "compile-compiled-autograd": {"train.compile": True},
 }
 INDUCTOR = {  # variant -> torch.compile(options=...): inductor's settings for its graphs
     "compile-max-autotune": {"max_autotune": True},
     "compile-cpp-wrapper": {"cpp_wrapper": True},
     "compile-eager-attention-max-autotune": {"max_autotune": True},
 }
+
+
+def backward_context(variant: str) -> contextlib.AbstractContextManager:
+    """Compiled autograd for ``compile-compiled-autograd`` (its forward and backward under
+    it, as torch asks), nothing for the other variants."""
+    if variant != "compile-compiled-autograd":
+        return contextlib.nullcontext()
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._enable(torch.compile)
 
 
 def main() -> None:
@@ -96,9 +111,10 @@ def main() -> None:
                 set_lr(opt, lr)
             keys = tr.task.sample(tc.batch_size, tr.data_generator)
             batch = tr.task.batch(keys, tr.device)
-            with autocast_context(tr.device, tr.autocast_dtype):
-                out = tr.task.step(tr.train_model, batch)
-            out.objective.backward()
+            with backward_context(name):
+                with autocast_context(tr.device, tr.autocast_dtype):
+                    out = tr.task.step(tr.train_model, batch)
+                out.objective.backward()
             torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tc.grad_clip)
             for opt in opts:
                 opt.step()
