@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -254,6 +255,9 @@ def test_clear_errors(tmp_path):
         load_checkpoint(d)
 
 
+DIGEST_KEYS = ("config_sha256", "tokenizer_sha256")  # the weights metadata's digest keys
+
+
 def _rewrite_weights_metadata(path: Path, drop: tuple[str, ...] = (), **metadata: str) -> None:
     """Save ``path``'s tensors again, its metadata without ``drop`` and updated by
     ``metadata``."""
@@ -417,12 +421,14 @@ def test_an_untied_models_weights_under_a_config_that_ties_them_are_refused(tmp_
     message = str(info.value)
     assert "do not match config.json" in message
     assert "stored with different values (1): lm_head.weight and tok_emb.weight" in message
-    # Equal values stored under both names (a writer that keeps tied copies) still load.
+    # Equal values stored under both names (a writer that keeps tied copies, and records
+    # no digest of config.json) still load.
     model.lm_head.weight = torch.nn.Parameter(model.tok_emb.weight.detach().clone())
     save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
     with safe_open(tmp_path / ckpt_module.WEIGHTS_FILE, "pt") as f:  # both stored
         assert {"lm_head.weight", "tok_emb.weight"} <= set(f.keys())
     (tmp_path / "config.json").write_text(cfg.override({"model.tie_embeddings": True}).to_json())
+    _rewrite_weights_metadata(tmp_path / ckpt_module.WEIGHTS_FILE, drop=DIGEST_KEYS)
     loaded = load_checkpoint(tmp_path).model
     assert loaded.lm_head.weight is loaded.tok_emb.weight
     torch.testing.assert_close(loaded.tok_emb.weight, model.tok_emb.weight, rtol=0, atol=0)
@@ -485,6 +491,8 @@ def test_a_training_setting_refused_since_it_was_saved_does_not_stop_inference(t
 
     model, cfg, tokenizer = make_run()
     save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 3})
+    # as that version saved it: its config.json, and no digests of it in the weights
+    _rewrite_weights_metadata(tmp_path / ckpt_module.WEIGHTS_FILE, drop=DIGEST_KEYS)
     path = tmp_path / "config.json"
     data = json.loads(path.read_text())
     data["train"].update(lr=5e-5, min_lr=1e-4)
@@ -499,3 +507,262 @@ def test_a_training_setting_refused_since_it_was_saved_does_not_stop_inference(t
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=r"invalid run config \(model\.d_model"):
         load_checkpoint(tmp_path)
+
+
+# ------------------------------------------------------- config and tokenizer digests
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _weights_metadata(directory: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(directory / ckpt_module.WEIGHTS_FILE, "pt") as f:
+        return f.metadata()
+
+
+def _another_run(tmp_path: Path, name: str, overrides: dict, tokenizer=None) -> Path:
+    """A checkpoint of a run whose config differs from make_run's by ``overrides`` only
+    (its tensors have the same names and shapes), saved in ``tmp_path / name``."""
+    _, cfg, own_tokenizer = make_run(tie=False)
+    cfg = cfg.override(overrides) if overrides else cfg
+    torch.manual_seed(1)
+    save_checkpoint(tmp_path / name, build_model(cfg.model), cfg, tokenizer or own_tokenizer)
+    return tmp_path / name
+
+
+def test_the_weights_record_the_sha256_of_config_and_tokenizer_as_written(tmp_path):
+    """Additive metadata keys (the format version stays): hashlib's SHA-256 of the bytes
+    of config.json and tokenizer.json in the folder, "none" for a save without a tokenizer."""
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path / "a", model, cfg, tokenizer, {"step": 1})
+    meta = _weights_metadata(tmp_path / "a")
+    assert meta["config_sha256"] == _sha256(tmp_path / "a" / "config.json")
+    assert meta["tokenizer_sha256"] == _sha256(tmp_path / "a" / "tokenizer.json")
+    assert meta["format_version"] == "1" == str(ckpt_module.FORMAT_VERSION)
+    save_checkpoint(tmp_path / "b", model, cfg, None)
+    assert _weights_metadata(tmp_path / "b")["tokenizer_sha256"] == "none"
+    assert _weights_metadata(tmp_path / "b")["config_sha256"] == _sha256(
+        tmp_path / "b" / "config.json"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"model.dropout": 0.1},
+        {"model.position.rope_theta": 500000.0},
+        {"model.norm.eps": 1e-6},
+        {"train.lr": 3e-4, "train.min_lr": 3e-5},
+    ],
+    ids=["dropout", "rope_theta", "norm_eps", "training"],
+)
+def test_a_config_json_of_another_run_with_the_same_shapes_is_refused(tmp_path, overrides):
+    """Another run's config.json whose shapes fit the weights loaded without a word (the
+    model then computed something else): refused in one line that names the file and says
+    to restore it, by load_checkpoint, resuming and the config-only readers."""
+    from attnlab.training import train
+
+    model, cfg, tokenizer = make_run(tie=False)
+    run = tmp_path / "run"
+    save_checkpoint(run, model, cfg, tokenizer, {"step": 1})
+    other = _another_run(tmp_path, "other", overrides)
+    assert load_checkpoint(other).config != cfg  # the two runs' configs do differ
+    shutil.copy(other / "config.json", run / "config.json")
+    expected = rf"{run / 'config.json'}: not the config\.json saved with these weights"
+    with pytest.raises(CheckpointError, match=expected) as info:
+        load_checkpoint(run)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "restore the config.json saved with these weights" in message
+    assert "--set train.NAME=VALUE" in message  # how to change a setting without editing
+    with pytest.raises(CheckpointError, match=expected):
+        train(None, run, resume=run, progress=False)
+    with pytest.raises(CheckpointError, match=expected):
+        ckpt_module.checked_config_file(run)
+    # The file saved with the weights, put back, loads again.
+    save_checkpoint(tmp_path / "copy", model, cfg, tokenizer)
+    shutil.copy(tmp_path / "copy" / "config.json", run / "config.json")
+    assert load_checkpoint(run).config == cfg
+    assert ckpt_module.checked_config_file(run) == run / "config.json"
+
+
+def test_an_edited_config_names_the_evaluation_settings_set_changes(tmp_path):
+    """A Transformer-XL config.json edited for a longer memory: refused, and the message
+    points to the --set of eval/generate, which changes it without editing the file."""
+    from attnlab.models.xl import XLConfig
+
+    tokenizer = train_tokenizer("char", [TEXT])
+    model_cfg = XLConfig(
+        vocab_size=tokenizer.vocab_size, max_seq_len=16, d_model=16, n_layers=1, mem_len=8
+    )
+    model_cfg.attention.n_heads = 2
+    cfg = RunConfig(model=model_cfg, train=TrainConfig(batch_size=3))
+    save_checkpoint(tmp_path, build_model(cfg.model), cfg, tokenizer)
+    edited = cfg.override({"model.mem_len": 32})
+    (tmp_path / "config.json").write_text(edited.to_json() + "\n")
+    with pytest.raises(CheckpointError, match="not the config.json saved") as info:
+        load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "--set model.NAME=VALUE" in message
+    assert "model.mem_len, model.clamp_len, model.same_length" in message
+    with pytest.raises(CheckpointError) as info:
+        ckpt_module.checked_config_file(tmp_path)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_tokenizer_json_of_another_run_is_refused(tmp_path, kind, with_state):
+    """Another run's tokenizer.json of the same size (other characters, or a BPE with
+    other merges: the ids mean other text) passed the vocabulary-size check: refused in one
+    line naming the file, with the state and in a weights-only folder."""
+    _, cfg, _ = make_run(tie=False)
+    if kind == "char":
+        own = train_tokenizer("char", [TEXT])
+        other = train_tokenizer("char", [TEXT.replace("z", "Z")])
+    else:
+        own = train_tokenizer("bpe", [TEXT * 20], 270)
+        other = train_tokenizer("bpe", ["a cat sat on a mat and a bat ate a rat. " * 20], 270)
+    assert own.vocab_size == other.vocab_size
+    assert own.decode(own.encode("the cat")) == "the cat" != other.decode(own.encode("the cat"))
+    cfg = cfg.override({"model.vocab_size": own.vocab_size})
+    run = tmp_path / "run"
+    save_checkpoint(run, build_model(cfg.model), cfg, own, {"step": 1})
+    if not with_state:  # weights only: the tokenizer is whatever file the folder holds
+        (run / ckpt_module.STATE_FILE).unlink()
+    other.save(tmp_path / "other.json")
+    shutil.copy(tmp_path / "other.json", run / "tokenizer.json")
+    expected = f"{run / 'tokenizer.json'}: not the tokenizer.json saved with these weights"
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(run)
+    message = str(info.value)
+    assert message.startswith(expected) and "\n" not in message
+    assert "restore the tokenizer.json saved with these weights" in message
+    own.save(run / "tokenizer.json")  # the file saved with the weights, put back
+    assert load_checkpoint(run).tokenizer.to_json() == own.to_json()
+
+
+def test_a_checkpoint_without_digests_still_loads(tmp_path):
+    """A checkpoint written before the digests were recorded loads as before, unchecked:
+    even with a config.json and a tokenizer.json that are not its own."""
+    model, cfg, tokenizer = make_run(tie=False)
+    save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 4})
+    assert set(DIGEST_KEYS) <= set(_weights_metadata(tmp_path))
+    _rewrite_weights_metadata(tmp_path / ckpt_module.WEIGHTS_FILE, drop=DIGEST_KEYS)
+    assert not set(DIGEST_KEYS) & set(_weights_metadata(tmp_path))
+    loaded = load_checkpoint(tmp_path, with_state=True)
+    assert loaded.config == cfg and loaded.state == {"step": 4}
+    assert_same_weights(weights(loaded.model), weights(model))
+    other = _another_run(tmp_path, "other", {"model.norm.eps": 1e-6})
+    shutil.copy(other / "config.json", tmp_path / "config.json")
+    assert load_checkpoint(tmp_path).config.model.norm.eps == 1e-6
+    assert ckpt_module.checked_config_file(tmp_path) == tmp_path / "config.json"
+
+
+def test_a_tokenizer_added_to_a_checkpoint_saved_without_one_loads(tmp_path):
+    """import-hf of a model without a tokenizer says to copy its tokenizer.json into the
+    folder: the weights record "none", so nothing differs (as before the digests)."""
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path, model, cfg, None)
+    (tmp_path / ckpt_module.STATE_FILE).unlink()
+    assert _weights_metadata(tmp_path)["tokenizer_sha256"] == "none"
+    tokenizer.save(tmp_path / "tokenizer.json")
+    assert load_checkpoint(tmp_path).tokenizer.to_json() == tokenizer.to_json()
+
+
+def test_a_run_saves_loads_and_resumes_with_its_digests(tmp_path):
+    """The trainer's checkpoints record the digests of the files they write beside the
+    weights, so a run loads and resumes (and its resumed save records its new config)."""
+    from attnlab.data.lm import prepare_data
+    from attnlab.training import train
+
+    (tmp_path / "corpus.txt").write_text(TEXT * 40)
+    data = DataConfig(path=str(tmp_path / "corpus.txt"))
+    dataset = prepare_data(data, cache_dir=tmp_path / "cache")
+    model_cfg = gpt2_style(vocab_size=256, max_seq_len=16, d_model=16, n_layers=1, n_heads=2)
+    train_cfg = TrainConfig(batch_size=2, max_steps=2, warmup_steps=1, eval_every=0, log_every=1)
+    cfg = RunConfig(model=model_cfg, train=train_cfg, data=data)
+    run = tmp_path / "run"
+    train(cfg, run, dataset=dataset, progress=False)
+    meta = _weights_metadata(run)
+    assert meta["config_sha256"] == _sha256(run / "config.json")
+    assert meta["tokenizer_sha256"] == _sha256(run / "tokenizer.json")
+    assert load_checkpoint(run, with_state=True).state["step"] == 2
+    resumed = train(None, run, resume=run, max_steps=3, dataset=dataset, progress=False)
+    assert resumed.step == 3
+    loaded = load_checkpoint(run, with_state=True)
+    assert loaded.state["step"] == 3 and loaded.config.train.max_steps == 3
+    assert (
+        _weights_metadata(run)["config_sha256"]
+        == _sha256(run / "config.json")
+        != meta["config_sha256"]
+    )
+
+
+def _cli_argv(command: str, run: Path, tmp_path: Path) -> list[str]:
+    return {
+        "info": ["info", "--ckpt", str(run)],
+        "generate": ["generate", "--ckpt", str(run), "--prompt", "the", "--max-new-tokens", "2"],
+        "eval": ["eval", "--ckpt", str(run), "--data", str(tmp_path / "text.txt")],
+        "export-hf": ["export-hf", str(run), str(tmp_path / "exported")],
+        "train --resume": ["train", "--resume", str(run), "--max-steps", "2", "--quiet"],
+        "train --init-from": ["train", "--init-from", str(run), "--out", str(tmp_path / "ft")],
+    }[command]
+
+
+@pytest.mark.parametrize(
+    "command", ["info", "generate", "eval", "export-hf", "train --resume", "train --init-from"]
+)
+def test_every_command_refuses_another_runs_config_in_one_line(tmp_path, command, capsys):
+    """Each command that reads a checkpoint folder's config.json refuses another run's, in
+    one error line naming it, before any work (nothing written)."""
+    import warnings
+
+    from attnlab.cli.main import main
+
+    model, cfg, tokenizer = make_run(tie=False)
+    run = tmp_path / "run"
+    save_checkpoint(run, model, cfg, tokenizer, {"step": 1})
+    (tmp_path / "text.txt").write_text(TEXT * 4)
+    other = _another_run(tmp_path, "other", {"model.norm.eps": 1e-6})
+    shutil.copy(other / "config.json", run / "config.json")
+    hook = warnings.showwarning
+    try:
+        code = main(_cli_argv(command, run, tmp_path))
+    finally:
+        warnings.showwarning = hook  # main() replaces it
+    err = capsys.readouterr().err.strip()
+    assert code not in (0, None)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{run / 'config.json'}: not the config.json saved with these weights" in err
+    assert not (tmp_path / "exported").exists() and not (tmp_path / "ft").exists()
+
+
+def test_a_tokenizer_added_to_a_save_without_one_is_loaded(tmp_path):
+    """import-hf of a model without a tokenizer says to copy its tokenizer.json into the
+    folder: the copy is loaded (the trainer state's has_tokenizer=False ignored it). An older
+    save's tokenizer.json is still never taken for a save without one: while an interrupted
+    save's .pending folder (without a tokenizer) is there, readers skip it, and finishing
+    that save removes it."""
+    import shutil
+
+    model, cfg, tokenizer = make_run()
+    save_checkpoint(tmp_path / "a", model, cfg, None, {"step": 1})
+    assert load_checkpoint(tmp_path / "a").tokenizer is None
+    tokenizer.save(tmp_path / "a" / "tokenizer.json")
+    loaded = load_checkpoint(tmp_path / "a", with_state=True).tokenizer
+    assert loaded is not None and loaded.encode("hello") == tokenizer.encode("hello")
+    # A save without a tokenizer, killed after its commit, over one that had a tokenizer.
+    save_checkpoint(tmp_path / "b", model, cfg, tokenizer, {"step": 1})
+    save_checkpoint(tmp_path / "c", model, cfg, None, {"step": 2})
+    shutil.copytree(tmp_path / "c", tmp_path / "b" / ckpt_module.PENDING_DIR)
+    assert load_checkpoint(tmp_path / "b").tokenizer is None
+    (tmp_path / "b" / ckpt_module.STATE_FILE).unlink()  # weights only: still not the old one
+    assert load_checkpoint(tmp_path / "b").tokenizer is None
+    ckpt_module._finish_pending(tmp_path / "b")
+    assert not (tmp_path / "b" / "tokenizer.json").exists()
+    assert load_checkpoint(tmp_path / "b", with_state=True).state["step"] == 2

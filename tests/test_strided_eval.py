@@ -19,7 +19,7 @@ from attnlab.cli.main import main
 from attnlab.config import AttentionConfig, ModelConfig, PositionConfig
 from attnlab.models import DecoderLM
 from attnlab.tasks.lm import strided_loss_sums, strided_windows
-from attnlab.training.checkpoint import load_checkpoint
+from attnlab.training.checkpoint import load_checkpoint, save_checkpoint
 
 
 def tiny() -> DecoderLM:
@@ -139,9 +139,10 @@ def test_cli_stride_error_names_the_runs_block_size(ckpt, tmp_path, capsys, monk
     monkeypatch.setenv("ATTNLAB_CACHE", str(ckpt / "cache"))
     run = tmp_path / "run"
     shutil.copytree(ckpt / "run", run)
-    config = json.loads((run / "config.json").read_text())
-    config["train"]["block_size"] = 16
-    (run / "config.json").write_text(json.dumps(config))
+    # as saved by a run trained with block_size 16 (an edited config.json is refused)
+    saved = load_checkpoint(run, with_state=True)
+    config = saved.config.override({"train.block_size": 16})
+    save_checkpoint(run, saved.model, config, saved.tokenizer, saved.state)
     argv = ["eval", "--ckpt", str(run), "--data", str(ckpt / "corpus.txt")]
     assert main([*argv, "--stride", "20"]) != 0
     err = capsys.readouterr().err

@@ -64,10 +64,10 @@ def model_config(args: argparse.Namespace) -> tuple[ModelConfig, str]:
             from attnlab.interop.io import CONFIG_NAME
 
             cfg = model_config_from_file(path / CONFIG_NAME)
-        else:  # the config only: no need to read (possibly many GB of) weights
-            from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
+        else:  # the config only (checked against the weights' header, not their GBs)
+            from attnlab.training.checkpoint import checked_config_file
 
-            cfg = model_config_from_file(checkpoint_files(path)[CONFIG_FILE])
+            cfg = model_config_from_file(checked_config_file(path))
         source = str(path)
     overrides = parse_assignments(args.set)
     if overrides:

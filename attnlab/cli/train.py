@@ -126,10 +126,11 @@ def run_config(args: argparse.Namespace) -> tuple[RunConfig, str]:
     # fine-tuning keeps the checkpoint's model (a --preset starts from the preset instead)
     finetuning = args.init_from is not None and args.preset is None
     if args.resume is not None and args.preset is None:
-        from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
+        from attnlab.training.checkpoint import checked_config_file
 
         resume = check_dir(args.resume, "run folder to resume")
-        base = read_json_file(checkpoint_files(resume)[CONFIG_FILE], "checkpoint config")
+        # the config saved with the weights (one copied from another run is refused)
+        base = read_json_file(checked_config_file(resume), "checkpoint config")
         name = resume.name
     elif finetuning:
         base = _finetune_base(args.init_from)
@@ -206,7 +207,7 @@ def _check_model_kept(cfg: RunConfig, model: dict, init_from: str) -> None:
 def _finetune_base(path: str) -> dict:
     """The config to fine-tune the model in ``path`` (attnlab or Hugging Face folder)."""
     from attnlab.cli.common import is_hf_dir
-    from attnlab.training.checkpoint import CONFIG_FILE, checkpoint_files
+    from attnlab.training.checkpoint import CONFIG_FILE, checked_config_file
     from attnlab.training.trainer import finetune_config
 
     folder = check_dir(path, "checkpoint folder to fine-tune")
@@ -215,7 +216,7 @@ def _finetune_base(path: str) -> dict:
 
         base = RunConfig(model=config_from_hf(read_json_file(folder / CONFIG_FILE)))
     else:
-        data = read_json_file(checkpoint_files(folder)[CONFIG_FILE], "checkpoint config")
+        data = read_json_file(checked_config_file(folder), "checkpoint config")
         try:
             base = RunConfig.from_dict(data)
         except ConfigError as e:

@@ -27,9 +27,22 @@ The weights' metadata and the trainer state record the checkpoint format
 (``FORMAT_VERSION``) and the attnlab version that wrote them: a checkpoint of another format
 is refused in one line naming that version (a later format: upgrade attnlab to load it).
 
-The trainer state also records whether the checkpoint has a tokenizer, so a stale
-``tokenizer.json`` of an older save is never mistaken for this one's (a save without one
-removes it last, after its commit).
+A save without a tokenizer removes an older save's ``tokenizer.json`` while it finishes its
+move, and readers skip that file while a ``.pending`` folder without one is there, so it is
+never mistaken for this save's; a ``tokenizer.json`` added to the folder later (as
+``import-hf`` suggests for a model imported without one) is loaded. The trainer state
+records whether the save had a tokenizer, so a deleted one is reported missing.
+
+The weights' metadata records the SHA-256 of ``config.json`` and of ``tokenizer.json`` as
+written (``config_sha256``, ``tokenizer_sha256``: ``none`` for a save without a tokenizer), so
+a file copied in from another run, or edited, is refused by name even where its shapes fit
+the weights (another dropout, RoPE theta, norm eps or training setting; a tokenizer of the
+same size with other merges). The whole of ``config.json`` counts, training settings too:
+resuming and ``eval`` read them, and no documented workflow edits the file (settings change
+with ``--set``: ``train --resume``'s training settings, ``eval``/``generate``'s evaluation
+settings). A tokenizer.json added to a folder saved without one (what ``import-hf`` suggests
+for a model imported without a tokenizer) has no digest to differ from. Checkpoints from
+before these keys load unchecked.
 
 Loading never unpickles arbitrary objects: weights come from safetensors and the trainer
 state from ``torch.load(weights_only=True)``. It builds the model on the meta device and
@@ -39,8 +52,10 @@ the memory of the model, not twice it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shlex
 import shutil
 import uuid
 import warnings
@@ -70,6 +85,11 @@ CHECKPOINT_FILES = (CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, STATE_FILE)
 OPTIONAL_FILES = (TOKENIZER_FILE, STATE_FILE)
 REQUIRED_FILES = tuple(name for name in CHECKPOINT_FILES if name not in OPTIONAL_FILES)
 PENDING_DIR = ".pending"
+# Weights-metadata keys: the SHA-256 (hex) of config.json and tokenizer.json as saved (additive
+# keys: FORMAT_VERSION unchanged, checkpoints without them load unchecked).
+CONFIG_DIGEST_KEY = "config_sha256"
+TOKENIZER_DIGEST_KEY = "tokenizer_sha256"
+NO_TOKENIZER = "none"  # TOKENIZER_DIGEST_KEY of a save without a tokenizer
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 
@@ -113,6 +133,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------- writing
 
 
+def _sha256(path: Path) -> str:
+    """The SHA-256 (hex) of the bytes of the file ``path``."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -135,9 +160,12 @@ def _finish_pending(directory: Path) -> None:
     """Complete a save that was killed after its commit point; drop uncommitted ones."""
     pending = directory / PENDING_DIR
     if pending.is_dir():
+        with_tokenizer = (pending / TOKENIZER_FILE).exists()
         for name in CHECKPOINT_FILES:
             if (pending / name).exists():
                 os.replace(pending / name, directory / name)
+        if not with_tokenizer:  # a save without one: an older save's (readers skip it till now)
+            (directory / TOKENIZER_FILE).unlink(missing_ok=True)
         _fsync_dir(directory)
         shutil.rmtree(pending)
     for tmp in directory.glob(f"{TMP_PREFIX}*"):
@@ -171,6 +199,8 @@ def save_checkpoint(
         (tmp / CONFIG_FILE).write_text(cfg.to_json() + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_FILE)
+        # the bytes as written, read back: what a reader will hash
+        tokenizer_digest = _sha256(tmp / TOKENIZER_FILE) if tokenizer is not None else NO_TOKENIZER
         save_model(
             unwrap_model(model),
             str(tmp / WEIGHTS_FILE),
@@ -179,6 +209,8 @@ def save_checkpoint(
                 "format": "attnlab",
                 "format_version": str(FORMAT_VERSION),
                 "attnlab_version": __version__,
+                CONFIG_DIGEST_KEY: _sha256(tmp / CONFIG_FILE),
+                TOKENIZER_DIGEST_KEY: tokenizer_digest,
             },
         )
         usual_permissions(tmp / WEIGHTS_FILE)  # safetensors writes it owner-only
@@ -212,8 +244,6 @@ def save_checkpoint(
     os.rename(tmp, directory / PENDING_DIR)
     _fsync_dir(directory)
     _finish_pending(directory)
-    if tokenizer is None:  # an older save's tokenizer (ignored by readers: see has_tokenizer)
-        (directory / TOKENIZER_FILE).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- reading
@@ -234,6 +264,8 @@ def checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     files = {}
     for name in CHECKPOINT_FILES:
         path = pending / name if (pending / name).is_file() else directory / name
+        if name == TOKENIZER_FILE and pending.is_dir() and path.parent != pending:
+            continue  # a committed save without a tokenizer: the folder's is an older save's
         if not path.is_file() and name in OPTIONAL_FILES:
             continue
         if not path.is_file():
@@ -297,7 +329,8 @@ def load_checkpoint(
 
     files = checkpoint_files(directory)
     try:
-        config = RunConfig.for_inference(json.loads(files[CONFIG_FILE].read_text()))
+        config_bytes = files[CONFIG_FILE].read_bytes()  # read once: parsed and hashed
+        config = RunConfig.for_inference(json.loads(config_bytes.decode("utf-8")))
         try:
             config.validate()  # what the model's own checks passed: the training settings
         except ConfigError as e:
@@ -316,19 +349,23 @@ def load_checkpoint(
         _runnable_backends(config, device, directory)
     state = _read_state(files[STATE_FILE], device) if STATE_FILE in files else None
     tokenizer = None
-    # Without the state, the tokenizer is whatever tokenizer.json the folder holds; with it,
+    # name -> (path, SHA-256) of each file whose content is used, checked against the weights'
+    digests = {CONFIG_FILE: (files[CONFIG_FILE], hashlib.sha256(config_bytes).hexdigest())}
+    # The tokenizer is whatever tokenizer.json the folder holds (an older save's is never
+    # there: a save without one removes it before its commit is complete, and readers skip
+    # it till then), also one added to a save without a tokenizer, as import-hf suggests;
     # the state says whether this save had one (checkpoints older than that flag: True).
-    has_tokenizer = TOKENIZER_FILE in files if state is None else state.get("has_tokenizer", True)
-    if has_tokenizer:
-        if TOKENIZER_FILE not in files:
-            raise CheckpointError(
-                f"{directory}: not a complete checkpoint, {TOKENIZER_FILE} is missing; the "
-                f"trainer state says this save had one"
-            )
+    if state is not None and state.get("has_tokenizer", True) and TOKENIZER_FILE not in files:
+        raise CheckpointError(
+            f"{directory}: not a complete checkpoint, {TOKENIZER_FILE} is missing; the "
+            f"trainer state says this save had one"
+        )
+    if TOKENIZER_FILE in files:
         try:
             tokenizer = load_tokenizer(files[TOKENIZER_FILE])
         except TokenizerError as e:
             raise CheckpointError(str(e)) from None
+        digests[TOKENIZER_FILE] = (files[TOKENIZER_FILE], _sha256(files[TOKENIZER_FILE]))
         # The model may have more ids than the tokenizer (Qwen2 / Llama 3 pad their
         # vocabulary; a masked LM adds [MASK]), never fewer; a seq2seq model's tokenizer
         # may serve the source vocabulary only (Marian with separate vocabularies).
@@ -338,7 +375,7 @@ def load_checkpoint(
                 f"{directory}: tokenizer has {tokenizer.vocab_size} tokens but the model config "
                 f"says vocab_size={vocab_size}; the files come from different runs"
             )
-    model = _load_weights(files[WEIGHTS_FILE], config, state, directory, device, dtype)
+    model = _load_weights(files[WEIGHTS_FILE], config, state, directory, device, dtype, digests)
     trainer = state["trainer"] if with_state and state and state.get("has_state") else None
     return Checkpoint(model=model.eval(), config=config, tokenizer=tokenizer, state=trainer)
 
@@ -399,14 +436,12 @@ def _load_weights(
     directory: str | os.PathLike[str],
     device: str | torch.device,
     dtype: torch.dtype | None,
+    digests: dict[str, tuple[Path, str]],
 ) -> nn.Module:
     """The model of ``config`` built on the meta device, each parameter then allocated once
-    and read from ``weights``."""
-    try:
-        file = SafetensorsFile(weights)
-    except (WeightsFileError, OSError) as e:
-        first_line = (str(e).splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{weights}: cannot read weights ({first_line})") from None
+    and read from ``weights``. ``digests``: file name -> (path, SHA-256) of the files read
+    beside the weights, refused where the weights record another digest."""
+    file = _open_weights(weights)
     stored_format = file.metadata.get("format_version")  # absent before it was recorded
     if stored_format is not None:
         _check_format(
@@ -469,6 +504,11 @@ def _load_weights(
             "with these weights"
         )
 
+    # After the shapes (whose message names the tensors), before reading any tensor: a file
+    # from another run whose shapes fit the weights.
+    for name, (path, digest) in digests.items():
+        _check_digest(file.metadata, name, path, digest, directory, type(config.model).EVAL_FIELDS)
+
     def fill(name: str, dest: torch.Tensor) -> None:
         source = next(n for n in names[id(tensors[name])] if n in stored)
         file.read_into(source, dest)
@@ -478,3 +518,87 @@ def _load_weights(
     except (WeightsFileError, OSError) as e:
         raise CheckpointError(f"{weights}: cannot read weights ({e})") from None
     return model
+
+
+def _open_weights(weights: Path) -> SafetensorsFile:
+    """The weights file's header (names, shapes, metadata), as one CheckpointError if torn."""
+    try:
+        return SafetensorsFile(weights)
+    except (WeightsFileError, OSError) as e:
+        first_line = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{weights}: cannot read weights ({first_line})") from None
+
+
+def _check_digest(
+    metadata: dict[str, str],
+    name: str,
+    path: Path,
+    digest: str,
+    directory: str | os.PathLike[str],
+    eval_fields: tuple[str, ...] = (),
+) -> None:
+    """Refuse ``path`` (checkpoint file ``name``, SHA-256 ``digest``) where the weights'
+    ``metadata`` records another digest for it: a file of another run, or one edited since
+    the save. Nothing is recorded before the digests were (older checkpoints), nor for a
+    tokenizer.json added to a save without one (as import-hf suggests)."""
+    if name == CONFIG_FILE:
+        recorded = metadata.get(CONFIG_DIGEST_KEY)
+        if recorded not in (None, digest):
+            raise _config_differs(path, digest, recorded, directory, eval_fields)
+        return
+    recorded = metadata.get(TOKENIZER_DIGEST_KEY)
+    if recorded not in (None, NO_TOKENIZER, digest):
+        raise CheckpointError(
+            f"{_not_saved(path, name, digest, recorded)}: it would turn text into other token "
+            f"ids and ids into other text; restore the {name} saved with these weights"
+        )
+
+
+def _not_saved(path: Path, name: str, digest: str, recorded: str) -> str:
+    return (
+        f"{path}: not the {name} saved with these weights (its SHA-256 is {digest[:12]}..., "
+        f"{WEIGHTS_FILE} records {recorded[:12]}...)"
+    )
+
+
+def _config_differs(
+    path: Path,
+    digest: str,
+    recorded: str,
+    directory: str | os.PathLike[str],
+    eval_fields: tuple[str, ...],
+) -> CheckpointError:
+    """The one-line error for a config.json that is not the one saved with the weights: what
+    to restore, and the ``--set`` options that change settings without editing it."""
+    folder = shlex.quote(str(directory))  # the commands as a shell takes them
+    settings = f"`attnlab train --resume {folder} --set train.NAME=VALUE` for training settings"
+    if eval_fields:
+        fields = ", ".join(f"model.{field}" for field in eval_fields)
+        settings += (
+            f", `attnlab eval` or `generate --ckpt {folder} --set model.NAME=VALUE` for its "
+            f"evaluation settings ({fields})"
+        )
+    return CheckpointError(
+        f"{_not_saved(path, CONFIG_FILE, digest, recorded)}: a copy from another run or an "
+        f"edit makes the model compute something else; restore the {CONFIG_FILE} saved with "
+        f"these weights, and change settings with --set instead of editing it: {settings}"
+    )
+
+
+def checked_config_file(directory: str | os.PathLike[str]) -> Path:
+    """The config.json of the checkpoint in ``directory``, refused (CheckpointError) where
+    its SHA-256 is not the one the weights record. Reads only the weights' header: for
+    commands that need the config alone (info, train --resume / --init-from)."""
+    files = checkpoint_files(directory)
+    path = files[CONFIG_FILE]
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    recorded = _open_weights(files[WEIGHTS_FILE]).metadata.get(CONFIG_DIGEST_KEY)
+    if recorded in (None, digest):
+        return path
+    try:  # its evaluation settings, for the message (an unreadable config has none)
+        model = RunConfig.for_inference(json.loads(data.decode("utf-8"))).model
+        eval_fields = type(model).EVAL_FIELDS
+    except ValueError:  # ConfigError, JSONDecodeError, UnicodeDecodeError
+        eval_fields = ()
+    raise _config_differs(path, digest, recorded, directory, eval_fields)
