@@ -130,6 +130,24 @@ def rope_complex_interleaved(x: Tensor, positions: Tensor, theta: float = 10000.
     return torch.view_as_real(z * rot).reshape(x.shape)
 
 
+def sequence_balance_loss(affinity: Tensor, top_k: int, alpha: float) -> Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (eq. 17-20), one sequence
+    and one expert at a time, averaged over the sequences of ``affinity`` (b, T, E), the
+    router's s_{i,t}: L = alpha sum_i f_i P_i, f_i = E / (k T) sum_t 1(s_{i,t} in
+    Topk_j(s_{j,t}, k)), P_i = 1/T sum_t s_{i,t} / sum_j s_{j,t}."""
+    b, T, E = affinity.shape
+    losses = []
+    for seq in affinity:
+        loss = 0.0
+        for i in range(E):
+            top = [i in seq[t].topk(top_k).indices.tolist() for t in range(T)]
+            f_i = E / (top_k * T) * sum(top)
+            p_i = sum(seq[t, i] / seq[t].sum() for t in range(T)) / T
+            loss = loss + f_i * p_i
+        losses.append(alpha * loss)
+    return torch.stack(losses).mean()
+
+
 def greedy_no_cache(model, prompt: list[int], n_new: int) -> list[int]:
     """Greedy decoding by re-running the whole sequence each step and taking the argmax."""
     ids = list(prompt)

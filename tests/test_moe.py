@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import sequence_balance_loss
 
 from attnlab.config import ConfigError, FFNConfig
 from attnlab.models import build_model
@@ -206,6 +207,34 @@ def test_sequence_balance_loss_trains_the_router():
     assert moe.aux_loss.item() == pytest.approx(0.01, rel=1e-5)
 
 
+def test_sequence_balance_loss_matches_the_paper_and_transformers():
+    """DeepSeek-V3's f_i counts each token's top k experts by affinity alone (eq. 18): the
+    balancing bias and the group limit choose the experts that run, not the ones the loss
+    counts (counting those made the loss 4.5% off here). The softmax (v2) router's loss
+    is transformers' Mixtral balance loss of each sequence, over k."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, D)
+    sizes = dict(n_routed_experts=8, n_activated_experts=2, seq_aux_loss_coef=0.1)
+    moe = _moe(router="deepseek-v3", n_groups=4, topk_groups=2, **sizes).train()
+    with torch.no_grad():
+        moe.gate.weight.normal_()
+        moe.gate.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, 8))
+        affinity = torch.sigmoid(x @ moe.gate.weight.T)  # (b, T, E)
+        routed = moe.gate(x.reshape(-1, D))[1].sort(-1).values
+    assert not torch.equal(routed, affinity.reshape(-1, 8).topk(2).indices.sort(-1).values)
+    moe(x)
+    torch.testing.assert_close(moe.aux_loss, sequence_balance_loss(affinity, 2, 0.1))
+
+    moe = _moe(router="deepseek-v2", **sizes).train()
+    with torch.no_grad():
+        moe.gate.weight.normal_()
+        logits = x @ moe.gate.weight.T  # (b, T, E)
+    moe(x)
+    expected = [mixtral.load_balancing_loss_func((row,), 8, 2) for row in logits]
+    torch.testing.assert_close(moe.aux_loss, 0.1 / 2 * torch.stack(expected).mean())
+
+
 def test_model_output_carries_aux_loss_and_per_layer_load():
     cfg = get_preset("deepseek-moe-tiny").override({"ffn.seq_aux_loss_coef": 0.001})
     model = build_model(cfg).train()
@@ -378,12 +407,13 @@ def _record_routing(model):
 def _paper_stats(routed, n_experts: int, top_k: int, coef: float):
     """Load, MaxVio and balance loss of sequences routed one by one: ``routed`` holds each
     sequence's (experts (T, k), scores (T, E)). DeepSeek-V3 eq. 17-20: per sequence
-    f_i = E / (k T) * (tokens choosing i), P_i = mean over its tokens of s_i / sum_j s_j,
-    loss alpha sum_i f_i P_i; averaged over the sequences."""
+    f_i = E / (k T) * (tokens with i among their top k scores), P_i = mean over its tokens
+    of s_i / sum_j s_j, loss alpha sum_i f_i P_i; averaged over the sequences."""
     load, losses = torch.zeros(n_experts), []
     for experts, scores in routed:
-        counts = torch.bincount(experts.flatten(), minlength=n_experts).float()
-        load += counts
+        load += torch.bincount(experts.flatten(), minlength=n_experts).float()
+        top = scores.topk(top_k, dim=-1).indices  # (T, k)
+        counts = torch.bincount(top.flatten(), minlength=n_experts).float()
         f = n_experts / (top_k * experts.shape[0]) * counts
         p = (scores / scores.sum(-1, keepdim=True)).mean(0)
         losses.append((f * p).sum())

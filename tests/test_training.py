@@ -265,6 +265,24 @@ def test_biases_held_as_matrices_do_not_decay():
         assert p.dim() >= 2 and not by_id[id(p)].endswith((".attn.u", ".attn.v"))
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_vit_class_token_and_position_embeddings_do_not_decay(optimizer):
+    """timm's ViT names pos_embed and cls_token in no_weight_decay() (big_vision decays only
+    kernels): they are matrices, but no weight decay pulls them to 0. The patch projection,
+    the head and the blocks' matrices still decay; every parameter is in one group."""
+    cfg = get_preset("vit-digits")
+    cfg.n_classes = 10
+    model = build_model(cfg)
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    train_cfg = dataclasses.replace(tiny_run().train, optimizer=optimizer)
+    groups = build_optimizer(model, train_cfg, "cpu").param_groups
+    decay = {name_of[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    kept = {name_of[id(p)] for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert {"cls", "pos", "patch.bias", "norm.weight"} <= kept
+    assert {"patch.weight", "head.weight", "blocks.0.attn.qkv.weight"} <= decay
+    assert decay | kept == set(name_of.values()) and not decay & kept
+
+
 def test_weights_train_row_major_and_match_input_major_training(dataset, tmp_path, monkeypatch):
     """The trainer stores Linear weights row-major, so fused AdamW finds contiguous
     parameters, gradients and moments; the steps equal those of input-major weights."""
@@ -593,9 +611,7 @@ def test_resume_equals_uninterrupted(tmp_path, dataset):
 
 
 @pytest.mark.parametrize("eval_every", [0, 4])
-def test_resuming_a_finished_run_changes_nothing_and_reports_its_end(
-    tmp_path, dataset, eval_every
-):
+def test_resuming_a_finished_run_changes_nothing_and_reports_its_end(tmp_path, dataset, eval_every):
     """A run resumed after its last step takes no step, logs no second stop record and
     reports the validation of its end (the whole validation set), not the last sample's."""
     cfg = tiny_run(eval_every=eval_every, max_steps=8)

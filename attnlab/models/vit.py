@@ -141,6 +141,10 @@ register_model_config("vit", ViTConfig)
 class VisionTransformer(LoadableModel):
     """``model(images, targets=labels)`` -> :class:`ModelOutput` with logits (b, n)."""
 
+    # The class token and position embeddings take no weight decay (the optimizer), though
+    # they are matrices: as timm's ViT (no_weight_decay) and Google's big_vision train them.
+    no_weight_decay = ("cls", "pos")
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         cfg.validate()

@@ -248,9 +248,14 @@ class MoE(KeepsPrecision):
             self.aux_metrics = {"max_vio": torch.where(load.any(), max_vio, 0.0)}
         self.aux_loss = None
         if self.training and self.aux_coef > 0:
+            counted = experts
+            if self.gate.kind == "deepseek-v3":
+                # f_i counts each token's k highest affinities (DeepSeek-V3 eq. 18): the
+                # balancing bias and the group limit route, they are no part of the loss
+                counted = scores.topk(self.top_k, dim=-1).indices  # (N, k)
             self.aux_loss = self._sequence_balance_loss(
                 scores.view(b, t, scores.shape[-1]),
-                experts.view(b, t, experts.shape[-1]),
+                counted.view(b, t, counted.shape[-1]),
                 real_tokens,
             )
         return self.dropout(y)
@@ -259,7 +264,9 @@ class MoE(KeepsPrecision):
         self, scores: Tensor, experts: Tensor, real_tokens: Tensor | None = None
     ) -> Tensor:
         """DeepSeek-V3 eq. 17-20, per sequence then averaged: alpha sum_i f_i P_i with
-        f_i = E / (k T) (tokens choosing i) and P_i = mean over tokens of s_i / sum_j s_j.
+        f_i = E / (k T) (tokens counting i among ``experts``: their top k by affinity s for
+        deepseek-v3, the experts they were routed to for v2) and P_i = mean over tokens of
+        s_i / sum_j s_j.
         With ``real_tokens`` (b, t), T is a sequence's real tokens and P_i their mean; the
         average is over the sequences that have any (one of padding only adds nothing)."""
         b, t, _ = scores.shape

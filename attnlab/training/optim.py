@@ -83,8 +83,9 @@ def decaying(
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (linear weights, embeddings) decay; vectors (biases, norm gains) do not,
-    nor do biases held as matrices: the parameters a module names in its ``no_weight_decay``
-    attribute (Transformer-XL's per-head u and v).
+    nor do the matrices a module names in its ``no_weight_decay`` attribute: biases held
+    as matrices (Transformer-XL's per-head u and v), a ViT's class token and position
+    embeddings (timm's ``no_weight_decay``).
 
     Tied weights appear once: ``named_parameters`` skips duplicates.
     """
