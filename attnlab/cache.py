@@ -17,9 +17,15 @@ reads no more than it needs. ``static=True`` (the compiled decode path, as gpt-f
 every shape is fixed, new entries are written in place at the slots given by a device
 tensor, attention runs over the whole capacity with an explicit mask, and nothing in the
 per-token path reads a tensor's value on the host, so a decode step compiles with
-``fullgraph=True``. ``rolling=True`` lets one-token steps continue past the capacity by
-overwriting the oldest slot (a ring): exact for models whose attention depends on relative
-positions only (RoPE, no positions), where it equals attending to the last L tokens.
+``fullgraph=True``. ``rolling=True`` lets steps continue past the capacity by overwriting
+the oldest slots (a ring): exact for models whose attention depends on relative positions
+only (RoPE, no positions), where it equals attending to the last L tokens. A step of one
+token writes first and attends over the ring (the slot it overwrites holds the one key it
+no longer sees); a chunk of several, which may overwrite keys its own earlier queries
+still need, attends over [ring before the step; new tokens] (L + t keys, a temporary, as
+:class:`RollingKV` does) and then keeps its last min(t, L) tokens in the ring. A static
+cache cannot tell on the host whether a chunk wraps, so it takes that path for every
+chunk of a rolling cache; a dynamic one only for a chunk that wraps.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ class CacheStep(NamedTuple):
     start: int  # first slot written (dynamic mode)
     end: int  # keys are slots [0, end)
     valid: Tensor | None = None  # (b, t) which new tokens are real (not left padding)
+    # A rolling cache's chunk: keys are [every slot before the step; the new tokens], whose
+    # (positions, valid) (b, L + t) these are; only the last len(slots) new tokens are kept.
+    past: tuple[Tensor, Tensor] | None = None
 
 
 class LayerCache:
@@ -288,7 +297,10 @@ class GlobalWindowKV(LayerCache):
 
 class SinkKV(LayerCache):
     """StreamingLLM (Xiao et al. 2023): the first ``sinks`` tokens of each row, kept for
-    good, plus a ring of the last ``window - sinks``. Keys are stored un-rotated and given
+    good, plus a ring of the last ``window - sinks``: a query attends to the sinks and the
+    last ``window - sinks`` positions, its own included, ``window`` keys in all (the
+    paper's code's start_size = sinks, recent_size = window - sinks - 1: its cache holds
+    start + recent keys before the query adds its own). Keys are stored un-rotated and given
     their positions within the cache when read, as the paper does: a recent key sits at its
     own distance from the query; a sink j at distance (query's place in the cache) - j,
     where the query's place is min(p, window - 1). So decoding runs forever in bounded
@@ -519,13 +531,12 @@ class Cache:
         """Raise before any state changes if t more tokens cannot be taken."""
         if self.static:
             return  # no host reads in the static path: its caller checks lengths
-        if self.rolling and not self.shared_slots:
-            return  # every layer keeps a bounded state of its own
-        if self._length + t > self.max_len and not (self.rolling and t == 1):
-            hint = " (a rolling cache continues one token at a time only)" if self.rolling else ""
+        if self.rolling:
+            return  # a ring takes chunks of any size (module docstring)
+        if self._length + t > self.max_len:
             raise CacheError(
-                f"KV cache is full: {self.length} + {t} tokens > capacity {self.max_len}"
-                f"{hint}; create a larger cache with model.new_cache(batch, max_len)"
+                f"KV cache is full: {self.length} + {t} tokens > capacity {self.max_len}; "
+                "create a larger cache with model.new_cache(batch, max_len)"
             )
 
     def begin(
@@ -550,7 +561,15 @@ class Cache:
             # Only per-layer rings: no shared slots to write (the stream may be any length).
             self._step = CacheStep(positions, None, 0, 0, valid)
             return self._step
-        if self.static:
+        if self.rolling and t > 1 and (self.static or self._length + t > L):
+            # A chunk that may wrap: its earlier queries need keys it overwrites, so it
+            # attends over [ring; new] and keeps its last n tokens (arrival order).
+            n = min(t, L)
+            first = self._slot if self.static else self._length
+            slots = (first + (t - n) + torch.arange(n, device=self.device)) % L  # (n,)
+            past = (torch.cat((self.slot_pos, positions), 1), torch.cat((self.key_valid, valid), 1))
+            step = CacheStep(positions, slots, 0, L + t, past=past)
+        elif self.static:
             slots = (self._slot + torch.arange(t, device=self.device)) % L  # (t,)
             step = CacheStep(positions, slots, 0, L)
         elif self._length + t > L:  # rolling past the capacity, one token
@@ -569,15 +588,19 @@ class Cache:
 
     def write(self, store: Tensor, new: Tensor, step: CacheStep | None = None) -> Tensor:
         """Write ``new`` (b, n, t, ...) into ``store`` (b, n, L, ...) at this step's slots;
-        return the part of ``store`` to attend to."""
+        return the keys to attend to: the part of ``store`` (all of it where slots are
+        given), or for a rolling cache's chunk [store before the write; new] (b, n, L + t)."""
         step = step or self._step
         if step is None:
             raise CacheError("cache.begin(t) must come before a layer writes to the cache")
         if step.slots is None:
             store[:, :, step.start : step.start + new.shape[2]] = new
             return store[:, :, : step.end]
-        store.index_copy_(2, step.slots, new.to(store.dtype))
-        return store
+        new = new.to(store.dtype)
+        # a rolling chunk's keys: cat copies the ring before the write below overwrites it
+        keys = torch.cat((store, new), 2) if step.past is not None else store
+        store.index_copy_(2, step.slots, new[:, :, new.shape[2] - step.slots.shape[0] :])
+        return keys
 
     def key_positions(self) -> Tensor | None:
         """(b, L) the positions of the keys :meth:`write` returned where their slot order
@@ -585,7 +608,7 @@ class Cache:
         step = self._step
         if step is None or step.slots is None or not self.rolling:
             return None
-        return self.slot_pos
+        return self.slot_pos if step.past is None else step.past[0]
 
     def mask(self, window: int | None = None) -> tuple[Tensor | None, bool]:
         """(mask, causal) for this step's queries over the keys :meth:`write` returned:
@@ -603,9 +626,12 @@ class Cache:
                 return (win if mask is None else mask & win), False
             return mask, True
         # Fixed shapes or a ring: everything from the slots' positions.
+        k_pos, k_valid = (self.slot_pos, self.key_valid) if step.past is None else step.past
         q_pos = step.positions[:, None, :, None]  # (b, 1, t, 1)
-        k_pos = self.slot_pos[:, None, None, :]  # (b, 1, 1, L)
-        mask = self.key_valid[:, None, None, :] & (k_pos <= q_pos)
+        k_pos = k_pos[:, None, None, :]  # (b, 1, 1, L) or, a rolling chunk's, (b, 1, 1, L + t)
+        mask = k_valid[:, None, None, :] & (k_pos <= q_pos)
+        if step.past is not None:  # what the ring would hold: the last L tokens
+            window = self.max_len if window is None else min(window, self.max_len)
         if window is not None:
             mask = mask & (k_pos > q_pos - window)
         return mask, False

@@ -311,15 +311,20 @@ class AttentionConfig(_Config):
     qkv_bias: bool = False
     out_bias: bool = False
     dropout: float = 0.0  # on the attention weights
-    sliding_window: int | None = None  # keys older than this many positions are masked
+    # Each query sees the last `sliding_window` positions, its own included (keys k > p - w)
+    sliding_window: int | None = None
     # Which layers use the window: None = every layer; else a string of "L" (local, the
     # window) and "G" (global) cycled over the layers: "LLLG" is 3 local : 1 global,
     # "LLLLLG" Gemma 3's 5 : 1. Windowed layers keep a ring of `sliding_window` entries.
     layer_pattern: str | None = None
     # Attention sinks (StreamingLLM, Xiao et al. 2023): the first `sink_tokens` tokens stay
-    # visible to every query of a windowed layer; the window counts them (sinks + the last
-    # sliding_window - sink_tokens tokens). Decoding keeps un-rotated keys and places them
-    # at their positions within the cache, as the paper does.
+    # visible to every query of a windowed layer, and the window counts them: a query sees
+    # at most sliding_window keys, the sinks and the last sliding_window - sink_tokens
+    # positions, its own included. transformers' SinkCache(window_length=sliding_window,
+    # num_sink_tokens=sink_tokens); the paper's code's start_size=sink_tokens,
+    # recent_size=sliding_window - sink_tokens - 1 (its cache excludes the query). Decoding
+    # keeps un-rotated keys and places them at their positions within the cache, as the
+    # paper does.
     sink_tokens: int = 0
     # Global tokens (Longformer, Beltagy et al. 2020): these absolute positions attend to
     # every position and every position attends to them, beside the local sliding_window

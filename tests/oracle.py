@@ -106,6 +106,23 @@ def global_window_allowed(
     return allowed
 
 
+def streaming_llm_keys(n_tokens: int, start_size: int, recent_size: int) -> list[list[int]]:
+    """StreamingLLM's reference loop (Xiao et al. 2023; mit-han-lab/streaming-llm,
+    ``StartRecentKVCache`` as ``eval_long_ppl.py`` drives it): tokens go in one at a time;
+    each attends to the cached tokens and itself, then joins the cache, which is cut to its
+    first ``start_size`` and last ``recent_size`` tokens whenever it holds more than
+    start_size + recent_size. Returns, per query, the positions of its keys in cache order
+    (the query last); under its position shift a key's position is its index here."""
+    cache: list[int] = []
+    keys = []
+    for p in range(n_tokens):
+        cache = cache + [p]
+        keys.append(cache)
+        if len(cache) > start_size + recent_size:
+            cache = cache[:start_size] + cache[len(cache) - recent_size :]
+    return keys
+
+
 def sinusoid_table(n_positions: int, d: int) -> Tensor:
     """(n_positions, d): p[i, 2j] = sin(i / 10000^(2j/d)), p[i, 2j+1] = cos(i / 10000^(2j/d))."""
     table = torch.zeros(n_positions, d, dtype=torch.float64)

@@ -238,15 +238,35 @@ def test_rolling_cache_equals_sliding_window_attention_over_the_stream(static):
     assert cache.length == L and cache.wrapped
 
 
-def test_rolling_cache_needs_relative_positions_and_single_steps():
+@torch.no_grad()
+@pytest.mark.parametrize("static", [False, True])
+def test_rolling_cache_takes_chunks_that_wrap_the_ring(static):
+    """A chunk that wraps the ring overwrites keys its own earlier queries still need, and
+    one longer than the ring writes some slots twice: each query still sees exactly the
+    last L tokens (sliding-window attention of window L over the stream), left padding
+    included. (Static: its earlier queries lost those keys; dynamic: it was refused.)"""
+    L, T = 8, 40
+    model = tiny("rope", max_seq_len=64)
+    windowed = tiny("rope", window=L, max_seq_len=64)
+    windowed.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 40, (2, T))
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :3] = 0  # row 1 left padded
+    reference = windowed(idx, attention_mask=mask).logits  # (2, T, V)
+    cache = model.new_cache(2, L, static=static, rolling=True)
+    got, i = [], 0
+    for n in [5, 6, 1, 1, 12, 1, 3, 11]:  # 5 + 6 wraps; 12 and 11 are longer than the ring
+        got.append(model(idx[:, i : i + n], cache=cache, attention_mask=mask[:, i : i + n]))
+        i += n
+    got = torch.cat([o.logits for o in got], dim=1)
+    torch.testing.assert_close(got[0], reference[0], **TOL)
+    torch.testing.assert_close(got[1, 3:], reference[1, 3:], **TOL)
+    assert cache.length == L and cache.wrapped
+
+
+def test_rolling_cache_needs_relative_positions():
     with pytest.raises(CacheError, match="needs relative positions"):
         tiny("learned").new_cache(1, 8, rolling=True)
-    model = tiny("rope")
-    cache = model.new_cache(1, 8, rolling=True)
-    with torch.no_grad():
-        model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
-        with pytest.raises(CacheError, match="one token at a time"):
-            model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import naive_attention
+from oracle import naive_attention, streaming_llm_keys
 
 from attnlab.analysis import kv_cache_bytes
 from attnlab.cache import DenseKV, RollingKV
@@ -89,6 +89,41 @@ def test_all_local_rolling_cache_takes_chunks_of_any_size_past_capacity():
     got = _chunks(model, idx, None, cache, [9, 1, 13, 1, 1, 20, 2, 13])
     torch.testing.assert_close(got, full, **TOL)
     assert cache.nbytes == nbytes == 4 * 2 * (2 * 2 * 4 * 8 * 4)  # layers, k+v, b h w d_h f32
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("kind", ["LG", "mla", "dsa"])
+def test_rolling_chunks_that_wrap_the_shared_slots_equal_the_windowed_stream(kind, static):
+    """Chunks that wrap a rolling cache's shared slots (global layers beside windowed ones,
+    latent attention, DSA whose top-k reads the wrapped slots' positions) equal the full
+    forward pass with every layer seeing its window, or the last L tokens without one."""
+    import copy
+
+    from attnlab.models import build_model
+    from attnlab.presets import get_preset
+
+    L, T = 8, 34
+    if kind == "LG":
+        model = tiny(window=4, pattern="LG", n_layers=2, max_seq_len=64)
+    else:
+        preset, changes = {
+            "mla": ("deepseek-tiny", {}),
+            "dsa": ("deepseek-v32-tiny", {"attention.index_topk": 4}),  # fewer than L keys
+        }[kind]
+        torch.manual_seed(0)
+        model = build_model(get_preset(preset).override({"max_seq_len": 64, **changes})).eval()
+    reference = copy.deepcopy(model)
+    for block in reference.blocks:
+        block.attn.window = min(block.attn.window or L, L)
+    idx = torch.randint(0, model.cfg.vocab_size, (2, T))
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :3] = 0  # row 1 left padded
+    want = reference(idx, attention_mask=mask).logits
+    cache = model.new_cache(2, L, static=static, rolling=True)
+    got = _chunks(model, idx, mask, cache, [5, 1, 9, 1, 1, 12, 3, 2])
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], **TOL)
 
 
 @torch.no_grad()
@@ -269,21 +304,36 @@ def test_bad_long_context_configs_name_the_field(change, message):
 # --------------------------------------------------------------------------- attention sinks
 
 
-def test_sink_window_mask_matches_a_loop():
+def _streaming_allowed(n_tokens: int, window: int, sinks: int) -> torch.Tensor:
+    """(T, T) bool: the keys of each query in StreamingLLM's reference loop, run with
+    start_size = sinks and recent_size = window - sinks - 1 (attnlab's parameters in the
+    reference's: the window counts the sinks and the query itself)."""
+    allowed = torch.zeros(n_tokens, n_tokens, dtype=torch.bool)
+    for p, keys in enumerate(streaming_llm_keys(n_tokens, sinks, window - sinks - 1)):
+        allowed[p, keys] = True
+    return allowed
+
+
+@pytest.mark.parametrize("window, sinks", [(6, 2), (2, 1), (5, 4), (10, 3)])
+def test_sink_window_mask_is_streaming_llms_reference_loop(window, sinks):
+    """sliding_window = w, sink_tokens = n: a query attends to at most w keys, the n sinks
+    and itself included, as transformers' SinkCache(window_length=w, num_sink_tokens=n)
+    did; StreamingLLM's start_size = n, recent_size = w - n - 1 (its cache holds start +
+    recent keys before the query adds its own). Also in chunks (bottom-right queries)."""
     from attnlab.functional.masks import sink_window_mask
 
-    t, s, window, sinks = 5, 12, 6, 2
-    got = sink_window_mask(t, s, window, sinks)
-    for i in range(t):
-        p = s - t + i
-        for j in range(s):
-            assert bool(got[i, j]) == (j <= p and (j < sinks or p - j < window - sinks))
+    T = 16
+    want = _streaming_allowed(T, window, sinks)
+    assert int(want.sum(1).max()) == window
+    assert torch.equal(sink_window_mask(T, T, window, sinks), want)
+    assert torch.equal(sink_window_mask(5, T, window, sinks), want[-5:])
 
 
 def _streaming_oracle(attn, x: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """StreamingLLM by hand, one query at a time: keys = the first `sinks` tokens and the
-    last window - sinks (the query included), placed at positions 0..m-1 in that order, the
-    query at m - 1; un-rotated projections rotated by those places."""
+    """StreamingLLM by hand, one query at a time: its reference loop's keys (start_size =
+    sinks, recent_size = window - sinks - 1), placed at positions 0..m-1 in cache order
+    (its position shift), the query at m - 1; un-rotated projections rotated by those
+    places."""
     b, T, _ = x.shape
     h, h_kv, d_h = attn.n_heads, attn.n_kv_heads, attn.head_dim
     q, k, v = attn.qkv(x).split((attn.q_dim, attn.kv_dim, attn.kv_dim), dim=-1)
@@ -291,8 +341,7 @@ def _streaming_oracle(attn, x: torch.Tensor, window: int, sinks: int) -> torch.T
     k = k.view(b, T, h_kv, d_h).transpose(1, 2).repeat_interleave(h // h_kv, 1)
     v = v.view(b, T, h_kv, d_h).transpose(1, 2).repeat_interleave(h // h_kv, 1)
     outs = []
-    for p in range(T):
-        keep = [j for j in range(p + 1) if j < sinks or p - j < window - sinks]
+    for p, keep in enumerate(streaming_llm_keys(T, sinks, window - sinks - 1)):
         places = torch.arange(len(keep))[None, :]  # (1, m)
         kr = attn.rope.tables(places).rotate(k[:, :, keep])
         qr = attn.rope.tables(places[:, -1:]).rotate(q[:, :, p : p + 1])
@@ -303,8 +352,9 @@ def _streaming_oracle(attn, x: torch.Tensor, window: int, sinks: int) -> torch.T
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("sizes", [[1] * 20, [7, 1, 1, 9, 2]])
-def test_sink_cache_equals_streaming_llm_by_hand(sizes):
+def test_sink_cache_equals_streaming_llm_by_hand(sizes, static):
     window, sinks = 6, 2
     model = tiny(window=window, n_layers=1, max_seq_len=64)
     model.cfg.attention.sink_tokens = sinks
@@ -313,7 +363,7 @@ def test_sink_cache_equals_streaming_llm_by_hand(sizes):
     cfg = AttentionConfig(n_heads=4, n_kv_heads=2, sliding_window=window, sink_tokens=sinks)
     attn = MultiHeadAttention(32, cfg, rope=model.rope).eval()
     x = torch.randn(2, sum(sizes), 32)
-    cache = model.new_cache(2, 8, rolling=True)
+    cache = model.new_cache(2, 8, static=static, rolling=True)
     cache.layers = [attn.new_cache_entry(cache)]
     got, i = [], 0
     for n in sizes:
@@ -364,8 +414,8 @@ def test_sinks_of_a_left_padded_row_are_its_first_real_tokens(position):
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 def test_sink_layer_without_a_cache_equals_the_sink_pattern_by_hand(n_kv_heads):
     """Past the window, a layer with sinks and no cache (training, a whole prompt) attends
-    at the tokens' own positions as StreamingLLM's pattern says: query p sees key j <= p
-    when j < sinks or p - j < window - sinks. Written out with the naive loop."""
+    at the tokens' own positions to the keys of StreamingLLM's reference loop: query p sees
+    key j <= p when j < sinks or p - j < window - sinks. Written out with the naive loop."""
     from attnlab.nn.attention import MultiHeadAttention
 
     window, sinks, b, T = 6, 2, 2, 14
@@ -374,9 +424,7 @@ def test_sink_layer_without_a_cache_equals_the_sink_pattern_by_hand(n_kv_heads):
     )
     attn = MultiHeadAttention(32, cfg).eval()  # no RoPE: q, k, v are the projections
     x = torch.randn(b, T, 32)
-    allowed = torch.tensor(
-        [[j <= p and (j < sinks or p - j < window - sinks) for j in range(T)] for p in range(T)]
-    )
+    allowed = _streaming_allowed(T, window, sinks)
     q, k, v = attn.qkv(x).split((attn.q_dim, attn.kv_dim, attn.kv_dim), dim=-1)
 
     def heads(z, n):  # (b, T, n d_h) -> (b, n, T, d_h)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attnlab.analysis import kv_cache_bytes, kv_cache_bytes_per_token
-from attnlab.cache import IndexedLatentKV
+from attnlab.cache import CacheError, IndexedLatentKV
 from attnlab.config import ConfigError
 from attnlab.functional.selection import (
     fake_fp8,
@@ -624,8 +624,8 @@ def test_nsa_no_look_ahead_and_cached_decoding():
 def test_nsa_refuses_left_padding_and_a_rolling_cache_but_generates_rows_alone():
     """Its blocks lie over key slots from slot 0: a left-padded row (which starts later) is
     refused rather than summarised with pad keys; generate() decodes prompts of different
-    lengths one at a time, each as it would alone; overflow='roll' (wrapping slots) is
-    refused."""
+    lengths one at a time, each as it would alone; overflow='roll' and a rolling cache
+    made by hand (wrapping slots) are refused (the cache had taken wrapping steps)."""
     torch.manual_seed(0)
     model = build_model(_nsa_cfg(**{"init_std": 0.2})).eval()
     idx = torch.randint(0, V, (2, 13))
@@ -644,6 +644,8 @@ def test_nsa_refuses_left_padding_and_a_rolling_cache_but_generates_rows_alone()
     ]
     with pytest.raises(ValueError, match="overflow='roll' is not available"):
         model.generate(prompts[0], 4, overflow="roll")
+    with pytest.raises(CacheError, match="a rolling cache wraps; make the cache with rolling"):
+        model.new_cache(1, 8, rolling=True)
 
 
 def test_nsa_sampled_rows_of_different_lengths_draw_from_one_generator():

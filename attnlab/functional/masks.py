@@ -43,7 +43,11 @@ def sink_window_mask(
     t: int, s: int, window: int, sinks: int, *, device: torch.device | str | None = None
 ) -> Tensor:
     """(t, s) bool: causal, and the key is one of the first ``sinks`` positions or of the
-    last ``window - sinks`` (the query's own included): StreamingLLM's attention pattern."""
+    last ``window - sinks`` (the query's own included): StreamingLLM's attention pattern,
+    at most ``window`` keys per query, sinks and itself counted. In the paper's code's
+    terms start_size = sinks, recent_size = window - sinks - 1 (its cache of start +
+    recent keys excludes the query); transformers' SinkCache(window_length=window,
+    num_sink_tokens=sinks)."""
     q_pos = torch.arange(s - t, s, device=device)[:, None]  # (t, 1)
     k_pos = torch.arange(s, device=device)[None, :]  # (1, s)
     return (k_pos <= q_pos) & ((k_pos > q_pos - (window - sinks)) | (k_pos < sinks))

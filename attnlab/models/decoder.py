@@ -143,8 +143,9 @@ class DecoderLM(LoadableModel):
     ) -> Cache:
         """A preallocated cache for ``batch`` rows of up to ``max_len`` tokens, one entry
         per layer of the kind its attention keeps. ``static``: fixed shapes for a compiled
-        decode step; ``rolling``: continue past ``max_len`` one token at a time by
-        overwriting the oldest entry (models with relative positions only)."""
+        decode step; ``rolling``: continue past ``max_len``, in steps of any size, by
+        overwriting the oldest entries, each query seeing the last ``max_len`` tokens
+        (models with relative positions only)."""
         if rolling and not self.relative_positions:
             raise CacheError(
                 f"a rolling cache needs relative positions (rope or none); this model uses "

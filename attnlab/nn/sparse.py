@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.cache import Cache, DenseKV, IndexedLatentKV, LayerCache
+from attnlab.cache import Cache, CacheError, DenseKV, IndexedLatentKV, LayerCache
 from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend, hand_over_weights
 from attnlab.functional.masks import causal_mask, combine_masks
@@ -336,7 +336,13 @@ class NativeSparseAttention(nn.Module):
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache_entry(self, cache: Cache) -> LayerCache:
-        """Dense keys and values: the compressed and selected branches are computed from them."""
+        """Dense keys and values: the compressed and selected branches are computed from them.
+        A rolling cache is refused: its slots wrap, and the blocks lie over slots from 0."""
+        if cache.rolling:
+            raise CacheError(
+                "native sparse attention lays its blocks over key slots from slot 0, which a "
+                "rolling cache wraps; make the cache with rolling=False"
+            )
         return DenseKV(cache, self.n_kv_heads, self.head_dim)
 
     # ------------------------------------------------------------------ branches
