@@ -899,6 +899,26 @@ def check_num_beams(num_beams, n_best: int = 1) -> None:
         raise ValueError(f"n_best must be between 1 and num_beams ({num_beams}), got {n_best!r}")
 
 
+def check_beams_can_fill(num_beams: int, vocab_size: int, max_new_tokens: int) -> None:
+    """ValueError unless ``num_beams`` beams can all be filled: beam search keeps distinct
+    continuations, and ``max_new_tokens`` tokens over a vocabulary of ``vocab_size`` have
+    vocab_size ** max_new_tokens of them (vocab_size after the first token; the beams grow
+    to num_beams as the prefixes do). A wider beam prunes nothing more: that many beams is
+    an exhaustive search already, and a huge num_beams only ran out of memory, late."""
+    limit = 1  # vocab_size ** max_new_tokens, counted only up to num_beams (no huge power)
+    for _ in range(max_new_tokens):
+        limit *= vocab_size
+        if limit >= num_beams:
+            return
+    if num_beams > limit:
+        raise ValueError(
+            f"num_beams={num_beams} exceeds the {limit} distinct continuations of "
+            f"max_new_tokens={max_new_tokens} tokens over a vocabulary of {vocab_size}: beam "
+            f"search keeps distinct continuations, so beams past them stay empty; give "
+            f"num_beams <= {limit}"
+        )
+
+
 def check_decoding(max_new_tokens, num_beams, n_best: int = 1) -> None:
     """An encoder-decoder's ``generate``: max_new_tokens, num_beams and n_best as every
     model's generate takes them (n_best at most num_beams)."""
@@ -976,6 +996,7 @@ def beam_search_core(
     check_beam_search(k, max_new_tokens, n_best, alpha, style)
     gnmt = style == "gnmt"
     b, V = logits.shape
+    check_beams_can_fill(k, V, max_new_tokens)
     device = logits.device
     stops = stop_ids(eos_id, "eos_id")
     eos = torch.tensor(stops, dtype=torch.long, device=device)

@@ -218,6 +218,14 @@ class Tokenizer:
         """The length of ``text`` in the units of :meth:`token_lengths`."""
         return len(text) if self.kind == "char" else len(text.encode("utf-8", "surrogatepass"))
 
+    @property
+    def unk_id(self) -> int | None:
+        """The id of the unknown token, which stands for text the vocabulary cannot spell
+        (WordPiece's "[UNK]"); None where the tokenizer has none (byte-level BPE spells
+        everything; a char tokenizer refuses unknown characters)."""
+        unk = getattr(self.hf.model, "unk_token", None)
+        return None if unk is None else self.hf.token_to_id(unk)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.encode_array(text, add_special_tokens).tolist()
 

@@ -266,8 +266,9 @@ def test_tag_text_words_take_their_first_token_reading_the_tokens_once(kind):
             return super().__getitem__(i)
 
     counted = SimpleNamespace(
-        encode=lambda t: (ids, Spans(spans)), single=codec.single, token_text=codec.token_text
-    )
+        encode=lambda t: (ids, Spans(spans)), single=codec.single, token_text=codec.token_text,
+        unk_id=codec.unk_id,
+    )  # fmt: skip
     logits = torch.randn(1, len(ids) + 2, len(TASKS["token-classification"].label_names()),
                          generator=torch.Generator().manual_seed(0))  # fmt: skip
     report = tag_text(lambda x: SimpleNamespace(logits=logits), counted, text, 10**6)

@@ -213,6 +213,20 @@ def test_sqrt_dk_demo_prints_variances_near_d_and_one(tmp_path, capsys):
         assert abs(var_raw / d - 1) < 0.15 and abs(var_scaled - 1) < 0.15
 
 
+def test_sqrt_dk_demo_measures_d_max_itself_when_it_is_not_a_power_of_two(tmp_path, capsys):
+    """--d-max 24: the powers of 2 below it, then 24 (it stopped at 16: a user who asks for
+    1000 expects 1000 shown), its variances near 24 and 1; a power of 2 is not repeated."""
+    argv = ["demo", "sqrt-dk", "--out", str(tmp_path), "--n-rows", "200", "--d-max"]
+    for d_max, want in ((24, [1, 2, 4, 8, 16, 24]), (16, [1, 2, 4, 8, 16])):
+        assert main([*argv, str(d_max)]) == 0
+        out = capsys.readouterr().out
+        cells = [line.split() for line in out.splitlines()]
+        assert [int(c[0]) for c in cells if c and c[0].isdigit()] == want  # the d_k column
+        [row] = table_rows(out, str(d_max))
+        # 200 x 64 samples of a product of normals: the sample variance is within ~5%
+        assert abs(float(row[1]) / d_max - 1) < 0.15 and abs(float(row[2]) - 1) < 0.15
+
+
 def test_sqrt_dk_measurements_show_saturation_only_without_scaling():
     g = torch.Generator().manual_seed(0)
     small, large = (measure(d, n_keys=64, n_rows=200, generator=g) for d in (4, 1024))

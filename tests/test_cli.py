@@ -519,6 +519,42 @@ def test_generate_refuses_ids_and_beams_that_do_not_fit(work, capsys):
     assert_one_line_error(code, err, "exceed max_seq_len=64; lower --max-new-tokens")
 
 
+def test_generate_and_translate_refuse_more_beams_than_vocabulary_tokens(work, tmp_path, capsys):
+    """--num-beams above the model's vocabulary size (the target's for translate) is one
+    error line naming the limit, before any decoding (a huge K ran out of memory after a
+    long wait); K equal to the vocabulary size still searches, as the library does."""
+    from attnlab.config import RunConfig
+    from attnlab.models import build_model
+    from attnlab.presets import get_preset
+    from attnlab.training.checkpoint import save_checkpoint
+
+    ckpt = load_checkpoint(work / "run")
+    v = ckpt.model.cfg.vocab_size
+    argv = ["generate", "--ckpt", str(work / "run"), "--prompt", "The", "--max-new-tokens", "1"]
+    for k in (v + 1, 10**9):
+        code, out, err = run_main([*argv, "--num-beams", str(k)], capsys)
+        assert_one_line_error(code, err, f"--num-beams {k}: more beams than the model's")
+        assert f"give --num-beams {v} or fewer" in err and out == ""
+    code, out, err = run_main([*argv, "--num-beams", str(v)], capsys)
+    assert code == 0, err
+    best = ckpt.model.generate(ckpt.tokenizer.encode("The"), 1, num_beams=v)
+    assert out == "The" + ckpt.tokenizer.decode(best) + "\n"
+
+    cfg = get_preset("transformer-numbers")  # no tokenizer: token ids in and out
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    save_checkpoint(tmp_path, model, RunConfig(model=cfg), None)
+    argv = ["translate", "--ckpt", str(tmp_path), "--source-ids", "5,6,7", "--max-new-tokens", "2"]
+    code, out, err = run_main([*argv, "--num-beams", str(cfg.vocab_size + 1)], capsys)
+    assert_one_line_error(code, err, f"--num-beams {cfg.vocab_size + 1}: more beams than")
+    assert f"give --num-beams {cfg.vocab_size} or fewer" in err and out == ""
+    code, out, err = run_main([*argv, "--num-beams", str(cfg.vocab_size)], capsys)
+    assert code == 0, err
+    (want,) = model.generate(torch.tensor([[5, 6, 7]]), 2, num_beams=cfg.vocab_size,
+                             length_penalty=0.6, style="gnmt")  # translate's defaults  # fmt: skip
+    assert out == "5,6,7\t" + ",".join(map(str, want)) + "\n"
+
+
 def test_continuation_is_decoded_after_the_prompt():
     """A SentencePiece-style decoder strips the leading space of what it decodes: the
     continuation is the text the new tokens add to the prompt's, not their text alone."""

@@ -776,6 +776,8 @@ def test_beam_search_core_equals_its_twin_on_random_settings():
             n_best=int(rng.integers(1, k + 1)),
             style=style,
         )
+        if k > V ** kw["max_new_tokens"]:  # more beams than continuations: refused
+            kw["max_new_tokens"] = 2  # (generation.check_beams_can_fill); 2 fill them
         if rng.random() < 0.3:
             kw.update(blocked_ids=[V - 2], renormalize=bool(rng.random() < 0.5))
         if rng.random() < 0.3:

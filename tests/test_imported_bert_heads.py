@@ -166,6 +166,29 @@ def test_tag_equals_the_token_classification_pipeline(folders, capsys):
     assert "1912" in texts[1] and any(t["token"] == "##12" for t in report["tokens"])
 
 
+def test_tag_shows_the_text_of_unknown_tokens_as_the_pipeline(folders, capsys):
+    """A word the WordPiece vocabulary cannot spell is one "[UNK]" token: tag shows the
+    text it stands for (its span of the input), as the pipeline does; the words, the
+    printed lines and the entities are the text's too."""
+    models, fast = folders
+    model, hf_dir, ckpt = models["token"]
+    pipe = transformers.pipeline("token-classification", model=model, tokenizer=fast)
+    text = "Zoë lives in Tokyo, Bob in Lyon!"
+    unk = fast.convert_tokens_to_ids("[UNK]")
+    enc = fast(text, return_offsets_mapping=True)
+    unknown = [text[a:b] for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if i == unk]
+    assert unknown == ["Zoë", "Tokyo", ",", "!"]  # the case is met (and , ! are not in WORDS)
+    want = pipe(text, aggregation_strategy="none", ignore_labels=[])
+    for folder in (hf_dir, ckpt):
+        (report,) = run_json(capsys, "tag", "--ckpt", folder, "--json", text)
+        got = [(t["token"], t["tag"], t["start"], t["end"]) for t in report["tokens"]]
+        assert got == [(w["word"], w["entity"], w["start"], w["end"]) for w in want]
+        assert [t["token"] for t in report["tokens"]] == [
+            "Zoë", "lives", "in", "Tokyo", ",", "bob", "in", "lyon", "!"
+        ]  # fmt: skip
+        assert all("[UNK]" not in e["text"] for e in report["entities"])
+
+
 def best_answer(model, fast, question: str, context: str, max_tokens: int):
     """(answer, start, end, score) from transformers' QA model: the span i <= j < i +
     ``max_tokens`` of context tokens with the highest start_i + end_j logit, its score

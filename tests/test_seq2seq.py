@@ -317,6 +317,44 @@ def test_beam_search_core_matches_oracle():
         assert [round(h.score, 4) for h in got] == [round(h[0], 4) for h in expected]
 
 
+def test_beam_search_refuses_beams_that_can_never_be_filled():
+    """Beam search keeps distinct continuations: n new tokens over a vocabulary of V have
+    V ** n of them (V for one token), so more beams than that is a ValueError naming the
+    limit (a huge num_beams ran out of memory, late); up to it every beam fills, and that
+    many is an exhaustive search: the best of all V ** n sequences, found here by brute
+    force (no EOS: every sequence runs to n)."""
+    import itertools
+
+    table = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))  # next: table[last]
+
+    def search(k, n):
+        return beam_search_core(table[:1], lambda source, tokens: table[tokens], num_beams=k,
+                                max_new_tokens=n, eos_id=None)[0]  # fmt: skip
+
+    for k, n, limit in ((5, 1, 4), (17, 2, 16), (10**9, 3, 64)):
+        said = f"num_beams={k} exceeds the {limit} distinct continuations of max_new_tokens={n}"
+        with pytest.raises(ValueError, match=f"{said} tokens over a vocabulary of 4"):
+            search(k, n)
+    logp = torch.log_softmax(table, -1).tolist()
+    for n in (1, 2, 3):
+        scores = {seq: sum(logp[a][b] for a, b in zip((0, *seq), seq))
+                  for seq in itertools.product(range(4), repeat=n)}  # fmt: skip
+        (best,) = search(4**n, n)
+        assert tuple(best.tokens) == max(scores, key=scores.get)
+        assert best.log_prob == pytest.approx(max(scores.values()), abs=1e-5)
+    # the models' searches: V + 1 beams for one new token are refused, V search
+    torch.manual_seed(0)
+    lm = build_model(ModelConfig(vocab_size=V, d_model=16, n_layers=1, max_seq_len=8)).eval()
+    seq2seq = Seq2SeqModel(_cfg("pre")).eval()
+    src = torch.randint(4, V, (1, 5))
+    for call in (lambda k: beam_search(lm, [1, 2], 1, num_beams=k)[0][0].tokens,
+                 lambda k: lm.generate([1, 2], 1, num_beams=k),
+                 lambda k: seq2seq.generate(src, 1, num_beams=k)[0]):  # fmt: skip
+        with pytest.raises(ValueError, match=f"num_beams={V + 1} exceeds the {V} distinct"):
+            call(V + 1)
+        assert len(call(V)) <= 1
+
+
 @pytest.mark.parametrize("style", ["transformers", "gnmt"])
 def test_beam_search_core_host_work_is_linear_in_length(style, monkeypatch):
     """Each step reads a bounded number of values on the host (scores, flags, the tokens of

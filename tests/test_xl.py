@@ -235,6 +235,32 @@ def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatc
     assert capsys.readouterr().out.startswith("def f")
 
 
+def test_generate_refuses_overflow_modes_on_xl_whose_memory_has_no_context_limit(tmp_path, capsys):
+    """``generate --overflow stop`` / ``roll`` on Transformer-XL were silently ignored (its
+    memory carries on past max_seq_len): refused in one line naming --overflow; without it
+    (or with the default, slide) the command prints the library's tokens, past the
+    context."""
+    from attnlab.config import RunConfig
+    from attnlab.training.checkpoint import save_checkpoint
+
+    model = tiny(mem_len=8, max_seq_len=8)
+    save_checkpoint(tmp_path, model, RunConfig(model=model.cfg), None)
+    argv = ["generate", "--ckpt", str(tmp_path), "--prompt-ids", "1,2,3"]
+    argv += ["--max-new-tokens", "12", "--temperature", "0"]
+    for mode in ("stop", "roll"):
+        capsys.readouterr()
+        assert main([*argv, "--overflow", mode]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        said = f"--overflow {mode}: Transformer-XL's segment memory has no context limit"
+        assert err.startswith(f"attnlab: error: {said}, so --overflow does not apply"), err
+    want = ",".join(map(str, [1, 2, 3, *model.generate([1, 2, 3], 12)])) + "\n"
+    for extra in ([], ["--overflow", "slide"]):
+        capsys.readouterr()
+        assert main([*argv, *extra]) == 0
+        assert capsys.readouterr().out == want  # 15 tokens: past max_seq_len=8
+
+
 def test_relative_sinusoids_at_far_distances_are_float32_rounding_of_the_float64_ones():
     """Distances up to 32k: float32 encodings within float32's rounding of the float64 ones
     (6e-8); angles formed in float32 were off by up to p * 6e-8 (1e-3 here)."""

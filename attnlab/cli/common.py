@@ -455,3 +455,16 @@ def label_names(cfg: RunConfig) -> list[str]:
         return list(names)
     task = TASKS[cfg.task]
     return list(task.label_names(task.data_options(cfg)))
+
+
+def check_beams_fit_vocabulary(num_beams: int, vocab_size: int) -> None:
+    """``--num-beams`` at most the model's vocabulary: beam search keeps distinct
+    continuations, and after the first token there are only ``vocab_size`` of them (a huge
+    K ran out of memory after a long wait). The library goes wider, up to its exhaustive
+    search (``generation.check_beams_can_fill``); generate and translate bound it here."""
+    if num_beams > vocab_size:
+        raise CLIError(
+            f"--num-beams {num_beams}: more beams than the model's vocabulary has tokens "
+            f"({vocab_size}): beam search keeps distinct continuations, and its first step has "
+            f"only {vocab_size}; give --num-beams {vocab_size} or fewer"
+        )

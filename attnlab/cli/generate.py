@@ -30,6 +30,7 @@ from attnlab.cli.common import (
     add_dtype_argument,
     add_evaluation_settings_argument,
     add_tokenizer_argument,
+    check_beams_fit_vocabulary,
     evaluation_settings,
     finite_float,
     load_for_inference,
@@ -104,15 +105,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=("slide", "roll", "stop"),
         default="slide",
         help="past max_seq_len: slide the context by half (default), roll a bounded cache "
-        "(relative positions), or stop",
+        "(relative positions), or stop; not for Transformer-XL, whose segment memory has no "
+        "context limit",
     )
     p.add_argument(
         "--num-beams",
         type=positive_int,
         default=1,
         metavar="K",
-        help="beam search with K beams: the most probable continuation, not a sample "
-        "(refused with --top-k, --top-p or a --temperature above 0)",
+        help="beam search with K beams (at most the vocabulary size): the most probable "
+        "continuation, not a sample (refused with --top-k, --top-p or a --temperature above 0)",
     )
     p.add_argument(
         "--length-penalty",
@@ -254,6 +256,12 @@ def run(args: argparse.Namespace) -> int:
         )
     cfg = evaluation_settings(args.set, model, run_cfg, "generate").model
     tokenizer = tokenizer_option(args.tokenizer, tokenizer, cfg.vocab_size)
+    if getattr(model, "unbounded_context", False) and args.overflow != "slide":
+        # the library accepts and ignores it: here it would promise a limit there is not
+        raise CLIError(
+            f"--overflow {args.overflow}: Transformer-XL's segment memory has no context "
+            "limit, so --overflow does not apply; drop it"
+        )
     _check_roll(args, model)
     from attnlab.interop import HFCheckpointError
     from attnlab.tokenizers import TokenizerError
@@ -270,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
         if args.num_beams > 1:
             raise CLIError(f"--num-beams: beam search needs a decoder checkpoint ({cfg.arch})")
     else:
+        check_beams_fit_vocabulary(args.num_beams, cfg.vocab_size)
         with warnings.catch_warnings(record=True) as planned:
             warnings.simplefilter("always")
             ids, max_new_tokens = plan_length(

@@ -52,9 +52,11 @@ def tag_text(
     device: str = "cpu",
     labels: Sequence[str] | None = None,
 ) -> dict:
-    """{"text", "tokens", "words", "entities"} of one text: each token (with its character
-    span) and each whitespace-separated word with its tag, and the entities' labels, texts
-    and spans. ``labels``: the names of the model's labels (default: the task's BIO tags)."""
+    """{"text", "tokens", "words", "entities"} of one text: each token (its vocabulary
+    entry, or for the unknown token the text it stands for, as transformers' pipeline
+    shows it; and its character span) and each whitespace-separated word with its tag, and
+    the entities' labels, texts and spans. ``labels``: the names of the model's labels
+    (default: the task's BIO tags)."""
     from attnlab.tasks.text import check_length
     from attnlab.tasks.token_classification import TAGS, entity_spans
 
@@ -83,10 +85,18 @@ def tag_text(
     for label, first, last in entity_spans(tags):
         start, end = spans[first][0], spans[last - 1][1]
         entities.append({"label": label, "text": text[start:end], "start": start, "end": end})
+    # a token is its vocabulary entry ("##12"), but the unknown token ("[UNK]") shows the
+    # text it stands for, as transformers' token-classification pipeline shows it
+    unk = codec.unk_id
     return {
         "text": text,
         "tokens": [
-            {"token": codec.token_text(i), "tag": t, "start": a, "end": b}
+            {
+                "token": text[a:b] if i == unk else codec.token_text(i),
+                "tag": t,
+                "start": a,
+                "end": b,
+            }
             for i, t, (a, b) in zip(ids, tags, spans)
         ],
         "words": words,

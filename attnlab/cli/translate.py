@@ -20,6 +20,7 @@ from attnlab.cli.common import (
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
+    check_beams_fit_vocabulary,
     finite_float,
     load_for_inference,
     path_arg,
@@ -61,7 +62,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "unless the checkpoint has a tokenizer for the target",
     )
     add_tokenizer_argument(p)
-    p.add_argument("--num-beams", type=positive_int, default=1, metavar="K", help="1: greedy")
+    p.add_argument(
+        "--num-beams",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="beam search with K beams, at most the target vocabulary size (1: greedy)",
+    )
     p.add_argument(
         "--length-penalty",
         type=finite_float,
@@ -246,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, cfg, text = load_seq2seq(args, device)
     m = cfg.model
+    check_beams_fit_vocabulary(args.num_beams, m.vocab_size)  # the target's
     rows = _source_rows(args, text, m)
     shown = list(args.sources) + [",".join(map(str, ids)) for ids in args.source_ids or ()]
     # Padded on the right, as the encoder's training batches are (data.numbers.collate);

@@ -51,10 +51,22 @@ def measure(d: int, *, n_keys: int, n_rows: int, generator: torch.Generator) -> 
     return row
 
 
+def dims(d_max: int) -> list[int]:
+    """The d_k measured: 1, 2, 4, ... up to ``d_max``, and ``d_max`` itself last when it is
+    not a power of 2 (--d-max 1000 stopped at 512)."""
+    powers = [2**i for i in range(d_max.bit_length())]  # (bit_length: no float log2)
+    return powers if powers[-1] == d_max else [*powers, d_max]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from attnlab.cli.common import positive_int
 
-    p.add_argument("--d-max", type=positive_int, default=1024, help="largest d_k (powers of 2)")
+    p.add_argument(
+        "--d-max",
+        type=positive_int,
+        default=1024,
+        help="largest d_k: the powers of 2 below it, then it (default 1024)",
+    )
     p.add_argument("--n-keys", type=positive_int, default=64, help="keys per query (softmax size)")
     p.add_argument("--n-rows", type=positive_int, default=500, help="queries per d_k")
 
@@ -66,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     need = 8 * max(64 * args.n_keys * args.d_max, args.n_rows * args.n_keys**2)
     check_memory(need, "--d-max / --n-keys / --n-rows")
     g = torch.Generator().manual_seed(args.seed)
-    d_ks = [2**i for i in range(int(math.log2(args.d_max)) + 1)]
+    d_ks = dims(args.d_max)
     rows = [measure(d, n_keys=args.n_keys, n_rows=args.n_rows, generator=g) for d in d_ks]
     uniform = 1 / args.n_keys
     print(

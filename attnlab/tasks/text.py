@@ -70,6 +70,11 @@ class TextCodec:
             spans.append((start + len(piece) - len(piece.lstrip()), end))
         return ids, spans
 
+    @property
+    def unk_id(self) -> int | None:
+        """The tokenizer's unknown token ("[UNK]"), or None where it has none."""
+        return self.tokenizer.unk_id
+
     def token_text(self, token: int) -> str:
         """The text of one id (a special token's name for the ids past the tokenizer's)."""
         v = self.tokenizer.vocab_size
