@@ -165,6 +165,32 @@ def sequence_balance_loss(affinity: Tensor, top_k: int, alpha: float) -> Tensor:
     return torch.stack(losses).mean()
 
 
+def indexer_kl_loss(weights: Tensor, index_scores: Tensor, support: Tensor) -> float:
+    """DeepSeek-V3.2's indexer loss (Sec. 2.1), one query at a time: p_t = the main
+    attention ``weights`` (b, h, t, s) summed over the heads, L1-normalised over the keys of
+    ``support`` (b, t, s) bool (every allowed key in the dense warm-up, the selected set S_t
+    in sparse training); L = mean over the queries with a key of sum_s p_t[s]
+    (log p_t[s] - log softmax(I_t over the support)[s]), ``index_scores`` (b, t, s) the I_t."""
+    b, h, t, s = weights.shape
+    total, n_rows = 0.0, 0
+    for bi in range(b):
+        for ti in range(t):
+            keys = [si for si in range(s) if support[bi, ti, si]]
+            if not keys:
+                continue
+            mass = {si: sum(float(weights[bi, hi, ti, si]) for hi in range(h)) for si in keys}
+            norm = sum(mass.values())
+            top = max(float(index_scores[bi, ti, si]) for si in keys)
+            z = sum(math.exp(float(index_scores[bi, ti, si]) - top) for si in keys)
+            for si in keys:
+                p = mass[si] / norm
+                if p > 0:
+                    log_q = float(index_scores[bi, ti, si]) - top - math.log(z)
+                    total += p * (math.log(p) - log_q)
+            n_rows += 1
+    return total / max(n_rows, 1)
+
+
 def greedy_no_cache(model, prompt: list[int], n_new: int) -> list[int]:
     """Greedy decoding by re-running the whole sequence each step and taking the argmax."""
     ids = list(prompt)

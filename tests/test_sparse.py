@@ -10,13 +10,16 @@ Shapes: b batch, t length, s keys, V vocabulary.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
+from oracle import causal_allowed, indexer_kl_loss
 
 from attnlab.analysis import kv_cache_bytes, kv_cache_bytes_per_token
 from attnlab.cache import CacheError, IndexedLatentKV
 from attnlab.config import ConfigError
+from attnlab.functional.attention import recording_weights
 from attnlab.functional.selection import (
     fake_fp8,
     hadamard,
@@ -367,6 +370,48 @@ def test_indexer_warmup_learns_to_recall_the_attention_mass():
         recalls.append(float(out.metrics["blocks.1.attn/topk_recall"]))
     assert kls[-1] < 0.5 * kls[0]
     assert recalls[-1] > recalls[0] + 0.05
+
+
+@torch.no_grad()
+def test_indexer_loss_is_the_kl_to_the_main_attention_of_its_stage():
+    """DeepSeek-V3.2 Sec. 2.1 against the loop in oracle.py, fed the main attention's own
+    weights of the pass: the dense warm-up's over every allowed key; sparse training's, each
+    head's softmax over S_t only. The sparse target was the dense attention cut to S_t and
+    renormalised, which weights each head by its dense mass inside S_t: 16% too high here."""
+    for stage in ("warmup", "sparse"):
+        model = _dsa(
+            **{
+                "attention.dsa_stage": stage,
+                "attention.index_topk": 4,
+                "dropout": 0.0,
+                "attention.dropout": 0.0,
+            }
+        )
+        for blk in model.blocks:  # peaked heads that disagree (random init is near uniform)
+            blk.attn.q_b_proj.weight.mul_(6)
+            blk.attn.kv_b_proj.weight.mul_(6)
+        model.train()
+        layers = [m for m in model.modules() if isinstance(m, DeepSeekSparseAttention)]
+        index = {}  # each layer's index scores I (b, t, s), caught on their way to the top-k
+        for m in layers:
+            m.indexer.scores = lambda *a, f=m.indexer.scores, m=m, d=index: d.setdefault(m, f(*a))
+        weights = []  # each layer's main attention (b, h, t, s), as its output used it
+        torch.manual_seed(3)
+        with recording_weights(weights.append):
+            model(torch.randint(0, V, (2, 24)))
+        assert len(weights) == len(layers)
+        for m, w in zip(layers, weights, strict=True):
+            b, _, t, s = w.shape
+            support = causal_allowed(t, s).expand(b, t, s).clone()
+            if stage == "sparse":  # the selected set S_t
+                indices, valid = m.last_selection
+                support.zero_()
+                for bi, ti, j in itertools.product(range(b), range(t), range(indices.shape[-1])):
+                    support[bi, ti, indices[bi, ti, j]] |= bool(valid[bi, ti, j])
+                assert not (w.sum(1) * ~support).any()  # the main attention read S_t only
+            want = indexer_kl_loss(w, index[m], support)
+            assert want > 1e-3
+            torch.testing.assert_close(float(m.aux_loss), want, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize(

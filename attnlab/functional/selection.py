@@ -156,7 +156,11 @@ def selection_importance(p_cmp: Tensor, n_sel: int, block_len: int, stride: int,
     (..., n_sel). Eq. 9's double sum over m < l'/d and n < l/d counts compression block i
     once per stride-long piece it shares with block j, so each block is weighted by its
     overlap in strides: block i covers [i d, i d + l), and l, l' are multiples of d (with
-    l = l' = 2d the weights of blocks 2j-1, 2j, 2j+1 are 1, 2, 1)."""
+    l = l' = 2d the weights of blocks 2j-1, 2j, 2j+1 are 1, 2, 1). That is the index
+    (l'/d) j + m - n; the paper prints (l'/d) j - m - n, the same weights l'/d - 1 blocks
+    earlier (2j-2, 2j-1, 2j above: block 2j-2 lies wholly in selection block j-1), so the
+    overlap is taken in token terms, as XunhaoLai/native-sparse-attention-triton's
+    ``transform_score`` does."""
     if block_len % stride or sel_len % stride:
         raise ValueError(f"block_len={block_len} and sel_len={sel_len} must be multiples of "
                          f"stride={stride}")  # fmt: skip

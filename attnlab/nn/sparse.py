@@ -16,8 +16,9 @@ checkpoints (``indexer.wq_b``, ``wk``, ``k_norm``, ``weights_proj``).
 Training (DeepSeek-V3.2 Sec. 2.1): ``dsa_stage="warmup"`` keeps attention dense and trains
 only the indexer, by KL(p_t || softmax(I[t, :])) where p_t is the main attention summed over
 heads and L1-normalised; the rest of the model is frozen (``trains_alone``). ``"sparse"``
-attends to S_t; the indexer learns KL(p_t|S_t || softmax(I[t, S_t])) from detached inputs,
-the rest of the model from the task loss.
+attends to S_t; the indexer learns KL(p_t,S_t || softmax(I[t, S_t])) from detached inputs,
+where p_t,S_t is that sparse attention (each head's softmax over S_t, summed over heads,
+L1-normalised), the rest of the model from the task loss.
 
 NSA (Yuan et al. 2025): three branches over the same queries, mixed per head by learned
 sigmoid gates: attention over compressed block summaries, over the top-n selection blocks
@@ -181,31 +182,46 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
         o_latent = torch.einsum("bhtk,btkc->bhtc", weights, picked[..., : self.kv_lora_rank])
         return torch.einsum("bhtc,hvc->bhtv", o_latent, w_uv)  # (b, h, t, d_v)
 
-    def _head_probs(self, q_nope, q_rope, latent, allowed) -> Tensor:
-        """(b, t, s) main attention probabilities summed over heads, L1-normalised (the
-        indexer's target), computed in latent space without gradients."""
+    def _head_probs(self, q_nope, q_rope, latent, supports: tuple[Tensor, ...]) -> list[Tensor]:
+        """For each support (b, t, s) bool: the main attention over those keys, each head's
+        softmax summed over the heads and L1-normalised (b, t, s), computed in latent space
+        from the same scores without gradients."""
         with torch.no_grad():
             w_uk, _ = self._up_weights()
             q = torch.cat((torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_rope), dim=-1)
             qs, ks = score_operands(q, latent[:, 0])  # float16 in float32: products overflow
             scores = softmax_dtype(torch.einsum("bhtc,bsc->bhts", qs, ks)) * self.scale
-            p = masked_softmax(scores, allowed[:, None]).sum(1)  # (b, t, s)
-            return p / p.sum(-1, keepdim=True).clamp(min=1e-20)
+            probs = []
+            for support in supports:
+                p = masked_softmax(scores, support[:, None]).sum(1)  # (b, t, s)
+                probs.append(p / p.sum(-1, keepdim=True).clamp(min=1e-20))
+            return probs
 
-    def _indexer_loss(self, scores, p_dense, allowed, indices, valid, real_tokens=None) -> None:
-        """KL of the indexer to the main attention (dense stage: over every allowed key;
-        sparse stage: over the selected keys), and the recall of the dense mass by top-k,
-        averaged over the queries that have a key and are real tokens (``real_tokens``
-        (b, t), False at padding: a padded query of an encoder still reads the real keys).
-        ``valid`` (b, t, k): the selected slots that hold a key."""
+    def _indexer_loss(
+        self, q_nope, q_rope, latent, scores, allowed, indices, valid, real_tokens=None
+    ) -> None:
+        """KL of the indexer to the main attention (DeepSeek-V3.2 Sec. 2.1), and the recall
+        of the dense attention's mass by the top-k, averaged over the queries that have a key
+        and are real tokens (``real_tokens`` (b, t), False at padding: a padded query of an
+        encoder still reads the real keys). ``valid`` (b, t, k): the selected slots that hold
+        a key. Dense stage: p_t is the dense attention over every allowed key. Sparse stage:
+        KL(p_t,S_t || softmax(I[t, S_t])) where p_t,S_t is the main attention of this stage,
+        each head's softmax over S_t (the dense scores restricted to S_t), summed over the
+        heads and L1-normalised, as Megatron-Core's DSA loss computes it. The dense
+        distribution cut to S_t and renormalised is another target: it weights each head by
+        its dense mass inside S_t (its KL came out 16% high in a tiny model with peaked heads)."""
         rows = allowed.any(-1)  # (b, t): queries with at least one key
         if real_tokens is not None:
             rows = rows & real_tokens
         rows = rows.to(scores.dtype)
         selected = selection_mask(indices, valid, allowed.shape[-1])
-        support = allowed if self.stage == "warmup" else selected
-        target = p_dense * support
-        target = target / target.sum(-1, keepdim=True).clamp(min=1e-20)
+        if self.stage == "warmup":
+            support = allowed
+            (p_dense,) = self._head_probs(q_nope, q_rope, latent, (allowed,))
+            target = p_dense
+        else:
+            support = selected
+            p_dense, target = self._head_probs(q_nope, q_rope, latent, (allowed, selected))
         log_q = torch.log_softmax(scores.masked_fill(~support, float("-inf")), dim=-1)
         self.aux_loss = _kl_rows(target, log_q, rows)
         recall = ((p_dense * selected).sum(-1) * rows).sum() / rows.sum().clamp(min=1)
@@ -259,8 +275,7 @@ class DeepSeekSparseAttention(MultiHeadLatentAttention):
             y = self._naive(q_nope, q_rope, latent, keep, False)  # (b, h, t, d_v)
         self.aux_loss, self.aux_metrics = None, {}
         if self.training and cache is None:
-            p_dense = self._head_probs(q_nope, q_rope, latent, allowed)
-            self._indexer_loss(scores, p_dense, allowed, indices, valid, real_tokens)
+            self._indexer_loss(q_nope, q_rope, latent, scores, allowed, indices, valid, real_tokens)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * self.v_dim)  # (b, t, h d_v)
         return self.resid_dropout(self.out(y))
 
