@@ -178,6 +178,17 @@ def stop_ids(tokens, name: str = "stop_tokens") -> list[int]:
     return sorted({int(tok) for tok in tokens})
 
 
+def check_pad_id(pad_id, vocab_size: int) -> None:
+    """The id that left-pads a batch (masked out, so any token of the vocabulary will do):
+    an out-of-range id failed inside the embedding as an IndexError, None (a tokenizer's
+    ``pad_token_id`` when it has none) as a TypeError of torch.full."""
+    if not _is_int(pad_id) or not 0 <= pad_id < vocab_size:
+        raise ValueError(
+            f"pad_id must be a token id in [0, {vocab_size}) (padding is masked out: any "
+            f"will do), got {pad_id!r}"
+        )
+
+
 def check_request(
     model, prompts: Prompts, max_new_tokens: int, seed: int | None, generator
 ) -> tuple[list[list[int]], bool, torch.Generator | None]:
@@ -264,6 +275,7 @@ def stream(
         raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     check_sampling(temperature, top_k, top_p)
     _check_overflow(model, overflow, use_cache)
+    check_pad_id(pad_id, model.cfg.vocab_size)
     rows, single, generator = check_request(model, prompts, max_new_tokens, seed, generator)
     rows, max_new_tokens, budgets = _fit_to_context(
         rows, max_new_tokens, model.cfg.max_seq_len, overflow
@@ -1089,6 +1101,7 @@ def beam_search(
     ``n_best`` best continuations, best first. The prompt is run once per row; the cache
     is then copied to the beams and reordered as they are chosen."""
     rows, _ = _prompt_rows(prompts)
+    check_pad_id(pad_id, model.cfg.vocab_size)
     device = model.tok_emb.weight.device
     b, longest = len(rows), max(len(r) for r in rows)
     if longest + max_new_tokens > model.cfg.max_seq_len:

@@ -333,6 +333,22 @@ def test_batched_left_padded_prompts_equal_each_prompt_alone(model, use_cache):
         assert got == greedy_no_cache(model, prompt, 8)
 
 
+def test_pad_id_is_a_token_id_of_the_vocabulary():
+    """The pad id left-pads a batch and is masked out, so any id of the vocabulary gives
+    the same tokens; one outside it failed inside the embedding (IndexError), None (a
+    tokenizer's pad_token_id when it has none) inside torch.full (TypeError), and 2.5 was
+    truncated to 2."""
+    m = model_for("gpt2-tiny")
+    prompts = [[1, 2, 3], [4]]
+    for kw in ({}, {"num_beams": 2}, {"stop_tokens": [5]}):
+        assert m.generate(prompts, 3, pad_id=255, **kw) == m.generate(prompts, 3, **kw)
+        for bad in (-1, 256, None, 2.5):
+            with pytest.raises(ValueError, match=r"pad_id must be a token id in \[0, 256\)"):
+                m.generate(prompts, 3, pad_id=bad, **kw)
+    with pytest.raises(ValueError, match="pad_id must be a token id"):
+        m.stream(prompts, 3, pad_id=None)  # at the call, not at the first next()
+
+
 def test_max_new_tokens_zero():
     m = model_for("gpt2-tiny")
     assert m.generate([1, 2, 3], 0) == []

@@ -108,6 +108,34 @@ def test_marian_beam_search_equals_transformers(marian, k, lp):
         assert all(tok in (EOS, PAD) for tok in seq[len(mine) :])
 
 
+@pytest.mark.parametrize("k,lp", [(3, 0.0), (4, -1.0), (2, 2.0)])
+def test_marian_beam_scores_equal_transformers(marian, k, lp, monkeypatch):
+    """The n-best hypotheses' scores (log p / generated length ** lp, EOS counted, the
+    decoder start token not), not only their tokens, are transformers' sequences_scores,
+    also for length penalties at and below 0."""
+    import attnlab.generation as generation
+
+    ref, path = marian
+    model = load_hf(path)
+    src, mask, _ = _batch()
+    searched = []
+    core = generation.beam_search_core
+    monkeypatch.setattr(
+        generation,
+        "beam_search_core",
+        lambda *a, **kw: searched.append(core(*a, **kw)) or searched[-1],
+    )
+    ours = model.generate(src, 8, src_mask=mask, num_beams=k, length_penalty=lp, n_best=k)
+    out = ref.generate(input_ids=src, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                       num_beams=k, num_return_sequences=k, length_penalty=lp, early_stopping=True,
+                       output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    theirs = [seq[1:] for seq in out.sequences.tolist()]  # without the decoder start token
+    theirs = [seq[: seq.index(EOS)] if EOS in seq else seq for seq in theirs]
+    assert [seq for row in ours for seq in row] == theirs
+    scores = [h.score for row in searched[0] for h in row]
+    torch.testing.assert_close(torch.tensor(scores), out.sequences_scores, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "changes",
     [{"norm.eps": 1e-2}, {"norm.bias": False}, {"ffn.bias": False}],
