@@ -172,6 +172,26 @@ def test_numpy_prompts_are_token_ids(model):
     assert model.generate(np.array(prompt), 6, num_beams=2) == beams
 
 
+def test_beam_search_takes_stream_options_only_at_their_defaults(model):
+    """generate(num_beams>1) honours stop tokens, pad id and the cache, and takes every
+    other option of stream only at its default: seed=0 and top_k=0 passed (equal to 0.0)
+    and were ignored, while overflow="slide" (the default) was refused; a misspelt name is
+    Python's TypeError, as without beams."""
+    prompt = _prompt(5, 4)
+    beams = model.generate(prompt, 5, num_beams=2)
+    for given in ({"overflow": "slide"}, {"temperature": 0}, {"compile": False},
+                  {"compile": "auto"}, {"seed": None}, {"pad_id": 3}):  # fmt: skip
+        assert model.generate(prompt, 5, num_beams=2, **given) == beams, given
+    for name, value in (("seed", 0), ("top_k", 0), ("top_p", 1.0), ("temperature", 0.7),
+                        ("overflow", "stop"), ("compile", True)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"deterministic and cached; drop {name}$"):
+            model.generate(prompt, 5, num_beams=2, **{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        model.generate(prompt, 5, num_beams=2, temprature=0.7)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        model.generate(prompt, 5, temprature=0.7)
+
+
 def test_top_k_must_be_an_integer():
     """top_k=3.0 is refused at the call, naming top_k (it reached torch.topk at the first
     token: a TypeError after stream() had returned)."""
