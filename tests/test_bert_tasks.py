@@ -511,7 +511,8 @@ def test_evaluation_loss_of_a_bf16_model_is_summed_in_float32(name):
     torch.manual_seed(0)
     model = build_model(cfg).eval().bfloat16()
     chunk = task.features["val"][:16]
-    got = task.split_sums(model, chunk, batch_size=16)["loss_sum"]
+    with torch.no_grad():  # as evaluate_split and the trainer call it (eval_mode)
+        got = task.split_sums(model, chunk, batch_size=16)["loss_sum"]
     batch = task.collate(chunk)
     with torch.no_grad():
         logits = task.forward(model, batch, with_targets=False).logits
