@@ -391,6 +391,8 @@ def test_wrong_channel_count_names_the_conversion_that_fits(tmp_path, mode, chan
     Image.new(mode, (8, 8)).save(tmp_path / "x.png")
     with pytest.raises(CLIError, match="Convert it") as info:
         load_image(str(tmp_path / "x.png"), channels, 8, 8)
+    have = {"RGBA": "4 channels", "RGB": "3 channels", "L": "1 channel"}[mode]
+    assert f"an image of mode {mode} ({have}); the model takes" in str(info.value)
     to = re.search(r"image\.convert\('(\w+)'\)", str(info.value)).group(1)
     Image.open(tmp_path / "x.png").convert(to).save(tmp_path / "y.png")
     assert load_image(str(tmp_path / "y.png"), channels, 8, 8).shape == (channels, 8, 8)

@@ -165,6 +165,20 @@ def test_vit_config_errors_and_loss():
         model(torch.randn(2, 3, 8, 8))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64, torch.bool])
+def test_vit_refuses_integer_pixels(dtype):
+    """Raw 8-bit pixels (0..255) cast to float as they are would give the logits of an
+    image 255 times too bright, silently: the model asks for floating-point pixels."""
+    cfg = ViTConfig(image_size=8, channels=1, patch_size=4, d_model=16, n_layers=1,
+                    n_classes=3)  # fmt: skip
+    cfg.attention.n_heads = 2
+    model = VisionTransformer(cfg).eval()
+    pixels = torch.randint(0, 256, (2, 1, 8, 8)).to(dtype)
+    with pytest.raises(TypeError, match=r"images must be floating point .*got torch\."):
+        model(pixels)
+    model(pixels.float() / 255)  # the same pixels scaled to [0, 1] are taken
+
+
 @pytest.mark.parametrize("changes", [{"norm.bias": False}, {"ffn.bias": False}])
 def test_vit_export_refuses_missing_biases(changes, tmp_path):
     """transformers' ViT has LayerNorm and MLP biases: a model without them is refused

@@ -91,7 +91,7 @@ def load_image(
         want = "grayscale (1 channel)" if channels == 1 else f"{channels} channels"
         to = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}.get(channels)  # the mode it takes
         raise CLIError(
-            f"{path}: a {image.mode} image with {have or 'unknown'} channels; the model takes "
+            f"{path}: an image of mode {image.mode} ({_channels(have)}); the model takes "
             f"{want} images." + (f" Convert it (e.g. PIL: image.convert({to!r}))" if to else "")
         )
     if image.mode in ("P", "YCbCr"):  # palette indices, luma and chroma: not R, G, B
@@ -207,3 +207,7 @@ def classify_texts(model, cfg, tokenizer, texts: list[str], k: int, device: str,
     multi_label = problem == "multi_label_classification" or cfg.model.n_labels == 1
     probs = (logits.sigmoid() if multi_label else logits.softmax(-1)).cpu()
     return {text: _top(row, names, k) for text, row in zip(texts, probs)}
+
+
+def _channels(n: int | None) -> str:
+    return "channels unknown" if n is None else f"{n} channel{'s' if n != 1 else ''}"

@@ -176,8 +176,16 @@ class VisionTransformer(LoadableModel):
         expected = (cfg.channels, cfg.image_size, cfg.width)
         if images.dim() != 4 or tuple(images.shape[1:]) != expected:
             raise ValueError(
-                f"expected images of shape (b, {', '.join(map(str, expected))}), "
+                f"expected images of shape (b, {', '.join(map(str, expected))}) (channels "
+                f"first, the model's size: position embeddings are not interpolated), "
                 f"got {tuple(images.shape)}"
+            )
+        if not images.is_floating_point():
+            # an integer tensor is raw pixels (uint8 0..255): cast as they are, the logits
+            # would be those of an image 255 times too bright, silently
+            raise TypeError(
+                f"images must be floating point (pixels scaled to [0, 1], then normalised by the "
+                f"model's image_mean / image_std), got {images.dtype}; e.g. images.float() / 255"
             )
         # pixels in the weights' dtype, as transformers' ViT: a bf16 model takes float32 images
         x = self.patch(images.to(self.patch.weight.dtype))  # (b, d, H/P, W/P)
