@@ -108,7 +108,7 @@ class Checkpoint:
         config: the run's :class:`~attnlab.config.RunConfig` (``config.model`` is the
             model's :class:`~attnlab.config.ModelConfig`).
         tokenizer: its :class:`~attnlab.tokenizers.Tokenizer` (``encode``/``decode``), or
-            None for a checkpoint saved without one.
+            None for a folder without a tokenizer.json.
         state: the trainer state dict (step, optimizer, RNG states) when loaded with
             ``with_state=True`` from a checkpoint that has one, else None.
     """
@@ -319,7 +319,7 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Load the checkpoint in ``directory`` as a :class:`Checkpoint`: ``.model`` (eval
     mode, on ``device``, floating parameters in ``dtype``, default float32), ``.config``
-    (its RunConfig), ``.tokenizer`` (None when it was saved without one) and, with
+    (its RunConfig), ``.tokenizer`` (None when the folder has no tokenizer.json) and, with
     ``with_state=True``, ``.state``: the trainer state (None when the folder has no
     trainer_state.pt, which only resuming needs). With ``inference`` (the default), an
     attention backend that cannot run on ``device`` (``triton`` without a GPU) becomes
