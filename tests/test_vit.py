@@ -21,8 +21,9 @@ from attnlab.models.vit import VisionTransformer, ViTConfig  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("image_size,channels,patch", [(8, 1, 4), ((12, 8), 3, 2), (16, 2, 16)])
-def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_path):
+def _random_hf_vit(tmp_path, image_size, channels, patch):
+    """A tiny transformers ViTForImageClassification with random weights (LayerNorm scales
+    near 1), saved to tmp_path / "hf"."""
     torch.manual_seed(0)
     cfg = transformers.ViTConfig(
         image_size=image_size,
@@ -46,6 +47,12 @@ def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_
                 else 0.3 * torch.randn_like(p)
             )
     ref.save_pretrained(tmp_path / "hf")
+    return ref
+
+
+@pytest.mark.parametrize("image_size,channels,patch", [(8, 1, 4), ((12, 8), 3, 2), (16, 2, 16)])
+def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_path):
+    ref = _random_hf_vit(tmp_path, image_size, channels, patch)
     model = load_hf(tmp_path / "hf")
     h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
     images = torch.randn(3, channels, h, w)
@@ -63,6 +70,28 @@ def test_vit_loads_and_saves_with_equal_logits(image_size, channels, patch, tmp_
     # and the Hub-layout file we wrote loads again
     again = load_hf(tmp_path / "ours")
     torch.testing.assert_close(again(images).logits, out, atol=1e-6, rtol=1e-6)
+
+
+def test_interpolated_position_embeddings_equal_transformers(tmp_path):
+    """interpolate_pos_encoding=True takes images of other sizes (larger and smaller,
+    non-square) with transformers' logits; the default refuses them, and at the model's own
+    size the option changes nothing. Images must still be a whole number of patches."""
+    ref = _random_hf_vit(tmp_path, 12, 3, 2)  # transformers interpolates from square grids
+    model = load_hf(tmp_path / "hf").eval()
+    for h, w in [(16, 20), (8, 6)]:
+        images = torch.randn(2, 3, h, w)
+        with torch.no_grad():
+            expected = ref(pixel_values=images, interpolate_pos_encoding=True).logits
+            out = model(images, interpolate_pos_encoding=True).logits
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="12 x 12, got .*interpolate_pos_encoding=True"):
+            model(images)
+    images = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        same = model(images, interpolate_pos_encoding=True).logits
+        assert torch.equal(same, model(images).logits)
+    with pytest.raises(ValueError, match="13 x 12 is not a whole number of 2 x 2 patches"):
+        model(torch.randn(1, 3, 13, 12), interpolate_pos_encoding=True)
 
 
 def test_vit_settings_names_and_the_transformers_5_layout_both_ways(tmp_path):

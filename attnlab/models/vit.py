@@ -139,7 +139,12 @@ register_model_config("vit", ViTConfig)
 
 
 class VisionTransformer(LoadableModel):
-    """``model(images, targets=labels)`` -> :class:`ModelOutput` with logits (b, n)."""
+    """``model(images, targets=labels)`` -> :class:`ModelOutput` with logits (b, n).
+
+    Images are the config's size (image_size x width) unless ``interpolate_pos_encoding=True``
+    (transformers' option of that name): then any size that is a whole number of patches, the
+    patch position embeddings resized bicubically (align_corners=False) from the config's
+    grid to the image's, the [CLS] token's kept as it is."""
 
     # The class token and position embeddings take no weight decay (the optimizer), though
     # they are matrices: as timm's ViT (no_weight_decay) and Google's big_vision train them.
@@ -170,15 +175,25 @@ class VisionTransformer(LoadableModel):
         elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
             m.init_weights(self.cfg.init_std)
 
-    def features(self, images: Tensor) -> Tensor:
+    def features(self, images: Tensor, *, interpolate_pos_encoding: bool = False) -> Tensor:
         """images (b, C, H, W) -> final hidden states (b, N + 1, d); index 0 is [CLS]."""
         cfg = self.cfg
         expected = (cfg.channels, cfg.image_size, cfg.width)
-        if images.dim() != 4 or tuple(images.shape[1:]) != expected:
+        if images.dim() != 4 or images.shape[1] != cfg.channels:
             raise ValueError(
                 f"expected images of shape (b, {', '.join(map(str, expected))}) (channels "
-                f"first, the model's size: position embeddings are not interpolated), "
-                f"got {tuple(images.shape)}"
+                f"first), got {tuple(images.shape)}"
+            )
+        h, w, p = *images.shape[2:], cfg.patch_size
+        if not interpolate_pos_encoding and (h, w) != expected[1:]:
+            raise ValueError(
+                f"expected images of the model's size {cfg.image_size} x {cfg.width}, got "
+                f"{h} x {w}; pass interpolate_pos_encoding=True to resize the position embeddings"
+            )
+        if h % p or w % p:
+            raise ValueError(
+                f"image size {h} x {w} is not a whole number of {p} x {p} patches; resize or "
+                f"crop it to multiples of {p}"
             )
         if not images.is_floating_point():
             # an integer tensor is raw pixels (uint8 0..255): cast as they are, the logits
@@ -191,11 +206,30 @@ class VisionTransformer(LoadableModel):
         x = self.patch(images.to(self.patch.weight.dtype))  # (b, d, H/P, W/P)
         x = x.flatten(2).transpose(1, 2)  # (b, N, d): patches in row-major order
         x = torch.cat((self.cls.expand(x.shape[0], -1, -1), x), dim=1)  # (b, N + 1, d)
-        x = self.drop(x + self.pos)
+        x = self.drop(x + self._positions(h // p, w // p))
         return self.norm(self.blocks(x))
 
-    def forward(self, images: Tensor, *, targets: Tensor | None = None) -> ModelOutput:
-        logits = self.head(self.features(images)[:, 0])  # (b, n)
+    def _positions(self, rows: int, cols: int) -> Tensor:
+        """Position embeddings (1, 1 + rows * cols, d) for a rows x cols patch grid: the
+        learned ones, or their patch part resized bicubically, as transformers' ViT."""
+        cfg = self.cfg
+        grid = (cfg.image_size // cfg.patch_size, cfg.width // cfg.patch_size)
+        if (rows, cols) == grid:
+            return self.pos
+        d = self.pos.shape[-1]
+        patches = self.pos[:, 1:].reshape(1, *grid, d).permute(0, 3, 1, 2)  # (1, d, h0, w0)
+        patches = F.interpolate(patches, size=(rows, cols), mode="bicubic", align_corners=False)
+        return torch.cat((self.pos[:, :1], patches.permute(0, 2, 3, 1).reshape(1, -1, d)), dim=1)
+
+    def forward(
+        self,
+        images: Tensor,
+        *,
+        targets: Tensor | None = None,
+        interpolate_pos_encoding: bool = False,
+    ) -> ModelOutput:
+        features = self.features(images, interpolate_pos_encoding=interpolate_pos_encoding)
+        logits = self.head(features[:, 0])  # (b, n)
         loss = None
         if targets is not None:
             b = logits.shape[0]
