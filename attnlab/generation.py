@@ -775,18 +775,21 @@ def generate(
     *,
     num_beams: int = 1,
     length_penalty: float = 1.0,
+    early_stopping: bool | str = True,
     **kwargs,
 ) -> list[int] | list[list[int]]:
     """The new tokens: a list for one prompt, a list of lists for a batch (each row stops at
     its first stop token, which is not included). Options as in :func:`stream`; with
     ``num_beams`` > 1 the best beam of :func:`beam_search` (``stop_tokens`` end beams;
-    deterministic, so no sampling options; prompt + new tokens must fit max_seq_len)."""
+    deterministic, so no sampling options; prompt + new tokens must fit max_seq_len;
+    ``early_stopping`` as transformers', True by default)."""
     check_num_beams(num_beams)  # (0 or -1 decoded greedily, 2.5 failed inside topk)
     check_max_new_tokens(max_new_tokens)
     batch, single = _as_batch(prompts)
     if model.cfg.attention.kind == "nsa" and len({len(r) for r in batch}) > 1:
         # native sparse attention takes no left padding (its blocks start at slot 0)
         kw = dict(num_beams=num_beams, length_penalty=length_penalty, **kwargs)
+        kw["early_stopping"] = early_stopping
         if num_beams == 1 and kw.get("seed") is not None:
             # the rows draw from one generator, as a padded batch's do: the seed given to
             # each row alone gave every row the same draws (different prompts, one text)
@@ -810,6 +813,7 @@ def generate(
             max_new_tokens,
             num_beams=num_beams,
             length_penalty=length_penalty,
+            early_stopping=early_stopping,
             eos_id=stop_ids(kwargs.get("stop_tokens")),
             pad_id=kwargs.get("pad_id", 0),
         )
@@ -870,9 +874,12 @@ def collect(steps: Iterator, single: bool, n_rows: int) -> list[int] | list[list
 # ``advance(source, tokens)``. Two scoring styles, picked by ``style``:
 #
 # "transformers" (default): transformers' generate(num_beams=k, length_penalty=a,
-#     early_stopping=True). score = log p / n ** a; a row stops once k hypotheses have
-#     finished; at the last allowed step the best k continuations finish whether or not
-#     they end in EOS.
+#     early_stopping=e). score = log p / n ** a; with e True (attnlab's default) a row
+#     stops once k hypotheses have finished; with False (transformers' default) once k
+#     have finished and the best live beam's log p / m ** a, m its length, is no better
+#     than the k-th; with "never", m is max_new_tokens when a > 0 (its length when a <= 0).
+#     At the last allowed step the best k continuations finish whether or not they end
+#     in EOS.
 # "gnmt": Wu et al. 2016 (GNMT, eq. 14), lp(n) = ((5 + n) / 6) ** a with a >= 0. A row
 #     stops only when no live beam can still beat its n_best-th finished hypothesis: a
 #     prefix's log p only falls as it grows and lp(n) <= lp(max_new_tokens), so none ends
@@ -961,9 +968,20 @@ def check_decoding(max_new_tokens, num_beams, n_best: int = 1) -> None:
     check_num_beams(num_beams, n_best)
 
 
-def check_beam_search(num_beams: int, max_new_tokens: int, n_best: int, alpha: float, style: str):
+def check_beam_search(
+    num_beams: int,
+    max_new_tokens: int,
+    n_best: int,
+    alpha: float,
+    style: str,
+    early_stopping: bool | str = True,
+):
     if style not in BEAM_STYLES:
         raise ValueError(f"style must be one of {', '.join(BEAM_STYLES)}, got {style!r}")
+    if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if style == "gnmt" and early_stopping is not True:
+        raise ValueError("early_stopping applies to style='transformers' (GNMT has its own rule)")
     check_num_beams(num_beams, n_best)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens (max_len) must be >= 1, got {max_new_tokens}")
@@ -1013,6 +1031,7 @@ def beam_search_core(
     blocked_ids: Sequence[int] = (),
     renormalize: bool = False,
     forced_last_ids: Sequence[int] = (),
+    early_stopping: bool | str = True,
 ) -> list[list[Hypothesis]]:
     """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
     input and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
@@ -1026,9 +1045,11 @@ def beam_search_core(
     log-probabilities become -inf after the log-softmax, and with ``renormalize`` the rest
     are log-softmaxed again (``renormalize_logits``), else they keep the mass the blocked
     tokens had. At the last step only ``forced_last_ids`` may be chosen, each with
-    log-probability 0 (before the renormalization): transformers' ``forced_eos_token_id``."""
+    log-probability 0 (before the renormalization): transformers' ``forced_eos_token_id``.
+    ``early_stopping`` (True, False or "never"): when a row stops, as transformers'
+    (the comment above; "transformers" style only)."""
     k, alpha = num_beams, length_penalty
-    check_beam_search(k, max_new_tokens, n_best, alpha, style)
+    check_beam_search(k, max_new_tokens, n_best, alpha, style, early_stopping)
     gnmt = style == "gnmt"
     b, V = logits.shape
     check_beams_can_fill(k, V, max_new_tokens)
@@ -1083,6 +1104,9 @@ def beam_search_core(
             best_live = max(kept_l[r])
             if not gnmt:
                 done[r] = len(finished[r]) >= k
+                if done[r] and early_stopping is not True:  # can the best live beam win?
+                    m = max_new_tokens if early_stopping == "never" and alpha > 0 else step + 1
+                    done[r] = best_live / float(m) ** alpha <= finished[r][k - 1].score
             elif best_live == float("-inf"):
                 done[r] = True  # nothing goes on
             elif len(finished[r]) >= n_best:
@@ -1119,9 +1143,11 @@ def beam_search(
     n_best: int = 1,
     pad_id: int = 0,
     style: str = "transformers",
+    early_stopping: bool | str = True,
 ) -> list[list[Hypothesis]]:
     """Beam search for a decoder-only model: for each prompt (a batch is left padded), the
-    ``n_best`` best continuations, best first. The prompt is run once per row; the cache
+    ``n_best`` best continuations, best first (``early_stopping``: :func:`beam_search_core`).
+    The prompt is run once per row; the cache
     is then copied to the beams and reordered as they are chosen."""
     rows, _ = _prompt_rows(prompts)
     check_pad_id(pad_id, model.cfg.vocab_size)
@@ -1152,6 +1178,7 @@ def beam_search(
             length_penalty=length_penalty,
             n_best=n_best,
             style=style,
+            early_stopping=early_stopping,
         )
     finally:
         restore(modes)

@@ -1069,6 +1069,10 @@ BAD_INPUTS = [
         ["generate", "--ckpt", "{work}/run", "--length-penalty", "2"],
         "--length-penalty applies to beam search; give --num-beams K",
     ),
+    (
+        ["generate", "--ckpt", "{work}/run", "--early-stopping", "false"],
+        "--early-stopping applies to beam search; give --num-beams K",
+    ),
     (["generate", "--ckpt", "{work}/run", "--num-beams", "2", "--no-cache"], "--no-cache: beam"),
     (["generate", "--ckpt", "{work}/run", "--num-beams", "2", "--compile"], "--compile: beam"),
     (  # was overflow='roll' ... use_cache=True, the library's names

@@ -556,6 +556,73 @@ def test_batched_beam_search_equals_transformers_with_early_stopping(tmp_path):
         assert scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
 
 
+@torch.no_grad()
+def test_beam_search_early_stopping_equals_transformers(tmp_path):
+    """early_stopping True, False (transformers' default: search on while the best live
+    beam could still beat a finished one) and "never": a random tiny LLaMA whose EOS is
+    likely, left-padded prompts, length penalties above, at and below 0: every row's n-best
+    tokens and scores are transformers' generate (scores within float32 rounding)."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.generation import beam_search
+    from attnlab.interop import load_hf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        bos_token_id=None, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
+        attn_implementation="eager", initializer_range=0.5,
+    )  # fmt: skip
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.lm_head.weight[3] += 0.3 * ref.model.norm.weight  # beams end early
+    ref.save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    changed = 0
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(4, 16, (n,), generator=g).tolist() for n in (2, 5, 4)]
+        ids = torch.zeros(3, 5, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, 5 - len(p) :] = torch.tensor(p)
+        for alpha in (1.0, 0.0, -0.7, 2.0):
+            found = {}
+            for early in (True, False, "never"):
+                out = ref.generate(
+                    ids, attention_mask=(ids != 0).long(), max_new_tokens=8, num_beams=3,
+                    num_return_sequences=3, length_penalty=alpha, early_stopping=early,
+                    do_sample=False, pad_token_id=0, eos_token_id=3, output_scores=True,
+                    return_dict_in_generate=True,
+                )  # fmt: skip
+                rows = out.sequences[:, 5:].tolist()
+                theirs = [row[: row.index(3)] if 3 in row else row for row in rows]
+                hyps = beam_search(
+                    model, prompts, 8, num_beams=3, eos_id=3, n_best=3, length_penalty=alpha,
+                    early_stopping=early,
+                )  # fmt: skip
+                assert [h.tokens for row in hyps for h in row] == theirs, (seed, alpha, early)
+                scores = [h.score for row in hyps for h in row]
+                assert scores == pytest.approx(out.sequences_scores.tolist(), rel=1e-5, abs=1e-5)
+                found[early] = theirs
+            changed += found[False] != found[True] or found["never"] != found[True]
+            best = model.generate(prompts, 8, num_beams=3, length_penalty=alpha,
+                                  early_stopping=False, stop_tokens=3)  # fmt: skip
+            assert best == found[False][::3]
+    assert changed  # the settings are told apart
+
+
+def test_early_stopping_is_checked():
+    from attnlab.generation import beam_search_core
+
+    logits = torch.zeros(1, 8)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
+            beam_search_core(logits, None, num_beams=2, max_new_tokens=3, eos_id=1,
+                             early_stopping=bad)  # fmt: skip
+    with pytest.raises(ValueError, match="early_stopping applies to style='transformers'"):
+        beam_search_core(logits, None, num_beams=2, max_new_tokens=3, eos_id=1, style="gnmt",
+                         early_stopping=False)  # fmt: skip
+
+
 def test_top_k_ties_go_to_the_lowest_index_so_top_k_1_is_greedy():
     logits = torch.zeros(3, 8)
     for seed in range(5):
@@ -687,9 +754,12 @@ def _beam_search_core_before(
     blocked_ids: Sequence[int] = (),
     renormalize: bool = False,
     forced_last_ids: Sequence[int] = (),
+    early_stopping: bool | str = True,
 ) -> list[list[Hypothesis]]:
     """beam_search_core as it was before one host read per step: a read per flag tensor
-    and per finishing step, the sequences on the device."""
+    and per finishing step, the sequences on the device (early_stopping True only: it
+    came later)."""
+    assert early_stopping is True
     k, alpha = num_beams, length_penalty
     check_beam_search(k, max_new_tokens, n_best, alpha, style)
     gnmt = style == "gnmt"

@@ -108,6 +108,25 @@ def test_marian_beam_search_equals_transformers(marian, k, lp):
         assert all(tok in (EOS, PAD) for tok in seq[len(mine) :])
 
 
+@pytest.mark.parametrize("early", [False, "never"])
+@pytest.mark.parametrize("k,lp", [(3, 1.0), (3, 0.0), (4, -1.0), (2, 2.0)])
+def test_marian_early_stopping_equals_transformers(marian, k, lp, early):
+    """early_stopping False (transformers' default) and "never": the n-best tokens of
+    transformers' generate."""
+    ref, path = marian
+    model = load_hf(path)
+    src, mask, _ = _batch()
+    ours = model.generate(src, 10, src_mask=mask, num_beams=k, length_penalty=lp, n_best=k,
+                          early_stopping=early)  # fmt: skip
+    out = ref.generate(input_ids=src, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                       num_beams=k, num_return_sequences=k, length_penalty=lp,
+                       early_stopping=early)  # fmt: skip
+    theirs = [seq[1:] for seq in out.tolist()]  # without the decoder start token
+    theirs = [[t for t in seq if t != PAD] for seq in theirs]
+    theirs = [seq[: seq.index(EOS)] if EOS in seq else seq for seq in theirs]
+    assert [seq for row in ours for seq in row] == theirs
+
+
 @pytest.mark.parametrize("k,lp", [(3, 0.0), (4, -1.0), (2, 2.0)])
 def test_marian_beam_scores_equal_transformers(marian, k, lp, monkeypatch):
     """The n-best hypotheses' scores (log p / generated length ** lp, EOS counted, the

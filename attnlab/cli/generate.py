@@ -121,8 +121,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=finite_float,
         metavar="A",
         help=f"with --num-beams: beam scores are log p / length**A (default "
-        f"{DEFAULT_LENGTH_PENALTY}); the search ends once K beams have finished, as "
-        "transformers' generate(early_stopping=True)",
+        f"{DEFAULT_LENGTH_PENALTY}); the search ends as --early-stopping says",
+    )
+    p.add_argument(
+        "--early-stopping",
+        choices=("true", "false", "never"),
+        help="with --num-beams: when the search ends, as transformers' generate(early_stopping"
+        "=...): true (default) once K beams have finished; false (transformers' default) once "
+        "no live beam can beat them at its current length; never: at the length limit "
+        "when A > 0",
     )
     add_evaluation_settings_argument(p)
     add_device_argument(p)
@@ -235,8 +242,11 @@ def run(args: argparse.Namespace) -> int:
                     f"{option}: beam search (--num-beams) always caches and never compiles; "
                     "drop one of them"
                 )
-    elif args.length_penalty is not None:  # it ranks beams: alone it was silently ignored
-        raise CLIError("--length-penalty applies to beam search; give --num-beams K (K > 1)")
+    else:  # they rank and stop beams: alone they were silently ignored
+        for option, value in (("--length-penalty", args.length_penalty),
+                              ("--early-stopping", args.early_stopping)):  # fmt: skip
+            if value is not None:
+                raise CLIError(f"{option} applies to beam search; give --num-beams K (K > 1)")
     if args.length_penalty is None:
         args.length_penalty = DEFAULT_LENGTH_PENALTY
     if args.temperature is None:
@@ -374,6 +384,7 @@ def _write(args, model, tokenizer, ids, shown, max_new_tokens, beams, stops, opt
                 max_new_tokens,
                 num_beams=args.num_beams,
                 length_penalty=args.length_penalty,
+                early_stopping={"false": False, "never": "never"}.get(args.early_stopping, True),
                 stop_tokens=stops,
             )
         else:

@@ -288,14 +288,16 @@ class Seq2SeqModel(LoadableModel):
         n_best: int = 1,
         use_cache: bool = True,
         style: str = "transformers",
+        early_stopping: bool | str = True,
         **options,
     ) -> list[list[int]] | list[list[list[int]]]:
         """Translate each row of ``src`` (b, s): greedy (``num_beams`` 1) or beam search.
         Returns the new tokens of each row (``eos_id`` not included), or with ``n_best`` > 1
         a list of the n best per row, best first. See :func:`beam_search_core` for the
-        scoring (``style``: that of transformers' ``generate(early_stopping=True)``, or
-        GNMT's). Tokens of ``cfg.blocked_ids`` are never generated. The language models'
-        sampling and stop options are refused by name (decoding ends at ``cfg.eos_id``)."""
+        scoring (``style``: that of transformers' ``generate(early_stopping=...)``, True
+        by default, or GNMT's). Tokens of ``cfg.blocked_ids`` are never generated. The
+        language models' sampling and stop options are refused by name (decoding ends at
+        ``cfg.eos_id``)."""
         from attnlab.generation import beam_search_core, check_decoding, refuse_options
 
         refuse_options("Seq2SeqModel.generate", options)
@@ -341,6 +343,7 @@ class Seq2SeqModel(LoadableModel):
                 length_penalty=length_penalty,
                 n_best=n_best,
                 style=style,
+                early_stopping=early_stopping,
                 blocked_ids=self.cfg.blocked_ids,
                 renormalize=self.cfg.renormalize_logits,
                 forced_last_ids=self.cfg.forced_eos_ids,
