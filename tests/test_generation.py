@@ -520,25 +520,35 @@ def test_sampling_distribution_equals_transformers_warpers(monkeypatch):
             torch.testing.assert_close(drawn["probs"], want, rtol=0, atol=1e-6)
 
 
-@torch.no_grad()
-def test_batched_beam_search_equals_transformers_with_early_stopping(tmp_path):
-    """A random tiny LLaMA, left-padded prompts, length penalties above, at and below 0:
-    every row's n-best tokens and scores are transformers' generate(num_beams=3,
-    early_stopping=True)."""
-    transformers = pytest.importorskip("transformers")
-    from attnlab.generation import beam_search
+def _tiny_llama_pair(tmp_path, vocab_size: int, eos_boost: float = 0.0):
+    """A random tiny transformers LLaMA (EOS id 3, pad 0) and attnlab's import of it; with
+    ``eos_boost``, EOS's output row is moved toward the final norm's gain (EOS likelier)."""
+    import transformers
+
     from attnlab.interop import load_hf
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         bos_token_id=None, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
         attn_implementation="eager", initializer_range=0.5,
     )  # fmt: skip
     ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.lm_head.weight[3] += eos_boost * ref.model.norm.weight
     ref.save_pretrained(tmp_path)
-    model = load_hf(tmp_path)
+    return ref, load_hf(tmp_path)
+
+
+@torch.no_grad()
+def test_batched_beam_search_equals_transformers_with_early_stopping(tmp_path):
+    """A random tiny LLaMA, left-padded prompts, length penalties above, at and below 0:
+    every row's n-best tokens and scores are transformers' generate(num_beams=3,
+    early_stopping=True)."""
+    pytest.importorskip("transformers")
+    from attnlab.generation import beam_search
+
+    ref, model = _tiny_llama_pair(tmp_path, vocab_size=24)
     prompts = [torch.randint(5, 24, (n,)).tolist() for n in (2, 5, 4)]
     ids = torch.zeros(3, 5, dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -562,21 +572,10 @@ def test_beam_search_early_stopping_equals_transformers(tmp_path):
     beam could still beat a finished one) and "never": a random tiny LLaMA whose EOS is
     likely, left-padded prompts, length penalties above, at and below 0: every row's n-best
     tokens and scores are transformers' generate (scores within float32 rounding)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from attnlab.generation import beam_search
-    from attnlab.interop import load_hf
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        bos_token_id=None, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
-        attn_implementation="eager", initializer_range=0.5,
-    )  # fmt: skip
-    ref = transformers.LlamaForCausalLM(cfg).eval()
-    ref.lm_head.weight[3] += 0.3 * ref.model.norm.weight  # beams end early
-    ref.save_pretrained(tmp_path)
-    model = load_hf(tmp_path)
+    ref, model = _tiny_llama_pair(tmp_path, vocab_size=16, eos_boost=0.3)  # beams end early
     changed = 0
     for seed in range(2):
         g = torch.Generator().manual_seed(seed)
