@@ -10,11 +10,11 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
     load_text_task,
-    path_arg,
     positive_int,
     resolve_device,
 )
@@ -29,9 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "imported BertForQuestionAnswering. "
         "The score is p(start) * p(end), softmax over the context tokens.",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     p.add_argument("--context", required=True, metavar="TEXT", help="text holding the answer")
     p.add_argument("--question", required=True, metavar="TEXT", help="the question")
     p.add_argument(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from attnlab.cli.common import (
     CLIError,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
@@ -59,9 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "target --target (default: the greedy translation). ViT: the [CLS] token's "
         "attention over the patches of --image.",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     p.add_argument("--out", type=path_arg, required=True, metavar="FILE", help="PNG file to write")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--text", metavar="TEXT", help="the input text (seq2seq: the source)")

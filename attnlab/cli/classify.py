@@ -18,11 +18,11 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
-    path_arg,
     positive_int,
     refuse_tokenizer_option,
     resolve_device,
@@ -47,9 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "scaled to [0, 1]; the digits were light strokes on a dark ground (use --invert for "
         "dark on light).",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     p.add_argument(
         "inputs",
         nargs="+",

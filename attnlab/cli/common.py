@@ -272,6 +272,13 @@ def check_data_path(path: str) -> Path:
     return data
 
 
+def add_checkpoint_argument(p: argparse.ArgumentParser) -> None:
+    """``--ckpt DIR``: the model to run, an attnlab checkpoint or a Hugging Face folder."""
+    p.add_argument(
+        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
+    )
+
+
 def add_device_argument(p: argparse.ArgumentParser) -> None:
     """``--device`` of a command that runs a model (checked by :func:`resolve_device`)."""
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default auto)")

@@ -15,6 +15,7 @@ import numpy as np
 
 from attnlab.cli.common import (
     CLIError,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_evaluation_settings_argument,
@@ -48,9 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "language model the mean next-token loss over consecutive non-overlapping blocks "
         "of its validation split, or of any text with --data.",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     p.add_argument(
         "--data",
         type=path_arg,

@@ -27,11 +27,11 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
     load_for_inference,
-    path_arg,
     positive_int,
     require_tokenizer,
     resolve_device,
@@ -53,9 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "text, with a masked-LM encoder: an mlm checkpoint (attnlab train --preset "
         "bert-tiny-mlm) or a BertForMaskedLM folder (attnlab import-hf).",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     p.add_argument("text", metavar="TEXT", help='text with [MASK] in it, e.g. "The c[MASK]t"')
     p.add_argument("--top-k", type=positive_int, default=5, metavar="K", help="default 5")
     add_tokenizer_argument(p)

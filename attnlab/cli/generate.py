@@ -26,6 +26,7 @@ import torch
 
 from attnlab.cli.common import (
     CLIError,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_evaluation_settings_argument,
@@ -35,7 +36,6 @@ from attnlab.cli.common import (
     finite_float,
     load_for_inference,
     non_negative_int,
-    path_arg,
     positive_int,
     require_tokenizer,
     resolve_device,
@@ -62,9 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Continue a prompt with a trained model. Prints the prompt followed by "
         "the generated text.",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument(
         "--prompt",

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 import torch
 
 from attnlab.cli.common import (
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
     label_names,
     load_text_task,
-    path_arg,
     resolve_device,
 )
 
@@ -33,9 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bert-tiny-ner) or an imported BertForTokenClassification, and list the entities: "
         "a word shows the tag of its first token.",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to tag")
     add_tokenizer_argument(p)
     add_device_argument(p)

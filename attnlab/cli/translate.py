@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 from attnlab.cli.common import (
     CLIError,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
     add_tokenizer_argument,
     check_beams_fit_vocabulary,
     finite_float,
     load_for_inference,
-    path_arg,
     positive_int,
     refuse_tokenizer_option,
     resolve_device,
@@ -47,9 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transformer-numbers / gru-numbers), or text with an imported Marian model "
         "(attnlab import-hf); without a tokenizer, token ids with --source-ids.",
     )
-    p.add_argument(
-        "--ckpt", type=path_arg, required=True, metavar="DIR", help="checkpoint (or HF) folder"
-    )
+    add_checkpoint_argument(p)
     p.add_argument(
         "sources", nargs="*", metavar="TEXT", help="texts to translate, e.g. digit strings 1234"
     )
