@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from attnlab.cache import check_global_tokens
-from attnlab.config import ModelConfig, NormConfig
+from attnlab.config import ModelConfig, NormConfig, is_int64_overflow
 
 _FORMULA_KINDS = ("mha",)  # attention kinds whose structure the formulas below describe
 _KV_FORMULA_KINDS = (
@@ -117,9 +117,7 @@ def _countable(what: str, fix: str):
     try:
         yield
     except (RuntimeError, TypeError, ValueError) as e:
-        # torch's words for a size past int64: "Storage size calculation overflowed",
-        # "Overflow when unpacking long"
-        if "overflow" not in str(e).lower():
+        if not is_int64_overflow(e):
             raise
         raise ValueError(
             f"{what} would have more elements than torch can count (2**63); give {fix}"

@@ -28,6 +28,13 @@ T = TypeVar("T")
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+def is_int64_overflow(error: BaseException) -> bool:
+    """Whether ``error`` is torch refusing a size past int64 (a RuntimeError for a tensor's
+    storage, a TypeError or ValueError for a size argument)."""
+    text = str(error)
+    return "Overflow when unpacking long" in text or "Storage size calculation overflowed" in text
+
+
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or inconsistent."""
 

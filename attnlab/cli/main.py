@@ -124,8 +124,9 @@ def _too_large(error: BaseException, command: str) -> str | None:
     int64: a product of sizes the options allow one by one). None for any other error."""
     torch = sys.modules.get("torch")
     text = str(error)
-    # torch's words, as a TypeError, ValueError or (for a tensor's size) RuntimeError
-    if "Overflow when unpacking long" in text or "Storage size calculation overflowed" in text:
+    from attnlab.config import is_int64_overflow
+
+    if is_int64_overflow(error):
         return (
             f"a size past torch's int64 (2**63 - 1), made of the sizes given; give {command} "
             "smaller sizes (batch, lengths, counts)"
