@@ -798,8 +798,7 @@ def generate(
             )
         return [generate(model, row, max_new_tokens, **kw) for row in batch]
     if num_beams > 1:
-        _check_beam_options(kwargs)
-        sampling = [k for k, v in kwargs.items() if not _beam_search_takes(k, v)]
+        sampling = _unused_by_beams(kwargs)
         if sampling or kwargs.get("use_cache") is False:
             raise ValueError(
                 f"beam search (num_beams={num_beams}) is deterministic and cached; drop "
@@ -825,29 +824,31 @@ def generate(
     return collect(steps, single, len(batch))
 
 
-def _check_beam_options(kwargs: dict) -> None:
-    """A name :func:`stream` does not take is Python's TypeError, as without beams."""
+def _unused_by_beams(kwargs: dict) -> list[str]:
+    """The options of :func:`stream` in ``kwargs`` that beam search would ignore: all but its
+    stop tokens, pad id and cache, unless at their defaults (compile=False too: the search
+    never compiles). seed=0 and top_k=0 used to pass (equal to 0.0), overflow="slide", the
+    default, to be refused. A name stream does not take is Python's TypeError, as without
+    beams."""
     import inspect
 
-    names = inspect.signature(stream).parameters
-    for name in kwargs:
-        if name not in names or names[name].kind is not inspect.Parameter.KEYWORD_ONLY:
+    params = inspect.signature(stream).parameters
+    unused = []
+    for name, value in kwargs.items():
+        param = params.get(name)
+        if param is None or param.kind is not inspect.Parameter.KEYWORD_ONLY:
             raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
-
-
-def _beam_search_takes(name: str, value) -> bool:
-    """Whether beam search honours ``stream``'s option ``name`` = ``value``: its stop
-    tokens, pad id and cache; every other option only at its default (or compile=False:
-    the search never compiles). It used to let seed=0 and top_k=0 through (equal to 0.0)
-    and refuse overflow="slide", the default."""
-    import inspect
-
-    if name in ("stop_tokens", "pad_id", "use_cache") or (name == "compile" and value is False):
-        return True
-    default = inspect.signature(stream).parameters[name].default
-    if default is None or value is None:
-        return value is default
-    return isinstance(value, (str, numbers.Real)) and type(value) is not bool and value == default
+        if name in ("stop_tokens", "pad_id", "use_cache") or (name == "compile" and value is False):
+            continue
+        default = param.default
+        if default is None or value is None:
+            at_default = value is default
+        else:
+            at_default = isinstance(value, (str, numbers.Real)) and type(value) is not bool
+            at_default = at_default and value == default
+        if not at_default:
+            unused.append(name)
+    return unused
 
 
 def collect(steps: Iterator, single: bool, n_rows: int) -> list[int] | list[list[int]]:

@@ -464,6 +464,14 @@ def label_names(cfg: RunConfig) -> list[str]:
     return list(task.label_names(task.data_options(cfg)))
 
 
+def refuse_beam_options(given: dict[str, object]) -> None:
+    """Without ``--num-beams`` K > 1: the beam-only options in ``given`` (option -> value,
+    None when not given) are refused by name, where they were silently ignored."""
+    for option, value in given.items():
+        if value is not None:
+            raise CLIError(f"{option} applies to beam search; give --num-beams K (K > 1)")
+
+
 def check_beams_fit_vocabulary(num_beams: int, vocab_size: int) -> None:
     """``--num-beams`` at most the model's vocabulary: beam search keeps distinct
     continuations, and after the first token there are only ``vocab_size`` of them (a huge

@@ -37,6 +37,7 @@ from attnlab.cli.common import (
     load_for_inference,
     non_negative_int,
     positive_int,
+    refuse_beam_options,
     require_tokenizer,
     resolve_device,
     seed_int,
@@ -240,11 +241,10 @@ def run(args: argparse.Namespace) -> int:
                     f"{option}: beam search (--num-beams) always caches and never compiles; "
                     "drop one of them"
                 )
-    else:  # they rank and stop beams: alone they were silently ignored
-        for option, value in (("--length-penalty", args.length_penalty),
-                              ("--early-stopping", args.early_stopping)):  # fmt: skip
-            if value is not None:
-                raise CLIError(f"{option} applies to beam search; give --num-beams K (K > 1)")
+    else:
+        refuse_beam_options(
+            {"--length-penalty": args.length_penalty, "--early-stopping": args.early_stopping}
+        )
     if args.length_penalty is None:
         args.length_penalty = DEFAULT_LENGTH_PENALTY
     if args.temperature is None:

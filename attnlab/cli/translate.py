@@ -25,6 +25,7 @@ from attnlab.cli.common import (
     finite_float,
     load_for_inference,
     positive_int,
+    refuse_beam_options,
     refuse_tokenizer_option,
     resolve_device,
     token_ids,
@@ -229,10 +230,9 @@ def check_beam_options(args: argparse.Namespace) -> dict:
     ``--num-beams`` K > 1 (they were silently ignored) and where they rank nothing (the
     library's error named its length_penalty)."""
     if args.num_beams == 1:
-        for option, value in (("--length-penalty", args.length_penalty),
-                              ("--beam-style", args.beam_style)):  # fmt: skip
-            if value is not None:
-                raise CLIError(f"{option} applies to beam search; give --num-beams K (K > 1)")
+        refuse_beam_options(
+            {"--length-penalty": args.length_penalty, "--beam-style": args.beam_style}
+        )
         return {"num_beams": 1}
     alpha = DEFAULT_LENGTH_PENALTY if args.length_penalty is None else args.length_penalty
     style = args.beam_style or DEFAULT_BEAM_STYLE
