@@ -213,6 +213,11 @@ def test_generation_options_and_errors():
         model.stream(prompt, 4, use_cache=False)
     with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 40\)"):
         model.stream([99], 4)
+    # pad_id does not apply (rows decode alone) but is checked as DecoderLM checks it
+    assert model.generate(prompt, 12, pad_id=39) == greedy
+    for bad in (None, -1, 40, 2.5):
+        with pytest.raises(ValueError, match=r"pad_id must be a token id in \[0, 40\)"):
+            model.stream(prompt, 4, pad_id=bad)
 
 
 def test_preset_round_trips_and_trains_from_the_cli(tmp_path, capsys, monkeypatch):

@@ -279,10 +279,17 @@ class TransformerXL(LoadableModel):
         a list with an int or None per row for a batch), decoding with the segment memory.
         The memory is this model's cache (``use_cache=False`` is refused) and its steps run
         eagerly (``compile`` is accepted and ignored); ``overflow`` and ``pad_id`` do not
-        apply (each row decodes alone, unpadded)."""
-        from attnlab.generation import OVERFLOW_MODES, check_request, check_sampling, stop_ids
+        apply (each row decodes alone, unpadded), though they are checked as DecoderLM's are."""
+        from attnlab.generation import (
+            OVERFLOW_MODES,
+            check_pad_id,
+            check_request,
+            check_sampling,
+            stop_ids,
+        )
 
         check_sampling(temperature, top_k, top_p)
+        check_pad_id(pad_id, self.cfg.vocab_size)  # unused, but refused as DecoderLM refuses it
         if compile not in (True, False, "auto") or overflow not in OVERFLOW_MODES:
             raise ValueError(
                 f"compile must be True, False or 'auto' (got {compile!r}) and overflow one of "
