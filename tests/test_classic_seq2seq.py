@@ -280,6 +280,28 @@ def test_beam_search_rejects_bad_settings():
             model.beam_search(src, mask, **kw)
 
 
+def test_early_stopping_reaches_the_shared_beam_search(monkeypatch):
+    """generate/beam_search take transformers' early_stopping with style='transformers' (the
+    CLI's translate --early-stopping); GNMT scoring keeps its own rule and refuses it."""
+    import attnlab.models.rnn as rnn
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["early_stopping"])
+        return beam_search_core(*args, **kwargs)
+
+    monkeypatch.setattr(rnn, "beam_search_core", spy)
+    model = tiny_model()
+    src, mask = padded_sources()
+    for early in (True, False, "never"):
+        out = model.generate(src, 5, src_mask=mask, num_beams=3, style="transformers",
+                             early_stopping=early)  # fmt: skip
+        assert seen[-1] is early and len(out) == src.shape[0]
+    with pytest.raises(ValueError, match="early_stopping applies to style='transformers'"):
+        model.generate(src, 5, src_mask=mask, num_beams=3, early_stopping=False)  # gnmt
+
+
 def test_unfinished_hypotheses_fill_the_list_at_max_len():
     model = tiny_model()
     with torch.no_grad():

@@ -1087,6 +1087,16 @@ BAD_INPUTS = [
     (["translate", "--ckpt", "{tmp}/missing", "1", "--length-penalty", "1"], "--length-penalty"),
     (["translate", "--ckpt", "{tmp}/missing", "1", "--beam-style", "gnmt"], "--beam-style applies"),
     (
+        ["translate", "--ckpt", "{tmp}/missing", "1", "--early-stopping", "never"],
+        "--early-stopping applies to beam search; give --num-beams K (K > 1)",
+    ),
+    (
+        ["translate", "--ckpt", "{tmp}/missing", "1", "--num-beams", "2"]
+        + ["--early-stopping", "false"],
+        "--early-stopping applies to --beam-style transformers (gnmt, the default, stops when no "
+        "live beam can beat the finished ones)",
+    ),
+    (
         ["translate", "--ckpt", "{tmp}/missing", "1", "--num-beams", "2", "--length-penalty", "-1"],
         "--length-penalty -1: gnmt beam scoring (--beam-style gnmt, the default) takes A >= 0",
     ),

@@ -131,8 +131,9 @@ def test_translate_text_with_the_imported_tokenizer(folders, capsys):
 
 def test_translate_defaults_and_beam_options_reach_the_model(folders, capsys, monkeypatch):
     """Without --max-new-tokens a translation may fill the context (max_seq_len - 1 new
-    tokens); --num-beams, --length-penalty (default 0.6) and --beam-style (default gnmt)
-    reach the model's beam search, and the output is what it gives for them."""
+    tokens); --num-beams, --length-penalty (default 0.6), --beam-style (default gnmt) and
+    --early-stopping (with transformers' style) reach the model's beam search, and the
+    output is what it gives for them."""
     from attnlab.models.seq2seq import Seq2SeqModel
     from attnlab.tokenizers import load_tokenizer
     from attnlab.training.checkpoint import load_checkpoint
@@ -155,10 +156,14 @@ def test_translate_defaults_and_beam_options_reach_the_model(folders, capsys, mo
     assert json.loads(capsys.readouterr().out)[text] == tokenizer.decode(_greedy(ref, ids, n))
     src = torch.tensor([ids])
     for options, kwargs in [
-        ([], dict(length_penalty=0.6, style="gnmt")),
+        ([], dict(length_penalty=0.6, style="gnmt", early_stopping=True)),
         (["--length-penalty", "-2", "--beam-style", "transformers"],
-         dict(length_penalty=-2.0, style="transformers")),
+         dict(length_penalty=-2.0, style="transformers", early_stopping=True)),
         (["--length-penalty", "3"], dict(length_penalty=3.0, style="gnmt")),
+        (["--beam-style", "transformers", "--early-stopping", "false"],
+         dict(length_penalty=0.6, style="transformers", early_stopping=False)),
+        (["--beam-style", "transformers", "--early-stopping", "never"],
+         dict(length_penalty=0.6, style="transformers", early_stopping="never")),
     ]:  # fmt: skip
         assert main(["translate", "--ckpt", str(ckpt), "--json", "--num-beams", "3", *options,
                      text]) == 0  # fmt: skip

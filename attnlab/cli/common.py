@@ -472,6 +472,24 @@ def refuse_beam_options(given: dict[str, object]) -> None:
             raise CLIError(f"{option} applies to beam search; give --num-beams K (K > 1)")
 
 
+def add_early_stopping_argument(p: argparse.ArgumentParser, note: str = "") -> None:
+    """``--early-stopping true|false|never``: when beam search ends, read by
+    :func:`early_stopping_value` (None when not given)."""
+    p.add_argument(
+        "--early-stopping",
+        choices=("true", "false", "never"),
+        help="with --num-beams" + note + ": when the search ends, as transformers' "
+        "generate(early_stopping=...): true (default) once K beams have finished; false "
+        "(transformers' default) once no live beam can beat them at its current length; "
+        "never: at the length limit when A > 0",
+    )
+
+
+def early_stopping_value(given: str | None) -> bool | str:
+    """The library's ``early_stopping`` for ``--early-stopping`` (True when not given)."""
+    return {"false": False, "never": "never"}.get(given, True)
+
+
 def check_beams_fit_vocabulary(num_beams: int, vocab_size: int) -> None:
     """``--num-beams`` at most the model's vocabulary: beam search keeps distinct
     continuations, and after the first token there are only ``vocab_size`` of them (a huge

@@ -29,9 +29,11 @@ from attnlab.cli.common import (
     add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
+    add_early_stopping_argument,
     add_evaluation_settings_argument,
     add_tokenizer_argument,
     check_beams_fit_vocabulary,
+    early_stopping_value,
     evaluation_settings,
     finite_float,
     load_for_inference,
@@ -122,14 +124,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"with --num-beams: beam scores are log p / length**A (default "
         f"{DEFAULT_LENGTH_PENALTY}); the search ends as --early-stopping says",
     )
-    p.add_argument(
-        "--early-stopping",
-        choices=("true", "false", "never"),
-        help="with --num-beams: when the search ends, as transformers' generate(early_stopping"
-        "=...): true (default) once K beams have finished; false (transformers' default) once "
-        "no live beam can beat them at its current length; never: at the length limit "
-        "when A > 0",
-    )
+    add_early_stopping_argument(p)
     add_evaluation_settings_argument(p)
     add_device_argument(p)
     add_dtype_argument(p)
@@ -382,7 +377,7 @@ def _write(args, model, tokenizer, ids, shown, max_new_tokens, beams, stops, opt
                 max_new_tokens,
                 num_beams=args.num_beams,
                 length_penalty=args.length_penalty,
-                early_stopping={"false": False, "never": "never"}.get(args.early_stopping, True),
+                early_stopping=early_stopping_value(args.early_stopping),
                 stop_tokens=stops,
             )
         else:

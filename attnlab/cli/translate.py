@@ -20,8 +20,10 @@ from attnlab.cli.common import (
     add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
+    add_early_stopping_argument,
     add_tokenizer_argument,
     check_beams_fit_vocabulary,
+    early_stopping_value,
     finite_float,
     load_for_inference,
     positive_int,
@@ -82,6 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transformers: lp = n, stop when num_beams have finished (as "
         "generate(early_stopping=True))",
     )
+    add_early_stopping_argument(p, " --beam-style transformers")
     p.add_argument(
         "--max-new-tokens", type=positive_int, metavar="N", help="default: max_seq_len - 1"
     )
@@ -231,17 +234,27 @@ def check_beam_options(args: argparse.Namespace) -> dict:
     library's error named its length_penalty)."""
     if args.num_beams == 1:
         refuse_beam_options(
-            {"--length-penalty": args.length_penalty, "--beam-style": args.beam_style}
+            {
+                "--length-penalty": args.length_penalty,
+                "--beam-style": args.beam_style,
+                "--early-stopping": args.early_stopping,
+            }
         )
         return {"num_beams": 1}
     alpha = DEFAULT_LENGTH_PENALTY if args.length_penalty is None else args.length_penalty
     style = args.beam_style or DEFAULT_BEAM_STYLE
+    if style == "gnmt" and args.early_stopping is not None:  # GNMT has its own stopping rule
+        raise CLIError(
+            "--early-stopping applies to --beam-style transformers (gnmt, the default, stops "
+            "when no live beam can beat the finished ones)"
+        )
     if style == "gnmt" and alpha < 0:  # its stopping rule needs lp to grow with the length
         raise CLIError(
             f"--length-penalty {alpha:g}: gnmt beam scoring (--beam-style gnmt, the default) "
             "takes A >= 0; give --beam-style transformers for a negative A"
         )
-    return {"num_beams": args.num_beams, "length_penalty": alpha, "style": style}
+    options = {"num_beams": args.num_beams, "length_penalty": alpha, "style": style}
+    return options | {"early_stopping": early_stopping_value(args.early_stopping)}
 
 
 def run(args: argparse.Namespace) -> int:

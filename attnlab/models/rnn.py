@@ -278,11 +278,14 @@ class GRUSeq2Seq(nn.Module):
         length_penalty: float = 0.0,
         n_best: int = 1,
         style: str = "gnmt",
+        early_stopping: bool | str = True,
         **options,
     ) -> list[list[int]] | list[list[list[int]]]:
         """The Transformer encoder-decoder's decoding interface: the new tokens of each row
-        (EOS not included), greedy or beam search; with ``n_best`` > 1 the n best per row.
-        The language models' sampling and stop options are refused by name."""
+        (EOS not included), greedy or beam search; with ``n_best`` > 1 the n best per row
+        (``early_stopping``: :func:`attnlab.generation.beam_search_core`, with
+        ``style='transformers'``). The language models' sampling and stop options are
+        refused by name."""
         refuse_options("GRUSeq2Seq.generate", options)
         check_decoding(max_new_tokens, num_beams, n_best)
         if max_new_tokens == 0:  # no new tokens, as a language model's generate
@@ -300,6 +303,7 @@ class GRUSeq2Seq(nn.Module):
                     length_penalty=length_penalty,
                     n_best=n_best,
                     style=style,
+                    early_stopping=early_stopping,
                 )
         finally:
             restore(modes)
@@ -321,12 +325,13 @@ class GRUSeq2Seq(nn.Module):
         length_penalty: float = 0.0,
         n_best: int = 1,
         style: str = "gnmt",
+        early_stopping: bool | str = True,
     ) -> list[list[Hypothesis]]:
         """For each source row, its ``n_best`` hypotheses, best first: the shared beam
         search (:func:`attnlab.generation.beam_search_core`), GNMT scoring by default.
         Here a hypothesis' tokens end with EOS when it finished (as :meth:`greedy`'s do);
         ``max_len`` counts that EOS."""
-        check_beam_search(beam_width, max_len, n_best, length_penalty, style)
+        check_beam_search(beam_width, max_len, n_best, length_penalty, style, early_stopping)
         memory, hidden = self.encode(src, src_mask)
         start = torch.full((src.shape[0],), self.cfg.bos_id, dtype=torch.long, device=src.device)
         logits, hidden, _ = self.step(start, hidden, memory)
@@ -352,6 +357,7 @@ class GRUSeq2Seq(nn.Module):
             length_penalty=length_penalty,
             n_best=n_best,
             style=style,
+            early_stopping=early_stopping,
         )
         eos = [self.cfg.eos_id]
         return [[h._replace(tokens=h.tokens + eos * h.finished) for h in row] for row in results]
