@@ -445,12 +445,12 @@ class AttentionConfig(_Config):
                     f"{self.nsa_stride} must divide nsa_block_len={self.nsa_block_len} "
                     "(compression blocks overlap by whole strides)",
                 )
-            if self.nsa_select_len % self.nsa_stride or self.nsa_select_len < self.nsa_block_len:
+            if self.nsa_select_len % self.nsa_stride:  # Eq. 9 needs d | l' (and d | l)
                 _fail(
                     f"{path}.nsa_select_len",
                     f"{self.nsa_select_len} must be a multiple of nsa_stride={self.nsa_stride} "
-                    f"and >= nsa_block_len={self.nsa_block_len} (NSA Eq. 9 sums whole "
-                    "compression blocks into a selection block)",
+                    "(NSA Eq. 9 weighs compression blocks by the strides they share with a "
+                    "selection block)",
                 )
             if self.nsa_n_select < 3:
                 _fail(

@@ -556,9 +556,10 @@ def test_nsa_compressed_branch_against_a_loop():
                 torch.testing.assert_close(o[bi, hi, ti], want, **TOL)
 
 
+@pytest.mark.parametrize("sel_len", [4, 2, 6])  # l' = l, l' < l (Eq. 9 allows it), l' > l
 @torch.no_grad()
-def test_nsa_selected_and_window_branches_against_a_loop():
-    layer = _nsa_layer()
+def test_nsa_selected_and_window_branches_against_a_loop(sel_len):
+    layer = _nsa_layer(**{"attention.nsa_select_len": sel_len})
     q, k, v, allowed = _qkv(layer, t=33)
     _, p_cmp = layer.compressed(q, k, v, allowed)
     keep = layer.select_blocks(p_cmp, allowed)  # (b, h_kv, t, s)
@@ -652,9 +653,10 @@ def test_nsa_selecting_every_block_is_dense_attention():
 
 
 @torch.no_grad()
-def test_nsa_no_look_ahead_and_cached_decoding():
+@pytest.mark.parametrize("sel_len", [4, 2])
+def test_nsa_no_look_ahead_and_cached_decoding(sel_len):
     torch.manual_seed(0)
-    model = build_model(_nsa_cfg()).eval()
+    model = build_model(_nsa_cfg(**{"attention.nsa_select_len": sel_len})).eval()
     idx = torch.randint(0, V, (2, 22))
     changed = idx.clone()
     changed[:, 13] = (idx[:, 13] + 1) % V
@@ -728,7 +730,7 @@ def test_nsa_learns():
     [
         ({"attention.nsa_stride": 3}, "attention.nsa_stride"),
         ({"attention.nsa_select_len": 5}, "attention.nsa_select_len"),
-        ({"attention.nsa_select_len": 2}, "attention.nsa_select_len"),
+        ({"attention.nsa_select_len": 3}, "attention.nsa_select_len"),
         ({"attention.nsa_n_select": 0}, "attention.nsa_n_select"),
         ({"attention.nsa_n_select": 2}, "attention.nsa_n_select"),
         ({"attention.sliding_window": 8}, "attention.sliding_window"),
