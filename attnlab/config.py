@@ -206,7 +206,7 @@ class _Config:
         """Read a JSON config file, naming the file in any error."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

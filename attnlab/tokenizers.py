@@ -365,7 +365,10 @@ def _task_vocabulary(file: Path):
     import importlib
 
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        # UTF-8, as every writer writes it (a char-pair vocabulary holds "é" unescaped),
+        # never the locale's encoding (cp1252 read it back as "Ã©": other characters)
+        text = file.read_text(encoding="utf-8")
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None  # HFTokenizer.from_file reports it
     if not isinstance(data, dict) or VOCABULARY_KEY not in data:
@@ -377,7 +380,7 @@ def _task_vocabulary(file: Path):
         )
     module, name = VOCABULARY_KINDS[kind].split(":")
     try:
-        return getattr(importlib.import_module(module), name).from_json(file.read_text())
+        return getattr(importlib.import_module(module), name).from_json(text)
     except (ValueError, KeyError, TypeError) as e:
         raise TokenizerError(f"{file}: invalid {kind} vocabulary ({e})") from None
 

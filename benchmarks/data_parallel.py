@@ -43,7 +43,8 @@ def run(processes: int, threads: int, batch: int, args: argparse.Namespace) -> d
             cmd[1:3] = ["-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={processes}", "-m", "attnlab"]  # fmt: skip
         subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-        logs = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+        lines = Path(out, "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        logs = [json.loads(line) for line in lines]
     train_logs = [r for r in logs if r["kind"] == "train"]
     timed = [r["tokens_per_second"] for r in train_logs if r["step"] > args.skip]
     return {"tok_s": statistics.median(timed), "loss": train_logs[-1]["train_loss"]}

@@ -124,6 +124,19 @@ def test_utf8_byte_order_mark_is_dropped(tmp_path):
     assert read_corpus(file) == [(str(file), "hello")]
 
 
+def test_a_file_of_only_a_byte_order_mark_is_empty(tmp_path):
+    """A UTF-8 file with no text but its byte order mark (Notepad saves an empty one so) is
+    empty, as a blank file is (before, it was read as a document of no text or of
+    whitespace; alone, that failed later and without its name: "cannot train a char
+    tokenizer on empty text")."""
+    file = tmp_path / "bom.txt"
+    file.write_bytes(b"\xef\xbb\xbf \r\n")
+    with pytest.raises(DataError, match=f"data.path: {file} is empty"):
+        prepare_data(DataConfig(path=str(file)), cache_dir=tmp_path / "cache")
+    (tmp_path / "text.txt").write_text("some text\n")
+    assert read_corpus(tmp_path) == [(str(tmp_path / "text.txt"), "some text\n")]
+
+
 # ---------------------------------------------------------------------- prepare_data
 
 
@@ -547,7 +560,7 @@ def test_a_corpus_file_whose_name_is_not_utf8_is_read_and_cached(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     try:
-        with open(os.path.join(os.fsencode(root), b"caf\xe9.txt"), "w") as f:
+        with open(os.path.join(os.fsencode(root), b"caf\xe9.txt"), "w", encoding="utf-8") as f:
             f.write(DOC_A)
     except OSError:  # a file system that takes UTF-8 names only
         pytest.skip("this file system refuses names that are not UTF-8")

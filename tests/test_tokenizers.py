@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -347,6 +348,25 @@ def test_loads_from_a_folder_whose_name_is_not_utf8(bpe, tmp_path):
     bad.write_bytes(b'{"model": \xff}')
     with pytest.raises(TokenizerError, match=r"bad.json: not a valid tokenizer.json \(byte"):
         load_tokenizer(bad)
+
+
+def test_a_task_vocabulary_loads_as_utf8_whatever_the_locale(tmp_path, monkeypatch):
+    """The numbers task's vocabularies are saved in UTF-8 with their accents unescaped;
+    they load as UTF-8 where the locale's encoding is another (before, read by the
+    locale's: cp1252 gave the target vocabulary "Ã" and "©" for "é", other ids)."""
+    from attnlab.data.numbers import CharVocab, CharVocabPair
+
+    saved = CharVocabPair(CharVocab("0123456789"), CharVocab("deux cent trente-quatre é"))
+    saved.save(tmp_path)
+    read_text = Path.read_text
+
+    def locale_read_text(self, encoding=None, **kwargs):  # as Windows' cp1252 locale
+        return read_text(self, encoding=encoding or "cp1252", **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", locale_read_text)
+    loaded = load_tokenizer(tmp_path)
+    assert isinstance(loaded, CharVocabPair)
+    assert loaded.target.itos == saved.target.itos and loaded.source.itos == saved.source.itos
 
 
 def test_unknown_kind_and_out_of_range_ids(bpe):

@@ -174,7 +174,7 @@ def read_json_file(path: str | Path, what: str = "config") -> dict[str, Any]:
     if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO's read would wait
         raise CLIError(f"{path}: is {file_kind(path)}, not a regular file; give a JSON {what} file")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CLIError(f"{path}: {what} file not found") from None
     except IsADirectoryError:

@@ -146,7 +146,7 @@ def _attnlab_config(path: Path) -> bool:
     import json
 
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and is_run_config(data)

@@ -17,6 +17,7 @@ from attnlab.fileio import file_kind
 EMBEDDED_NAME = "<embedded: pydoc_data.topics>"
 DOCUMENT_SEPARATOR = "\n\n"  # between documents when a corpus becomes one token stream
 TEXT_SUFFIXES = (".txt", ".md")  # what a folder corpus reads
+UTF8_BOM = b"\xef\xbb\xbf"  # not text: decode_source drops it
 
 
 class DataError(ValueError):
@@ -61,7 +62,7 @@ def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
         )
     if root.is_file():
         data = root.read_bytes()
-        if not data.strip():
+        if _is_blank(data):
             raise DataError(f"data.path: {root} is empty; give a file with text in it")
         return [RawSource(str(root), root.name, data)]
     if not root.is_dir():  # /dev/null, a FIFO: searched as a folder, reported as one
@@ -74,10 +75,15 @@ def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
         raise DataError(f"data.path: no .txt or .md files under the folder {root}")
     sources = [RawSource(str(f), f.relative_to(root).as_posix(), f.read_bytes()) for f in files]
     # Empty files add nothing to the stream; keep the others.
-    sources = [source for source in sources if source.data.strip()]
+    sources = [source for source in sources if not _is_blank(source.data)]
     if not sources:
         raise DataError(f"data.path: all {len(files)} .txt / .md files under {root} are empty")
     return sources
+
+
+def _is_blank(data: bytes) -> bool:
+    """Whether a file holds no text: only whitespace, after a byte order mark if any."""
+    return not data.removeprefix(UTF8_BOM).strip()
 
 
 def decode_source(source: RawSource, errors: str = "strict") -> str:

@@ -315,7 +315,7 @@ def prepare_data(
     doc_starts: np.ndarray | None = None
     if tokens is not None:
         try:
-            meta = json.loads(meta_file.read_text())
+            meta = json.loads(meta_file.read_text(encoding="utf-8"))
             n_chars = meta["n_chars"]
             doc_starts = np.asarray(meta["doc_starts"], dtype=np.int64)
             # a stream whose length is not the one written (a garbled .npy header reads

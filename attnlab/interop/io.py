@@ -375,7 +375,7 @@ def eos_token_ids(path: Path) -> list[int]:
         if not file.is_file():
             continue
         try:
-            data = json.loads(file.read_text())
+            data = json.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
         if name == CONFIG_NAME and not (isinstance(data, dict) and "model_type" in data):
@@ -415,7 +415,7 @@ def weight_files(path: Path) -> list[Path]:
 def _weight_map(index_file: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> shard file name) of a safetensors index."""
     try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
+        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         weight_map = None
     if not isinstance(weight_map, dict) or not all(

@@ -196,7 +196,7 @@ def save_checkpoint(
     tmp = directory / f"{TMP_PREFIX}{checkpoint_id}"
     tmp.mkdir()
     try:
-        (tmp / CONFIG_FILE).write_text(cfg.to_json() + "\n")
+        (tmp / CONFIG_FILE).write_text(cfg.to_json() + "\n", encoding="utf-8")
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_FILE)
         # the bytes as written, read back: what a reader will hash

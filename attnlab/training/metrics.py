@@ -29,7 +29,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -74,7 +74,7 @@ class MetricsLogger:
     def log(self, kind: str, step: int, **values: Any) -> None:
         record = {"kind": kind, "step": step, **values}
         self.records.append(record)
-        with open(self.path, "a") as f:
+        with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for name, value in values.items():

@@ -380,7 +380,7 @@ def _sole_writer(out_dir: Path):
     created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = out_dir / LOCK_FILE
-    with open(lock, "a+") as f:
+    with open(lock, "a+", encoding="utf-8") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             locked = True
