@@ -80,6 +80,21 @@ def test_read_corpus_folder_is_recursive_sorted_and_txt_only(corpus_dir):
     assert read_corpus(corpus_dir / "b.txt") == [(str(corpus_dir / "b.txt"), DOC_B)]
 
 
+def test_hidden_files_and_folders_of_a_corpus_folder_are_skipped(tmp_path):
+    """Jupyter's .ipynb_checkpoints holds copies of the texts beside them (their text was
+    read twice, into both splits), .git its own files; a hidden root or file named as the
+    corpus itself is read."""
+    root = tmp_path / ".corpus"
+    (root / "sub" / ".ipynb_checkpoints").mkdir(parents=True)
+    (root / "sub" / "notes.txt").write_text("notes\n")
+    (root / "sub" / ".ipynb_checkpoints" / "notes-checkpoint.txt").write_text("notes\n")
+    (root / ".hidden.md").write_text("hidden\n")
+    (root / ".git").mkdir()
+    (root / ".git" / "description.txt").write_text("git\n")
+    assert read_corpus(root) == [(str(root / "sub" / "notes.txt"), "notes\n")]
+    assert read_corpus(root / ".hidden.md") == [(str(root / ".hidden.md"), "hidden\n")]
+
+
 def test_read_corpus_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         read_corpus(tmp_path / "nope.txt")

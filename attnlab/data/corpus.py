@@ -1,5 +1,6 @@
 """Text corpora: the embedded default (CPython's Language Reference topics), a text file,
-or a folder whose .txt and .md files are read recursively in sorted order.
+or a folder whose .txt and .md files are read recursively in sorted order (hidden ones
+skipped).
 
 A corpus is a list of documents: each topic of the embedded corpus, each file of a folder,
 or the one file given. They are joined by ``DOCUMENT_SEPARATOR`` into one token stream
@@ -104,7 +105,9 @@ def decode_source(source: RawSource, errors: str = "strict") -> str:
 def _text_files(root: Path) -> list[Path]:
     """The .txt / .md files under ``root``, in symlinked folders too (``rglob`` skips
     those), each real folder once (a link back up the tree is no endless loop) and each
-    real file once (a link to a file of the corpus would put its text in both splits)."""
+    real file once (a link to a file of the corpus would put its text in both splits).
+    Hidden files and folders (a name starting with ".": .git, .ipynb_checkpoints' copies
+    of the notebooks' texts) are skipped, as Hugging Face ``datasets`` skips them."""
     files, seen = [], set()
     for folder, subfolders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -112,6 +115,8 @@ def _text_files(root: Path) -> list[Path]:
             subfolders[:] = []
             continue
         seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        names = [name for name in names if not name.startswith(".")]
         # a fixed order (listdir's is the file system's), real folders before links: a
         # folder reached both ways is read under the same names on every machine
         subfolders.sort(key=lambda name: (os.path.islink(os.path.join(folder, name)), name))
@@ -143,6 +148,6 @@ def read_corpus(
     path: str | os.PathLike[str] | None, *, errors: str = "strict"
 ) -> list[tuple[str, str]]:
     """(source name, text) per document. ``path``: a text file, or a folder searched
-    recursively for ``*.txt`` and ``*.md`` (sorted by relative path); ``None``: the
-    embedded corpus."""
+    recursively for ``*.txt`` and ``*.md`` (sorted by relative path, hidden ones skipped);
+    ``None``: the embedded corpus."""
     return [(source.name, decode_source(source, errors)) for source in load_sources(path)]
