@@ -249,10 +249,11 @@ class QuestionAnsweringHead(nn.Module):
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """targets (b, 2): start and end token index; indices outside the sequence are
-        ignored (as in BERT's SQuAD fine-tuning). The loss is the mean of the two. Padding
-        (``attention_mask`` 0) is no candidate position, so an example's loss does not
-        depend on the batch it is padded in (transformers' BERT counts it)."""
+        """targets (b, 2): start and end token index; indices past the sequence are
+        ignored and negative ones clamped to 0, the [CLS] token (as transformers does). The
+        loss is the mean of the two. Padding (``attention_mask`` 0) is no candidate
+        position, so an example's loss does not depend on the batch it is padded in
+        (transformers' BERT counts it)."""
         b, t = logits.shape[:2]
         targets = check_targets("targets", targets, (b, 2), "(b, 2) start and end indices")
         targets = targets.clamp(0, t)  # t: ignored

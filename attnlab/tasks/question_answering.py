@@ -74,7 +74,8 @@ def exact_match(predicted: str, answer: str) -> float:
 
 
 def answer_f1(predicted: str, answer: str) -> float:
-    """F1 of the words the two texts share (as multisets), after normalisation."""
+    """F1 of the words the two texts share (as multisets), after normalisation; 1.0 when
+    both normalise to nothing (SQuAD v2.0's rule; v1.1's script gives 0)."""
     pred, gold = answer_words(predicted), answer_words(answer)
     common = sum((Counter(pred) & Counter(gold)).values())
     if not pred or not gold:
