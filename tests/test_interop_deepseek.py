@@ -1,9 +1,9 @@
 """DeepSeek-V2/V3 checkpoints: transformers models from tiny random configs (dense and MoE
-layers, with and without query compression, both RoPE layouts, YaRN) loaded into attnlab give
-the same logits (1e-4) and the same greedy tokens through both MLA paths, through
-``attnlab.interop.load_hf`` (checkpoint folders with experts one by one, and a transformers
-state dict with them stacked); saved back with ``save_hf`` they load in transformers; a
-missing or mis-shaped tensor is one error naming it.
+layers, with and without query compression, both RoPE layouts, YaRN, attention biases, all
+head widths different) loaded into attnlab give the same logits (1e-4) and the same greedy
+tokens through both MLA paths, through ``attnlab.interop.load_hf`` (checkpoint folders with
+experts one by one, and a transformers state dict with them stacked); saved back with
+``save_hf`` they load in transformers; a missing or mis-shaped tensor is one error naming it.
 
 Shapes: b batch, t length, V vocabulary.
 """
@@ -87,6 +87,19 @@ CASES = {
             rope_parameters=YARN,
         ),
     ),
+    # every head width different (d_n != d_v: the softmax scale is 1/sqrt(d_n + d_r)) and
+    # the attention biases (q_a_proj, kv_a_proj_with_mqa, o_proj), given random values
+    "v3-biases-head-dims": (
+        "v3",
+        dict(
+            q_lora_rank=24,
+            attention_bias=True,
+            qk_nope_head_dim=6,
+            v_head_dim=10,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
 }
 
 
@@ -102,6 +115,9 @@ def _hf_model(case: str):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(std=0.05)  # nonzero, so that the bias mapping is exercised
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):  # initialised to zeros
+                param.normal_(std=0.1)
     return model
 
 
@@ -152,7 +168,14 @@ def test_logits_and_greedy_tokens_match_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["v3-moe-qlora", "v2-moe-greedy", "v3-dense-split-yarn", "v2-moe-group-qlora-yarn"]
+    "case",
+    [
+        "v3-moe-qlora",
+        "v2-moe-greedy",
+        "v3-dense-split-yarn",
+        "v2-moe-group-qlora-yarn",
+        "v3-biases-head-dims",
+    ],
 )
 @torch.no_grad()
 def test_saved_checkpoint_loads_in_transformers(case, tmp_path):
