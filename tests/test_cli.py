@@ -761,6 +761,44 @@ def test_info_of_huge_and_tiny_models_prints_scaled_numbers(capsys):
     assert rows["weights"] == f"{4 * total} B in float32"
 
 
+def test_info_figures_that_round_up_print_in_the_next_unit(capsys):
+    """A figure that rounds up to the next unit is printed in it: 999,998 parameters are
+    1.00M, not "1000.00K"; 1,048,572 bytes 1.00 MiB, not "1024.00 KiB"; 10^13 - 1 parameters
+    a power of ten, not "10000.00B"."""
+    from decimal import Decimal
+
+    from attnlab import analysis
+    from attnlab.cli.common import human_count, parse_assignments
+    from attnlab.config import RunConfig
+    from attnlab.presets import get_preset
+
+    tiny = ["model.n_layers=1", "model.d_model=2", "model.attention.n_heads=1",
+            "model.max_seq_len=1", "model.ffn.hidden_dim=1"]  # fmt: skip
+
+    def total(vocab: int) -> int:
+        sets = [*tiny, f"model.vocab_size={vocab}"]
+        cfg = RunConfig(model=get_preset("demo")).override(parse_assignments(sets)).model
+        return analysis.count_parameters(cfg)["total"]
+
+    def info(vocab: int, dtype: str) -> dict[str, str]:
+        sets = [*tiny, f"model.vocab_size={vocab}"]
+        argv = ["info", "--preset", "demo", "--dtype", dtype]
+        code, out, err = run_main([*argv, *[a for s in sets for a in ("--set", s)]], capsys)
+        assert code == 0, err
+        return {line[:14].strip(): line[14:] for line in out.splitlines()}
+
+    base, step = total(1), total(2) - total(1)  # parameters grow by d_model per token
+    vocab = 1 + (10**6 - 1 - base) // step  # the most parameters below 10^6
+    n = total(vocab)
+    assert f"{n / 1e3:.2f}" == "1000.00"
+    assert f"{n:,} total ({n / 1e6:.2f}M)" in info(vocab, "float32")["parameters"]
+    vocab = 1 + ((1 << 20) // 2 - 1 - base) // step  # float16 weights just below 1 MiB
+    weights = 2 * total(vocab)
+    assert f"{weights / 2**10:.2f}" == "1024.00"
+    assert info(vocab, "float16")["weights"] == f"{weights / 2**20:.2f} MiB in float16"
+    assert human_count(10**13 - 1) == f"{Decimal(10**13 - 1):.2e}"
+
+
 def test_info_from_preset_and_config_file(work, capsys):
     code, out, err = run_main(["info", "--config", str(work / "run" / "config.json")], capsys)
     assert code == 0, err

@@ -386,25 +386,43 @@ HUMAN_COUNT_MAX = 10**13  # from here "12345.67B" would be unreadable: powers of
 HUMAN_BYTES_MAX = 10**4 << 30  # 10,000 GiB (a 671B model's float32 weights are 2,500)
 
 
+def _in_units(n: float, units: tuple[tuple[str, int | float], ...]) -> tuple[float, str] | None:
+    """(n to 2 decimals, unit) in the largest of ``units`` (largest first) that n reaches, or
+    None below the smallest. A figure that rounds up to the unit above (999,999 is 1000.00K,
+    1,048,575 bytes 1024.00 KiB) is given in that unit: 1.00M, 1.00 MiB."""
+    for i, (unit, size) in enumerate(units):
+        if abs(n) >= size:
+            figure = round(n / size, 2)
+            if i > 0 and abs(figure) * size >= units[i - 1][1]:
+                unit, size = units[i - 1]
+                figure = round(n / size, 2)
+            return figure, unit
+    return None
+
+
 def human_count(n: float) -> str:
     """``836.74K``, ``8.03B`` (up to ``9999.99B``); past that ``2.01e+23`` (an int of any
     size: no float conversion to overflow)."""
-    if abs(n) >= HUMAN_COUNT_MAX:
-        return f"{Decimal(n):.2e}"
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:g}"
+    if abs(n) < HUMAN_COUNT_MAX:
+        scaled = _in_units(n, (("B", 10**9), ("M", 10**6), ("K", 10**3)))
+        if scaled is None:
+            return f"{n:g}"
+        figure, unit = scaled
+        if unit != "B" or abs(figure) * 10**9 < HUMAN_COUNT_MAX:  # not 10000.00B
+            return f"{figure:.2f}{unit}"
+    return f"{Decimal(n):.2e}"
 
 
 def human_bytes(n: float) -> str:
-    """``512 B``, ``3.19 MiB``, ``2499.77 GiB`` (up to 10,000 GiB); past that ``8.04e+23 B``."""
-    if abs(n) >= HUMAN_BYTES_MAX:
-        return f"{Decimal(n):.2e} B"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    """``512 B``, ``3.19 MiB``, ``2499.77 GiB`` (up to 9999.99 GiB); past that ``8.04e+23 B``."""
+    if abs(n) < HUMAN_BYTES_MAX:
+        scaled = _in_units(n, (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)))
+        if scaled is None:
+            return f"{int(n)} B"
+        figure, unit = scaled
+        if unit != "GiB" or abs(figure) * (1 << 30) < HUMAN_BYTES_MAX:  # not 10000.00 GiB
+            return f"{figure:.2f} {unit}"
+    return f"{Decimal(n):.2e} B"
 
 
 # ------------------------------------------------------------------ encoder text tasks
