@@ -74,6 +74,33 @@ def test_kv_defaults_and_the_table_show_the_json(capsys):
     assert code == 1 and err == "attnlab: error: --set train.lr: kv only uses model.* fields\n"
 
 
+def test_kv_big_caches_in_whole_gb_and_lengths_past_max_seq_len_noted(capsys):
+    """1,000 GB and more print as whole GB with separators (they were '2.1e+04'); a length
+    past a model's max_seq_len is noted below the table (gpt2's learned positions cannot
+    go there) and the JSON gives max_seq_len."""
+    argv = ["kv", "--preset", "gpt2", "--preset", "llama-2-70b", "--batch", "64"]
+    argv += ["--seq-len", "512", "--seq-len", "4096", "--seq-len", "1000000"]
+    code, out, _ = _run([*argv, "--json"], capsys)
+    assert code == 0
+    reports = json.loads(out)
+    assert [r["max_seq_len"] for r in reports] == [1024, 4096]
+    code, out, _ = _run(argv, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    for r in reports:
+        row = next(line for line in lines if line.startswith(r["model"])).split()
+        big = r["bytes"]["1000000"] / 1e9
+        assert (
+            big >= 1000
+            and row[6] == f"{round(big):,}"
+            and row[4] == f"{r['bytes']['512'] / 1e9:.3g}"
+        )
+    assert lines[-2:] == [
+        "note: gpt2 at 4,096 and 1,000,000 tokens: past its max_seq_len (1,024)",
+        "note: llama-2-70b at 1,000,000 tokens: past its max_seq_len (4,096)",
+    ]
+
+
 def test_kv_fit_counts_the_moe_routers_kept_in_float32(capsys):
     argv = ["kv", "--preset", "deepseek-moe-tiny", "--json", "--gpu-gb", "0.001"]
     code, out, _ = _run(argv, capsys)  # bf16 default

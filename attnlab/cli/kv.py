@@ -111,6 +111,7 @@ def model_report(
             if cfg.attention.kind != "linear"
             else None
         ),
+        "max_seq_len": cfg.max_seq_len,  # lengths past it are the cache such a run would hold
         "bytes": {str(n): b for n, b in per_seq.items()},
         "weights_bytes": weights,
         "gpu_gb": gpu_gb,
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             r["attention"],
             f"{r['bytes_per_token']:,}",
             "-" if r["mha_ratio"] is None else f"{r['mha_ratio']:.2f}x",
-            *(f"{r['bytes'][str(n)] / GB:.3g}" for n in seq_lens),
+            *(gigabytes(r["bytes"][str(n)]) for n in seq_lens),
             *(f"{r['fit'][str(n)]:,}" for n in seq_lens),
         ]
         for r in reports
@@ -153,4 +154,16 @@ def run(args: argparse.Namespace) -> int:
                 for i, (c, w) in enumerate(zip(row, widths, strict=True))
             )
         )
+    for r in reports:  # a learned-position model cannot run there; a RoPE one needs scaling
+        past = " and ".join(f"{n:,}" for n in seq_lens if n > r["max_seq_len"])
+        if past:
+            limit = f"{r['max_seq_len']:,}"
+            print(f"note: {r['model']} at {past} tokens: past its max_seq_len ({limit})")
     return 0
+
+
+def gigabytes(n_bytes: int) -> str:
+    """3 significant figures below 1,000 GB, whole GB with thousands separators above (not
+    '2.1e+04')."""
+    gb = n_bytes / GB
+    return f"{gb:.3g}" if gb < 999.5 else f"{gb:,.0f}"
