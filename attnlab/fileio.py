@@ -20,9 +20,10 @@ from pathlib import Path
 def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an unused temporary path beside ``target`` (parent folders are created); when
     the block ends without an error, the file written there replaces ``target``, else it is
-    removed and ``target`` is left as it was (an OSError naming the temporary file names
-    ``target`` instead). A ``target`` that is a folder raises IsADirectoryError naming it, one
-    whose folder is a file NotADirectoryError naming that file."""
+    removed and ``target`` is left as it was (an OSError naming the temporary file, or no
+    file, as a full disk fails a write, names ``target`` instead). A ``target`` that is a
+    folder raises IsADirectoryError naming it, one whose folder is a file NotADirectoryError
+    naming that file."""
     target = Path(target)
     if target.is_dir():  # before any work; the rename would name the temporary file instead
         raise IsADirectoryError(errno.EISDIR, "is a folder; give a file path", str(target))
@@ -47,7 +48,7 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, target)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and str(e.filename) == str(tmp):
+        if isinstance(e, OSError) and (e.filename is None or str(e.filename) == str(tmp)):
             e.filename = str(target)  # a full disk names the file asked for, not the temporary
         raise
 

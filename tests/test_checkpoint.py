@@ -166,7 +166,8 @@ def test_kill_during_move_loads_new_checkpoint(tmp_path, monkeypatch):
 
     def dies_after_two(src, dst):
         calls["n"] += 1
-        if calls["n"] > 2:  # config and tokenizer moved, weights and state not yet
+        # the tokenizer's own atomic write, then config moved; the rest not yet
+        if calls["n"] > 2:
             raise KeyboardInterrupt("killed")
         real_replace(src, dst)
 
@@ -188,6 +189,49 @@ def test_kill_during_move_loads_new_checkpoint(tmp_path, monkeypatch):
     loaded = load_checkpoint(tmp_path, with_state=True)
     assert loaded.state["step"] == 3
     assert_same_weights(weights(loaded.model), weights(model_a))
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+@pytest.mark.parametrize("moved", range(5))
+def test_a_save_killed_anywhere_in_its_move_loads_whole(
+    tmp_path, monkeypatch, moved, with_tokenizer
+):
+    """Killed after its commit point with ``moved`` files out of .pending (all of them and
+    .pending not yet removed, from 4 with a tokenizer, 3 without): readers see the new
+    checkpoint, its tokenizer included, and finishing the move keeps it. (Once the move had
+    taken tokenizer.json out, readers took the .pending folder without it for a save without
+    one: "tokenizer.json is missing", and finishing the move deleted it.)"""
+    model_a, cfg, tokenizer = make_run(seed=0)
+    save_checkpoint(tmp_path, model_a, cfg, tokenizer, {"step": 1})
+    model_b, _, _ = make_run(seed=1)
+    real_replace, real_rmtree, calls = os.replace, shutil.rmtree, {"n": 0}
+
+    def replace(src, dst):  # a kill after ``moved`` moves out of .pending
+        if Path(src).parent.name == ckpt_module.PENDING_DIR:
+            if calls["n"] == moved:
+                raise KeyboardInterrupt("killed")
+            calls["n"] += 1
+        real_replace(src, dst)
+
+    def rmtree(path, *args, **kwargs):  # or, all moved, before .pending is removed
+        if Path(path).name == ckpt_module.PENDING_DIR:
+            raise KeyboardInterrupt("killed")
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module.os, "replace", replace)
+    monkeypatch.setattr(ckpt_module.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, model_b, cfg, tokenizer if with_tokenizer else None, {"step": 2})
+    monkeypatch.undo()
+    assert (tmp_path / ckpt_module.PENDING_DIR).is_dir()
+    for _ in range(2):  # as the kill left it, then with the move finished
+        loaded = load_checkpoint(tmp_path, with_state=True)
+        assert loaded.state["step"] == 2
+        assert_same_weights(weights(loaded.model), weights(model_b))
+        assert (loaded.tokenizer is not None) == with_tokenizer
+        ckpt_module._finish_pending(tmp_path)
+    assert not (tmp_path / ckpt_module.PENDING_DIR).exists()
+    assert (tmp_path / "tokenizer.json").exists() == with_tokenizer
 
 
 class _Payload:

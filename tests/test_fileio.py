@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +104,19 @@ def test_a_failed_write_names_the_target_not_the_temporary_file(tmp_path):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
     assert error.value.filename == str(target)
     assert error.value.errno == errno.ENOSPC
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: Linux's full disk")
+def test_a_full_disk_names_the_target(tmp_path):
+    # A full disk fails the write naming no file: "[Errno 28] No space left on device" was
+    # the command's whole error line, whatever the folder.
+    target = tmp_path / "metrics.jsonl"
+    with pytest.raises(OSError) as error:
+        with atomic_path(target), open("/dev/full", "w", encoding="utf-8") as full:
+            full.write("{}")  # fails when flushed, as a write to the temporary file would
+    assert error.value.filename == str(target)
+    assert error.value.errno == errno.ENOSPC
+    assert not target.exists()
 
 
 def test_weights_files_get_the_usual_permissions(tmp_path):

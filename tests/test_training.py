@@ -423,6 +423,20 @@ def test_loss_drops_and_records_are_written(tmp_path, dataset):
         train(cfg, tmp_path, dataset=dataset, progress=False)
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: Linux's full disk")
+def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path, monkeypatch):
+    """A full disk fails an append naming no file: the error names metrics.jsonl (the
+    command's line was "[Errno 28] No space left on device", whatever the folder)."""
+    import attnlab.training.metrics as metrics_module
+
+    logger = metrics_module.MetricsLogger(tmp_path)
+    full = lambda *args, **kwargs: open("/dev/full", "w", encoding="utf-8")  # noqa: E731
+    monkeypatch.setattr(metrics_module, "open", full, raising=False)
+    with pytest.raises(OSError, match="No space left") as error:
+        logger.log("train", 1, train_loss=1.0)
+    assert error.value.filename == str(tmp_path / "metrics.jsonl")
+
+
 def test_tensorboard_without_the_package_is_refused_before_anything_runs(
     tmp_path, dataset, monkeypatch
 ):
@@ -677,6 +691,36 @@ def test_a_periodic_save_at_the_last_step_keeps_the_final_evaluation(tmp_path, d
     val = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "val"]
     assert val == [4]
     assert load_checkpoint(tmp_path / "best", with_state=True).state["step"] == 4
+
+
+def test_a_final_evaluation_whose_save_failed_is_logged_once_after_resume(
+    tmp_path, dataset, monkeypatch
+):
+    """save_every dividing max_steps, the final evaluation's save killed (or its disk full):
+    the folder holds step 4 without that evaluation, which the resumed run makes again. Its
+    record is logged once (the stopped run's was kept beside the new one), as uninterrupted."""
+    cfg = tiny_run(max_steps=4, save_every=2)
+    real_save, saves = trainer_module.save_checkpoint, []
+
+    def dies_at_the_last_save(directory, *args, **kwargs):
+        saves.append(directory)
+        if len(saves) == 4:  # steps 2 and 4, best/ after the final evaluation, then the folder
+            raise KeyboardInterrupt("killed")
+        real_save(directory, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", dies_at_the_last_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", dataset=dataset, progress=False)
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "run", with_state=True).state["val_step"] is None
+    train(cfg, tmp_path / "run", resume=tmp_path / "run", dataset=dataset, progress=False)
+    train(cfg, tmp_path / "straight", dataset=dataset, progress=False)
+
+    def records(run):
+        rows = read_metrics(tmp_path / run / "metrics.jsonl")
+        return [(r["kind"], r["step"], r.get("val_loss", r.get("train_loss"))) for r in rows]
+
+    assert records("run") == records("straight")
 
 
 def _val_losses(monkeypatch, losses):

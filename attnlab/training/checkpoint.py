@@ -28,10 +28,11 @@ The weights' metadata and the trainer state record the checkpoint format
 is refused in one line naming that version (a later format: upgrade attnlab to load it).
 
 A save without a tokenizer removes an older save's ``tokenizer.json`` while it finishes its
-move, and readers skip that file while a ``.pending`` folder without one is there, so it is
-never mistaken for this save's; a ``tokenizer.json`` added to the folder later (as
-``import-hf`` suggests for a model imported without one) is loaded. The trainer state
-records whether the save had a tokenizer, so a deleted one is reported missing.
+move, and readers skip that file while its ``.pending`` folder is there (its weights record
+the tokenizer's digest as ``none``), so it is never mistaken for this save's; a
+``tokenizer.json`` added to the folder later (as ``import-hf`` suggests for a model imported
+without one) is loaded. The trainer state records whether the save had a tokenizer, so a
+deleted one is reported missing.
 
 The weights' metadata records the SHA-256 of ``config.json`` and of ``tokenizer.json`` as
 written (``config_sha256``, ``tokenizer_sha256``: ``none`` for a save without a tokenizer), so
@@ -160,7 +161,7 @@ def _finish_pending(directory: Path) -> None:
     """Complete a save that was killed after its commit point; drop uncommitted ones."""
     pending = directory / PENDING_DIR
     if pending.is_dir():
-        with_tokenizer = (pending / TOKENIZER_FILE).exists()
+        with_tokenizer = _pending_save_has_tokenizer(directory)
         for name in CHECKPOINT_FILES:
             if (pending / name).exists():
                 os.replace(pending / name, directory / name)
@@ -170,6 +171,23 @@ def _finish_pending(directory: Path) -> None:
         shutil.rmtree(pending)
     for tmp in directory.glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pending_save_has_tokenizer(directory: Path) -> bool:
+    """Whether the save in ``directory``'s ``.pending`` folder wrote a tokenizer.json. Its
+    weights (in ``.pending``, or already moved) say so: the tokenizer's digest, ``none``
+    without one. Not whether ``.pending`` still holds one: the move takes it out before the
+    weights and the state, and an older save's tokenizer.json was then taken for stale."""
+    pending = directory / PENDING_DIR
+    if (pending / TOKENIZER_FILE).is_file():
+        return True
+    weights = pending / WEIGHTS_FILE
+    try:
+        recorded = SafetensorsFile(weights if weights.is_file() else directory / WEIGHTS_FILE)
+    except (WeightsFileError, OSError):
+        return False  # the reader reports the weights
+    # weights from before the digests: a .pending folder without one had none
+    return recorded.metadata.get(TOKENIZER_DIGEST_KEY, NO_TOKENIZER) != NO_TOKENIZER
 
 
 def save_checkpoint(
@@ -264,8 +282,9 @@ def checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     files = {}
     for name in CHECKPOINT_FILES:
         path = pending / name if (pending / name).is_file() else directory / name
-        if name == TOKENIZER_FILE and pending.is_dir() and path.parent != pending:
-            continue  # a committed save without a tokenizer: the folder's is an older save's
+        if name == TOKENIZER_FILE and pending.is_dir():
+            if not _pending_save_has_tokenizer(directory):
+                continue  # a committed save without a tokenizer: the folder's is an older save's
         if not path.is_file() and name in OPTIONAL_FILES:
             continue
         if not path.is_file():

@@ -74,8 +74,13 @@ class MetricsLogger:
     def log(self, kind: str, step: int, **values: Any) -> None:
         record = {"kind": kind, "step": step, **values}
         self.records.append(record)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if e.filename is None:  # a full disk fails the write naming no file
+                e.filename = str(self.path)
+            raise
         if self.writer is not None:
             for name, value in values.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):

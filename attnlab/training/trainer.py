@@ -817,8 +817,17 @@ class Trainer:
             self._restore(ckpt.state)
             if self._new_stage:  # best/ counts the checkpoints of the stage it trains
                 self.best_val_loss = None
+            # The records up to the checkpoint's step: those logged after it was saved go,
+            # with an evaluation of its step it does not hold (its save failed or was
+            # killed), which this run makes again.
             history = [
-                r for r in read_metrics(resume / METRICS_FILE) if r.get("step", 0) <= self.step
+                r
+                for r in read_metrics(resume / METRICS_FILE)
+                if r.get("step", 0) < self.step
+                or (
+                    r.get("step", 0) == self.step
+                    and (r.get("kind") != "val" or self.last_val_step == self.step)
+                )
             ]
             self._restore_last_validation(history)
         self.logger = (
