@@ -987,6 +987,27 @@ def test_nan_loss_names_step_and_keeps_last_checkpoint(tmp_path, dataset, monkey
     assert all(torch.isfinite(p).all() for p in saved.model.parameters())
 
 
+@pytest.mark.parametrize(
+    "settings, hint",
+    [
+        ({"grad_clip": 1.0}, "(lower train.lr)"),  # clipped, float32: the one left to try
+        ({"grad_clip": 0.0}, "(lower train.lr, or enable train.grad_clip)"),
+        (
+            {"grad_clip": 0.0, "dtype": "bfloat16"},
+            "(lower train.lr, enable train.grad_clip, or use train.dtype=float32)",
+        ),
+    ],
+)
+def test_a_diverged_run_suggests_only_what_it_does_not_do(
+    tmp_path, dataset, monkeypatch, settings, hint
+):
+    # it suggested clipping and float32 to a clipped float32 run
+    _poison_step(monkeypatch, 1)
+    with pytest.raises(TrainingError) as error:
+        train(tiny_run(max_steps=2, **settings), tmp_path, dataset=dataset, progress=False)
+    assert str(error.value).endswith(hint)
+
+
 def test_train_leaves_the_callers_random_state_as_it_was(tmp_path, dataset, monkeypatch):
     """The run seeds torch's global generator for its dropout; the caller's state comes
     back, after a finished run and after one that raises, so a caller drawing between runs

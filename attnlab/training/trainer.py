@@ -1155,10 +1155,12 @@ class Trainer:
             if self.checkpoint_saved
             else "no checkpoint of this run was saved"  # what out_dir holds is older
         )
-        return TrainingError(
-            f"{what} at step {step}; {done}, {kept} (lower train.lr, enable "
-            "train.grad_clip, or use train.dtype=float32)"
-        )
+        tc = self.tc
+        remedies = ["lower train.lr"]  # only what the run does not do already
+        remedies += ["enable train.grad_clip"] if not tc.grad_clip > 0 else []
+        remedies += ["use train.dtype=float32"] if tc.dtype != "float32" else []
+        hint = ", or ".join([", ".join(remedies[:-1]), remedies[-1]] if remedies[1:] else remedies)
+        return TrainingError(f"{what} at step {step}; {done}, {kept} ({hint})")
 
     def _log_stop(self, reason: str, message: str) -> None:
         self.stop_message = message
