@@ -160,6 +160,27 @@ def test_flash_float64_keeps_float64_precision():
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+def test_flash_float64_mask_below_float32_range_is_added_as_eager_adds_it():
+    """A float64 additive mask widens eager's scores (scores + mask): a row wholly below
+    float32's range gets the softmax of its values (-1e39 everywhere: uniform weights).
+    Added to float32 tile scores, those values were -inf and the row came back as zeros."""
+    q, k, v = _qkv(b=1, h=2, h_kv=1, t=4, s=6, grad=True)
+    mask = torch.zeros(1, 1, 4, 6, dtype=torch.float64)
+    mask[..., 0, :] = -1e39  # one value: uniform weights
+    mask[..., 1, :] = -1e39 * torch.arange(1.0, 7.0, dtype=torch.float64)  # all on key 0
+    mask[..., 2, 3:] = -1e300  # some keys only: those get no weight
+    out = flash_attention(q, k, v, mask, block_q=2, block_k=4)
+    ref = eager_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref, **TOL)
+    # Row 0's gradient left out: the backward recomputes P = exp(S - L) from L = m + log l,
+    # which loses log l when |m| is this large (torch's SDPA alike): P = 1, not 1/s there.
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    g[:, :, 0] = 0.0
+    got = torch.autograd.grad(out, (q, k, v), g)
+    for a, e in zip(got, torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, e, **TOL)
+
+
 def test_flash_double_backward_raises_instead_of_wrong_second_derivatives():
     """The backward recomputes P from the saved log-sum-exp, a constant to autograd: a
     gradient penalty through it silently gave second derivatives off by ~75% (against

@@ -186,6 +186,17 @@ def test_triton_refuses_what_flash_refuses():
         triton_attention(q, k, v.detach().half())
 
 
+def test_triton_refuses_a_float64_mask_row_below_float32s_range():
+    """The kernels add the mask as a float32 bias: a float64 row wholly below float32's
+    range became -inf (zeros) where eager gives the softmax of scores + mask (uniform)."""
+    q, k, v = _qkv(1, 2, 2, 4, 6, 16)
+    mask = torch.zeros(1, 1, 4, 6, dtype=torch.float64, device=DEVICE)
+    _check(q, k, v, mask)  # a float64 mask within range is only cast
+    mask[..., 0, :] = -1e39
+    with pytest.raises(ValueError, match="wholly below float32's range"):
+        triton_attention(q, k, v, mask)
+
+
 class _OnCuda(torch.Tensor):
     """A CPU tensor that says it is on CUDA: how the flash backend picks the kernels."""
 
@@ -209,3 +220,9 @@ def test_flash_backend_keeps_float64_off_the_kernels(monkeypatch):
     torch.testing.assert_close(out.as_subclass(torch.Tensor), ref)
     attend(q.float(), k.float(), v.float(), causal=True, backend="flash")
     assert calls == [torch.float32]
+    # a float64 mask stays with the tiled twin, which widens the scores as eager does
+    mask = torch.full((1, 1, 5, 5), -1e39, dtype=torch.float64)
+    out = attend(q.float(), k.float(), v.float(), mask, backend="flash")
+    assert calls == [torch.float32]
+    ref = eager_attention(*(x.as_subclass(torch.Tensor).float() for x in (q, k, v)), mask)
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), ref)

@@ -194,22 +194,24 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
     return sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
 
 
-def _triton_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def _triton_takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
     """Whether ``flash`` may hand these tensors to the Triton kernels: CUDA, one head dim
     for q, k and v (not MLA's narrower values), one dtype the kernels take (float64 went to
-    the kernels on CUDA, which refused it, instead of to the tiled twin)."""
+    the kernels on CUDA, which refused it, instead of to the tiled twin), and no float64
+    mask (the kernels add a float32 bias; the tiled twin widens its scores as eager does)."""
     return (
         q.is_cuda
         and v.shape[-1] == q.shape[-1] == k.shape[-1]
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and q.dtype == k.dtype == v.dtype
+        and (mask is None or mask.dtype != torch.float64)
     )
 
 
 def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
     from attnlab import kernels
 
-    if _triton_takes(q, k, v) and kernels.triton_available():
+    if _triton_takes(q, k, v, mask) and kernels.triton_available():
         return kernels.triton_attention(
             q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
         )

@@ -16,11 +16,12 @@ sliding window, sorted document ids); it is widened to whole ``block_q`` tiles, 
 tile of the (t, s) grid that is fully masked (above the causal diagonal, outside the window,
 in another document) is never computed. Tiles cut by a boundary get an elementwise mask.
 
-Statistics (m, l, L, D) and accumulators are float32 (float64 for float64 inputs, as in
-the eager softmax); matrix products run in the input dtype (bf16 P is cast before P V, as
-the CUDA kernels do; bf16 scores are rounded to bf16, as the eager backend's are, where the
-CUDA kernels keep them in float32), except float16 scores, products in float32 as the
-kernels' are (a float16 q . k past 65504 would be inf before the scale).
+Statistics (m, l, L, D) and accumulators are float32 (float64 for float64 inputs or a
+float64 additive mask, as in the eager softmax); matrix products run in the input dtype
+(bf16 P is cast before P V, as the CUDA kernels do; bf16 scores are rounded to bf16, as the
+eager backend's are, where the CUDA kernels keep them in float32), except float16 scores,
+products in float32 as the kernels' are (a float16 q . k past 65504 would be inf before the
+scale).
 
 Shapes: b batch, h query heads, h_kv key/value heads, g = h / h_kv queries per kv head,
 t query length, s key length, d_h head dim, r rows (queries) and c columns (keys) of a tile.
@@ -128,6 +129,11 @@ class _Problem:
         self.doc_ids = doc_ids
         # statistics: float32, float64 for float64 inputs (as softmax_dtype: never a downcast)
         self.dtype = torch.float64 if q5.dtype == torch.float64 else torch.float32
+        if mask5 is not None and mask5.is_floating_point():
+            # as eager's scores + mask: a float64 mask widens them. Added to float32 scores,
+            # its values below float32's range became -inf, and a row of them gave zeros
+            # where eager (and sdpa) give the softmax of scores + mask
+            self.dtype = torch.promote_types(self.dtype, mask5.dtype)
         self.tiles = plan_tiles(
             self.t,
             self.s,
@@ -144,7 +150,7 @@ class _Problem:
         are what costs."""
         q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
         if qs.dtype == torch.float16:  # products in float32, as the kernels' (score_operands)
-            qs, kb = qs.to(self.dtype), kb.to(self.dtype)
+            qs, kb = qs.float(), kb.float()
         sc = qs @ kb.transpose(-2, -1)
         sc = sc.mul_(self.scale) if sc.dtype == self.dtype else sc.to(self.dtype).mul_(self.scale)
         if self.mask5 is not None:

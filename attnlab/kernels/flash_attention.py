@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnlab.functional.flash import check_arguments
+from attnlab.functional.masks import additive_in
 from attnlab.kernels import interpreting
 
 
@@ -471,6 +472,13 @@ def triton_flash_attention(
         raise ValueError(f"triton attention supports float32, float16, bfloat16, not {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"triton attention needs one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask is not None and mask.dtype == torch.float64:  # the one dtype wider than the bias
+        _, saturated = additive_in(mask, torch.float32)
+        if saturated is not None and bool(saturated.any()):  # they were -inf: zeros, not eager's
+            raise ValueError(
+                "triton attention: a float64 mask row lies wholly below float32's range, whose "
+                "result depends on float64 scores; use backend 'flash', 'eager' or 'sdpa'"
+            )
     if window is not None:
         # Keys k > p - w are keys k > p - ceil(w): a float window (which the other backends
         # take) as the int the kernel needs (a float failed to compile). A window of s keys
