@@ -326,3 +326,43 @@ def test_accumulated_micro_batches_train_as_one_batch(case, tmp_path):
     a, b = (load_checkpoint(tmp_path / str(n)).model.state_dict() for n in (1, 2))
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+LANGID = ("bert-tiny-langid", {"model.d_model": 32, "model.ffn.hidden_dim": 64,
+          "train.batch_size": 8, "data.options.max_number": 400,
+          "data.options.langs": ["en", "de"], "data.options.n_train": 40,
+          "data.options.n_val": 12, "data.options.n_test": 4})  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["mlm", "transformer", "vit", "langid"])
+def test_eval_counts_are_whole_numbers_in_json_and_text(case, tmp_path, capsys):
+    # The tasks' totals are summed over processes as floats; a count reported from them
+    # was 32.0 in the JSON and "32.0000" in the text report (seq2seq's was 32).
+    if case == "langid":
+        preset, overrides = LANGID
+        cfg = get_run_preset(preset).override(
+            {
+                **overrides,
+                "train.max_steps": 1,
+                "train.warmup_steps": 0,
+                "train.time_budget": None,
+                "train.device": "cpu",
+            }  # fmt: skip
+        )
+    else:
+        cfg = small_run(case, max_steps=1, warmup_steps=0, eval_every=1)
+    train(cfg, tmp_path, progress=False)
+    argv = ["eval", "--ckpt", str(tmp_path), "--max-batches", "1"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    count = "masked_tokens" if cfg.task == "mlm" else "examples"
+    expected = {"mlm": None, "seq2seq": 16, "image-classification": 32, "text-classification": 8}
+    assert isinstance(report[count], int), report
+    if expected[cfg.task] is not None:  # one batch of batch_size examples
+        assert report[count] == expected[cfg.task] == cfg.train.batch_size
+    assert lines[count] == str(report[count])
+    for name, value in report.items():  # the text report shows the JSON's values
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        assert lines[name] == shown, name

@@ -122,4 +122,4 @@ class ImageClassification(Task):
         n = sums["examples"]
         if n == 0:
             raise ValueError("no images to evaluate")
-        return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "examples": n}
+        return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "examples": int(n)}

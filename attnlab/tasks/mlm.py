@@ -209,4 +209,5 @@ class MaskedLanguageModelling(Task):
         n = sums["masked_tokens"]
         if n == 0:
             raise ValueError("no masked tokens to evaluate; evaluate more blocks")
-        return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "masked_tokens": n}
+        accuracy = sums["correct"] / n
+        return {"loss": sums["loss_sum"] / n, "accuracy": accuracy, "masked_tokens": int(n)}

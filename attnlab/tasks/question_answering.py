@@ -223,5 +223,5 @@ class QuestionAnswering(EncoderTextTask):
             "loss": sums["loss_sum"] / n,
             "exact_match": sums["exact"] / n,
             "f1": sums["f1_sum"] / n,
-            "examples": n,
+            "examples": int(n),
         }

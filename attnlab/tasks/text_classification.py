@@ -105,4 +105,4 @@ class TextClassification(EncoderTextTask):
         n = sums["examples"]
         if n == 0:
             raise ValueError("no examples to evaluate")
-        return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "examples": n}
+        return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "examples": int(n)}

@@ -173,5 +173,5 @@ class TokenClassification(EncoderTextTask):
             "entity_f1": scores["f1"],
             "entity_precision": scores["precision"],
             "entity_recall": scores["recall"],
-            "examples": sums["examples"],
+            "examples": int(sums["examples"]),
         }

@@ -211,5 +211,5 @@ class NumbersTranslation(Task):
         return {
             "loss": sums["loss_sum"] / sums["tokens"],
             "exact_match": sums["exact"] / n,
-            "examples": n,
+            "examples": int(n),
         }
