@@ -154,6 +154,24 @@ def test_full_disk_is_an_os_error_naming_the_folder(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_a_failed_first_save_leaves_no_folder(tmp_path, monkeypatch):
+    """A save that fails into a folder it created removes it (a run's first best/ stayed
+    behind empty, read as a broken checkpoint); a folder that was there stays."""
+    model, cfg, tokenizer = make_run()
+
+    def disk_full(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9 vs 2")
+
+    monkeypatch.setattr(ckpt_module.torch, "save", disk_full)
+    for folder in (tmp_path / "best", tmp_path / "made" / "best"):
+        with pytest.raises(OSError, match="cannot write the checkpoint"):
+            save_checkpoint(folder, model, cfg, tokenizer, {"step": 1})
+        assert not folder.exists()
+    with pytest.raises(OSError, match="cannot write the checkpoint"):
+        save_checkpoint(tmp_path, model, cfg, tokenizer, {"step": 1})
+    assert tmp_path.is_dir() and not list(tmp_path.glob(".tmp-*"))
+
+
 def test_kill_during_move_loads_new_checkpoint(tmp_path, monkeypatch):
     """Killed after the commit point, half the files moved: readers see the new
     checkpoint whole, and the next save finishes the move."""

@@ -53,6 +53,7 @@ the memory of the model, not twice it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -208,6 +209,7 @@ def save_checkpoint(
     """
     check_tied(unwrap_model(model))
     directory = Path(directory)
+    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     _finish_pending(directory)
     checkpoint_id = uuid.uuid4().hex
@@ -247,6 +249,9 @@ def save_checkpoint(
         _fsync_dir(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created:  # a folder of no checkpoint (a first best/) would read as a broken one
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         # A full disk or a lost write permission: torch.save says so as a RuntimeError,
         # safetensors as a SafetensorError, and an OSError names the deleted temporary file.
         writing = isinstance(e, (OSError, SafetensorError)) or (
