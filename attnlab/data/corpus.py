@@ -8,6 +8,7 @@ whose document boundaries are kept (``TokenDataset.doc_starts``)."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 from dataclasses import dataclass
@@ -18,7 +19,6 @@ from attnlab.fileio import file_kind
 EMBEDDED_NAME = "<embedded: pydoc_data.topics>"
 DOCUMENT_SEPARATOR = "\n\n"  # between documents when a corpus becomes one token stream
 TEXT_SUFFIXES = (".txt", ".md")  # what a folder corpus reads
-UTF8_BOM = b"\xef\xbb\xbf"  # not text: decode_source drops it
 
 
 class DataError(ValueError):
@@ -84,7 +84,7 @@ def load_sources(path: str | os.PathLike[str] | None) -> list[RawSource]:
 
 def _is_blank(data: bytes) -> bool:
     """Whether a file holds no text: only whitespace, after a byte order mark if any."""
-    return not data.removeprefix(UTF8_BOM).strip()
+    return not data.removeprefix(codecs.BOM_UTF8).strip()
 
 
 def decode_source(source: RawSource, errors: str = "strict") -> str:
