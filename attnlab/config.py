@@ -616,12 +616,16 @@ class PositionConfig(_Config):
     rope_original_max_seq_len: int = 8192  # llama3, yarn: the context length before scaling
     # "yarn" (Peng et al. 2023): frequencies with fewer than beta_slow rotations over the
     # original context are divided by factor, those with more than beta_fast are kept, a ramp
-    # between; cos/sin are multiplied by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
-    # and DeepSeek's MLA multiplies its softmax scale by mscale(factor, mscale_all_dim)^2.
+    # between (its bounds rounded outward to whole pairs unless rope_truncate is false, as
+    # in gpt-oss); cos/sin are multiplied by rope_attention_factor, or when it is null by
+    # mscale(factor, mscale) / mscale(factor, mscale_all_dim), and DeepSeek's MLA multiplies
+    # its softmax scale by mscale(factor, mscale_all_dim)^2.
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_mscale: float | None = None
     rope_mscale_all_dim: float | None = None
+    rope_truncate: bool = True  # yarn only
+    rope_attention_factor: float | None = None  # yarn only
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
@@ -636,6 +640,8 @@ class PositionConfig(_Config):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 _fail(f"{path}.{name}", f"must be a finite number or null, got {value}")
+        if self.rope_attention_factor is not None:
+            _positive(f"{path}.rope_attention_factor", self.rope_attention_factor)
         _positive(f"{path}.rope_original_max_seq_len", self.rope_original_max_seq_len)
         _positive(f"{path}.rope_beta_fast", self.rope_beta_fast)
         _positive(f"{path}.rope_beta_slow", self.rope_beta_slow)

@@ -21,6 +21,7 @@ from attnlab.interop import (  # noqa: E402
     load_hf,
     save_hf,
 )
+from attnlab.interop.io import rope_to_hf  # noqa: E402
 from attnlab.models.decoder import DecoderLM  # noqa: E402
 from attnlab.models.loadable import UntiedWeightsError  # noqa: E402
 from attnlab.presets import gpt2_style, llama_style, vaswani_tiny  # noqa: E402
@@ -97,6 +98,12 @@ def _hf_config(kind: str):
         rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}
         rope |= {"original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.5}
         return transformers.LlamaConfig(**{**llama_like, "rope_parameters": rope}, **small)
+    if kind == "llama_yarn_untruncated":  # gpt-oss's form: ramp bounds left unrounded (pair
+        # 1 keeps 0.55 of its frequency, not 0.5) and an attention factor given outright
+        rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "beta_fast": 4.0}
+        rope |= {"original_max_position_embeddings": 64, "truncate": False}
+        rope |= {"attention_factor": 1.25}
+        return transformers.LlamaConfig(**{**llama_like, "rope_parameters": rope}, **small)
     if kind == "qwen2_yarn":  # YaRN's defaults: attention factor 0.1 ln(factor) + 1
         rope = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 2.0}
         return transformers.Qwen2Config(**{**llama_like, "rope_parameters": rope}, **small)
@@ -113,7 +120,7 @@ HF_CLASSES = {
     "mistral": "MistralForCausalLM",
 }
 KINDS = ["gpt2", "gpt2_untied", "llama", "llama_bias", "qwen2", "qwen2_tied", "mistral"]
-KINDS += ["llama_rope3", "llama_linear", "llama_yarn", "qwen2_yarn"]
+KINDS += ["llama_rope3", "llama_linear", "llama_yarn", "llama_yarn_untruncated", "qwen2_yarn"]
 
 
 def _hf_model(kind: str, seed: int = 0):
@@ -163,9 +170,11 @@ def test_import_config(imported):
             8.0,
             64,
         )
-    if kind.endswith("yarn"):
+    if "yarn" in kind:
         pos = cfg.position
         assert (pos.rope_scaling, pos.rope_factor) == ("yarn", hf.rope_parameters["factor"])
+        assert pos.rope_truncate == (kind != "llama_yarn_untruncated")
+        assert pos.rope_attention_factor == hf.rope_parameters.get("attention_factor")
     if kind == "llama_linear":
         assert (cfg.position.rope_scaling, cfg.position.rope_factor) == ("linear", 3.0)
 
@@ -353,6 +362,15 @@ EXPORTS = {
             _llama(),
             **{"position.rope_scaling": "llama3", "position.rope_factor": 4.0},
             **{"position.rope_original_max_seq_len": 16},
+        ),
+    ),
+    "llama_yarn_untruncated": (
+        "llama",
+        _with(
+            _llama(),
+            **{"position.rope_scaling": "yarn", "position.rope_factor": 4.0},
+            **{"position.rope_original_max_seq_len": 64, "position.rope_beta_fast": 4.0},
+            **{"position.rope_truncate": False, "position.rope_attention_factor": 1.25},
         ),
     ),
     "qwen2_window": ("qwen2", _with(_llama(qkv_bias=True), **{"attention.sliding_window": 6})),
@@ -574,35 +592,57 @@ def test_config_top_level_original_context_wins_as_transformers_reads_it(rope_ty
 
 
 @pytest.mark.parametrize("truncate", ["absent", True, None, False])
-def test_config_yarn_truncate_as_transformers_reads_it(truncate):
-    """YaRN's ramp bounds are rounded outward when ``truncate`` is absent or true, which
-    attnlab implements; transformers reads a null truncate as false (bounds unrounded: other
-    frequencies), which attnlab does not, so it is refused like false, not rounded."""
+@pytest.mark.parametrize("attention_factor", ["absent", None, 0.75])
+def test_config_yarn_truncate_and_attention_factor_as_transformers_reads_them(
+    truncate, attention_factor
+):
+    """YaRN's ramp bounds are rounded outward when ``truncate`` is absent or true, left
+    as they are when it is false, or null (transformers tests its truth); an
+    ``attention_factor`` replaces the one derived from factor and the mscales."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from attnlab.nn.rope import RotaryEmbedding
 
-    params = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
-              "original_max_position_embeddings": 16}  # fmt: skip
-    if truncate != "absent":
-        params["truncate"] = truncate
+    params = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "mscale": 1.0,
+              "mscale_all_dim": 0.5, "original_max_position_embeddings": 16}  # fmt: skip
+    for key, value in (("truncate", truncate), ("attention_factor", attention_factor)):
+        if value != "absent":
+            params[key] = value
     hf = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 24, "num_hidden_layers": 1,
           "num_attention_heads": 2, "max_position_embeddings": 64}  # fmt: skip
-    ref_inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](
         transformers.LlamaConfig(**hf, rope_parameters=dict(params))
     )
-    rounded, _ = ROPE_INIT_FUNCTIONS["yarn"](
-        transformers.LlamaConfig(**hf, rope_parameters={**params, "truncate": True})
+    plain = {k: v for k, v in params.items() if k != "attention_factor"} | {"truncate": True}
+    rounded, derived = ROPE_INIT_FUNCTIONS["yarn"](
+        transformers.LlamaConfig(**hf, rope_parameters=plain)
     )
-    llama = {**hf, "model_type": "llama", "rope_parameters": dict(params)}
-    if truncate in ("absent", True):
-        cfg = config_from_hf(llama)
-        ours = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
-        torch.testing.assert_close(ours.inv_freq, ref_inv_freq, rtol=1e-6, atol=0)
-    else:
-        assert (ref_inv_freq - rounded).abs().max() > 1e-3  # really other frequencies
-        with pytest.raises(HFCheckpointError, match=r"\['truncate'\] are not supported"):
-            config_from_hf(llama)
+    # the cases differ: bounds unrounded give other frequencies, a factor given another one
+    assert ((ref_inv_freq - rounded).abs().max() > 1e-3) == (truncate in (None, False))
+    assert (ref_factor != derived) == (attention_factor == 0.75)
+    cfg = config_from_hf({**hf, "model_type": "llama", "rope_parameters": dict(params)})
+    ours = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
+    torch.testing.assert_close(ours.inv_freq, ref_inv_freq, rtol=1e-6, atol=0)
+    assert ours.attention_factor == pytest.approx(ref_factor, rel=1e-12)
+    # and back: what export writes, transformers reads as the same frequencies
+    written = rope_to_hf(cfg.position)
+    again, again_factor = ROPE_INIT_FUNCTIONS["yarn"](
+        transformers.LlamaConfig(**hf, rope_parameters=written)
+    )
+    torch.testing.assert_close(again, ref_inv_freq, rtol=0, atol=0)
+    assert again_factor == pytest.approx(ref_factor, rel=1e-12)
+    assert ("truncate" in written) == (truncate in (None, False))  # written when not default
+
+
+def test_config_yarn_truncate_that_is_not_a_boolean_is_refused():
+    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 24,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
+          "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": "false"}}  # fmt: skip
+    with pytest.raises(HFCheckpointError, match="YaRN truncate must be true, false or null"):
+        config_from_hf(hf)
+    hf["rope_parameters"] |= {"truncate": False, "attention_factor": -1.0}
+    with pytest.raises(HFCheckpointError, match="rope_attention_factor: must be > 0"):
+        config_from_hf(hf)
 
 
 @pytest.mark.parametrize(

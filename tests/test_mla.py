@@ -242,6 +242,15 @@ def _hf_deepseek_config(**rope):
             mscale_all_dim=0.707,
         ),
         dict(factor=4.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=0.5),
+        # bounds left unrounded and a rope factor given: the softmax keeps mscale_all_dim's
+        dict(
+            factor=4.0,
+            original_max_position_embeddings=512,
+            mscale=1.0,
+            mscale_all_dim=0.5,
+            truncate=False,
+            attention_factor=0.9,
+        ),
     ],
 )
 def test_yarn_matches_transformers(rope):
@@ -257,6 +266,7 @@ def test_yarn_matches_transformers(rope):
         original_max_seq_len=rope["original_max_position_embeddings"],
         beta_fast=rope.get("beta_fast", 32),
         beta_slow=rope.get("beta_slow", 1),
+        truncate=rope.get("truncate", True),
     )
     inv_freq = scale_inv_freq(rope_inv_freq(32), theta=10000.0, **scaling)
     torch.testing.assert_close(inv_freq, ref_inv_freq, rtol=1e-6, atol=0)
@@ -266,6 +276,7 @@ def test_yarn_matches_transformers(rope):
             **scaling,
             "mscale": rope.get("mscale"),
             "mscale_all_dim": rope.get("mscale_all_dim"),
+            "attention_factor": rope.get("attention_factor"),
         },
     )
     assert math.isclose(emb.attention_factor, ref_factor, rel_tol=1e-12)

@@ -39,6 +39,7 @@ def scale_inv_freq(
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
     theta: float = 10000.0,
+    truncate: bool = True,
 ) -> Tensor:
     """Stretch RoPE to longer contexts. ``linear``: every frequency / factor (position
     interpolation). ``llama3``: wavelengths longer than original_max_seq_len / low_freq_factor
@@ -46,8 +47,8 @@ def scale_inv_freq(
     those between are interpolated linearly in original_max_seq_len / wavelength.
     ``yarn`` (Peng et al. 2023, "NTK-by-parts"): pair i makes r_i = original_max_seq_len /
     wavelength_i rotations over the original context; pairs with r_i < beta_slow are divided
-    by factor, r_i > beta_fast kept, and a linear ramp in i between, with the bounds rounded
-    outward to whole pairs (``theta`` locates them)."""
+    by factor, r_i > beta_fast kept, and a linear ramp in i between (``theta`` locates its
+    bounds), rounded outward to whole pairs unless ``truncate`` is False (gpt-oss)."""
     if kind is None:
         return inv_freq
     if kind == "linear":
@@ -55,7 +56,13 @@ def scale_inv_freq(
     if kind == "yarn":
         n_pairs = inv_freq.shape[-1]
         keep = yarn_keep(
-            n_pairs, theta, original_max_seq_len, beta_fast, beta_slow, dtype=inv_freq.dtype
+            n_pairs,
+            theta,
+            original_max_seq_len,
+            beta_fast,
+            beta_slow,
+            truncate=truncate,
+            dtype=inv_freq.dtype,
         )
         keep = keep.to(inv_freq.device)
         return keep * inv_freq + (1 - keep) * inv_freq / factor
@@ -73,13 +80,16 @@ def yarn_keep(
     original_max_seq_len: int,
     beta_fast: float,
     beta_slow: float,
+    truncate: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """(n_pairs,) float32 (float64 for a ``dtype`` of float64): 1 for pairs kept as they
     are, 0 for pairs interpolated by factor.
 
     Pair i of a d = 2 n_pairs head turns original_max_seq_len / (2 pi theta^(2i/d)) times over
-    the original context, so r rotations happen at i(r) = d ln(L / (2 pi r)) / (2 ln theta)."""
+    the original context, so r rotations happen at i(r) = d ln(L / (2 pi r)) / (2 ln theta).
+    The ramp runs from i(beta_fast) to i(beta_slow), widened to whole pairs (floor, ceil)
+    when ``truncate``, as the YaRN paper's code does; clamped to [0, d - 1] either way."""
     d = 2 * n_pairs
 
     def pair_at(rotations: float) -> float:
@@ -87,8 +97,10 @@ def yarn_keep(
             d * math.log(original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
         )
 
-    low = max(math.floor(pair_at(beta_fast)), 0)
-    high = min(math.ceil(pair_at(beta_slow)), d - 1)
+    low, high = pair_at(beta_fast), pair_at(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001  # a step, not a division by zero
     pairs = torch.arange(n_pairs, dtype=compute_dtype(dtype))
@@ -102,14 +114,20 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn_attention_factors(
-    factor: float, mscale: float | None, mscale_all_dim: float | None
+    factor: float,
+    mscale: float | None,
+    mscale_all_dim: float | None,
+    attention_factor: float | None = None,
 ) -> tuple[float, float]:
-    """(rope factor, softmax factor). cos/sin are multiplied by the first: mscale(factor,
-    mscale) / mscale(factor, mscale_all_dim) when both are given, else mscale(factor).
-    DeepSeek's MLA multiplies its softmax scale by the second, mscale(factor,
-    mscale_all_dim)^2 (1 without mscale_all_dim): with mscale == mscale_all_dim, as in
-    DeepSeek-V2/V3, the whole temperature moves to the softmax, the rope part included."""
-    if mscale and mscale_all_dim:
+    """(rope factor, softmax factor). cos/sin are multiplied by the first: ``attention_factor``
+    when given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+    given, else mscale(factor). DeepSeek's MLA multiplies its softmax scale by the second,
+    mscale(factor, mscale_all_dim)^2 (1 without mscale_all_dim): with mscale ==
+    mscale_all_dim, as in DeepSeek-V2/V3, the whole temperature moves to the softmax, the
+    rope part included."""
+    if attention_factor is not None:
+        rope = attention_factor
+    elif mscale and mscale_all_dim:
         rope = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     else:
         rope = yarn_mscale(factor)

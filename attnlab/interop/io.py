@@ -142,8 +142,13 @@ ROPE_KEYS: dict[str, dict[str, str]] = {
         "beta_slow": "rope_beta_slow",
         "mscale": "rope_mscale",
         "mscale_all_dim": "rope_mscale_all_dim",
+        "attention_factor": "rope_attention_factor",
+        "truncate": "rope_truncate",
     },
 }
+
+# HF keys written only away from these values (transformers' defaults when left out)
+_ROPE_OMITTED = {("attention_factor", None), ("truncate", True)}
 
 
 # rope_type -> the keys transformers requires ("factor" may be null for YaRN)
@@ -170,6 +175,13 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
         for hf_key, ours in ROPE_KEYS[rope_type].items():
             if params.get(hf_key) is not None:
                 out[ours] = params[hf_key]
+    if rope_type == "yarn" and "truncate" in params:
+        # transformers rounds the ramp's bounds when truncate is truthy: null reads as false
+        if params["truncate"] not in (True, False, None):
+            raise HFCheckpointError(
+                f"config.json YaRN truncate must be true, false or null, got {params['truncate']!r}"
+            )
+        out["rope_truncate"] = bool(params["truncate"])
     if rope_type in ("llama3", "yarn"):
         # as transformers reads it: a top-level original_max_position_embeddings (Phi-3's
         # place for it) wins over the RoPE parameters' own; without either, the pre-training
@@ -201,14 +213,7 @@ def _check_rope_parameters(
             f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
             f"{', '.join(repr(k) for k in supported)}"
         )
-    # None values and YaRN's truncate=true are the defaults attnlab implements; but YaRN's
-    # truncate=null is not: transformers reads it as false (ramp bounds left unrounded)
-    extra = {
-        k
-        for k, v in params.items()
-        if (v is not None or (k, rope_type) == ("truncate", "yarn"))
-        and (k, v) != ("truncate", True)
-    }
+    extra = {k for k, v in params.items() if v is not None}  # None: transformers' default
     extra -= {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     extra -= set(ROPE_KEYS[rope_type])
     if extra:
@@ -238,7 +243,8 @@ def rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
         raise unrepresentable(f"RoPE scaling {kind!r}")
     params: dict[str, Any] = {"rope_type": kind, "rope_theta": pos.rope_theta}
     for hf_key, ours in ROPE_KEYS[kind].items():
-        params[hf_key] = getattr(pos, ours)
+        if (hf_key, getattr(pos, ours)) not in _ROPE_OMITTED:
+            params[hf_key] = getattr(pos, ours)
     return params
 
 

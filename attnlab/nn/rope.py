@@ -52,7 +52,8 @@ class RotaryEmbedding(nn.Module):
         scaling: dict | None = None,
     ):
         """``scaling``: keyword arguments of :func:`scale_inv_freq` (kind, factor, ...); for
-        ``yarn`` also ``mscale`` and ``mscale_all_dim`` (see :func:`yarn_attention_factors`)."""
+        ``yarn`` also ``mscale``, ``mscale_all_dim`` and ``attention_factor`` (see
+        :func:`yarn_attention_factors`)."""
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
@@ -60,14 +61,18 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"unknown RoPE layout {layout!r}; use 'split' or 'interleaved'")
         self.layout, self.head_dim, self.theta = layout, head_dim, theta
         self.scaling = dict(scaling or {})
-        mscale = self.scaling.pop("mscale", None), self.scaling.pop("mscale_all_dim", None)
+        temperature = tuple(
+            self.scaling.pop(k, None) for k in ("mscale", "mscale_all_dim", "attention_factor")
+        )
         # YaRN's temperature: cos/sin are multiplied by attention_factor; softmax_factor is
         # for attention kinds that fold it into their softmax scale (DeepSeek's MLA).
         self.attention_factor, self.softmax_factor = 1.0, 1.0
         if self.scaling.get("kind") == "yarn":
             self.scaling["theta"] = theta
             factor = self.scaling.get("factor", 1.0)
-            self.attention_factor, self.softmax_factor = yarn_attention_factors(factor, *mscale)
+            self.attention_factor, self.softmax_factor = yarn_attention_factors(
+                factor, *temperature
+            )
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     @classmethod
@@ -90,8 +95,10 @@ class RotaryEmbedding(nn.Module):
                 original_max_seq_len=cfg.rope_original_max_seq_len,
                 beta_fast=cfg.rope_beta_fast,
                 beta_slow=cfg.rope_beta_slow,
+                truncate=cfg.rope_truncate,
                 mscale=cfg.rope_mscale,
                 mscale_all_dim=cfg.rope_mscale_all_dim,
+                attention_factor=cfg.rope_attention_factor,
             )
         return cls(head_dim, cfg.rope_theta, cfg.rope_layout, scaling)
 
