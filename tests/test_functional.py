@@ -5,6 +5,8 @@ Shapes: b batch, h heads, h_kv key/value heads, t query length, s key length, d_
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from oracle import causal_allowed, naive_attention, sliding_window_allowed
@@ -18,6 +20,7 @@ from attnlab.functional import (
     stable_softmax,
     to_additive,
 )
+from attnlab.functional.attention import eager_attention, sdpa_attention
 from attnlab.functional.masks import prefix_lm_mask, sliding_window_mask
 from attnlab.functional.softmax import attention_online, softmax_3pass, softmax_online
 
@@ -461,3 +464,20 @@ def test_attend_float16_products_past_65504_stay_finite(backend):
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     out.float().square().sum().backward()
     assert all(x.grad.isfinite().all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        eager_attention,
+        sdpa_attention,
+        *(functools.partial(attend, backend=b) for b in ("eager", "sdpa", "flash", "flex")),
+    ],
+)
+def test_dropout_p_outside_zero_one_is_refused(fn, p):
+    """A negative p dropped nothing where it was checked as ``p > 0`` (eager), with no
+    word; every entry point now names it."""
+    q = k = v = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"dropout_p must be a probability in \[0, 1\]"):
+        fn(q, k, v, dropout_p=p)

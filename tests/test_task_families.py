@@ -86,6 +86,9 @@ def test_task_learns_checkpoints_and_evaluates(case, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["task"] == cfg.task
     assert report[metric] == pytest.approx(result.val_metrics[metric])
+    # named as the task's data names it: the digits hold out a test split
+    held_out = "held-out test split" if case == "vit" else "validation split"
+    assert report["source"].startswith(held_out)
     # the run's last evaluation of the whole split (val_full_* when periodic ones sample)
     final_loss = val[-1].get("val_full_loss", val[-1]["val_loss"])
     assert report["loss"] == pytest.approx(final_loss, rel=1e-4)

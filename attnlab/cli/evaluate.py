@@ -169,7 +169,7 @@ def _task_metrics(args, model, cfg: RunConfig, tokenizer, device: str) -> dict:
     metrics = task.evaluate(
         model, batch_size=batch_size, max_batches=args.max_batches, device=device
     )
-    return {"task": cfg.task, **metrics, "source": "validation split"}
+    return {"task": cfg.task, **metrics, "source": task.held_out}
 
 
 def _check_fits(ckpt: str, task, cfg: RunConfig) -> None:

@@ -51,7 +51,11 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(b, h_kv, n_rep, s, d).reshape(b, h_kv * n_rep, s, d)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> int:
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+) -> int:
+    if not 0.0 <= dropout_p <= 1.0:  # NaN fails too; a negative p dropped nothing, silently
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention expects (b, h, t, d_h) tensors, got q {tuple(q.shape)}, "
@@ -78,7 +82,7 @@ def eager_attention(
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The reference: every step written out. Fully masked rows give zero output."""
-    n_rep = _check(q, k, v, mask)
+    n_rep = _check(q, k, v, mask, dropout_p)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (b, h, s, d_h)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if causal:
@@ -104,7 +108,7 @@ def sdpa_attention(
 ) -> Tensor:
     """torch's fused kernel, with two fixes: bottom-right causal alignment when t != s,
     and zeros (not NaN) for query rows that may attend to nothing."""
-    n_rep = _check(q, k, v, mask)
+    n_rep = _check(q, k, v, mask, dropout_p)
     t, s = q.shape[-2], k.shape[-2]
     while mask is not None and mask.dim() < 2:  # a key mask (s,): torch's SDPA wants >= 2-D
         mask = mask[None]
@@ -326,7 +330,7 @@ def attend(
             f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
         )
     entry = BACKENDS[backend]
-    _check(q, k, v, mask)
+    _check(q, k, v, mask, dropout_p)
     check_doc_ids(doc_ids, q.shape[0], q.shape[2], k.shape[2])
     # a number of keys (a float w keeps the keys k > p - w, as every backend reads it)
     if isinstance(window, bool) or not isinstance(window, (numbers.Real, type(None))):

@@ -86,6 +86,7 @@ class Task:
     name: ClassVar[str] = ""
     unit: ClassVar[str] = "examples"  # throughput unit: logged as ``<unit>_per_second``
     uses_tokenizer: ClassVar[bool] = True  # False: its inputs are no text (images)
+    held_out: ClassVar[str] = "validation split"  # what evaluate() measures, as eval says it
     # A dataclass (a ``_Config``) of the task's own data settings, read from
     # ``cfg.data.options``; None: the task takes none.
     options: ClassVar[type | None] = None

@@ -52,6 +52,7 @@ class ImageClassification(Task):
     name = "image-classification"
     unit = "images"
     uses_tokenizer = False
+    held_out = "held-out test split (data.options.test_fraction)"
     options = DigitsOptions
 
     def __init__(self, cfg: RunConfig, *, tokenizer=None, data: ImageSplit | None = None) -> None:
