@@ -758,6 +758,52 @@ def test_an_equal_validation_loss_keeps_the_earlier_best(tmp_path, dataset, monk
     assert load_checkpoint(tmp_path / "best", with_state=True).state["step"] == 2
 
 
+def test_a_run_resumed_into_another_folder_takes_its_best_checkpoint(
+    tmp_path, dataset, monkeypatch
+):
+    """``--resume A --out B``: B gets A's best/ (the checkpoint best_val_loss describes);
+    resumed from A/best, B's best/ is that checkpoint. B had no best/ while its evaluations
+    were worse than A's best, and none at all when every one was."""
+    _val_losses(monkeypatch, lambda step: 1.0 if step == 2 else 2.0 + step)
+    kw = dict(dataset=dataset, progress=False)
+    train(tiny_run(max_steps=4, eval_every=2), tmp_path / "a", **kw)
+    best = tmp_path / "a" / "best"
+    assert load_checkpoint(best, with_state=True).state["step"] == 2
+    for source, out in ((tmp_path / "a", "b"), (best, "c")):
+        result = train(tiny_run(max_steps=6, eval_every=2), tmp_path / out, resume=source, **kw)
+        assert result.best_val_loss == 1.0
+        copied = load_checkpoint(tmp_path / out / "best", with_state=True)
+        assert copied.state["step"] == 2 and copied.state["best_val_loss"] == 1.0
+        for name in ("model.safetensors", "config.json", "trainer_state.pt"):
+            assert (tmp_path / out / "best" / name).read_bytes() == (best / name).read_bytes()
+    # a resumed run that beats it replaces it with its own, as in the run it continues
+    _val_losses(monkeypatch, lambda step: 0.5)
+    train(tiny_run(max_steps=8, eval_every=2), tmp_path / "d", resume=tmp_path / "b", **kw)
+    assert load_checkpoint(tmp_path / "d" / "best", with_state=True).state["step"] == 8
+
+
+def test_a_failed_copy_of_the_best_checkpoint_leaves_no_folder(tmp_path, dataset, monkeypatch):
+    """The copy is all or nothing: a full disk midway leaves no best/ (which would read as
+    a broken checkpoint) and no temporary folder, and says which folder it could not fill."""
+    import shutil
+
+    kw = dict(dataset=dataset, progress=False)
+    train(tiny_run(max_steps=2, eval_every=2), tmp_path / "a", **kw)
+    real, copies = shutil.copy2, []
+
+    def full_disk(src, dst, **kwargs):
+        copies.append(dst)
+        if len(copies) == 2:
+            raise OSError(28, "No space left on device")
+        return real(src, dst, **kwargs)
+
+    monkeypatch.setattr(shutil, "copy2", full_disk)
+    with pytest.raises(OSError, match=r"best: cannot copy the checkpoint .*No space left"):
+        train(tiny_run(max_steps=4, eval_every=2), tmp_path / "b", resume=tmp_path / "a", **kw)
+    assert not [p.name for p in (tmp_path / "b").iterdir() if p.name.startswith(".tmp")]
+    assert not (tmp_path / "b" / "best").exists()
+
+
 def test_the_evaluation_sample_never_shrinks(tmp_path, dataset, monkeypatch):
     """A later evaluation's spread asking for fewer batches than the sample holds leaves
     the sample as it is (it only grows)."""

@@ -269,6 +269,34 @@ def save_checkpoint(
     _finish_pending(directory)
 
 
+def copy_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Copy the checkpoint in ``source`` (an interrupted save's ``.pending`` files
+    included) to the new folder ``target``, all or nothing: into a temporary sibling
+    folder, synced, then renamed into place. A copy killed midway leaves that temporary
+    folder, which the next save into ``target``'s parent removes."""
+    files = checkpoint_files(source)
+    target = Path(target)
+    if target.exists():
+        raise FileExistsError(f"{target}: exists; copy_checkpoint makes a new folder")
+    tmp = target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    try:
+        for name, path in files.items():
+            shutil.copy2(path, tmp / name)
+            _fsync_file(tmp / name)
+        _fsync_dir(tmp)
+        os.rename(tmp, target)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise OSError(
+                f"{target}: cannot copy the checkpoint in {source} ({error_reason(e)}); "
+                "nothing was written: free disk space or make the folder writable"
+            ) from e
+        raise
+    _fsync_dir(target.parent)
+
+
 # --------------------------------------------------------------------------- reading
 
 

@@ -98,6 +98,7 @@ from attnlab.tasks import Task, eval_mode, get_task
 from attnlab.training.checkpoint import (
     CHECKPOINT_FILES,
     Checkpoint,
+    copy_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -852,6 +853,22 @@ class Trainer:
                 stale.unlink()
             else:
                 shutil.rmtree(stale)
+        if resume is not None and not same_folder and self.dist.is_main:
+            self._carry_best(resume)
+
+    def _carry_best(self, resume: Path) -> None:
+        """A run resumed into another folder takes its best checkpoint along, the one
+        ``best_val_loss`` describes: ``best/`` of the resumed folder, or the resumed
+        checkpoint itself where its own evaluation is the best (resumed from a ``best/``).
+        Without it the new folder had no best/ until an evaluation beat a loss it did not
+        hold, and none at all if none did. A new stage starts its own (best_val_loss None)."""
+        target = self.out_dir / BEST_DIR
+        if self.best_val_loss is None or target.exists():
+            return
+        if _holds_checkpoint(resume / BEST_DIR):
+            copy_checkpoint(resume / BEST_DIR, target)
+        elif self.last_val_step == self.step and self.last_val_loss == self.best_val_loss:
+            copy_checkpoint(resume, target)
 
     def _build_task(self, cfg: RunConfig, ckpt: Checkpoint | None, init_from, dataset) -> Task:
         """The run's task and its data, built on rank 0 first (so a tokenizer or data cache
