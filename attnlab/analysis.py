@@ -138,10 +138,13 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
         total = sum(p.numel() for p in model.parameters())  # tied ones once
         if cfg.arch == "decoder":
             non_embedding = model.num_parameters(exclude_embeddings=True)
-        else:  # other architectures: their embedding tables
+        else:  # other architectures: their embedding tables, and tables kept as plain
+            # parameters (ViT's learned positions)
             tables = {
                 id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)
             }
+            for name in getattr(model, "embedding_tables", ()):
+                tables[id(getattr(model, name))] = getattr(model, name)
             non_embedding = total - sum(w.numel() for w in tables.values())
         heads = [p for n, p in model.named_parameters() if n.startswith("lm_head.")]
         return {

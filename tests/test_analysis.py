@@ -221,6 +221,14 @@ def test_sink_logits_are_counted():
     assert built == count_parameters(get_preset("llama-tiny"))["total"] + 2 * 4  # L x h
 
 
+def test_vit_position_table_counts_as_embedding():
+    """ViT keeps its learned positions as a plain parameter, not an nn.Embedding: `info`
+    counted 0 embedding parameters."""
+    cfg = get_preset("vit-digits")
+    counts = count_parameters(cfg)
+    assert counts["embedding"] == (cfg.n_patches + 1) * cfg.d_model
+
+
 def test_flops_and_kv_are_refused_for_models_that_are_not_decoders():
     for name in ("bert-tiny-mlm", "transformer-numbers", "vit-digits", "xl-tiny"):
         cfg = get_preset(name)

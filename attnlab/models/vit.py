@@ -149,6 +149,7 @@ class VisionTransformer(LoadableModel):
     # The class token and position embeddings take no weight decay (the optimizer), though
     # they are matrices: as timm's ViT (no_weight_decay) and Google's big_vision train them.
     no_weight_decay = ("cls", "pos")
+    embedding_tables = ("pos",)  # the learned positions: embedding parameters (`info`)
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
