@@ -260,7 +260,8 @@ def save_checkpoint(
         if writing:
             raise OSError(
                 f"{directory}: cannot write the checkpoint ({error_reason(e)}); "
-                "nothing in the folder was changed: free disk space or make it writable"
+                "its checkpoint files are as they were: free disk space or make the folder "
+                "writable"
             ) from e
         raise
     # Commit point: from here on readers see the new checkpoint.
