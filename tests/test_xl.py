@@ -476,6 +476,27 @@ def test_clamp_len_and_same_length_equal_the_original_formulas(clamp_len, same_l
 
 
 @torch.no_grad()
+def test_head_dim_apart_from_d_model_equals_the_original_formulas():
+    """The original's d_head is its own setting (n_head * d_head need not be d_model): the
+    encodings keep width d_model and W_R maps them to n_heads * head_dim."""
+    torch.manual_seed(0)
+    cfg = XLConfig(
+        vocab_size=40, d_model=32, n_layers=2, attention=AttentionConfig(n_heads=4, head_dim=6),
+        mem_len=6, clamp_len=3, same_length=True, init_std=0.1,
+    )  # fmt: skip
+    model = build_model(cfg).eval()
+    for block in model.blocks:
+        torch.nn.init.normal_(block.attn.u)
+        torch.nn.init.normal_(block.attn.v)
+    assert model.blocks[0].attn.r.weight.shape == (24, 32)
+    idx = torch.randint(0, 40, (2, 17))
+    segments = (slice(0, 4), slice(4, 9), slice(9, 10), slice(10, 17))
+    got = segment_logits(model, idx, segments)
+    want = reference_segments(model, idx, segments, mem_len=6, clamp_len=3, same_length=True)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@torch.no_grad()
 def test_post_norm_layers_read_the_clamped_encodings_and_the_same_length_mask():
     """Post-norm blocks (attention over the raw memory and segment, then the norm) under
     clamp_len and same_length against the original formulas written out layer by layer:
