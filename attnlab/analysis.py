@@ -87,6 +87,8 @@ def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
         _linear(hidden, d, ffn.bias),
     ]
     params = sum(p for p, _ in linears) + 2 * _norm_params(cfg.norm, d)  # attn + ffn norms
+    if att.qk_norm:  # QK-norm: one d_h weight for the queries, one for the keys
+        params += 2 * cfg.head_dim
     return params, sum(w for _, w in linears)
 
 

@@ -341,6 +341,10 @@ class AttentionConfig(_Config):
     global_tokens: list[int] = field(default_factory=list)
     # Learned sink logit per head (GPT-OSS): one more softmax column with no value.
     sink_logits: bool = False
+    # QK-norm (Qwen3, Gemma 3): an RMSNorm over each head's query and key features (one
+    # weight of head_dim for the query heads, one for the key heads; eps = norm.eps), after
+    # the projections and before RoPE and the cache. Multi-head attention only.
+    qk_norm: bool = False
     backend: str = "sdpa"
     # Multi-head latent attention (kind "mla", DeepSeek-V2). None derives a width from
     # d_h = d_model // n_heads as the paper does: d_c = 4 d_h, d_h^R = d_h / 2, and d_h for
@@ -539,6 +543,9 @@ class AttentionConfig(_Config):
                     _fail(f"{path}.{name}", f"is implemented by attention.kind='mha' only, "
                           f"not {self.kind!r}")  # fmt: skip
         self._validate_global(path)
+        if self.qk_norm and self.kind != "mha":
+            _fail(f"{path}.qk_norm", f"is implemented by attention.kind='mha' only, not "
+                  f"{self.kind!r}; set it to false")  # fmt: skip
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.kind == "linear":  # a running sum over every past token: no window, no sinks,

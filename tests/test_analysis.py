@@ -30,6 +30,7 @@ VARIANTS = [
     ("llama-tiny", {"tie_embeddings": True, "attention.n_kv_heads": 1, "ffn.hidden_dim": 40}),
     ("llama-tiny", {"attention.qkv_bias": True, "ffn.kind": "mlp", "ffn.activation": "relu"}),
     ("llama-tiny", {"attention.head_dim": 8, "position.kind": "learned"}),
+    ("llama-tiny", {"attention.qk_norm": True, "attention.head_dim": 12}),  # 2 d_h per layer
     ("vaswani-tiny", {"ffn.kind": "glu", "ffn.multiple_of": 24, "norm.kind": "rmsnorm"}),
 ]
 IDS = [f"{name}{'+' + ','.join(o) if o else ''}" for name, o in VARIANTS]

@@ -1,6 +1,6 @@
 """MultiHeadAttention (MHA / GQA / MQA, self and cross) against torch.nn.MultiheadAttention
 with copied weights, GQA against MHA with repeated key/value heads, sliding windows against
-the naive loop, and dropout in train vs eval mode.
+the naive loop, QK-norm against its formula, and dropout in train vs eval mode.
 
 Shapes: b batch, t query length, s key length, d d_model, h heads, h_kv key/value heads,
 d_h head dim.
@@ -233,6 +233,57 @@ def test_fused_qk_rotation_equals_rotating_each(layout):
     torch.testing.assert_close(v, attn._heads(v_ref, 2), rtol=0, atol=0)
 
 
+def _rms_normed(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """QK-norm written out over the last (d_h) dimension: x / sqrt(mean(x^2) + eps) * g."""
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["self-split", "self-interleaved", "cross"])
+def test_qk_norm_equals_its_formula(case, backend):
+    """Each query and key head is normalised over its d_h features by one weight per side
+    (shared by the heads), then rotated (Qwen3: q_norm(q.view(..., d_h)) before RoPE): the
+    module against that formula and the naive loop; eps large enough to matter."""
+    from attnlab.nn.rope import RotaryEmbedding
+
+    torch.manual_seed(0)
+    eps, b, t, s, h_kv = 0.3, 2, 5, 7, 2
+    cfg = AttentionConfig(n_heads=H, n_kv_heads=h_kv, qk_norm=True, backend=backend)
+    cross, layout = case == "cross", case.partition("-")[2] or "split"
+    rope = None if cross else RotaryEmbedding(D_H, layout=layout)
+    attn = MultiHeadAttention(D, cfg, cross=cross, rope=rope, norm_eps=eps).eval()
+    with torch.no_grad():
+        for name in ("q_norm", "k_norm"):
+            getattr(attn, name).weight.uniform_(0.5, 1.5)
+    x = 2 * torch.randn(b, t, D)  # rms far from 1, so the norm and eps matter
+    if cross:
+        ctx = 2 * torch.randn(b, s, D)
+        q, (k, v) = attn.q(x), attn.kv(ctx).split(h_kv * D_H, dim=-1)
+    else:
+        q, k, v = attn.qkv(x).split((D, h_kv * D_H, h_kv * D_H), dim=-1)
+    q = _rms_normed(attn._heads(q, H), attn.q_norm.weight, eps)  # (b, h, t, d_h)
+    k = _rms_normed(attn._heads(k, h_kv), attn.k_norm.weight, eps)  # (b, h_kv, s, d_h)
+    v = attn._heads(v, h_kv)
+    if cross:
+        out = attn(x, context=ctx)
+        allowed = None
+    else:
+        positions = torch.tensor([[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]])
+        tables = rope.tables(positions)
+        q, k = tables.rotate(q), tables.rotate(k)
+        out = attn(x, positions=positions)
+        allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    y = naive_attention(q, k, v, allowed).to(x.dtype)  # (b, h, t, d_h)
+    expected = attn.out(y.transpose(1, 2).reshape(b, t, D))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # the norms act: without them (weights 1, eps 0 would still normalise) the output differs
+    plain = MultiHeadAttention(D, AttentionConfig(n_heads=H, n_kv_heads=h_kv), cross=cross,
+                               rope=rope).eval()  # fmt: skip
+    plain.load_state_dict(attn.state_dict(), strict=False)
+    args = {"context": ctx} if cross else {"positions": positions}
+    assert (plain(x, **args) - out).abs().max() > 1e-2
+
+
 def test_eager_attention_keeps_float64():
     """The reference backend upcasts half precision for its softmax but never downcasts
     float64 (a float64 check then holds to 1e-12, not float32's 1e-7)."""
@@ -251,6 +302,7 @@ def test_eager_attention_keeps_float64():
 _FLOAT64_KINDS = {
     "gqa-rope": dict(n_heads=4, n_kv_heads=2, head_dim=4),
     "sink-logits": dict(n_heads=2, head_dim=4, sink_logits=True),
+    "qk-norm": dict(n_heads=4, n_kv_heads=2, head_dim=4, qk_norm=True),
     "linear": dict(kind="linear", n_heads=2, head_dim=4),
     "mla-naive": dict(kind="mla", n_heads=2, kv_lora_rank=6, qk_nope_head_dim=3,
                       qk_rope_head_dim=4, v_head_dim=5, mla_path="naive"),

@@ -292,3 +292,15 @@ def test_latent_attention_refuses_sinks_it_does_not_implement(kind, sinks):
         ModelConfig.from_dict({"d_model": 64, "attention": attention}).validate()
     attention = {k: v for k, v in attention.items() if not k.startswith("sink")}
     ModelConfig.from_dict({"d_model": 64, "attention": attention}).validate()
+
+
+@pytest.mark.parametrize("kind", ["mla", "dsa", "nsa", "linear"])
+def test_qk_norm_is_refused_where_it_is_not_implemented(kind):
+    """QK-norm is multi-head attention's: another kind would build without it."""
+    attention = {"kind": kind, "qk_norm": True} | ({"q_lora_rank": 24} if kind == "dsa" else {})
+    with pytest.raises(
+        ConfigError, match=rf"^attention\.qk_norm: is implemented by .*'mha' only, not '{kind}'"
+    ):
+        ModelConfig.from_dict({"d_model": 64, "attention": attention})
+    ModelConfig.from_dict({"d_model": 64, "attention": {**attention, "qk_norm": False}})
+    ModelConfig.from_dict({"d_model": 64, "attention": {"qk_norm": True}})  # mha

@@ -155,6 +155,36 @@ def test_cache_equals_full_forward(kv, position, placement):
     torch.testing.assert_close(_prefill_in_chunks(model, idx, [11]), full, **TOL)
 
 
+@pytest.mark.parametrize(
+    "position, attention",
+    [
+        ("rope-split", {}),
+        ("rope-interleaved", {"n_kv_heads": 1}),
+        ("learned", {}),
+        ("rope-split", {"sliding_window": 4}),  # a ring of the window
+        ("rope-split", {"sliding_window": 12, "sink_tokens": 2}),  # StreamingLLM's entry
+    ],
+    ids=["gqa", "mqa-interleaved", "learned", "window", "sinks"],
+)
+@torch.no_grad()
+def test_cache_equals_full_forward_with_qk_norm(position, attention):
+    """QK-norm normalises keys before they enter the cache: every kind of dense entry gives
+    the full pass's logits (norm weights away from 1, eps large enough to matter)."""
+    cfg = tiny("gqa", position).cfg.override(
+        {"attention.qk_norm": True, "norm.eps": 0.1}
+        | {f"attention.{k}": v for k, v in attention.items()}
+    )
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).eval()
+    for name, p in model.named_parameters():
+        if "q_norm" in name or "k_norm" in name:
+            p.uniform_(0.5, 1.5)
+    idx = torch.randint(0, V, (2, 11))
+    full = model(idx).logits
+    torch.testing.assert_close(_decode_one_by_one(model, idx), full, **TOL)
+    torch.testing.assert_close(_prefill_in_chunks(model, idx, [4, 1, 5, 1]), full, **TOL)
+
+
 @pytest.mark.parametrize("position", ["rope-split", "learned"])
 @torch.no_grad()
 def test_cache_equals_full_forward_eager_backend(position):

@@ -309,6 +309,7 @@ def test_training_forward_has_no_graph_breaks(name):
         ("llama-tiny", {"attention.sliding_window": 4, "attention.global_tokens": [0, 1]}, 2),
         ("llama-tiny", {"attention.sliding_window": 4, "attention.sink_tokens": 2}, 2),
         ("llama-tiny", {"attention.sliding_window": 4, "attention.sink_logits": True}, 2),
+        ("llama-tiny", {"attention.qk_norm": True}, 2),
     ],
 )
 @torch.no_grad()

@@ -86,6 +86,17 @@ def _hf_config(kind: str):
         return transformers.Qwen2Config(**llama_like, tie_word_embeddings=False, **small)
     if kind == "qwen2_tied":
         return transformers.Qwen2Config(**llama_like, tie_word_embeddings=True, **small)
+    if kind == "qwen3":  # QK-norm; GQA, head_dim != hidden / heads, untied
+        return transformers.Qwen3Config(**llama_like, head_dim=12, **small)
+    if kind == "qwen3_bias_tied":  # attention biases (q, k, v and o), tied, linear RoPE scaling
+        rope = {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0}
+        return transformers.Qwen3Config(
+            **{**llama_like, "rope_parameters": rope},
+            head_dim=12,
+            attention_bias=True,
+            tie_word_embeddings=True,
+            **small,
+        )
     if kind == "mistral":  # window shorter than the test sequences, so it matters
         return transformers.MistralConfig(**llama_like, sliding_window=5, **small)
     if kind == "llama_rope3":  # LLaMA 3.1 scaling; head_dim 8, theta 500: wavelengths 6,
@@ -117,10 +128,12 @@ HF_CLASSES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 KINDS = ["gpt2", "gpt2_untied", "llama", "llama_bias", "qwen2", "qwen2_tied", "mistral"]
 KINDS += ["llama_rope3", "llama_linear", "llama_yarn", "llama_yarn_untruncated", "qwen2_yarn"]
+KINDS += ["qwen3", "qwen3_bias_tied"]
 
 
 def _hf_model(kind: str, seed: int = 0):
@@ -163,6 +176,14 @@ def test_import_config(imported):
         assert cfg.attention.qkv_bias and not cfg.attention.out_bias
     if kind == "llama_bias":
         assert cfg.head_dim == 12 and cfg.ffn.activation == "gelu_tanh"
+    if kind.startswith("qwen3"):
+        att = cfg.attention
+        assert att.qk_norm and cfg.head_dim == 12 and cfg.n_kv_heads == 2
+        assert att.qkv_bias == att.out_bias == hf.attention_bias and not cfg.ffn.bias
+        # the QK-norm weights are loaded, not left at ones (_randomize set them)
+        ours = model.blocks[1].attn.k_norm.weight
+        assert torch.equal(ours, ref.model.layers[1].self_attn.k_norm.weight)
+        assert (ours - 1).abs().max() > 0.1
     if kind == "llama_rope3":
         pos = cfg.position
         assert (pos.rope_scaling, pos.rope_factor, pos.rope_original_max_seq_len) == (
@@ -356,6 +377,24 @@ EXPORTS = {
         ),
     ),
     "mistral": ("mistral", _with(_llama(), **{"attention.sliding_window": 6})),
+    "qwen3": ("qwen3", _with(_llama(), **{"attention.qk_norm": True, "attention.head_dim": 12})),
+    # interleaved RoPE: the QK-norm weights are permuted with the q/k rows; a q/k/v bias
+    # alone is written with a zero o_proj bias (Qwen3's attention_bias covers all four)
+    "qwen3_interleaved_bias_tied": (
+        "qwen3",
+        _with(
+            _llama(qkv_bias=True, tie_embeddings=True),
+            **{"attention.qk_norm": True, "position.rope_layout": "interleaved"},
+        ),
+    ),
+    "qwen3_window_pattern": (
+        "qwen3",
+        _with(
+            _llama(),
+            **{"attention.qk_norm": True, "attention.sliding_window": 6},
+            **{"attention.layer_pattern": "GL"},
+        ),
+    ),
     "llama_rope3": (
         "llama",
         _with(
@@ -425,6 +464,11 @@ def test_export_unrepresentable(tmp_path):
         save_hf(DecoderLM(mqa_gpt2), tmp_path)
     with pytest.raises(HFCheckpointError, match="sliding window"):
         hf_model_type(_with(_llama(), **{"attention.sliding_window": 4, "ffn.bias": True}))
+    # QK-norm exports as Qwen3 only: not as GPT-2, nor with feed-forward biases
+    with pytest.raises(HFCheckpointError, match=r"attention\.qk_norm \(gpt2 has no QK-norm"):
+        save_hf(DecoderLM(_with(EXPORTS["gpt2"][1], **{"attention.qk_norm": True})), tmp_path)
+    with pytest.raises(HFCheckpointError, match="qk_norm exports as Qwen3, which has no ffn.bias"):
+        hf_model_type(_with(_llama(), **{"attention.qk_norm": True, "ffn.bias": True}))
     assert not (tmp_path / "config.json").exists()
 
 
@@ -667,7 +711,8 @@ def test_config_rope_without_a_required_key_is_refused(params):
 
 def test_config_errors():
     supported = (
-        "gpt2, llama, mistral, qwen2, deepseek_v2, deepseek_v3, deepseek_v32, bert, marian, vit"
+        "gpt2, llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3, deepseek_v32, bert, "
+        "marian, vit"
     )
     with pytest.raises(HFCheckpointError, match=f"model_type 'falcon'.*{supported}"):
         config_from_hf({"model_type": "falcon"})

@@ -48,6 +48,20 @@ MINIMAL: dict[str, list[dict]] = {
             "max_window_layers": 1,
         },
     ],
+    # 32 heads: num_key_value_heads defaults to 32; head_dim to 128 (not 128 / 32)
+    "qwen3": [
+        {**_RMS, "hidden_size": 128, "num_attention_heads": 32},
+        # window 4096 (the default) from layer 1 on; attention biases
+        {
+            **_RMS,
+            "hidden_size": 128,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "max_window_layers": 1,
+            "attention_bias": True,
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

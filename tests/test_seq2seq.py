@@ -129,9 +129,10 @@ def test_stacks_receive_scaled_tokens_plus_their_positions(kind):
         torch.testing.assert_close(seen[name], want, atol=1e-5, rtol=1e-5)
 
 
-def test_cached_decoding_equals_full_pass_and_cross_kv_once():
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_cached_decoding_equals_full_pass_and_cross_kv_once(qk_norm):
     torch.manual_seed(0)
-    model = Seq2SeqModel(_cfg("pre")).eval()
+    model = Seq2SeqModel(_cfg("pre", attention={"qk_norm": qk_norm})).eval()
     src, tgt = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 6))
     src_mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
     with torch.no_grad():

@@ -162,6 +162,7 @@ def test_memory_evaluation_scores_every_token_once():
         ({"position": {"kind": "rope"}}, "position.kind: Transformer-XL encodes relative"),
         ({"attention": {"kind": "linear"}}, "attention.kind: Transformer-XL uses its own"),
         ({"attention": {"sliding_window": 4}}, "attention.sliding_window: does not apply"),
+        ({"attention": {"qk_norm": True}}, "attention.qk_norm: does not apply"),
         ({"attention": {"n_kv_heads": 1}}, "attention.n_kv_heads: Transformer-XL's relative"),
         # its relative attention never calls a backend: flash was silently computed eagerly
         ({"attention": {"backend": "flash"}}, "attention.backend: 'flash' does not apply"),

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2,
+"""Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 DeepSeek-V2/V3/V3.2, BERT, MarianMT, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
@@ -9,7 +9,7 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
 
     io.py            the shared reader/writer: folders, safetensors, config.json, mapping helpers
     gpt2.py          GPT-2
-    llama.py         LLaMA and its layout variants Mistral and Qwen2
+    llama.py         LLaMA and its layout variants Mistral, Qwen2 and Qwen3
     deepseek.py      DeepSeek-V2 / V3 (multi-head latent attention, mixture of experts)
     deepseek_v32.py  DeepSeek-V3.2: V3 plus the lightning indexer (attention kind dsa)
     bert.py          BERT with its masked-LM, classification, token and QA heads

@@ -53,7 +53,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 
 # model types whose attention has a sliding window (the only windowed ones attnlab writes)
-WINDOWED_TYPES = ("mistral", "qwen2")
+WINDOWED_TYPES = ("mistral", "qwen2", "qwen3")
+QK_NORM_TYPES = ("qwen3",)  # model types with QK-norm (attention.qk_norm)
 
 
 def _check_attention(cfg: ModelConfig) -> None:
@@ -73,6 +74,11 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
     for family in FAMILIES:
         if family.exports(cfg):
             model_type = family.export_type(cfg)
+            if cfg.attention.qk_norm and model_type not in QK_NORM_TYPES:
+                raise unrepresentable(
+                    f"attention.qk_norm ({model_type} has no QK-norm; it exports as "
+                    f"{' or '.join(QK_NORM_TYPES)}: RoPE, RMSNorm, gated feed-forward)"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -93,9 +99,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
 
     By arch: encoder -> ``bert``, seq2seq -> ``marian``, vit -> ``vit``. Decoders: MLA ->
     ``deepseek_v2`` (DeepSeek-V2 router) or ``deepseek_v3``; DSA -> ``deepseek_v32``;
-    learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen2``
-    when q/k/v have biases and nothing else does, ``mistral`` with a sliding window and no
-    biases, else ``llama`` (missing biases are written as zeros)."""
+    learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
+    with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
+    sliding window and no biases, else ``llama`` (missing biases are written as zeros)."""
     return _export_family(cfg)[1]
 
 

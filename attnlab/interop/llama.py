@@ -1,11 +1,13 @@
-"""The LLaMA layout: LLaMA, and Mistral and Qwen2, which differ from it only in config.json
-(Mistral: a sliding window; Qwen2: q/k/v biases and an optional window) and so share its
-weight names. RoPE (split-halves pairs), RMSNorm, gated feed-forward.
+"""The LLaMA layout: LLaMA, and Mistral, Qwen2 and Qwen3, which differ from it only in
+config.json (Mistral: a sliding window; Qwen2: q/k/v biases and an optional window; Qwen3:
+QK-norm, optional attention biases and window) and so share its weight names. RoPE
+(split-halves pairs), RMSNorm, gated feed-forward.
 
 Weights (attnlab Linear weights are (out, in), like ``torch.nn.Linear``):
 
     [q_proj; k_proj; v_proj]   -> attn.qkv     (rows stacked)
     [gate_proj; up_proj]       -> ffn.gate_up  (rows stacked)
+    q_norm, k_norm             -> attn.q_norm, attn.k_norm  (Qwen3; (d_h,) each)
 
 Shapes: d d_model, h heads, h_kv key/value heads, d_h head dim, f feed-forward hidden size,
 V vocabulary size.
@@ -46,10 +48,11 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaModel"),
     "mistral": ("MistralForCausalLM", "MistralModel"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Model"),
 }
 
-# transformers' class defaults (LlamaConfig, MistralConfig, Qwen2Config) for the config.json
-# keys read here (Family.defaults).
+# transformers' class defaults (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) for
+# the config.json keys read here (Family.defaults).
 _COMMON = {
     "hidden_act": "silu",
     "initializer_range": 0.02,
@@ -87,7 +90,20 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,  # used only with use_sliding_window
         "max_window_layers": 28,
     },
+    "qwen3": {
+        **_COMMON,
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "num_key_value_heads": 32,
+        "head_dim": 128,  # not hidden_size / num_attention_heads
+        "max_position_embeddings": 32768,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,  # used only with use_sliding_window
+        "max_window_layers": 28,
+    },
 }
+QWEN = ("qwen2", "qwen3")  # windows on the layers use_sliding_window and layer_types name
 
 # attnlab -> Hugging Face activation names.
 ACTIVATIONS = io.TO_HF_ACTIVATIONS
@@ -99,13 +115,13 @@ _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, str | None]:
-    """(sliding_window, layer_pattern): Mistral windows every layer; Qwen2 only with
+    """(sliding_window, layer_pattern): Mistral windows every layer; Qwen2 and Qwen3 only with
     use_sliding_window, on the layers ``layer_types`` (or max_window_layers) names, which
     become an attnlab layer pattern (L local, G global) when some layers are global."""
     if model_type == "mistral":
         return hf.get("sliding_window"), None
-    if model_type != "qwen2" or not hf.get("use_sliding_window", False):
-        return None, None  # LLaMA has no window; Qwen2 ignores sliding_window unless enabled
+    if model_type not in QWEN or not hf.get("use_sliding_window", False):
+        return None, None  # LLaMA has no window; Qwen ignores sliding_window unless enabled
     window = hf.get("sliding_window")
     n_layers = get(hf, "num_hidden_layers")
     first = hf.get("max_window_layers", 28)
@@ -127,9 +143,12 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, st
 
 def _biases(model_type: str, qkv: bool, out: bool, mlp: bool) -> tuple[bool, bool, bool]:
     """(q/k/v, o_proj, MLP) biases the architecture has: LLaMA's are set in config.json,
-    Mistral's and Qwen2's are fixed by the architecture."""
+    Qwen3's attention ones too (attention_bias: q, k, v and o), Mistral's and Qwen2's are
+    fixed by the architecture."""
     if model_type == "llama":
         return qkv, out, mlp
+    if model_type == "qwen3":
+        return qkv, out, False
     return model_type == "qwen2", False, False
 
 
@@ -156,6 +175,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
             dropout=hf.get("attention_dropout", 0.0),
             sliding_window=window,
             layer_pattern=layer_pattern,
+            qk_norm=model_type == "qwen3",
         ),
         position=PositionConfig(kind="rope", rope_layout="split", **rope_settings(hf, _ROPE_TYPES)),
         ffn=FFNConfig(
@@ -175,11 +195,16 @@ def exports(cfg: ModelConfig) -> bool:
 
 
 def export_type(cfg: ModelConfig) -> str:
-    """``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a sliding
-    window and no biases, else ``llama`` (missing biases are written as zeros)."""
+    """``qwen3`` with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does,
+    ``mistral`` with a sliding window and no biases, else ``llama`` (missing biases are
+    written as zeros)."""
     att = cfg.attention
     if cfg.norm.kind != "rmsnorm" or cfg.ffn.kind != "glu":
         raise unrepresentable("RoPE models need RMSNorm and a gated feed-forward (LLaMA family)")
+    if att.qk_norm:  # Qwen3: any window pattern, attention biases all or none
+        if cfg.ffn.bias:
+            raise unrepresentable("attention.qk_norm exports as Qwen3, which has no ffn.bias")
+        return "qwen3"
     qwen_biases = att.qkv_bias and not att.out_bias and not cfg.ffn.bias
     # the layers that really have the window: a layer_pattern of only global layers (or
     # one whose local entries fall past n_layers) leaves some or all of them without it
@@ -225,7 +250,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         hf["pretraining_tp"] = 1
     elif model_type == "mistral":
         hf["sliding_window"] = att.sliding_window
-    else:  # qwen2: the window on the local layers of attention.layer_pattern (or all)
+    else:  # qwen2, qwen3: the window on the local layers of attention.layer_pattern (or all)
+        if model_type == "qwen3":
+            hf["attention_bias"] = att.qkv_bias or att.out_bias
         local = local_layers(cfg)
         window = att.sliding_window if any(local) else None
         hf["use_sliding_window"] = window is not None
@@ -268,6 +295,9 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
             )
         if att.out_bias:
             out[a + "attn.out.bias"] = src.take(h + "self_attn.o_proj.bias", (d,))
+        if att.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                out[f"{a}attn.{n}.weight"] = src.take(f"{h}self_attn.{n}.weight", (cfg.head_dim,))
         if cfg.ffn.bias:
             out[a + "ffn.gate_up.bias"] = cat(
                 src.take(f"{h}mlp.{n}.bias", (f,)) for n in ("gate_proj", "up_proj")
@@ -332,6 +362,9 @@ def weights_from_attnlab(
             out[h + "self_attn.v_proj.bias"] = vb
         if out_bias:
             out[h + "self_attn.o_proj.bias"] = or_zeros(sd, a + "attn.out.bias", d)
+        if att.qk_norm:  # per feature within a head: permuted as the q/k rows are
+            for n in ("q_norm", "k_norm"):
+                out[f"{h}self_attn.{n}.weight"] = to_split(sd[f"{a}attn.{n}.weight"], 1)
         if mlp_bias:
             gb, ub = split_rows(sd[a + "ffn.gate_up.bias"], f, f)
             out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gb, ub

@@ -1,5 +1,6 @@
 """Multi-head attention with n_kv_heads: MHA (n_kv_heads = n_heads), GQA (a divisor of
-n_heads, Ainslie et al. 2023) and MQA (1, Shazeer 2019) are one class.
+n_heads, Ainslie et al. 2023) and MQA (1, Shazeer 2019) are one class. QK-norm
+(``qk_norm``, Qwen3): an RMSNorm over each query and key head's features before RoPE.
 
 Shapes: b batch, t query length, s key length, d d_model, h heads, h_kv key/value heads,
 d_h head dim.
@@ -23,6 +24,7 @@ from attnlab.functional.rope import apply_rope
 from attnlab.functional.sinks import sink_rescale
 from attnlab.nn.dropout import dropout
 from attnlab.nn.linear import Linear
+from attnlab.nn.norm import RMSNorm
 from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
@@ -41,7 +43,7 @@ class MultiHeadAttention(nn.Module):
     and k, v from the context. ``causal`` applies to self-attention only. Positions enter
     through RoPE tables computed once per forward pass by the model (``rope``), or from
     ``positions`` with the module's own :class:`RotaryEmbedding`. ``doc_ids`` keeps packed
-    documents apart (``supports_documents``).
+    documents apart (``supports_documents``). ``norm_eps``: QK-norm's epsilon.
     """
 
     supports_documents = True  # forward takes doc_ids (packed documents)
@@ -56,6 +58,7 @@ class MultiHeadAttention(nn.Module):
         context_dim: int | None = None,
         rope: RotaryEmbedding | None = None,
         resid_dropout: float = 0.0,
+        norm_eps: float = 1e-6,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
@@ -75,6 +78,10 @@ class MultiHeadAttention(nn.Module):
         self.out.residual_projection = True  # GPT-2's scaled init finds it by this role
         # GPT-OSS: a learned logit per head that takes part in every softmax (sinks.py)
         self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
+        # QK-norm (Qwen3; Gemma 3): x / rms(x) * g over each head's d_h features, one g for
+        # all query heads and one for all key heads (OLMo 2 instead norms whole projections)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.uses_rope = rope is not None
         self.resid_dropout = dropout(resid_dropout)
@@ -118,7 +125,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("doc_ids (packed documents) apply to self-attention without a cache")
         causal, window = self.causal, None
         if self.cross:
-            q = self._heads(self.q(x), self.n_heads)
+            q = self._norm(self.q_norm, self._heads(self.q(x), self.n_heads))  # (b, h, t, d_h)
             if cache is not None:
                 k, v = cache.get(context, self._project_context)  # computed once per source
             elif context is None:
@@ -131,6 +138,7 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
                 q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
                 k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+                q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
                 y = cache.attend(q, k, v, self.rope if self.uses_rope else None)
                 return self.resid_dropout(self.out(y.transpose(1, 2).reshape(b, t, self.q_dim)))
             if self.uses_rope and rope is None:
@@ -203,6 +211,9 @@ class MultiHeadAttention(nn.Module):
         n_qk = self.n_heads + self.n_kv_heads
         qk, v = qkv.split((self.q_dim + self.kv_dim, self.kv_dim), dim=-1)
         qk = qk.view(b, t, n_qk, self.head_dim)  # (b, t, h + h_kv, d_h)
+        if self.q_norm is not None:  # QK-norm, per head, before the rotation
+            q, k = qk.split((self.n_heads, self.n_kv_heads), dim=2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)  # (b, t, h + h_kv, d_h)
         if rope is not None:  # tables (b or 1, 1, t, d_h) -> (b or 1, t, 1, d_h)
             qk = apply_rope(qk, rope.cos.transpose(1, 2), rope.sin.transpose(1, 2), rope.layout)
         q, k = qk.transpose(1, 2).split((self.n_heads, self.n_kv_heads), dim=1)  # (b, n, t, d_h)
@@ -210,4 +221,10 @@ class MultiHeadAttention(nn.Module):
 
     def _project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
         k, v = self.kv(context).split(self.kv_dim, dim=-1)
-        return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        k = self._norm(self.k_norm, self._heads(k, self.n_kv_heads))  # (b, h_kv, s, d_h)
+        return k, self._heads(v, self.n_kv_heads)
+
+    @staticmethod
+    def _norm(norm: RMSNorm | None, x: Tensor) -> Tensor:
+        """QK-norm over the last (d_h) dimension, where the module has it."""
+        return x if norm is None else norm(x)

@@ -37,6 +37,8 @@ class TransformerBlock(nn.Module):
         self.pre_norm = cfg.norm.placement == "pre"
         d = cfg.d_model
         self.attn_norm = build_norm(cfg.norm, d)
+        # QK-norm's RMSNorms take the model's norm eps (Qwen3's rms_norm_eps)
+        qk_norm = {"norm_eps": cfg.norm.eps} if cfg.attention.qk_norm else {}
         self.attn = build_attention(
             cfg.attention.kind,
             d,
@@ -44,10 +46,13 @@ class TransformerBlock(nn.Module):
             causal=causal,
             rope=rope,
             resid_dropout=cfg.dropout,
+            **qk_norm,
         )
         self.cross_norm = build_norm(cfg.norm, d) if cross_attention else None
         self.cross_attn = (
-            build_attention("mha", d, cfg.attention, cross=True, resid_dropout=cfg.dropout)
+            build_attention(
+                "mha", d, cfg.attention, cross=True, resid_dropout=cfg.dropout, **qk_norm
+            )
             if cross_attention
             else None
         )
