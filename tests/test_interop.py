@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -97,6 +98,14 @@ def _hf_config(kind: str):
             tie_word_embeddings=True,
             **small,
         )
+    if kind.startswith("qwen3moe"):  # 4 experts, top 2, softmax router
+        moe = llama_like | dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2)
+        moe |= dict(moe_intermediate_size=16)
+        if kind == "qwen3moe":  # a dense first layer, renormalised top-k, tied
+            moe |= dict(mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=True)
+        else:  # experts on every layer, weights not renormalised, head_dim 12, biases
+            moe |= dict(head_dim=12, attention_bias=True)
+        return transformers.Qwen3MoeConfig(**moe, **small)
     if kind == "mistral":  # window shorter than the test sequences, so it matters
         return transformers.MistralConfig(**llama_like, sliding_window=5, **small)
     if kind == "llama_rope3":  # LLaMA 3.1 scaling; head_dim 8, theta 500: wavelengths 6,
@@ -129,11 +138,12 @@ HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 KINDS = ["gpt2", "gpt2_untied", "llama", "llama_bias", "qwen2", "qwen2_tied", "mistral"]
 KINDS += ["llama_rope3", "llama_linear", "llama_yarn", "llama_yarn_untruncated", "qwen2_yarn"]
-KINDS += ["qwen3", "qwen3_bias_tied"]
+KINDS += ["qwen3", "qwen3_bias_tied", "qwen3moe", "qwen3moe_sparse"]
 
 
 def _hf_model(kind: str, seed: int = 0):
@@ -176,7 +186,7 @@ def test_import_config(imported):
         assert cfg.attention.qkv_bias and not cfg.attention.out_bias
     if kind == "llama_bias":
         assert cfg.head_dim == 12 and cfg.ffn.activation == "gelu_tanh"
-    if kind.startswith("qwen3"):
+    if kind in ("qwen3", "qwen3_bias_tied"):
         att = cfg.attention
         assert att.qk_norm and cfg.head_dim == 12 and cfg.n_kv_heads == 2
         assert att.qkv_bias == att.out_bias == hf.attention_bias and not cfg.ffn.bias
@@ -184,6 +194,17 @@ def test_import_config(imported):
         ours = model.blocks[1].attn.k_norm.weight
         assert torch.equal(ours, ref.model.layers[1].self_attn.k_norm.weight)
         assert (ours - 1).abs().max() > 0.1
+    if kind.startswith("qwen3moe"):
+        ffn = cfg.ffn
+        assert (ffn.kind, ffn.router, ffn.n_shared_experts, ffn.routed_scaling_factor) == (
+            "moe",
+            "deepseek-v2",
+            0,
+            1.0,
+        )
+        assert (ffn.n_routed_experts, ffn.n_activated_experts, ffn.moe_hidden_dim) == (4, 2, 16)
+        assert ffn.first_k_dense == len(hf.mlp_only_layers)
+        assert ffn.norm_topk_prob == hf.norm_topk_prob and cfg.attention.qk_norm
     if kind == "llama_rope3":
         pos = cfg.position
         assert (pos.rope_scaling, pos.rope_factor, pos.rope_original_max_seq_len) == (
@@ -352,6 +373,11 @@ def _with(cfg: ModelConfig, **changes) -> ModelConfig:
     return cfg.override(changes)
 
 
+# Qwen3-MoE: QK-norm, 4 experts of which 2 per token by softmax, no shared experts
+_QWEN3_MOE = {"attention.qk_norm": True, "ffn.kind": "moe", "ffn.router": "deepseek-v2"}
+_QWEN3_MOE |= {"ffn.n_routed_experts": 4, "ffn.n_activated_experts": 2, "ffn.n_shared_experts": 0}
+_QWEN3_MOE |= {"ffn.moe_hidden_dim": 16, "ffn.norm_topk_prob": True}
+
 EXPORTS = {
     "gpt2": (
         "gpt2",
@@ -393,6 +419,16 @@ EXPORTS = {
             _llama(),
             **{"attention.qk_norm": True, "attention.sliding_window": 6},
             **{"attention.layer_pattern": "GL"},
+        ),
+    ),
+    "qwen3_moe": ("qwen3_moe", _with(_llama(), **_QWEN3_MOE, **{"ffn.first_k_dense": 1})),
+    # interleaved RoPE, experts' weights not renormalised, a window on every layer
+    "qwen3_moe_interleaved_window": (
+        "qwen3_moe",
+        _with(
+            _llama(),
+            **_QWEN3_MOE | {"ffn.norm_topk_prob": False},
+            **{"position.rope_layout": "interleaved", "attention.sliding_window": 6},
         ),
     ),
     "llama_rope3": (
@@ -470,6 +506,40 @@ def test_export_unrepresentable(tmp_path):
     with pytest.raises(HFCheckpointError, match="qk_norm exports as Qwen3, which has no ffn.bias"):
         hf_model_type(_with(_llama(), **{"attention.qk_norm": True, "ffn.bias": True}))
     assert not (tmp_path / "config.json").exists()
+
+
+def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
+    """A transformers model's own state dict (experts stacked: experts.gate_up_proj) loads
+    as its checkpoint files do; dense layers other than the first ones are refused on
+    import, a mixture of experts Qwen3-MoE cannot hold on export, each by name."""
+    ref = _hf_model("qwen3moe", seed=40)
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "config.json").write_text(json.dumps(ref.config.to_dict()))
+    tensors = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in tensors
+    del tensors["lm_head.weight"]  # tied
+    save_file(tensors, tmp_path / "sd" / "model.safetensors")
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = load_hf(tmp_path / "sd")(idx).logits
+    assert (ours - _hf_logits(ref, idx)).abs().max() <= TOL
+    hf = ref.config.to_dict()
+    for dense, step in (([1], 1), ([], 2)):
+        with pytest.raises(HFCheckpointError, match="attnlab's mixtures of experts have their"):
+            config_from_hf({**hf, "mlp_only_layers": dense, "decoder_sparse_step": step})
+    assert config_from_hf({**hf, "num_local_experts": 0}).ffn.kind == "glu"  # a dense Qwen3
+    with pytest.raises(HFCheckpointError, match="decoder_sparse_step must be >= 1, got 0"):
+        config_from_hf({**hf, "decoder_sparse_step": 0})
+    cfg = _with(_llama(), **_QWEN3_MOE)
+    for changes, named in (
+        ({"attention.qk_norm": False}, "set attention.qk_norm"),
+        ({"ffn.n_shared_experts": 1}, "ffn.n_shared_experts=1"),
+        ({"ffn.router": "deepseek-v3"}, "ffn.router='deepseek-v3'"),
+        ({"ffn.routed_scaling_factor": 2.0}, "ffn.routed_scaling_factor=2.0"),
+        ({"attention.sliding_window": 6, "attention.layer_pattern": "LG"}, "layer_pattern"),
+    ):
+        with pytest.raises(HFCheckpointError, match=re.escape(named)):
+            hf_model_type(_with(cfg, **changes))
 
 
 def test_export_of_a_meta_loaded_tied_model_after_a_step_and_refusal_of_an_untied_one(tmp_path):
@@ -711,8 +781,8 @@ def test_config_rope_without_a_required_key_is_refused(params):
 
 def test_config_errors():
     supported = (
-        "gpt2, llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3, deepseek_v32, bert, "
-        "marian, vit"
+        "gpt2, llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3, deepseek_v32, "
+        "bert, marian, vit"
     )
     with pytest.raises(HFCheckpointError, match=f"model_type 'falcon'.*{supported}"):
         config_from_hf({"model_type": "falcon"})

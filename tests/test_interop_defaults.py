@@ -62,6 +62,11 @@ MINIMAL: dict[str, list[dict]] = {
             "attention_bias": True,
         },
     ],
+    # 128 experts of 768, 8 per token, by default; a dense first layer
+    "qwen3_moe": [
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 4},
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 8, "mlp_only_layers": [0]},
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

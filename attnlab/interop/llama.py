@@ -191,7 +191,13 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return is_plain_decoder(cfg) and cfg.position.kind == "rope"
+    return is_plain_decoder(cfg) and cfg.position.kind == "rope" and cfg.ffn.kind != "moe"
+
+
+def dense_ffn(cfg: ModelConfig, layer: int) -> bool:
+    """Whether ``layer`` has a dense feed-forward (mlp.gate_proj, ...): every layer but the
+    mixture-of-experts ones (qwen3_moe.py maps those)."""
+    return cfg.ffn.kind != "moe" or layer < cfg.ffn.first_k_dense
 
 
 def export_type(cfg: ModelConfig) -> str:
@@ -284,11 +290,12 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
             ),
             a + "attn.out.weight": src.take(h + "self_attn.o_proj.weight", (d, q_dim)),
             a + "ffn_norm.weight": src.take(h + "post_attention_layernorm.weight", (d,)),
-            a + "ffn.gate_up.weight": cat(
-                src.take(f"{h}mlp.{n}.weight", (f, d)) for n in ("gate_proj", "up_proj")
-            ),
-            a + "ffn.down.weight": src.take(h + "mlp.down_proj.weight", (d, f)),
         }
+        if dense_ffn(cfg, i):
+            out[a + "ffn.gate_up.weight"] = cat(
+                src.take(f"{h}mlp.{n}.weight", (f, d)) for n in ("gate_proj", "up_proj")
+            )
+            out[a + "ffn.down.weight"] = src.take(h + "mlp.down_proj.weight", (d, f))
         if att.qkv_bias:
             out[a + "attn.qkv.bias"] = cat(
                 src.take(f"{h}self_attn.{n}.bias", (rows,)) for n, rows in qkv
@@ -341,7 +348,10 @@ def weights_from_attnlab(
     for i in range(cfg.n_layers):
         h, a = f"model.layers.{i}.", f"blocks.{i}."
         q, k, v = split_rows(sd[a + "attn.qkv.weight"], q_dim, kv_dim, kv_dim)
-        gate, up = split_rows(sd[a + "ffn.gate_up.weight"], f, f)
+        if dense_ffn(cfg, i):
+            gate, up = split_rows(sd[a + "ffn.gate_up.weight"], f, f)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            out[h + "mlp.down_proj.weight"] = sd[a + "ffn.down.weight"]
         out |= {
             h + "input_layernorm.weight": sd[a + "attn_norm.weight"],
             h + "self_attn.q_proj.weight": to_split(q, cfg.n_heads),
@@ -349,9 +359,6 @@ def weights_from_attnlab(
             h + "self_attn.v_proj.weight": v,
             h + "self_attn.o_proj.weight": sd[a + "attn.out.weight"],
             h + "post_attention_layernorm.weight": sd[a + "ffn_norm.weight"],
-            h + "mlp.gate_proj.weight": gate,
-            h + "mlp.up_proj.weight": up,
-            h + "mlp.down_proj.weight": sd[a + "ffn.down.weight"],
         }
         if qkv_bias:
             qb, kb, vb = split_rows(
