@@ -1656,3 +1656,35 @@ def test_memory_check_estimates_what_one_step_allocates(optimizer):
     trainer_module.check_memory(cfg, device, available=held, optimizer=optimizer)
     with pytest.raises(TrainingError, match="GiB for weights, gradients and"):
         trainer_module.check_memory(cfg, device, available=held * 99 // 100, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("spent", ["max_steps", "time_budget"])
+def test_a_run_resumed_into_another_folder_with_no_step_to_take_saves_its_checkpoint(
+    tmp_path, dataset, spent
+):
+    """``--resume A --out B`` after A's last step (or with its time budget spent) takes no
+    step; B still gets the checkpoint, beside the best/ it copied, so it resumes and loads
+    (it held best/ alone, and ``--resume B`` said config.json is missing)."""
+    kw = dict(dataset=dataset, progress=False)
+    train(tiny_run(max_steps=4, eval_every=2), tmp_path / "a", **kw)
+    extra = {"time_budget": 1e-9} if spent == "time_budget" else {}
+    result = train(tiny_run(max_steps=4, eval_every=2), tmp_path / "b", resume=tmp_path / "a",
+                   **extra, **kw)  # fmt: skip
+    assert result.step == 4 and result.losses == []
+    state = load_checkpoint(tmp_path / "b", with_state=True).state
+    assert state["step"] == 4 and state["best_val_loss"] == result.best_val_loss
+    again = train(tiny_run(max_steps=6, eval_every=2), tmp_path / "b", resume=tmp_path / "b", **kw)
+    assert again.step == 6
+
+
+def test_a_damaged_best_checkpoint_does_not_stop_a_resume_into_another_folder(tmp_path, dataset):
+    """``--resume A --out B`` with A/best missing its weights resumes as it did before
+    best/ was copied (and as a resume in place does), with a warning."""
+    kw = dict(dataset=dataset, progress=False)
+    train(tiny_run(max_steps=4, eval_every=2), tmp_path / "a", **kw)
+    (tmp_path / "a" / "best" / "model.safetensors").unlink()
+    with pytest.warns(UserWarning, match=r"model.safetensors is missing; .*b.best is not copied"):
+        result = train(tiny_run(max_steps=6, eval_every=2), tmp_path / "b",
+                       resume=tmp_path / "a", **kw)  # fmt: skip
+    assert result.step == 6
+    load_checkpoint(tmp_path / "b")

@@ -98,6 +98,7 @@ from attnlab.tasks import Task, eval_mode, get_task
 from attnlab.training.checkpoint import (
     CHECKPOINT_FILES,
     Checkpoint,
+    CheckpointError,
     copy_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -866,8 +867,13 @@ class Trainer:
         if self.best_val_loss is None or target.exists():
             return
         if _holds_checkpoint(resume / BEST_DIR):
-            copy_checkpoint(resume / BEST_DIR, target)
-        elif self.last_val_step == self.step and self.last_val_loss == self.best_val_loss:
+            try:
+                copy_checkpoint(resume / BEST_DIR, target)
+                return
+            except CheckpointError as e:  # a damaged best/ does not stop the resume (in
+                # place it would not either): the new folder starts without it
+                warnings.warn(f"{e}; {target} is not copied from it", stacklevel=2)
+        if self.last_val_step == self.step and self.last_val_loss == self.best_val_loss:
             copy_checkpoint(resume, target)
 
     def _build_task(self, cfg: RunConfig, ckpt: Checkpoint | None, init_from, dataset) -> Task:
@@ -1382,7 +1388,9 @@ class Trainer:
         step_times: list[float] = []  # this call's step durations, evaluation excluded
         work_done = 0.0  # units of work of this call's steps, all processes
         iv = self.interval  # this log interval so far (a resumed run's carries on)
-        last_saved = self.step if self.resumed else -1
+        # out_dir already holds this step's checkpoint only when resumed in place: a run
+        # resumed into another folder with no step to take still saves it there
+        last_saved = self.step if self.checkpoint_saved else -1
         stop_reason = "max_steps"
         stop = _StopRequest()
 
