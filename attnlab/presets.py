@@ -223,6 +223,37 @@ def qwen2_7b() -> ModelConfig:
     )
 
 
+def qwen3(
+    *, d_model: int, n_layers: int, n_heads: int, ffn_hidden: int, tie_embeddings: bool
+) -> ModelConfig:
+    """Qwen3 (dense): the LLaMA layout with QK-norm, 128-wide heads whatever d_model, GQA
+    with 8 key/value heads, a 152K vocabulary and a 40,960-token context."""
+    return llama_style(
+        vocab_size=151936,
+        max_seq_len=40960,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_hidden=ffn_hidden,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        tie_embeddings=tie_embeddings,
+    ).override(  # head_dim stays None where d_model / n_heads gives 128 (as import-hf reads it)
+        {"attention.head_dim": None if d_model == 128 * n_heads else 128, "attention.qk_norm": True}
+    )
+
+
+def qwen3_0_6b() -> ModelConfig:
+    """Qwen/Qwen3-0.6B config.json: GQA 16/8, tied head."""
+    return qwen3(d_model=1024, n_layers=28, n_heads=16, ffn_hidden=3072, tie_embeddings=True)
+
+
+def qwen3_8b() -> ModelConfig:
+    """Qwen/Qwen3-8B config.json: GQA 32/8, untied head."""
+    return qwen3(d_model=4096, n_layers=36, n_heads=32, ffn_hidden=12288, tie_embeddings=False)
+
+
 def deepseek_style(
     *,
     vocab_size: int,
@@ -439,6 +470,8 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "mistral-7b": (mistral_7b, "Mistral 7B v0.2 (GQA 32/8, 32k context)"),
     "qwen2-0.5b": (qwen2_0_5b, "Qwen2 0.5B (GQA 14/2, q/k/v biases, tied embeddings)"),
     "qwen2-7b": (qwen2_7b, "Qwen2 7B (GQA 28/4, q/k/v biases)"),
+    "qwen3-0.6b": (qwen3_0_6b, "Qwen3 0.6B (GQA 16/8, QK-norm, tied embeddings)"),
+    "qwen3-8b": (qwen3_8b, "Qwen3 8B (GQA 32/8, QK-norm)"),
     "llama-2-70b": (llama_2_70b, "LLaMA 2 70B (GQA 64/8, 4k context)"),
     "deepseek-tiny": (deepseek_tiny, "MLA + dense SwiGLU, 2 layers, d_model 64 (tests)"),
     "deepseek-moe-tiny": (

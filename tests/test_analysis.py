@@ -60,6 +60,8 @@ PUBLISHED = {
     "llama-3-8b": 8_030_261_248,
     "mistral-7b": 7_241_732_096,
     "qwen2-0.5b": 494_032_768,
+    "qwen3-0.6b": 596_049_920,  # 0.44B without the embedding, as the model card says
+    "qwen3-8b": 8_190_735_360,  # 6.95B without the embedding and head
 }
 
 
@@ -337,6 +339,18 @@ CONFIG_JSON = {
                      vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-6,
                      rope_theta=1e6, tie_word_embeddings=False, use_sliding_window=False,
                      sliding_window=131072, max_window_layers=28),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                       use_sliding_window=False, sliding_window=None, max_window_layers=28,
+                       attention_bias=False),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                     use_sliding_window=False, sliding_window=None, max_window_layers=36,
+                     attention_bias=False),
     "deepseek-v2-lite": dict(
         model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
         moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,

@@ -225,6 +225,7 @@ def expected_parameters(cfg: ModelConfig) -> int:
     norm = d * (2 if nrm.kind == "layernorm" and nrm.bias else 1)
     attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
     attn += h * d_h * d + d * a.out_bias
+    attn += 2 * d_h * a.qk_norm  # QK-norm: one RMSNorm weight for queries, one for keys
     if a.kind in ("mla", "dsa"):  # DeepSeek-V2 eq. 9-19: down/up projections, latent norms
         q_r, kv_r = a.q_lora_rank, a.kv_lora_rank
         qk, rope, v = a.qk_nope_head_dim + a.qk_rope_head_dim, a.qk_rope_head_dim, a.v_head_dim
