@@ -341,7 +341,7 @@ class AttentionConfig(_Config):
     global_tokens: list[int] = field(default_factory=list)
     # Learned sink logit per head (GPT-OSS): one more softmax column with no value.
     sink_logits: bool = False
-    # QK-norm (Qwen3, Gemma 3): an RMSNorm over each head's query and key features (one
+    # QK-norm (Qwen3): an RMSNorm over each head's query and key features (one
     # weight of head_dim for the query heads, one for the key heads; eps = norm.eps), after
     # the projections and before RoPE and the cache. Multi-head attention only.
     qk_norm: bool = False

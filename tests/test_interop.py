@@ -25,7 +25,7 @@ from attnlab.interop import (  # noqa: E402
 from attnlab.interop.io import rope_to_hf  # noqa: E402
 from attnlab.models.decoder import DecoderLM  # noqa: E402
 from attnlab.models.loadable import UntiedWeightsError  # noqa: E402
-from attnlab.presets import gpt2_style, llama_style, vaswani_tiny  # noqa: E402
+from attnlab.presets import get_preset, gpt2_style, llama_style, vaswani_tiny  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -505,6 +505,10 @@ def test_export_unrepresentable(tmp_path):
         save_hf(DecoderLM(_with(EXPORTS["gpt2"][1], **{"attention.qk_norm": True})), tmp_path)
     with pytest.raises(HFCheckpointError, match="qk_norm exports as Qwen3, which has no ffn.bias"):
         hf_model_type(_with(_llama(), **{"attention.qk_norm": True, "ffn.bias": True}))
+    # a ViT with it: no family of its architecture has QK-norm (no decoder hint)
+    vit = get_preset("vit-digits").override({"attention.qk_norm": True})
+    with pytest.raises(HFCheckpointError, match=r"attention\.qk_norm \(vit has no QK-norm\)$"):
+        hf_model_type(vit)
     assert not (tmp_path / "config.json").exists()
 
 

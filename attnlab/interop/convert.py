@@ -75,10 +75,13 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
         if family.exports(cfg):
             model_type = family.export_type(cfg)
             if cfg.attention.qk_norm and model_type not in QK_NORM_TYPES:
-                raise unrepresentable(
-                    f"attention.qk_norm ({model_type} has no QK-norm; it exports as "
-                    f"{' or '.join(QK_NORM_TYPES)}: RoPE, RMSNorm, gated feed-forward)"
+                hint = (  # decoders only: no encoder, seq2seq or ViT family has QK-norm
+                    f"; decoders with it export as {' or '.join(QK_NORM_TYPES)}: RoPE, "
+                    "RMSNorm, gated feed-forward"
+                    if cfg.arch == "decoder"
+                    else ""
                 )
+                raise unrepresentable(f"attention.qk_norm ({model_type} has no QK-norm{hint})")
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "

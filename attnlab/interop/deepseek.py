@@ -44,6 +44,7 @@ from attnlab.interop.io import (
     common_config,
     get,
     hf_activation,
+    moe_specs,
     rope_settings,
     rope_to_hf,
     unplan,
@@ -301,19 +302,9 @@ def _specs(cfg: ModelConfig, p: str, fused_experts: bool) -> Specs:
             specs[a + "ffn.gate_up.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
             specs[a + "ffn.down.weight"] = m + "down_proj.weight"
             continue
-        specs[a + "ffn.gate.weight"] = m + "gate.weight"
+        specs |= moe_specs(a + "ffn.", m, ffn.n_routed_experts, fused_experts)
         if ffn.router == "deepseek-v3":
             specs[a + "ffn.gate.e_score_correction_bias"] = m + "gate.e_score_correction_bias"
-        e = m + "experts."
-        if fused_experts:
-            specs[a + "ffn.experts.gate_up"] = e + "gate_up_proj"
-            specs[a + "ffn.experts.down"] = e + "down_proj"
-        else:
-            E = range(ffn.n_routed_experts)
-            specs[a + "ffn.experts.gate_up"] = [
-                [f"{e}{j}.gate_proj.weight", f"{e}{j}.up_proj.weight"] for j in E
-            ]
-            specs[a + "ffn.experts.down"] = [[f"{e}{j}.down_proj.weight"] for j in E]
         if ffn.n_shared_experts:
             s = m + "shared_experts."
             specs[a + "ffn.shared.gate_up.weight"] = [s + "gate_proj.weight", s + "up_proj.weight"]

@@ -576,6 +576,25 @@ class Source:
                 raise HFCheckpointError(f"checkpoint does not match config.json: {label}: {shown}")
 
 
+def moe_specs(ours: str, theirs: str, n_experts: int, fused: bool) -> Specs:
+    """One mixture-of-experts layer's router and routed experts, attnlab ``ours``
+    (``blocks.{i}.ffn.``) -> Hugging Face ``theirs`` (``...layers.{i}.mlp.``): the gate, and
+    the experts one by one (checkpoint files) or stacked (``fused``: the ``gate_up_proj`` /
+    ``down_proj`` of a transformers model's own state dict)."""
+    specs: Specs = {ours + "gate.weight": theirs + "gate.weight"}
+    e = theirs + "experts."
+    if fused:
+        specs[ours + "experts.gate_up"] = e + "gate_up_proj"
+        specs[ours + "experts.down"] = e + "down_proj"
+    else:
+        experts = range(n_experts)
+        specs[ours + "experts.gate_up"] = [
+            [f"{e}{j}.gate_proj.weight", f"{e}{j}.up_proj.weight"] for j in experts
+        ]
+        specs[ours + "experts.down"] = [[f"{e}{j}.down_proj.weight"] for j in experts]
+    return specs
+
+
 def unplan(specs: Specs, sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """The Hugging Face tensors of an attnlab state dict, by the same :data:`Specs` that
     load it (stacked experts are written one by one, as checkpoint files store them)."""

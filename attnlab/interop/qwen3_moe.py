@@ -36,6 +36,7 @@ from attnlab.interop.io import (
     get,
     is_plain_decoder,
     local_layers,
+    moe_specs,
     prefix,
     unplan,
     unrepresentable,
@@ -113,7 +114,10 @@ def export_type(cfg: ModelConfig) -> str:
     """``qwen3_moe``, or HFCheckpointError naming what Qwen3-MoE lacks."""
     att, ffn = cfg.attention, cfg.ffn
     if cfg.norm.kind != "rmsnorm":
-        raise unrepresentable("mixtures of experts with multi-head attention need RMSNorm")
+        raise unrepresentable(
+            f"norm.kind={cfg.norm.kind!r} (mixtures of experts with multi-head attention "
+            "export as Qwen3-MoE: RMSNorm)"
+        )
     if not att.qk_norm:
         raise unrepresentable(
             "ffn.kind='moe' with multi-head attention exports as Qwen3-MoE, which has QK-norm: "
@@ -153,17 +157,9 @@ def _expert_specs(cfg: ModelConfig, p: str, fused: bool) -> Specs:
     """attnlab name -> HF name(s) of the routers and experts; ``p`` the backbone prefix."""
     specs: Specs = {}
     for i in range(cfg.ffn.first_k_dense, cfg.n_layers):
-        a, m = f"blocks.{i}.ffn.", f"{p}layers.{i}.mlp."
-        specs[a + "gate.weight"] = m + "gate.weight"
-        if fused:
-            specs[a + "experts.gate_up"] = m + "experts.gate_up_proj"
-            specs[a + "experts.down"] = m + "experts.down_proj"
-        else:
-            E, e = range(cfg.ffn.n_routed_experts), m + "experts."
-            specs[a + "experts.gate_up"] = [
-                [f"{e}{j}.gate_proj.weight", f"{e}{j}.up_proj.weight"] for j in E
-            ]
-            specs[a + "experts.down"] = [[f"{e}{j}.down_proj.weight"] for j in E]
+        specs |= moe_specs(
+            f"blocks.{i}.ffn.", f"{p}layers.{i}.mlp.", cfg.ffn.n_routed_experts, fused
+        )
     return specs
 
 

@@ -78,7 +78,7 @@ class MultiHeadAttention(nn.Module):
         self.out.residual_projection = True  # GPT-2's scaled init finds it by this role
         # GPT-OSS: a learned logit per head that takes part in every softmax (sinks.py)
         self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
-        # QK-norm (Qwen3; Gemma 3): x / rms(x) * g over each head's d_h features, one g for
+        # QK-norm (Qwen3): x / rms(x) * g over each head's d_h features, one g for
         # all query heads and one for all key heads (OLMo 2 instead norms whole projections)
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if cfg.qk_norm else None
