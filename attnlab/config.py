@@ -720,6 +720,11 @@ class FFNConfig(_Config):
         if self.router == "deepseek-v3" and self.n_groups > 1 and per_group < 2:
             _fail(f"{path}.n_groups", "deepseek-v3 scores a group by its top 2 experts")
 
+    def moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture of experts (kind ``moe``, past the first
+        ``first_k_dense`` layers, which are dense gated FFNs) or a dense feed-forward."""
+        return self.kind == "moe" and layer >= self.first_k_dense
+
     def expert_hidden_size(self, d_model: int) -> int:
         """Hidden width of one MoE expert: ``moe_hidden_dim``, else the dense hidden width
         shared among the activated and shared experts."""

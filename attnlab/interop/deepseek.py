@@ -298,7 +298,7 @@ def _specs(cfg: ModelConfig, p: str, fused_experts: bool) -> Specs:
         if att.out_bias:
             specs[a + "attn.out.bias"] = sa + "o_proj.bias"
         m = h + "mlp."
-        if ffn.kind != "moe" or i < ffn.first_k_dense:
+        if not ffn.moe_layer(i):
             specs[a + "ffn.gate_up.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
             specs[a + "ffn.down.weight"] = m + "down_proj.weight"
             continue

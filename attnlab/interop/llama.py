@@ -194,12 +194,6 @@ def exports(cfg: ModelConfig) -> bool:
     return is_plain_decoder(cfg) and cfg.position.kind == "rope" and cfg.ffn.kind != "moe"
 
 
-def dense_ffn(cfg: ModelConfig, layer: int) -> bool:
-    """Whether ``layer`` has a dense feed-forward (mlp.gate_proj, ...): every layer but the
-    mixture-of-experts ones (qwen3_moe.py maps those)."""
-    return cfg.ffn.kind != "moe" or layer < cfg.ffn.first_k_dense
-
-
 def export_type(cfg: ModelConfig) -> str:
     """``qwen3`` with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does,
     ``mistral`` with a sliding window and no biases, else ``llama`` (missing biases are
@@ -291,7 +285,7 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
             a + "attn.out.weight": src.take(h + "self_attn.o_proj.weight", (d, q_dim)),
             a + "ffn_norm.weight": src.take(h + "post_attention_layernorm.weight", (d,)),
         }
-        if dense_ffn(cfg, i):
+        if not cfg.ffn.moe_layer(i):  # (qwen3_moe.py maps the experts)
             out[a + "ffn.gate_up.weight"] = cat(
                 src.take(f"{h}mlp.{n}.weight", (f, d)) for n in ("gate_proj", "up_proj")
             )
@@ -348,7 +342,7 @@ def weights_from_attnlab(
     for i in range(cfg.n_layers):
         h, a = f"model.layers.{i}.", f"blocks.{i}."
         q, k, v = split_rows(sd[a + "attn.qkv.weight"], q_dim, kv_dim, kv_dim)
-        if dense_ffn(cfg, i):
+        if not cfg.ffn.moe_layer(i):
             gate, up = split_rows(sd[a + "ffn.gate_up.weight"], f, f)
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
             out[h + "mlp.down_proj.weight"] = sd[a + "ffn.down.weight"]

@@ -156,7 +156,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
 def _expert_specs(cfg: ModelConfig, p: str, fused: bool) -> Specs:
     """attnlab name -> HF name(s) of the routers and experts; ``p`` the backbone prefix."""
     specs: Specs = {}
-    for i in range(cfg.ffn.first_k_dense, cfg.n_layers):
+    for i in filter(cfg.ffn.moe_layer, range(cfg.n_layers)):
         specs |= moe_specs(
             f"blocks.{i}.ffn.", f"{p}layers.{i}.mlp.", cfg.ffn.n_routed_experts, fused
         )

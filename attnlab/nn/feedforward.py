@@ -82,11 +82,9 @@ def build_ffn(cfg: FFNConfig, d_model: int, dropout: float = 0.0, *, layer: int 
     """The FFN of block ``layer``. ``moe``: mixture of experts, except in the first
     ``first_k_dense`` layers, which are dense gated FFNs (as DeepSeek's)."""
     hidden = cfg.hidden_size(d_model)
-    if cfg.kind == "moe":
-        if layer < cfg.first_k_dense:
-            return GatedFFN(d_model, hidden, cfg.activation, cfg.bias, dropout)
+    if cfg.moe_layer(layer):
         from attnlab.nn.moe import MoE  # moe builds on this module
 
         return MoE(d_model, cfg, dropout)
-    cls = GatedFFN if cfg.kind == "glu" else MLP
+    cls = GatedFFN if cfg.kind in ("glu", "moe") else MLP
     return cls(d_model, hidden, cfg.activation, cfg.bias, dropout)
