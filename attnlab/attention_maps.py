@@ -5,6 +5,7 @@ forward pass, recorded without touching the model, and drawn as a grid of heatma
     with record_attention(model) as maps:    # every attention runs the eager backend
         model(idx)
     maps["blocks.0.attn"]                    # (b, h, t, s): each row sums to 1
+                                             # (less with sink logits: the rest is the sink's)
 
 Forward hooks on the model's attention modules (the kinds of ``attnlab.nn.registry``) say
 which module is running; :func:`~attnlab.functional.attention.recording_weights` hands
@@ -84,11 +85,6 @@ def record_attention(model: nn.Module) -> Iterator[dict[str, Tensor]]:
 
     def before(name: str, module: nn.Module):
         def hook(*_):
-            if getattr(module, "sink_logit", None) is not None:
-                raise AttentionMapError(
-                    f"{name}: attention with sink logits puts weight outside the keys; its "
-                    "softmax over the keys alone is not its attention map"
-                )
             if name in maps:
                 raise AttentionMapError(
                     f"{name} ran twice while recording; record a single forward pass"

@@ -83,18 +83,38 @@ def test_weights_equal_softmax_recomputed_from_the_projections():
     assert list(stacked) == ["blocks.attn"] and stacked["blocks.attn"].shape == (2, 2, 4, 9, 9)
 
 
-@pytest.mark.parametrize(
-    "attention, reason",
-    [
-        ({"kind": "linear"}, "no softmax"),
-        ({"sink_logits": True}, "sink logits"),
-    ],
-)
-def test_kinds_without_softmax_weights_raise(attention, reason):
-    model = tiny_decoder(**attention)
-    with pytest.raises(AttentionMapError, match=reason):
+def test_linear_attention_has_no_map():
+    model = tiny_decoder(kind="linear")
+    with pytest.raises(AttentionMapError, match="no softmax"):
         with torch.no_grad(), record_attention(model):
             model(torch.randint(0, 20, (1, 5)))
+
+
+def test_sink_logit_maps_leave_the_sinks_share_out():
+    """With learned sink logits each row's weights over the keys sum to 1 minus the
+    sink's share, sigmoid(sink_h - logsumexp(scores)), and the recorded map reproduces
+    the layer's attention output."""
+    model = tiny_decoder(sink_logits=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.sink_logit.normal_(std=2.0)
+    attn = model.blocks[0].attn
+    seen = {}
+    hook = attn.register_forward_hook(lambda m, args, out: seen.update(x=args[0], y=out))
+    idx = torch.randint(0, 20, (2, 6))
+    with torch.no_grad(), record_attention(model) as maps:
+        model(idx)
+    hook.remove()
+    w = stack_layers(maps)["blocks.attn"]  # (L, b, h, t, s)
+    sums = w.sum(-1)
+    assert bool((sums < 1).all()) and bool((sums > 0).all())
+    assert bool((w[..., torch.ones(6, 6, dtype=torch.bool).triu(1)] == 0).all())
+    with torch.no_grad():  # the layer's output from the recorded map: out(W V)
+        v = attn.qkv(seen["x"])[..., attn.q_dim + attn.kv_dim :]
+        v = v.view(2, 6, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        v = v.repeat_interleave(attn.n_heads // attn.n_kv_heads, 1)
+        y = attn.out((w[0] @ v).transpose(1, 2).reshape(2, 6, attn.q_dim))
+    torch.testing.assert_close(y, seen["y"], atol=1e-5, rtol=1e-5)
 
 
 def test_naive_mla_records_its_weights():

@@ -89,6 +89,34 @@ def test_triton_general_masks_and_documents():
     _check(q, k, v, causal=True, doc_ids=doc)
 
 
+@pytest.mark.parametrize(
+    "t, s, window, padding",
+    [(37, 37, None, False), (1, 35, None, True), (40, 40, 9, False), (5, 40, 6, True)],
+    ids=["causal", "decode", "window", "t<s window padding"],
+)
+def test_triton_sink_logits_match_eager(t, s, window, padding):
+    """Sink logits start each row's online softmax (m = sink, l = 1); the backward kernels
+    see them through L, and the sinks' gradient is computed beside them: all equal eager's
+    written-out sink column, a row with only padding included (all weight on the sink)."""
+    q, k, v = _qkv(2, 4, 2, t, s, 16)
+    sinks = (torch.randn(4, device=DEVICE) * 2).requires_grad_(True)
+    mask = None
+    if padding:
+        valid = torch.ones(2, s, dtype=torch.bool, device=DEVICE)
+        valid[1, : s - t + 1] = False
+        mask = padding_mask(valid)
+    kw = dict(causal=True, window=window, sinks=sinks)
+    out, ref = triton_attention(q, k, v, mask, **kw), attend(q, k, v, mask, backend="eager", **kw)
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sinks), g)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), g)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **TOL)
+    if padding:
+        assert (out[1, :, 0] == 0).all()
+
+
 def test_triton_is_a_backend():
     q, k, v = (x.detach() for x in _qkv(2, 4, 2, 9, 9, 16))
     torch.testing.assert_close(

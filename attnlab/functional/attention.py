@@ -7,6 +7,12 @@ the attention weights); ``sdpa`` calls ``torch.nn.functional.scaled_dot_product_
 runs the Triton kernels on CUDA; ``triton`` asks for those kernels (``attnlab/kernels``);
 ``flex`` is torch's FlexAttention (``functional/flex.py``).
 
+``sinks`` (h,): learned sink logits (GPT-OSS), one more softmax column per head with no
+value, so a head can put weight nowhere. ``eager`` writes the column out; ``flash`` and
+``triton`` start each row's online softmax from it (no (t, s) matrix); ``flex`` rescales
+its output by the share its log-sum-exp leaves; ``sdpa`` rescales too, forming the scores
+for their log-sum-exp (``functional/sinks.py``).
+
 Shapes: b batch, h query heads, h_kv key/value heads (h_kv divides h), t query length,
 s key length, d_h head dim. Masks broadcast to (b, h, t, s); boolean True = may attend,
 or additive (0 / -inf). ``causal=True`` aligns query i with key s - t + i (bottom-right),
@@ -30,7 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.functional.flash import check_doc_ids, check_keys, flash_attention, heads_error
+from attnlab.functional.flash import (
+    check_doc_ids,
+    check_keys,
+    check_sinks,
+    flash_attention,
+    heads_error,
+)
 from attnlab.functional.masks import (
     additive_in,
     causal_mask,
@@ -40,6 +52,7 @@ from attnlab.functional.masks import (
     document_mask,
     sliding_window_mask,
 )
+from attnlab.functional.sinks import sink_rescale
 from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
 
 
@@ -52,7 +65,12 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 
 
 def _check(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> int:
     if not 0.0 <= dropout_p <= 1.0:  # NaN fails too; a negative p dropped nothing, silently
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p}")
@@ -67,6 +85,7 @@ def _check(
     check_keys(q, k, v)
     check_mask_dtype(mask)
     check_mask_shape(mask, (q.shape[0], h, q.shape[2], k.shape[2]))
+    check_sinks(sinks, h)
     return h // h_kv
 
 
@@ -80,16 +99,30 @@ def eager_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The reference: every step written out. Fully masked rows give zero output."""
-    n_rep = _check(q, k, v, mask, dropout_p)
+    """The reference: every step written out. Fully masked rows give zero output.
+    ``sinks`` (h,): each row's softmax gets one more column, the head's sink logit, which
+    is then dropped (its value is zero): the weights sum to less than 1."""
+    n_rep = _check(q, k, v, mask, dropout_p, sinks)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (b, h, s, d_h)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if causal:
         mask = combine_masks(mask, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
     qs, ks = score_operands(q, k)  # float16 in float32: its products overflow
-    scores = (qs @ ks.transpose(-2, -1)) * scale  # (b, h, t, s)
-    weights = masked_softmax(softmax_dtype(scores), mask).to(q.dtype)
+    scores = softmax_dtype((qs @ ks.transpose(-2, -1)) * scale)  # (b, h, t, s)
+    if sinks is None:
+        weights = masked_softmax(scores, mask).to(q.dtype)
+    else:
+        if mask is not None:  # the sink column is never masked
+            scores = (
+                scores.masked_fill(~mask, float("-inf"))
+                if mask.dtype == torch.bool
+                else scores + mask
+            )
+        b, h, t = scores.shape[0], q.shape[1], q.shape[2]
+        column = sinks.to(scores.dtype)[:, None, None].expand(b, h, t, 1)
+        weights = masked_softmax(torch.cat((scores, column), -1), None)[..., :-1].to(q.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     out = weights @ v  # (b, h, t, d_h)
@@ -105,10 +138,15 @@ def sdpa_attention(
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """torch's fused kernel, with two fixes: bottom-right causal alignment when t != s,
-    and zeros (not NaN) for query rows that may attend to nothing."""
-    n_rep = _check(q, k, v, mask, dropout_p)
+    and zeros (not NaN) for query rows that may attend to nothing. ``sinks``: the output
+    rescaled by :func:`sink_rescale` (which forms the scores: SDPA returns no log-sum-exp)."""
+    n_rep = _check(q, k, v, mask, dropout_p, sinks)
+    if sinks is not None:
+        out = sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+        return sink_rescale(out, q, k, sinks, mask, causal=causal, scale=scale)
     t, s = q.shape[-2], k.shape[-2]
     while mask is not None and mask.dim() < 2:  # a key mask (s,): torch's SDPA wants >= 2-D
         mask = mask[None]
@@ -184,18 +222,22 @@ def _fold_structure(
     return mask, causal
 
 
-def _eager(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+def _eager(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
     mask, causal = _fold_structure(
         mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
     )
-    return eager_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+    return eager_attention(
+        q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks
+    )
 
 
-def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
     mask, causal = _fold_structure(
         mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
     )
-    return sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+    return sdpa_attention(
+        q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks
+    )
 
 
 def _triton_takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
@@ -212,30 +254,29 @@ def _triton_takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -
     )
 
 
-def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
     from attnlab import kernels
 
+    kw = dict(causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks)
     if _triton_takes(q, k, v, mask) and kernels.triton_available():
-        return kernels.triton_attention(
-            q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
-        )
-    return flash_attention(
-        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
-    )
+        return kernels.triton_attention(q, k, v, mask, **kw)
+    return flash_attention(q, k, v, mask, **kw)
 
 
-def _triton(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+def _triton(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
     from attnlab import kernels
 
     return kernels.triton_attention(
-        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
+        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks
     )
 
 
-def _flex(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids):
+def _flex(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
     from attnlab.functional.flex import flex_attention
 
-    return flex_attention(q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids)
+    return flex_attention(
+        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks
+    )
 
 
 def _triton_missing() -> str | None:
@@ -247,7 +288,7 @@ def _triton_missing() -> str | None:
 @dataclass(frozen=True)
 class Backend:
     """One way to compute attention. ``fn(q, k, v, mask, *, causal, scale, dropout_p,
-    window, doc_ids)``; ``dropout`` says whether it implements dropout_p > 0;
+    window, doc_ids, sinks)``; ``dropout`` says whether it implements dropout_p > 0;
     ``unavailable()`` returns why it cannot run here, or None."""
 
     fn: Callable[..., Tensor]
@@ -316,6 +357,7 @@ def attend(
     return_weights: bool = False,
     window: int | None = None,
     doc_ids: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with the chosen backend, the one switch between implementations.
 
@@ -323,14 +365,16 @@ def attend(
     (b, h, t, s). ``causal`` aligns bottom-right. ``window`` (with causal): each query sees
     its last ``window`` keys. ``doc_ids`` (b, s): no attention across packed documents.
     ``flash`` and ``triton`` skip whole blocks that window and sorted documents rule out;
-    ``eager`` and ``sdpa`` turn them into masks. ``return_weights`` needs ``eager`` (or
-    :func:`recording_weights`, which makes every call eager)."""
+    ``eager`` and ``sdpa`` turn them into masks. ``sinks`` (h,): learned sink logits, a
+    softmax column per head with no value (the weights then sum to less than 1).
+    ``return_weights`` needs ``eager`` (or :func:`recording_weights`, which makes every
+    call eager)."""
     if backend not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}"
         )
     entry = BACKENDS[backend]
-    _check(q, k, v, mask, dropout_p)
+    _check(q, k, v, mask, dropout_p, sinks)
     check_doc_ids(doc_ids, q.shape[0], q.shape[2], k.shape[2])
     # a number of keys (a float w keeps the keys k > p - w, as every backend reads it)
     if isinstance(window, bool) or not isinstance(window, (numbers.Real, type(None))):
@@ -348,7 +392,15 @@ def attend(
             mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
         )
         out, weights = eager_attention(
-            q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, return_weights=True
+            q,
+            k,
+            v,
+            mask,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            return_weights=True,
+            sinks=sinks,
         )
         if sink is not None:
             sink(weights)
@@ -368,4 +420,5 @@ def attend(
         dropout_p=dropout_p,
         window=window,
         doc_ids=doc_ids,
+        sinks=sinks,
     )

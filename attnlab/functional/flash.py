@@ -5,7 +5,10 @@ Forward: one pass over blocks of ``block_k`` keys. For each block, the scores of
 query row that can see it are formed at once (vectorised over query blocks: the only
 Python loop is over key blocks), and the running maximum m, denominator l and unnormalised
 output o of each row are rescaled and updated (``softmax.attention_online`` with tiles).
-Only the output and the log-sum-exp L = m + log l of each row are saved.
+Only the output and the log-sum-exp L = m + log l of each row are saved. Learned sink
+logits (one per head, a softmax column with no value) are where each row starts:
+m = sink, l = exp(sink - m) = 1, o = 0; the backward is unchanged (L includes the sink),
+and the sink's own gradient is -sum over rows of exp(sink - L) * D.
 
 Backward (FlashAttention-2): the weights are recomputed block by block from L,
 P = exp(S - L), and with D = rowsum(dO * O):
@@ -196,12 +199,16 @@ class FlashAttention(torch.autograd.Function):
     copying K or V)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask5, causal, window, doc_ids, scale, block_q, block_k):
+    def forward(ctx, q, k, v, sinks5, mask5, causal, window, doc_ids, scale, block_q, block_k):
         prob = _Problem(q, k, mask5, causal, window, doc_ids, scale, block_q, block_k)
         stats = q.shape[:-1] + (1,)
         f = prob.dtype
-        m = torch.full(stats, float("-inf"), dtype=f, device=q.device)
-        l = torch.zeros(stats, dtype=f, device=q.device)
+        if sinks5 is None:  # nothing seen yet
+            m = torch.full(stats, float("-inf"), dtype=f, device=q.device)
+            l = torch.zeros(stats, dtype=f, device=q.device)
+        else:  # the sink column seen first: its exp(sink - m) = 1, its value 0
+            m = sinks5.detach().to(f).expand(stats).clone()
+            l = torch.ones(stats, dtype=f, device=q.device)
         acc = torch.zeros(stats[:-1] + v.shape[-1:], dtype=f, device=q.device)
         for tile in prob.tiles:
             rows = slice(tile.q0, tile.q1)
@@ -215,22 +222,28 @@ class FlashAttention(torch.autograd.Function):
             acc[..., rows, :] = acc[..., rows, :] * alpha + (p.to(v.dtype) @ vb).to(f)
             m[..., rows, :] = m_new
         out = (acc / torch.where(l > 0, l, torch.ones_like(l))).to(q.dtype)
-        # Rows with no allowed key: L = +inf makes the recomputed P = exp(S - L) exactly 0.
-        lse = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("inf")))
+        # Rows with nothing seen (no allowed key, no sink): L = +inf makes the recomputed
+        # P = exp(S - L) exactly 0.
+        lse = torch.where(m > float("-inf"), m + torch.log(l), torch.full_like(l, float("inf")))
         # The mask and document ids too: the backward recomputes P from them, so changing
         # them in place before it must raise (as q, k, v do), not give other gradients.
-        ctx.save_for_backward(q, k, v, out, lse, mask5, doc_ids)
+        ctx.save_for_backward(q, k, v, out, lse, mask5, doc_ids, sinks5)
         ctx.prob = prob
         return out
 
     @staticmethod
     @once_differentiable  # the recomputed P treats L as a constant: no second derivative
     def backward(ctx, grad_out):
-        q, k, v, out, lse, _, _ = ctx.saved_tensors
+        q, k, v, out, lse, _, _, sinks5 = ctx.saved_tensors
         prob = ctx.prob
         grad_out = grad_out.contiguous()
         f = prob.dtype
         delta = (grad_out.to(f) * out.to(f)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+        dsinks = None
+        if sinks5 is not None and ctx.needs_input_grad[3]:
+            # the sink column's dS = P_sink * (dP_sink - D), with dP_sink = 0 (no value)
+            p_sink = torch.exp(sinks5.to(f) - lse)  # (b, h_kv, g, t, 1)
+            dsinks = (-p_sink * delta).sum((0, 3)).reshape(sinks5.shape).to(sinks5.dtype)
         dq = torch.zeros(q.shape, dtype=f, device=q.device)
         dk = torch.zeros(k.shape, dtype=f, device=q.device)
         dv = torch.zeros(v.shape, dtype=f, device=q.device)
@@ -245,7 +258,7 @@ class FlashAttention(torch.autograd.Function):
             ds = dp.sub_(delta[..., rows, :]).mul_(p).to(q.dtype)  # dS = P * (dP - D)
             dq[..., rows, :] += (ds @ kb).to(f) * prob.scale
             dk[..., cols, :] += (ds.transpose(-2, -1) @ qs).to(f).sum(2, True) * prob.scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 7)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, *([None] * 7)
 
 
 def heads_error(h: int, h_k: int, h_v: int) -> str:
@@ -277,6 +290,15 @@ def check_doc_ids(doc_ids: Tensor | None, b: int, t: int, s: int) -> None:
         raise ValueError(f"doc_ids need query length t={t} <= key length s={s}")
 
 
+def check_sinks(sinks: Tensor | None, h: int) -> None:
+    """Sink logits are one float per query head, (h,)."""
+    if sinks is not None and (tuple(sinks.shape) != (h,) or not sinks.is_floating_point()):
+        raise ValueError(
+            f"sinks must be one float logit per query head, shape ({h},); got "
+            f"{tuple(sinks.shape)} {sinks.dtype}"
+        )
+
+
 def check_arguments(
     q: Tensor,
     k: Tensor,
@@ -286,6 +308,7 @@ def check_arguments(
     causal: bool,
     window: float | None,
     doc_ids: Tensor | None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Refuse, by name, what flash attention (the tiled path here and the Triton kernels
     alike) cannot compute."""
@@ -301,6 +324,7 @@ def check_arguments(
     check_mask_dtype(mask)
     check_mask_shape(mask, (b, h, t, s))
     check_doc_ids(doc_ids, b, t, s)
+    check_sinks(sinks, h)
     if mask is not None and mask.requires_grad:
         raise ValueError("flash attention does not differentiate the mask; detach it")
 
@@ -315,6 +339,7 @@ def flash_attention(
     scale: float | None = None,
     window: int | None = None,
     doc_ids: Tensor | None = None,
+    sinks: Tensor | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> Tensor:
@@ -323,9 +348,10 @@ def flash_attention(
     additive, broadcastable to (b, h, t, s), not differentiated. ``causal`` aligns
     bottom-right; ``window`` (needs causal) keeps the last ``window`` keys of each query;
     ``doc_ids`` (b, s) int: no attention across documents (sorted ids also skip tiles).
+    ``sinks`` (h,) learned sink logits: a softmax column per head with no value.
     Rows that may attend to nothing give zeros."""
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
-    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids)
+    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids, sinks=sinks)
     b, h, t, d_h = q.shape
     h_kv = k.shape[1]
     g = h // h_kv
@@ -335,5 +361,8 @@ def flash_attention(
     q5 = q.reshape(b, h_kv, g, t, d_h)  # query head j -> (kv head j // g, j % g)
     k5, v5 = k[:, :, None], v[:, :, None]  # (b, h_kv, 1, s, d_h)
     mask5 = None if mask is None else _mask5(mask, h_kv, g)
-    out = FlashAttention.apply(q5, k5, v5, mask5, causal, window, doc_ids, scale, block_q, block_k)
+    sinks5 = None if sinks is None else sinks.reshape(h_kv, g, 1, 1)  # (h_kv, g, t, 1)
+    out = FlashAttention.apply(
+        q5, k5, v5, sinks5, mask5, causal, window, doc_ids, scale, block_q, block_k
+    )
     return out.reshape(b, h, t, v.shape[-1])  # the value width may differ (MLA)

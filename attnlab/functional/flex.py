@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnlab.functional.flash import check_sinks
 from attnlab.functional.masks import additive_in
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -114,11 +115,13 @@ def flex_attention(
     doc_ids: Tensor | None = None,
     mask_mod: MaskMod | None = None,
     compile: bool | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention through FlexAttention, equal to ``eager_attention``. ``mask`` bool or
     additive broadcastable to (b, h, t, s); ``mask_mod`` any extra mask function (e.g.
-    ``prefix_lm_mod``). Rows that may attend to nothing give zeros."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    ``prefix_lm_mod``); ``sinks`` (h,) sink logits, applied from FlexAttention's
+    log-sum-exp L as out * sigmoid(L - sink). Rows that may attend to nothing give zeros."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     if q.device.type == "cpu":
@@ -128,6 +131,7 @@ def flex_attention(
             raise NotImplementedError(NO_CPU_BACKWARD)
     b, h, t, _ = q.shape
     h_kv, s = k.shape[1], k.shape[2]
+    check_sinks(sinks, h)
     if causal and s < t:
         raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
     if t == 0 or s == 0:  # no query, or no key to attend to (block masks need both)
@@ -172,12 +176,21 @@ def flex_attention(
         )
     use_compile = q.is_cuda if compile is None else compile
     fn = _compiled() if use_compile else torch_flex
+    aux = {} if sinks is None else {"return_aux": AuxRequest(lse=True)}
     call = functools.partial(
-        fn, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=h != h_kv
+        fn,
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=h != h_kv,
+        **aux,
     )
     global _unfused_warned
     if use_compile or _unfused_warned:
-        return call()
+        return _sink_share(call(), sinks)
     # Unfused on CPU is our choice (no compile time); torch warns about it once per
     # process, so only the first call hides it: catch_warnings resets every module's
     # warning registry (a caller's "default" warning would show again after each call)
@@ -186,7 +199,17 @@ def flex_attention(
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
         out = call()
     _unfused_warned = True
-    return out
+    return _sink_share(out, sinks)
+
+
+def _sink_share(out, sinks: Tensor | None) -> Tensor:
+    """FlexAttention's output, or (with sinks) its (output, aux) scaled by each row's share
+    left after the sink column: sigmoid(L - sink); an empty row's L is -inf (share 0)."""
+    if sinks is None:
+        return out
+    out, aux = out
+    share = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[:, None])  # (b, h, t)
+    return out * share[..., None].to(out.dtype)
 
 
 def _dim(mask: Tensor, i: int) -> int:

@@ -3,7 +3,10 @@ query's softmax as one more column with no value,
 
     y = sum_j softmax([s_h, z_1, ..., z_S])_j v_j  =  attention(q, k, v) * sigmoid(lse(z) - s_h)
 
-so a head can put weight "nowhere". The rescaling form keeps any attention backend.
+so a head can put weight "nowhere". ``attend(..., sinks=)`` takes them on every backend:
+``eager`` writes the column out, ``flash`` and ``triton`` start each row's online softmax
+from it, ``flex`` rescales with its own log-sum-exp, and ``sdpa``, which returns none,
+rescales here, forming the (t, s) scores for their log-sum-exp.
 
 Shapes: b batch, h heads, h_kv key/value heads, t queries, s keys, d_h head dim.
 """

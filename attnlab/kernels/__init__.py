@@ -80,6 +80,7 @@ def triton_attention(
     scale: float | None = None,
     window: int | None = None,
     doc_ids: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Flash attention as Triton kernels (forward and FlashAttention-2 backward); the same
     contract as ``attnlab.functional.flash.flash_attention``."""
@@ -102,5 +103,5 @@ def triton_attention(
     from attnlab.kernels.flash_attention import triton_flash_attention
 
     return triton_flash_attention(
-        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids
+        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks
     )

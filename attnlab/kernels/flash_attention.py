@@ -3,11 +3,14 @@ per program (Dao et al. 2022; Dao 2023, FlashAttention-2).
 
 forward   grid (query blocks, h, b): running max m, denominator l, output acc over the
           key blocks the query block can see (causal: up to the diagonal; window: from
-          its lower edge); stores O and the log-sum-exp L (+inf for empty rows).
+          its lower edge); stores O and the log-sum-exp L (+inf for empty rows). Sink
+          logits (one per head) start each row: m = sink, l = 1.
 backward  D = rowsum(dO * O) in torch, then two kernels without atomics:
           dK/dV grid (key blocks, h_kv, b): each program loops over the g query heads of
           its kv head (GQA) and the query blocks that can see it; dQ grid (query blocks,
-          h, b), like the forward. P = exp(S - L) is recomputed, never stored.
+          h, b), like the forward. P = exp(S - L) is recomputed, never stored. L includes
+          the sink, so the kernels need nothing else; its gradient, -sum exp(sink - L) D
+          over the rows, is one torch expression.
 
 Masks: causal (bottom-right: query i at position s - t + i), sliding window, document
 ids (b, s), and any bool/additive mask broadcastable to (b, h, t, s), read through its
@@ -86,6 +89,7 @@ def _fwd_kernel(
     V,
     O,
     LSE,
+    SINK,
     BIAS,
     DOC,
     s_qb,
@@ -115,6 +119,7 @@ def _fwd_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    HAS_SINK: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -132,8 +137,12 @@ def _fwd_kernel(
     q_ok = (rows < T)[:, None] & (dims < D)[None, :]
     q_ptr = Q + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :]
     q = tl.load(q_ptr, mask=q_ok, other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINK:  # the sink column first: exp(sink - m) = 1, value 0
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(SINK + h)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     lo = 0
     hi = S
@@ -169,7 +178,8 @@ def _fwd_kernel(
     out = acc / l_safe[:, None]  # rows with no allowed key: acc = 0
     o_ptr = O + pid_bh * T * D + rows[:, None] * D + dims[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_ok)
-    lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("inf"))  # +inf: P = 0 in backward
+    # nothing seen (no key, no sink): L = +inf, so P = 0 in the backward
+    lse = tl.where(m_i > float("-inf"), m_i + tl.log(l_safe), float("inf"))
     tl.store(LSE + pid_bh * T + rows, lse, mask=rows < T)
 
 
@@ -368,7 +378,7 @@ GPU_CONFIGS = [
     for bm, bn, w, st in [(64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)]
 ]
 TUNE_KEY = ["T", "S", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "HAS_DOC", "PRECISION"]
-_fwd_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_fwd_kernel)
+_fwd_tuned = triton.autotune(GPU_CONFIGS, key=[*TUNE_KEY, "HAS_SINK"])(_fwd_kernel)
 _dkdv_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dq_kernel)
 
@@ -398,18 +408,20 @@ def _bias_and_strides(mask: Tensor | None, b: int, h: int, t: int, s: int, devic
 
 class _TritonFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, has_bias, bias_strides, doc, causal, window, scale):
+    def forward(ctx, q, k, v, sinks, bias, has_bias, bias_strides, doc, causal, window, scale):
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         q, k, v = (x.contiguous() for x in (q, k, v))
         out = torch.empty_like(q)
         lse = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
         meta = _meta(d, causal, window, has_bias, doc, q.dtype)
+        has_sink = sinks is not None
+        sink = sinks.detach().float().contiguous() if has_sink else lse  # lse: never read
         common = (bias, doc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bias_strides)
         tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, window or 0, scale)
-        args = (q, k, v, out, lse, *common, *tail)
-        _launch(_fwd_kernel, _fwd_tuned, t, h, b, *args, _axis="BLOCK_M", **meta)
-        ctx.save_for_backward(q, k, v, out, lse, bias, doc)
+        args = (q, k, v, out, lse, sink, *common, *tail)
+        _launch(_fwd_kernel, _fwd_tuned, t, h, b, *args, _axis="BLOCK_M", HAS_SINK=has_sink, **meta)
+        ctx.save_for_backward(q, k, v, out, lse, bias, doc, sinks)
         ctx.has_bias, ctx.bias_strides = has_bias, bias_strides
         ctx.causal, ctx.window, ctx.scale = causal, window, scale
         return out
@@ -417,11 +429,15 @@ class _TritonFlash(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # kernels write the gradients: no second derivative
     def backward(ctx, grad_out):
-        q, k, v, out, lse, bias, doc = ctx.saved_tensors
+        q, k, v, out, lse, bias, doc, sinks = ctx.saved_tensors
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)  # D = rowsum(dO * O): (b, h, t)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:  # the sink column's P (-D): no value
+            p_sink = torch.exp(sinks.float()[:, None] - lse.view(b, h, t))
+            dsinks = (-p_sink * delta).sum((0, 2)).to(sinks.dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         meta = _meta(d, ctx.causal, ctx.window, ctx.has_bias, doc, q.dtype)
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ctx.bias_strides)
@@ -430,7 +446,7 @@ class _TritonFlash(torch.autograd.Function):
         _launch(_bwd_dkdv_kernel, _dkdv_tuned, s, h_kv, b, *dkdv_args, _axis="BLOCK_N", **meta)
         dq_args = (q, k, v, grad_out, lse, delta, dq, bias, doc, *strides, *tail)
         _launch(_bwd_dq_kernel, _dq_tuned, t, h, b, *dq_args, _axis="BLOCK_M", **meta)
-        return dq, dk, dv, *([None] * 8)
+        return dq, dk, dv, dsinks, *([None] * 7)
 
 
 def _doc_stride(doc: Tensor) -> int:
@@ -458,9 +474,10 @@ def triton_flash_attention(
     scale: float | None = None,
     window: int | None = None,
     doc_ids: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """q (b, h, t, d_h); k, v (b, h_kv, s, d_h); see ``flash_attention`` for the contract."""
-    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids)  # the twin's
+    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids, sinks=sinks)
     b, h, t, d = q.shape
     s = k.shape[2]
     if v.shape[-1] != d or k.shape[-1] != d:
@@ -494,5 +511,5 @@ def triton_flash_attention(
         else doc_ids.to(device=q.device, dtype=torch.int64).contiguous()
     )
     return _TritonFlash.apply(
-        q, k, v, bias, mask is not None, bias_strides, doc, causal, window, scale
+        q, k, v, sinks, bias, mask is not None, bias_strides, doc, causal, window, scale
     )

@@ -16,12 +16,9 @@ from attnlab.config import AttentionConfig
 from attnlab.functional.attention import attend
 from attnlab.functional.masks import (
     combine_masks,
-    document_mask,
     global_window_mask,
-    sliding_window_mask,
 )
 from attnlab.functional.rope import apply_rope
-from attnlab.functional.sinks import sink_rescale
 from attnlab.nn.dropout import dropout
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import RMSNorm
@@ -154,18 +151,12 @@ class MultiHeadAttention(nn.Module):
             elif self.global_tokens and k.shape[-2] > self.window:
                 mask, causal = combine_masks(mask, self._global_mask(positions, t, x.device)), False
             elif self.window is not None and k.shape[-2] > self.window:
-                if self.sink_logit is None and self.causal:  # attend's window: flash skips
-                    window = self.window  # the blocks outside
-                else:  # the sink rescaling needs the window as a mask; bidirectional
-                    s = k.shape[-2]  # (an encoder's): within window - 1 on either side
-                    win = (
-                        sliding_window_mask(t, s, self.window, device=x.device)
-                        if self.causal
-                        else global_window_mask(t, s, self.window, 0, causal=False, device=x.device)
-                    )
+                if self.causal:  # attend's window: flash skips the blocks outside
+                    window = self.window
+                else:  # bidirectional (an encoder's): within window - 1 on either side
+                    s = k.shape[-2]
+                    win = global_window_mask(t, s, self.window, 0, causal=False, device=x.device)
                     mask, causal = combine_masks(mask, win), False
-        if doc_ids is not None and self.sink_logit is not None:  # the rescaling needs a mask
-            mask, doc_ids = combine_masks(mask, document_mask(doc_ids)), None
         y = attend(
             q,
             k,
@@ -176,9 +167,8 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.attn_dropout if self.training else 0.0,
             doc_ids=doc_ids,
+            sinks=self.sink_logit,
         )  # (b, h, t, d_h)
-        if self.sink_logit is not None:
-            y = sink_rescale(y, q, k, self.sink_logit, mask, causal=causal)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
 
