@@ -25,6 +25,7 @@ kernels and is not counted in the memory either).
     python benchmarks/flash_attention.py --lengths 1024 2048 --threads 2
     python benchmarks/flash_attention.py --device cuda --dtype bfloat16 --batch 4 --heads 16 \
         --repeats 5 --no-flex
+    python benchmarks/flash_attention.py --sinks         # with learned sink logits (GPT-OSS)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from attnlab.functional.flex import flex_attention
 from attnlab.memory import PeakTensorMemory
 
 SHAPE = {"batch": 1, "heads": 4, "head_dim": 64, "device": "cpu", "dtype": torch.float32}
+SINKS: dict[str, torch.Tensor] = {}  # --sinks: learned sink logits (h,), with gradients
 
 
 def inputs(t: int) -> tuple[torch.Tensor, ...]:
@@ -54,9 +56,11 @@ def inputs(t: int) -> tuple[torch.Tensor, ...]:
 
 
 def fwd_bwd(backend: str, q, k, v) -> None:
-    attend(q, k, v, causal=True, backend=backend).sum().backward()
-    for x in (q, k, v):
-        x.grad = None
+    sinks = SINKS.get("sinks")
+    attend(q, k, v, causal=True, backend=backend, sinks=sinks).sum().backward()
+    for x in (q, k, v, sinks):
+        if x is not None:
+            x.grad = None
 
 
 def peak_bytes(backend: str, t: int) -> int:
@@ -93,18 +97,23 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument(
+        "--sinks", action="store_true", help="learned sink logits (GPT-OSS) in every backend"
+    )
     args = parser.parse_args()
     check_device(parser, args.device)
     setup_threads(args.threads)
     SHAPE.update(batch=args.batch, heads=args.heads, device=args.device,
                  dtype=getattr(torch, args.dtype))  # fmt: skip
     gpu = torch.device(args.device).type == "cuda"
+    if args.sinks:
+        SINKS["sinks"] = torch.zeros(args.heads, device=args.device, requires_grad=True)
     # On CUDA the flash backend runs the Triton kernels: they take its place in the table.
     tiled = "triton" if gpu else "flash"
     backends = ["eager", "sdpa", tiled]
     print(
         f"# {machine(args.device)}; batch {args.batch}, {args.heads} heads, head dim "
-        f"{SHAPE['head_dim']}, causal, {args.dtype}\n"
+        f"{SHAPE['head_dim']}, causal, {args.dtype}{', sink logits' if args.sinks else ''}\n"
     )
     eager_1k = peak_bytes("eager", 1024)
     rows = []
@@ -124,7 +133,9 @@ def main() -> None:
         # Unfused (eager) flex forms the (t, s) scores like eager: same memory limit.
         if not args.no_flex and (run_eager or args.flex_compile):
             q, k, v = (x.detach() for x in inputs(t))
-            run = lambda: flex_attention(q, k, v, causal=True, compile=args.flex_compile)  # noqa: B023, E731
+            sinks = SINKS["sinks"].detach() if "sinks" in SINKS else None
+            flex_kw = dict(causal=True, compile=args.flex_compile, sinks=sinks)
+            run = lambda: flex_attention(q, k, v, **flex_kw)  # noqa: B023, E731
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 run()  # untimed first call (compiling, or flex's one-time setup), as for the others
