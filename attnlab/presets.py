@@ -1,7 +1,7 @@
 """Named model configurations: plain functions returning a fresh config.
 
 Tiny presets build in milliseconds for tests; published sizes (GPT-2, LLaMA, Mistral,
-Qwen2) are there for the calculators and for checkpoint import.
+Qwen2, Mixtral) are there for the calculators and for checkpoint import.
 """
 
 from __future__ import annotations
@@ -254,6 +254,58 @@ def qwen3_8b() -> ModelConfig:
     return qwen3(d_model=4096, n_layers=36, n_heads=32, ffn_hidden=12288, tie_embeddings=False)
 
 
+def mixtral(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+) -> ModelConfig:
+    """Mixtral: Mistral's attention (GQA with 8 key/value heads, RoPE theta 1e6, no
+    window) with a mixture of 8 SwiGLU experts as wide as ``ffn_hidden`` in every layer, of
+    which 2 per token by a softmax router renormalised over them (attnlab's ``deepseek-v2``
+    router, no shared experts)."""
+    return llama_style(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_hidden=ffn_hidden,
+        rope_theta=1e6,
+    ).override(
+        {
+            "ffn.kind": "moe",
+            "ffn.router": "deepseek-v2",
+            "ffn.n_routed_experts": 8,
+            "ffn.n_shared_experts": 0,
+            "ffn.n_activated_experts": 2,
+            "ffn.moe_hidden_dim": ffn_hidden,
+            "ffn.norm_topk_prob": True,
+        }
+    )
+
+
+def mixtral_8x7b() -> ModelConfig:
+    """mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B total, 12.9B active; GQA 32/8, 32k
+    context."""
+    return mixtral(
+        vocab_size=32000, max_seq_len=32768, d_model=4096, n_layers=32, n_heads=32, ffn_hidden=14336
+    )
+
+
+def mixtral_8x22b() -> ModelConfig:
+    """mistralai/Mixtral-8x22B-Instruct-v0.1 config.json (the v3 tokenizer's 32768 tokens;
+    mistral-community's conversion of the base model has 32000): 141B total, 39B active;
+    GQA 48/8, 56 layers, 64k context."""
+    return mixtral(
+        vocab_size=32768, max_seq_len=65536, d_model=6144, n_layers=56, n_heads=48, ffn_hidden=16384
+    )
+
+
 def deepseek_style(
     *,
     vocab_size: int,
@@ -473,6 +525,14 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "qwen3-0.6b": (qwen3_0_6b, "Qwen3 0.6B (GQA 16/8, QK-norm, tied embeddings)"),
     "qwen3-8b": (qwen3_8b, "Qwen3 8B (GQA 32/8, QK-norm)"),
     "llama-2-70b": (llama_2_70b, "LLaMA 2 70B (GQA 64/8, 4k context)"),
+    "mixtral-8x7b": (
+        mixtral_8x7b,
+        "Mixtral 8x7B, 46.7B total, 12.9B active (MoE 8 experts, top 2)",
+    ),
+    "mixtral-8x22b": (
+        mixtral_8x22b,
+        "Mixtral 8x22B, 141B total, 39B active (MoE 8 experts, top 2)",
+    ),
     "deepseek-tiny": (deepseek_tiny, "MLA + dense SwiGLU, 2 layers, d_model 64 (tests)"),
     "deepseek-moe-tiny": (
         deepseek_moe_tiny,

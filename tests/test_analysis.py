@@ -199,10 +199,24 @@ def test_moe_matmul_parameters_count_only_active_experts():
         ("deepseek-v2-lite", 15_706_484_224),
         ("llama-2-70b", 68_976_648_192),
         ("qwen2-7b", 7_615_616_512),
+        # the model cards' 46.7B (93,405,585,408 bytes of bf16 in the safetensors index)
+        # and 141B (here with the Instruct model's 32768-token vocabulary)
+        ("mixtral-8x7b", 46_702_792_704),
+        ("mixtral-8x22b", 140_630_071_296),
     ],
 )
 def test_published_parameter_totals(name, total):
     assert count_parameters(get_preset(name))["total"] == total
+
+
+@pytest.mark.parametrize("name, active", [("mixtral-8x7b", 12.9), ("mixtral-8x22b", 39)])
+def test_mixtral_active_parameters_are_the_model_cards(name, active):
+    """The model cards' active parameters per token (12.9B, 39B): the products a token
+    goes through (its 2 experts of 8) plus the embedding row and the norms."""
+    cfg = get_preset(name)
+    d = cfg.d_model
+    active_count = analysis.matmul_parameters(cfg) + cfg.vocab_size * d + (2 * cfg.n_layers + 1) * d
+    assert round(active_count / 1e9, 1 if active < 20 else 0) == active
 
 
 @pytest.mark.parametrize("name", list_presets())
@@ -307,6 +321,9 @@ _DEEPSEEK_V3 = dict(
     rope_scaling=dict(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0),
     routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
 )  # fmt: skip
+_MIXTRAL = dict(num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
+                tie_word_embeddings=False, output_router_logits=False)  # fmt: skip
 CONFIG_JSON = {
     "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
                  vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new"),
@@ -362,6 +379,13 @@ CONFIG_JSON = {
         routed_scaling_factor=1.0, topk_method="greedy", norm_topk_prob=False, n_group=1,
         topk_group=1, tie_word_embeddings=False,
     ),
+    "mixtral-8x7b": dict(_MIXTRAL, model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, vocab_size=32000,
+                         max_position_embeddings=32768, router_aux_loss_coef=0.02),
+    "mixtral-8x22b": dict(_MIXTRAL, model_type="mixtral", hidden_size=6144,
+                          intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
+                          vocab_size=32768, max_position_embeddings=65536,
+                          router_aux_loss_coef=0.001, router_jitter_noise=0.0),  # Instruct
     "deepseek-v3": _DEEPSEEK_V3,
     "deepseek-v3.2": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048,
                           index_n_heads=64, index_head_dim=128),  # V3.2-Exp

@@ -20,6 +20,7 @@ from attnlab.interop import (  # noqa: E402
     config_from_hf,
     hf_model_type,
     load_hf,
+    qwen3_moe,
     save_hf,
 )
 from attnlab.interop.io import rope_to_hf  # noqa: E402
@@ -106,6 +107,14 @@ def _hf_config(kind: str):
         else:  # experts on every layer, weights not renormalised, head_dim 12, biases
             moe |= dict(head_dim=12, attention_bias=True)
         return transformers.Qwen3MoeConfig(**moe, **small)
+    if kind.startswith("mixtral"):  # Mistral's attention, an MoE (top k renormalised) everywhere
+        moe = llama_like | dict(num_hidden_layers=2, intermediate_size=16)
+        if kind == "mixtral":  # no window; head_dim 12, 4 experts of which 2, tied
+            moe |= dict(head_dim=12, num_local_experts=4, num_experts_per_tok=2)
+            moe |= dict(tie_word_embeddings=True)
+        else:  # a window shorter than the test sequences; 5 experts of which 3; untied
+            moe |= dict(sliding_window=5, num_local_experts=5, num_experts_per_tok=3)
+        return transformers.MixtralConfig(**moe, **small)
     if kind == "mistral":  # window shorter than the test sequences, so it matters
         return transformers.MistralConfig(**llama_like, sliding_window=5, **small)
     if kind == "llama_rope3":  # LLaMA 3.1 scaling; head_dim 8, theta 500: wavelengths 6,
@@ -140,10 +149,12 @@ HF_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 KINDS = ["gpt2", "gpt2_untied", "llama", "llama_bias", "qwen2", "qwen2_tied", "mistral"]
 KINDS += ["llama_rope3", "llama_linear", "llama_yarn", "llama_yarn_untruncated", "qwen2_yarn"]
 KINDS += ["qwen3", "qwen3_bias_tied", "qwen3moe", "qwen3moe_sparse"]
+KINDS += ["mixtral", "mixtral_window"]
 
 
 def _hf_model(kind: str, seed: int = 0):
@@ -205,6 +216,23 @@ def test_import_config(imported):
         assert (ffn.n_routed_experts, ffn.n_activated_experts, ffn.moe_hidden_dim) == (4, 2, 16)
         assert ffn.first_k_dense == len(hf.mlp_only_layers)
         assert ffn.norm_topk_prob == hf.norm_topk_prob and cfg.attention.qk_norm
+    if kind.startswith("mixtral"):
+        ffn, att = cfg.ffn, cfg.attention
+        assert (ffn.kind, ffn.router, ffn.n_shared_experts, ffn.first_k_dense) == (
+            "moe",
+            "deepseek-v2",
+            0,
+            0,
+        )
+        assert ffn.norm_topk_prob and ffn.routed_scaling_factor == 1.0
+        assert (ffn.n_routed_experts, ffn.n_activated_experts, ffn.moe_hidden_dim) == (
+            hf.num_local_experts,
+            hf.num_experts_per_tok,
+            16,
+        )
+        assert att.sliding_window == hf.sliding_window and not att.qk_norm
+        assert (cfg.n_kv_heads, cfg.head_dim) == (2, 12 if kind == "mixtral" else 8)
+        assert cfg.position.rope_theta == 500.0
     if kind == "llama_rope3":
         pos = cfg.position
         assert (pos.rope_scaling, pos.rope_factor, pos.rope_original_max_seq_len) == (
@@ -377,6 +405,8 @@ def _with(cfg: ModelConfig, **changes) -> ModelConfig:
 _QWEN3_MOE = {"attention.qk_norm": True, "ffn.kind": "moe", "ffn.router": "deepseek-v2"}
 _QWEN3_MOE |= {"ffn.n_routed_experts": 4, "ffn.n_activated_experts": 2, "ffn.n_shared_experts": 0}
 _QWEN3_MOE |= {"ffn.moe_hidden_dim": 16, "ffn.norm_topk_prob": True}
+# Mixtral: the same without QK-norm, experts on every layer
+_MIXTRAL = {k: v for k, v in _QWEN3_MOE.items() if k != "attention.qk_norm"}
 
 EXPORTS = {
     "gpt2": (
@@ -428,6 +458,16 @@ EXPORTS = {
         _with(
             _llama(),
             **_QWEN3_MOE | {"ffn.norm_topk_prob": False},
+            **{"position.rope_layout": "interleaved", "attention.sliding_window": 6},
+        ),
+    ),
+    "mixtral": ("mixtral", _with(_llama(), **_MIXTRAL)),
+    # interleaved RoPE, a window on every layer, tied, head_dim 12, 3 experts per token
+    "mixtral_interleaved_window_tied": (
+        "mixtral",
+        _with(
+            _llama(tie_embeddings=True),
+            **_MIXTRAL | {"ffn.n_activated_experts": 3, "attention.head_dim": 12},
             **{"position.rope_layout": "interleaved", "attention.sliding_window": 6},
         ),
     ),
@@ -536,7 +576,6 @@ def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
         config_from_hf({**hf, "decoder_sparse_step": 0})
     cfg = _with(_llama(), **_QWEN3_MOE)
     for changes, named in (
-        ({"attention.qk_norm": False}, "set attention.qk_norm"),
         ({"ffn.n_shared_experts": 1}, "ffn.n_shared_experts=1"),
         ({"ffn.router": "deepseek-v3"}, "ffn.router='deepseek-v3'"),
         ({"ffn.routed_scaling_factor": 2.0}, "ffn.routed_scaling_factor=2.0"),
@@ -544,6 +583,130 @@ def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
     ):
         with pytest.raises(HFCheckpointError, match=re.escape(named)):
             hf_model_type(_with(cfg, **changes))
+    # without QK-norm it is a Mixtral; Qwen3-MoE itself says so
+    assert hf_model_type(_with(cfg, **{"attention.qk_norm": False})) == "mixtral"
+    with pytest.raises(HFCheckpointError, match=r"qk_norm=False .* export as Mixtral\)$"):
+        qwen3_moe.export_type(_with(cfg, **{"attention.qk_norm": False}))
+
+
+def test_mixtral_stacked_experts_and_training_only_router_settings(tmp_path):
+    """A transformers model's own state dict (``mlp.gate``, experts stacked in
+    ``mlp.experts.gate_up_proj``) loads as the released per-expert ``block_sparse_moe``
+    files do, with a window shorter than the sequence; the training-time router settings
+    attnlab lacks (jitter, Switch balance loss) are read with a warning naming them."""
+    ref = _hf_model("mixtral_window", seed=41)
+    hf = ref.config.to_dict()
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "config.json").write_text(json.dumps(hf))
+    tensors = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in tensors
+    assert not any("block_sparse_moe" in k for k in tensors)
+    save_file(tensors, tmp_path / "sd" / "model.safetensors")
+    ref.save_pretrained(tmp_path / "files")
+    stored = load_file(tmp_path / "files" / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.4.w3.weight" in stored
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    theirs = _hf_logits(ref, idx)
+    with torch.no_grad():
+        fused, files = load_hf(tmp_path / "sd")(idx).logits, load_hf(tmp_path / "files")(idx).logits
+    assert (fused - theirs).abs().max() <= TOL
+    assert torch.equal(fused, files)
+
+    with pytest.warns(UserWarning, match=r"router_jitter_noise=0\.1 is not implemented"):
+        assert config_from_hf({**hf, "router_jitter_noise": 0.1}) == config_from_hf(hf)
+    switch = {"output_router_logits": True, "router_aux_loss_coef": 0.02}
+    with pytest.warns(UserWarning, match="router_aux_loss_coef=0.02: attnlab trains without"):
+        assert config_from_hf({**hf, **switch}) == config_from_hf(hf)
+    # num_experts (MixtralConfig's alias) wins over num_local_experts, as in transformers
+    alias = {**hf, "num_experts": 4}
+    assert config_from_hf(alias).ffn.n_routed_experts == 4
+    assert transformers.MixtralConfig(**alias).num_local_experts == 4
+
+
+def test_mixtral_export_is_the_released_layout_and_round_trips_exactly(tmp_path):
+    """Export writes the per-expert block_sparse_moe layout of the released checkpoints,
+    which transformers loads with nothing missing or left over; import(export(x)) gives the
+    same tensors bit for bit and exports to the same files again."""
+    _, cfg = EXPORTS["mixtral"]
+    cfg = _with(cfg, **{"attention.sliding_window": 6, "ffn.hidden_dim": 16})
+    torch.manual_seed(21)
+    model = DecoderLM(cfg).eval()
+    _randomize(model, seed=21)
+    save_hf(model, tmp_path / "out")
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (hf["model_type"], hf["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
+    assert (hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"]) == (
+        4,
+        2,
+        16,
+    )
+    assert (hf["sliding_window"], hf["router_jitter_noise"]) == (6, 0.0)
+    stored = load_file(tmp_path / "out" / "model.safetensors")
+    names = {re.sub(r"\.\d+\.", ".N.", k) for k in stored}
+    assert {n for n in names if ".mlp." in n or "block_sparse_moe" in n} == {
+        f"model.layers.N.block_sparse_moe.{n}"
+        for n in (
+            "gate.weight",
+            "experts.N.w1.weight",
+            "experts.N.w2.weight",
+            "experts.N.w3.weight",
+        )
+    }
+    e = model.blocks[1].ffn.experts
+    assert torch.equal(
+        stored["model.layers.1.block_sparse_moe.experts.3.w1.weight"], e.gate_up[3, :16]
+    )
+    assert torch.equal(
+        stored["model.layers.1.block_sparse_moe.experts.3.w3.weight"], e.gate_up[3, 16:]
+    )
+    assert torch.equal(stored["model.layers.1.block_sparse_moe.experts.3.w2.weight"], e.down[3])
+    ref, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", output_loading_info=True
+    )
+    assert type(ref).__name__ == "MixtralForCausalLM"
+    assert not any(info.values()), info
+
+    back = load_hf(tmp_path / "out")
+    assert back.cfg == cfg
+    ours, again = model.state_dict(), back.state_dict()
+    assert ours.keys() == again.keys() and all(torch.equal(ours[k], again[k]) for k in ours)
+    save_hf(back, tmp_path / "again")
+    assert (tmp_path / "again" / "config.json").read_text() == json.dumps(hf, indent=2) + "\n"
+    twice = load_file(tmp_path / "again" / "model.safetensors")
+    assert twice.keys() == stored.keys() and all(torch.equal(twice[k], stored[k]) for k in stored)
+
+
+# field Mixtral cannot hold -> (its change to a Mixtral config, the refusal's words)
+_MIXTRAL_REFUSALS = [
+    ({"norm.kind": "layernorm"}, "norm.kind='layernorm' (Mixtral's is 'rmsnorm')"),
+    ({"ffn.first_k_dense": 1}, "ffn.first_k_dense=1 (Mixtral has experts on every layer"),
+    ({"ffn.router": "deepseek-v3"}, "ffn.router='deepseek-v3' (Mixtral's is 'deepseek-v2')"),
+    ({"ffn.n_shared_experts": 1}, "ffn.n_shared_experts=1 (Mixtral's is 0)"),
+    ({"ffn.n_groups": 2, "ffn.topk_groups": 2}, "ffn.n_groups=2 (Mixtral's is 1)"),
+    ({"ffn.norm_topk_prob": False}, "ffn.norm_topk_prob=False (Mixtral's is True)"),
+    ({"ffn.routed_scaling_factor": 2.0}, "ffn.routed_scaling_factor=2.0 (Mixtral's is 1.0)"),
+    ({"attention.qkv_bias": True}, "attention.qkv_bias=True (Mixtral's attention has no"),
+    ({"attention.out_bias": True}, "attention.out_bias=True (Mixtral's attention has no"),
+    (
+        {"attention.sliding_window": 6, "attention.layer_pattern": "LG"},
+        "attention.layer_pattern (Mixtral windows all layers or none)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    _MIXTRAL_REFUSALS,
+    ids=[named.split()[0].split("=")[0] for _, named in _MIXTRAL_REFUSALS],
+)
+def test_mixtral_export_refuses_what_it_cannot_hold(changes, named, tmp_path):
+    """A mixture of experts without QK-norm exports as Mixtral or not at all: each field
+    Mixtral cannot hold is one error naming it and Mixtral's value; nothing is written."""
+    cfg = _with(EXPORTS["mixtral"][1], **changes)
+    with pytest.raises(HFCheckpointError, match=re.escape(named)) as error:
+        save_hf(DecoderLM(cfg), tmp_path)
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "config.json").exists()
 
 
 def test_export_of_a_meta_loaded_tied_model_after_a_step_and_refusal_of_an_untied_one(tmp_path):
@@ -785,7 +948,8 @@ def test_config_rope_without_a_required_key_is_refused(params):
 
 def test_config_errors():
     supported = (
-        "gpt2, llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3, deepseek_v32, "
+        "gpt2, llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3, "
+        "deepseek_v32, "
         "bert, marian, vit"
     )
     with pytest.raises(HFCheckpointError, match=f"model_type 'falcon'.*{supported}"):

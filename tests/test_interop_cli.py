@@ -53,6 +53,19 @@ DEEPSEEK = dict(
     first_k_dense_replace=1,
     **NO_SPECIAL,
 )
+MIXTRAL = dict(  # a window shorter than the inputs; 4 experts of which 2
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    sliding_window=6,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    **NO_SPECIAL,
+)
 BERT = dict(
     vocab_size=V,
     hidden_size=32,
@@ -117,6 +130,11 @@ FAMILIES = {
             max_position_embeddings=32,
             **NO_SPECIAL,
         ),
+        lambda: _text_ids(2, 12),
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        lambda: transformers.MixtralConfig(**MIXTRAL),
         lambda: _text_ids(2, 12),
     ),
     "deepseek_v3": (
@@ -347,6 +365,26 @@ def test_generate_and_eval_on_imported_deepseek(tmp_path, cache, capsys):
         loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten())
     assert report["tokens"] == 2 * block
     assert report["loss"] == pytest.approx(loss.item(), rel=1e-4)
+
+
+def test_generate_on_imported_mixtral(tmp_path, cache, capsys):
+    """``import-hf`` then ``generate``: greedy tokens are transformers' Mixtral's, past its
+    sliding window (6) and with experts routed per token."""
+    ref = _reference("mixtral", tmp_path / "hf")
+    _cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    capsys.readouterr()
+    prompt = "the quick "
+    ids = torch.tensor([TOKENIZER.encode(prompt)])
+    with torch.no_grad():
+        greedy = ref.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+        )
+    argv = ["--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]
+    _cli("generate", "--ckpt", str(tmp_path / "ckpt"), *argv)
+    assert (
+        capsys.readouterr().out
+        == prompt + TOKENIZER.decode(greedy[0, ids.shape[1] :].tolist()) + "\n"
+    )
 
 
 def _llama_tokenizer(path) -> None:

@@ -67,6 +67,19 @@ MINIMAL: dict[str, list[dict]] = {
         {**_RMS, "hidden_size": 64, "num_attention_heads": 4},
         {**_RMS, "hidden_size": 64, "num_attention_heads": 8, "mlp_only_layers": [0]},
     ],
+    # 16 heads of 4: num_key_value_heads defaults to 8; RoPE theta to 1e6 (default_theta);
+    # 8 experts of intermediate_size, 2 per token
+    "mixtral": [
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 16},
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 16,
+            "sliding_window": 8,
+            "num_experts": 4,  # MixtralConfig's alias of num_local_experts
+            "num_experts_per_tok": 3,
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},
@@ -173,6 +186,14 @@ def test_defaults_are_the_class_defaults_not_attnlabs() -> None:
         1,
         8,
     )
+    mixtral = config_from_hf({"model_type": "mixtral", **MINIMAL["mixtral"][0]})
+    assert mixtral.position.rope_theta == 1e6  # MixtralConfig's default_theta, not 10000
+    assert (mixtral.norm.eps, mixtral.max_seq_len, mixtral.attention.sliding_window) == (
+        1e-5,
+        131072,
+        None,
+    )
+    assert (mixtral.ffn.n_routed_experts, mixtral.ffn.n_activated_experts) == (8, 2)
     mistral = config_from_hf({"model_type": "mistral", **MINIMAL["mistral"][0]})
     assert mistral.attention.sliding_window == 4096
     assert mistral.attention.n_kv_heads == 8

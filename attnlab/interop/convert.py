@@ -53,7 +53,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 
 # model types whose attention has a sliding window (the only windowed ones attnlab writes)
-WINDOWED_TYPES = ("mistral", "qwen2", "qwen3", "qwen3_moe")
+WINDOWED_TYPES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model types with QK-norm (attention.qk_norm)
 
 
@@ -105,7 +105,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros);
-    with a mixture of experts (softmax router, no shared experts) -> ``qwen3_moe``."""
+    with a mixture of experts (softmax router, no shared experts) -> ``qwen3_moe`` with
+    QK-norm, else ``mixtral`` (experts on every layer, top-k weights renormalised)."""
     return _export_family(cfg)[1]
 
 
@@ -132,7 +133,7 @@ def load_hf(
     :data:`SUPPORTED_MODEL_TYPES`), picked by config.json's ``model_type``.
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
-    LLaMA, Mistral, Qwen2, Qwen3(-MoE), DeepSeek-V2/V3/V3.2; ``EncoderModel`` for BERT,
+    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for BERT,
     ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
     blocked pad token, from generation_config.json or else config.json, as transformers

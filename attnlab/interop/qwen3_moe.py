@@ -107,21 +107,24 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return is_plain_decoder(cfg) and cfg.position.kind == "rope" and cfg.ffn.kind == "moe"
+    # without QK-norm: Mixtral (mixtral.py)
+    return (
+        is_plain_decoder(cfg)
+        and cfg.position.kind == "rope"
+        and cfg.ffn.kind == "moe"
+        and cfg.attention.qk_norm
+    )
 
 
 def export_type(cfg: ModelConfig) -> str:
     """``qwen3_moe``, or HFCheckpointError naming what Qwen3-MoE lacks."""
     att, ffn = cfg.attention, cfg.ffn
     if cfg.norm.kind != "rmsnorm":
-        raise unrepresentable(
-            f"norm.kind={cfg.norm.kind!r} (mixtures of experts with multi-head attention "
-            "export as Qwen3-MoE: RMSNorm)"
-        )
+        raise unrepresentable(f"norm.kind={cfg.norm.kind!r} (Qwen3-MoE's is 'rmsnorm')")
     if not att.qk_norm:
         raise unrepresentable(
-            "ffn.kind='moe' with multi-head attention exports as Qwen3-MoE, which has QK-norm: "
-            "set attention.qk_norm"
+            "attention.qk_norm=False (Qwen3-MoE has QK-norm; mixtures of experts without it "
+            "export as Mixtral)"
         )
     for name, value, theirs in (
         ("router", ffn.router, "deepseek-v2"),

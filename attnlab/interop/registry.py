@@ -10,13 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnlab.interop import bert, deepseek, deepseek_v32, gpt2, llama, marian, qwen3_moe, vit
+from attnlab.interop import (
+    bert,
+    deepseek,
+    deepseek_v32,
+    gpt2,
+    llama,
+    marian,
+    mixtral,
+    qwen3_moe,
+    vit,
+)
 from attnlab.interop.io import Family, HFCheckpointError
 
 FAMILIES: tuple[Family, ...] = (
     gpt2.FAMILY,
     llama.FAMILY,
     qwen3_moe.FAMILY,
+    mixtral.FAMILY,
     deepseek.FAMILY,
     deepseek_v32.FAMILY,
     bert.FAMILY,
