@@ -259,3 +259,30 @@ def test_flash_with_sink_logits_holds_no_t_by_s_matrix(window):
     flash = peak("flash", True)
     assert flash <= 1.05 * peak("flash", False)
     assert peak("sdpa", True) > 5 * flash  # the (t, s) scores, 4 bytes each: 32 MiB per head
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_sink_rescaling_without_gradients_goes_by_blocks_of_rows(monkeypatch, masked):
+    """Under no_grad (a prefill) the sdpa backend's rescaling forms the scores a few query
+    rows at a time: the same result as all at once (float64, causal chunk of a longer
+    sequence, a per-query mask), and a peak far below the (t, s) scores."""
+    import attnlab.functional.sinks as sinks_module
+    from attnlab.functional.attention import attend
+    from attnlab.memory import PeakTensorMemory
+
+    torch.manual_seed(0)
+    (q, k, v, sinks), _, _ = _sink_inputs(13, 29, True, None, False, False)
+    mask = (torch.rand(2, 1, 13, 29) > 0.3) if masked else None
+    kw = dict(causal=True, backend="sdpa", sinks=sinks)
+    with torch.no_grad():
+        whole = attend(q, k, v, mask, **kw)
+        monkeypatch.setattr(sinks_module, "CHUNK_SCORES", 2 * 4 * 29 * 3)  # 3 rows a block
+        blocks = attend(q, k, v, mask, **kw)
+    torch.testing.assert_close(blocks, whole, atol=1e-14, rtol=1e-12)
+    torch.testing.assert_close(blocks, attend(q, k, v, mask, **{**kw, "backend": "eager"}))
+
+    monkeypatch.setattr(sinks_module, "CHUNK_SCORES", 2**16)
+    q, k, v = (torch.randn(1, 4, 2048, 16) for _ in range(3))
+    with torch.no_grad(), PeakTensorMemory() as mem:
+        attend(q, k, v, causal=True, backend="sdpa", sinks=torch.zeros(4))
+    assert mem.peak < 2 * 2**20  # the (t, s) scores would be 64 MiB

@@ -16,8 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab.functional.masks import causal_mask
 from attnlab.functional.softmax import score_operands, softmax_dtype
+
+# Score elements formed at once when nothing needs gradients (64 MiB of float32): a prefill
+# under no_grad rescales block by block of query rows instead of forming all (t, s) scores.
+CHUNK_SCORES = 2**24
 
 
 def sink_rescale(
@@ -32,18 +35,28 @@ def sink_rescale(
 ) -> Tensor:
     """y (b, h, t, d_h) the attention output over keys k (b, h_kv, s, d_h) for queries q
     under ``mask`` (bool or additive, broadcastable to (b, h, t, s)) and bottom-right
-    ``causal``; sink (h,) logits. Returns y scaled by each row's share left after the sink."""
-    h, t, d_h = q.shape[1], q.shape[2], q.shape[3]
+    ``causal``; sink (h,) logits. Returns y scaled by each row's share left after the sink.
+    With gradients the whole (b, h, t, s) score matrix is formed (autograd keeps it);
+    without, blocks of query rows of at most ``CHUNK_SCORES`` scores."""
+    b, h, t, d_h = q.shape
     s = k.shape[2]
     k = k.repeat_interleave(h // k.shape[1], dim=1) if k.shape[1] != h else k
     qs, ks = score_operands(q, k)  # float16 in float32: its products overflow
-    scores = softmax_dtype(qs @ ks.transpose(-1, -2)) * (d_h**-0.5 if scale is None else scale)
-    if mask is not None:
-        scores = (
-            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        )
-    if causal and t > 1:
-        scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
-    lse = scores.logsumexp(-1, keepdim=True)  # (b, h, t, 1); -inf for rows with no key
-    share = torch.sigmoid(lse - sink.to(lse.dtype)[:, None, None])  # (b, h, t, 1)
+    scale = d_h**-0.5 if scale is None else scale
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or sink.requires_grad)
+    rows = t if grads or torch.compiler.is_compiling() else max(1, CHUNK_SCORES // (b * h * s))
+    shares = []
+    for r0 in range(0, t, rows):
+        r1 = min(t, r0 + rows)
+        scores = softmax_dtype(qs[:, :, r0:r1] @ ks.transpose(-1, -2)) * scale  # (b, h, r, s)
+        if mask is not None:
+            m = mask[..., r0:r1, :] if mask.dim() >= 2 and mask.shape[-2] > 1 else mask
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
+        if causal and t > 1:
+            q_pos = torch.arange(s - t + r0, s - t + r1, device=q.device)[:, None]
+            allowed = torch.arange(s, device=q.device)[None, :] <= q_pos  # (r, s), bottom-right
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = scores.logsumexp(-1, keepdim=True)  # (b, h, r, 1); -inf for rows with no key
+        shares.append(torch.sigmoid(lse - sink.to(lse.dtype)[:, None, None]))
+    share = shares[0] if len(shares) == 1 else torch.cat(shares, dim=2)  # (b, h, t, 1)
     return y * share.to(y.dtype)
