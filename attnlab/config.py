@@ -302,7 +302,10 @@ class MLADims(typing.NamedTuple):
     v_head_dim: int
 
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")  # elementwise: act(x)
+# Gated activations of both projections (gate, up) at once, for gated FFNs and experts only
+# (nn/feedforward.py): GPT-OSS's clamped SwiGLU.
+GATED_ACTIVATIONS = ("clamped_swiglu",)
 NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 
@@ -667,7 +670,9 @@ class PositionConfig(_Config):
 @dataclass
 class FFNConfig(_Config):
     """``mlp``: act(x W1) W2. ``glu``: (act(x W_gate) * x W_up) W_down — GLU with sigmoid,
-    GeGLU with gelu, SwiGLU with silu."""
+    GeGLU with gelu, SwiGLU with silu; ``clamped_swiglu`` (GPT-OSS, gated kinds only):
+    g * sigmoid(swiglu_alpha g) * (u + 1) with g = min(x W_gate, swiglu_limit) and u = x W_up
+    clamped to [-swiglu_limit, swiglu_limit]."""
 
     kind: str = "mlp"
     activation: str = "gelu"
@@ -689,10 +694,25 @@ class FFNConfig(_Config):
     routed_scaling_factor: float = 1.0
     bias_update_speed: float = 1e-3  # aux-loss-free balance (DeepSeek-V3 gamma)
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 alpha)
+    # GPT-OSS: a learned bias on the router's logits (x W_r^T + b), and biases on every
+    # expert's gate/up and down projections (routed and shared experts)
+    router_bias: bool = False
+    expert_bias: bool = False
+    # activation "clamped_swiglu" (GPT-OSS): the sigmoid's gain and the clamp
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def validate(self, path: str = "ffn") -> None:
         _choice(f"{path}.kind", self.kind, FFN_KINDS)
-        _choice(f"{path}.activation", self.activation, ACTIVATIONS)
+        _choice(f"{path}.activation", self.activation, ACTIVATIONS + GATED_ACTIVATIONS)
+        if self.activation in GATED_ACTIVATIONS and self.kind == "mlp":
+            _fail(
+                f"{path}.activation",
+                f"{self.activation!r} gates an up projection: use ffn.kind 'glu' or 'moe', or an "
+                f"elementwise activation ({', '.join(ACTIVATIONS)})",
+            )
+        _positive(f"{path}.swiglu_alpha", self.swiglu_alpha)
+        _positive(f"{path}.swiglu_limit", self.swiglu_limit)
         _choice(f"{path}.router", self.router, MOE_ROUTERS)
         _positive(f"{path}.hidden_dim", self.hidden_dim)
         _positive(f"{path}.multiple_of", self.multiple_of)

@@ -494,6 +494,117 @@ def deepseek_v32() -> ModelConfig:
     )
 
 
+def gpt_oss_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    sliding_window: int,
+    n_experts: int,
+    n_activated_experts: int,
+    expert_hidden: int,
+    yarn: dict,
+) -> ModelConfig:
+    """GPT-OSS: GQA with q/k/v/o biases and a learned sink logit per head, alternating
+    local (a sliding window, first) and global layers, YaRN RoPE (ramp bounds not rounded),
+    RMSNorm, untied head, and experts in every layer: a softmax over the top-k logits of a
+    router with bias, SwiGLU experts with biases and a clamp (alpha 1.702, limit 7)."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            qkv_bias=True,
+            out_bias=True,
+            sliding_window=sliding_window,
+            layer_pattern="LG",
+            sink_logits=True,
+        ),
+        position=PositionConfig(
+            kind="rope",
+            rope_theta=150000.0,
+            rope_layout="split",
+            rope_scaling="yarn",
+            rope_beta_fast=32.0,
+            rope_beta_slow=1.0,
+            rope_truncate=False,
+            **yarn,
+        ),
+        ffn=FFNConfig(
+            kind="moe",
+            activation="clamped_swiglu",
+            bias=False,
+            n_routed_experts=n_experts,
+            n_shared_experts=0,
+            n_activated_experts=n_activated_experts,
+            moe_hidden_dim=expert_hidden,
+            router="deepseek-v2",
+            norm_topk_prob=True,
+            router_bias=True,
+            expert_bias=True,
+        ),
+        norm=NormConfig(kind="rmsnorm", eps=1e-5, placement="pre"),
+        tie_embeddings=False,
+    )
+
+
+def gpt_oss_tiny() -> ModelConfig:
+    """GPT-OSS's architecture in 2 layers (local, global), d_model 64, 4 experts (top 2):
+    CPU-trainable, for tests."""
+    return gpt_oss_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=24,  # (independent of d_model / n_heads, as gpt-oss's 64 is)
+        sliding_window=16,
+        n_experts=4,
+        n_activated_experts=2,
+        expert_hidden=64,
+        yarn=dict(rope_factor=4.0, rope_original_max_seq_len=32),
+    )
+
+
+def gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
+    """openai/gpt-oss-20b and -120b config.json: d_model 2880, 64 query heads of 64 and 8
+    key/value heads, a window of 128 on every other layer, experts of 2880 (4 per token),
+    a 201,088-token vocabulary, 131,072 positions by YaRN x32 from 4,096."""
+    return gpt_oss_style(
+        vocab_size=201088,
+        max_seq_len=131072,
+        d_model=2880,
+        n_layers=n_layers,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        n_experts=n_experts,
+        n_activated_experts=4,
+        expert_hidden=2880,
+        yarn=dict(rope_factor=32.0, rope_original_max_seq_len=4096),
+    )
+
+
+def gpt_oss_20b() -> ModelConfig:
+    """openai/gpt-oss-20b: 24 layers, 32 experts; 20.9B parameters, 3.6B active."""
+    return gpt_oss(n_layers=24, n_experts=32)
+
+
+def gpt_oss_120b() -> ModelConfig:
+    """openai/gpt-oss-120b: 36 layers, 128 experts; 116.8B parameters, 5.1B active."""
+    return gpt_oss(n_layers=36, n_experts=128)
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -542,6 +653,15 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "deepseek-v3": (deepseek_v3, "DeepSeek-V3, 671B total, 37B active (MLA, MoE 256 experts)"),
     "deepseek-v32-tiny": (deepseek_v32_tiny, "deepseek-moe-tiny with DSA (indexer 4x32, top 16)"),
     "deepseek-v3.2": (deepseek_v32, "DeepSeek-V3.2-Exp: V3 + DSA (indexer 64x128, top 2048)"),
+    "gpt-oss-tiny": (
+        gpt_oss_tiny,
+        "GPT-OSS architecture: sink logits, local/global layers, 4 experts (top 2); 2 layers",
+    ),
+    "gpt-oss-20b": (gpt_oss_20b, "gpt-oss-20b, 20.9B total, 3.6B active (MoE 32 experts, top 4)"),
+    "gpt-oss-120b": (
+        gpt_oss_120b,
+        "gpt-oss-120b, 116.8B total, 5.1B active (MoE 128 experts, top 4)",
+    ),
 }
 
 

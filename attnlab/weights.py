@@ -109,10 +109,16 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 
-    def read_into(self, name: str, dest: Tensor) -> None:
-        """Copy tensor ``name`` into ``dest`` (same shape; any dtype, strides, device)."""
+    def read_into(self, name: str, dest: Tensor, *, reshaped: bool = False) -> None:
+        """Copy tensor ``name`` into ``dest`` (same shape; any dtype, strides, device).
+        ``reshaped``: ``dest`` holds the stored tensor in another shape of the same
+        leading dimension and number of elements (its values in the stored order: a last
+        dimension split into pairs, say)."""
         dtype, shape, offset, numel = self.entries[name]
-        if tuple(dest.shape) != shape:
+        same = tuple(dest.shape) == shape
+        if reshaped:
+            same = dest.numel() == numel and dest.dim() > 0 and dest.shape[:1] == shape[:1]
+        if not same:
             raise ValueError(f"{name}: destination shape {tuple(dest.shape)} != file's {shape}")
         if numel == 0:  # nothing to read (its rows would be 0 bytes each)
             return

@@ -16,6 +16,7 @@ from attnlab.analysis import (
     weights_bytes,
 )
 from attnlab.models import build_model
+from attnlab.nn.moe import Router
 from attnlab.presets import get_preset, list_presets
 
 # Tiny presets plus overrides that switch on every structural choice the formula handles:
@@ -32,6 +33,9 @@ VARIANTS = [
     ("llama-tiny", {"attention.head_dim": 8, "position.kind": "learned"}),
     ("llama-tiny", {"attention.qk_norm": True, "attention.head_dim": 12}),  # 2 d_h per layer
     ("vaswani-tiny", {"ffn.kind": "glu", "ffn.multiple_of": 24, "norm.kind": "rmsnorm"}),
+    # (measured on the model: sink logits, router and expert biases)
+    ("gpt-oss-tiny", {}),
+    ("gpt-oss-tiny", {"ffn.router_bias": False, "attention.qkv_bias": False}),
 ]
 IDS = [f"{name}{'+' + ','.join(o) if o else ''}" for name, o in VARIANTS]
 
@@ -50,7 +54,10 @@ def test_parameter_count_matches_built_model(name, overrides):
     assert counts["embedding"] + counts["non_embedding"] == counts["total"]
     head = 0 if cfg.tie_embeddings else model.lm_head.weight.numel()
     assert counts["lm_head"] == head
-    assert weights_bytes(cfg, torch.bfloat16) == 2 * counts["total"]
+    # routers stay float32 in a bf16 model (nn.moe.KeepsPrecision): 4 bytes, not 2
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    kept = sum(p.numel() for m in routers for p in m.parameters())
+    assert weights_bytes(cfg, torch.bfloat16) == 2 * counts["total"] + 2 * kept
 
 
 # Published totals (the model cards / original papers' released checkpoints).
@@ -219,6 +226,22 @@ def test_mixtral_active_parameters_are_the_model_cards(name, active):
     assert round(active_count / 1e9, 1 if active < 20 else 0) == active
 
 
+@pytest.mark.parametrize(
+    "name, billions, active",
+    # the model cards: 21B parameters (3.6B active), 117B (5.1B active); active: the
+    # parameters a token passes through but the embedding (its 4 experts, not the others)
+    [("gpt-oss-20b", 21, 3.6), ("gpt-oss-120b", 117, 5.1)],
+)
+def test_gpt_oss_totals_are_the_model_cards(name, billions, active):
+    cfg = get_preset(name)
+    counts = count_parameters(cfg)
+    assert round(counts["total"] / 1e9) == billions
+    f, E, k = cfg.ffn.moe_hidden_dim, cfg.ffn.n_routed_experts, cfg.ffn.n_activated_experts
+    expert = 3 * cfg.d_model * f + 2 * f + cfg.d_model  # gate, up, down and their biases
+    idle = cfg.n_layers * (E - k) * expert
+    assert round((counts["total"] - idle - counts["embedding"]) / 1e9, 1) == active
+
+
 @pytest.mark.parametrize("name", list_presets())
 def test_parameter_count_of_every_preset_equals_its_built_model(name):
     """Every architecture (encoders, encoder-decoders, ViT, Transformer-XL, the GRU model):
@@ -324,6 +347,23 @@ _DEEPSEEK_V3 = dict(
 _MIXTRAL = dict(num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                 rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
                 tie_word_embeddings=False, output_router_logits=False)  # fmt: skip
+# openai/gpt-oss-20b's config.json (transformers 4.55's keys, OpenAI's own extras
+# experts_per_token and initial_context_length included), without its quantization_config:
+# the MXFP4 experts of the published folder, which import-hf refuses (dequantise first)
+_GPT_OSS_LAYERS = ["sliding_attention", "full_attention"]
+_GPT_OSS = dict(
+    model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, head_dim=64,
+    num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, num_local_experts=32,
+    num_experts_per_tok=4, experts_per_token=4, vocab_size=201088,
+    max_position_embeddings=131072, initial_context_length=4096, rms_norm_eps=1e-5,
+    rope_theta=150000, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=4096),
+    sliding_window=128, layer_types=_GPT_OSS_LAYERS * 12, swiglu_limit=7.0,
+    attention_bias=True, attention_dropout=0.0, tie_word_embeddings=False,
+    router_aux_loss_coef=0.9, output_router_logits=False, hidden_act="silu",
+    initializer_range=0.02, eos_token_id=200002, pad_token_id=199999,
+)  # fmt: skip
 CONFIG_JSON = {
     "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
                  vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new"),
@@ -389,6 +429,9 @@ CONFIG_JSON = {
     "deepseek-v3": _DEEPSEEK_V3,
     "deepseek-v3.2": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048,
                           index_n_heads=64, index_head_dim=128),  # V3.2-Exp
+    "gpt-oss-20b": _GPT_OSS,
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                         layer_types=_GPT_OSS_LAYERS * 18),
 }  # fmt: skip
 
 

@@ -77,6 +77,85 @@ def test_gated_ffn_matches_manual(activation, bias):
     torch.testing.assert_close(m(x), expected, atol=1e-5, rtol=1e-5)
 
 
+def _clamped_swiglu_by_hand(gate, up, alpha, limit):
+    """GPT-OSS's activation written out: g = min(gate, limit), u = up clamped to
+    [-limit, limit], g * sigmoid(alpha g) * (u + 1)."""
+    g = torch.where(gate > limit, torch.full_like(gate, limit), gate)
+    u = torch.where(up > limit, torch.full_like(up, limit), up)
+    u = torch.where(u < -limit, torch.full_like(u, -limit), u)
+    return g / (1 + torch.exp(-alpha * g)) * (u + 1)
+
+
+@pytest.mark.parametrize("alpha, limit", [(1.702, 7.0), (0.9, 1.5)])
+def test_clamped_swiglu_matches_its_formula_beyond_the_clamp(alpha, limit):
+    """From -3 limit to 3 limit: the gate clamped above only (a large negative gate
+    passes, its sigmoid near 0), the up projection both ways; against the formula and
+    transformers' GPT-OSS experts' gate (its input interleaves gate and up)."""
+    from attnlab.nn.feedforward import clamped_swiglu
+
+    gate = torch.linspace(-3 * limit, 3 * limit, 121)
+    up = torch.linspace(3 * limit, -3 * limit, 121)  # each beyond the clamp where the other is
+    assert (gate > limit).any() and (up < -limit).any() and (up > limit).any()
+    expected = _clamped_swiglu_by_hand(gate, up, alpha, limit)
+    got = clamped_swiglu(gate, up, alpha, limit)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    beyond = (gate > limit) & (up < -limit)  # both clamped: min(g) sigmoid(.) (1 - limit)
+    pinned = limit * torch.sigmoid(torch.tensor(alpha * limit)) * (1 - limit)
+    torch.testing.assert_close(got[beyond], pinned.expand(int(beyond.sum())))
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    hf = GptOssExperts(transformers.GptOssConfig(hidden_size=8, intermediate_size=121,
+                                                 num_local_experts=1, swiglu_alpha=alpha,
+                                                 swiglu_limit=limit))  # fmt: skip
+    interleaved = torch.stack((gate, up), dim=-1).flatten()  # gate0 up0 gate1 up1 ...
+    torch.testing.assert_close(got, hf._apply_gate(interleaved), atol=1e-6, rtol=1e-6)
+    # the clamp's gradient: 0 where clamped, the formula's elsewhere (float64 gradcheck
+    # away from the kinks)
+    inside = torch.tensor([-0.7, 0.3, 1.1]) * limit
+    args = (inside.double().requires_grad_(), (-inside).double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda g, u: clamped_swiglu(g, u, alpha, limit), args)
+    g, u = (gate.clone().requires_grad_(), up.clone().requires_grad_())
+    clamped_swiglu(g, u, alpha, limit).sum().backward()
+    assert not g.grad[gate > limit].any() and not u.grad[up.abs() > limit].any()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gated_ffn_with_clamped_swiglu_matches_manual(bias):
+    """ffn.activation 'clamped_swiglu' (gated kinds only): W_down glu(W_gate x, W_up x)
+    with the config's alpha and limit, which the projections' values pass."""
+    cfg = FFNConfig(kind="glu", activation="clamped_swiglu", hidden_dim=24, bias=bias,
+                    swiglu_alpha=1.3, swiglu_limit=0.8)  # fmt: skip
+    m = build_ffn(cfg, D)
+    _randomise(m)
+    x = torch.randn(2, 5, D)
+    w_gate, w_up = m.gate_up.weight[:24], m.gate_up.weight[24:]  # rows [gate; up]
+    b_gate, b_up = (m.gate_up.bias[:24], m.gate_up.bias[24:]) if bias else (0, 0)
+    gate, up = x @ w_gate.T + b_gate, x @ w_up.T + b_up
+    assert gate.max() > 0.8 and up.abs().max() > 0.8
+    hidden = _clamped_swiglu_by_hand(gate, up, 1.3, 0.8)
+    expected = hidden @ m.down.weight.T + (m.down.bias if bias else 0)
+    torch.testing.assert_close(m(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_clamped_swiglu_needs_a_gated_feed_forward():
+    from attnlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"ffn.activation: 'clamped_swiglu' gates an up "
+                       r"projection: use ffn.kind 'glu' or 'moe'"):  # fmt: skip
+        FFNConfig.from_dict({"kind": "mlp", "activation": "clamped_swiglu"})
+    with pytest.raises(ConfigError, match=r"ffn.swiglu_limit: must be > 0, got 0"):
+        FFNConfig.from_dict({"kind": "glu", "activation": "clamped_swiglu", "swiglu_limit": 0})
+    with pytest.raises(ConfigError, match=r"ffn.swiglu_alpha: must be finite"):
+        FFNConfig.from_dict({"kind": "glu", "swiglu_alpha": float("inf")})
+    # an encoder's masked-LM head applies the activation to one projection
+    from attnlab.models.encoder import EncoderConfig
+
+    with pytest.raises(ConfigError, match=r"ffn.activation: 'clamped_swiglu' gates two"):
+        ffn = {"kind": "glu", "activation": "clamped_swiglu"}
+        EncoderConfig.from_dict({"arch": "encoder", "head": "mlm", "ffn": ffn})
+
+
 def test_build_ffn_picks_class_and_size():
     mlp = build_ffn(FFNConfig(kind="mlp", activation="relu"), D)
     assert isinstance(mlp, MLP) and mlp.up.out_features == 4 * D

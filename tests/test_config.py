@@ -226,6 +226,7 @@ def expected_parameters(cfg: ModelConfig) -> int:
     attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
     attn += h * d_h * d + d * a.out_bias
     attn += 2 * d_h * a.qk_norm  # QK-norm: one RMSNorm weight for queries, one for keys
+    attn += h * a.sink_logits  # GPT-OSS: a learned sink logit per head
     if a.kind in ("mla", "dsa"):  # DeepSeek-V2 eq. 9-19: down/up projections, latent norms
         q_r, kv_r = a.q_lora_rank, a.kv_lora_rank
         qk, rope, v = a.qk_nope_head_dim + a.qk_rope_head_dim, a.qk_rope_head_dim, a.v_head_dim
@@ -247,9 +248,10 @@ def expected_parameters(cfg: ModelConfig) -> int:
         ffn = 3 * d * hidden + (2 * hidden + d) * f.bias
     ffns = cfg.n_layers * ffn
     if f.kind == "moe":  # router E d (its balance bias is a buffer), routed + shared experts
-        moe = f.n_routed_experts * d + 3 * d * f.moe_hidden_dim * (
-            f.n_routed_experts + f.n_shared_experts
-        )
+        # (GPT-OSS: a router bias of E, each expert's biases 2 f + d)
+        per_expert = 3 * d * f.moe_hidden_dim + (2 * f.moe_hidden_dim + d) * f.expert_bias
+        moe = f.n_routed_experts * (d + f.router_bias)
+        moe += per_expert * (f.n_routed_experts + f.n_shared_experts)
         ffns = f.first_k_dense * ffn + (cfg.n_layers - f.first_k_dense) * moe
     total = cfg.vocab_size * d  # token embedding
     total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0

@@ -948,9 +948,8 @@ def test_config_rope_without_a_required_key_is_refused(params):
 
 def test_config_errors():
     supported = (
-        "gpt2, llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3, "
-        "deepseek_v32, "
-        "bert, marian, vit"
+        "gpt2, llama, mistral, qwen2, qwen3, gpt_oss, qwen3_moe, mixtral, deepseek_v2, "
+        "deepseek_v3, deepseek_v32, bert, marian, vit"
     )
     with pytest.raises(HFCheckpointError, match=f"model_type 'falcon'.*{supported}"):
         config_from_hf({"model_type": "falcon"})

@@ -137,6 +137,25 @@ FAMILIES = {
         lambda: transformers.MixtralConfig(**MIXTRAL),
         lambda: _text_ids(2, 12),
     ),
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        lambda: transformers.GptOssConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=24,
+            head_dim=12,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,  # layers sliding, full (transformers' default)
+            max_position_embeddings=64,
+            swiglu_limit=2.0,
+            **NO_SPECIAL,
+        ),
+        lambda: _text_ids(2, 12),
+    ),
     "deepseek_v3": (
         "DeepseekV3ForCausalLM",
         lambda: transformers.DeepseekV3Config(**DEEPSEEK, n_group=2, topk_group=1),
@@ -385,6 +404,24 @@ def test_generate_on_imported_mixtral(tmp_path, cache, capsys):
         capsys.readouterr().out
         == prompt + TOKENIZER.decode(greedy[0, ids.shape[1] :].tolist()) + "\n"
     )
+
+
+def test_generate_on_imported_gpt_oss(tmp_path, cache, capsys):
+    """``import-hf`` of a GPT-OSS folder, then ``generate``: transformers' greedy tokens,
+    the prompt and continuation longer than the sliding window."""
+    ref = _reference("gpt_oss", tmp_path / "hf")
+    _cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    capsys.readouterr()
+    prompt = "the quick "
+    ids = torch.tensor([TOKENIZER.encode(prompt)])
+    assert ids.shape[1] > ref.config.sliding_window
+    with torch.no_grad():
+        greedy = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                              do_sample=False)  # fmt: skip
+    argv = ["--prompt", prompt, "--temperature", "0", "--max-new-tokens", "10"]
+    _cli("generate", "--ckpt", str(tmp_path / "ckpt"), *argv)
+    continuation = TOKENIZER.decode(greedy[0, ids.shape[1] :].tolist())
+    assert capsys.readouterr().out == prompt + continuation + "\n"
 
 
 def _llama_tokenizer(path) -> None:

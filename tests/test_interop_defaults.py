@@ -80,6 +80,30 @@ MINIMAL: dict[str, list[dict]] = {
             "num_experts_per_tok": 3,
         },
     ],
+    # 128 experts (4 per token) of intermediate_size, head_dim 64 and 8 key/value heads,
+    # layers alternating sliding (window 128) and full, YaRN x32, by default
+    "gpt_oss": [
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 8,
+            "num_local_experts": 4,
+        },
+        # experts by their other name, plain RoPE of another theta, layers of its own
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 16,
+            "num_experts": 8,
+            "sliding_window": 6,
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

@@ -37,6 +37,20 @@ def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return y + moe.shared(x) if moe.shared is not None else y
 
 
+# GPT-OSS's experts: a router with bias, softmax over the top k, biased clamped SwiGLUs
+GPT_OSS = dict(router="deepseek-v2", norm_topk_prob=True, n_shared_experts=0,
+               router_bias=True, expert_bias=True, activation="clamped_swiglu")  # fmt: skip
+FAST_PATH_CASES = [dict(router="deepseek-v3"), dict(router="deepseek-v2", n_shared_experts=0),
+                   GPT_OSS, dict(GPT_OSS, swiglu_limit=0.3)]  # fmt: skip
+
+
+def _randomize_biases(moe: MoE) -> None:
+    """Biases start at zero: nonzero ones, so that a path leaving one out shows."""
+    for p in (moe.gate.bias, moe.experts.gate_up_bias, moe.experts.down_bias):
+        if p is not None:
+            p.normal_(std=0.5)
+
+
 @pytest.mark.parametrize(
     "router_kw",
     [
@@ -44,22 +58,28 @@ def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         dict(router="deepseek-v3", n_shared_experts=0),
         dict(router="deepseek-v2", norm_topk_prob=False),
         dict(router="deepseek-v2", n_groups=2, topk_groups=1, n_shared_experts=2),
+        GPT_OSS,
+        # the GPT-OSS pieces with shared experts (biased too) and the sigmoid router
+        dict(GPT_OSS, router="deepseek-v3", n_shared_experts=1, swiglu_limit=0.5),
     ],
 )
 @torch.no_grad()
 def test_grouped_experts_equal_a_loop_over_tokens(router_kw):
     moe = _moe(n_routed_experts=8, n_activated_experts=3, **router_kw)
+    _randomize_biases(moe)
     if moe.gate.e_score_correction_bias is not None:
         moe.gate.e_score_correction_bias.normal_(std=0.1)
     x = torch.randn(3, 7, D)
     torch.testing.assert_close(moe(x), _loop_reference(moe, x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kw", FAST_PATH_CASES, ids=["v3", "v2", "gpt-oss", "gpt-oss-clamped"])
 @torch.no_grad()
-def test_gathered_experts_equal_the_grouped_ones():
+def test_gathered_experts_equal_the_grouped_ones(kw):
     """The compiled decode path (each token's chosen experts' weights gathered) computes
     what the grouped loop does, on fresh random inputs."""
-    moe = _moe(n_routed_experts=8, n_activated_experts=3, router="deepseek-v3")
+    moe = _moe(n_routed_experts=8, n_activated_experts=3, **kw)
+    _randomize_biases(moe)
     for n in (1, 2, 5):
         x = torch.randn(n, D)
         weights, experts, _ = moe.gate(x)
@@ -69,6 +89,72 @@ def test_gathered_experts_equal_the_grouped_ones():
             rtol=1e-5,
             atol=1e-6,
         )
+
+
+@pytest.mark.parametrize("kw", FAST_PATH_CASES, ids=["v3", "v2", "gpt-oss", "gpt-oss-clamped"])
+@torch.no_grad()
+def test_dense_experts_equal_the_grouped_ones(kw):
+    """The compiled decode path of larger batches (every expert on every token, weighted
+    by each token's gates, 0 for the others) computes what the grouped loop does; the
+    experts' biases reach unchosen experts' outputs, which their zero gates drop."""
+    moe = _moe(n_routed_experts=8, n_activated_experts=3, **kw)
+    _randomize_biases(moe)
+    for n in (3, 17):
+        x = torch.randn(n, D)
+        weights, experts, _ = moe.gate(x)
+        torch.testing.assert_close(
+            moe.experts.dense(x, experts, weights),
+            moe.experts(x, experts, weights),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+@torch.no_grad()
+def test_gpt_oss_router_and_experts_match_transformers():
+    """transformers' GptOssTopKRouter (top k of the logits x W^T + b, softmax over them)
+    is the deepseek-v2 router renormalised over the top k with a bias; its GptOssExperts
+    (x @ gate_up_proj[e] + bias, gate and up interleaved, clamped SwiGLU, @ down_proj[e] +
+    bias) are attnlab's experts with the weights transposed and de-interleaved."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
+    f = 12
+    hf_cfg = transformers.GptOssConfig(hidden_size=D, intermediate_size=f, num_local_experts=8,
+                                       num_experts_per_tok=3, swiglu_limit=1.5)  # fmt: skip
+    router, experts = GptOssTopKRouter(hf_cfg), GptOssExperts(hf_cfg)
+    for p in (*router.parameters(), *experts.parameters()):
+        p.normal_(std=0.5)
+    moe = _moe(n_routed_experts=8, n_activated_experts=3, moe_hidden_dim=f, swiglu_limit=1.5,
+               **GPT_OSS)  # fmt: skip
+    moe.gate.weight.copy_(router.weight)
+    moe.gate.bias.copy_(router.bias)
+
+    def split(t):  # transformers' gate0 up0 gate1 up1 ... -> [gate; up]
+        return torch.cat((t[..., ::2], t[..., 1::2]), dim=-1)
+
+    moe.experts.gate_up.copy_(split(experts.gate_up_proj).transpose(1, 2))
+    moe.experts.gate_up_bias.copy_(split(experts.gate_up_proj_bias))
+    moe.experts.down.copy_(experts.down_proj.transpose(1, 2))
+    moe.experts.down_bias.copy_(experts.down_proj_bias)
+    x = torch.randn(50, D)
+    _, ref_w, ref_i = router(x)
+    w, i, _ = moe.gate(x)
+    ref = torch.zeros(50, 8).scatter_(1, ref_i, ref_w)  # order of the k choices is free
+    torch.testing.assert_close(torch.zeros(50, 8).scatter_(1, i, w), ref)
+    torch.testing.assert_close(moe(x[None])[0], experts(x, ref_i, ref_w), rtol=1e-5, atol=1e-5)
+
+
+def test_defaults_keep_existing_moe_models_unchanged():
+    """Configs written before GPT-OSS (no router_bias, expert_bias, swiglu_* keys) load
+    with them off: the same model, with no new parameters."""
+    cfg = get_preset("deepseek-moe-tiny")
+    old = cfg.to_dict()
+    for key in ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit"):
+        del old["ffn"][key]
+    assert type(cfg).from_dict(old) == cfg
+    names = set(build_model(cfg).state_dict())
+    assert not [n for n in names if n.endswith(("gate.bias", "gate_up_bias", "down_bias"))]
 
 
 def _hf_router_config(**kw):
@@ -255,6 +341,10 @@ def test_moe_config_errors_name_the_field():
         )
     with pytest.raises(ConfigError, match="ffn.router"):
         FFNConfig.from_dict({"kind": "moe", "router": "switch"})
+    with pytest.raises(ConfigError, match="router_bias: expected true/false"):
+        FFNConfig.from_dict({"kind": "moe", "router_bias": "yes"})
+    with pytest.raises(ConfigError, match="ffn.swiglu_limit: must be > 0, got -1"):
+        FFNConfig.from_dict({"kind": "moe", "swiglu_limit": -1})
 
 
 def test_trainer_moves_router_biases_after_each_step(tmp_path):

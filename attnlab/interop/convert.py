@@ -13,6 +13,7 @@ from attnlab.config import ConfigError, ModelConfig
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
+    Part,
     Source,
     local_layers,
     read_config,
@@ -53,16 +54,30 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 
 # model types whose attention has a sliding window (the only windowed ones attnlab writes)
-WINDOWED_TYPES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+WINDOWED_TYPES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model types with QK-norm (attention.qk_norm)
+# GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
+# head, the clamped SwiGLU, biases on the router's logits and on the experts
+GPT_OSS_TYPES = ("gpt_oss",)
+
+
+def _gpt_oss_features(cfg: ModelConfig) -> list[str]:
+    """The fields of ``cfg`` set to what only GPT-OSS has (experts' settings only where the
+    model has experts)."""
+    ffn, found = cfg.ffn, []
+    if cfg.attention.sink_logits:
+        found.append("attention.sink_logits")
+    if ffn.kind in ("glu", "moe") and ffn.activation == "clamped_swiglu":
+        found.append("ffn.activation='clamped_swiglu'")
+    if any(ffn.moe_layer(i) for i in range(cfg.n_layers)):
+        found += [f"ffn.{name}" for name in ("router_bias", "expert_bias") if getattr(ffn, name)]
+    return found
 
 
 def _check_attention(cfg: ModelConfig) -> None:
     """Refuse attention features that no exported architecture has, rather than write a
     folder that transformers loads without them (and so with other logits)."""
     att = cfg.attention
-    if att.sink_logits:
-        raise unrepresentable("attention.sink_logits (a learned sink logit per head)")
     if att.sink_tokens:
         raise unrepresentable("attention.sink_tokens (StreamingLLM's attention sinks)")
     if att.global_tokens:
@@ -82,6 +97,12 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     else ""
                 )
                 raise unrepresentable(f"attention.qk_norm ({model_type} has no QK-norm{hint})")
+            found = _gpt_oss_features(cfg)
+            if found and model_type not in GPT_OSS_TYPES:
+                raise unrepresentable(
+                    f"{found[0]} ({model_type} has none; GPT-OSS's pieces export as gpt_oss: "
+                    "RoPE, RMSNorm, sink logits, experts in every layer with clamped SwiGLU)"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -105,8 +126,10 @@ def hf_model_type(cfg: ModelConfig) -> str:
     learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros);
-    with a mixture of experts (softmax router, no shared experts) -> ``qwen3_moe`` with
-    QK-norm, else ``mixtral`` (experts on every layer, top-k weights renormalised)."""
+    with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
+    logits and clamped SwiGLU experts (their router and expert biases written as zeros where
+    the model has none), else ``qwen3_moe`` with QK-norm, else ``mixtral`` (experts on every
+    layer, top-k weights renormalised)."""
     return _export_family(cfg)[1]
 
 
@@ -133,8 +156,8 @@ def load_hf(
     :data:`SUPPORTED_MODEL_TYPES`), picked by config.json's ``model_type``.
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
-    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for BERT,
-    ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
+    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, GPT-OSS, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
+    BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
     blocked pad token, from generation_config.json or else config.json, as transformers
     reads them). ``dtype`` defaults to float32 whatever the checkpoint stores;
@@ -167,9 +190,15 @@ def load_hf(
         file, stored = files[name]
         return file.shape(stored)
 
-    def read_into(name: str, dest: torch.Tensor) -> None:
-        file, stored = files[name]
+    def read_into(part: Part, dest: torch.Tensor) -> None:
+        file, stored = files[part.name]
         want = file.shape(stored)
+        if part.transposed:
+            dest = dest.transpose(-2, -1)
+        if part.interleaved:  # stored a0 b0 a1 b1 ...: dest's halves as (..., n, 2) pairs
+            dest = dest.unflatten(-1, (2, dest.shape[-1] // 2)).transpose(-2, -1)
+            file.read_into(stored, dest, reshaped=True)
+            return
         # a stored shape with extra unit dimensions (checked by the plan) is read as dest's
         file.read_into(stored, dest if tuple(dest.shape) == want else dest.view(want))
 
@@ -195,7 +224,7 @@ def load_hf(
     def fill(name: str, dest: torch.Tensor) -> None:
         parts = plan[name]
         if len(parts) == 1:
-            read_into(parts[0].name, dest.t() if parts[0].transposed else dest)
+            read_into(parts[0], dest)
             return
         # Stacked along the first dimension; parts of lower rank (one per expert) along the
         # leading dimensions flattened (a view: such parameters are contiguous).
@@ -204,8 +233,7 @@ def load_hf(
         row = 0
         for part in parts:
             rows = shape(part.name)[-1 if part.transposed else 0]
-            view = rows_of[row : row + rows]
-            read_into(part.name, view.t() if part.transposed else view)
+            read_into(part, rows_of[row : row + rows])
             row += rows
 
     # Floating parameters get dtype (float32 by default); the RoPE frequencies stay float32.

@@ -487,11 +487,15 @@ def write_folder(
 @dataclass(frozen=True)
 class Part:
     """One Hugging Face tensor that fills (rows of) an attnlab parameter; ``transposed``:
-    stored (in, out) (GPT-2's Conv1D). A stored shape that only adds unit dimensions is
-    read as the parameter's (Marian's (1, V) logits bias)."""
+    its last two dimensions stored swapped, (in, out) (GPT-2's Conv1D, GPT-OSS's experts).
+    ``interleaved``: its last dimension (after any transposition) holds the parameter's
+    two halves interleaved, a0 b0 a1 b1 ... for [a; b] (GPT-OSS's fused gate/up, whose
+    gate is ``[..., ::2]`` and up ``[..., 1::2]``). A stored shape that only adds unit
+    dimensions is read as the parameter's (Marian's (1, V) logits bias)."""
 
     name: str
     transposed: bool = False
+    interleaved: bool = False
 
 
 # attnlab parameter name -> the Hugging Face tensors stacked along its first dimension
@@ -532,9 +536,15 @@ class Source:
         self.left.pop(name, None)
 
     def take(
-        self, name: str, shape: tuple[int, ...], *, transposed: bool = False
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        *,
+        transposed: bool = False,
+        interleaved: bool = False,
     ) -> tuple[Part, ...] | None:
-        """The tensor ``name``, which must have ``shape`` as stored."""
+        """The tensor ``name``, which must have ``shape`` as stored (``transposed``,
+        ``interleaved``: see :class:`Part`)."""
         stored = self.left.pop(name, None)
         if stored is None:
             self.missing.append(name)
@@ -542,7 +552,7 @@ class Source:
         if tuple(stored) != shape:
             self.wrong.append(f"{name} has shape {tuple(stored)}, config.json implies {shape}")
             return None
-        return (Part(name, transposed),)
+        return (Part(name, transposed, interleaved),)
 
     def tied(self, name: str, source: tuple[Part, ...] | None) -> None:
         """A stored copy of a tied tensor (a head tied to the embedding) is not loaded; it is
@@ -611,6 +621,12 @@ def unplan(specs: Specs, sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def interleave(t: Tensor) -> Tensor:
+    """[a; b] along the last dimension -> a0 b0 a1 b1 ... (see :attr:`Part.interleaved`)."""
+    a, b = t.chunk(2, dim=-1)
+    return torch.stack((a, b), dim=-1).flatten(-2)
+
+
 def cat(parts: Iterable[tuple[Part, ...] | None]) -> tuple[Part, ...] | None:
     """Parts stacked along the first dimension (None if any is missing)."""
     parts = list(parts)
@@ -627,7 +643,7 @@ def split_rows(w: Tensor, *sizes: int) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in w.split(sizes, dim=0))
 
 
-def or_zeros(sd: dict[str, Tensor], name: str, size: int) -> Tensor:
+def or_zeros(sd: dict[str, Tensor], name: str, size: int | tuple[int, ...]) -> Tensor:
     """``sd[name]``, or zeros of ``size`` where attnlab has no such bias but the Hugging Face
     architecture always does (zeros add nothing)."""
     if name in sd:

@@ -15,6 +15,7 @@ from attnlab.interop import (
     deepseek,
     deepseek_v32,
     gpt2,
+    gpt_oss,
     llama,
     marian,
     mixtral,
@@ -26,6 +27,7 @@ from attnlab.interop.io import Family, HFCheckpointError
 FAMILIES: tuple[Family, ...] = (
     gpt2.FAMILY,
     llama.FAMILY,
+    gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces
     qwen3_moe.FAMILY,
     mixtral.FAMILY,
     deepseek.FAMILY,

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from attnlab.config import (
     CAUSAL_KINDS,
+    GATED_ACTIVATIONS,
     AttentionConfig,
     ModelConfig,
     NormConfig,
@@ -77,6 +78,12 @@ class EncoderConfig(ModelConfig):
         super().validate(path)
         at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
         _choice(at("head"), self.head, ENCODER_HEADS)
+        if self.head == "mlm" and self.ffn.activation in GATED_ACTIVATIONS:
+            _fail(
+                at("ffn.activation"),
+                f"{self.ffn.activation!r} gates two projections; the masked-LM head applies "
+                "the activation to one: use an elementwise one",
+            )
         _positive(at("n_labels"), self.n_labels)
         _positive(at("type_vocab_size"), self.type_vocab_size, allow_zero=True)
         if self.attention.kind in CAUSAL_KINDS:

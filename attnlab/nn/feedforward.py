@@ -1,12 +1,16 @@
 """Position-wise feed-forward networks. Shapes: (b, t, d) -> (b, t, d).
 
 MLP:   W2 act(W1 x)                       (ReLU in Vaswani et al., GELU in GPT-2)
-Gated: W_down (act(W_gate x) * W_up x)    (Shazeer 2020: GLU = sigmoid, GeGLU = gelu,
-                                           SwiGLU = silu as in LLaMA)
+Gated: W_down glu(W_gate x, W_up x)       glu(g, u) = act(g) * u (Shazeer 2020: GLU =
+                                           sigmoid, GeGLU = gelu, SwiGLU = silu as in
+                                           LLaMA), or GPT-OSS's clamped SwiGLU
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -29,6 +33,57 @@ ACTIVATIONS = {
     "silu": F.silu,
     "sigmoid": F.sigmoid,
 }
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """GPT-OSS's gated activation: the gate clamped above at ``limit``, the up projection
+    to [-limit, limit], then g * sigmoid(alpha g) * (u + 1) (a sigmoid-gated GELU-like
+    unit, and an up projection offset by 1)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+class Gated:
+    """glu(gate, up) = act(gate) * up: what a gated FFN or expert makes of its two
+    projections. A plain class, not a lambda, so that models stay picklable."""
+
+    def __init__(self, activation: str):
+        self.activation, self.act = activation, ACTIVATIONS[activation]
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self.act(gate) * up
+
+    def __repr__(self) -> str:
+        return f"Gated({self.activation})"
+
+
+class ClampedSwiGLU:
+    """glu(gate, up) = :func:`clamped_swiglu` with the config's alpha and limit."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        return clamped_swiglu(gate, up, self.alpha, self.limit)
+
+    def __repr__(self) -> str:
+        return f"ClampedSwiGLU(alpha={self.alpha}, limit={self.limit})"
+
+
+# ffn.activation -> glu(gate, up) of the gated kinds (glu, moe); elementwise activations are
+# act(gate) * up (Gated). The registry: a new gated activation is one entry here and its name
+# in config.GATED_ACTIVATIONS.
+GATED_ACTIVATIONS: dict[str, Callable[[FFNConfig], Callable[[Tensor, Tensor], Tensor]]] = {
+    "clamped_swiglu": lambda cfg: ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit),
+}
+
+
+def gated_activation(cfg: FFNConfig) -> Callable[[Tensor, Tensor], Tensor]:
+    """glu(gate, up) of ``cfg.activation`` for gated FFNs and experts."""
+    if cfg.activation in GATED_ACTIVATIONS:
+        return GATED_ACTIVATIONS[cfg.activation](cfg)
+    return Gated(cfg.activation)
 
 
 class MLP(nn.Module):
@@ -55,13 +110,15 @@ class MLP(nn.Module):
 
 
 class GatedFFN(nn.Module):
-    """Gate and up projections are one matmul (one weight read) split in two."""
+    """Gate and up projections are one matmul (one weight read) split in two.
+    ``activation``: an elementwise activation's name (act(gate) * up), or a glu(gate, up)
+    from :func:`gated_activation`."""
 
     def __init__(
         self,
         d_model: int,
         hidden: int,
-        activation: str = "silu",
+        activation: str | Callable[[Tensor, Tensor], Tensor] = "silu",
         bias: bool = False,
         dropout: float = 0.0,
     ):
@@ -70,12 +127,12 @@ class GatedFFN(nn.Module):
         self.gate_up = Linear(d_model, 2 * hidden, bias=bias)  # rows: [gate; up]
         self.down = Linear(hidden, d_model, bias=bias)
         self.down.residual_projection = True
-        self.act = ACTIVATIONS[activation]
+        self.glu = Gated(activation) if isinstance(activation, str) else activation
         self.dropout = build_dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).split(self.hidden, dim=-1)  # (b, t, hidden) each
-        return self.dropout(self.down(self.act(gate) * up))
+        return self.dropout(self.down(self.glu(gate, up)))
 
 
 def build_ffn(cfg: FFNConfig, d_model: int, dropout: float = 0.0, *, layer: int = 0) -> nn.Module:
@@ -86,5 +143,6 @@ def build_ffn(cfg: FFNConfig, d_model: int, dropout: float = 0.0, *, layer: int 
         from attnlab.nn.moe import MoE  # moe builds on this module
 
         return MoE(d_model, cfg, dropout)
-    cls = GatedFFN if cfg.kind in ("glu", "moe") else MLP
-    return cls(d_model, hidden, cfg.activation, cfg.bias, dropout)
+    if cfg.kind in ("glu", "moe"):
+        return GatedFFN(d_model, hidden, gated_activation(cfg), cfg.bias, dropout)
+    return MLP(d_model, hidden, cfg.activation, cfg.bias, dropout)

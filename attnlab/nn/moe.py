@@ -11,13 +11,19 @@ Every expert is a gated FFN (SwiGLU). Routers, by name:
   normalised over the chosen k. Group-limited: experts form n_groups groups, a group's
   score is the sum of its top 2, and a token picks only from its topk_groups best groups.
 * ``deepseek-v2``: s = softmax(x W_r^T); greedy top-k (or group-limited: a group's score
-  is its best expert), weights s of the chosen experts.
+  is its best expert), weights s of the chosen experts. With norm_topk_prob and a router
+  bias this is GPT-OSS's router (top-k of the logits x W_r^T + b, softmax over those k:
+  the same weights, since exp(l_i) / sum_topk exp(l_j) = s_i / sum_topk s_j).
 
-Both multiply the weights by routed_scaling_factor. Experts run on the tokens routed to
-them, grouped by sorting the (token, expert) pairs by expert: a loop over experts, never
-over tokens. Under torch.compile, when the tokens choose no more (token, expert) pairs than
-there are experts (a decode step), each token's k experts' weights are gathered instead:
-static shapes (the group sizes of the loop are data), reading only the chosen experts.
+Both multiply the weights by routed_scaling_factor; ``router_bias`` adds a learned bias to
+the logits (GPT-OSS), which trains by gradient like W_r. An expert's glu(gate, up) is
+act(gate) * up, or GPT-OSS's clamped SwiGLU (feedforward.py); ``expert_bias`` gives its
+projections biases (GPT-OSS). Experts run on the tokens routed to them, grouped by sorting
+the (token, expert) pairs by expert: a loop over experts, never over tokens. Under
+torch.compile, when the tokens choose no more (token, expert) pairs than there are experts
+(a decode step), each token's k experts' weights are gathered instead: static shapes (the
+group sizes of the loop are data), reading only the chosen experts; compiled decoding of
+more tokens runs every expert on every token, weighted 0 where not chosen (``dense``).
 
 Shapes: b batch, t length, d d_model, N = b t tokens, E routed experts, k experts per token,
 f expert hidden size.
@@ -25,13 +31,15 @@ f expert hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import FFNConfig
 from attnlab.functional.softmax import softmax_dtype
-from attnlab.nn.feedforward import ACTIVATIONS, GatedFFN
+from attnlab.nn.feedforward import Gated, GatedFFN, gated_activation
 
 
 class KeepsPrecision(nn.Module):
@@ -62,7 +70,7 @@ class KeepsPrecision(nn.Module):
 class Router(KeepsPrecision):
     """Scores, chosen experts and their weights. ``e_score_correction_bias`` (deepseek-v3
     only) is a buffer, not a parameter: it is set by :meth:`MoE.update_bias`, not by
-    gradients."""
+    gradients. ``bias`` (``router_bias``, GPT-OSS) is a parameter added to the logits."""
 
     def __init__(self, d_model: int, cfg: FFNConfig):
         super().__init__()
@@ -74,6 +82,8 @@ class Router(KeepsPrecision):
         )
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, d_model))
+        bias = nn.Parameter(torch.empty(cfg.n_routed_experts)) if cfg.router_bias else None
+        self.register_parameter("bias", bias)
         if self.kind == "deepseek-v3":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         else:
@@ -82,6 +92,8 @@ class Router(KeepsPrecision):
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
 
@@ -89,7 +101,7 @@ class Router(KeepsPrecision):
     # as transformers keeps them (DeepSeek's _keep_in_fp32_modules_strict): the routing
     # runs in float32, and the balancing bias's steps of bias_update_speed (1e-3) would
     # round away near the scores' 0.5 in bf16.
-    full_precision = ("weight", "e_score_correction_bias")
+    full_precision = ("weight", "bias", "e_score_correction_bias")
 
     def _group_mask(self, choice: Tensor) -> Tensor:
         """(N, E) True for experts in each token's topk_groups best groups."""
@@ -110,7 +122,8 @@ class Router(KeepsPrecision):
         # ties, e.g. sigmoid scores about 0.5, would then pick other experts).
         with torch.autocast(x.device.type, enabled=False):
             x = softmax_dtype(x)  # float32 at least (float64 kept)
-            logits = F.linear(x, self.weight.to(x.dtype))  # (N, E)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            logits = F.linear(x, self.weight.to(x.dtype), bias)  # (N, E)
         if self.kind == "deepseek-v3":
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias  # the bias chooses, never weighs
@@ -128,24 +141,45 @@ class Router(KeepsPrecision):
 
 class Experts(nn.Module):
     """E gated FFNs as stacked weights: ``gate_up`` (E, 2f, d) with rows [gate; up] (as
-    :class:`GatedFFN`), ``down`` (E, d, f)."""
+    :class:`GatedFFN`), ``down`` (E, d, f); with ``bias`` (GPT-OSS) also ``gate_up_bias``
+    (E, 2f) and ``down_bias`` (E, d). ``activation``: an elementwise activation's name
+    (act(gate) * up) or a glu(gate, up) from :func:`gated_activation`."""
 
-    def __init__(self, d_model: int, n_experts: int, hidden: int, activation: str = "silu"):
+    # biases held as matrices (one row per expert): no weight decay (training/optim.py)
+    no_weight_decay = ("gate_up_bias", "down_bias")
+
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        hidden: int,
+        activation: str | Callable[[Tensor, Tensor], Tensor] = "silu",
+        bias: bool = False,
+    ):
         super().__init__()
         self.n_experts, self.hidden = n_experts, hidden
         self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
         self.down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        self.act = ACTIVATIONS[activation]
+        gate_up_bias = nn.Parameter(torch.empty(n_experts, 2 * hidden)) if bias else None
+        down_bias = nn.Parameter(torch.empty(n_experts, d_model)) if bias else None
+        self.register_parameter("gate_up_bias", gate_up_bias)
+        self.register_parameter("down_bias", down_bias)
+        self.glu = Gated(activation) if isinstance(activation, str) else activation
         self.init_weights(0.02)
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.gate_up, std=std)
         nn.init.normal_(self.down, std=std)
+        if self.gate_up_bias is not None:
+            nn.init.zeros_(self.gate_up_bias)
+            nn.init.zeros_(self.down_bias)
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert e on x (n, d) -> (n, d)."""
-        gate, up = F.linear(x, self.gate_up[e]).split(self.hidden, dim=-1)
-        return F.linear(self.act(gate) * up, self.down[e])
+        biased = self.gate_up_bias is not None
+        h = F.linear(x, self.gate_up[e], self.gate_up_bias[e] if biased else None)  # (n, 2f)
+        gate, up = h.split(self.hidden, dim=-1)
+        return F.linear(self.glu(gate, up), self.down[e], self.down_bias[e] if biased else None)
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """x (N, d); experts, weights (N, k) -> sum_j weights[:, j] expert_{experts[:, j]}(x)."""
@@ -171,8 +205,12 @@ class Experts(nn.Module):
         """:meth:`forward` with the chosen experts' weights gathered per token: (N, k, 2f, d)
         and (N, k, d, f). Static shapes, for compiled decoding of a few tokens."""
         h = torch.einsum("nkfd,nd->nkf", self.gate_up[experts], x)  # (N, k, 2f)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[experts]  # (N, k, 2f)
         gate, up = h.split(self.hidden, dim=-1)
-        y = torch.einsum("nkdf,nkf->nkd", self.down[experts], self.act(gate) * up)
+        y = torch.einsum("nkdf,nkf->nkd", self.down[experts], self.glu(gate, up))  # (N, k, d)
+        if self.down_bias is not None:
+            y = y + self.down_bias[experts]
         return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # (N, d)
 
     def dense(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
@@ -183,8 +221,12 @@ class Experts(nn.Module):
         gates = torch.zeros(x.shape[0], self.n_experts, dtype=x.dtype, device=x.device)
         gates = gates.scatter_add(1, experts, weights.to(x.dtype))  # (N, E)
         h = torch.einsum("efd,nd->nef", self.gate_up, x)  # (N, E, 2f)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias  # (E, 2f) on every token
         gate, up = h.split(self.hidden, dim=-1)
-        y = torch.einsum("edf,nef->ned", self.down, self.act(gate) * up)  # (N, E, d)
+        y = torch.einsum("edf,nef->ned", self.down, self.glu(gate, up))  # (N, E, d)
+        if self.down_bias is not None:
+            y = y + self.down_bias
         return torch.einsum("ned,ne->nd", y, gates)
 
 
@@ -203,9 +245,10 @@ class MoE(KeepsPrecision):
         self.bias_update_speed, self.aux_coef = cfg.bias_update_speed, cfg.seq_aux_loss_coef
         hidden = cfg.expert_hidden_size(d_model)
         self.gate = Router(d_model, cfg)
-        self.experts = Experts(d_model, cfg.n_routed_experts, hidden, cfg.activation)
+        glu = gated_activation(cfg)
+        self.experts = Experts(d_model, cfg.n_routed_experts, hidden, glu, cfg.expert_bias)
         self.shared = (
-            GatedFFN(d_model, hidden * cfg.n_shared_experts, cfg.activation, bias=False)
+            GatedFFN(d_model, hidden * cfg.n_shared_experts, glu, bias=cfg.expert_bias)
             if cfg.n_shared_experts
             else None
         )
