@@ -225,3 +225,14 @@ def llama_style_tokenizer(text: str, vocab_size: int):
         single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))]
     )
     return hf
+
+
+def hf_logits(ref, idx, attention_mask=None) -> torch.Tensor:
+    """A transformers causal LM's logits for ``idx``; with an ``attention_mask`` (left
+    padding), positions that count real tokens only, as attnlab's do."""
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        kwargs["attention_mask"] = attention_mask
+    with torch.no_grad():
+        return ref(idx, **kwargs).logits

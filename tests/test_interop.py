@@ -12,6 +12,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from oracle import hf_logits  # noqa: E402
 from safetensors.torch import load, load_file, save_file  # noqa: E402
 
 from attnlab.config import ModelConfig  # noqa: E402
@@ -175,15 +176,6 @@ def imported(request, tmp_path_factory):
     return kind, ref, load_hf(path)
 
 
-def _hf_logits(ref, idx, attention_mask=None) -> torch.Tensor:
-    kwargs = {}
-    if attention_mask is not None:  # positions count real tokens, as attnlab's do
-        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        kwargs["attention_mask"] = attention_mask
-    with torch.no_grad():
-        return ref(idx, **kwargs).logits
-
-
 def test_import_config(imported):
     kind, ref, model = imported
     cfg, hf = model.cfg, ref.config
@@ -255,7 +247,7 @@ def test_import_logits(imported):
     idx = torch.randint(0, VOCAB, (3, 16))
     with torch.no_grad():
         ours = model(idx).logits
-    theirs = _hf_logits(ref, idx)
+    theirs = hf_logits(ref, idx)
     assert theirs.abs().max() > 1.0  # the comparison is not between near-zero logits
     assert (ours - theirs).abs().max() <= TOL
 
@@ -270,7 +262,7 @@ def test_import_logits_left_padding(imported):
     idx = idx.masked_fill(mask == 0, 0)
     with torch.no_grad():
         ours = model(idx, attention_mask=mask).logits
-    theirs = _hf_logits(ref, idx, mask)
+    theirs = hf_logits(ref, idx, mask)
     real = mask.bool()
     assert (ours[real] - theirs[real]).abs().max() <= TOL
 
@@ -302,7 +294,7 @@ def test_sharded_checkpoint(tmp_path):
     model = load_hf(tmp_path)
     idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (model(idx).logits - _hf_logits(ref, idx)).abs().max() <= TOL
+        assert (model(idx).logits - hf_logits(ref, idx)).abs().max() <= TOL
 
 
 def test_export_replaces_a_sharded_checkpoint(tmp_path):
@@ -323,7 +315,7 @@ def test_export_replaces_a_sharded_checkpoint(tmp_path):
     idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
-        assert (back(idx).logits - _hf_logits(new, idx)).abs().max() <= TOL
+        assert (back(idx).logits - hf_logits(new, idx)).abs().max() <= TOL
 
 
 def test_malformed_index_is_a_checkpoint_error(tmp_path):
@@ -349,7 +341,7 @@ def test_legacy_gpt2_layout(tmp_path):
     save_file(legacy, tmp_path / "model.safetensors")
     idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (load_hf(tmp_path)(idx).logits - _hf_logits(ref, idx)).abs().max() <= TOL
+        assert (load_hf(tmp_path)(idx).logits - hf_logits(ref, idx)).abs().max() <= TOL
     legacy["lm_head.weight"] = legacy["lm_head.weight"] + 1.0
     save_file(legacy, tmp_path / "model.safetensors")
     with pytest.raises(HFCheckpointError, match="lm_head.weight differs"):
@@ -370,14 +362,14 @@ def test_gpt2_settings_both_ways(tmp_path):
     c = model.cfg
     assert (c.ffn.hidden_dim, c.norm.eps, c.attention.dropout, c.dropout) == (48, 0.05, 0.05, 0.15)
     idx = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
-    expected = _hf_logits(ref, idx)
+    expected = hf_logits(ref, idx)
     with torch.no_grad():
         torch.testing.assert_close(model(idx).logits, expected, atol=TOL, rtol=TOL)
     save_hf(model, tmp_path / "ours")
     back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours").eval()
     b = back.config
     assert (b.n_inner, b.layer_norm_epsilon, b.attn_pdrop, b.resid_pdrop) == (48, 0.05, 0.05, 0.15)
-    torch.testing.assert_close(_hf_logits(back, idx), expected, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(hf_logits(back, idx), expected, atol=TOL, rtol=TOL)
 
 
 def test_load_dtype(tmp_path):
@@ -520,7 +512,7 @@ def test_export_round_trip(name, tmp_path):
     with torch.no_grad():
         ours = model(idx, attention_mask=mask).logits
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
-    theirs = _hf_logits(ref.eval(), idx, mask)
+    theirs = hf_logits(ref.eval(), idx, mask)
     real = mask.bool()
     assert ours.abs().max() > 1.0
     assert (ours[real] - theirs[real]).abs().max() <= TOL
@@ -566,7 +558,7 @@ def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
     idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = load_hf(tmp_path / "sd")(idx).logits
-    assert (ours - _hf_logits(ref, idx)).abs().max() <= TOL
+    assert (ours - hf_logits(ref, idx)).abs().max() <= TOL
     hf = ref.config.to_dict()
     for dense, step in (([1], 1), ([], 2)):
         with pytest.raises(HFCheckpointError, match="attnlab's mixtures of experts have their"):
@@ -606,7 +598,7 @@ def test_mixtral_stacked_experts_and_training_only_router_settings(tmp_path):
     stored = load_file(tmp_path / "files" / "model.safetensors")
     assert "model.layers.1.block_sparse_moe.experts.4.w3.weight" in stored
     idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    theirs = _hf_logits(ref, idx)
+    theirs = hf_logits(ref, idx)
     with torch.no_grad():
         fused, files = load_hf(tmp_path / "sd")(idx).logits, load_hf(tmp_path / "files")(idx).logits
     assert (fused - theirs).abs().max() <= TOL

@@ -21,6 +21,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from oracle import hf_logits  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
@@ -121,15 +122,6 @@ def imported(request, tmp_path_factory):
     return case, ref, load_hf(path)
 
 
-def _hf_logits(ref, idx, attention_mask=None) -> torch.Tensor:
-    kwargs = {}
-    if attention_mask is not None:  # positions count real tokens, as attnlab's do
-        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        kwargs["attention_mask"] = attention_mask
-    with torch.no_grad():
-        return ref(idx, **kwargs).logits
-
-
 def test_import_config(imported):
     case, ref, model = imported
     cfg, hf = model.cfg, ref.config
@@ -180,7 +172,7 @@ def test_import_logits(imported, monkeypatch):
     idx = torch.randint(0, V, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(idx).logits
-    theirs = _hf_logits(ref, idx)
+    theirs = hf_logits(ref, idx)
     assert max(reached) > ref.config.swiglu_limit  # the clamp takes part
     assert theirs.abs().max() > 1.0  # the comparison is not between near-zero logits
     assert (ours - theirs).abs().max() <= TOL
@@ -196,7 +188,7 @@ def test_import_logits_left_padding(imported):
     idx = idx.masked_fill(mask == 0, 0)
     with torch.no_grad():
         ours = model(idx, attention_mask=mask).logits
-    theirs = _hf_logits(ref, idx, mask)
+    theirs = hf_logits(ref, idx, mask)
     real = mask.bool()
     assert (ours[real] - theirs[real]).abs().max() <= TOL
 
@@ -343,7 +335,7 @@ def test_export_round_trip(name, tmp_path):
         ours = model(idx, attention_mask=mask).logits
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     assert type(ref).__name__ == "GptOssForCausalLM"
-    theirs = _hf_logits(ref.eval(), idx, mask)
+    theirs = hf_logits(ref.eval(), idx, mask)
     real = mask.bool()
     assert ours.abs().max() > 1.0
     assert (ours[real] - theirs[real]).abs().max() <= TOL
