@@ -1007,3 +1007,23 @@ def test_unsupported_model_type_dir(saved_llama):
     (saved_llama / "config.json").write_text(json.dumps(config))
     with pytest.raises(HFCheckpointError, match="model_type 'falcon' is not supported"):
         load_hf(saved_llama)
+
+
+def test_llama_weight_maps_give_dense_ffn_biases_to_dense_layers_only():
+    """A mixture of experts after a dense first layer, with ffn.bias: the LLaMA-layout
+    weight maps (which the MoE families build on) write and read mlp biases for the dense
+    layer only; the experts have none (they asked the MoE layers for dense biases)."""
+    from attnlab.interop import llama
+    from attnlab.interop.io import Source
+
+    cfg = get_preset("llama-tiny").override(
+        {"ffn.kind": "moe", "ffn.bias": True, "ffn.first_k_dense": 1, "ffn.n_shared_experts": 0}
+    )
+    sd = DecoderLM(cfg).state_dict()
+    out = llama.weights_from_attnlab(sd, cfg, "llama")
+    assert "model.layers.0.mlp.gate_proj.bias" in out
+    assert not any(k.startswith("model.layers.1.mlp.") for k in out)
+    src = Source({k: tuple(v.shape) for k, v in out.items()}, llama.IGNORED)
+    plan = llama.weights_to_attnlab(src, cfg)
+    assert "blocks.0.ffn.gate_up.bias" in plan and "blocks.1.ffn.gate_up.bias" not in plan
+    assert not src.missing and not src.wrong

@@ -299,7 +299,7 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
         if att.qk_norm:
             for n in ("q_norm", "k_norm"):
                 out[f"{a}attn.{n}.weight"] = src.take(f"{h}self_attn.{n}.weight", (cfg.head_dim,))
-        if cfg.ffn.bias:
+        if cfg.ffn.bias and not cfg.ffn.moe_layer(i):  # a dense layer's (experts have none)
             out[a + "ffn.gate_up.bias"] = cat(
                 src.take(f"{h}mlp.{n}.bias", (f,)) for n in ("gate_proj", "up_proj")
             )
@@ -366,7 +366,7 @@ def weights_from_attnlab(
         if att.qk_norm:  # per feature within a head: permuted as the q/k rows are
             for n in ("q_norm", "k_norm"):
                 out[f"{h}self_attn.{n}.weight"] = to_split(sd[f"{a}attn.{n}.weight"], 1)
-        if mlp_bias:
+        if mlp_bias and not cfg.ffn.moe_layer(i):  # a dense layer's (experts have none)
             gb, ub = split_rows(sd[a + "ffn.gate_up.bias"], f, f)
             out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gb, ub
             out[h + "mlp.down_proj.bias"] = sd[a + "ffn.down.bias"]
