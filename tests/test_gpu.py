@@ -113,6 +113,7 @@ DECODER_KINDS = {
     "moe": ("deepseek-moe-tiny", {}),
     "gpt2": ("gpt2-tiny", {}),
     "sinusoidal post-norm": ("vaswani-tiny", {}),
+    "gpt-oss": ("gpt-oss-tiny", {}),  # sink logits, router and expert biases, clamped SwiGLU
 }
 
 
@@ -163,11 +164,17 @@ def test_every_decoder_kind_trains_and_decodes_on_cuda_as_on_cpu(kind):
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "flash", "triton", "flex"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_every_attention_backend_on_cuda_gives_the_cpus_model(backend, window):
-    """Each backend on the GPU (``flash`` runs the Triton kernels there) against the CPU's
-    eager attention: logits, gradients, and packed documents' logits."""
-    override = {"attention.sliding_window": window}
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sink logits"])
+def test_every_attention_backend_on_cuda_gives_the_cpus_model(backend, window, sinks):
+    """Each backend on the GPU (``flash`` runs the Triton kernels there, whose forward starts
+    each row from the sink logit) against the CPU's eager attention: logits, gradients (the
+    sink logits' too), and packed documents' logits."""
+    override = {"attention.sliding_window": window, "attention.sink_logits": sinks}
     cpu = build_model(get_preset("llama-tiny").override(override)).train()
+    with torch.no_grad():
+        for name, p in cpu.named_parameters():
+            if name.endswith("sink_logit"):
+                p.normal_(std=1.5)
     gpu = build_model(get_preset("llama-tiny").override({**override, "attention.backend": backend}))
     gpu.load_state_dict(cpu.state_dict())
     gpu = gpu.cuda().train()
