@@ -83,7 +83,7 @@ def record_attention(model: nn.Module) -> Iterator[dict[str, Tensor]]:
         if running:  # attend() called outside an attention module is not the model's
             formed.append(weights.detach())
 
-    def before(name: str, module: nn.Module):
+    def before(name: str):
         def hook(*_):
             if name in maps:
                 raise AttentionMapError(
@@ -110,7 +110,7 @@ def record_attention(model: nn.Module) -> Iterator[dict[str, Tensor]]:
 
     handles = []
     for name, m in modules.items():
-        handles.append(m.register_forward_pre_hook(before(name, m)))
+        handles.append(m.register_forward_pre_hook(before(name)))
         handles.append(m.register_forward_hook(after(name, m)))
     try:
         with recording_weights(sink):
