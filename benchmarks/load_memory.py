@@ -81,6 +81,7 @@ def main() -> None:
                          f"{peak / size:.2f}x"])  # fmt: skip
     # Only now: _common imports torch, whose memory every later child would start from.
     from _common import machine, table
+
     print(f"GPT-2 small (124M), float32 file, loaded as {args.dtype}")
     print(f"machine: {machine()} (shared with other jobs while measured)")
     print(f"baseline (interpreter + torch + attnlab, nothing loaded): {baseline / 2**20:.0f} MiB")
