@@ -236,16 +236,20 @@ def test_sink_logits_of_the_wrong_shape_or_dtype_are_refused(sinks, match):
             attend(q, k, v, causal=True, backend=backend, sinks=sinks)
 
 
+@pytest.mark.parametrize("backend", ["flash", "sdpa"])
 @pytest.mark.parametrize("window", [None, 64])
-def test_flash_with_sink_logits_holds_no_t_by_s_matrix(window):
-    """The sink column lives in the online softmax's starting state, and a window stays a
-    window (its blocks skipped): an attention layer with sink logits on the flash backend
-    peaks where it does without them. Rescaling the output by the scores' log-sum-exp
-    afterwards formed the (t, s) scores: 133 MiB against 13.9 at t = 2048 (137 against 4.8
-    with a 64-key window); sdpa still does (it returns no log-sum-exp)."""
+def test_sink_logits_hold_no_t_by_s_matrix(backend, window):
+    """flash: the sink column lives in the online softmax's starting state, and a window
+    stays a window (its blocks skipped). sdpa on the CPU: the fused kernel's own
+    log-sum-exp rescales its output, and its backward is handed the one with the sink. An
+    attention layer with sink logits peaks about where it does without them (sdpa at
+    t = 2048: 2.4 MiB against 2.1; 26 against 22 with a window, whose (t, s) mask both
+    form). Rescaling the output
+    by the scores' log-sum-exp afterwards (``sink_rescale``) formed the (t, s) scores: 133
+    MiB against 13.9 at t = 2048 on flash (137 against 4.8 with a 64-key window)."""
     from attnlab.memory import PeakTensorMemory
 
-    def peak(backend, sink_logits):
+    def peak(sink_logits):
         torch.manual_seed(0)
         cfg = AttentionConfig(
             n_heads=2, head_dim=16, sink_logits=sink_logits, sliding_window=window, backend=backend
@@ -256,33 +260,56 @@ def test_flash_with_sink_logits_holds_no_t_by_s_matrix(window):
             attn(x, positions=torch.arange(2048)[None]).sum().backward()
         return mem.peak
 
-    flash = peak("flash", True)
-    assert flash <= 1.05 * peak("flash", False)
-    assert peak("sdpa", True) > 5 * flash  # the (t, s) scores, 4 bytes each: 32 MiB per head
+    with_sinks, without = peak(True), peak(False)
+    # sdpa keeps the rescaled output beside the kernel's: one more (b, h, t, d_h) tensor
+    assert with_sinks <= (1.05 if backend == "flash" else 1.2) * without
+    assert with_sinks < 2 * 2048 * 2048 * 4  # the (t, s) scores of one head: 16 MiB
+
+
+def test_sdpa_sink_logits_on_the_cpu_use_the_kernels_log_sum_exp(monkeypatch):
+    """On the CPU the sdpa backend never calls the rescaling that forms the scores."""
+    import attnlab.functional.attention as attention_module
+    from attnlab.functional.attention import attend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sink_rescale formed the (t, s) scores")
+
+    monkeypatch.setattr(attention_module, "sink_rescale", refuse)
+    (q, k, v, sinks), _, _ = _sink_inputs(13, 29, True, None, False, False)
+    for p in (q, k, v, sinks):
+        p.requires_grad_(True)
+    y = attend(q, k, v, causal=True, backend="sdpa", sinks=sinks, window=7)
+    y.square().sum().backward()
+    assert all(p.grad is not None for p in (q, k, v, sinks))
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_sdpa_sink_rescaling_without_gradients_goes_by_blocks_of_rows(monkeypatch, masked):
-    """Under no_grad (a prefill) the sdpa backend's rescaling forms the scores a few query
-    rows at a time: the same result as all at once (float64, causal chunk of a longer
-    sequence, a per-query mask), and a peak far below the (t, s) scores."""
+def test_sink_rescaling_without_gradients_goes_by_blocks_of_rows(monkeypatch, masked):
+    """Under no_grad (a prefill on a GPU, where the sdpa backend rescales its output with
+    ``sink_rescale``) the scores are formed a few query rows at a time: the same result as
+    all at once (float64, causal chunk of a longer sequence, a per-query mask), and a peak
+    far below the (t, s) scores."""
     import attnlab.functional.sinks as sinks_module
-    from attnlab.functional.attention import attend
+    from attnlab.functional.attention import attend, sdpa_attention
+    from attnlab.functional.sinks import sink_rescale
     from attnlab.memory import PeakTensorMemory
 
     torch.manual_seed(0)
     (q, k, v, sinks), _, _ = _sink_inputs(13, 29, True, None, False, False)
     mask = (torch.rand(2, 1, 13, 29) > 0.3) if masked else None
-    kw = dict(causal=True, backend="sdpa", sinks=sinks)
     with torch.no_grad():
-        whole = attend(q, k, v, mask, **kw)
+        y = sdpa_attention(q, k, v, mask, causal=True)
+        whole = sink_rescale(y, q, k, sinks, mask, causal=True)
         monkeypatch.setattr(sinks_module, "CHUNK_SCORES", 2 * 4 * 29 * 3)  # 3 rows a block
-        blocks = attend(q, k, v, mask, **kw)
+        blocks = sink_rescale(y, q, k, sinks, mask, causal=True)
     torch.testing.assert_close(blocks, whole, atol=1e-14, rtol=1e-12)
-    torch.testing.assert_close(blocks, attend(q, k, v, mask, **{**kw, "backend": "eager"}))
+    eager = attend(q, k, v, mask, causal=True, backend="eager", sinks=sinks)
+    torch.testing.assert_close(blocks, eager)
 
     monkeypatch.setattr(sinks_module, "CHUNK_SCORES", 2**16)
     q, k, v = (torch.randn(1, 4, 2048, 16) for _ in range(3))
-    with torch.no_grad(), PeakTensorMemory() as mem:
-        attend(q, k, v, causal=True, backend="sdpa", sinks=torch.zeros(4))
+    with torch.no_grad():
+        y = sdpa_attention(q, k, v, causal=True)
+        with PeakTensorMemory() as mem:
+            sink_rescale(y, q, k, torch.zeros(4), causal=True)
     assert mem.peak < 2 * 2**20  # the (t, s) scores would be 64 MiB

@@ -10,8 +10,9 @@ runs the Triton kernels on CUDA; ``triton`` asks for those kernels (``attnlab/ke
 ``sinks`` (h,): learned sink logits (GPT-OSS), one more softmax column per head with no
 value, so a head can put weight nowhere. ``eager`` writes the column out; ``flash`` and
 ``triton`` start each row's online softmax from it (no (t, s) matrix); ``flex`` rescales
-its output by the share its log-sum-exp leaves; ``sdpa`` rescales too, forming the scores
-for their log-sum-exp (``functional/sinks.py``).
+its output by the share its log-sum-exp leaves; ``sdpa`` rescales too, with the
+log-sum-exp torch's fused CPU kernel returns, or elsewhere by forming the scores
+(``functional/sinks.py``).
 
 Shapes: b batch, h query heads, h_kv key/value heads (h_kv divides h), t query length,
 s key length, d_h head dim. Masks broadcast to (b, h, t, s); boolean True = may attend,
@@ -52,7 +53,7 @@ from attnlab.functional.masks import (
     document_mask,
     sliding_window_mask,
 )
-from attnlab.functional.sinks import sink_rescale
+from attnlab.functional.sinks import CpuSdpaSinks, sink_rescale
 from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
 
 
@@ -141,10 +142,12 @@ def sdpa_attention(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """torch's fused kernel, with two fixes: bottom-right causal alignment when t != s,
-    and zeros (not NaN) for query rows that may attend to nothing. ``sinks``: the output
-    rescaled by :func:`sink_rescale` (which forms the scores: SDPA returns no log-sum-exp)."""
+    and zeros (not NaN) for query rows that may attend to nothing. ``sinks``: on the CPU
+    without dropout, its CPU kernel's own log-sum-exp rescales the output
+    (:class:`CpuSdpaSinks`); otherwise :func:`sink_rescale` does, forming the scores
+    (``F.scaled_dot_product_attention`` returns no log-sum-exp)."""
     n_rep = _check(q, k, v, mask, dropout_p, sinks)
-    if sinks is not None:
+    if sinks is not None and (q.device.type != "cpu" or dropout_p > 0.0):
         out = sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
         return sink_rescale(out, q, k, sinks, mask, causal=causal, scale=scale)
     t, s = q.shape[-2], k.shape[-2]
@@ -167,7 +170,7 @@ def sdpa_attention(
                 # (-1e9: uniform weights) or not (-1e5: softmax of the scores) depends on the
                 # float32 scores themselves, which only eager forms (one host read, float16
                 # queries with a wider mask only)
-                return eager_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)  # type: ignore[return-value]
+                return eager_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p, sinks=sinks)  # type: ignore[return-value]
             mask = narrowed
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         keep = allowed.any(dim=-1, keepdim=True)  # (.., t, 1): rows with some key
@@ -186,16 +189,23 @@ def sdpa_attention(
                 mask = torch.where(keep, mask, mask.new_zeros(()))
         else:
             keep = None
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=n_rep > 1,
-    )
+    if sinks is not None:  # the CPU kernel itself, for its log-sum-exp
+        if mask is not None and mask.dtype == torch.bool:  # it takes additive masks only
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~mask, float("-inf")
+            )
+        out = CpuSdpaSinks.apply(q, k, v, sinks, mask, is_causal, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=n_rep > 1,
+        )
     if keep is not None:
         out = out * keep.to(out.dtype)
     return out

@@ -5,8 +5,10 @@ query's softmax as one more column with no value,
 
 so a head can put weight "nowhere". ``attend(..., sinks=)`` takes them on every backend:
 ``eager`` writes the column out, ``flash`` and ``triton`` start each row's online softmax
-from it, ``flex`` rescales with its own log-sum-exp, and ``sdpa``, which returns none,
-rescales here, forming the (t, s) scores for their log-sum-exp.
+from it, ``flex`` rescales with its own log-sum-exp. ``sdpa`` on the CPU calls torch's
+fused CPU kernel directly, which returns its log-sum-exp (:class:`CpuSdpaSinks`: no (t, s)
+matrix, forward or backward); elsewhere, or with dropout, it rescales with
+:func:`sink_rescale`, which forms the (t, s) scores for their log-sum-exp.
 
 Shapes: b batch, h heads, h_kv key/value heads, t queries, s keys, d_h head dim.
 """
@@ -60,3 +62,44 @@ def sink_rescale(
         shares.append(torch.sigmoid(lse - sink.to(lse.dtype)[:, None, None]))
     share = shares[0] if len(shares) == 1 else torch.cat(shares, dim=2)  # (b, h, t, 1)
     return y * share.to(y.dtype)
+
+
+class CpuSdpaSinks(torch.autograd.Function):
+    """torch's fused CPU attention kernel with sink logits. Its forward returns each row's
+    log-sum-exp L over the keys; with the sink column L' = logaddexp(L, sink), and the
+    output is the kernel's times exp(L - L') = sigmoid(L - sink). Its backward recomputes
+    the weights as exp(S - L) from the L it is handed: given L' and the rescaled output, it
+    computes the gradients of attention with the sink column (the column has no value, so
+    dP_sink = 0), exactly as ``flash`` does, and the sink's own gradient is
+    -sum over rows of exp(sink - L') * D, D = rowsum(dy * y). No (t, s) matrix is kept.
+
+    ``apply(q, k, v, sinks, mask, is_causal, scale)``: q (b, h, t, d_h), k and v
+    (b, h_kv, s, d_h) (the kernel reads grouped heads itself), sinks (h,), ``mask`` None or
+    additive in q's dtype, broadcastable to (b, h, t, s), with a key in every row;
+    ``is_causal`` top-left aligned, as SDPA's. CPU tensors, no dropout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, mask, is_causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+        )  # lse (b, h, t): float32 for half-precision inputs
+        lse_all = torch.logaddexp(lse, sinks.detach().to(lse.dtype)[:, None])
+        y = out * torch.exp(lse - lse_all)[..., None].to(out.dtype)
+        ctx.save_for_backward(q, k, v, y, lse_all, mask, sinks)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, y, lse_all, mask, sinks = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy.contiguous(), q, k, v, y, lse_all, 0.0, ctx.is_causal, attn_mask=mask,
+            scale=ctx.scale,
+        )  # fmt: skip
+        dsinks = None
+        if ctx.needs_input_grad[3]:
+            f = lse_all.dtype
+            delta = (dy.to(f) * y.to(f)).sum(-1)  # (b, h, t)
+            p_sink = torch.exp(sinks.detach().to(f)[:, None] - lse_all)  # (b, h, t)
+            dsinks = (-p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None
