@@ -403,6 +403,18 @@ def test_generate_compile_equals_eager_generate_with_experts():
     assert model.generate(prompt, 12, compile=True) == model.generate(prompt, 12)
 
 
+@pytest.mark.slow
+def test_generate_compile_equals_eager_generate_with_sink_logits():
+    """gpt-oss-tiny (sink logits on the sdpa backend, a 16-token window on alternate layers,
+    experts with biases): two left-padded prompts decoded past the window, compiled and
+    eagerly, give the same tokens."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(get_preset("gpt-oss-tiny").override({"init_std": 0.2})).eval()
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,)).tolist() for n in (9, 4)]
+    assert model.generate(prompts, 14, compile=True) == model.generate(prompts, 14)
+
+
 # --------------------------------------------------------------------------- sampling
 
 

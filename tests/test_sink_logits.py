@@ -313,3 +313,31 @@ def test_sink_rescaling_without_gradients_goes_by_blocks_of_rows(monkeypatch, ma
         with PeakTensorMemory() as mem:
             sink_rescale(y, q, k, torch.zeros(4), causal=True)
     assert mem.peak < 2 * 2**20  # the (t, s) scores would be 64 MiB
+
+
+def test_sdpa_sink_logits_compile_as_eager():
+    """torch.compile (fullgraph) of the sdpa backend with sink logits on the CPU, whose
+    autograd Function calls torch's CPU kernel and its backward: outputs and gradients equal
+    the written-out column's (float32), causal with a window, grouped heads."""
+    from attnlab.functional.attention import attend
+
+    torch.manual_seed(0)
+    (q, k, v, sinks), _, _ = _sink_inputs(11, 11, True, None, False, False, torch.float32)
+    dy = torch.randn(2, 4, 11, 8)
+
+    def sdpa(q, k, v, sinks):
+        return attend(q, k, v, causal=True, window=4, backend="sdpa", sinks=sinks)
+
+    compiled = torch.compile(sdpa, fullgraph=True, dynamic=False)
+
+    def run(f):
+        xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, sinks)]
+        y = f(*xs)
+        y.backward(dy)
+        return [y, *(x.grad for x in xs)]
+
+    def eager(q, k, v, sinks):
+        return attend(q, k, v, causal=True, window=4, backend="eager", sinks=sinks)
+
+    for got, want in zip(run(compiled), run(eager), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
