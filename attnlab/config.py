@@ -672,7 +672,8 @@ class FFNConfig(_Config):
     """``mlp``: act(x W1) W2. ``glu``: (act(x W_gate) * x W_up) W_down — GLU with sigmoid,
     GeGLU with gelu, SwiGLU with silu; ``clamped_swiglu`` (GPT-OSS, gated kinds only):
     g * sigmoid(swiglu_alpha g) * (u + 1) with g = min(x W_gate, swiglu_limit) and u = x W_up
-    clamped to [-swiglu_limit, swiglu_limit]."""
+    clamped to [-swiglu_limit, swiglu_limit].
+    ``switch_aux_loss_coef``: the Switch balance loss over all MoE layers (softmax routers)."""
 
     kind: str = "mlp"
     activation: str = "gelu"
@@ -694,6 +695,9 @@ class FFNConfig(_Config):
     routed_scaling_factor: float = 1.0
     bias_update_speed: float = 1e-3  # aux-loss-free balance (DeepSeek-V3 gamma)
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 alpha)
+    # Switch Transformer balance loss, coef E sum_i F_i P_i over all MoE layers' choices and
+    # softmax scores (Mixtral's, Qwen3-MoE's and GPT-OSS's router_aux_loss_coef)
+    switch_aux_loss_coef: float = 0.0
     # GPT-OSS: a learned bias on the router's logits (x W_r^T + b), and biases on every
     # expert's gate/up and down projections (routed and shared experts)
     router_bias: bool = False
@@ -719,8 +723,20 @@ class FFNConfig(_Config):
         for name in ("n_routed_experts", "n_activated_experts", "n_groups", "topk_groups"):
             _positive(f"{path}.{name}", getattr(self, name))
         _positive(f"{path}.moe_hidden_dim", self.moe_hidden_dim)
-        for name in ("n_shared_experts", "first_k_dense", "bias_update_speed", "seq_aux_loss_coef"):
+        for name in (
+            "n_shared_experts",
+            "first_k_dense",
+            "bias_update_speed",
+            "seq_aux_loss_coef",
+            "switch_aux_loss_coef",
+        ):
             _positive(f"{path}.{name}", getattr(self, name), allow_zero=True)
+        if self.kind == "moe" and self.switch_aux_loss_coef > 0 and self.router != "deepseek-v2":
+            _fail(
+                f"{path}.switch_aux_loss_coef",
+                f"the Switch balance loss averages a softmax router's probabilities; router "
+                f"{self.router!r} scores by sigmoid: use router 'deepseek-v2' or seq_aux_loss_coef",
+            )
         _positive(f"{path}.routed_scaling_factor", self.routed_scaling_factor)
         if self.n_routed_experts % self.n_groups:
             _fail(

@@ -165,6 +165,28 @@ def sequence_balance_loss(affinity: Tensor, top_k: int, alpha: float) -> Tensor:
     return torch.stack(losses).mean()
 
 
+def switch_balance_loss(
+    logits: list[Tensor], top_k: int, coef: float, real: Tensor | None = None
+) -> Tensor:
+    """The Switch Transformer balance loss (Fedus et al. 2021, eq. 4-6) over several MoE
+    layers' router ``logits`` (each (N, E)), one expert at a time, over the tokens with
+    ``real`` (N,) bool (all without): coef E sum_i F_i P_i, where over all (layer, token)
+    pairs F_i = (times i is among a token's top_k softmax probabilities) / pairs and
+    P_i = sum of softmax_i / pairs."""
+    E = logits[0].shape[-1]
+    keep = [True] * logits[0].shape[0] if real is None else real.tolist()
+    pairs, loss = sum(keep) * len(logits), 0.0
+    for i in range(E):
+        chosen = prob = 0.0
+        for layer in logits:
+            for n, row in enumerate(layer.softmax(dim=-1)):
+                if keep[n]:
+                    chosen += i in row.topk(top_k).indices.tolist()
+                    prob = prob + row[i]
+        loss = loss + (chosen / pairs) * (prob / pairs)
+    return coef * E * loss
+
+
 def indexer_kl_loss(weights: Tensor, index_scores: Tensor, support: Tensor) -> float:
     """DeepSeek-V3.2's indexer loss (Sec. 2.1), one query at a time: p_t = the main
     attention ``weights`` (b, h, t, s) summed over the heads, L1-normalised over the keys of
@@ -225,6 +247,21 @@ def llama_style_tokenizer(text: str, vocab_size: int):
         single="<s> $A", special_tokens=[("<s>", hf.token_to_id("<s>"))]
     )
     return hf
+
+
+def hf_training_loss(ref, idx, targets, attention_mask=None) -> torch.Tensor:
+    """A transformers causal LM's ``out.loss`` (with its router balance loss where its
+    config sets ``output_router_logits``) for attnlab-style ``targets`` (b, t) (the next
+    token at each position, -100 ignored; none after the last): transformers shifts its
+    ``labels`` inside, so labels[:, j + 1] = targets[:, j]. With an ``attention_mask``,
+    positions that count real tokens only, as :func:`hf_logits`."""
+    assert (targets[:, -1] == -100).all(), "transformers has no target after the last token"
+    labels = torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        kwargs["attention_mask"] = attention_mask
+    return ref(idx, labels=labels, **kwargs).loss
 
 
 def hf_logits(ref, idx, attention_mask=None) -> torch.Tensor:

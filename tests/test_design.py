@@ -507,6 +507,7 @@ def test_a_model_with_a_compiled_step_pickles_and_copies_without_it():
         ("gpt2-tiny", {}),  # its GELU (tanh) was a lambda kept on each MLP: unpicklable
         ("deepseek-v32-tiny", {}),  # DSA keeps its indexer loss on the module
         ("deepseek-moe-tiny", {"ffn.seq_aux_loss_coef": 0.01}),  # MoE its balance loss
+        ("gpt-oss-tiny", {"ffn.switch_aux_loss_coef": 0.01}),  # MoE its Switch statistics
     ],
 )
 def test_a_model_after_a_training_step_copies_and_pickles_into_an_equal_model(name, override):

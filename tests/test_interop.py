@@ -12,7 +12,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from oracle import hf_logits  # noqa: E402
+from oracle import hf_logits, hf_training_loss  # noqa: E402
 from safetensors.torch import load, load_file, save_file  # noqa: E402
 
 from attnlab.config import ModelConfig  # noqa: E402
@@ -158,10 +158,13 @@ KINDS += ["qwen3", "qwen3_bias_tied", "qwen3moe", "qwen3moe_sparse"]
 KINDS += ["mixtral", "mixtral_window"]
 
 
-def _hf_model(kind: str, seed: int = 0):
+def _hf_model(kind: str, seed: int = 0, **changes):
     torch.manual_seed(seed)
     cls = getattr(transformers, HF_CLASSES[kind.split("_")[0]])
-    model = cls(_hf_config(kind))
+    hf = _hf_config(kind)
+    for key, value in changes.items():
+        setattr(hf, key, value)
+    model = cls(hf)
     _randomize(model, seed)
     return model.eval()
 
@@ -584,8 +587,8 @@ def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
 def test_mixtral_stacked_experts_and_training_only_router_settings(tmp_path):
     """A transformers model's own state dict (``mlp.gate``, experts stacked in
     ``mlp.experts.gate_up_proj``) loads as the released per-expert ``block_sparse_moe``
-    files do, with a window shorter than the sequence; the training-time router settings
-    attnlab lacks (jitter, Switch balance loss) are read with a warning naming them."""
+    files do, with a window shorter than the sequence; the training-time router noise
+    attnlab lacks (jitter) is read with a warning naming it."""
     ref = _hf_model("mixtral_window", seed=41)
     hf = ref.config.to_dict()
     (tmp_path / "sd").mkdir()
@@ -606,13 +609,87 @@ def test_mixtral_stacked_experts_and_training_only_router_settings(tmp_path):
 
     with pytest.warns(UserWarning, match=r"router_jitter_noise=0\.1 is not implemented"):
         assert config_from_hf({**hf, "router_jitter_noise": 0.1}) == config_from_hf(hf)
-    switch = {"output_router_logits": True, "router_aux_loss_coef": 0.02}
-    with pytest.warns(UserWarning, match="router_aux_loss_coef=0.02: attnlab trains without"):
-        assert config_from_hf({**hf, **switch}) == config_from_hf(hf)
     # num_experts (MixtralConfig's alias) wins over num_local_experts, as in transformers
     alias = {**hf, "num_experts": 4}
     assert config_from_hf(alias).ffn.n_routed_experts == 4
     assert transformers.MixtralConfig(**alias).num_local_experts == 4
+
+
+def router_gradients_match(ref, model, padded: bool, seed: int) -> None:
+    """transformers' training loss (task loss + router_aux_loss_coef x its Switch balance
+    loss over all layers) is attnlab's loss + aux_loss, and the routers' gradients agree,
+    in training mode (no dropout), on a batch left-padded or not (padding takes no target
+    and no part in the balance loss on either side)."""
+    ref.train().zero_grad()
+    model.train().zero_grad()
+    try:
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, model.cfg.vocab_size, (3, 12), generator=g)
+        mask = torch.ones_like(idx)
+        if padded:
+            mask[0, :4], mask[2, :7] = 0, 0
+        targets = torch.cat([idx[:, 1:], torch.full_like(idx[:, :1], -100)], dim=1)
+        targets = targets.masked_fill(mask == 0, -100)  # a pad predicts no first token
+        theirs = hf_training_loss(ref, idx, targets, mask if padded else None)
+        out = model(idx, attention_mask=mask if padded else None, targets=targets)
+        ours = out.loss + out.aux_loss
+        theirs.backward()
+        ours.backward()
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+        assert out.aux_loss > 0.1 * model.cfg.ffn.switch_aux_loss_coef  # E sum F P >= k
+        moe = [(i, m) for i, m in enumerate(model.blocks) if model.cfg.ffn.moe_layer(i)]
+        assert moe
+        for i, block in moe:
+            layer = ref.model.layers[i].mlp
+            router = getattr(layer, "gate", None) or layer.router
+            pairs = [(block.ffn.gate.weight.grad, router.weight.grad)]
+            if getattr(router, "bias", None) is not None:
+                pairs.append((block.ffn.gate.bias.grad, router.bias.grad))
+            for got, want in pairs:
+                assert want.abs().max() > 1e-3
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        ref.eval().zero_grad()
+        model.eval().zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["mixtral_window", "qwen3moe"])
+def test_switch_balance_loss_trains_as_in_transformers_and_round_trips(kind, tmp_path):
+    """output_router_logits with router_aux_loss_coef imports as ffn.switch_aux_loss_coef:
+    the training loss and the routers' gradients are transformers' (Qwen3-MoE's dense first
+    layer has no router), padded or not; export writes both keys back, and the coefficient
+    0 as transformers' defaults with the loss off."""
+    ref = _hf_model(kind, seed=42, output_router_logits=True, router_aux_loss_coef=0.3)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert model.cfg.ffn.switch_aux_loss_coef == 0.3
+    for padded in (False, True):
+        router_gradients_match(ref, model, padded, seed=7)
+
+    save_hf(model, tmp_path / "out")
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (hf["output_router_logits"], hf["router_aux_loss_coef"]) == (True, 0.3)
+    assert load_hf(tmp_path / "out").cfg == model.cfg
+    off = ref.config.to_dict() | {"output_router_logits": False}
+    assert config_from_hf(off).ffn.switch_aux_loss_coef == 0
+    save_hf(DecoderLM(config_from_hf(off)), tmp_path / "off")
+    hf = json.loads((tmp_path / "off" / "config.json").read_text())
+    assert (hf["output_router_logits"], hf["router_aux_loss_coef"]) == (False, 0.001)
+
+
+def test_switch_balance_loss_is_not_written_where_a_family_has_none(tmp_path):
+    """DeepSeek's config.json has no Switch balance loss: export warns that the setting is
+    left out (the weights and logits are the same without it) and writes the folder."""
+    cfg = get_preset("deepseek-moe-tiny").override(
+        {"ffn.router": "deepseek-v2", "ffn.n_groups": 1, "ffn.topk_groups": 1,
+         "ffn.norm_topk_prob": False, "position.rope_layout": "interleaved",
+         "ffn.switch_aux_loss_coef": 0.01}
+    )  # fmt: skip
+    assert hf_model_type(cfg) == "deepseek_v2"
+    with pytest.warns(UserWarning, match="switch_aux_loss_coef=0.01 is not written: deepseek_v2"):
+        save_hf(DecoderLM(cfg), tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert "router_aux_loss_coef" not in hf and "output_router_logits" not in hf
 
 
 def test_mixtral_export_is_the_released_layout_and_round_trips_exactly(tmp_path):

@@ -13,6 +13,7 @@ Shapes: b batch, t length, V vocabulary, E experts, d d_model, f expert hidden s
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from oracle import hf_logits  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from test_interop import router_gradients_match  # noqa: E402
 
 from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
 from attnlab.models.decoder import DecoderLM  # noqa: E402
@@ -261,6 +263,29 @@ def test_training_gradients_match_transformers(imported):
     finally:
         ref.eval().zero_grad()
         model.eval().zero_grad()
+
+
+def test_switch_balance_loss_trains_as_in_transformers_and_round_trips(tmp_path):
+    """output_router_logits with router_aux_loss_coef imports as ffn.switch_aux_loss_coef:
+    transformers' loss takes the router logits with their bias, and so does attnlab's; the
+    loss and the routers' gradients (weight and bias) agree, padded or not; export writes
+    the keys back."""
+    torch.manual_seed(0)
+    hf = _hf_config("alternating-yarn-gqa")
+    hf.output_router_logits, hf.router_aux_loss_coef = True, 0.3
+    ref = transformers.GptOssForCausalLM(hf)
+    _randomize(ref, seed=8)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert model.cfg.ffn.switch_aux_loss_coef == 0.3
+    for padded in (False, True):
+        router_gradients_match(ref, model, padded, seed=9)
+    save_hf(model, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["output_router_logits"], written["router_aux_loss_coef"]) == (True, 0.3)
+    assert load_hf(tmp_path / "out").cfg == model.cfg
+    off = _hf_dict() | {"router_aux_loss_coef": 0.3}  # output_router_logits false: no loss
+    assert config_from_hf(off).ffn.switch_aux_loss_coef == 0
 
 
 def test_expert_and_router_biases_take_no_weight_decay():

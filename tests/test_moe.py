@@ -1,6 +1,6 @@
 """Mixture of experts: the grouped expert computation against a direct loop over tokens,
 both routers against transformers' DeepSeek-V3/V2 routers, dense first layers, the
-aux-loss-free bias update and the sequence-wise balance loss.
+aux-loss-free bias update, the sequence-wise balance loss and the Switch balance loss.
 
 Shapes: N tokens, d d_model, E experts, k experts per token.
 """
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import sequence_balance_loss
+import torch.nn.functional as F
+from oracle import sequence_balance_loss, switch_balance_loss
 
 from attnlab.config import ConfigError, FFNConfig
 from attnlab.models import build_model
+from attnlab.models.outputs import collect_aux
 from attnlab.nn.feedforward import GatedFFN
 from attnlab.nn.moe import MoE, update_router_biases
 from attnlab.presets import get_preset
@@ -321,6 +323,94 @@ def test_sequence_balance_loss_matches_the_paper_and_transformers():
     torch.testing.assert_close(moe.aux_loss, 0.1 / 2 * torch.stack(expected).mean())
 
 
+def _switch_layers(n_layers: int, router_bias: bool, dtype=torch.float64) -> list[MoE]:
+    """MoE layers with the Switch balance loss, sharp random routers (and biases)."""
+    kw = dict(router="deepseek-v2", router_bias=router_bias, switch_aux_loss_coef=0.3)
+    kw |= dict(n_routed_experts=6, n_activated_experts=2, n_shared_experts=0)
+    layers = []
+    for _ in range(n_layers):
+        moe = _moe(**kw).to(dtype).train()
+        with torch.no_grad():
+            moe.gate.weight.normal_()
+            if router_bias:
+                moe.gate.bias.normal_()
+        layers.append(moe)
+    return layers
+
+
+@pytest.mark.parametrize("router_bias", [False, True], ids=["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_switch_balance_loss_is_transformers_over_all_layers(router_bias, padded):
+    """Three MoE layers' Switch loss, pooled by the model's collect_aux, is transformers'
+    load_balancing_loss_func of their router logits (bias included: GPT-OSS's) concatenated,
+    with the attention mask of a left-padded batch: not a sum of per-layer losses. float64
+    against the readable oracle; transformers sums in float32."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    torch.manual_seed(0)
+    b, t = 3, 7
+    layers = _switch_layers(3, router_bias)
+    mask = torch.ones(b, t, dtype=torch.long)
+    if padded:
+        mask[0, :3], mask[2, :6] = 0, 0
+    xs = [torch.randn(b, t, D, dtype=torch.float64) for _ in layers]
+    for moe, x in zip(layers, xs, strict=True):
+        moe(x, real_tokens=mask.bool() if padded else None)
+    loss, _ = collect_aux([(str(i), m) for i, m in enumerate(layers)])
+    logits = [F.linear(x.reshape(-1, D), m.gate.weight, m.gate.bias) for m, x in zip(layers, xs)]
+    real = mask.flatten().bool() if padded else None
+    torch.testing.assert_close(loss, switch_balance_loss(logits, 2, 0.3, real), rtol=1e-12, atol=0)
+    theirs = mixtral.load_balancing_loss_func(
+        tuple(logits), 6, 2, attention_mask=mask if padded else None
+    )
+    torch.testing.assert_close(loss, 0.3 * theirs.double(), rtol=1e-6, atol=0)
+    per_layer = sum(switch_balance_loss([lg], 2, 0.3, real) for lg in logits) / 3
+    assert (loss - per_layer).abs() > 1e-3  # pooled, not the layers' mean
+
+
+def test_switch_balance_loss_trains_only_when_asked():
+    """Only training passes with switch_aux_loss_coef > 0 report the statistics; a batch of
+    padding only gives a loss of 0 (not 0 / 0); the loss reaches the router's weights."""
+    torch.manual_seed(0)
+    (moe,) = _switch_layers(1, router_bias=True, dtype=torch.float32)
+    x = torch.randn(2, 5, D)
+    moe(x)
+    loss, _ = collect_aux([("moe", moe)])
+    loss.backward()
+    assert moe.aux_loss is None and moe.gate.weight.grad.abs().max() > 0
+    assert moe.gate.bias.grad.abs().max() > 0
+    moe(x, real_tokens=torch.zeros(2, 5, dtype=torch.bool))
+    assert collect_aux([("moe", moe)])[0] == 0
+    moe.eval()(x)
+    assert moe.aux_stats is None and collect_aux([("moe", moe)])[0] is None
+    off = _moe(router="deepseek-v2").train()
+    off(x)
+    assert off.aux_pool is None and off.aux_stats is None
+
+
+def test_switch_balance_loss_compiles_without_graph_breaks():
+    """A training pass of few tokens (the gathered experts: static shapes) and the pooled
+    loss compile in one graph (no host reads) and give eager's loss and gradients."""
+    torch.manual_seed(0)
+    layers = _switch_layers(2, router_bias=True, dtype=torch.float32)
+    modules = [(str(i), m) for i, m in enumerate(layers)]
+    x, real = torch.randn(1, 3, D), torch.tensor([[False, True, True]])
+
+    def step(x):
+        for m in layers:
+            x = x + m(x, real_tokens=real)
+        return collect_aux(modules)[0]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    grads = []
+    for run in (step, compiled):
+        for m in layers:
+            m.zero_grad()
+        loss = run(x)
+        loss.backward()
+        grads.append((loss.detach(), [m.gate.weight.grad.clone() for m in layers]))
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_model_output_carries_aux_loss_and_per_layer_load():
     cfg = get_preset("deepseek-moe-tiny").override({"ffn.seq_aux_loss_coef": 0.001})
     model = build_model(cfg).train()
@@ -345,6 +435,11 @@ def test_moe_config_errors_name_the_field():
         FFNConfig.from_dict({"kind": "moe", "router_bias": "yes"})
     with pytest.raises(ConfigError, match="ffn.swiglu_limit: must be > 0, got -1"):
         FFNConfig.from_dict({"kind": "moe", "swiglu_limit": -1})
+    switch = {"kind": "moe", "router": "deepseek-v2", "switch_aux_loss_coef": -0.1}
+    with pytest.raises(ConfigError, match="ffn.switch_aux_loss_coef: must be >= 0, got -0.1"):
+        FFNConfig.from_dict(switch)
+    with pytest.raises(ConfigError, match="ffn.switch_aux_loss_coef: .* softmax router"):
+        FFNConfig.from_dict({**switch, "router": "deepseek-v3", "switch_aux_loss_coef": 0.1})
 
 
 def test_trainer_moves_router_biases_after_each_step(tmp_path):
@@ -649,6 +744,32 @@ def test_moe_without_padding_is_unchanged_by_an_all_ones_mask():
         torch.testing.assert_close(m.load, load, rtol=0, atol=0)
         torch.testing.assert_close(m.aux_metrics["max_vio"], max_vio)
         torch.testing.assert_close(m.aux_loss, loss)
+
+
+@pytest.mark.parametrize("preset", ["bert-tiny-mlm", "transformer-numbers"])
+def test_switch_balance_loss_of_a_padded_batch_pools_the_real_tokens_of_all_layers(preset):
+    """Encoder and encoder-decoder, right-padded: the model's auxiliary loss is the
+    oracle's Switch loss over the real tokens of all its MoE layers (the encoder's and the
+    decoder's in one pool), from the routers' own scores."""
+    torch.manual_seed(0)
+    switch = {"ffn.router": "deepseek-v2", "ffn.seq_aux_loss_coef": 0.0,
+              "ffn.switch_aux_loss_coef": 0.1}  # fmt: skip
+    model = build_model(get_preset(preset).override({**PADDED_MOE, **switch})).train()
+    layers, seen, handles = _record_routing(model)
+    idx, mask = _right_padded([torch.randint(5, 12, (n,)) for n in (6, 3, 1)], 8)
+    try:
+        if preset == "bert-tiny-mlm":
+            out = model(idx, attention_mask=mask)
+        else:  # sources and targets padded alike
+            out = model(idx, idx, src_mask=mask, tgt_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(layers) >= 2
+    # the oracle takes logits: log s gives the router's softmax s back
+    logits = [seen[name][0][1].log() for name in layers]
+    expected = switch_balance_loss(logits, 2, 0.1, mask.flatten().bool())
+    torch.testing.assert_close(out.aux_loss, expected)
 
 
 def test_moe_batch_of_padding_only_counts_nothing():

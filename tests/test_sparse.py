@@ -331,10 +331,18 @@ def test_warmup_stage_trains_only_the_indexer_and_reports_recall():
     assert 0 < float(recall) <= 1 and float(out.metrics["blocks.0.attn/indexer_kl"]) >= 0
 
 
-def test_warmup_stage_keeps_the_moe_balance_loss_off_the_frozen_model():
-    """The rest of the model stays frozen in the warm-up even with a sequence-wise balance
-    loss: it would otherwise train the routers and every layer below them."""
-    model = _dsa(**{"attention.dsa_stage": "warmup", "ffn.seq_aux_loss_coef": 0.01})
+@pytest.mark.parametrize(
+    "balance",
+    [
+        {"ffn.seq_aux_loss_coef": 0.01},
+        {"ffn.router": "deepseek-v2", "ffn.n_groups": 1, "ffn.switch_aux_loss_coef": 0.01},
+    ],
+    ids=["sequence-wise", "switch"],
+)
+def test_warmup_stage_keeps_the_moe_balance_loss_off_the_frozen_model(balance):
+    """The rest of the model stays frozen in the warm-up even with a sequence-wise or
+    Switch balance loss: it would otherwise train the routers and every layer below them."""
+    model = _dsa(**{"attention.dsa_stage": "warmup", **balance})
     out = _train_step(model, torch.randint(0, V, (2, 25)))
     for name, p in model.named_parameters():
         assert (p.grad is not None) == (".indexer." in name), name

@@ -3,6 +3,7 @@ through each family's name mapping."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,23 @@ def hf_model_type(cfg: ModelConfig) -> str:
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The ``config.json`` dict :func:`save_hf` writes for ``cfg`` (see :func:`hf_model_type`)."""
     family, model_type = _export_family(cfg)
-    return family.config_to_hf(cfg, model_type, dtype)
+    return _hf_config(cfg, family, model_type, dtype)
+
+
+def _hf_config(cfg: ModelConfig, family: Family, model_type: str, dtype: torch.dtype) -> dict:
+    """The family's config.json; a warning where it leaves out the Switch balance loss
+    (a training setting: the weights and logits export all the same)."""
+    hf = family.config_to_hf(cfg, model_type, dtype)
+    coef = cfg.ffn.switch_aux_loss_coef
+    moe = any(cfg.ffn.moe_layer(i) for i in range(cfg.n_layers))
+    if moe and coef > 0 and "router_aux_loss_coef" not in hf:
+        warnings.warn(
+            f"ffn.switch_aux_loss_coef={coef} is not written: {model_type} has no Switch "
+            "balance loss (Mixtral, Qwen3-MoE and GPT-OSS have); training it with "
+            "transformers leaves it out",
+            stacklevel=3,
+        )
+    return hf
 
 
 def _aliases(model: nn.Module) -> set[str]:
@@ -256,7 +273,7 @@ def save_hf(model: nn.Module, path: str | Path) -> None:
     cfg = model.cfg
     family, model_type = _export_family(cfg)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    hf_config = family.config_to_hf(cfg, model_type, dtype)
+    hf_config = _hf_config(cfg, family, model_type, dtype)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     tensors = family.weights_from_attnlab(sd, cfg, model_type)
     write_folder(Path(path), tensors, hf_config, family.extra_files(cfg))

@@ -7,10 +7,9 @@ over those k, which is attnlab's ``deepseek-v2`` softmax router renormalised ove
 (``norm_topk_prob``) with ``router_bias``. Its experts are SwiGLUs with biases
 (``expert_bias``) and a clamp (``activation`` ``clamped_swiglu``: ``swiglu_alpha``,
 ``swiglu_limit``); no shared experts. ``hidden_act`` is not read (neither does transformers'
-model), nor are the settings of its training loss: ``router_aux_loss_coef`` and
-``output_router_logits`` (a Switch-style load-balancing loss over the routers' logits,
-which attnlab does not have; its own ``ffn.seq_aux_loss_coef`` is DeepSeek-V3's
-sequence-wise loss, off on import; export writes transformers' defaults).
+model). ``router_aux_loss_coef`` with ``output_router_logits`` (transformers' Switch
+load-balancing loss over the routers' logits, bias included, when training) is
+``ffn.switch_aux_loss_coef``, both ways.
 
 Weights beyond llama.py's, HF (``model.layers.{i}.``) -> attnlab (``blocks.{i}.``):
 
@@ -54,6 +53,8 @@ from attnlab.interop.io import (
     prefix,
     rope_settings,
     rope_to_hf,
+    switch_loss_from_hf,
+    switch_loss_to_hf,
     unrepresentable,
 )
 
@@ -81,6 +82,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 4,
         "swiglu_alpha": 1.702,
         "swiglu_limit": 7.0,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
     }
 }
 N_EXPERTS_DEFAULT = 128  # GptOssConfig's num_local_experts
@@ -95,8 +98,6 @@ DEFAULT_ROPE = {
     "original_max_position_embeddings": 4096,
 }
 DEFAULT_THETA = 150000.0
-# transformers' defaults of what attnlab does not carry, written on export
-ROUTER_AUX_LOSS_COEF = 0.001
 UNUSED_WINDOW = DEFAULTS["gpt_oss"]["sliding_window"]  # written when no layer slides
 LAYER_TYPES = {"sliding_attention": "L", "full_attention": "G"}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -204,6 +205,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
             routed_scaling_factor=1.0,
             router_bias=True,
             expert_bias=True,
+            switch_aux_loss_coef=switch_loss_from_hf(hf),
         ),
         norm=NormConfig(kind="rmsnorm", eps=hf.get("rms_norm_eps", 1e-5)),
         tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -267,8 +269,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         "swiglu_alpha": ffn.swiglu_alpha,
         "swiglu_limit": ffn.swiglu_limit,
         "hidden_act": "silu",
-        "router_aux_loss_coef": ROUTER_AUX_LOSS_COEF,
-        "output_router_logits": False,
+        **switch_loss_to_hf(cfg),
         "rope_theta": pos.rope_theta,  # transformers 4.x
         "rope_scaling": None if pos.rope_scaling is None else rope,
         "rope_parameters": rope,  # transformers 5.x

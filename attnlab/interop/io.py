@@ -259,6 +259,31 @@ def is_plain_decoder(cfg: ModelConfig) -> bool:
     return cfg.arch == "decoder" and cfg.norm.placement == "pre" and cfg.attention.kind == "mha"
 
 
+# transformers' MixtralConfig, Qwen3MoeConfig and GptOssConfig default router_aux_loss_coef
+ROUTER_AUX_LOSS_COEF = 0.001
+
+
+def switch_loss_from_hf(hf: dict[str, Any]) -> float:
+    """``ffn.switch_aux_loss_coef`` of a Mixtral, Qwen3-MoE or GPT-OSS config.json: its
+    ``router_aux_loss_coef`` where ``output_router_logits`` turns the loss on, else 0."""
+    if not hf.get("output_router_logits"):
+        return 0.0
+    coef = get(hf, "router_aux_loss_coef")
+    if isinstance(coef, bool) or not isinstance(coef, int | float):
+        raise HFCheckpointError(f"config.json router_aux_loss_coef must be a number, got {coef!r}")
+    return float(coef)
+
+
+def switch_loss_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json entries of ``ffn.switch_aux_loss_coef`` (transformers' default
+    coefficient, unused, when the loss is off)."""
+    coef = cfg.ffn.switch_aux_loss_coef
+    return {
+        "output_router_logits": coef > 0,
+        "router_aux_loss_coef": coef if coef > 0 else ROUTER_AUX_LOSS_COEF,
+    }
+
+
 def n_labels(hf: dict[str, Any]) -> int:
     return hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
 

@@ -18,15 +18,15 @@ renames it ``mlp`` and stacks them (``mlp.experts.gate_up_proj`` (E, 2f, d),
 ``mlp.experts.down_proj`` (E, d, f)); both are read, layer by layer. Export writes the
 released layout, which transformers' ``from_pretrained`` converts on loading.
 
-Training-only settings. transformers multiplies a training MoE layer's input by noise
-uniform in [1 - ``router_jitter_noise``, 1 + it], and, with ``output_router_logits``, adds
-``router_aux_loss_coef`` times the Switch Transformer load-balancing loss to a training
-loss. attnlab's MoE has neither (its balance loss is DeepSeek-V3's, ``ffn.seq_aux_loss_coef``,
-another formula). Neither changes what the model computes in eval mode (logits,
-generation), so import reads such a checkpoint and warns that fine-tuning it in attnlab
-trains without them (refusing would keep the model from being run at all); the released
-checkpoints set no jitter and leave ``output_router_logits`` false. Export writes
-``router_jitter_noise`` 0 and ``output_router_logits`` false: how attnlab trained it.
+Training-only settings. With ``output_router_logits``, transformers adds
+``router_aux_loss_coef`` times the Switch Transformer load-balancing loss over all layers'
+router logits to the loss: ``ffn.switch_aux_loss_coef`` (0 when ``output_router_logits`` is
+false), which export writes back (``output_router_logits`` = coefficient > 0). It also
+multiplies a training MoE layer's input by noise uniform in [1 - ``router_jitter_noise``,
+1 + it], which attnlab's MoE lacks. That changes nothing in eval mode (logits, generation),
+so import reads such a checkpoint and warns that fine-tuning it in attnlab trains without
+the noise (refusing would keep the model from being run at all); the released checkpoints
+set none. Export writes ``router_jitter_noise`` 0: how attnlab trained it.
 
 Shapes: d d_model, f expert hidden size, E experts.
 """
@@ -51,6 +51,8 @@ from attnlab.interop.io import (
     is_plain_decoder,
     local_layers,
     prefix,
+    switch_loss_from_hf,
+    switch_loss_to_hf,
     unplan,
     unrepresentable,
 )
@@ -86,21 +88,13 @@ DEFAULT_THETA = 1e6  # MixtralConfig.default_theta
 
 
 def _warn_training_only(hf: dict[str, Any]) -> None:
-    """Warn about the training-time router settings attnlab's MoE lacks (module docstring)."""
+    """Warn about the training-time router noise attnlab's MoE lacks (module docstring)."""
     jitter = hf.get("router_jitter_noise") or 0.0
     if jitter:
         warnings.warn(
             f"config.json router_jitter_noise={jitter} is not implemented: attnlab's mixture "
             "of experts adds no noise to the router's input when training (eval and "
             "generation are unaffected)",
-            stacklevel=3,
-        )
-    coef = hf.get("router_aux_loss_coef") or 0.0
-    if hf.get("output_router_logits") and coef:
-        warnings.warn(
-            f"config.json output_router_logits=true with router_aux_loss_coef={coef}: "
-            "attnlab trains without the Switch load-balancing loss (its own is "
-            "ffn.seq_aux_loss_coef; eval and generation are unaffected)",
             stacklevel=3,
         )
 
@@ -125,6 +119,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
         first_k_dense=0,
         norm_topk_prob=True,  # MixtralTopKRouter divides the top k by their sum
         routed_scaling_factor=1.0,
+        switch_aux_loss_coef=switch_loss_from_hf(hf),
     )
     return dataclasses.replace(cfg, ffn=ffn)
 
@@ -178,7 +173,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         "num_local_experts": ffn.n_routed_experts,
         "num_experts_per_tok": ffn.n_activated_experts,
         "router_jitter_noise": 0.0,
-        "output_router_logits": False,
+        **switch_loss_to_hf(cfg),
     }
 
 

@@ -14,6 +14,9 @@ Weights beyond llama.py's, HF (``model.layers.{i}.mlp.``) -> attnlab (``blocks.{
 Checkpoint files store experts one by one; a transformers model's own ``state_dict()``
 stacks them (``experts.gate_up_proj``, ``experts.down_proj``); both are read.
 
+``router_aux_loss_coef`` (with ``output_router_logits``: transformers' Switch balance loss
+when training) is ``ffn.switch_aux_loss_coef``, both ways.
+
 Shapes: d d_model, f expert hidden size, E experts.
 """
 
@@ -38,6 +41,8 @@ from attnlab.interop.io import (
     local_layers,
     moe_specs,
     prefix,
+    switch_loss_from_hf,
+    switch_loss_to_hf,
     unplan,
     unrepresentable,
 )
@@ -63,6 +68,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8,
         "num_experts": 128,
         "norm_topk_prob": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
     }
 }
 
@@ -102,6 +109,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
         first_k_dense=first,
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         routed_scaling_factor=1.0,
+        switch_aux_loss_coef=switch_loss_from_hf(hf),
     )
     return dataclasses.replace(cfg, attention=attention, ffn=ffn)
 
@@ -153,6 +161,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         "norm_topk_prob": ffn.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(ffn.first_k_dense)),
+        **switch_loss_to_hf(cfg),
     }
 
 

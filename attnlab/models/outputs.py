@@ -2,21 +2,25 @@
 
 Modules that add a training signal of their own (a mixture-of-experts balance loss, a
 sparse-attention indexer loss) set ``has_aux = True`` and, at each forward pass, the
-attributes ``aux_loss`` (a 0-d tensor or None) and ``aux_metrics`` (name -> value). The
-model sums the losses and gathers the metrics into its output (the graph goes with the
-output: the modules keep their losses' values, detached); the trainer optimises
-``loss + aux_loss`` and logs the metrics. Their forward also takes ``real_tokens`` (b, t)
-bool, False at padding, which the blocks pass when the model has a padding mask: the
-statistics and losses count the real tokens only. A module that sets ``trains_alone = True``
-(DeepSeek sparse attention's dense warm-up stage) freezes the rest of the model: when
-training, the model reports its task loss detached and leaves out the other modules'
-auxiliary losses, so only the losses of the modules training alone (and the parameters they
-reach) receive gradients; the optimiser skips parameters without one.
+attributes ``aux_loss`` (a 0-d tensor or None) and ``aux_metrics`` (name -> value). A loss
+over several modules at once (the Switch balance loss over all MoE layers) is pooled: each
+module reports its sums in ``aux_stats`` and the model adds those of one ``aux_pool`` and
+calls it once. The model sums the losses and gathers the metrics into its output (the
+graph goes with the output: the modules keep their losses' values, detached); the trainer
+optimises ``loss + aux_loss`` and logs the metrics. Their forward also takes
+``real_tokens`` (b, t) bool, False at padding, which the blocks pass when the model has a
+padding mask: the statistics and losses count the real tokens only. A module that sets
+``trains_alone = True`` (DeepSeek sparse attention's dense warm-up stage) freezes the rest
+of the model: when training, the model reports its task loss detached and leaves out the
+other modules' auxiliary losses (pooled ones too), so only the losses of the modules
+training alone (and the parameters they reach) receive gradients; the optimiser skips
+parameters without one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import add
 
 import torch
 from torch import Tensor, nn
@@ -56,22 +60,35 @@ def aux_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def collect_aux(
     modules: list[tuple[str, nn.Module]], *, alone: bool = False
 ) -> tuple[Tensor | None, dict[str, Tensor | float]]:
-    """Sum of the modules' ``aux_loss`` and their ``aux_metrics`` as ``"<module>/<name>"``.
-    ``alone``: the losses of the modules that train alone only (the rest of the model is
-    frozen, so a mixture-of-experts balance loss must not reach it); all metrics still."""
+    """Sum of the modules' ``aux_loss`` and their ``aux_metrics`` as ``"<module>/<name>"``,
+    plus the pooled losses: the ``aux_stats`` (a tuple of tensors) of the modules with equal
+    ``aux_pool`` are added and ``aux_pool(*stats)`` is one loss (the Switch balance loss
+    over all MoE layers, ``nn.moe.SwitchBalance``). ``alone``: the losses of the modules that
+    train alone only (the rest of the model is frozen, so a mixture-of-experts balance loss
+    must not reach it); all metrics still."""
     total, metrics = None, {}
+    pools: dict[object, tuple[Tensor, ...]] = {}
     for name, m in modules:
         loss = getattr(m, "aux_loss", None)
+        stats = getattr(m, "aux_stats", None)
+        # the output carries the graph; the module keeps the values (a tensor with a graph
+        # held on a module made copy.deepcopy(model) fail after a training pass)
         if loss is not None:
-            # the output carries the graph; the module keeps the value (a tensor with a
-            # graph held on a module made copy.deepcopy(model) fail after a training pass)
             m.aux_loss = loss.detach()
+        if stats is not None:
+            m.aux_stats = tuple(s.detach() for s in stats)
         if alone and not getattr(m, "trains_alone", False):
-            loss = None
+            loss = stats = None
         if loss is not None:
             total = loss if total is None else total + loss
+        if stats is not None:
+            pool = m.aux_pool
+            pools[pool] = stats if pool not in pools else tuple(map(add, pools[pool], stats))
         for key, value in (getattr(m, "aux_metrics", None) or {}).items():
             metrics[f"{name}/{key}"] = value
+    for pool, stats in pools.items():
+        loss = pool(*stats)
+        total = loss if total is None else total + loss
     return total, metrics
 
 

@@ -32,6 +32,7 @@ f expert hidden size.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -230,12 +231,34 @@ class Experts(nn.Module):
         return torch.einsum("ned,ne->nd", y, gates)
 
 
+@dataclass(frozen=True)
+class SwitchBalance:
+    """The Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4-6) over several
+    MoE layers at once, as transformers' ``load_balancing_loss_func`` (Mixtral, Qwen3-MoE,
+    GPT-OSS) computes it: coef E sum_i F_i P_i, where over all layers' tokens F_i is the
+    number of (layer, token, top-k slot) choices of expert i per token and P_i the mean
+    softmax probability of i. Not a sum of per-layer losses: each layer reports its sums
+    (:attr:`MoE.aux_stats`) and the model adds those of every layer with the same pool
+    (``aux_pool``: equal settings) before calling this once (``models.outputs.collect_aux``)."""
+
+    coef: float
+    n_experts: int
+
+    def __call__(self, choices: Tensor, probs: Tensor, tokens: Tensor) -> Tensor:
+        """choices (E,) chosen slots per expert, probs (E,) summed probabilities, tokens
+        (0-d): each summed over the layers' real tokens."""
+        tokens = tokens.clamp(min=1)  # a batch of padding only: 0, not 0 / 0
+        return self.coef * self.n_experts * ((choices / tokens) * (probs / tokens)).sum()
+
+
 class MoE(KeepsPrecision):
     """Routed and shared experts. ``aux_metrics``: ``max_vio`` (DeepSeek-V3's MaxVio: the
     busiest expert's load over the mean load, minus 1, in this forward pass); ``aux_loss``:
-    the sequence-wise balance loss when seq_aux_loss_coef > 0 (training only). Given
-    ``real_tokens`` (a padded batch), the load that balances the bias, MaxVio and the
-    balance loss count the real tokens only, as if each sequence came unpadded."""
+    the sequence-wise balance loss when seq_aux_loss_coef > 0 (training only);
+    ``aux_stats``: this layer's share of the Switch balance loss (:class:`SwitchBalance`,
+    ``aux_pool``) when switch_aux_loss_coef > 0 (training only). Given ``real_tokens`` (a
+    padded batch), the load that balances the bias, MaxVio and the balance losses count the
+    real tokens only, as if each sequence came unpadded."""
 
     has_aux = True
 
@@ -257,6 +280,9 @@ class MoE(KeepsPrecision):
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.aux_loss: Tensor | None = None
         self.aux_metrics: dict[str, Tensor | float] = {}
+        coef = cfg.switch_aux_loss_coef
+        self.aux_pool = SwitchBalance(coef, cfg.n_routed_experts) if coef > 0 else None
+        self.aux_stats: tuple[Tensor, Tensor, Tensor] | None = None
 
     full_precision = ("load",)  # token counts: bf16 counts above 256 round
 
@@ -289,6 +315,17 @@ class MoE(KeepsPrecision):
             # 0 when nothing was counted (a batch of padding only), not 0 / 0
             max_vio = load.max() / load.mean() - 1
             self.aux_metrics = {"max_vio": torch.where(load.any(), max_vio, 0.0)}
+        self.aux_stats = None
+        if self.training and self.aux_pool is not None:
+            # Switch (SwitchBalance): F_i from the experts the real tokens are routed to
+            # (`load`: the top k of the softmax, as transformers counts, without groups),
+            # P_i from their softmax scores (with the router's bias: GPT-OSS's logits)
+            if real_tokens is None:
+                probs, tokens = scores.sum(dim=0), torch.full((), b * t, device=x.device)
+            else:
+                real = real_tokens.reshape(b * t, 1)  # (N, 1)
+                probs, tokens = (scores * real).sum(dim=0), real.sum()
+            self.aux_stats = (load.to(scores.dtype), probs, tokens.to(scores.dtype))
         self.aux_loss = None
         if self.training and self.aux_coef > 0:
             counted = experts
