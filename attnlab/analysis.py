@@ -86,7 +86,9 @@ def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
         _linear(d, up_width, ffn.bias),
         _linear(hidden, d, ffn.bias),
     ]
-    params = sum(p for p, _ in linears) + 2 * _norm_params(cfg.norm, d)  # attn + ffn norms
+    # attn + ffn norms (sandwich: a second one after each)
+    n_norms = 4 if cfg.norm.placement == "sandwich" else 2
+    params = sum(p for p, _ in linears) + n_norms * _norm_params(cfg.norm, d)
     if att.qk_norm:  # QK-norm: one d_h weight for the queries, one for the keys
         params += 2 * cfg.head_dim
     return params, sum(w for _, w in linears)
@@ -157,7 +159,7 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
         }
     embedding = V * d + (cfg.max_seq_len * d if cfg.position.kind == "learned" else 0)
     block, _ = _block_counts(cfg)
-    final_norm = _norm_params(cfg.norm, d) if cfg.norm.placement == "pre" else 0
+    final_norm = _norm_params(cfg.norm, d) if cfg.norm.placement != "post" else 0
     non_embedding = cfg.n_layers * block + final_norm + head
     return {
         "total": embedding + non_embedding,

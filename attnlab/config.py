@@ -306,8 +306,11 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")  # elementwise: a
 # Gated activations of both projections (gate, up) at once, for gated FFNs and experts only
 # (nn/feedforward.py): GPT-OSS's clamped SwiGLU.
 GATED_ACTIVATIONS = ("clamped_swiglu",)
-NORM_KINDS = ("layernorm", "rmsnorm")
-NORM_PLACEMENTS = ("pre", "post")
+# gemma_rmsnorm: RMSNorm whose weight is stored as an offset from one, x / rms(x) * (1 + w),
+# scaled in float32 before casting back (Gemma)
+NORM_KINDS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+# sandwich (Gemma 2 and 3): x + post_norm(f(pre_norm(x))), a norm on each side of f
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
 @dataclass
@@ -348,6 +351,9 @@ class AttentionConfig(_Config):
     # weight of head_dim for the query heads, one for the key heads; eps = norm.eps), after
     # the projections and before RoPE and the cache. Multi-head attention only.
     qk_norm: bool = False
+    # The softmax scale of q . k: None is 1 / sqrt(head_dim); Gemma 3 sets
+    # query_pre_attn_scalar**-0.5. Multi-head attention only.
+    scale: float | None = None
     backend: str = "sdpa"
     # Multi-head latent attention (kind "mla", DeepSeek-V2). None derives a width from
     # d_h = d_model // n_heads as the paper does: d_c = 4 d_h, d_h^R = d_h / 2, and d_h for
@@ -549,6 +555,10 @@ class AttentionConfig(_Config):
         if self.qk_norm and self.kind != "mha":
             _fail(f"{path}.qk_norm", f"is implemented by attention.kind='mha' only, not "
                   f"{self.kind!r}; set it to false")  # fmt: skip
+        _positive(f"{path}.scale", self.scale)
+        if self.scale is not None and self.kind != "mha":
+            _fail(f"{path}.scale", f"is implemented by attention.kind='mha' only, not "
+                  f"{self.kind!r}; set it to null")  # fmt: skip
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.kind == "linear":  # a running sum over every past token: no window, no sinks,
@@ -636,6 +646,9 @@ class PositionConfig(_Config):
     rope_mscale_all_dim: float | None = None
     rope_truncate: bool = True  # yarn only
     rope_attention_factor: float | None = None  # yarn only
+    # A second RoPE base for the local (sliding-window) layers, unscaled, as Gemma 3's
+    # rope_local_base_freq; None: every layer uses rope_theta and its scaling.
+    local_rope_theta: float | None = None
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
@@ -655,6 +668,9 @@ class PositionConfig(_Config):
         _positive(f"{path}.rope_original_max_seq_len", self.rope_original_max_seq_len)
         _positive(f"{path}.rope_beta_fast", self.rope_beta_fast)
         _positive(f"{path}.rope_beta_slow", self.rope_beta_slow)
+        _positive(f"{path}.local_rope_theta", self.local_rope_theta)
+        if self.local_rope_theta is not None and self.kind != "rope":
+            _fail(f"{path}.local_rope_theta", f"needs position.kind 'rope', got {self.kind!r}")
         if self.rope_scaling == "yarn" and self.rope_theta <= 1:
             # YaRN finds its ramp by ln(theta): frequencies must fall with the pair index
             _fail(f"{path}.rope_theta", f"must be > 1 with yarn scaling, got {self.rope_theta}")
@@ -783,13 +799,15 @@ class FFNConfig(_Config):
 
 @dataclass
 class NormConfig(_Config):
-    """Normalisation: ``kind`` layernorm or rmsnorm, its ``eps``, a LayerNorm ``bias``, and
-    ``placement`` pre (GPT-2, LLaMA) or post (the original Transformer)."""
+    """Normalisation: ``kind`` layernorm, rmsnorm or gemma_rmsnorm (weight 1 + w), its
+    ``eps``, a LayerNorm ``bias``, and ``placement`` pre (GPT-2, LLaMA), post (the original
+    Transformer) or sandwich (Gemma 2 and 3: a norm before and after each sublayer)."""
 
     kind: str = "layernorm"
     eps: float = 1e-5
     bias: bool = True  # LayerNorm only
-    placement: str = "pre"  # "pre" (GPT-2, LLaMA) or "post" (original Transformer)
+    # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": x + norm'(f(norm(x)))
+    placement: str = "pre"
 
     def validate(self, path: str = "norm") -> None:
         _choice(f"{path}.kind", self.kind, NORM_KINDS)
@@ -820,6 +838,9 @@ class ModelConfig(_Config):
     ffn: FFNConfig = field(default_factory=FFNConfig)
     norm: NormConfig = field(default_factory=NormConfig)
     tie_embeddings: bool = True
+    # Multiply the token embeddings by sqrt(d_model) (Vaswani et al.; Gemma, whose decoder
+    # rounds the factor to the embedding's dtype first). Decoder and encoder-decoder only.
+    scale_embeddings: bool = False
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
 
@@ -873,6 +894,27 @@ class ModelConfig(_Config):
             )
         if self.position.kind == "sinusoidal" and self.d_model % 2:
             _fail(at("d_model"), f"sinusoidal positions need an even d_model, got {self.d_model}")
+        self._validate_pieces_by_arch(at)
+
+    def _validate_pieces_by_arch(self, at) -> None:
+        """Pieces only some architectures build (Gemma's): refused by name in the others."""
+        if self.scale_embeddings and self.arch not in ("decoder", "seq2seq"):
+            _fail(at("scale_embeddings"), f"is implemented by the decoder and seq2seq "
+                  f"architectures only, not {self.arch!r}; set it to false")  # fmt: skip
+        if self.norm.placement == "sandwich" and self.arch != "decoder":
+            _fail(at("norm.placement"), f"'sandwich' is implemented by the decoder "
+                  f"architecture only, not {self.arch!r}")  # fmt: skip
+        if self.position.local_rope_theta is None:
+            return
+        where = at("position.local_rope_theta")
+        if self.arch != "decoder":
+            _fail(where, f"is implemented by the decoder architecture only, not {self.arch!r}")
+        if self.attention.kind != "mha":
+            _fail(where, f"is implemented by attention.kind='mha' only, not "
+                  f"{self.attention.kind!r}")  # fmt: skip
+        if self.attention.sliding_window is None:
+            _fail(where, "applies to local layers, and none has a window: set "
+                  "attention.sliding_window (and layer_pattern)")  # fmt: skip
 
     @property
     def head_dim(self) -> int:

@@ -1,7 +1,7 @@
 """Named model configurations: plain functions returning a fresh config.
 
 Tiny presets build in milliseconds for tests; published sizes (GPT-2, LLaMA, Mistral,
-Qwen2, Mixtral) are there for the calculators and for checkpoint import.
+Qwen2, Mixtral, Gemma 3, ...) are there for the calculators and for checkpoint import.
 """
 
 from __future__ import annotations
@@ -605,6 +605,129 @@ def gpt_oss_120b() -> ModelConfig:
     return gpt_oss(n_layers=36, n_experts=128)
 
 
+def gemma3_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    ffn_hidden: int,
+    sliding_window: int,
+    query_pre_attn_scalar: int,
+    rope_factor: float | None = None,
+    rope_theta: float = 1_000_000.0,
+    local_rope_theta: float = 10_000.0,
+) -> ModelConfig:
+    """Gemma 3 (text): five local layers (a sliding window; RoPE of base local_rope_theta)
+    to one global layer (RoPE of base rope_theta, linear x rope_factor in the 4B to 27B
+    models), GQA with QK-norm and a softmax scale of query_pre_attn_scalar**-0.5, RMSNorms
+    of weight 1 + w before and after each sublayer, GeGLU (tanh), no biases, embeddings
+    scaled by sqrt(d_model) and tied to the head."""
+    scale = None if query_pre_attn_scalar == head_dim else query_pre_attn_scalar**-0.5
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=None if head_dim * n_heads == d_model else head_dim,
+            sliding_window=sliding_window,
+            layer_pattern="LLLLLG",
+            qk_norm=True,
+            scale=scale,
+        ),
+        position=PositionConfig(
+            kind="rope",
+            rope_theta=rope_theta,
+            rope_layout="split",
+            rope_scaling=None if rope_factor is None else "linear",
+            rope_factor=1.0 if rope_factor is None else rope_factor,
+            local_rope_theta=local_rope_theta,
+        ),
+        ffn=FFNConfig(kind="glu", activation="gelu_tanh", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="gemma_rmsnorm", eps=1e-6, placement="sandwich"),
+        tie_embeddings=True,
+        scale_embeddings=True,
+    )
+
+
+def gemma3_tiny() -> ModelConfig:
+    """Gemma 3's architecture in 6 layers (5 local, 1 global), d_model 64: CPU-trainable,
+    for tests; a softmax scale of its own (query_pre_attn_scalar 24, head_dim 16) and
+    linear RoPE scaling on the global layer, as the larger models have."""
+    return gemma3_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=6,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_hidden=128,
+        sliding_window=16,
+        query_pre_attn_scalar=24,
+        rope_factor=8.0,
+    )
+
+
+def gemma3_1b() -> ModelConfig:
+    """google/gemma-3-1b-pt config.json: 26 layers, MQA (4 heads of 256, 1 key/value head),
+    a window of 512, 32k context, no RoPE scaling, a 262,144-token vocabulary."""
+    return gemma3_style(
+        vocab_size=262144,
+        max_seq_len=32768,
+        d_model=1152,
+        n_layers=26,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        ffn_hidden=6912,
+        sliding_window=512,
+        query_pre_attn_scalar=256,
+    )
+
+
+def gemma3_large(
+    d_model: int, n_layers: int, n_heads: int, ffn_hidden: int, head_dim: int, scalar: int
+) -> ModelConfig:
+    """The text models of google/gemma-3-4b/12b/27b (config.json text_config): GQA 2:1, a
+    window of 1024, 128k context by linear RoPE x8, a 262,208-token vocabulary."""
+    return gemma3_style(
+        vocab_size=262208,
+        max_seq_len=131072,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads // 2,
+        head_dim=head_dim,
+        ffn_hidden=ffn_hidden,
+        sliding_window=1024,
+        query_pre_attn_scalar=scalar,
+        rope_factor=8.0,
+    )
+
+
+def gemma3_4b() -> ModelConfig:
+    """google/gemma-3-4b-pt's language model: 34 layers, 8 heads of 256."""
+    return gemma3_large(2560, 34, 8, 10240, head_dim=256, scalar=256)
+
+
+def gemma3_12b() -> ModelConfig:
+    """google/gemma-3-12b-pt's language model: 48 layers, 16 heads of 256."""
+    return gemma3_large(3840, 48, 16, 15360, head_dim=256, scalar=256)
+
+
+def gemma3_27b() -> ModelConfig:
+    """google/gemma-3-27b-pt's language model: 62 layers, 32 heads of 128, a softmax scale
+    of 168**-0.5 (query_pre_attn_scalar 168, not head_dim)."""
+    return gemma3_large(5376, 62, 32, 21504, head_dim=128, scalar=168)
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -662,6 +785,14 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         gpt_oss_120b,
         "gpt-oss-120b, 116.8B total, 5.1B active (MoE 128 experts, top 4)",
     ),
+    "gemma3-tiny": (
+        gemma3_tiny,
+        "Gemma 3 architecture: sandwich norms, 5 local : 1 global layers, 2 RoPE bases; 6 layers",
+    ),
+    "gemma-3-1b": (gemma3_1b, "Gemma 3 1B, 1.0B (MQA, 5 local : 1 global, 32k context)"),
+    "gemma-3-4b": (gemma3_4b, "Gemma 3 4B's language model, 3.9B (GQA 8/4, 128k context)"),
+    "gemma-3-12b": (gemma3_12b, "Gemma 3 12B's language model, 11.8B (GQA 16/8, 128k context)"),
+    "gemma-3-27b": (gemma3_27b, "Gemma 3 27B's language model, 27.0B (GQA 32/16, 128k context)"),
 }
 
 

@@ -210,6 +210,8 @@ def test_moe_matmul_parameters_count_only_active_experts():
         # and 141B (here with the Instruct model's 32768-token vocabulary)
         ("mixtral-8x7b", 46_702_792_704),
         ("mixtral-8x22b", 140_630_071_296),
+        # google/gemma-3-1b-pt: 1B (tied head; transformers' count of its config.json)
+        ("gemma-3-1b", 999_885_952),
     ],
 )
 def test_published_parameter_totals(name, total):
@@ -364,7 +366,30 @@ _GPT_OSS = dict(
     router_aux_loss_coef=0.9, output_router_logits=False, hidden_act="silu",
     initializer_range=0.02, eos_token_id=200002, pad_token_id=199999,
 )  # fmt: skip
+# google/gemma-3-1b-pt's config.json, and the text_config of google/gemma-3-4b-pt, -12b-pt
+# and -27b-pt (Gemma3ForConditionalGeneration: the language model without the vision tower)
+_GEMMA3_1B = dict(
+    model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], attention_bias=False,
+    attention_dropout=0.0, attn_logit_softcapping=None, final_logit_softcapping=None,
+    head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_size=1152,
+    initializer_range=0.02, intermediate_size=6912, max_position_embeddings=32768,
+    num_attention_heads=4, num_hidden_layers=26, num_key_value_heads=1,
+    query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_local_base_freq=10000,
+    rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
+    vocab_size=262144, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+_GEMMA3_LINEAR = {"factor": 8.0, "rope_type": "linear"}
 CONFIG_JSON = {
+    "gemma-3-1b": _GEMMA3_1B,
+    "gemma-3-4b": dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240,
+                       num_hidden_layers=34, rope_scaling=_GEMMA3_LINEAR, sliding_window=1024),
+    "gemma-3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360,
+                        num_attention_heads=16, num_hidden_layers=48, num_key_value_heads=8,
+                        rope_scaling=_GEMMA3_LINEAR, sliding_window=1024),
+    "gemma-3-27b": dict(model_type="gemma3_text", head_dim=128, hidden_size=5376,
+                        intermediate_size=21504, num_attention_heads=32, num_hidden_layers=62,
+                        num_key_value_heads=16, query_pre_attn_scalar=168,
+                        rope_scaling=_GEMMA3_LINEAR, sliding_window=1024),
     "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
                  vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new"),
     "gpt2-medium": dict(model_type="gpt2", n_embd=1024, n_layer=24, n_head=16, n_positions=1024,

@@ -14,6 +14,7 @@ from oracle import naive_attention, sliding_window_allowed
 from torch import nn
 
 from attnlab.config import AttentionConfig
+from attnlab.functional.attention import available_backends
 from attnlab.nn.attention import MultiHeadAttention
 
 BACKENDS = ["eager", "sdpa"]
@@ -397,3 +398,73 @@ def test_sdpa_float16_row_offset_below_float16_range_matches_eager():
         eager = attend(q, k, v, m, backend="eager").float()
         sdpa = attend(q, k, v, m, backend="sdpa").float()
         torch.testing.assert_close(sdpa, eager, atol=2e-3, rtol=2e-3)
+
+
+# --------------------------------------------------------------------------- softmax scale
+
+
+def _scaled(backend: str, scale: float | None, **kw) -> MultiHeadAttention:
+    cfg = AttentionConfig(n_heads=H, n_kv_heads=2, backend=backend, scale=scale, **kw)
+    torch.manual_seed(0)
+    return MultiHeadAttention(D, cfg, causal=True).eval()
+
+
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_scale_is_every_backends_softmax_scale(backend, window):
+    """``attention.scale`` (Gemma 3's query_pre_attn_scalar**-0.5) replaces 1 / sqrt(d_h) in
+    every backend, with and without a window, and in a decoding cache (a ring for the
+    window): the naive loop with that scale."""
+    from attnlab.cache import Cache
+
+    scale = 0.61  # about 1.7 / sqrt(d_h): far from the default
+    m = _scaled(backend, scale, sliding_window=window)
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(1))
+    q, k, v = m.qkv(x).split((D, D_H * 2, D_H * 2), dim=-1)
+    q = q.view(2, 7, H, D_H).transpose(1, 2)  # (b, h, t, d_h)
+    k, v = (t.view(2, 7, 2, D_H).transpose(1, 2) for t in (k, v))  # (b, h_kv, t, d_h)
+    allowed = sliding_window_allowed(7, 7, window or 7)
+    y = naive_attention(q, k, v, allowed, scale=scale)  # (b, h, t, d_h)
+    want = m.out(y.transpose(1, 2).reshape(2, 7, D))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), want, atol=1e-5, rtol=1e-5)
+        default = _scaled(backend, None, sliding_window=window)
+        assert not torch.allclose(default(x), want, atol=1e-3)
+        cache = Cache(2, 7, dtype=x.dtype)
+        cache.layers = [m.new_cache_entry(cache)]
+        steps = []
+        for i in range(7):
+            cache.begin(1)
+            steps.append(m(x[:, i : i + 1], cache=cache.layers[0]))
+            cache.commit()
+        torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_scale_is_multi_head_attentions_only():
+    from attnlab.config import ConfigError
+
+    for kind in ("mla", "linear"):
+        with pytest.raises(ConfigError, match=f"attention.scale: is implemented by "
+                           f"attention.kind='mha' only, not '{kind}'"):  # fmt: skip
+            AttentionConfig(kind=kind, scale=0.5).validate()
+    with pytest.raises(ConfigError, match="attention.scale: must be > 0"):
+        AttentionConfig(scale=0.0).validate()
+
+
+def test_attention_scale_reaches_the_attention_sinks_cache():
+    """StreamingLLM's sinks decode through their own cache (SinkKV.attend): the scale too,
+    so decoding equals the full pass."""
+    from attnlab.cache import Cache
+
+    m = _scaled("eager", 0.61, sliding_window=4, sink_tokens=1)
+    x = torch.randn(2, 9, D, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = m(x, positions=torch.arange(9))
+        cache = Cache(2, 9, dtype=x.dtype)
+        cache.layers = [m.new_cache_entry(cache)]
+        steps = []
+        for i in range(9):
+            cache.begin(1)
+            steps.append(m(x[:, i : i + 1], cache=cache.layers[0]))
+            cache.commit()
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)

@@ -238,7 +238,37 @@ def test_build_norm():
     ln = build_norm(NormConfig(kind="layernorm", eps=1e-3, bias=False), D)
     assert isinstance(ln, nn.LayerNorm) and ln.eps == 1e-3 and ln.bias is None
     rms = build_norm(NormConfig(kind="rmsnorm", eps=1e-4), D)
-    assert isinstance(rms, RMSNorm) and rms.eps == 1e-4
+    assert isinstance(rms, RMSNorm) and rms.eps == 1e-4 and not rms.unit_offset
+    gemma = build_norm(NormConfig(kind="gemma_rmsnorm", eps=1e-4), D)
+    assert isinstance(gemma, RMSNorm) and gemma.eps == 1e-4 and gemma.unit_offset
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_gemma_rmsnorm_scales_by_one_plus_its_weight_in_float32(dtype):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), the product formed in float32
+    (float64 kept) and then cast to x's dtype, as transformers' Gemma3RMSNorm (its weight
+    starts at zero: the identity scale). Offsets of 1e-3, which 1 + w in bf16 cannot hold:
+    a plain RMSNorm given 1 + w in the model's dtype is not the same norm."""
+    norm = RMSNorm(D, eps=1e-6, unit_offset=True)
+    assert torch.equal(norm.weight, torch.zeros(D))
+    with torch.no_grad():
+        norm.weight.copy_(1e-3 * torch.randn(D) + torch.linspace(-0.5, 2.0, D))
+    norm = norm.to(dtype)
+    x = (torch.randn(3, 4, D) * 3).to(dtype)
+    up = torch.float64 if dtype == torch.float64 else torch.float32
+    xf = x.to(up)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = (normed * (1.0 + norm.weight.to(up))).to(dtype)
+    y = norm(x)
+    assert y.dtype == dtype
+    exact = dtype in (torch.bfloat16, torch.float16)  # float32 products, one final rounding
+    tol = {} if exact else {"atol": 1e-6, "rtol": 1e-6}  # (fused kernel vs the formula)
+    torch.testing.assert_close(y, want, **({"atol": 0, "rtol": 0} if exact else tol))
+    if dtype == torch.bfloat16:
+        plain = RMSNorm(D, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            plain.weight.copy_(1.0 + norm.weight.float())  # rounds to bf16
+        assert not torch.equal(plain(x), want)
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -342,9 +372,41 @@ def test_block_is_the_composition_of_its_submodules(placement):
         h = blk.attn_norm(x + a(x))
         expected = blk.ffn_norm(h + f(h))
     torch.testing.assert_close(blk(x), expected)
+    assert blk.attn_post_norm is None and blk.ffn_post_norm is None
     other = TransformerBlock(_cfg("post" if placement == "pre" else "pre")).eval()
     other.load_state_dict(blk.state_dict())
     assert not torch.allclose(other(x), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["gemma_rmsnorm", "layernorm"])
+def test_sandwich_block_norms_each_sublayer_before_and_after(kind):
+    """Sandwich norms (Gemma 2 and 3): x + post_norm(f(pre_norm(x))) for attention and the
+    feed-forward, four norms of their own; the same weights as pre-norm (post-norms left
+    out) give other numbers."""
+    cfg = _cfg("sandwich").override({"norm.kind": kind})
+    blk = TransformerBlock(cfg).eval()
+    _randomise(blk)
+    names = [n for n, _ in blk.named_parameters() if "norm" in n]
+    assert {n.split(".")[0] for n in names} == {
+        "attn_norm", "attn_post_norm", "ffn_norm", "ffn_post_norm"
+    }  # fmt: skip
+    x = torch.randn(2, 6, D)
+    h = x + blk.attn_post_norm(blk.attn(blk.attn_norm(x)))
+    expected = h + blk.ffn_post_norm(blk.ffn(blk.ffn_norm(h)))
+    torch.testing.assert_close(blk(x), expected)
+    pre = TransformerBlock(_cfg("pre").override({"norm.kind": kind})).eval()
+    pre.load_state_dict(blk.state_dict(), strict=False)
+    assert not torch.allclose(pre(x), expected, atol=1e-3)
+
+
+def test_sandwich_placement_is_the_decoders_only():
+    """Other architectures build their own final norms and blocks: refused by name."""
+    from attnlab.config import ConfigError
+    from attnlab.models.encoder import EncoderConfig
+
+    with pytest.raises(ConfigError, match=r"norm.placement: 'sandwich' is implemented by the "
+                       r"decoder architecture only, not 'encoder'"):  # fmt: skip
+        EncoderConfig(norm=NormConfig(placement="sandwich")).validate()
 
 
 def _copy_encoder_layer(blk: TransformerBlock, ref: nn.Module) -> None:

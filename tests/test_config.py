@@ -3,6 +3,8 @@ overrides, and preset parameter counts (built on the meta device: no memory allo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -255,8 +257,9 @@ def expected_parameters(cfg: ModelConfig) -> int:
         ffns = f.first_k_dense * ffn + (cfg.n_layers - f.first_k_dense) * moe
     total = cfg.vocab_size * d  # token embedding
     total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0
-    total += cfg.n_layers * (attn + 2 * norm) + ffns
-    total += norm if nrm.placement == "pre" else 0  # final norm
+    n_norms = 4 if nrm.placement == "sandwich" else 2  # (sandwich: a norm after each too)
+    total += cfg.n_layers * (attn + n_norms * norm) + ffns
+    total += norm if nrm.placement != "post" else 0  # final norm
     total += 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return total
 
@@ -307,3 +310,43 @@ def test_qk_norm_is_refused_where_it_is_not_implemented(kind):
         ModelConfig.from_dict({"d_model": 64, "attention": attention})
     ModelConfig.from_dict({"d_model": 64, "attention": {**attention, "qk_norm": False}})
     ModelConfig.from_dict({"d_model": 64, "attention": {"qk_norm": True}})  # mha
+
+
+@pytest.mark.parametrize(
+    "data, named",
+    [
+        ({"position": {"kind": "rope", "local_rope_theta": 100.0}},
+         "position.local_rope_theta: applies to local layers, and none has a window"),
+        ({"position": {"kind": "learned", "local_rope_theta": 100.0}},
+         "position.local_rope_theta: needs position.kind 'rope', got 'learned'"),
+        ({"position": {"kind": "rope", "local_rope_theta": 0.0}},
+         "position.local_rope_theta: must be > 0"),
+        ({"position": {"kind": "rope", "local_rope_theta": 100.0},
+          "attention": {"kind": "mla", "sliding_window": 4}},
+         "position.local_rope_theta: is implemented by attention.kind='mha' only, not 'mla'"),
+        ({"arch": "encoder", "position": {"kind": "rope", "local_rope_theta": 100.0},
+          "attention": {"sliding_window": 4}},
+         "position.local_rope_theta: is implemented by the decoder architecture only"),
+        ({"arch": "encoder", "scale_embeddings": True},
+         "scale_embeddings: is implemented by the decoder and seq2seq architectures only"),
+        ({"arch": "vit", "norm": {"placement": "sandwich"}},
+         "norm.placement: 'sandwich' is implemented by the decoder architecture only"),
+        ({"arch": "xl", "position": {"kind": "none"}, "attention": {"scale": 0.5}},
+         "attention.scale: does not apply to Transformer-XL"),
+    ],
+)  # fmt: skip
+def test_gemma_pieces_are_refused_where_they_are_not_implemented(data, named):
+    """Gemma 3's pieces (a second RoPE base for local layers, scaled embeddings, sandwich
+    norms, a softmax scale) where the model would build without them: refused by name."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        ModelConfig.from_dict({"d_model": 64, **data})
+
+
+def test_scale_embeddings_is_one_field_for_decoders_and_seq2seq():
+    """The decoder's field is the encoder-decoder's: off by default for decoders, on for
+    seq2seq models (Vaswani et al.), as before."""
+    from attnlab.models.seq2seq import Seq2SeqConfig
+
+    assert ModelConfig().scale_embeddings is False
+    assert Seq2SeqConfig().scale_embeddings is True
+    assert ModelConfig.from_dict({"scale_embeddings": True}).scale_embeddings

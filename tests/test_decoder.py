@@ -361,3 +361,80 @@ def test_an_empty_input_gives_empty_logits_for_every_kind(preset, overrides):
     model = build_model(get_preset(preset).override(overrides)).eval()
     ids = torch.zeros(2, 0, dtype=torch.long)
     assert model(ids).logits.shape == (2, 0, model.cfg.vocab_size)
+
+
+# --------------------------------------------------------------------------- Gemma 3's pieces
+
+
+def _gemma3(seed: int = 0, **changes) -> DecoderLM:
+    """gemma3-tiny (5 local layers : 1 global, window 16, linear RoPE x8 on the global
+    layer, base 1e4 on the local ones) with every norm offset random."""
+    torch.manual_seed(seed)
+    cfg = get_preset("gemma3-tiny").override({"vocab_size": V, "init_std": 0.1, **changes})
+    model = DecoderLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
+@torch.no_grad()
+def test_gemma3_decoder_is_its_blocks_with_a_rope_table_per_layer_kind():
+    """The decoder of Gemma 3's pieces, composed by hand: embeddings times sqrt(d_model),
+    each local layer rotated by its own unscaled RoPE of base local_rope_theta, each global
+    one by rope_theta with its linear scaling, the final norm, the tied head. A model that
+    gave every layer one table, or left the embedding unscaled, differs."""
+    from attnlab.nn.rope import RotaryEmbedding
+
+    model = _gemma3()
+    cfg, pos = model.cfg, model.cfg.position
+    assert pos.local_rope_theta == 1e4 and (pos.rope_theta, pos.rope_scaling) == (1e6, "linear")
+    idx = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(20)
+    local = RotaryEmbedding(cfg.head_dim, pos.local_rope_theta).tables(positions)
+    scaled = {"kind": "linear", "factor": pos.rope_factor}
+    global_ = RotaryEmbedding(cfg.head_dim, pos.rope_theta, scaling=scaled).tables(positions)
+    x = model.tok_emb(idx) * cfg.d_model**0.5
+    for i, block in enumerate(model.blocks):
+        is_local = cfg.attention.window_of(i) is not None
+        assert is_local == (i % 6 != 5)
+        x = block(x, positions=positions, rope=local if is_local else global_)
+    want = model.lm_head(model.norm(x))
+    torch.testing.assert_close(model(idx).logits, want, **TOL)
+    one_table = _gemma3(**{"position.local_rope_theta": None, "attention.sliding_window": 16})
+    one_table.load_state_dict(model.state_dict())
+    assert not torch.allclose(one_table(idx).logits, want, atol=1e-3)
+    unscaled = _gemma3(scale_embeddings=False)
+    unscaled.load_state_dict(model.state_dict())
+    assert not torch.allclose(unscaled(idx).logits, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "rolling"])
+@torch.no_grad()
+def test_cache_equals_full_forward_with_gemma3_pieces(cache):
+    """Past the window of the local layers, with both RoPE tables: one token at a time, in
+    chunks, in a static cache (the compiled decode's) and in a rolling one."""
+    model = _gemma3(seed=2)
+    idx = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(3))
+    full = model(idx).logits
+    kw = {"static": cache == "static", "rolling": cache == "rolling"}
+    for sizes in ([1] * 30, [7, 1, 17, 5]):
+        c = model.new_cache(2, 40 if cache != "rolling" else 64, **kw)
+        out, start = [], 0
+        for size in sizes:
+            out.append(model(idx[:, start : start + size], cache=c).logits)
+            start += size
+        torch.testing.assert_close(torch.cat(out, 1), full, **TOL)
+
+
+@pytest.mark.slow
+def test_generate_compile_equals_eager_generate_with_gemma3_pieces():
+    """The compiled decode step (static cache, both RoPE tables) past the window: the
+    eager tokens, for one prompt and a left-padded batch."""
+    torch._dynamo.reset()
+    model = _gemma3(seed=4)
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 4)]  # fmt: skip
+    assert model.generate(prompts[0], 20, compile=True) == model.generate(prompts[0], 20)
+    assert model.generate(prompts, 20, compile=True) == model.generate(prompts, 20)

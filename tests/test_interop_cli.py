@@ -156,6 +156,28 @@ FAMILIES = {
         ),
         lambda: _text_ids(2, 12),
     ),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        lambda: transformers.Gemma3TextConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            head_dim=8,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            query_pre_attn_scalar=12,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            max_position_embeddings=64,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            **NO_SPECIAL,
+        ),
+        lambda: _text_ids(2, 12),
+    ),
     "deepseek_v3": (
         "DeepseekV3ForCausalLM",
         lambda: transformers.DeepseekV3Config(**DEEPSEEK, n_group=2, topk_group=1),

@@ -104,6 +104,24 @@ MINIMAL: dict[str, list[dict]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
         },
     ],
+    # 8 heads of 256 (4 key/value heads), every 6th layer global, windows of 4096, bases 1e6
+    # (global) and 1e4 (local), query_pre_attn_scalar 256, a tied head, by default
+    "gemma3_text": [
+        {**_RMS, "hidden_size": 64, "num_hidden_layers": 7},
+        # transformers 4.x's keys: a window pattern, the two bases, linear RoPE scaling
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "num_attention_heads": 4,
+            "sliding_window_pattern": 2,
+            "rope_theta": 1000.0,
+            "rope_local_base_freq": 20.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "query_pre_attn_scalar": 24,
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from attnlab.config import ConfigError, ModelConfig
+from attnlab.interop.gemma3 import gemma_features
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
@@ -55,8 +56,9 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 
 # model types whose attention has a sliding window (the only windowed ones attnlab writes)
-WINDOWED_TYPES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model types with QK-norm (attention.qk_norm)
+WINDOWED_TYPES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3_text")
+# model types with QK-norm (attention.qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
 # head, the clamped SwiGLU, biases on the router's logits and on the experts
 GPT_OSS_TYPES = ("gpt_oss",)
@@ -104,6 +106,13 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"{found[0]} ({model_type} has none; GPT-OSS's pieces export as gpt_oss: "
                     "RoPE, RMSNorm, sink logits, experts in every layer with clamped SwiGLU)"
                 )
+            # (an encoder-decoder's scaled embeddings are Marian's own)
+            gemma = [f for f in gemma_features(cfg)
+                     if not (f == "scale_embeddings" and cfg.arch == "seq2seq")]  # fmt: skip
+            if gemma and model_type != "gemma3_text":
+                raise unrepresentable(
+                    f"{gemma[0]} ({model_type} has none; Gemma's pieces export as gemma3_text)"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -112,8 +121,10 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
             return family, model_type
     if cfg.arch != "decoder":
         raise unrepresentable(f"arch={cfg.arch!r}")
-    if cfg.norm.placement != "pre":
-        raise unrepresentable("post-norm blocks (all supported decoders are pre-norm)")
+    if cfg.norm.placement == "post":
+        raise unrepresentable("post-norm blocks (supported decoders are pre-norm or sandwich)")
+    if cfg.norm.placement == "sandwich":
+        raise unrepresentable("norm.placement='sandwich' (Gemma's: exports as gemma3_text only)")
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
     raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")
@@ -130,7 +141,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where
     the model has none), else ``qwen3_moe`` with QK-norm, else ``mixtral`` (experts on every
-    layer, top-k weights renormalised)."""
+    layer, top-k weights renormalised); with Gemma's pieces (sandwich norms of weight 1 + w,
+    scaled embeddings, a softmax scale of its own, a second RoPE base for local layers) ->
+    ``gemma3_text``."""
     return _export_family(cfg)[1]
 
 

@@ -56,6 +56,7 @@ from attnlab.interop.io import (
     switch_loss_from_hf,
     switch_loss_to_hf,
     unrepresentable,
+    windows_of_layer_types,
 )
 
 ARCHITECTURES = {"gpt_oss": ("GptOssForCausalLM", "GptOssModel")}
@@ -99,44 +100,18 @@ DEFAULT_ROPE = {
 }
 DEFAULT_THETA = 150000.0
 UNUSED_WINDOW = DEFAULTS["gpt_oss"]["sliding_window"]  # written when no layer slides
-LAYER_TYPES = {"sliding_attention": "L", "full_attention": "G"}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # --------------------------------------------------------------------------- configs
 
 
-def _layer_pattern(hf: dict[str, Any], n_layers: int) -> str:
-    """config.json's layer_types as L (sliding_attention) and G (full_attention), one per
-    layer, cut to its shortest period (layer i takes entry i % period); without
-    layer_types, GptOssConfig's default: sliding, full, sliding, ... ("LG")."""
+def _layer_types(hf: dict[str, Any], n_layers: int) -> list[str]:
+    """config.json's layer_types; without them GptOssConfig's default: sliding, full,
+    sliding, ..."""
     types = hf.get("layer_types")
     if types is None:
-        return "LG"[:n_layers]
-    if not isinstance(types, list) or len(types) != n_layers or set(types) - set(LAYER_TYPES):
-        raise HFCheckpointError(
-            f"config.json layer_types={types!r}: expected {n_layers} of {' or '.join(LAYER_TYPES)}"
-        )
-    pattern = "".join(LAYER_TYPES[t] for t in types)
-    period = next(p for p in range(1, n_layers + 1) if pattern == _cycle(pattern[:p], n_layers))
-    return pattern[:period]
-
-
-def _cycle(pattern: str, n: int) -> str:
-    return (pattern * (n // len(pattern) + 1))[:n]
-
-
-def _windows(hf: dict[str, Any], n_layers: int) -> tuple[int | None, str | None]:
-    """(sliding_window, layer_pattern): the window on the sliding_attention layers; their
-    pattern (L local, G global) when some layers are global."""
-    pattern = _layer_pattern(hf, n_layers)
-    if "L" not in pattern:
-        return None, None
-    window = hf.get("sliding_window")
-    if window is None:
-        raise HFCheckpointError(
-            "config.json sliding_window is null but layer_types has sliding_attention layers"
-        )
-    return window, (pattern if "G" in pattern else None)
+        return [("sliding_attention", "full_attention")[i % 2] for i in range(n_layers)]
+    return types
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +143,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
         )
     n_kv_heads = hf.get("num_key_value_heads") or n_heads  # (GptOssConfig: null is n_heads)
     head_dim = hf.get("head_dim") or d // n_heads
-    window, layer_pattern = _windows(hf, n_layers)
+    window, layer_pattern = windows_of_layer_types(hf, _layer_types(hf, n_layers), n_layers)
     # transformers 5.x writes num_experts as num_local_experts, which wins when both are given
     n_experts = hf.get("num_local_experts", hf.get("num_experts", N_EXPERTS_DEFAULT))
     attention_bias = bool(hf.get("attention_bias", True))

@@ -254,6 +254,38 @@ def local_layers(cfg: ModelConfig) -> list[bool]:
     return [cfg.attention.window_of(i) is not None for i in range(cfg.n_layers)]
 
 
+# config.json ``layer_types`` (GPT-OSS, Gemma 3) -> attention.layer_pattern letters
+LAYER_TYPES = {"sliding_attention": "L", "full_attention": "G"}
+
+
+def windows_of_layer_types(
+    hf: dict[str, Any], types: Any, n_layers: int
+) -> tuple[int | None, str | None]:
+    """(sliding_window, layer_pattern) of ``types``, config.json's layer_types (one per
+    layer): the window of the sliding_attention layers, and, when some layers are global,
+    their pattern of L (local) and G (global) cut to its shortest period (layer i takes
+    entry i % period)."""
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - set(LAYER_TYPES):
+        raise HFCheckpointError(
+            f"config.json layer_types={types!r}: expected {n_layers} of {' or '.join(LAYER_TYPES)}"
+        )
+    pattern = "".join(LAYER_TYPES[t] for t in types)
+    period = next(p for p in range(1, n_layers + 1) if pattern == _cycle(pattern[:p], n_layers))
+    pattern = pattern[:period]
+    if "L" not in pattern:
+        return None, None
+    window = hf.get("sliding_window")
+    if window is None:
+        raise HFCheckpointError(
+            "config.json sliding_window is null but layer_types has sliding_attention layers"
+        )
+    return window, (pattern if "G" in pattern else None)
+
+
+def _cycle(pattern: str, n: int) -> str:
+    return (pattern * (n // len(pattern) + 1))[:n]
+
+
 def is_plain_decoder(cfg: ModelConfig) -> bool:
     """A pre-norm multi-head-attention decoder: what GPT-2 and the LLaMA layouts hold."""
     return cfg.arch == "decoder" and cfg.norm.placement == "pre" and cfg.attention.kind == "mha"

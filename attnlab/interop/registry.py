@@ -14,6 +14,7 @@ from attnlab.interop import (
     bert,
     deepseek,
     deepseek_v32,
+    gemma3,
     gpt2,
     gpt_oss,
     llama,
@@ -25,6 +26,9 @@ from attnlab.interop import (
 from attnlab.interop.io import Family, HFCheckpointError
 
 FAMILIES: tuple[Family, ...] = (
+    # first: it takes every decoder with Gemma's own pieces (sandwich norms, scaled
+    # embeddings, ...), which the other families' layouts would drop
+    gemma3.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces

@@ -1,6 +1,6 @@
 """Decoder-only language model (GPT-2, LLaMA, ... are presets of this one class).
 
-    h_0 = E[idx] (+ P[positions])            token (+ absolute position) embedding
+    h_0 = E[idx] (* sqrt(d)) (+ P[positions])  token (+ absolute position) embedding
     h_l = Block_l(h_{l-1})                   causal self-attention + feed-forward
     logits = W_out norm(h_L)                 W_out tied to E or separate
 
@@ -76,13 +76,16 @@ class DecoderLM(LoadableModel):
             self.pos_emb = SinusoidalPositionalEmbedding(d)
         # One RoPE table for every layer: the angles are computed once per forward pass, as
         # wide as the part of each head the attention kind rotates (cfg.rope_dim).
-        self.rope = None
+        self.rope = self.local_rope = None
         if cfg.position.kind == "rope":
             self.rope = RotaryEmbedding.from_config(cfg.rope_dim, cfg.position)
+        if cfg.position.local_rope_theta is not None:  # Gemma 3: local layers' own, unscaled
+            theta, layout = cfg.position.local_rope_theta, cfg.position.rope_layout
+            self.local_rope = RotaryEmbedding(cfg.rope_dim, theta, layout)
         self.drop = dropout(cfg.dropout)
-        self.blocks = TransformerStack(cfg, causal=True, rope=self.rope)
-        # Post-norm blocks already end in a norm; pre-norm stacks need a final one.
-        self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
+        self.blocks = TransformerStack(cfg, causal=True, rope=self.rope, local_rope=self.local_rope)
+        # Post-norm blocks already end in a norm; pre-norm (and sandwich) stacks need one.
+        self.norm = build_norm(cfg.norm, d) if cfg.norm.placement != "post" else nn.Identity()
         self.lm_head = Linear(d, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.apply(self._init_weights)
@@ -232,10 +235,14 @@ class DecoderLM(LoadableModel):
             if attention_mask is not None:
                 mask = padding_mask(attention_mask)  # (b, 1, 1, t)
         x = self.tok_emb(idx)  # (b, t, d)
+        if self.cfg.scale_embeddings:  # sqrt(d) rounded to the embedding's dtype, as Gemma's
+            # (a CPU scalar: multiplies a tensor on any device without a copy to it)
+            x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions, dtype=x.dtype).to(x.dtype)
         x = self.drop(x)
         rope = self.rope.tables(positions) if self.rope is not None else None
+        local_rope = self.local_rope.tables(positions) if self.local_rope is not None else None
         # (b, t): MoE and DSA statistics skip the padding
         real = attention_mask.bool().expand(b, t) if attention_mask is not None else None
         x = self.blocks(
@@ -246,6 +253,7 @@ class DecoderLM(LoadableModel):
             mask=mask,
             doc_ids=doc_ids,
             real_tokens=real,
+            local_rope=local_rope,
         )
         if cache is not None:
             cache.commit()

@@ -72,7 +72,7 @@ class Seq2SeqConfig(ModelConfig):
     n_decoder_layers: int | None = None
     src_vocab_size: int | None = None  # None: vocab_size
     share_embeddings: bool = True  # source and target use one embedding table
-    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model)
+    scale_embeddings: bool = True  # (ModelConfig's field; on by default here, as Vaswani et al.)
     sinusoid_layout: str = "interleaved"
     final_norm: bool | None = None
     final_logits_bias: bool = False  # a bias on the output logits (Marian)

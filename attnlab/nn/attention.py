@@ -40,7 +40,9 @@ class MultiHeadAttention(nn.Module):
     and k, v from the context. ``causal`` applies to self-attention only. Positions enter
     through RoPE tables computed once per forward pass by the model (``rope``), or from
     ``positions`` with the module's own :class:`RotaryEmbedding`. ``doc_ids`` keeps packed
-    documents apart (``supports_documents``). ``norm_eps``: QK-norm's epsilon.
+    documents apart (``supports_documents``). ``norm_eps``: QK-norm's epsilon;
+    ``norm_offset``: its weights stored as offsets from one (Gemma's RMSNorm).
+    ``cfg.scale``: the softmax scale (None: 1 / sqrt(d_h)).
     """
 
     supports_documents = True  # forward takes doc_ids (packed documents)
@@ -56,6 +58,7 @@ class MultiHeadAttention(nn.Module):
         rope: RotaryEmbedding | None = None,
         resid_dropout: float = 0.0,
         norm_eps: float = 1e-6,
+        norm_offset: bool = False,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
@@ -64,6 +67,7 @@ class MultiHeadAttention(nn.Module):
         self.window, self.sinks = cfg.sliding_window, cfg.sink_tokens
         self.global_tokens = list(cfg.global_tokens)  # Longformer positions, beside the window
         self.backend, self.attn_dropout = cfg.backend, cfg.dropout
+        self.scale = cfg.scale  # None: attend's 1 / sqrt(d_h)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         if cross:
@@ -77,8 +81,9 @@ class MultiHeadAttention(nn.Module):
         self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
         # QK-norm (Qwen3): x / rms(x) * g over each head's d_h features, one g for
         # all query heads and one for all key heads (OLMo 2 instead norms whole projections)
-        self.q_norm = RMSNorm(self.head_dim, norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps) if cfg.qk_norm else None
+        qk = {"eps": norm_eps, "unit_offset": norm_offset}
+        self.q_norm = RMSNorm(self.head_dim, **qk) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, **qk) if cfg.qk_norm else None
         self.rope = rope
         self.uses_rope = rope is not None
         self.resid_dropout = dropout(resid_dropout)
@@ -136,7 +141,7 @@ class MultiHeadAttention(nn.Module):
                 q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
                 k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
                 q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
-                y = cache.attend(q, k, v, self.rope if self.uses_rope else None)
+                y = cache.attend(q, k, v, self.rope if self.uses_rope else None, self.scale)
                 return self.resid_dropout(self.out(y.transpose(1, 2).reshape(b, t, self.q_dim)))
             if self.uses_rope and rope is None:
                 if positions is None:
@@ -163,6 +168,7 @@ class MultiHeadAttention(nn.Module):
             v,
             mask,
             causal=causal,
+            scale=self.scale,
             window=window,
             backend=self.backend,
             dropout_p=self.attn_dropout if self.training else 0.0,

@@ -2,7 +2,8 @@
 
 A block: self-attention, optional cross-attention, feed-forward, each with a residual
 connection. Pre-norm (GPT-2, LLaMA): x + f(norm(x)). Post-norm (Vaswani et al.):
-norm(x + f(x)). The attention and FFN kinds come from their registries.
+norm(x + f(x)). Sandwich (Gemma 2 and 3): x + post_norm(f(norm(x))). The attention and FFN
+kinds come from their registries.
 
 Shapes: (b, t, d) in and out; context (b, s, d_c).
 """
@@ -21,8 +22,9 @@ from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
 class TransformerBlock(nn.Module):
     """One transformer layer: self-attention (causal or not), optional cross-attention,
-    and a feed-forward network, each in a residual branch with pre- or post-normalisation as
-    ``cfg.norm.placement`` says. Input and output (b, t, d_model)."""
+    and a feed-forward network, each in a residual branch with pre-, post- or sandwich
+    normalisation as ``cfg.norm.placement`` says. Input and output (b, t, d_model).
+    ``rope``: the RoPE of this layer (a local layer's own where the model has two)."""
 
     def __init__(
         self,
@@ -34,11 +36,22 @@ class TransformerBlock(nn.Module):
         layer: int = 0,
     ):
         super().__init__()
-        self.pre_norm = cfg.norm.placement == "pre"
+        self.pre_norm = cfg.norm.placement != "post"  # sandwich: pre-norm plus post_norms
+        sandwich = cfg.norm.placement == "sandwich"
         d = cfg.d_model
+
+        def post_norm() -> nn.Module | None:  # the norm after a sandwiched sublayer
+            return build_norm(cfg.norm, d) if sandwich else None
+
         self.attn_norm = build_norm(cfg.norm, d)
-        # QK-norm's RMSNorms take the model's norm eps (Qwen3's rms_norm_eps)
-        qk_norm = {"norm_eps": cfg.norm.eps} if cfg.attention.qk_norm else {}
+        self.attn_post_norm = post_norm()
+        # QK-norm's RMSNorms take the model's norm eps (Qwen3's rms_norm_eps) and kind
+        # (Gemma's unit offset)
+        qk_norm = (
+            {"norm_eps": cfg.norm.eps, "norm_offset": cfg.norm.kind == "gemma_rmsnorm"}
+            if cfg.attention.qk_norm
+            else {}
+        )
         self.attn = build_attention(
             cfg.attention.kind,
             d,
@@ -49,6 +62,7 @@ class TransformerBlock(nn.Module):
             **qk_norm,
         )
         self.cross_norm = build_norm(cfg.norm, d) if cross_attention else None
+        self.cross_post_norm = post_norm() if cross_attention else None
         self.cross_attn = (
             build_attention(
                 "mha", d, cfg.attention, cross=True, resid_dropout=cfg.dropout, **qk_norm
@@ -57,12 +71,14 @@ class TransformerBlock(nn.Module):
             else None
         )
         self.ffn_norm = build_norm(cfg.norm, d)
+        self.ffn_post_norm = post_norm()
         self.ffn = build_ffn(cfg.ffn, d, dropout=cfg.dropout, layer=layer)
 
-    def _residual(self, x: Tensor, norm: nn.Module, f, **kw) -> Tensor:
-        if self.pre_norm:
-            return x + f(norm(x), **kw)
-        return norm(x + f(x, **kw))
+    def _residual(self, x: Tensor, norm: nn.Module, post: nn.Module | None, f, **kw) -> Tensor:
+        if not self.pre_norm:
+            return norm(x + f(x, **kw))
+        y = f(norm(x), **kw)
+        return x + (y if post is None else post(y))
 
     def forward(
         self,
@@ -89,6 +105,7 @@ class TransformerBlock(nn.Module):
         x = self._residual(
             x,
             self.attn_norm,
+            self.attn_post_norm,
             self.attn,
             positions=positions,
             rope=rope,
@@ -101,18 +118,22 @@ class TransformerBlock(nn.Module):
             x = self._residual(
                 x,
                 self.cross_norm,
+                self.cross_post_norm,
                 self.cross_attn,
                 context=context,
                 mask=context_mask,
                 cache=cross_cache,
             )
-        return self._residual(x, self.ffn_norm, self.ffn, **ffn_real)
+        return self._residual(x, self.ffn_norm, self.ffn_post_norm, self.ffn, **ffn_real)
 
 
 class TransformerStack(nn.ModuleList):
     """The blocks of an encoder or decoder, run in order (a ModuleList, so parameter names
     stay ``blocks.<i>.…``). Decoder-only, encoder-only and encoder–decoder models all use
-    it; cross-attention keys/values are computed once per source under a cache."""
+    it; cross-attention keys/values are computed once per source under a cache.
+    ``local_rope`` (Gemma 3's rope_local_base_freq): the RoPE of the local (windowed)
+    layers, whose tables ``forward`` then takes as ``local_rope``; else every layer has
+    ``rope``."""
 
     def __init__(
         self,
@@ -122,13 +143,23 @@ class TransformerStack(nn.ModuleList):
         causal: bool = True,
         cross_attention: bool = False,
         rope: RotaryEmbedding | None = None,
+        local_rope: RotaryEmbedding | None = None,
     ):
+        n = cfg.n_layers if n_layers is None else n_layers
+        # which blocks take the local RoPE: the windowed ones, where there is one
+        local = [local_rope is not None and cfg.attention.window_of(i) is not None
+                 for i in range(n)]  # fmt: skip
         super().__init__(
             TransformerBlock(
-                cfg, causal=causal, cross_attention=cross_attention, rope=rope, layer=i
+                cfg,
+                causal=causal,
+                cross_attention=cross_attention,
+                rope=local_rope if local[i] else rope,
+                layer=i,
             )
-            for i in range(cfg.n_layers if n_layers is None else n_layers)
+            for i in range(n)
         )
+        self.local = local
 
     def add_cache_entries(self, cache: Cache) -> Cache:
         """One entry per block, of the kind its attention keeps; cross-attention entries
@@ -152,13 +183,17 @@ class TransformerStack(nn.ModuleList):
         context_mask: Tensor | None = None,
         doc_ids: Tensor | None = None,
         real_tokens: Tensor | None = None,
+        local_rope: RopeTables | None = None,
     ) -> Tensor:
-        """Run every block in order; arguments as :meth:`TransformerBlock.forward`."""
+        """Run every block in order; arguments as :meth:`TransformerBlock.forward`;
+        ``local_rope``: the local layers' tables (a stack built with ``local_rope``)."""
+        if any(self.local) and rope is not None and local_rope is None:
+            raise ValueError("this stack's local layers have their own RoPE: pass local_rope")
         for i, block in enumerate(self):
             x = block(
                 x,
                 positions=positions,
-                rope=rope,
+                rope=local_rope if self.local[i] else rope,
                 cache=None if cache is None else cache.layers[i],
                 mask=mask,
                 context=context,
