@@ -338,9 +338,19 @@ class SinkKV(LayerCache):
     def state(self) -> list[Tensor]:
         return [*self.tensors(), self.sink_valid, self.pos, self.valid, self.written]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, rope, scale: float | None = None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        rope,
+        scale: float | None = None,
+        *,
+        softcap: float | None = None,
+    ) -> Tensor:
         """q (b, h, t, d_h), k, v (b, h_kv, t, d_h), all un-rotated; ``rope`` a
-        RotaryEmbedding or None (no positions). Returns (b, h, t, d_h)."""
+        RotaryEmbedding or None (no positions); ``softcap``: scores -> softcap *
+        tanh(scores / softcap) before the mask. Returns (b, h, t, d_h)."""
         step = self.cache._step
         if step is None:
             raise CacheError("cache.begin(t) must come before a layer writes to the cache")
@@ -383,6 +393,8 @@ class SinkKV(LayerCache):
             torch.cat((q_sink @ rep(sk).transpose(-1, -2), q_rec @ rep(rk_s).transpose(-1, -2)), -1)
             * scale
         )  # (b, h, t, n_s + r + t)
+        if softcap is not None:  # as attend's: after the scale, before the mask
+            scores = torch.tanh(scores / softcap) * softcap
         mask = torch.cat((sink_mask.expand(b, 1, t, n_s), rec_mask), -1)
         probs = softmax_dtype(scores).masked_fill(~mask, float("-inf")).softmax(-1)
         probs = probs.nan_to_num(0.0).to(q.dtype)  # rows with no key: zeros

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from attnlab.fileio import atomic_write_text
-from attnlab.functional.attention import backend_names
+from attnlab.functional.attention import SOFTCAP_BACKENDS, backend_names, softcap_refusal
 
 T = TypeVar("T")
 
@@ -354,6 +354,10 @@ class AttentionConfig(_Config):
     # The softmax scale of q . k: None is 1 / sqrt(head_dim); Gemma 3 sets
     # query_pre_attn_scalar**-0.5. Multi-head attention only.
     scale: float | None = None
+    # Attention logit soft-capping (Gemma 2): the scaled scores become
+    # softcap * tanh(scores / softcap) before the mask. None: no cap. Multi-head attention
+    # only, with a backend that caps the scores: eager, flash or flex (not sdpa or triton).
+    softcap: float | None = None
     backend: str = "sdpa"
     # Multi-head latent attention (kind "mla", DeepSeek-V2). None derives a width from
     # d_h = d_model // n_heads as the paper does: d_c = 4 d_h, d_h^R = d_h / 2, and d_h for
@@ -559,6 +563,7 @@ class AttentionConfig(_Config):
         if self.scale is not None and self.kind != "mha":
             _fail(f"{path}.scale", f"is implemented by attention.kind='mha' only, not "
                   f"{self.kind!r}; set it to null")  # fmt: skip
+        self._validate_softcap(path)
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"{path}.dropout", f"must be in [0, 1), got {self.dropout}")
         if self.kind == "linear":  # a running sum over every past token: no window, no sinks,
@@ -576,6 +581,16 @@ class AttentionConfig(_Config):
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
                 "use a divisor of n_heads (n_heads for MHA, 1 for MQA)",
             )
+
+    def _validate_softcap(self, path: str) -> None:
+        _positive(f"{path}.softcap", self.softcap)
+        if self.softcap is None:
+            return
+        if self.kind != "mha":
+            _fail(f"{path}.softcap", f"is implemented by attention.kind='mha' only, not "
+                  f"{self.kind!r}; set it to null")  # fmt: skip
+        if self.backend not in SOFTCAP_BACKENDS:
+            _fail(f"{path}.backend", softcap_refusal(self.backend))
 
     def _validate_global(self, path: str) -> None:
         g, at = self.global_tokens, f"{path}.global_tokens"
@@ -841,6 +856,9 @@ class ModelConfig(_Config):
     # Multiply the token embeddings by sqrt(d_model) (Vaswani et al.; Gemma, whose decoder
     # rounds the factor to the embedding's dtype first). Decoder and encoder-decoder only.
     scale_embeddings: bool = False
+    # Final logit soft-capping (Gemma 2): logits -> final_logit_softcap * tanh(logits /
+    # final_logit_softcap), in training, evaluation and generation. Decoder only.
+    final_logit_softcap: float | None = None
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
 
@@ -901,6 +919,10 @@ class ModelConfig(_Config):
         if self.scale_embeddings and self.arch not in ("decoder", "seq2seq"):
             _fail(at("scale_embeddings"), f"is implemented by the decoder and seq2seq "
                   f"architectures only, not {self.arch!r}; set it to false")  # fmt: skip
+        _positive(at("final_logit_softcap"), self.final_logit_softcap)
+        if self.final_logit_softcap is not None and self.arch != "decoder":
+            _fail(at("final_logit_softcap"), f"is implemented by the decoder architecture "
+                  f"only, not {self.arch!r}; set it to null")  # fmt: skip
         if self.norm.placement == "sandwich" and self.arch != "decoder":
             _fail(at("norm.placement"), f"'sandwich' is implemented by the decoder "
                   f"architecture only, not {self.arch!r}")  # fmt: skip

@@ -728,6 +728,164 @@ def gemma3_27b() -> ModelConfig:
     return gemma3_large(5376, 62, 32, 21504, head_dim=128, scalar=168)
 
 
+def gemma_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    ffn_hidden: int,
+    vocab_size: int = 256000,
+    max_seq_len: int = 8192,
+    rope_theta: float = 10_000.0,
+) -> ModelConfig:
+    """Gemma (1): pre-norm blocks with RMSNorms of weight 1 + w, every layer global, one
+    RoPE, MHA or MQA with heads of 256, GeGLU (tanh), no biases, embeddings scaled by
+    sqrt(d_model) and tied to the head."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+            head_dim=None if head_dim * n_heads == d_model else head_dim,
+        ),
+        position=PositionConfig(kind="rope", rope_theta=rope_theta, rope_layout="split"),
+        ffn=FFNConfig(kind="glu", activation="gelu_tanh", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="gemma_rmsnorm", eps=1e-6, placement="pre"),
+        tie_embeddings=True,
+        scale_embeddings=True,
+    )
+
+
+def gemma_2b() -> ModelConfig:
+    """google/gemma-2b config.json: 18 layers, MQA (8 heads of 256, 1 key/value head)."""
+    return gemma_style(
+        d_model=2048, n_layers=18, n_heads=8, n_kv_heads=1, head_dim=256, ffn_hidden=16384
+    )
+
+
+def gemma_7b() -> ModelConfig:
+    """google/gemma-7b config.json (transformers' GemmaConfig defaults): 28 layers, MHA
+    (16 heads of 256)."""
+    return gemma_style(
+        d_model=3072, n_layers=28, n_heads=16, n_kv_heads=16, head_dim=256, ffn_hidden=24576
+    )
+
+
+def gemma2_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    ffn_hidden: int,
+    query_pre_attn_scalar: int,
+    sliding_window: int = 4096,
+    vocab_size: int = 256000,
+    max_seq_len: int = 8192,
+    attn_softcap: float = 50.0,
+    final_softcap: float = 30.0,
+    backend: str = "flash",
+) -> ModelConfig:
+    """Gemma 2: local (a sliding window) and global layers alternating, one RoPE of base
+    10,000, GQA and a softmax scale of query_pre_attn_scalar**-0.5, attention logits
+    soft-capped at 50 and output logits at 30 (c tanh(x / c)), RMSNorms of weight 1 + w
+    before and after each sublayer, GeGLU (tanh), no biases, embeddings scaled by
+    sqrt(d_model) and tied to the head. Attention backend ``flash`` (sdpa cannot cap the
+    scores)."""
+    scale = None if query_pre_attn_scalar == head_dim else query_pre_attn_scalar**-0.5
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=None if head_dim * n_heads == d_model else head_dim,
+            sliding_window=sliding_window,
+            layer_pattern="LG",
+            scale=scale,
+            softcap=attn_softcap,
+            backend=backend,
+        ),
+        position=PositionConfig(kind="rope", rope_theta=10_000.0, rope_layout="split"),
+        ffn=FFNConfig(kind="glu", activation="gelu_tanh", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="gemma_rmsnorm", eps=1e-6, placement="sandwich"),
+        tie_embeddings=True,
+        scale_embeddings=True,
+        final_logit_softcap=final_softcap,
+    )
+
+
+def gemma2_tiny() -> ModelConfig:
+    """Gemma 2's architecture in 4 layers (local, global, local, global), d_model 64:
+    CPU-trainable, for tests; a window of 16, a softmax scale of its own
+    (query_pre_attn_scalar 24, head_dim 16) and caps low enough to bend its logits (attention
+    5, output 10)."""
+    return gemma2_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_hidden=128,
+        query_pre_attn_scalar=24,
+        sliding_window=16,
+        attn_softcap=5.0,
+        final_softcap=10.0,
+    )
+
+
+def gemma2_2b() -> ModelConfig:
+    """google/gemma-2-2b config.json (transformers' Gemma2Config defaults): 26 layers, GQA
+    (8 heads of 256, 4 key/value heads)."""
+    return gemma2_style(
+        d_model=2304,
+        n_layers=26,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=256,
+        ffn_hidden=9216,
+        query_pre_attn_scalar=256,
+    )
+
+
+def gemma2_9b() -> ModelConfig:
+    """google/gemma-2-9b config.json: 42 layers, GQA (16 heads of 256, 8 key/value heads)."""
+    return gemma2_style(
+        d_model=3584,
+        n_layers=42,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=256,
+        ffn_hidden=14336,
+        query_pre_attn_scalar=256,
+    )
+
+
+def gemma2_27b() -> ModelConfig:
+    """google/gemma-2-27b config.json: 46 layers, GQA (32 heads of 128, 16 key/value
+    heads), a softmax scale of 144**-0.5 (query_pre_attn_scalar d_model / n_heads = 144,
+    not head_dim)."""
+    return gemma2_style(
+        d_model=4608,
+        n_layers=46,
+        n_heads=32,
+        n_kv_heads=16,
+        head_dim=128,
+        ffn_hidden=36864,
+        query_pre_attn_scalar=144,
+    )
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -785,6 +943,15 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         gpt_oss_120b,
         "gpt-oss-120b, 116.8B total, 5.1B active (MoE 128 experts, top 4)",
     ),
+    "gemma-2b": (gemma_2b, "Gemma 2B, 2.5B (MQA 8/1, heads of 256, 8k context)"),
+    "gemma-7b": (gemma_7b, "Gemma 7B, 8.5B (MHA 16 heads of 256, 8k context)"),
+    "gemma2-tiny": (
+        gemma2_tiny,
+        "Gemma 2 architecture: sandwich norms, local/global layers, logit soft-capping; 4 layers",
+    ),
+    "gemma-2-2b": (gemma2_2b, "Gemma 2 2B, 2.6B (GQA 8/4, local/global, soft-capping)"),
+    "gemma-2-9b": (gemma2_9b, "Gemma 2 9B, 9.2B (GQA 16/8, local/global, soft-capping)"),
+    "gemma-2-27b": (gemma2_27b, "Gemma 2 27B, 27.2B (GQA 32/16, local/global, soft-capping)"),
     "gemma3-tiny": (
         gemma3_tiny,
         "Gemma 3 architecture: sandwich norms, 5 local : 1 global layers, 2 RoPE bases; 6 layers",

@@ -24,9 +24,12 @@ def naive_attention(
     bias: Tensor | None = None,
     *,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """One query at a time: out_i = sum_j softmax_j(q_i . k_j * scale + bias_ij) v_j over the
     keys j with ``allowed[i, j]``. Query head j reads key/value head j // (h / h_kv).
+    ``softcap`` c (Gemma 2): each q_i . k_j * scale becomes c tanh(q_i . k_j * scale / c)
+    before the bias.
 
     q (b, h, t, d_h); k, v (b, h_kv, s, d_h); ``allowed`` bool and ``bias`` float, both
     broadcastable to (b, h, t, s). A query with no allowed key gives zeros."""
@@ -47,8 +50,10 @@ def naive_attention(
                 scores = []
                 for j in range(s):
                     if allowed[bi, hi, i, j] and bias[bi, hi, i, j] > float("-inf"):
-                        dot = float(q[bi, hi, i].double() @ k[bi, kv, j].double())
-                        scores.append((j, dot * scale + float(bias[bi, hi, i, j])))
+                        dot = float(q[bi, hi, i].double() @ k[bi, kv, j].double()) * scale
+                        if softcap is not None:
+                            dot = softcap * math.tanh(dot / softcap)
+                        scores.append((j, dot + float(bias[bi, hi, i, j])))
                 if not scores:
                     continue
                 top = max(x for _, x in scores)

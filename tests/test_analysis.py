@@ -212,6 +212,13 @@ def test_moe_matmul_parameters_count_only_active_experts():
         ("mixtral-8x22b", 140_630_071_296),
         # google/gemma-3-1b-pt: 1B (tied head; transformers' count of its config.json)
         ("gemma-3-1b", 999_885_952),
+        # google/gemma-2b, -7b, gemma-2-2b, -9b, -27b (transformers' counts of their
+        # config.json files: the model cards' 2B, 7B (8.5B with the embedding), 2B, 9B, 27B)
+        ("gemma-2b", 2_506_172_416),
+        ("gemma-7b", 8_537_680_896),
+        ("gemma-2-2b", 2_614_341_888),
+        ("gemma-2-9b", 9_241_705_984),
+        ("gemma-2-27b", 27_227_128_320),
     ],
 )
 def test_published_parameter_totals(name, total):
@@ -379,7 +386,34 @@ _GEMMA3_1B = dict(
     vocab_size=262144, bos_token_id=2, eos_token_id=1, pad_token_id=0,
 )  # fmt: skip
 _GEMMA3_LINEAR = {"factor": 8.0, "rope_type": "linear"}
+# google/gemma-2b and -7b's config.json ("gelu": transformers reads it as the tanh
+# approximation), and google/gemma-2-2b, -9b and -27b's
+_GEMMA = dict(
+    model_type="gemma", architectures=["GemmaForCausalLM"], attention_bias=False,
+    attention_dropout=0.0, head_dim=256, hidden_act="gelu", initializer_range=0.02,
+    max_position_embeddings=8192, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=10000.0,
+    vocab_size=256000, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+_GEMMA2 = dict(
+    model_type="gemma2", architectures=["Gemma2ForCausalLM"], attention_bias=False,
+    attention_dropout=0.0, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    head_dim=256, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+    initializer_range=0.02, max_position_embeddings=8192, query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, vocab_size=256000,
+    bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
 CONFIG_JSON = {
+    "gemma-2b": dict(_GEMMA, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                     num_attention_heads=8, num_key_value_heads=1),
+    "gemma-7b": dict(_GEMMA, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=16),
+    "gemma-2-2b": dict(_GEMMA2, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4),
+    "gemma-2-9b": dict(_GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                       num_attention_heads=16, num_key_value_heads=8),
+    "gemma-2-27b": dict(_GEMMA2, head_dim=128, hidden_size=4608, intermediate_size=36864,
+                        num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
+                        query_pre_attn_scalar=144),
     "gemma-3-1b": _GEMMA3_1B,
     "gemma-3-4b": dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240,
                        num_hidden_layers=34, rope_scaling=_GEMMA3_LINEAR, sliding_window=1024),

@@ -156,6 +156,42 @@ FAMILIES = {
         ),
         lambda: _text_ids(2, 12),
     ),
+    "gemma": (
+        "GemmaForCausalLM",
+        lambda: transformers.GemmaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            head_dim=8,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            **NO_SPECIAL,
+        ),
+        lambda: _text_ids(2, 12),
+    ),
+    # soft caps low enough to bend the scores and logits (transformers' Gemma 2 runs its
+    # eager attention: it has no sdpa path)
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        lambda: transformers.Gemma2Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            head_dim=8,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            query_pre_attn_scalar=12,
+            sliding_window=5,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=2.0,
+            max_position_embeddings=64,
+            **NO_SPECIAL,
+        ),
+        lambda: _text_ids(2, 12),
+    ),
     "gemma3_text": (
         "Gemma3ForCausalLM",
         lambda: transformers.Gemma3TextConfig(

@@ -104,6 +104,11 @@ MINIMAL: dict[str, list[dict]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
         },
     ],
+    # 16 heads of 256 (16 key/value heads), "gelu" read as the tanh approximation
+    "gemma": [{**_RMS, "hidden_size": 64}, {**_RMS, "hidden_size": 64, "hidden_act": "gelu"}],
+    # 8 heads of 256 (4 key/value heads), local and global layers alternating, windows of
+    # 4096, soft caps of 50 (attention) and 30 (logits)
+    "gemma2": [{**_RMS, "hidden_size": 64, "num_hidden_layers": 3}],
     # 8 heads of 256 (4 key/value heads), every 6th layer global, windows of 4096, bases 1e6
     # (global) and 1e4 (local), query_pre_attn_scalar 256, a tied head, by default
     "gemma3_text": [

@@ -7,7 +7,9 @@ identity), loaded with ``load_hf``, give the same logits (with and without left 
 the same greedy tokens past the window (one prompt and a ragged batch) and the same loss
 and gradients; attnlab models saved with ``save_hf`` load in transformers with the same
 logits and load back into attnlab exactly; configs neither side can hold are refused by
-name. (The command line: tests/test_interop_cli.py.)
+name; Gemma 2's final logit soft-capping, which transformers' Gemma 3 applies when set,
+is read too (its attention cap, which it never applies, is refused). (The command line:
+tests/test_interop_cli.py.)
 
 Shapes: b batch, t length, V vocabulary, d d_model.
 """
@@ -63,7 +65,9 @@ CASES = {
     ),
     # transformers 4.x's keys (rope_theta, rope_local_base_freq, rope_scaling) and
     # transformers' default pattern: every 6th layer global (7 layers: 6th global, 7th
-    # local); MQA, attention biases, an untied head, head_dim d / h, plain RoPE
+    # local); MQA, attention biases, an untied head, head_dim d / h, plain RoPE; Gemma 2's
+    # final logit soft-capping, which Gemma3ForCausalLM applies when set (a cap low enough
+    # to bend these logits)
     "default-pattern-mqa-biased": dict(
         hidden_size=32,
         intermediate_size=40,
@@ -78,6 +82,7 @@ CASES = {
         rope_local_base_freq=30.0,
         attention_bias=True,
         tie_word_embeddings=False,
+        final_logit_softcapping=8.0,
     ),
 }
 
@@ -142,6 +147,8 @@ def test_import_config(imported):
         assert att.layer_pattern == "LLLLLG" and att.scale is None  # the scalar is head_dim
         assert (pos.rope_theta, pos.local_rope_theta, pos.rope_scaling) == (300.0, 30.0, None)
     assert cfg.tie_embeddings == hf.tie_word_embeddings
+    assert att.softcap is None and att.backend == "sdpa"
+    assert cfg.final_logit_softcap == hf.final_logit_softcapping
     # the norms' offsets are loaded as stored (not 1 + w): attnlab adds the one
     layer = ref.model.layers[1]
     assert torch.equal(model.blocks[1].attn_post_norm.weight, layer.post_attention_layernorm.weight)
@@ -245,9 +252,10 @@ EXPORTS = {
     "gemma3-tiny": _tiny(),
     # interleaved RoPE pairs (q/k rows and QK-norm weights permuted to the split halves),
     # attention biases on q/k/v only (o's written as zeros), untied, the default scale,
-    # every layer local with the local base
+    # every layer local with the local base, final logits soft-capped
     "interleaved-biased-local": _tiny(
         **{
+            "final_logit_softcap": 10.0,
             "position.rope_layout": "interleaved",
             "attention.qkv_bias": True,
             "tie_embeddings": False,
@@ -346,8 +354,10 @@ def _hf_dict(case: str = "pattern-linear-gqa") -> dict:
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"final_logit_softcapping": 0.0},
+         "final_logit_softcapping must be a positive number or null, got 0.0"),
+        ({"attn_logit_softcapping": 50.0},  # transformers' Gemma 3 keeps it, never applies it
+         "attn_logit_softcapping=50.0 is not supported for gemma3_text"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
         ({"layer_types": ["chunked_attention"] * 5}, "layer_types"),
         ({"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0},
@@ -398,6 +408,8 @@ def test_minimal_config_is_read_as_transformers_fills_it():
         ({"position.rope_scaling": "yarn"}, "position.rope_scaling='yarn'"),
         ({"position.local_rope_theta": None}, "position.local_rope_theta=None with rope_scaling"),
         ({"attention.sink_logits": True}, "attention.sink_logits (gemma3_text has none"),
+        ({"attention.softcap": 20.0, "attention.backend": "flash"},
+         "attention.softcap=20.0 (transformers' Gemma 3 never caps"),
     ],
 )  # fmt: skip
 def test_export_refuses_what_gemma3_cannot_hold(changes, named, tmp_path):
@@ -419,28 +431,31 @@ def test_export_refuses_what_gemma3_cannot_hold(changes, named, tmp_path):
     ],
 )  # fmt: skip
 def test_gemma_pieces_in_other_layouts_are_refused(changes, piece):
-    """A LLaMA or GPT-2 config with one of Gemma's pieces: no layout but Gemma 3's holds
-    it (none drops it silently), and the refusal names it and what else Gemma 3 lacks."""
+    """A LLaMA or GPT-2 config with one of Gemma's pieces: no layout but Gemma's holds
+    it (none drops it silently), and the refusal names it and what else the Gemma model
+    type it would be (gemma3_text with a second RoPE base, else gemma) lacks."""
     for base in ("llama-tiny", "gpt2-tiny"):
         if base == "gpt2-tiny" and piece == "position.local_rope_theta":
             continue  # (RoPE only: refused by the config itself)
         cfg = get_preset(base).override(changes)
-        with pytest.raises(HFCheckpointError, match="Gemma 3's is") as e:
+        with pytest.raises(HFCheckpointError, match="Gemma( 2| 3)?'s is") as e:
             hf_model_type(cfg)
-        assert f"{piece} exports as gemma3_text only" in str(e.value)
+        assert f"{piece} exports as gemma, gemma2 or gemma3_text only" in str(e.value)
 
 
-def test_families_other_than_gemma3_refuse_its_pieces(monkeypatch):
+def test_families_other_than_gemma_refuse_its_pieces(monkeypatch):
     """convert's own check, should another family take such a config: each names the
-    piece it has not (the Gemma 3 family left out of the registry here)."""
+    piece it has not (the Gemma family left out of the registry here)."""
     from attnlab.interop import convert
 
-    others = tuple(f for f in convert.FAMILIES if f.name != "gemma3")
+    others = tuple(f for f in convert.FAMILIES if f.name != "gemma")
     monkeypatch.setattr(convert, "FAMILIES", others)
     for changes, piece in (
         ({"scale_embeddings": True}, "scale_embeddings"),
         ({"attention.scale": 0.25}, "attention.scale"),
         ({"norm.placement": "sandwich"}, "norm.placement='sandwich'"),
+        ({"attention.softcap": 20.0, "attention.backend": "flash"}, "attention.softcap"),
+        ({"final_logit_softcap": 20.0}, "final_logit_softcap"),
     ):
         cfg = get_preset("llama-tiny").override(changes)
         with pytest.raises(HFCheckpointError, match=rf"{piece} \((llama has none|Gemma's)"):

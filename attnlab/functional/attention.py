@@ -19,6 +19,11 @@ s key length, d_h head dim. Masks broadcast to (b, h, t, s); boolean True = may 
 or additive (0 / -inf). ``causal=True`` aligns query i with key s - t + i (bottom-right),
 which is what a KV cache and chunked prefill need.
 
+``softcap`` (Gemma 2): the scores after the scale become cap * tanh(scores / cap) before
+the mask, so no logit leaves (-cap, cap). ``eager``, ``flash`` (its tiles, and a backward
+that multiplies dS by the cap's derivative 1 - tanh^2) and ``flex`` (a score_mod) take it;
+``sdpa`` and ``triton`` cannot and refuse it (``SOFTCAP_BACKENDS``).
+
 ``recording_weights(sink)``: inside, every ``attend`` call runs ``eager`` whatever the
 backend asked for and hands its softmax weights to ``sink`` (how ``attnlab.attention_maps``
 reads a whole model's attention without a flag in any module).
@@ -41,6 +46,7 @@ from attnlab.functional.flash import (
     check_doc_ids,
     check_keys,
     check_sinks,
+    check_softcap,
     flash_attention,
     heads_error,
 )
@@ -101,10 +107,12 @@ def eager_attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The reference: every step written out. Fully masked rows give zero output.
     ``sinks`` (h,): each row's softmax gets one more column, the head's sink logit, which
-    is then dropped (its value is zero): the weights sum to less than 1."""
+    is then dropped (its value is zero): the weights sum to less than 1. ``softcap``:
+    scores -> softcap * tanh(scores / softcap) after the scale, before the mask (Gemma 2)."""
     n_rep = _check(q, k, v, mask, dropout_p, sinks)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (b, h, s, d_h)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -112,6 +120,8 @@ def eager_attention(
         mask = combine_masks(mask, causal_mask(q.shape[-2], k.shape[-2], device=q.device))
     qs, ks = score_operands(q, k)  # float16 in float32: its products overflow
     scores = softmax_dtype((qs @ ks.transpose(-2, -1)) * scale)  # (b, h, t, s)
+    if softcap is not None:  # in transformers' order: / cap, tanh, * cap
+        scores = torch.tanh(scores / softcap) * softcap
     if sinks is None:
         weights = masked_softmax(scores, mask).to(q.dtype)
     else:
@@ -232,16 +242,26 @@ def _fold_structure(
     return mask, causal
 
 
-def _eager(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
+def _eager(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, softcap):
     mask, causal = _fold_structure(
         mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
     )
     return eager_attention(
-        q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p, sinks=sinks
+        q,
+        k,
+        v,
+        mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        sinks=sinks,
+        softcap=softcap,
     )
 
 
-def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
+def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, softcap):
+    if softcap is not None:
+        raise ValueError(softcap_refusal("sdpa"))
     mask, causal = _fold_structure(
         mask, q.shape[-2], k.shape[-2], causal, window, doc_ids, q.device
     )
@@ -250,13 +270,17 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
     )
 
 
-def _triton_takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
-    """Whether ``flash`` may hand these tensors to the Triton kernels: CUDA, one head dim
+def _triton_takes(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, softcap: float | None = None
+) -> bool:
+    """Whether ``flash`` may hand these tensors to the Triton kernels: no soft-capping
+    (the kernels do not cap the scores: the tiled twin does), CUDA, one head dim
     for q, k and v (not MLA's narrower values), one dtype the kernels take (float64 went to
     the kernels on CUDA, which refused it, instead of to the tiled twin), and no float64
     mask (the kernels add a float32 bias; the tiled twin widens its scores as eager does)."""
     return (
-        q.is_cuda
+        softcap is None
+        and q.is_cuda
         and v.shape[-1] == q.shape[-1] == k.shape[-1]
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and q.dtype == k.dtype == v.dtype
@@ -264,28 +288,40 @@ def _triton_takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -
     )
 
 
-def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
+def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, softcap):
     from attnlab import kernels
 
     kw = dict(causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks)
-    if _triton_takes(q, k, v, mask) and kernels.triton_available():
+    if _triton_takes(q, k, v, mask, softcap) and kernels.triton_available():
         return kernels.triton_attention(q, k, v, mask, **kw)
-    return flash_attention(q, k, v, mask, **kw)
+    return flash_attention(q, k, v, mask, softcap=softcap, **kw)
 
 
-def _triton(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
+def _triton(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, softcap):
     from attnlab import kernels
+
+    if softcap is not None:  # (attend refuses it first; a direct call too)
+        raise ValueError(softcap_refusal("triton"))
 
     return kernels.triton_attention(
         q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks
     )
 
 
-def _flex(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks):
+def _flex(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, softcap):
     from attnlab.functional.flex import flex_attention
 
     return flex_attention(
-        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks
+        q,
+        k,
+        v,
+        mask,
+        causal=causal,
+        scale=scale,
+        window=window,
+        doc_ids=doc_ids,
+        sinks=sinks,
+        softcap=softcap,
     )
 
 
@@ -298,22 +334,37 @@ def _triton_missing() -> str | None:
 @dataclass(frozen=True)
 class Backend:
     """One way to compute attention. ``fn(q, k, v, mask, *, causal, scale, dropout_p,
-    window, doc_ids, sinks)``; ``dropout`` says whether it implements dropout_p > 0;
-    ``unavailable()`` returns why it cannot run here, or None."""
+    window, doc_ids, sinks, softcap)``; ``dropout`` says whether it implements
+    dropout_p > 0, ``softcap`` whether it caps the scores; ``unavailable()`` returns why it
+    cannot run here, or None."""
 
     fn: Callable[..., Tensor]
     summary: str
     dropout: bool = False
+    softcap: bool = True
     unavailable: Callable[[], str | None] = lambda: None
 
 
 BACKENDS: dict[str, Backend] = {
     "eager": Backend(_eager, "readable reference; the only one that returns weights", True),
-    "sdpa": Backend(_sdpa, "torch.nn.functional.scaled_dot_product_attention", True),
+    "sdpa": Backend(_sdpa, "torch.nn.functional.scaled_dot_product_attention", True, softcap=False),
     "flash": Backend(_flash, "tiled online softmax in PyTorch (Triton kernel on CUDA)"),
-    "triton": Backend(_triton, "Triton flash-attention kernels", unavailable=_triton_missing),
+    "triton": Backend(
+        _triton, "Triton flash-attention kernels", softcap=False, unavailable=_triton_missing
+    ),
     "flex": Backend(_flex, "torch FlexAttention (no backward on CPU)"),
 }
+# the backends that take soft-capped scores (attention.softcap)
+SOFTCAP_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.softcap)
+
+
+def softcap_refusal(backend: str) -> str:
+    """The one-line refusal of soft-capping by a backend that cannot cap the scores."""
+    *first, last = map(repr, SOFTCAP_BACKENDS)
+    return (
+        f"attention.softcap (logit soft-capping) needs backend {', '.join(first)} or {last}; "
+        f"{backend!r} cannot cap the scores"
+    )
 
 
 # Where attend() hands its weights while recording (None: not recording).
@@ -368,6 +419,7 @@ def attend(
     window: int | None = None,
     doc_ids: Tensor | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with the chosen backend, the one switch between implementations.
 
@@ -377,7 +429,9 @@ def attend(
     ``flash`` and ``triton`` skip whole blocks that window and sorted documents rule out;
     ``eager`` and ``sdpa`` turn them into masks. ``sinks`` (h,): learned sink logits, a
     softmax column per head with no value (the weights then sum to less than 1).
-    ``return_weights`` needs ``eager`` (or :func:`recording_weights`, which makes every
+    ``softcap``: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2;
+    ``SOFTCAP_BACKENDS`` only). ``return_weights`` needs ``eager`` (or
+    :func:`recording_weights`, which makes every
     call eager)."""
     if backend not in BACKENDS:
         raise ValueError(
@@ -391,6 +445,9 @@ def attend(
         raise ValueError(f"window must be a number of keys, got {window!r}")
     if window is not None and (not causal or window <= 0):
         raise ValueError(f"window={window} needs causal=True and a positive size")
+    check_softcap(softcap)
+    if softcap is not None and not entry.softcap:
+        raise ValueError(softcap_refusal(backend))
     # Compiled graphs never record (and dynamo cannot trace ContextVar.get).
     sink = None if torch.compiler.is_compiling() else _WEIGHT_SINK.get()
     if return_weights or sink is not None:
@@ -411,6 +468,7 @@ def attend(
             dropout_p=dropout_p,
             return_weights=True,
             sinks=sinks,
+            softcap=softcap,
         )
         if sink is not None:
             sink(weights)
@@ -431,4 +489,5 @@ def attend(
         window=window,
         doc_ids=doc_ids,
         sinks=sinks,
+        softcap=softcap,
     )

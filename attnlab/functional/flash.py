@@ -14,6 +14,10 @@ Backward (FlashAttention-2): the weights are recomputed block by block from L,
 P = exp(S - L), and with D = rowsum(dO * O):
     dV += P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ += dS K * scale,   dK += dS^T Q * scale.
 
+Soft-capping (Gemma 2, ``softcap`` c): each tile's scaled scores become S = c tanh(S' / c)
+before the mask; the backward recomputes them so, and multiplies dS by the cap's derivative
+dS/dS' = 1 - tanh^2(S' / c) before the products with K and Q.
+
 Skipping: the query rows that may see a key block form one contiguous range (causal,
 sliding window, sorted document ids); it is widened to whole ``block_q`` tiles, so every
 tile of the (t, s) grid that is fully masked (above the causal diagonal, outside the window,
@@ -125,10 +129,13 @@ def _mask5(mask: Tensor, h_kv: int, g: int) -> Tensor:
 class _Problem:
     """Everything the forward and the backward share: the tiling and the tile scores."""
 
-    def __init__(self, q5, k5, mask5, causal, window, doc_ids, scale, block_q, block_k):
+    def __init__(
+        self, q5, k5, mask5, causal, window, doc_ids, scale, block_q, block_k, softcap=None
+    ):
         self.t, self.s = q5.shape[-2], k5.shape[-2]
         self.off = self.s - self.t
         self.scale, self.window, self.mask5, self.causal = scale, window, mask5, causal
+        self.softcap = softcap
         self.doc_ids = doc_ids
         # statistics: float32, float64 for float64 inputs (as softmax_dtype: never a downcast)
         self.dtype = torch.float64 if q5.dtype == torch.float64 else torch.float32
@@ -151,11 +158,24 @@ class _Problem:
         """float32 (float64) scores of one tile, -inf where masked: (b, h_kv, g, r, c). Every
         step after the product is in place: on a CPU these passes over r x c, not the products,
         are what costs."""
+        return self.scores_and_slope(qs, kb, tile)[0]
+
+    def scores_and_slope(
+        self, qs: Tensor, kb: Tensor, tile: _Tile, slope: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """The tile's scores and, with ``slope`` and a soft cap, the cap's derivative
+        1 - tanh^2(S' / c) at each of them (b, h_kv, g, r, c), formed before the mask."""
         q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
         if qs.dtype == torch.float16:  # products in float32, as the kernels' (score_operands)
             qs, kb = qs.float(), kb.float()
         sc = qs @ kb.transpose(-2, -1)
         sc = sc.mul_(self.scale) if sc.dtype == self.dtype else sc.to(self.dtype).mul_(self.scale)
+        dcap = None
+        if self.softcap is not None:  # c tanh(S' / c), in transformers' order
+            sc = sc.div_(self.softcap).tanh_()
+            if slope:
+                dcap = 1.0 - sc * sc
+            sc = sc.mul_(self.softcap)
         if self.mask5 is not None:
             m = self.mask5
             m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
@@ -186,7 +206,7 @@ class _Problem:
             q_doc = self.doc_ids[:, self.off + q0 : self.off + q1, None]  # (b, r, 1)
             same = q_doc == self.doc_ids[:, None, k0:k1]  # (b, r, c)
             sc.masked_fill_(~same[:, None, None], float("-inf"))
-        return sc
+        return sc, dcap
 
 
 def _safe(m: Tensor) -> Tensor:
@@ -199,8 +219,10 @@ class FlashAttention(torch.autograd.Function):
     copying K or V)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks5, mask5, causal, window, doc_ids, scale, block_q, block_k):
-        prob = _Problem(q, k, mask5, causal, window, doc_ids, scale, block_q, block_k)
+    def forward(
+        ctx, q, k, v, sinks5, mask5, causal, window, doc_ids, scale, block_q, block_k, softcap
+    ):
+        prob = _Problem(q, k, mask5, causal, window, doc_ids, scale, block_q, block_k, softcap)
         stats = q.shape[:-1] + (1,)
         f = prob.dtype
         if sinks5 is None:  # nothing seen yet
@@ -251,14 +273,18 @@ class FlashAttention(torch.autograd.Function):
             rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
             qs, kb, vb = q[..., rows, :], k[..., cols, :], v[..., cols, :]
             do = grad_out[..., rows, :]  # (b, h_kv, g, r, d_h)
-            p = prob.scores(qs, kb, tile).sub_(lse[..., rows, :]).exp_()  # (b, h_kv, g, r, c)
+            sc, dcap = prob.scores_and_slope(qs, kb, tile, slope=True)
+            p = sc.sub_(lse[..., rows, :]).exp_()  # (b, h_kv, g, r, c)
             # Sum over the g query heads that share a kv head: (b, h_kv, 1, c, d_h).
             dv[..., cols, :] += (p.to(do.dtype).transpose(-2, -1) @ do).to(f).sum(2, True)
             dp = (do @ vb.transpose(-2, -1)).to(f)
-            ds = dp.sub_(delta[..., rows, :]).mul_(p).to(q.dtype)  # dS = P * (dP - D)
+            ds = dp.sub_(delta[..., rows, :]).mul_(p)  # dS = P * (dP - D)
+            if dcap is not None:  # through the cap: dS' = dS * (1 - tanh^2(S' / c))
+                ds = ds.mul_(dcap)
+            ds = ds.to(q.dtype)
             dq[..., rows, :] += (ds @ kb).to(f) * prob.scale
             dk[..., cols, :] += (ds.transpose(-2, -1) @ qs).to(f).sum(2, True) * prob.scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, *([None] * 7)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, *([None] * 8)
 
 
 def heads_error(h: int, h_k: int, h_v: int) -> str:
@@ -299,6 +325,16 @@ def check_sinks(sinks: Tensor | None, h: int) -> None:
         )
 
 
+def check_softcap(softcap: float | None) -> None:
+    """A soft cap is a positive finite number of logits (or None: no cap)."""
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, numbers.Real)
+        or not 0 < softcap < float("inf")
+    ):
+        raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+
+
 def check_arguments(
     q: Tensor,
     k: Tensor,
@@ -309,6 +345,7 @@ def check_arguments(
     window: float | None,
     doc_ids: Tensor | None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Refuse, by name, what flash attention (the tiled path here and the Triton kernels
     alike) cannot compute."""
@@ -325,6 +362,7 @@ def check_arguments(
     check_mask_shape(mask, (b, h, t, s))
     check_doc_ids(doc_ids, b, t, s)
     check_sinks(sinks, h)
+    check_softcap(softcap)
     if mask is not None and mask.requires_grad:
         raise ValueError("flash attention does not differentiate the mask; detach it")
 
@@ -340,6 +378,7 @@ def flash_attention(
     window: int | None = None,
     doc_ids: Tensor | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> Tensor:
@@ -349,9 +388,12 @@ def flash_attention(
     bottom-right; ``window`` (needs causal) keeps the last ``window`` keys of each query;
     ``doc_ids`` (b, s) int: no attention across documents (sorted ids also skip tiles).
     ``sinks`` (h,) learned sink logits: a softmax column per head with no value.
+    ``softcap``: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2).
     Rows that may attend to nothing give zeros."""
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
-    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids, sinks=sinks)
+    check_arguments(
+        q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids, sinks=sinks, softcap=softcap
+    )
     b, h, t, d_h = q.shape
     h_kv = k.shape[1]
     g = h // h_kv
@@ -363,6 +405,6 @@ def flash_attention(
     mask5 = None if mask is None else _mask5(mask, h_kv, g)
     sinks5 = None if sinks is None else sinks.reshape(h_kv, g, 1, 1)  # (h_kv, g, t, 1)
     out = FlashAttention.apply(
-        q5, k5, v5, sinks5, mask5, causal, window, doc_ids, scale, block_q, block_k
+        q5, k5, v5, sinks5, mask5, causal, window, doc_ids, scale, block_q, block_k, softcap
     )
     return out.reshape(b, h, t, v.shape[-1])  # the value width may differ (MLA)

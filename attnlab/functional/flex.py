@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnlab.functional.flash import check_sinks
+from attnlab.functional.flash import check_sinks, check_softcap
 from attnlab.functional.masks import additive_in
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -116,11 +116,14 @@ def flex_attention(
     mask_mod: MaskMod | None = None,
     compile: bool | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention through FlexAttention, equal to ``eager_attention``. ``mask`` bool or
     additive broadcastable to (b, h, t, s); ``mask_mod`` any extra mask function (e.g.
     ``prefix_lm_mod``); ``sinks`` (h,) sink logits, applied from FlexAttention's
-    log-sum-exp L as out * sigmoid(L - sink). Rows that may attend to nothing give zeros."""
+    log-sum-exp L as out * sigmoid(L - sink); ``softcap``: a score_mod capping the scaled
+    scores, softcap * tanh(score / softcap), before an additive mask's bias (Gemma 2).
+    Rows that may attend to nothing give zeros."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
@@ -132,6 +135,7 @@ def flex_attention(
     b, h, t, _ = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     check_sinks(sinks, h)
+    check_softcap(softcap)
     if causal and s < t:
         raise ValueError(f"causal attention: key length s={s} is shorter than query length t={t}")
     if t == 0 or s == 0:  # no query, or no key to attend to (block masks need both)
@@ -154,6 +158,8 @@ def flex_attention(
             bias = torch.where(mask > float("-inf"), mask, torch.zeros_like(mask))
             bias_at = tensor_mod(bias)
             score_mod = lambda score, b_, h_, q_, k_: score + bias_at(b_, h_, q_, k_)
+    if softcap is not None:  # the cap first, then the bias (eager's order)
+        score_mod = _capped(score_mod, softcap)
     structure = None
     if window is not None:
         structure = sliding_window_mod(t, s, window)
@@ -200,6 +206,16 @@ def flex_attention(
         out = call()
     _unfused_warned = True
     return _sink_share(out, sinks)
+
+
+def _capped(score_mod, softcap: float):
+    """``score_mod`` (or none) after capping the score: softcap * tanh(score / softcap)."""
+
+    def capped(score, b, h, q_idx, kv_idx):
+        score = torch.tanh(score / softcap) * softcap
+        return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+
+    return capped
 
 
 def _sink_share(out, sinks: Tensor | None) -> Tensor:

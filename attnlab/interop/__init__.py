@@ -1,5 +1,6 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Mixtral, GPT-OSS, Gemma 3 (text), DeepSeek-V2/V3/V3.2, BERT, MarianMT, ViT.
+Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), DeepSeek-V2/V3/V3.2, BERT,
+MarianMT, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -11,7 +12,8 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     gpt2.py          GPT-2
     llama.py         LLaMA and its layout variants Mistral, Qwen2 and Qwen3
     gpt_oss.py       GPT-OSS: sink logits, local/global layers, biased clamped-SwiGLU experts
-    gemma3.py        Gemma 3 (text): sandwich norms (weight 1 + w), scaled embeddings, 2 RoPE bases
+    gemma.py         Gemma, Gemma 2, Gemma 3 (text): norms of weight 1 + w, scaled embeddings,
+                     sandwich norms, logit soft-capping, 2 RoPE bases (Gemma 3)
     qwen3_moe.py     Qwen3-MoE: Qwen3's attention with mixture-of-experts feed-forwards
     mixtral.py       Mixtral: Mistral's attention with a mixture of experts in every layer
     deepseek.py      DeepSeek-V2 / V3 (multi-head latent attention, mixture of experts)

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from attnlab.config import ConfigError, ModelConfig
-from attnlab.interop.gemma3 import gemma_features
+from attnlab.interop.gemma import MODEL_TYPES as GEMMA_TYPES
+from attnlab.interop.gemma import MODEL_TYPES_TEXT as GEMMA_TYPES_TEXT
+from attnlab.interop.gemma import gemma_features
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
@@ -56,7 +58,16 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 
 # model types whose attention has a sliding window (the only windowed ones attnlab writes)
-WINDOWED_TYPES = ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3_text")
+WINDOWED_TYPES = (
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "gemma2",
+    "gemma3_text",
+)
 # model types with QK-norm (attention.qk_norm)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
@@ -109,9 +120,10 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
             # (an encoder-decoder's scaled embeddings are Marian's own)
             gemma = [f for f in gemma_features(cfg)
                      if not (f == "scale_embeddings" and cfg.arch == "seq2seq")]  # fmt: skip
-            if gemma and model_type != "gemma3_text":
+            if gemma and model_type not in GEMMA_TYPES:
                 raise unrepresentable(
-                    f"{gemma[0]} ({model_type} has none; Gemma's pieces export as gemma3_text)"
+                    f"{gemma[0]} ({model_type} has none; Gemma's pieces export as "
+                    f"{GEMMA_TYPES_TEXT})"
                 )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
@@ -124,7 +136,9 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
     if cfg.norm.placement == "post":
         raise unrepresentable("post-norm blocks (supported decoders are pre-norm or sandwich)")
     if cfg.norm.placement == "sandwich":
-        raise unrepresentable("norm.placement='sandwich' (Gemma's: exports as gemma3_text only)")
+        raise unrepresentable(
+            "norm.placement='sandwich' (Gemma's: exports as gemma2 or gemma3_text only)"
+        )
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
     raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")
@@ -141,9 +155,10 @@ def hf_model_type(cfg: ModelConfig) -> str:
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where
     the model has none), else ``qwen3_moe`` with QK-norm, else ``mixtral`` (experts on every
-    layer, top-k weights renormalised); with Gemma's pieces (sandwich norms of weight 1 + w,
-    scaled embeddings, a softmax scale of its own, a second RoPE base for local layers) ->
-    ``gemma3_text``."""
+    layer, top-k weights renormalised); with Gemma's pieces (norms of weight 1 + w, scaled
+    embeddings, a softmax scale of its own, logit soft-capping, a second RoPE base for
+    local layers) -> ``gemma3_text`` with QK-norm or the second base, else ``gemma2`` with
+    sandwich norms, else ``gemma``."""
     return _export_family(cfg)[1]
 
 

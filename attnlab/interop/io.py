@@ -254,7 +254,7 @@ def local_layers(cfg: ModelConfig) -> list[bool]:
     return [cfg.attention.window_of(i) is not None for i in range(cfg.n_layers)]
 
 
-# config.json ``layer_types`` (GPT-OSS, Gemma 3) -> attention.layer_pattern letters
+# config.json ``layer_types`` (GPT-OSS, Gemma 2 and 3) -> attention.layer_pattern letters
 LAYER_TYPES = {"sliding_attention": "L", "full_attention": "G"}
 
 

@@ -109,7 +109,7 @@ QWEN = ("qwen2", "qwen3")  # windows on the layers use_sliding_window and layer_
 ACTIVATIONS = io.TO_HF_ACTIVATIONS
 # RoPE frequencies that older transformers versions saved.
 IGNORED = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # --------------------------------------------------------------------------- configs
 
@@ -177,7 +177,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
             layer_pattern=layer_pattern,
             qk_norm=model_type == "qwen3",
         ),
-        position=PositionConfig(kind="rope", rope_layout="split", **rope_settings(hf, _ROPE_TYPES)),
+        position=PositionConfig(kind="rope", rope_layout="split", **rope_settings(hf, ROPE_TYPES)),
         ffn=FFNConfig(
             kind="glu",
             activation=activation(hf.get("hidden_act", "silu"), "hidden_act"),

@@ -14,7 +14,7 @@ from attnlab.interop import (
     bert,
     deepseek,
     deepseek_v32,
-    gemma3,
+    gemma,
     gpt2,
     gpt_oss,
     llama,
@@ -28,7 +28,7 @@ from attnlab.interop.io import Family, HFCheckpointError
 FAMILIES: tuple[Family, ...] = (
     # first: it takes every decoder with Gemma's own pieces (sandwich norms, scaled
     # embeddings, ...), which the other families' layouts would drop
-    gemma3.FAMILY,
+    gemma.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces

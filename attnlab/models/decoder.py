@@ -3,6 +3,7 @@
     h_0 = E[idx] (* sqrt(d)) (+ P[positions])  token (+ absolute position) embedding
     h_l = Block_l(h_{l-1})                   causal self-attention + feed-forward
     logits = W_out norm(h_L)                 W_out tied to E or separate
+    logits = c tanh(logits / c)              soft-capped (Gemma 2): c = final_logit_softcap
 
 Shapes: b batch, t new tokens, d d_model, V vocabulary size.
 """
@@ -260,6 +261,9 @@ class DecoderLM(LoadableModel):
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))  # (b, t, V)
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:  # (transformers' order: / cap, tanh, * cap)
+            logits = torch.tanh(logits / cap) * cap
         loss = None
         if targets is not None:
             loss = F.cross_entropy(

@@ -91,7 +91,7 @@ class XLConfig(ModelConfig):
         if self.attention.kind != "mha":
             _fail(at("attention.kind"), f"Transformer-XL uses its own attention, got "
                   f"{self.attention.kind!r}; leave it at mha")  # fmt: skip
-        for name in ("sliding_window", "sink_tokens", "sink_logits", "qk_norm", "scale"):
+        for name in ("sliding_window", "sink_tokens", "sink_logits", "qk_norm", "scale", "softcap"):
             if getattr(self.attention, name):
                 _fail(at(f"attention.{name}"), "does not apply to Transformer-XL")
         if self.attention.backend not in ("eager", "sdpa"):  # (sdpa: the default)

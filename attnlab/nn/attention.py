@@ -42,7 +42,8 @@ class MultiHeadAttention(nn.Module):
     ``positions`` with the module's own :class:`RotaryEmbedding`. ``doc_ids`` keeps packed
     documents apart (``supports_documents``). ``norm_eps``: QK-norm's epsilon;
     ``norm_offset``: its weights stored as offsets from one (Gemma's RMSNorm).
-    ``cfg.scale``: the softmax scale (None: 1 / sqrt(d_h)).
+    ``cfg.scale``: the softmax scale (None: 1 / sqrt(d_h)); ``cfg.softcap``: the scores'
+    soft cap (Gemma 2), in every path, cached ones too.
     """
 
     supports_documents = True  # forward takes doc_ids (packed documents)
@@ -68,6 +69,7 @@ class MultiHeadAttention(nn.Module):
         self.global_tokens = list(cfg.global_tokens)  # Longformer positions, beside the window
         self.backend, self.attn_dropout = cfg.backend, cfg.dropout
         self.scale = cfg.scale  # None: attend's 1 / sqrt(d_h)
+        self.softcap = cfg.softcap  # None: no cap on the scores
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         if cross:
@@ -141,7 +143,8 @@ class MultiHeadAttention(nn.Module):
                 q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
                 k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
                 q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
-                y = cache.attend(q, k, v, self.rope if self.uses_rope else None, self.scale)
+                rotary = self.rope if self.uses_rope else None
+                y = cache.attend(q, k, v, rotary, self.scale, softcap=self.softcap)
                 return self.resid_dropout(self.out(y.transpose(1, 2).reshape(b, t, self.q_dim)))
             if self.uses_rope and rope is None:
                 if positions is None:
@@ -174,6 +177,7 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.attn_dropout if self.training else 0.0,
             doc_ids=doc_ids,
             sinks=self.sink_logit,
+            softcap=self.softcap,
         )  # (b, h, t, d_h)
         y = y.transpose(1, 2).reshape(b, t, self.q_dim)  # (b, t, h * d_h)
         return self.resid_dropout(self.out(y))
