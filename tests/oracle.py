@@ -269,6 +269,30 @@ def hf_training_loss(ref, idx, targets, attention_mask=None) -> torch.Tensor:
     return ref(idx, labels=labels, **kwargs).loss
 
 
+def assert_greedy_tokens_match_hf(ref, model, vocab_size: int, n: int = 12) -> None:
+    """attnlab's greedy ``generate`` gives transformers' ``generate`` tokens: one prompt of
+    7 tokens, and a batch of two prompts (4 and 9 tokens) that transformers takes
+    left-padded with its attention mask and attnlab as ragged lists. With a window under
+    7 + n tokens, decoding runs past it."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, vocab_size, (1, 7), generator=g)
+    theirs = ref.generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n,
+        pad_token_id=0,
+    )  # fmt: skip
+    assert model.generate(prompt[0].tolist(), n) == theirs[0, prompt.shape[1] :].tolist()
+    rows = [torch.randint(1, vocab_size, (4,), generator=g).tolist(),
+            torch.randint(1, vocab_size, (9,), generator=g).tolist()]  # fmt: skip
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 9 - len(r) :], mask[i, 9 - len(r) :] = torch.tensor(r), 1
+    theirs = ref.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0
+    )
+    assert model.generate(rows, n) == theirs[:, 9:].tolist()
+
+
 def hf_logits(ref, idx, attention_mask=None) -> torch.Tensor:
     """A transformers causal LM's logits for ``idx``; with an ``attention_mask`` (left
     padding), positions that count real tokens only, as attnlab's do."""

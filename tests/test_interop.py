@@ -12,7 +12,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from oracle import hf_logits, hf_training_loss  # noqa: E402
+from oracle import assert_greedy_tokens_match_hf, hf_logits, hf_training_loss  # noqa: E402
 from safetensors.torch import load, load_file, save_file  # noqa: E402
 
 from attnlab.config import ModelConfig  # noqa: E402
@@ -272,21 +272,7 @@ def test_import_logits_left_padding(imported):
 
 def test_import_greedy_generation(imported):
     kind, ref, model = imported
-    torch.manual_seed(3)
-    n = 12
-    prompt = torch.randint(0, VOCAB, (1, 7))
-    theirs = ref.generate(prompt, do_sample=False, max_new_tokens=n, pad_token_id=0)
-    assert model.generate(prompt[0].tolist(), n) == theirs[0, prompt.shape[1] :].tolist()
-    # A left-padded batch: transformers pads with the mask; attnlab takes ragged prompts.
-    rows = [torch.randint(1, VOCAB, (4,)).tolist(), torch.randint(1, VOCAB, (9,)).tolist()]
-    ids = torch.zeros(2, 9, dtype=torch.long)
-    mask = torch.zeros(2, 9, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, 9 - len(r) :], mask[i, 9 - len(r) :] = torch.tensor(r), 1
-    theirs = ref.generate(
-        ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0
-    )
-    assert model.generate(rows, n) == theirs[:, 9:].tolist()
+    assert_greedy_tokens_match_hf(ref, model, VOCAB)
 
 
 def test_sharded_checkpoint(tmp_path):

@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from oracle import hf_logits  # noqa: E402
+from oracle import assert_greedy_tokens_match_hf, hf_logits  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_interop import router_gradients_match  # noqa: E402
 
@@ -198,25 +198,7 @@ def test_import_logits_left_padding(imported):
 def test_import_greedy_generation(imported):
     """Past the window: the local layers' rolling caches against transformers' cache."""
     case, ref, model = imported
-    g = torch.Generator().manual_seed(3)
-    n = 12
-    prompt = torch.randint(0, V, (1, 7), generator=g)
-    theirs = ref.generate(
-        prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n,
-        pad_token_id=0,
-    )  # fmt: skip
-    assert model.generate(prompt[0].tolist(), n) == theirs[0, prompt.shape[1] :].tolist()
-    # a left-padded batch: transformers pads with the mask; attnlab takes ragged prompts
-    rows = [torch.randint(1, V, (4,), generator=g).tolist(),
-            torch.randint(1, V, (9,), generator=g).tolist()]  # fmt: skip
-    ids = torch.zeros(2, 9, dtype=torch.long)
-    mask = torch.zeros(2, 9, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, 9 - len(r) :], mask[i, 9 - len(r) :] = torch.tensor(r), 1
-    theirs = ref.generate(
-        ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0
-    )
-    assert model.generate(rows, n) == theirs[:, 9:].tolist()
+    assert_greedy_tokens_match_hf(ref, model, V)
 
 
 def test_training_gradients_match_transformers(imported):
