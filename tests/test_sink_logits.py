@@ -341,3 +341,21 @@ def test_sdpa_sink_logits_compile_as_eager():
 
     for got, want in zip(run(compiled), run(eager), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_sink_logits_differentiate_a_learned_additive_mask():
+    """torch's CPU kernel gives its mask no gradient, so an additive mask that requires one
+    (a learned bias) takes the rescaling route: every gradient, the bias's too, is eager's
+    (float64)."""
+    from attnlab.functional.attention import attend
+
+    torch.manual_seed(0)
+    (q, k, v, sinks), _, _ = _sink_inputs(6, 6, True, None, False, False)
+    bias = torch.randn(1, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for backend in ("sdpa", "eager"):
+        xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, sinks, bias)]
+        attend(*xs[:3], xs[4], causal=True, backend=backend, sinks=xs[3]).square().sum().backward()
+        grads.append([x.grad for x in xs])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)

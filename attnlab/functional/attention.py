@@ -157,7 +157,9 @@ def sdpa_attention(
     (:class:`CpuSdpaSinks`); otherwise :func:`sink_rescale` does, forming the scores
     (``F.scaled_dot_product_attention`` returns no log-sum-exp)."""
     n_rep = _check(q, k, v, mask, dropout_p, sinks)
-    if sinks is not None and (q.device.type != "cpu" or dropout_p > 0.0):
+    # (the CPU kernel's backward gives the mask no gradient: a learned bias takes the rescale)
+    mask_grad = mask is not None and mask.requires_grad
+    if sinks is not None and (q.device.type != "cpu" or dropout_p > 0.0 or mask_grad):
         out = sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
         return sink_rescale(out, q, k, sinks, mask, causal=causal, scale=scale)
     t, s = q.shape[-2], k.shape[-2]
