@@ -269,6 +269,22 @@ def hf_training_loss(ref, idx, targets, attention_mask=None) -> torch.Tensor:
     return ref(idx, labels=labels, **kwargs).loss
 
 
+def randomize_weights(model, seed: int, *, std: float, norms: tuple[float, float], is_norm=None):
+    """Every parameter of ``model`` far from its init, so that a wrong weight mapping changes
+    the outputs a lot: norm weights (``is_norm(name, p)``; default: "norm" in the name)
+    uniform in ``norms`` = [low, high) around the family's identity value, every other
+    parameter (biases too) normal with ``std``."""
+    is_norm = is_norm or (lambda name, p: "norm" in name)
+    low, high = norms
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_norm(name, p):
+                p.copy_(torch.rand(p.shape, generator=g) * (high - low) + low)
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
 def assert_greedy_tokens_match_hf(ref, model, vocab_size: int, n: int = 12) -> None:
     """attnlab's greedy ``generate`` gives transformers' ``generate`` tokens: one prompt of
     7 tokens, and a batch of two prompts (4 and 9 tokens) that transformers takes

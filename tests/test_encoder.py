@@ -12,6 +12,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from oracle import randomize_weights  # noqa: E402
 
 from attnlab.config import ConfigError, ModelConfig  # noqa: E402
 from attnlab.interop import HFCheckpointError, load_hf, save_hf  # noqa: E402
@@ -25,14 +26,10 @@ TOL = 1e-4  # float32; the two libraries order their operations differently
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from the default init so that a wrong mapping changes the logits a lot."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    """LayerNorm weights in [0.5, 1.5), the rest random."""
+    randomize_weights(
+        model, seed, std=0.2, norms=(0.5, 1.5), is_norm=lambda name, p: "LayerNorm.weight" in name
+    )
 
 
 def _bert_config(**kw):

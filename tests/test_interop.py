@@ -12,7 +12,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from oracle import assert_greedy_tokens_match_hf, hf_logits, hf_training_loss  # noqa: E402
+from oracle import assert_greedy_tokens_match_hf, hf_logits, hf_training_loss, randomize_weights  # noqa: E402
 from safetensors.torch import load, load_file, save_file  # noqa: E402
 
 from attnlab.config import ModelConfig  # noqa: E402
@@ -37,14 +37,12 @@ TOL = 1e-4  # float32; observed differences are ~1e-6 (different op order in eac
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from the tiny default init so that a wrong mapping changes logits a lot."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    """Norm weights (1-D, "norm" or GPT-2's "ln_") in [0.5, 1.5), the rest random."""
+    randomize_weights(model, seed, std=0.15, norms=(0.5, 1.5), is_norm=_is_norm)
+
+
+def _is_norm(name: str, p: torch.Tensor) -> bool:
+    return p.dim() == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight")
 
 
 def _hf_config(kind: str):

@@ -23,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from oracle import assert_greedy_tokens_match_hf, hf_logits  # noqa: E402
+from oracle import assert_greedy_tokens_match_hf, hf_logits, randomize_weights  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
@@ -119,15 +119,8 @@ CLASSES = {
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter far from its init: norms' offsets in [-0.5, 0.5) (weights 1 + w),
-    biases (zero at init) random, so that a wrong mapping changes the logits a lot."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=g) - 0.5)
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    """Norms' offsets in [-0.5, 0.5) (weights 1 + w), biases (zero at init) random."""
+    randomize_weights(model, seed, std=0.3, norms=(-0.5, 0.5))
 
 
 def _hf_config(case: str):
