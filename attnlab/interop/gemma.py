@@ -68,6 +68,7 @@ from attnlab.interop.io import (
     get,
     hf_activation,
     local_layers,
+    periodic_layer_types,
     prefix,
     rope_settings,
     rope_to_hf,
@@ -160,13 +161,13 @@ def _layer_types(hf: dict[str, Any], n_layers: int, model_type: str) -> list[str
     if types is not None:
         return types
     if model_type == "gemma2":
-        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+        return periodic_layer_types(n_layers, 2)
     period = hf.get("sliding_window_pattern", SLIDING_WINDOW_PATTERN)
     if not isinstance(period, int) or isinstance(period, bool) or period < 1:
         raise HFCheckpointError(
             f"config.json sliding_window_pattern must be a positive integer, got {period!r}"
         )
-    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers)]
+    return periodic_layer_types(n_layers, period)
 
 
 def _rope_parameters(hf: dict[str, Any]) -> dict[str, dict[str, Any]]:

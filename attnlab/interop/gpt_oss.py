@@ -50,6 +50,7 @@ from attnlab.interop.io import (
     is_plain_decoder,
     local_layers,
     or_zeros,
+    periodic_layer_types,
     prefix,
     rope_settings,
     rope_to_hf,
@@ -109,9 +110,7 @@ def _layer_types(hf: dict[str, Any], n_layers: int) -> list[str]:
     """config.json's layer_types; without them GptOssConfig's default: sliding, full,
     sliding, ..."""
     types = hf.get("layer_types")
-    if types is None:
-        return [("sliding_attention", "full_attention")[i % 2] for i in range(n_layers)]
-    return types
+    return periodic_layer_types(n_layers, 2) if types is None else types
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:

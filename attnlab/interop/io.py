@@ -282,6 +282,13 @@ def windows_of_layer_types(
     return window, (pattern if "G" in pattern else None)
 
 
+def periodic_layer_types(n_layers: int, period: int) -> list[str]:
+    """layer_types with every ``period``-th layer global (full_attention), the others
+    sliding: GptOssConfig's and Gemma2Config's default (period 2), Gemma3TextConfig's from
+    its sliding_window_pattern."""
+    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers)]
+
+
 def _cycle(pattern: str, n: int) -> str:
     return (pattern * (n // len(pattern) + 1))[:n]
 
