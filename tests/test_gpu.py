@@ -258,3 +258,71 @@ def test_gru_encoder_decoder_on_cuda_decodes_as_on_cpu():
     for beams in (1, 3):
         want = cpu.generate(src, 8, src_mask=mask, num_beams=beams)
         assert gpu.generate(src.cuda(), 8, src_mask=mask.cuda(), num_beams=beams) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case", ["causal", "decode rows", "window", "padding", "grouped", "keys only"]
+)
+def test_sdpa_with_sink_logits_on_cuda_uses_the_kernels_log_sum_exp(case, dtype, monkeypatch):
+    """``sdpa`` with sink logits on a GPU calls the memory-efficient kernel for its
+    log-sum-exp (never ``sink_rescale``, which forms the (t, s) scores): output and the
+    gradients of q, k, v and the sinks against eager attention in float64."""
+    import attnlab.functional.attention as attention_module
+    from attnlab.functional.attention import attend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sink_rescale formed the (t, s) scores")
+
+    monkeypatch.setattr(attention_module, "sink_rescale", refuse)
+    g = torch.Generator().manual_seed(3)
+    h, h_kv = 4, (2 if case == "grouped" else 4)
+    t, s = {"decode rows": (5, 50), "keys only": (1, 37)}.get(case, (37, 37))
+    q = torch.randn(2, h, t, 64, generator=g)
+    k, v = torch.randn(2, 2, h_kv, s, 64, generator=g)
+    sinks = torch.randn(h, generator=g) * 1.5
+    kw: dict = {"causal": case != "padding"}
+    if case == "window":
+        kw["window"] = 9
+    if case == "padding":  # key padding (b, 1, 1, s), and one batch row with a single key
+        mask = torch.arange(s)[None, :] < torch.tensor([s, 1])[:, None]
+        kw["mask"] = mask[:, None, None, :]
+    tensors = [x.cuda().requires_grad_() for x in (q, k, v, sinks)]
+    wide = [x.detach().double().requires_grad_() for x in tensors]
+
+    def run(xs, backend, dt):
+        q, k, v, sinks = xs
+        mask = kw.get("mask")
+        rest = {**kw, "mask": None if mask is None else mask.cuda()}
+        out = attend(q.to(dt), k.to(dt), v.to(dt), backend=backend, sinks=sinks, **rest)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
+        return out
+
+    got = run(tensors, "sdpa", dtype)
+    want = run(wide, "eager", torch.float64)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(got.double(), want, **tol)
+    for name, a, b in zip("q k v sinks".split(), tensors, wide, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, **tol, msg=name)
+
+
+def test_sdpa_with_sink_logits_on_cuda_keeps_linear_memory_and_compiles():
+    """At 8,192 tokens the (t, s) scores of 4 heads would be 1 GiB of float32: forward and
+    backward stay far below, and ``torch.compile`` (fullgraph) gives eager's output."""
+    from attnlab.functional.attention import attend
+
+    q, k, v = (torch.randn(1, 4, 8192, 64, device="cuda", requires_grad=True) for _ in range(3))
+    sinks = torch.zeros(4, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    attend(q, k, v, causal=True, backend="sdpa", sinks=sinks).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 256 * 2**20
+    x = [torch.randn(2, 4, 40, 32, device="cuda") for _ in range(3)]
+    sinks = torch.randn(4, device="cuda")
+    fn = torch.compile(
+        lambda q, k, v: attend(q, k, v, causal=True, backend="sdpa", sinks=sinks), fullgraph=True
+    )
+    eager = attend(*x, causal=True, backend="sdpa", sinks=sinks)
+    torch.testing.assert_close(fn(*x), eager, atol=1e-5, rtol=1e-5)

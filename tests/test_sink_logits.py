@@ -359,3 +359,23 @@ def test_sdpa_sink_logits_differentiate_a_learned_additive_mask():
         grads.append([x.grad for x in xs])
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "shape, copied",
+    [((7, 40), True), ((7, 48), False), ((2, 1, 1, 40), True), ((2, 1, 1, 48), False),
+     ((1, 3, 7, 48), False), ((7, 1), True), ((2, 3, 7, 40), True)],
+    ids=str,
+)  # fmt: skip
+def test_aligned_bias_is_the_mask_as_the_cuda_kernel_reads_it(shape, copied):
+    """The CUDA kernel's bias: the same values, broadcast to (b, h, t, s), last dimension
+    contiguous, every other stride a multiple of 16 (0 for broadcast dimensions); copied
+    only where the mask's own strides are not so."""
+    from attnlab.functional.sinks import BIAS_ALIGN, aligned_bias
+
+    mask = torch.randn(shape)
+    full = (2, 3, 7, 48 if shape[-1] == 48 else 40)
+    got = aligned_bias(mask, full)
+    assert got.shape == full and torch.equal(got, mask.expand(full))
+    assert got.stride(-1) == 1 and all(st % BIAS_ALIGN == 0 for st in got.stride()[:-1])
+    assert (got.untyped_storage().data_ptr() != mask.untyped_storage().data_ptr()) == copied

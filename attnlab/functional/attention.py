@@ -59,7 +59,13 @@ from attnlab.functional.masks import (
     document_mask,
     sliding_window_mask,
 )
-from attnlab.functional.sinks import CpuSdpaSinks, sink_rescale
+from attnlab.functional.sinks import (
+    CpuSdpaSinks,
+    CudaSdpaSinks,
+    aligned_bias,
+    cuda_sinks_fit,
+    sink_rescale,
+)
 from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
 
 
@@ -152,14 +158,17 @@ def sdpa_attention(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """torch's fused kernel, with two fixes: bottom-right causal alignment when t != s,
-    and zeros (not NaN) for query rows that may attend to nothing. ``sinks``: on the CPU
-    without dropout, its CPU kernel's own log-sum-exp rescales the output
-    (:class:`CpuSdpaSinks`); otherwise :func:`sink_rescale` does, forming the scores
-    (``F.scaled_dot_product_attention`` returns no log-sum-exp)."""
+    and zeros (not NaN) for query rows that may attend to nothing. ``sinks``: without
+    dropout, the kernel's own log-sum-exp rescales the output: torch's CPU kernel
+    (:class:`CpuSdpaSinks`) or, on a GPU, its memory-efficient kernel (:class:`CudaSdpaSinks`,
+    float32/float16/bfloat16 and a head dim of whole 16-byte vectors); otherwise
+    :func:`sink_rescale` does, forming the scores (``F.scaled_dot_product_attention``
+    returns no log-sum-exp)."""
     n_rep = _check(q, k, v, mask, dropout_p, sinks)
-    # (the CPU kernel's backward gives the mask no gradient: a learned bias takes the rescale)
+    # (the kernels' backward gives the mask no gradient: a learned bias takes the rescale)
     mask_grad = mask is not None and mask.requires_grad
-    if sinks is not None and (q.device.type != "cpu" or dropout_p > 0.0 or mask_grad):
+    fused = q.device.type == "cpu" or cuda_sinks_fit(q)
+    if sinks is not None and (not fused or dropout_p > 0.0 or mask_grad):
         out = sdpa_attention(q, k, v, mask, causal=causal, scale=scale, dropout_p=dropout_p)
         return sink_rescale(out, q, k, sinks, mask, causal=causal, scale=scale)
     t, s = q.shape[-2], k.shape[-2]
@@ -201,12 +210,17 @@ def sdpa_attention(
                 mask = torch.where(keep, mask, mask.new_zeros(()))
         else:
             keep = None
-    if sinks is not None:  # the CPU kernel itself, for its log-sum-exp
+    if sinks is not None:  # the kernel itself, for its log-sum-exp
         if mask is not None and mask.dtype == torch.bool:  # it takes additive masks only
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 ~mask, float("-inf")
             )
-        out = CpuSdpaSinks.apply(q, k, v, sinks, mask, is_causal, scale)
+        if q.device.type == "cpu":
+            out = CpuSdpaSinks.apply(q, k, v, sinks, mask, is_causal, scale)
+        else:  # the CUDA kernel reads no grouped heads, and a bias only aligned
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            bias = None if mask is None else aligned_bias(mask, (*q.shape[:3], s))
+            out = CudaSdpaSinks.apply(q, k, v, sinks, bias, is_causal, scale)
     else:
         out = F.scaled_dot_product_attention(
             q,

@@ -5,10 +5,11 @@ query's softmax as one more column with no value,
 
 so a head can put weight "nowhere". ``attend(..., sinks=)`` takes them on every backend:
 ``eager`` writes the column out, ``flash`` and ``triton`` start each row's online softmax
-from it, ``flex`` rescales with its own log-sum-exp. ``sdpa`` on the CPU calls torch's
-fused CPU kernel directly, which returns its log-sum-exp (:class:`CpuSdpaSinks`: no (t, s)
-matrix, forward or backward); elsewhere, or with dropout, it rescales with
-:func:`sink_rescale`, which forms the (t, s) scores for their log-sum-exp.
+from it, ``flex`` rescales with its own log-sum-exp. ``sdpa`` calls torch's fused kernel
+directly, which returns its log-sum-exp: the CPU one (:class:`CpuSdpaSinks`) or, on a GPU,
+the memory-efficient one (:class:`CudaSdpaSinks`); no (t, s) matrix, forward or backward.
+With dropout, or inputs those kernels do not take, it rescales with :func:`sink_rescale`,
+which forms the (t, s) scores for their log-sum-exp.
 
 Shapes: b batch, h heads, h_kv key/value heads, t queries, s keys, d_h head dim.
 """
@@ -103,3 +104,78 @@ class CpuSdpaSinks(torch.autograd.Function):
             p_sink = torch.exp(sinks.detach().to(f)[:, None] - lse_all)  # (b, h, t)
             dsinks = (-p_sink * delta).sum((0, 2)).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None, None
+
+
+# The memory-efficient CUDA kernel's alignment (elements) for the bias's row strides and,
+# by element size, for the head dim (16 bytes)
+BIAS_ALIGN = 16
+
+
+def cuda_sinks_fit(q: Tensor) -> bool:
+    """Whether :class:`CudaSdpaSinks` can take queries like q: a CUDA tensor of float32,
+    float16 or bfloat16 whose head dim fills whole 16-byte vectors (the kernel's rule)."""
+    fits = q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return q.device.type == "cuda" and fits and (q.shape[-1] * q.element_size()) % 16 == 0
+
+
+def aligned_bias(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+    """An additive ``mask`` broadcastable to ``shape`` (b, h, t, s), as the CUDA kernel
+    reads a bias: expanded to 4-D (broadcast dimensions keep stride 0, no copy), the last
+    dimension contiguous and every other stride a multiple of ``BIAS_ALIGN``; copied into
+    a key dimension padded to that multiple (and sliced back) only where it is not."""
+    while mask.dim() < 4:
+        mask = mask[None]
+    full = mask.expand(shape)
+    if full.stride(-1) == 1 and all(st % BIAS_ALIGN == 0 for st in full.stride()[:-1]):
+        return full
+    s = shape[-1]
+    rows = (*mask.shape[:-1], -(-s // BIAS_ALIGN) * BIAS_ALIGN)
+    padded = mask.new_zeros(rows)
+    padded[..., :s] = mask
+    return padded[..., :s].expand(shape)
+
+
+class CudaSdpaSinks(torch.autograd.Function):
+    """:class:`CpuSdpaSinks` on a GPU: torch's memory-efficient CUDA attention kernel (the
+    one ``F.scaled_dot_product_attention`` picks for float32 or a mask), called for its
+    log-sum-exp L. The same algebra: output times exp(L - L'), L' = logaddexp(L, sink), the
+    kernel's backward handed L' and the rescaled output, the sink's gradient
+    -sum exp(sink - L') * D. No (t, s) matrix is formed, forward or backward.
+
+    ``apply(q, k, v, sinks, bias, is_causal, scale)``: q, k, v (b, h, t or s, d_h) with as
+    many key/value heads as query heads (the kernel reads no groups), sinks (h,), ``bias``
+    None or additive in q's dtype from :func:`aligned_bias`, with a key in every row;
+    ``is_causal`` top-left aligned. Inputs that :func:`cuda_sinks_fit`; no dropout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, bias, is_causal, scale):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # the kernel's (b, t, h, d_h)
+        mask_type = 1 if is_causal else 0  # 1: causal from the top left
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            qt, kt, vt, bias, None, None, None, None, 0.0, mask_type, True, scale=scale
+        )  # out (b, t, h, d_h); lse (b, h, t rounded up to 32 rows), float32
+        t = q.shape[2]
+        lse_all = torch.logaddexp(lse, sinks.detach().to(lse.dtype)[:, None])
+        share = torch.exp(lse[..., :t] - lse_all[..., :t]).transpose(1, 2)  # (b, t, h)
+        yt = out * share[..., None].to(out.dtype)
+        ctx.save_for_backward(q, k, v, yt, lse_all, bias, sinks, seed, offset)
+        ctx.mask_type, ctx.scale = mask_type, scale
+        return yt.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, yt, lse_all, bias, sinks, seed, offset = ctx.saved_tensors
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        dyt = dy.transpose(1, 2).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            dyt, qt, kt, vt, bias, yt, None, None, q.shape[2], k.shape[2], lse_all, 0.0,
+            seed, offset, ctx.mask_type, False, scale=ctx.scale,
+        )  # fmt: skip
+        dsinks = None
+        if ctx.needs_input_grad[3]:
+            f = lse_all.dtype
+            t = q.shape[2]
+            delta = (dyt.to(f) * yt.to(f)).sum(-1).transpose(1, 2)  # (b, h, t)
+            p_sink = torch.exp(sinks.detach().to(f)[:, None] - lse_all[..., :t])
+            dsinks = (-p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dsinks, None, None, None
