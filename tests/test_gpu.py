@@ -260,14 +260,21 @@ def test_gru_encoder_decoder_on_cuda_decodes_as_on_cpu():
         assert gpu.generate(src.cuda(), 8, src_mask=mask.cuda(), num_beams=beams) == want
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype, kernel",
+    [(torch.float32, "efficient"), (torch.bfloat16, "flash"), (torch.bfloat16, "efficient")],
+    ids=str,
+)
 @pytest.mark.parametrize(
     "case", ["causal", "decode rows", "window", "padding", "grouped", "keys only"]
 )
-def test_sdpa_with_sink_logits_on_cuda_uses_the_kernels_log_sum_exp(case, dtype, monkeypatch):
-    """``sdpa`` with sink logits on a GPU calls the memory-efficient kernel for its
-    log-sum-exp (never ``sink_rescale``, which forms the (t, s) scores): output and the
-    gradients of q, k, v and the sinks against eager attention in float64."""
+def test_sdpa_with_sink_logits_on_cuda_uses_the_kernels_log_sum_exp(
+    case, dtype, kernel, monkeypatch
+):
+    """``sdpa`` with sink logits on a GPU calls a CUDA kernel for its log-sum-exp
+    (FlashAttention-2 for bfloat16 without a mask, else the memory-efficient one; never
+    ``sink_rescale``, which forms the (t, s) scores): output and the gradients of q, k, v
+    and the sinks against eager attention in float64."""
     import attnlab.functional.attention as attention_module
     from attnlab.functional.attention import attend
 
@@ -275,6 +282,8 @@ def test_sdpa_with_sink_logits_on_cuda_uses_the_kernels_log_sum_exp(case, dtype,
         raise AssertionError("sink_rescale formed the (t, s) scores")
 
     monkeypatch.setattr(attention_module, "sink_rescale", refuse)
+    if kernel == "efficient":
+        monkeypatch.setattr(attention_module, "flash_kernel_fits", lambda device: False)
     g = torch.Generator().manual_seed(3)
     h, h_kv = 4, (2 if case == "grouped" else 4)
     t, s = {"decode rows": (5, 50), "keys only": (1, 37)}.get(case, (37, 37))
@@ -311,18 +320,24 @@ def test_sdpa_with_sink_logits_on_cuda_keeps_linear_memory_and_compiles():
     backward stay far below, and ``torch.compile`` (fullgraph) gives eager's output."""
     from attnlab.functional.attention import attend
 
-    q, k, v = (torch.randn(1, 4, 8192, 64, device="cuda", requires_grad=True) for _ in range(3))
-    sinks = torch.zeros(4, device="cuda", requires_grad=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    attend(q, k, v, causal=True, backend="sdpa", sinks=sinks).sum().backward()
-    torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base < 256 * 2**20
-    x = [torch.randn(2, 4, 40, 32, device="cuda") for _ in range(3)]
-    sinks = torch.randn(4, device="cuda")
-    fn = torch.compile(
-        lambda q, k, v: attend(q, k, v, causal=True, backend="sdpa", sinks=sinks), fullgraph=True
-    )
-    eager = attend(*x, causal=True, backend="sdpa", sinks=sinks)
-    torch.testing.assert_close(fn(*x), eager, atol=1e-5, rtol=1e-5)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (
+            torch.randn(1, 4, 8192, 64, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        sinks = torch.zeros(4, device="cuda", requires_grad=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        attend(q, k, v, causal=True, backend="sdpa", sinks=sinks).sum().backward()
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base < 256 * 2**20, dtype
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        x = [torch.randn(2, 4, 40, 32, device="cuda", dtype=dtype) for _ in range(3)]
+        sinks = torch.randn(4, device="cuda")
+        fn = torch.compile(
+            lambda q, k, v, s: attend(q, k, v, causal=True, backend="sdpa", sinks=s),
+            fullgraph=True,
+        )
+        eager = attend(*x, causal=True, backend="sdpa", sinks=sinks)
+        torch.testing.assert_close(fn(*x, sinks), eager, atol=tol, rtol=tol)

@@ -64,6 +64,7 @@ from attnlab.functional.sinks import (
     CudaSdpaSinks,
     aligned_bias,
     cuda_sinks_fit,
+    flash_kernel_fits,
     sink_rescale,
 )
 from attnlab.functional.softmax import masked_softmax, score_operands, softmax_dtype
@@ -220,7 +221,13 @@ def sdpa_attention(
         else:  # the CUDA kernel reads no grouped heads, and a bias only aligned
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
             bias = None if mask is None else aligned_bias(mask, (*q.shape[:3], s))
-            out = CudaSdpaSinks.apply(q, k, v, sinks, bias, is_causal, scale)
+            flash = (
+                bias is None
+                and q.dtype in (torch.float16, torch.bfloat16)
+                and q.shape[-1] <= 256
+                and flash_kernel_fits(q.device)
+            )
+            out = CudaSdpaSinks.apply(q, k, v, sinks, bias, is_causal, scale, flash)
     else:
         out = F.scaled_dot_product_attention(
             q,

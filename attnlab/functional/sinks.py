@@ -118,6 +118,12 @@ def cuda_sinks_fit(q: Tensor) -> bool:
     return q.device.type == "cuda" and fits and (q.shape[-1] * q.element_size()) % 16 == 0
 
 
+@torch.compiler.assume_constant_result
+def flash_kernel_fits(device: torch.device) -> bool:
+    """Whether torch's FlashAttention-2 CUDA kernel runs on this GPU (Ampere or newer)."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def aligned_bias(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
     """An additive ``mask`` broadcastable to ``shape`` (b, h, t, s), as the CUDA kernel
     reads a bias: expanded to 4-D (broadcast dimensions keep stride 0, no copy), the last
@@ -136,46 +142,67 @@ def aligned_bias(mask: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
 
 
 class CudaSdpaSinks(torch.autograd.Function):
-    """:class:`CpuSdpaSinks` on a GPU: torch's memory-efficient CUDA attention kernel (the
-    one ``F.scaled_dot_product_attention`` picks for float32 or a mask), called for its
-    log-sum-exp L. The same algebra: output times exp(L - L'), L' = logaddexp(L, sink), the
-    kernel's backward handed L' and the rescaled output, the sink's gradient
-    -sum exp(sink - L') * D. No (t, s) matrix is formed, forward or backward.
+    """:class:`CpuSdpaSinks` on a GPU, with one of the two CUDA kernels behind
+    ``F.scaled_dot_product_attention`` called for its log-sum-exp L: FlashAttention-2 for
+    float16/bfloat16 without a mask (head dim at most 256, Ampere or newer), else the
+    memory-efficient kernel (float32, or a mask). The same algebra: output times
+    exp(L - L'), L' = logaddexp(L, sink), the kernel's backward handed L' and the rescaled
+    output, the sink's gradient -sum exp(sink - L') * D. No (t, s) matrix is formed,
+    forward or backward.
 
-    ``apply(q, k, v, sinks, bias, is_causal, scale)``: q, k, v (b, h, t or s, d_h) with as
-    many key/value heads as query heads (the kernel reads no groups), sinks (h,), ``bias``
-    None or additive in q's dtype from :func:`aligned_bias`, with a key in every row;
-    ``is_causal`` top-left aligned. Inputs that :func:`cuda_sinks_fit`; no dropout."""
+    ``apply(q, k, v, sinks, bias, is_causal, scale, flash)``: q, k, v (b, h, t or s, d_h)
+    with as many key/value heads as query heads (the kernels read no groups), sinks (h,),
+    ``bias`` None or additive in q's dtype from :func:`aligned_bias`, with a key in every
+    row; ``is_causal`` top-left aligned; ``flash``: use FlashAttention-2 (no bias). Inputs
+    that :func:`cuda_sinks_fit`; no dropout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, bias, is_causal, scale):
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # the kernel's (b, t, h, d_h)
-        mask_type = 1 if is_causal else 0  # 1: causal from the top left
-        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-            qt, kt, vt, bias, None, None, None, None, 0.0, mask_type, True, scale=scale
-        )  # out (b, t, h, d_h); lse (b, h, t rounded up to 32 rows), float32
+    def forward(ctx, q, k, v, sinks, bias, is_causal, scale, flash):
         t = q.shape[2]
-        lse_all = torch.logaddexp(lse, sinks.detach().to(lse.dtype)[:, None])
-        share = torch.exp(lse[..., :t] - lse_all[..., :t]).transpose(1, 2)  # (b, t, h)
-        yt = out * share[..., None].to(out.dtype)
+        if flash:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+                torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, is_causal, False, scale=scale
+                )
+            )  # out (b, h, t, d_h); lse (b, h, t), float32
+            lse_all = torch.logaddexp(lse, sinks.detach().to(lse.dtype)[:, None])
+            yt = (out * torch.exp(lse - lse_all)[..., None].to(out.dtype)).transpose(1, 2)
+            ctx.lengths = (cum_q, cum_k, max_q, max_k)
+        else:
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # the kernel's (b, t, h, d_h)
+            mask_type = 1 if is_causal else 0  # 1: causal from the top left
+            out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+                qt, kt, vt, bias, None, None, None, None, 0.0, mask_type, True, scale=scale
+            )  # out (b, t, h, d_h); lse (b, h, t rounded up to 32 rows), float32
+            lse_all = torch.logaddexp(lse, sinks.detach().to(lse.dtype)[:, None])
+            share = torch.exp(lse[..., :t] - lse_all[..., :t]).transpose(1, 2)  # (b, t, h)
+            yt = out * share[..., None].to(out.dtype)
+            ctx.mask_type = mask_type
         ctx.save_for_backward(q, k, v, yt, lse_all, bias, sinks, seed, offset)
-        ctx.mask_type, ctx.scale = mask_type, scale
+        ctx.is_causal, ctx.scale, ctx.flash = is_causal, scale, flash
         return yt.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dy):
         q, k, v, yt, lse_all, bias, sinks, seed, offset = ctx.saved_tensors
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        dyt = dy.transpose(1, 2).contiguous()
-        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            dyt, qt, kt, vt, bias, yt, None, None, q.shape[2], k.shape[2], lse_all, 0.0,
-            seed, offset, ctx.mask_type, False, scale=ctx.scale,
-        )  # fmt: skip
+        t = q.shape[2]
+        dyt = dy.transpose(1, 2).contiguous()  # (b, t, h, d_h)
+        if ctx.flash:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dyt.transpose(1, 2), q, k, v, yt.transpose(1, 2), lse_all, *ctx.lengths, 0.0,
+                ctx.is_causal, seed, offset, scale=ctx.scale,
+            )  # fmt: skip
+        else:
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+                dyt, qt, kt, vt, bias, yt, None, None, t, k.shape[2], lse_all, 0.0,
+                seed, offset, ctx.mask_type, False, scale=ctx.scale,
+            )  # fmt: skip
+            dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         dsinks = None
         if ctx.needs_input_grad[3]:
             f = lse_all.dtype
-            t = q.shape[2]
             delta = (dyt.to(f) * yt.to(f)).sum(-1).transpose(1, 2)  # (b, h, t)
             p_sink = torch.exp(sinks.detach().to(f)[:, None] - lse_all[..., :t])
             dsinks = (-p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dsinks, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None
