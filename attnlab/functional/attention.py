@@ -161,8 +161,9 @@ def sdpa_attention(
     """torch's fused kernel, with two fixes: bottom-right causal alignment when t != s,
     and zeros (not NaN) for query rows that may attend to nothing. ``sinks``: without
     dropout, the kernel's own log-sum-exp rescales the output: torch's CPU kernel
-    (:class:`CpuSdpaSinks`) or, on a GPU, its memory-efficient kernel (:class:`CudaSdpaSinks`,
-    float32/float16/bfloat16 and a head dim of whole 16-byte vectors); otherwise
+    (:class:`CpuSdpaSinks`) or, on a GPU, FlashAttention-2 or the memory-efficient kernel
+    (:class:`CudaSdpaSinks`: float32/float16/bfloat16, a head dim of whole 16-byte
+    vectors); otherwise
     :func:`sink_rescale` does, forming the scores (``F.scaled_dot_product_attention``
     returns no log-sum-exp)."""
     n_rep = _check(q, k, v, mask, dropout_p, sinks)

@@ -7,7 +7,8 @@ so a head can put weight "nowhere". ``attend(..., sinks=)`` takes them on every 
 ``eager`` writes the column out, ``flash`` and ``triton`` start each row's online softmax
 from it, ``flex`` rescales with its own log-sum-exp. ``sdpa`` calls torch's fused kernel
 directly, which returns its log-sum-exp: the CPU one (:class:`CpuSdpaSinks`) or, on a GPU,
-the memory-efficient one (:class:`CudaSdpaSinks`); no (t, s) matrix, forward or backward.
+FlashAttention-2 or the memory-efficient one (:class:`CudaSdpaSinks`); no (t, s) matrix,
+forward or backward.
 With dropout, or inputs those kernels do not take, it rescales with :func:`sink_rescale`,
 which forms the (t, s) scores for their log-sum-exp.
 
