@@ -86,11 +86,11 @@ def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
         _linear(d, up_width, ffn.bias),
         _linear(hidden, d, ffn.bias),
     ]
-    # attn + ffn norms (sandwich: a second one after each)
+    # attn + ffn norms (sandwich: a second one after each; post_sublayer: one after each)
     n_norms = 4 if cfg.norm.placement == "sandwich" else 2
     params = sum(p for p, _ in linears) + n_norms * _norm_params(cfg.norm, d)
-    if att.qk_norm:  # QK-norm: one d_h weight for the queries, one for the keys
-        params += 2 * cfg.head_dim
+    if att.qk_norm:  # QK-norm: one weight for the queries, one for the keys
+        params += 2 * cfg.head_dim if att.qk_norm_scope == "head" else q_dim + kv_dim
     return params, sum(w for _, w in linears)
 
 

@@ -309,8 +309,15 @@ GATED_ACTIVATIONS = ("clamped_swiglu",)
 # gemma_rmsnorm: RMSNorm whose weight is stored as an offset from one, x / rms(x) * (1 + w),
 # scaled in float32 before casting back (Gemma)
 NORM_KINDS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
-# sandwich (Gemma 2 and 3): x + post_norm(f(pre_norm(x))), a norm on each side of f
-NORM_PLACEMENTS = ("pre", "post", "sandwich")
+# sandwich (Gemma 2 and 3): x + post_norm(f(pre_norm(x))), a norm on each side of f;
+# post_sublayer (OLMo 2): x + post_norm(f(x)), a norm on f's output only, inside the residual
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer")
+# Placements only the decoder builds (its blocks and final norm); other architectures refuse
+DECODER_NORM_PLACEMENTS = ("sandwich", "post_sublayer")
+# What QK-norm normalises (attention.qk_norm_scope): each head's d_h features (Qwen3, Gemma 3)
+# or the whole query and key projections, h d_h and h_kv d_h wide, before the split into heads
+# (OLMo 2)
+QK_NORM_SCOPES = ("head", "projection")
 
 
 @dataclass
@@ -351,6 +358,10 @@ class AttentionConfig(_Config):
     # weight of head_dim for the query heads, one for the key heads; eps = norm.eps), after
     # the projections and before RoPE and the cache. Multi-head attention only.
     qk_norm: bool = False
+    # What QK-norm normalises: "head", each head's features as above; "projection" (OLMo 2),
+    # all the queries at once (one weight of n_heads * head_dim) and all the keys (one of
+    # n_kv_heads * head_dim), before the split into heads, RoPE and the cache.
+    qk_norm_scope: str = "head"
     # The softmax scale of q . k: None is 1 / sqrt(head_dim); Gemma 3 sets
     # query_pre_attn_scalar**-0.5. Multi-head attention only.
     scale: float | None = None
@@ -559,6 +570,11 @@ class AttentionConfig(_Config):
         if self.qk_norm and self.kind != "mha":
             _fail(f"{path}.qk_norm", f"is implemented by attention.kind='mha' only, not "
                   f"{self.kind!r}; set it to false")  # fmt: skip
+        _choice(f"{path}.qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES)
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            _fail(f"{path}.qk_norm_scope", f"{self.qk_norm_scope!r} says what QK-norm "
+                  "normalises, and attention.qk_norm is false: set it to true, or the scope "
+                  "to 'head'")  # fmt: skip
         _positive(f"{path}.scale", self.scale)
         if self.scale is not None and self.kind != "mha":
             _fail(f"{path}.scale", f"is implemented by attention.kind='mha' only, not "
@@ -816,12 +832,14 @@ class FFNConfig(_Config):
 class NormConfig(_Config):
     """Normalisation: ``kind`` layernorm, rmsnorm or gemma_rmsnorm (weight 1 + w), its
     ``eps``, a LayerNorm ``bias``, and ``placement`` pre (GPT-2, LLaMA), post (the original
-    Transformer) or sandwich (Gemma 2 and 3: a norm before and after each sublayer)."""
+    Transformer), sandwich (Gemma 2 and 3: a norm before and after each sublayer) or
+    post_sublayer (OLMo 2: a norm after each sublayer only, inside its residual branch)."""
 
     kind: str = "layernorm"
     eps: float = 1e-5
     bias: bool = True  # LayerNorm only
-    # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": x + norm'(f(norm(x)))
+    # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": x + norm'(f(norm(x)));
+    # "post_sublayer": x + norm'(f(x))
     placement: str = "pre"
 
     def validate(self, path: str = "norm") -> None:
@@ -923,9 +941,9 @@ class ModelConfig(_Config):
         if self.final_logit_softcap is not None and self.arch != "decoder":
             _fail(at("final_logit_softcap"), f"is implemented by the decoder architecture "
                   f"only, not {self.arch!r}; set it to null")  # fmt: skip
-        if self.norm.placement == "sandwich" and self.arch != "decoder":
-            _fail(at("norm.placement"), f"'sandwich' is implemented by the decoder "
-                  f"architecture only, not {self.arch!r}")  # fmt: skip
+        if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
+            _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "
+                  f"decoder architecture only, not {self.arch!r}")  # fmt: skip
         if self.position.local_rope_theta is None:
             return
         where = at("position.local_rope_theta")

@@ -886,6 +886,68 @@ def gemma2_27b() -> ModelConfig:
     )
 
 
+def olmo2_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    n_kv_heads: int | None = None,
+    vocab_size: int = 100352,
+    max_seq_len: int = 4096,
+    rope_theta: float = 500_000.0,
+) -> ModelConfig:
+    """OLMo 2: LLaMA's RoPE, SwiGLU and untied head, with an RMSNorm on each sublayer's
+    output inside its residual branch instead of before it (x + norm(f(x)),
+    ``norm.placement=post_sublayer``) and QK-norm over the whole query and key projections
+    before the split into heads (``attention.qk_norm_scope=projection``); no biases."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+            qk_norm=True,
+            qk_norm_scope="projection",
+        ),
+        position=PositionConfig(kind="rope", rope_theta=rope_theta, rope_layout="split"),
+        ffn=FFNConfig(kind="glu", activation="silu", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6, placement="post_sublayer"),
+        tie_embeddings=False,
+    )
+
+
+def olmo2_tiny() -> ModelConfig:
+    """OLMo 2's architecture in 2 layers, d_model 64, GQA 4/2: CPU-trainable, for tests."""
+    return olmo2_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=160,
+        rope_theta=10_000.0,
+    )
+
+
+def olmo2_1b() -> ModelConfig:
+    """allenai/OLMo-2-0425-1B config.json: 16 layers, MHA (16 heads of 128)."""
+    return olmo2_style(d_model=2048, n_layers=16, n_heads=16, ffn_hidden=8192)
+
+
+def olmo2_7b() -> ModelConfig:
+    """allenai/OLMo-2-1124-7B config.json: 32 layers, MHA (32 heads of 128)."""
+    return olmo2_style(d_model=4096, n_layers=32, n_heads=32, ffn_hidden=11008)
+
+
+def olmo2_13b() -> ModelConfig:
+    """allenai/OLMo-2-1124-13B config.json: 40 layers, MHA (40 heads of 128)."""
+    return olmo2_style(d_model=5120, n_layers=40, n_heads=40, ffn_hidden=13824)
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -960,6 +1022,13 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "gemma-3-4b": (gemma3_4b, "Gemma 3 4B's language model, 3.9B (GQA 8/4, 128k context)"),
     "gemma-3-12b": (gemma3_12b, "Gemma 3 12B's language model, 11.8B (GQA 16/8, 128k context)"),
     "gemma-3-27b": (gemma3_27b, "Gemma 3 27B's language model, 27.0B (GQA 32/16, 128k context)"),
+    "olmo2-tiny": (
+        olmo2_tiny,
+        "OLMo 2 architecture: norms on sublayer outputs, QK-norm over whole projections; 2 layers",
+    ),
+    "olmo-2-1b": (olmo2_1b, "OLMo 2 1B, 1.5B (MHA 16 heads, 4k context)"),
+    "olmo-2-7b": (olmo2_7b, "OLMo 2 7B, 7.3B (MHA 32 heads, 4k context)"),
+    "olmo-2-13b": (olmo2_13b, "OLMo 2 13B, 13.7B (MHA 40 heads, 4k context)"),
 }
 
 

@@ -402,6 +402,14 @@ _GEMMA2 = dict(
     rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, vocab_size=256000,
     bos_token_id=2, eos_token_id=1, pad_token_id=0,
 )  # fmt: skip
+# allenai/OLMo-2-0425-1B, OLMo-2-1124-7B and OLMo-2-1124-13B's config.json (their special
+# tokens and sizes below)
+_OLMO2 = dict(
+    model_type="olmo2", architectures=["Olmo2ForCausalLM"], attention_bias=False,
+    attention_dropout=0.0, hidden_act="silu", initializer_range=0.02,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=500000,
+    tie_word_embeddings=False, vocab_size=100352, eos_token_id=100257, pad_token_id=100277,
+)  # fmt: skip
 CONFIG_JSON = {
     "gemma-2b": dict(_GEMMA, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
                      num_attention_heads=8, num_key_value_heads=1),
@@ -485,6 +493,12 @@ CONFIG_JSON = {
                           intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
                           vocab_size=32768, max_position_embeddings=65536,
                           router_aux_loss_coef=0.001, router_jitter_noise=0.0),  # Instruct
+    "olmo-2-1b": dict(_OLMO2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=16),
+    "olmo-2-7b": dict(_OLMO2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32),
+    "olmo-2-13b": dict(_OLMO2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40),
     "deepseek-v3": _DEEPSEEK_V3,
     "deepseek-v3.2": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048,
                           index_n_heads=64, index_head_dim=128),  # V3.2-Exp

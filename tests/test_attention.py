@@ -285,6 +285,59 @@ def test_qk_norm_equals_its_formula(case, backend):
     assert (plain(x, **args) - out).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["self-split", "self-interleaved", "cross"])
+def test_qk_norm_over_whole_projections_equals_its_formula(case, backend):
+    """QK-norm with scope "projection" (OLMo 2: q_norm(q_proj(x)) before the view into
+    heads): all h d_h query features normalised at once by one weight of h d_h, all h_kv d_h
+    key features by one of h_kv d_h, then split into heads and rotated; the module against
+    that formula and the naive loop, GQA, eps large enough to matter. Per-head QK-norm
+    (the weights' first head's part) gives other numbers."""
+    from attnlab.nn.rope import RotaryEmbedding
+
+    torch.manual_seed(0)
+    eps, b, t, s, h_kv = 0.3, 2, 5, 7, 2
+    cfg = AttentionConfig(n_heads=H, n_kv_heads=h_kv, qk_norm=True, qk_norm_scope="projection",
+                          backend=backend)  # fmt: skip
+    cross, layout = case == "cross", case.partition("-")[2] or "split"
+    rope = None if cross else RotaryEmbedding(D_H, layout=layout)
+    attn = MultiHeadAttention(D, cfg, cross=cross, rope=rope, norm_eps=eps).eval()
+    assert attn.q_norm.weight.shape == (H * D_H,) and attn.k_norm.weight.shape == (h_kv * D_H,)
+    with torch.no_grad():
+        for name in ("q_norm", "k_norm"):
+            getattr(attn, name).weight.uniform_(0.5, 1.5)
+    # rms far from 1 and different per head, so the width the norm spans matters
+    x = 2 * torch.randn(b, t, D)
+    if cross:
+        ctx = 2 * torch.randn(b, s, D)
+        q, (k, v) = attn.q(x), attn.kv(ctx).split(h_kv * D_H, dim=-1)
+    else:
+        q, k, v = attn.qkv(x).split((D, h_kv * D_H, h_kv * D_H), dim=-1)
+    q = attn._heads(_rms_normed(q, attn.q_norm.weight, eps), H)  # (b, h, t, d_h)
+    k = attn._heads(_rms_normed(k, attn.k_norm.weight, eps), h_kv)  # (b, h_kv, s, d_h)
+    v = attn._heads(v, h_kv)
+    if cross:
+        out = attn(x, context=ctx)
+        allowed = None
+    else:
+        positions = torch.tensor([[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]])
+        tables = rope.tables(positions)
+        q, k = tables.rotate(q), tables.rotate(k)
+        out = attn(x, positions=positions)
+        allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    y = naive_attention(q, k, v, allowed).to(x.dtype)  # (b, h, t, d_h)
+    expected = attn.out(y.transpose(1, 2).reshape(b, t, D))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    per_head_cfg = AttentionConfig(n_heads=H, n_kv_heads=h_kv, qk_norm=True, backend=backend)
+    per_head = MultiHeadAttention(D, per_head_cfg, cross=cross, rope=rope, norm_eps=eps).eval()
+    state = attn.state_dict()
+    for name in ("q_norm.weight", "k_norm.weight"):
+        state[name] = state[name][:D_H]
+    per_head.load_state_dict(state)
+    args = {"context": ctx} if cross else {"positions": positions}
+    assert (per_head(x, **args) - out).abs().max() > 1e-2
+
+
 def test_eager_attention_keeps_float64():
     """The reference backend upcasts half precision for its softmax but never downcasts
     float64 (a float64 check then holds to 1e-12, not float32's 1e-7)."""

@@ -399,14 +399,42 @@ def test_sandwich_block_norms_each_sublayer_before_and_after(kind):
     assert not torch.allclose(pre(x), expected, atol=1e-3)
 
 
-def test_sandwich_placement_is_the_decoders_only():
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_post_sublayer_block_norms_each_sublayers_output_only(kind):
+    """Post-sublayer norms (OLMo 2): x + post_norm(f(x)) for attention and the feed-forward,
+    no norm before either (two norms in all, attn_norm and ffn_norm None); the same
+    weights in a sandwich block with its pre-norms taken out give the same numbers, and in
+    a post-norm block (the norm after the residual add) others."""
+    cfg = _cfg("post_sublayer").override({"norm.kind": kind})
+    blk = TransformerBlock(cfg).eval()
+    _randomise(blk)
+    names = [n for n, _ in blk.named_parameters() if "norm" in n]
+    assert {n.split(".")[0] for n in names} == {"attn_post_norm", "ffn_post_norm"}
+    assert blk.attn_norm is None and blk.ffn_norm is None
+    x = torch.randn(2, 6, D)
+    h = x + blk.attn_post_norm(blk.attn(x))
+    expected = h + blk.ffn_post_norm(blk.ffn(h))
+    torch.testing.assert_close(blk(x), expected)
+    sandwich = TransformerBlock(_cfg("sandwich").override({"norm.kind": kind})).eval()
+    sandwich.load_state_dict(blk.state_dict(), strict=False)
+    sandwich.attn_norm = sandwich.ffn_norm = nn.Identity()  # (a norm of weight 1 still scales)
+    torch.testing.assert_close(sandwich(x), expected)
+    post = TransformerBlock(_cfg("post").override({"norm.kind": kind})).eval()
+    post.attn_norm.load_state_dict(blk.attn_post_norm.state_dict())
+    post.ffn_norm.load_state_dict(blk.ffn_post_norm.state_dict())
+    post.load_state_dict(blk.state_dict(), strict=False)
+    assert not torch.allclose(post(x), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("placement", ["sandwich", "post_sublayer"])
+def test_sandwich_and_post_sublayer_placements_are_the_decoders_only(placement):
     """Other architectures build their own final norms and blocks: refused by name."""
     from attnlab.config import ConfigError
     from attnlab.models.encoder import EncoderConfig
 
-    with pytest.raises(ConfigError, match=r"norm.placement: 'sandwich' is implemented by the "
-                       r"decoder architecture only, not 'encoder'"):  # fmt: skip
-        EncoderConfig(norm=NormConfig(placement="sandwich")).validate()
+    with pytest.raises(ConfigError, match=rf"norm.placement: '{placement}' is implemented by "
+                       r"the decoder architecture only, not 'encoder'"):  # fmt: skip
+        EncoderConfig(norm=NormConfig(placement=placement)).validate()
 
 
 def _copy_encoder_layer(blk: TransformerBlock, ref: nn.Module) -> None:

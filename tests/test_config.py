@@ -227,7 +227,9 @@ def expected_parameters(cfg: ModelConfig) -> int:
     norm = d * (2 if nrm.kind == "layernorm" and nrm.bias else 1)
     attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
     attn += h * d_h * d + d * a.out_bias
-    attn += 2 * d_h * a.qk_norm  # QK-norm: one RMSNorm weight for queries, one for keys
+    # QK-norm: one RMSNorm weight for queries, one for keys: per head (d_h each) or over
+    # the whole projections (h d_h and h_kv d_h)
+    attn += (2 * d_h if a.qk_norm_scope == "head" else (h + h_kv) * d_h) * a.qk_norm
     attn += h * a.sink_logits  # GPT-OSS: a learned sink logit per head
     if a.kind in ("mla", "dsa"):  # DeepSeek-V2 eq. 9-19: down/up projections, latent norms
         q_r, kv_r = a.q_lora_rank, a.kv_lora_rank
@@ -257,7 +259,8 @@ def expected_parameters(cfg: ModelConfig) -> int:
         ffns = f.first_k_dense * ffn + (cfg.n_layers - f.first_k_dense) * moe
     total = cfg.vocab_size * d  # token embedding
     total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0
-    n_norms = 4 if nrm.placement == "sandwich" else 2  # (sandwich: a norm after each too)
+    # (sandwich: a norm after each too; post_sublayer: one after each, none before)
+    n_norms = 4 if nrm.placement == "sandwich" else 2
     total += cfg.n_layers * (attn + n_norms * norm) + ffns
     total += norm if nrm.placement != "post" else 0  # final norm
     total += 0 if cfg.tie_embeddings else cfg.vocab_size * d
@@ -338,6 +341,35 @@ def test_qk_norm_is_refused_where_it_is_not_implemented(kind):
 def test_gemma_pieces_are_refused_where_they_are_not_implemented(data, named):
     """Gemma 3's pieces (a second RoPE base for local layers, scaled embeddings, sandwich
     norms, a softmax scale) where the model would build without them: refused by name."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        ModelConfig.from_dict({"d_model": 64, **data})
+
+
+@pytest.mark.parametrize(
+    "data, named",
+    [
+        ({"arch": "encoder", "norm": {"placement": "post_sublayer"}},
+         "norm.placement: 'post_sublayer' is implemented by the decoder architecture only, "
+         "not 'encoder'"),
+        ({"arch": "xl", "position": {"kind": "none"}, "norm": {"placement": "post_sublayer"}},
+         "norm.placement: 'post_sublayer' is implemented by the decoder architecture only, "
+         "not 'xl'"),
+        ({"attention": {"qk_norm_scope": "projection"}},
+         "attention.qk_norm_scope: 'projection' says what QK-norm normalises, and "
+         "attention.qk_norm is false"),
+        ({"attention": {"qk_norm": True, "qk_norm_scope": "heads"}},
+         "attention.qk_norm_scope: unknown value 'heads'; choose one of head, projection"),
+        ({"attention": {"kind": "mla", "qk_norm": True, "qk_norm_scope": "projection"}},
+         "attention.qk_norm: is implemented by attention.kind='mha' only, not 'mla'"),
+        ({"arch": "xl", "position": {"kind": "none"},
+          "attention": {"qk_norm": True, "qk_norm_scope": "projection"}},
+         "attention.qk_norm: does not apply to Transformer-XL"),
+    ],
+)  # fmt: skip
+def test_olmo2_pieces_are_refused_where_they_are_not_implemented(data, named):
+    """OLMo 2's pieces (norms on the sublayers' outputs only, QK-norm over whole
+    projections) where the model would build without them, or a scope without QK-norm:
+    refused by name."""
     with pytest.raises(ConfigError, match=re.escape(named)):
         ModelConfig.from_dict({"d_model": 64, **data})
 

@@ -163,17 +163,25 @@ def test_cache_equals_full_forward(kv, position, placement):
         ("learned", {}),
         ("rope-split", {"sliding_window": 4}),  # a ring of the window
         ("rope-split", {"sliding_window": 12, "sink_tokens": 2}),  # StreamingLLM's entry
+        # OLMo 2's QK-norm over whole projections, and its norms on the sublayers' outputs
+        ("rope-split", {"qk_norm_scope": "projection"}),
+        ("rope-interleaved", {"qk_norm_scope": "projection", "sliding_window": 4}),
+        ("rope-split", {"qk_norm_scope": "projection", "sliding_window": 12, "sink_tokens": 2}),
     ],
-    ids=["gqa", "mqa-interleaved", "learned", "window", "sinks"],
-)
+    ids=["gqa", "mqa-interleaved", "learned", "window", "sinks", "projection-gqa",
+         "projection-window", "projection-sinks"],
+)  # fmt: skip
 @torch.no_grad()
 def test_cache_equals_full_forward_with_qk_norm(position, attention):
     """QK-norm normalises keys before they enter the cache: every kind of dense entry gives
-    the full pass's logits (norm weights away from 1, eps large enough to matter)."""
+    the full pass's logits (norm weights away from 1, eps large enough to matter), per
+    head and over whole projections (with OLMo 2's post-sublayer norms)."""
     cfg = tiny("gqa", position).cfg.override(
         {"attention.qk_norm": True, "norm.eps": 0.1}
         | {f"attention.{k}": v for k, v in attention.items()}
     )
+    if cfg.attention.qk_norm_scope == "projection":
+        cfg = cfg.override({"norm.placement": "post_sublayer"})
     torch.manual_seed(0)
     model = DecoderLM(cfg).eval()
     for name, p in model.named_parameters():

@@ -285,7 +285,7 @@ def test_learned_position_overflow_leaves_the_cache_untouched():
 # --------------------------------------------------------------------------- compile
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "vaswani-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "vaswani-tiny", "olmo2-tiny"])
 def test_training_forward_has_no_graph_breaks(name):
     model = build_model(get_preset(name))
     idx = torch.randint(0, model.cfg.vocab_size, (2, 16))
@@ -310,6 +310,7 @@ def test_training_forward_has_no_graph_breaks(name):
         ("llama-tiny", {"attention.sliding_window": 4, "attention.sink_tokens": 2}, 2),
         ("llama-tiny", {"attention.sliding_window": 4, "attention.sink_logits": True}, 2),
         ("llama-tiny", {"attention.qk_norm": True}, 2),
+        ("olmo2-tiny", {}, 2),  # QK-norm over whole projections, norms on sublayer outputs
     ],
 )
 @torch.no_grad()

@@ -156,6 +156,21 @@ FAMILIES = {
         ),
         lambda: _text_ids(2, 12),
     ),
+    # norms on the sublayers' outputs, QK-norm over whole projections, GQA
+    "olmo2": (
+        "Olmo2ForCausalLM",
+        lambda: transformers.Olmo2Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **NO_SPECIAL,
+        ),
+        lambda: _text_ids(2, 12),
+    ),
     "gemma": (
         "GemmaForCausalLM",
         lambda: transformers.GemmaConfig(

@@ -127,6 +127,27 @@ MINIMAL: dict[str, list[dict]] = {
             "query_pre_attn_scalar": 24,
         },
     ],
+    # 32 heads of 4 (num_key_value_heads: num_attention_heads), rms_norm_eps 1e-5, RoPE
+    # theta 1e4, an untied head, by default
+    "olmo2": [
+        {**_RMS, "hidden_size": 128, "num_attention_heads": 32},
+        # GQA, attention biases (q, k, v and o), transformers 4.x's RoPE keys, LLaMA 3 scaling
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "attention_bias": True,
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512,
+            },
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

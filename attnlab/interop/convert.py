@@ -27,6 +27,8 @@ from attnlab.interop.io import (
     with_preprocessor_config,
     write_folder,
 )
+from attnlab.interop.olmo2 import MODEL_TYPES as OLMO2_TYPES
+from attnlab.interop.olmo2 import olmo2_features
 from attnlab.interop.registry import FAMILIES, lookup
 from attnlab.models import build_model
 from attnlab.models.loadable import check_tied
@@ -68,8 +70,8 @@ WINDOWED_TYPES = (
     "gemma2",
     "gemma3_text",
 )
-# model types with QK-norm (attention.qk_norm)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+# model types with QK-norm (attention.qk_norm): per head, or over whole projections (olmo2)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
 # head, the clamped SwiGLU, biases on the router's logits and on the experts
 GPT_OSS_TYPES = ("gpt_oss",)
@@ -125,6 +127,12 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"{gemma[0]} ({model_type} has none; Gemma's pieces export as "
                     f"{GEMMA_TYPES_TEXT})"
                 )
+            olmo = olmo2_features(cfg)
+            if olmo and model_type not in OLMO2_TYPES:
+                raise unrepresentable(
+                    f"{olmo[0]} ({model_type} has none; OLMo 2's pieces export as olmo2: "
+                    "RoPE, RMSNorm on each sublayer's output, QK-norm over whole projections)"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -134,11 +142,15 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
     if cfg.arch != "decoder":
         raise unrepresentable(f"arch={cfg.arch!r}")
     if cfg.norm.placement == "post":
-        raise unrepresentable("post-norm blocks (supported decoders are pre-norm or sandwich)")
+        raise unrepresentable(
+            "post-norm blocks (supported decoders are pre-norm, sandwich or post_sublayer)"
+        )
     if cfg.norm.placement == "sandwich":
         raise unrepresentable(
             "norm.placement='sandwich' (Gemma's: exports as gemma2 or gemma3_text only)"
         )
+    if cfg.norm.placement == "post_sublayer":
+        raise unrepresentable("norm.placement='post_sublayer' (OLMo 2's: exports as olmo2 only)")
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
     raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")
@@ -158,7 +170,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     layer, top-k weights renormalised); with Gemma's pieces (norms of weight 1 + w, scaled
     embeddings, a softmax scale of its own, logit soft-capping, a second RoPE base for
     local layers) -> ``gemma3_text`` with QK-norm or the second base, else ``gemma2`` with
-    sandwich norms, else ``gemma``."""
+    sandwich norms, else ``gemma``; with OLMo 2's pieces (an RMSNorm on each sublayer's
+    output and none before it, QK-norm over the whole query and key projections) ->
+    ``olmo2``."""
     return _export_family(cfg)[1]
 
 
@@ -201,7 +215,8 @@ def load_hf(
     :data:`SUPPORTED_MODEL_TYPES`), picked by config.json's ``model_type``.
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
-    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, GPT-OSS, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
+    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2,
+    DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
     BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
     blocked pad token, from generation_config.json or else config.json, as transformers

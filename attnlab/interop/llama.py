@@ -264,8 +264,22 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
 
 # --------------------------------------------------------------------------- weights
 
+# Each layer's (d,) norms, HF name -> attnlab name: LLaMA's, before each sublayer (OLMo 2
+# passes its own, after each)
+NORMS = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"))
 
-def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
+
+def _qk_norm_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """The widths of the q_norm and k_norm weights: d_h each (per head: Qwen3), or the whole
+    projections' h d_h and h_kv d_h (attention.qk_norm_scope='projection': OLMo 2)."""
+    if cfg.attention.qk_norm_scope == "head":
+        return cfg.head_dim, cfg.head_dim
+    return cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+
+def weights_to_attnlab(
+    src: Source, cfg: ModelConfig, norms: tuple[tuple[str, str], ...] = NORMS
+) -> Plan:
     d, f, V = cfg.d_model, cfg.ffn.hidden_size(cfg.d_model), cfg.vocab_size
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     att = cfg.attention
@@ -278,13 +292,13 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
         h, a = f"{p}layers.{i}.", f"blocks.{i}."
         qkv = (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim))
         out |= {
-            a + "attn_norm.weight": src.take(h + "input_layernorm.weight", (d,)),
             a + "attn.qkv.weight": cat(
                 src.take(f"{h}self_attn.{n}.weight", (rows, d)) for n, rows in qkv
             ),
             a + "attn.out.weight": src.take(h + "self_attn.o_proj.weight", (d, q_dim)),
-            a + "ffn_norm.weight": src.take(h + "post_attention_layernorm.weight", (d,)),
         }
+        for hf_name, name in norms:
+            out[f"{a}{name}.weight"] = src.take(f"{h}{hf_name}.weight", (d,))
         if not cfg.ffn.moe_layer(i):  # (qwen3_moe.py maps the experts)
             out[a + "ffn.gate_up.weight"] = cat(
                 src.take(f"{h}mlp.{n}.weight", (f, d)) for n in ("gate_proj", "up_proj")
@@ -297,8 +311,8 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
         if att.out_bias:
             out[a + "attn.out.bias"] = src.take(h + "self_attn.o_proj.bias", (d,))
         if att.qk_norm:
-            for n in ("q_norm", "k_norm"):
-                out[f"{a}attn.{n}.weight"] = src.take(f"{h}self_attn.{n}.weight", (cfg.head_dim,))
+            for n, width in zip(("q_norm", "k_norm"), _qk_norm_widths(cfg), strict=True):
+                out[f"{a}attn.{n}.weight"] = src.take(f"{h}self_attn.{n}.weight", (width,))
         if cfg.ffn.bias and not cfg.ffn.moe_layer(i):  # a dense layer's (experts have none)
             out[a + "ffn.gate_up.bias"] = cat(
                 src.take(f"{h}mlp.{n}.bias", (f,)) for n in ("gate_proj", "up_proj")
@@ -321,7 +335,10 @@ def _rope_rows_to_split(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
 
 
 def weights_from_attnlab(
-    sd: dict[str, Tensor], cfg: ModelConfig, model_type: str
+    sd: dict[str, Tensor],
+    cfg: ModelConfig,
+    model_type: str,
+    norms: tuple[tuple[str, str], ...] = NORMS,
 ) -> dict[str, Tensor]:
     att, f, d = cfg.attention, cfg.ffn.hidden_size(cfg.d_model), cfg.d_model
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -347,13 +364,13 @@ def weights_from_attnlab(
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
             out[h + "mlp.down_proj.weight"] = sd[a + "ffn.down.weight"]
         out |= {
-            h + "input_layernorm.weight": sd[a + "attn_norm.weight"],
             h + "self_attn.q_proj.weight": to_split(q, cfg.n_heads),
             h + "self_attn.k_proj.weight": to_split(k, cfg.n_kv_heads),
             h + "self_attn.v_proj.weight": v,
             h + "self_attn.o_proj.weight": sd[a + "attn.out.weight"],
-            h + "post_attention_layernorm.weight": sd[a + "ffn_norm.weight"],
         }
+        for hf_name, name in norms:
+            out[f"{h}{hf_name}.weight"] = sd[f"{a}{name}.weight"]
         if qkv_bias:
             qb, kb, vb = split_rows(
                 or_zeros(sd, a + "attn.qkv.bias", q_dim + 2 * kv_dim), q_dim, kv_dim, kv_dim
@@ -364,8 +381,11 @@ def weights_from_attnlab(
         if out_bias:
             out[h + "self_attn.o_proj.bias"] = or_zeros(sd, a + "attn.out.bias", d)
         if att.qk_norm:  # per feature within a head: permuted as the q/k rows are
-            for n in ("q_norm", "k_norm"):
-                out[f"{h}self_attn.{n}.weight"] = to_split(sd[f"{a}attn.{n}.weight"], 1)
+            # (one head's weight, or each head's part of a whole projection's)
+            per_head = att.qk_norm_scope == "head"
+            for n, heads in (("q_norm", cfg.n_heads), ("k_norm", cfg.n_kv_heads)):
+                w = sd[f"{a}attn.{n}.weight"]
+                out[f"{h}self_attn.{n}.weight"] = to_split(w, 1 if per_head else heads)
         if mlp_bias and not cfg.ffn.moe_layer(i):  # a dense layer's (experts have none)
             gb, ub = split_rows(sd[a + "ffn.gate_up.bias"], f, f)
             out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gb, ub

@@ -20,6 +20,7 @@ from attnlab.interop import (
     llama,
     marian,
     mixtral,
+    olmo2,
     qwen3_moe,
     vit,
 )
@@ -29,6 +30,9 @@ FAMILIES: tuple[Family, ...] = (
     # first: it takes every decoder with Gemma's own pieces (sandwich norms, scaled
     # embeddings, ...), which the other families' layouts would drop
     gemma.FAMILY,
+    # next: every decoder with OLMo 2's pieces (norms on the sublayers' outputs, QK-norm
+    # over whole projections), which LLaMA's layout would drop
+    olmo2.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces

@@ -85,7 +85,8 @@ class DecoderLM(LoadableModel):
             self.local_rope = RotaryEmbedding(cfg.rope_dim, theta, layout)
         self.drop = dropout(cfg.dropout)
         self.blocks = TransformerStack(cfg, causal=True, rope=self.rope, local_rope=self.local_rope)
-        # Post-norm blocks already end in a norm; pre-norm (and sandwich) stacks need one.
+        # Post-norm blocks already end in a norm; pre-norm (sandwich, post-sublayer) stacks
+        # need one.
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement != "post" else nn.Identity()
         self.lm_head = Linear(d, cfg.vocab_size, bias=False)
         self.tie_weights()

@@ -1,6 +1,8 @@
 """Multi-head attention with n_kv_heads: MHA (n_kv_heads = n_heads), GQA (a divisor of
 n_heads, Ainslie et al. 2023) and MQA (1, Shazeer 2019) are one class. QK-norm
-(``qk_norm``, Qwen3): an RMSNorm over each query and key head's features before RoPE.
+(``qk_norm``, Qwen3): an RMSNorm over each query and key head's features before RoPE; with
+``qk_norm_scope`` "projection" (OLMo 2), over the whole query and key projections before
+they are split into heads.
 
 Shapes: b batch, t query length, s key length, d d_model, h heads, h_kv key/value heads,
 d_h head dim.
@@ -82,10 +84,13 @@ class MultiHeadAttention(nn.Module):
         # GPT-OSS: a learned logit per head that takes part in every softmax (sinks.py)
         self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
         # QK-norm (Qwen3): x / rms(x) * g over each head's d_h features, one g for
-        # all query heads and one for all key heads (OLMo 2 instead norms whole projections)
+        # all query heads and one for all key heads; scope "projection" (OLMo 2): over the
+        # whole projection, h d_h queries (g of h d_h) and h_kv d_h keys (g of h_kv d_h)
         qk = {"eps": norm_eps, "unit_offset": norm_offset}
-        self.q_norm = RMSNorm(self.head_dim, **qk) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, **qk) if cfg.qk_norm else None
+        self.qk_norm_per_head = cfg.qk_norm_scope == "head"
+        q_width, k_width = (self.head_dim,) * 2 if self.qk_norm_per_head else (q_dim, kv_dim)
+        self.q_norm = RMSNorm(q_width, **qk) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, **qk) if cfg.qk_norm else None
         self.rope = rope
         self.uses_rope = rope is not None
         self.resid_dropout = dropout(resid_dropout)
@@ -129,7 +134,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("doc_ids (packed documents) apply to self-attention without a cache")
         causal, window = self.causal, None
         if self.cross:
-            q = self._norm(self.q_norm, self._heads(self.q(x), self.n_heads))  # (b, h, t, d_h)
+            q = self._normed_heads(self.q_norm, self.q(x), self.n_heads)  # (b, h, t, d_h)
             if cache is not None:
                 k, v = cache.get(context, self._project_context)  # computed once per source
             elif context is None:
@@ -140,9 +145,9 @@ class MultiHeadAttention(nn.Module):
             qkv = self.qkv(x)  # (b, t, (h + 2 h_kv) d_h): [q; k; v]
             if isinstance(cache, SinkKV):  # StreamingLLM: rotates by positions in the cache
                 q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
-                q = self._heads(q, self.n_heads)  # (b, h, t, d_h)
-                k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-                q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+                q = self._normed_heads(self.q_norm, q, self.n_heads)  # (b, h, t, d_h)
+                k = self._normed_heads(self.k_norm, k, self.n_kv_heads)  # (b, h_kv, t, d_h)
+                v = self._heads(v, self.n_kv_heads)
                 rotary = self.rope if self.uses_rope else None
                 y = cache.attend(q, k, v, rotary, self.scale, softcap=self.softcap)
                 return self.resid_dropout(self.out(y.transpose(1, 2).reshape(b, t, self.q_dim)))
@@ -210,8 +215,11 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = qkv.shape
         n_qk = self.n_heads + self.n_kv_heads
         qk, v = qkv.split((self.q_dim + self.kv_dim, self.kv_dim), dim=-1)
+        if self.q_norm is not None and not self.qk_norm_per_head:  # OLMo 2: whole widths
+            q, k = qk.split((self.q_dim, self.kv_dim), dim=-1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1)  # (b, t, (h + h_kv) d_h)
         qk = qk.view(b, t, n_qk, self.head_dim)  # (b, t, h + h_kv, d_h)
-        if self.q_norm is not None:  # QK-norm, per head, before the rotation
+        if self.q_norm is not None and self.qk_norm_per_head:  # QK-norm, per head
             q, k = qk.split((self.n_heads, self.n_kv_heads), dim=2)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)  # (b, t, h + h_kv, d_h)
         if rope is not None:  # tables (b or 1, 1, t, d_h) -> (b or 1, t, 1, d_h)
@@ -221,10 +229,13 @@ class MultiHeadAttention(nn.Module):
 
     def _project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
         k, v = self.kv(context).split(self.kv_dim, dim=-1)
-        k = self._norm(self.k_norm, self._heads(k, self.n_kv_heads))  # (b, h_kv, s, d_h)
+        k = self._normed_heads(self.k_norm, k, self.n_kv_heads)  # (b, h_kv, s, d_h)
         return k, self._heads(v, self.n_kv_heads)
 
-    @staticmethod
-    def _norm(norm: RMSNorm | None, x: Tensor) -> Tensor:
-        """QK-norm over the last (d_h) dimension, where the module has it."""
-        return x if norm is None else norm(x)
+    def _normed_heads(self, norm: RMSNorm | None, x: Tensor, n: int) -> Tensor:
+        """(b, t, n * d_h) -> (b, n, t, d_h), QK-normed where the module has it: over the
+        whole width before the split (scope "projection"), else over each head's d_h."""
+        if norm is not None and not self.qk_norm_per_head:
+            x = norm(x)  # (b, t, n * d_h)
+        x = self._heads(x, n)  # (b, n, t, d_h)
+        return norm(x) if norm is not None and self.qk_norm_per_head else x

@@ -2,8 +2,8 @@
 
 A block: self-attention, optional cross-attention, feed-forward, each with a residual
 connection. Pre-norm (GPT-2, LLaMA): x + f(norm(x)). Post-norm (Vaswani et al.):
-norm(x + f(x)). Sandwich (Gemma 2 and 3): x + post_norm(f(norm(x))). The attention and FFN
-kinds come from their registries.
+norm(x + f(x)). Sandwich (Gemma 2 and 3): x + post_norm(f(norm(x))). Post-sublayer (OLMo 2):
+x + post_norm(f(x)). The attention and FFN kinds come from their registries.
 
 Shapes: (b, t, d) in and out; context (b, s, d_c).
 """
@@ -22,9 +22,12 @@ from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
 class TransformerBlock(nn.Module):
     """One transformer layer: self-attention (causal or not), optional cross-attention,
-    and a feed-forward network, each in a residual branch with pre-, post- or sandwich
-    normalisation as ``cfg.norm.placement`` says. Input and output (b, t, d_model).
-    ``rope``: the RoPE of this layer (a local layer's own where the model has two)."""
+    and a feed-forward network, each in a residual branch with pre-, post-, sandwich or
+    post-sublayer normalisation as ``cfg.norm.placement`` says: ``attn_norm`` /
+    ``ffn_norm`` before a sublayer (None in post-sublayer blocks), ``attn_post_norm`` /
+    ``ffn_post_norm`` on its output (sandwich and post-sublayer blocks; else None). Input and
+    output (b, t, d_model). ``rope``: the RoPE of this layer (a local layer's own where the
+    model has two)."""
 
     def __init__(
         self,
@@ -36,14 +39,17 @@ class TransformerBlock(nn.Module):
         layer: int = 0,
     ):
         super().__init__()
-        self.pre_norm = cfg.norm.placement != "post"  # sandwich: pre-norm plus post_norms
-        sandwich = cfg.norm.placement == "sandwich"
+        placement = cfg.norm.placement
+        self.post_residual = placement == "post"  # norm(x + f(x)); else x + ...
         d = cfg.d_model
 
-        def post_norm() -> nn.Module | None:  # the norm after a sandwiched sublayer
-            return build_norm(cfg.norm, d) if sandwich else None
+        def pre_norm() -> nn.Module | None:  # the norm before a sublayer (none in OLMo 2's)
+            return None if placement == "post_sublayer" else build_norm(cfg.norm, d)
 
-        self.attn_norm = build_norm(cfg.norm, d)
+        def post_norm() -> nn.Module | None:  # the norm on a sublayer's output, in its branch
+            return build_norm(cfg.norm, d) if placement in ("sandwich", "post_sublayer") else None
+
+        self.attn_norm = pre_norm()
         self.attn_post_norm = post_norm()
         # QK-norm's RMSNorms take the model's norm eps (Qwen3's rms_norm_eps) and kind
         # (Gemma's unit offset)
@@ -61,7 +67,7 @@ class TransformerBlock(nn.Module):
             resid_dropout=cfg.dropout,
             **qk_norm,
         )
-        self.cross_norm = build_norm(cfg.norm, d) if cross_attention else None
+        self.cross_norm = pre_norm() if cross_attention else None
         self.cross_post_norm = post_norm() if cross_attention else None
         self.cross_attn = (
             build_attention(
@@ -70,14 +76,16 @@ class TransformerBlock(nn.Module):
             if cross_attention
             else None
         )
-        self.ffn_norm = build_norm(cfg.norm, d)
+        self.ffn_norm = pre_norm()
         self.ffn_post_norm = post_norm()
         self.ffn = build_ffn(cfg.ffn, d, dropout=cfg.dropout, layer=layer)
 
-    def _residual(self, x: Tensor, norm: nn.Module, post: nn.Module | None, f, **kw) -> Tensor:
-        if not self.pre_norm:
+    def _residual(
+        self, x: Tensor, norm: nn.Module | None, post: nn.Module | None, f, **kw
+    ) -> Tensor:
+        if self.post_residual:  # post-norm: the pre-norm slot holds the norm after the add
             return norm(x + f(x, **kw))
-        y = f(norm(x), **kw)
+        y = f(x if norm is None else norm(x), **kw)
         return x + (y if post is None else post(y))
 
     def forward(
