@@ -490,6 +490,7 @@ class Cache:
                 if entry is not None:
                     entry.reset()
             self._length, self.has_padding, self._step = 0, False, None
+            self.rotated_long = False
             return
         L, dev = self.max_len, self.device
         self._length = 0  # dynamic mode: slots written so far (ever, when rolling)
@@ -499,6 +500,9 @@ class Cache:
         self.next_position = torch.zeros(self.batch, dtype=torch.long, device=dev)
         self.has_padding = False
         self._step = None
+        # LongRoPE: whether the keys held were rotated by the long factors (kept by the
+        # model for a dynamic cache: nn.rope.RotaryEmbedding.switch_length)
+        self.rotated_long = False
         for layer in [*getattr(self, "layers", ()), *getattr(self, "cross", ())]:
             if hasattr(layer, "reset"):
                 layer.reset()

@@ -283,7 +283,7 @@ def _attention_kinds() -> tuple[str, ...]:
 ATTENTION_BACKENDS = backend_names()  # the one list: the registry in functional/attention.py
 POSITION_KINDS = ("learned", "sinusoidal", "rope", "none")
 ROPE_LAYOUTS = ("split", "interleaved")
-ROPE_SCALINGS = ("linear", "llama3", "yarn")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 FFN_KINDS = ("mlp", "glu", "moe")
 MLA_PATHS = ("auto", "naive", "absorbed")
 LATENT_KINDS = ("mla", "dsa")  # attention kinds built on multi-head latent attention
@@ -664,7 +664,9 @@ class PositionConfig(_Config):
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_seq_len: int = 8192  # llama3, yarn: the context length before scaling
+    # llama3, yarn, longrope: the context length before scaling (LongRoPE: the longest
+    # context of its short factors)
+    rope_original_max_seq_len: int = 8192
     # "yarn" (Peng et al. 2023): frequencies with fewer than beta_slow rotations over the
     # original context are divided by factor, those with more than beta_fast are kept, a ramp
     # between (its bounds rounded outward to whole pairs unless rope_truncate is false, as
@@ -676,7 +678,20 @@ class PositionConfig(_Config):
     rope_mscale: float | None = None
     rope_mscale_all_dim: float | None = None
     rope_truncate: bool = True  # yarn only
-    rope_attention_factor: float | None = None  # yarn only
+    rope_attention_factor: float | None = None  # yarn and longrope
+    # "longrope" (Phi-3, Ding et al. 2024): pair i's frequency is divided by
+    # rope_short_factor[i] while a forward pass's positions stay within
+    # rope_original_max_seq_len, by rope_long_factor[i] (for every position) once one lies
+    # past it; cos/sin are multiplied by rope_attention_factor, or when it is null by
+    # sqrt(1 + ln(rope_factor) / ln(rope_original_max_seq_len)) (1 for rope_factor <= 1;
+    # rope_factor: how far the context was stretched, transformers' max_position_embeddings
+    # / original_max_position_embeddings). One factor per rotated pair: rope_dim / 2.
+    rope_short_factor: list[float] | None = None
+    rope_long_factor: list[float] | None = None
+    # The fraction of each query/key head RoPE rotates (transformers' partial_rotary_factor,
+    # Phi-4-mini's 0.75): the first int(head_dim * rope_fraction) features, pairs laid out
+    # within them; the rest pass unrotated. Decoders with attention.kind 'mha' only.
+    rope_fraction: float = 1.0
     # A second RoPE base for the local (sliding-window) layers, unscaled, as Gemma 3's
     # rope_local_base_freq; None: every layer uses rope_theta and its scaling.
     local_rope_theta: float | None = None
@@ -697,6 +712,10 @@ class PositionConfig(_Config):
         if self.rope_attention_factor is not None:
             _positive(f"{path}.rope_attention_factor", self.rope_attention_factor)
         _positive(f"{path}.rope_original_max_seq_len", self.rope_original_max_seq_len)
+        if self.rope_scaling == "longrope" and self.rope_original_max_seq_len < 2:
+            # the default attention factor divides by ln(rope_original_max_seq_len)
+            got = self.rope_original_max_seq_len
+            _fail(f"{path}.rope_original_max_seq_len", f"must be >= 2 with longrope, got {got}")
         _positive(f"{path}.rope_beta_fast", self.rope_beta_fast)
         _positive(f"{path}.rope_beta_slow", self.rope_beta_slow)
         _positive(f"{path}.local_rope_theta", self.local_rope_theta)
@@ -712,6 +731,33 @@ class PositionConfig(_Config):
             and self.rope_high_freq_factor <= self.rope_low_freq_factor
         ):
             _fail(f"{path}.rope_high_freq_factor", "must be larger than rope_low_freq_factor")
+        for name in ("rope_short_factor", "rope_long_factor"):  # LongRoPE's rescale factors
+            factors = getattr(self, name)
+            if self.rope_scaling != "longrope":
+                if factors is not None:
+                    _fail(
+                        f"{path}.{name}",
+                        "is read by rope_scaling 'longrope' only; set it to null or set "
+                        "rope_scaling to 'longrope'",
+                    )
+            elif not factors:
+                _fail(
+                    f"{path}.{name}",
+                    "rope_scaling 'longrope' needs one factor per rotated pair of dimensions "
+                    "(rope_dim / 2)",
+                )
+            else:
+                for i, f in enumerate(factors):
+                    _positive(f"{path}.{name}[{i}]", f)
+        if not 0.0 < self.rope_fraction <= 1.0:  # (written so that NaN fails too)
+            _fail(f"{path}.rope_fraction", f"must be in (0, 1], got {self.rope_fraction}")
+        if self.rope_fraction != 1.0 and self.kind != "rope":
+            _fail(f"{path}.rope_fraction", f"needs position.kind 'rope', got {self.kind!r}")
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The features of a head of width ``head_dim`` that RoPE rotates: transformers'
+        int(head_dim * partial_rotary_factor)."""
+        return head_dim if self.rope_fraction == 1.0 else int(head_dim * self.rope_fraction)
 
 
 @dataclass
@@ -904,6 +950,7 @@ class ModelConfig(_Config):
         if (
             self.position.kind == "rope"
             and self.attention.kind not in LATENT_KINDS
+            and self.position.rope_fraction == 1.0  # (else: _validate_rope_pieces)
             and self.head_dim % 2
         ):
             _fail(
@@ -931,6 +978,48 @@ class ModelConfig(_Config):
         if self.position.kind == "sinusoidal" and self.d_model % 2:
             _fail(at("d_model"), f"sinusoidal positions need an even d_model, got {self.d_model}")
         self._validate_pieces_by_arch(at)
+        self._validate_rope_pieces(at)
+
+    def _validate_rope_pieces(self, at) -> None:
+        """Partial rotation (``position.rope_fraction``) and LongRoPE's factor lists, which
+        depend on the head width."""
+        pos, att = self.position, self.attention
+        if pos.rope_fraction != 1.0:
+            where = at("position.rope_fraction")
+            if self.arch != "decoder":
+                _fail(where, f"is implemented by the decoder architecture only, not {self.arch!r}")
+            if att.kind != "mha":
+                latent = " (latent attention rotates qk_rope_head_dim)"
+                _fail(
+                    where,
+                    f"is implemented by attention.kind='mha' only, not "
+                    f"{att.kind!r}{latent if att.kind in LATENT_KINDS else ''}",
+                )
+            d_r = self.rope_dim
+            if d_r < 2 or d_r % 2:
+                _fail(
+                    where,
+                    f"rotates int({self.head_dim} * {pos.rope_fraction}) = {d_r} features of "
+                    "each head; RoPE rotates pairs: must be even and >= 2",
+                )
+        if pos.kind != "rope" or pos.rope_scaling != "longrope":
+            return
+        pairs = self.rope_dim // 2
+        for name in ("rope_short_factor", "rope_long_factor"):
+            n = len(getattr(pos, name))
+            if n != pairs:
+                _fail(
+                    at(f"position.{name}"),
+                    f"has {n} factors; LongRoPE needs one per rotated pair of dimensions: "
+                    f"rope_dim / 2 = {pairs}",
+                )
+        if att.sink_tokens:
+            _fail(
+                at("attention.sink_tokens"),
+                "attention sinks rotate cached keys again at their places in the cache, which "
+                "LongRoPE's switch of factors (chosen per forward pass) would mix; set it to 0 "
+                "or use another rope_scaling",
+            )
 
     def _validate_pieces_by_arch(self, at) -> None:
         """Pieces only some architectures build (Gemma's): refused by name in the others."""
@@ -963,8 +1052,11 @@ class ModelConfig(_Config):
 
     @property
     def rope_dim(self) -> int:
-        """The width RoPE rotates per head (qk_rope_head_dim for MLA, else head_dim)."""
-        return self.attention.rope_dim(self.d_model)
+        """The width RoPE rotates per head: qk_rope_head_dim for MLA, else the first
+        int(head_dim * position.rope_fraction) features (all of head_dim by default)."""
+        if self.attention.kind in LATENT_KINDS:
+            return self.attention.rope_dim(self.d_model)
+        return self.position.rotary_dim(self.head_dim)
 
     @property
     def n_heads(self) -> int:

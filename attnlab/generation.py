@@ -307,14 +307,26 @@ def roll_blocker(model: DecoderLM, use_cache: bool) -> str | None:
     rules live: ``"cache"`` (it decodes with a rolling cache), ``"nsa"`` (native sparse
     attention's blocks lie over cache slots from slot 0, which a rolling cache wraps),
     ``"positions"`` (a rolling cache keeps no absolute positions: it needs rope or none),
-    or None where rolling is possible."""
+    ``"longrope"`` (past its original context LongRoPE rotates every key by other
+    factors: the whole sequence is encoded again, which a rolling cache cannot), or None
+    where rolling is possible."""
     if not use_cache:
         return "cache"
     if model.cfg.attention.kind == "nsa":
         return "nsa"
+    if longrope_switch(model) is not None:
+        return "longrope"
     if not model.relative_positions:
         return "positions"
     return None
+
+
+def longrope_switch(model) -> int | None:
+    """The context length past which a LongRoPE model rotates by its long factors
+    (``RotaryEmbedding.switch_length``); None without LongRoPE. A cached decode encodes the
+    sequence again into an empty cache when its context first runs past it, as
+    transformers' Phi-3 does: the cached keys were rotated by the short factors."""
+    return getattr(getattr(model, "rope", None), "switch_length", None)
 
 
 def _check_overflow(model: DecoderLM, overflow: str, use_cache: bool) -> None:
@@ -329,6 +341,13 @@ def _check_overflow(model: DecoderLM, overflow: str, use_cache: bool) -> None:
         raise ValueError(
             "overflow='roll' is not available for native sparse attention: its blocks lie "
             "over cache slots from slot 0, which a rolling cache wraps; use overflow='slide'"
+        )
+    if blocker == "longrope":
+        raise ValueError(
+            "overflow='roll' is not available with LongRoPE (position.rope_scaling='longrope'): "
+            "once the context passes its original length every key is rotated by the long "
+            "factors, so the sequence is encoded again, which a rolling cache cannot; use "
+            "overflow='slide' or 'stop'"
         )
     if blocker == "positions":
         raise ValueError(
@@ -454,6 +473,7 @@ def _decode(
 
     min_start = int(starts.min())
     length = longest  # columns of seq, with the tokens not yet appended to it
+    switch = longrope_switch(model)
     pending: list[Tensor] = []  # new tokens (b,) not yet in seq: appended when needed
 
     def window():
@@ -550,12 +570,15 @@ def _decode(
                 full = length - starts > limit  # (b,) those rows
                 starts = torch.where(full, length - keep, starts)
                 min_start = int(starts.min())
+            # LongRoPE: the longest context first runs past the original length, and every
+            # key turns to the long factors: the cache's were rotated by the short ones
+            switched = switch is not None and length - min_start == switch + 1
             if cache is None:
                 ids, mask = window()
                 logits = _forward_last(model, ids, mask, None)
-            elif not slide:
+            elif not (slide or switched):
                 logits = decode_one(nxt)
-            else:  # re-encode the kept tokens: positions restart, so the cache does too
+            else:  # re-encode the kept tokens (a slide: positions restart, so the cache does too)
                 cache.reset(in_place=graphs)
                 guards_passed = False  # a reset cache: the next step checks its guards
                 ids, mask = window()
@@ -1165,8 +1188,21 @@ def beam_search(
         cache = model.new_cache(b, longest + max_new_tokens)
         mask = None if bool(valid.all()) else valid
         first = model(seq, cache=cache, attention_mask=mask, last_only=True).logits[:, -1]
+        # LongRoPE: each row's tokens, to encode again once the context first runs past the
+        # original length (longrope_switch)
+        switch = longrope_switch(model)
+        track = switch is not None and longest <= switch
 
         def advance(source: Tensor, tokens: Tensor) -> Tensor:
+            nonlocal cache, seq, valid
+            if track:
+                seq = torch.cat((seq[source], tokens[:, None]), dim=1)  # (n, longest + steps)
+                valid = torch.cat((valid[source], valid.new_ones(len(source), 1)), dim=1)
+                if seq.shape[1] == switch + 1:
+                    cache = model.new_cache(len(source), longest + max_new_tokens)
+                    mask = None if bool(valid.all()) else valid
+                    out = model(seq, cache=cache, attention_mask=mask, last_only=True)
+                    return out.logits[:, -1]
             cache.reorder(source)
             return model(tokens[:, None], cache=cache, last_only=True).logits[:, -1]
 

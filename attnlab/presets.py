@@ -1,7 +1,7 @@
 """Named model configurations: plain functions returning a fresh config.
 
 Tiny presets build in milliseconds for tests; published sizes (GPT-2, LLaMA, Mistral,
-Qwen2, Mixtral, Gemma 3, ...) are there for the calculators and for checkpoint import.
+Qwen2, Mixtral, Gemma 3, Phi-3, ...) are there for the calculators and for checkpoint import.
 """
 
 from __future__ import annotations
@@ -948,6 +948,45 @@ def olmo2_13b() -> ModelConfig:
     return olmo2_style(d_model=5120, n_layers=40, n_heads=40, ffn_hidden=13824)
 
 
+def phi3_tiny() -> ModelConfig:
+    """Phi-3's architecture (the LLaMA layout with LongRoPE, as Phi-3-mini-128k's) in 2
+    layers, d_model 64, GQA 4/2: a context of 128 stretched 4x from 32 by per-pair factors
+    of its own (short ones near 1, long ones from 1 to 4), for tests."""
+    cfg = llama_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+    )
+    return cfg.override(
+        {
+            "position.rope_scaling": "longrope",
+            "position.rope_original_max_seq_len": 32,
+            "position.rope_factor": 4.0,  # max_seq_len / rope_original_max_seq_len
+            "position.rope_short_factor": [1.0, 1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5],
+            "position.rope_long_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0],
+        }
+    )
+
+
+def phi_3_mini_4k() -> ModelConfig:
+    """microsoft/Phi-3-mini-4k-instruct config.json: 32 layers, 32 heads of 96 (MHA), a
+    window of 2047 on every layer, 4k context, no RoPE scaling; 3.82B parameters (its
+    weights store q/k/v and gate/up fused: the same numbers)."""
+    cfg = llama_style(
+        vocab_size=32064,
+        max_seq_len=4096,
+        d_model=3072,
+        n_layers=32,
+        n_heads=32,
+        ffn_hidden=8192,
+    )
+    return cfg.override({"attention.sliding_window": 2047})
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -1029,6 +1068,8 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "olmo-2-1b": (olmo2_1b, "OLMo 2 1B, 1.5B (MHA 16 heads, 4k context)"),
     "olmo-2-7b": (olmo2_7b, "OLMo 2 7B, 7.3B (MHA 32 heads, 4k context)"),
     "olmo-2-13b": (olmo2_13b, "OLMo 2 13B, 13.7B (MHA 40 heads, 4k context)"),
+    "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
+    "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),
 }
 
 

@@ -502,6 +502,15 @@ CONFIG_JSON = {
     "deepseek-v3": _DEEPSEEK_V3,
     "deepseek-v3.2": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048,
                           index_n_heads=64, index_head_dim=128),  # V3.2-Exp
+    # microsoft/Phi-3-mini-4k-instruct (its q/k/v and gate/up are stored fused)
+    "phi-3-mini-4k": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192,
+                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                          vocab_size=32064, max_position_embeddings=4096,
+                          original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+                          rope_scaling=None, rope_theta=10000.0, sliding_window=2047,
+                          tie_word_embeddings=False, hidden_act="silu", attention_dropout=0.0,
+                          resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=32000,
+                          pad_token_id=32000),
     "gpt-oss-20b": _GPT_OSS,
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_GPT_OSS_LAYERS * 18),

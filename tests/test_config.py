@@ -100,6 +100,76 @@ def test_integral_float_accepted_as_int():
         ({"attention": {"backend": "flashy"}}, r"attention.backend: unknown value 'flashy'"),
         ({"norm": {"placement": "middle"}}, r"norm.placement: unknown value"),
         ({"position": {"rope_layout": "pairs"}}, r"position.rope_layout: unknown value"),
+        # LongRoPE's factors: both lists, one factor per rotated pair, positive, and only
+        # with longrope scaling; the partial rotation: a fraction giving an even width
+        (
+            {"position": {"kind": "rope", "rope_scaling": "longrope", "rope_long_factor": [1.0]}},
+            r"position.rope_short_factor: rope_scaling 'longrope' needs one factor per rotated",
+        ),
+        (
+            {
+                "position": {
+                    "kind": "rope",
+                    "rope_scaling": "longrope",
+                    "rope_short_factor": [1.0] * 16,
+                    "rope_long_factor": [2.0] * 7,
+                }
+            },
+            r"position.rope_long_factor: has 7 factors; LongRoPE needs one per rotated pair of "
+            r"dimensions: rope_dim / 2 = 16",
+        ),
+        (
+            {
+                "position": {
+                    "kind": "rope",
+                    "rope_scaling": "longrope",
+                    "rope_short_factor": [1.0] * 16,
+                    "rope_long_factor": [2.0, 0.0] * 8,
+                }
+            },
+            r"position.rope_long_factor\[1\]: must be > 0, got 0.0",
+        ),
+        (
+            {"position": {"kind": "rope", "rope_scaling": "yarn", "rope_short_factor": [1.0]}},
+            r"position.rope_short_factor: is read by rope_scaling 'longrope' only",
+        ),
+        (
+            {
+                "position": {
+                    "kind": "rope",
+                    "rope_scaling": "longrope",
+                    "rope_short_factor": [1.0],
+                    "rope_long_factor": [1.0],
+                    "rope_original_max_seq_len": 1,
+                }
+            },
+            r"position.rope_original_max_seq_len: must be >= 2 with longrope, got 1",
+        ),
+        (
+            {"position": {"kind": "rope", "rope_fraction": 0.0}},
+            r"position.rope_fraction: must be in \(0, 1\], got 0.0",
+        ),
+        ({"position": {"kind": "learned", "rope_fraction": 0.5}}, r"needs position.kind 'rope'"),
+        (
+            {"position": {"kind": "rope", "rope_fraction": 0.1}},
+            r"position.rope_fraction: rotates int\(32 \* 0.1\) = 3 features of each head; RoPE",
+        ),
+        (
+            {"attention": {"kind": "linear"}, "position": {"kind": "rope", "rope_fraction": 0.5}},
+            r"position.rope_fraction: is implemented by attention.kind='mha' only, not 'linear'",
+        ),
+        (
+            {
+                "attention": {"sliding_window": 8, "sink_tokens": 2},
+                "position": {
+                    "kind": "rope",
+                    "rope_scaling": "longrope",
+                    "rope_short_factor": [1.0] * 16,
+                    "rope_long_factor": [2.0] * 16,
+                },
+            },
+            r"attention.sink_tokens: attention sinks rotate cached keys again",
+        ),
     ],
 )
 def test_inconsistent_values_rejected(data, match):

@@ -229,6 +229,28 @@ FAMILIES = {
         ),
         lambda: _text_ids(2, 12),
     ),
+    # LongRoPE with an original context of 8: the 12 tokens run past it (the long factors)
+    "phi3": (
+        "Phi3ForCausalLM",
+        lambda: transformers.Phi3Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            original_max_position_embeddings=8,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 100.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.0, 2.0, 3.0, 4.0],
+            },
+            **NO_SPECIAL,
+        ),
+        lambda: _text_ids(2, 12),
+    ),
     "deepseek_v3": (
         "DeepseekV3ForCausalLM",
         lambda: transformers.DeepseekV3Config(**DEEPSEEK, n_group=2, topk_group=1),

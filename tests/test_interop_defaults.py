@@ -148,6 +148,24 @@ MINIMAL: dict[str, list[dict]] = {
             },
         },
     ],
+    # 32 heads by default (MHA), rms_norm_eps 1e-5, an original context of 4096 (read by
+    # LongRoPE only), no window
+    "phi3": [
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 4},
+        # LongRoPE by transformers 4.x's keys, no factor: the context ratio, 64 / 16
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 16,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [float(i + 1) for i in range(8)],
+            },
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

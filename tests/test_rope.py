@@ -1,16 +1,20 @@
 """Rotary position embedding: relative-position property, norms, both pair layouts, the
-complex-number oracle, position offsets and bf16.
+complex-number oracle, position offsets and bf16; LongRoPE's tables and their switch, and
+the partial rotation, against transformers' own functions (Phi-3's).
 
 Shapes: b batch, h heads, t length, d_h head dim.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from oracle import rope_complex_interleaved
 
 from attnlab.functional.rope import (
+    apply_partial_rope,
     apply_rope,
     interleaved_to_split,
     rope_angles,
@@ -193,7 +197,12 @@ def test_module_cast_to_bf16_keeps_float32_frequencies(layout):
     torch.testing.assert_close(out_k.float(), _rope(k, pos, layout), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("scaling", [None, {"kind": "yarn", "factor": 4.0}])
+LONGROPE = {"kind": "longrope", "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 1.7, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
+            "original_max_seq_len": 512, "factor": 16.0}  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling", [None, {"kind": "yarn", "factor": 4.0}, LONGROPE])
 def test_module_cast_to_bf16_and_back_has_exact_frequencies(scaling):
     """model.to(bf16) then .float() (or .half().double()): the frequency table is the exact
     one again, not the bf16-rounded table in float32 (0.4% off: angles at position 8191
@@ -205,7 +214,7 @@ def test_module_cast_to_bf16_and_back_has_exact_frequencies(scaling):
         rope = RotaryEmbedding(D_H, scaling=scaling).to(there).to(back)
         assert rope.inv_freq.dtype == back
         torch.testing.assert_close(rope.inv_freq, exact.inv_freq, rtol=0, atol=0)
-        pos = torch.tensor([300, 1001, 4097, 8191])
+        pos = torch.tensor([300, 1001, 4097, 8191])  # (LongRoPE: past 512, its long table)
         torch.testing.assert_close(rope.tables(pos).cos, exact.tables(pos).cos, rtol=0, atol=0)
 
 
@@ -285,3 +294,124 @@ def test_float64_rope_stays_float64():
     assert torch.autograd.gradcheck(tables.rotate, (xg,))
     # float32 models keep float32 tables
     assert RotaryEmbedding(D_H).tables(positions).cos.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- LongRoPE
+
+
+def _phi3_config(partial: float = 1.0, attention_factor: float | None = None):
+    """transformers' Phi3Config: heads of 16 (a partial rotation: fewer), a context of 256
+    stretched 8x from 32, LongRoPE factors of its own per rotated pair."""
+    transformers = pytest.importorskip("transformers")
+    pairs = int(16 * partial) // 2
+    params = {"rope_type": "longrope", "rope_theta": 500.0,
+              "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+              "long_factor": [1.0 + 2.5 * i for i in range(pairs)]}  # fmt: skip
+    if attention_factor is not None:
+        params["attention_factor"] = attention_factor
+    return transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+        original_max_position_embeddings=32, partial_rotary_factor=partial,
+        rope_parameters=params,
+    )  # fmt: skip
+
+
+def _ours(config) -> RotaryEmbedding:
+    """attnlab's RotaryEmbedding of the same settings, from its own config fields."""
+    from attnlab.config import ModelConfig, PositionConfig
+
+    params = config.rope_parameters
+    pos = PositionConfig(
+        kind="rope", rope_theta=params["rope_theta"], rope_scaling="longrope",
+        rope_short_factor=params["short_factor"], rope_long_factor=params["long_factor"],
+        rope_original_max_seq_len=32, rope_factor=256 / 32,
+        rope_attention_factor=params.get("attention_factor"),
+        rope_fraction=params["partial_rotary_factor"],
+    )  # fmt: skip
+    cfg = ModelConfig(d_model=64, position=pos)
+    cfg.validate()
+    return RotaryEmbedding.from_config(cfg.rope_dim, pos)
+
+
+@pytest.mark.parametrize("attention_factor", [None, 0.8])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_longrope_tables_are_transformers(partial, attention_factor):
+    """Both frequency tables and the cos/sin factor equal transformers'
+    ROPE_INIT_FUNCTIONS["longrope"]: the short one (no sequence length), the long one (one
+    past the original context), the factor sqrt(1 + ln 8 / ln 32) or the one given; over
+    the rotated part of a head when it rotates half."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = _phi3_config(partial, attention_factor)
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](config, None)
+    long, long_factor = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=33)
+    ours = _ours(config)
+    assert ours.inv_freq.shape == (int(16 * partial) // 2,)
+    assert torch.equal(ours.inv_freq, short) and torch.equal(ours.long_inv_freq, long)
+    assert not torch.equal(short, long)
+    assert ours.attention_factor == pytest.approx(factor, rel=1e-12) == long_factor
+    if attention_factor is None:
+        assert factor == pytest.approx((1 + math.log(8) / math.log(32)) ** 0.5, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [[list(range(20))], [list(range(32))], [list(range(33))], [list(range(70))],
+     [list(range(10)), list(range(22, 32))], [list(range(10)), list(range(23, 33))],
+     [[40]], [[31]]],
+    ids=["20", "32", "33", "70", "batch-within", "batch-one-row-past", "decode-past",
+         "decode-last-short"],
+)  # fmt: skip
+def test_longrope_switch_follows_transformers_rotary_embedding(positions):
+    """cos/sin for a forward pass's positions are transformers' Phi3RotaryEmbedding's (its
+    dynamic update): the short factors while every position stays below the original 32,
+    the long ones for the whole pass (every row) once one reaches it."""
+    pytest.importorskip("transformers")
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = _phi3_config()
+    theirs = Phi3RotaryEmbedding(config)
+    position_ids = torch.tensor(positions)
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), position_ids)  # (b, t, d_h)
+    tables = _ours(config).tables(position_ids)  # (b, 1, t, d_h): cos [c, c], sin [-s, s]
+    torch.testing.assert_close(tables.cos[:, 0], cos, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tables.sin[:, 0, :, 8:], sin[..., 8:], rtol=1e-6, atol=1e-6)
+    plain = _ours(config)
+    plain.long_inv_freq = plain.inv_freq  # no switch: would the pass differ?
+    differs = not torch.allclose(plain.tables(position_ids).cos, tables.cos)
+    assert differs == (max(max(row) for row in positions) >= 32)
+
+
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_partial_rotation_rotates_the_leading_features_only(layout):
+    """Tables narrower than the head rotate its first d_r features, pairs laid out within
+    them, and pass the rest unchanged; as wide as the head they are apply_rope."""
+    x = torch.randn(2, 3, 5, D_H)
+    cos, sin = rope_angles(torch.arange(5), rope_inv_freq(6, 100.0))  # d_r = 6 of 16
+    c, s = rope_tables(cos, sin, layout)
+    y = apply_partial_rope(x, c, s, layout)
+    torch.testing.assert_close(y[..., :6], apply_rope(x[..., :6], cos, sin, layout))
+    assert torch.equal(y[..., 6:], x[..., 6:])
+    c, s = rope_tables(*rope_angles(torch.arange(5), rope_inv_freq(D_H)), layout)
+    assert torch.equal(apply_partial_rope(x, c, s, layout), apply_rope(x, c, s, layout))
+
+
+def test_partial_rotation_is_transformers():
+    """Phi-3's apply_rotary_pos_emb with partial_rotary_factor 0.5 (cos/sin of 8 features
+    for heads of 16) gives the q and k attnlab's tables rotate, and the model's rope_dim is
+    int(head_dim * rope_fraction)."""
+    pytest.importorskip("transformers")
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    config = _phi3_config(partial=0.5)
+    position_ids = torch.tensor([[0, 5, 17, 40, 41]])
+    cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1), position_ids)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 5, D_H, generator=g), torch.randn(1, 2, 5, D_H, generator=g)
+    q_theirs, k_theirs = apply_rotary_pos_emb(q, k, cos, sin)
+    ours = _ours(config)
+    assert ours.head_dim == 8
+    q_ours, k_ours = ours(q, k, position_ids)
+    torch.testing.assert_close(q_ours, q_theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_ours, k_theirs, rtol=1e-6, atol=1e-6)
+    assert torch.equal(q_ours[..., 8:], q[..., 8:])

@@ -337,6 +337,12 @@ def _check_roll(args: argparse.Namespace, model) -> None:
             "--overflow roll: native sparse attention's blocks lie over cache slots from slot 0, "
             "which a rolling cache wraps; use --overflow slide"
         )
+    if blocker == "longrope":
+        raise CLIError(
+            "--overflow roll: past its original context LongRoPE rotates every key by its long "
+            "factors, so the sequence is encoded again, which a rolling cache cannot; use "
+            "--overflow slide or stop"
+        )
     if blocker == "positions":
         raise CLIError(
             "--overflow roll needs relative positions (rope or none): a rolling cache keeps "

@@ -3,7 +3,8 @@
 Each pair of dimensions (x_a, x_b) of a query or key at position m is rotated by the
 angle m * theta^(-2i/d): q_m . k_n then depends on m - n only. Two pair layouts exist:
 ``interleaved`` pairs (x_0, x_1), (x_2, x_3), ... as in RoFormer, and ``split`` halves
-(x_i, x_{i + d/2}) as in LLaMA and Hugging Face checkpoints.
+(x_i, x_{i + d/2}) as in LLaMA and Hugging Face checkpoints. A partial rotation rotates
+the first d_r features only, its pairs laid out within them (:func:`apply_partial_rope`).
 
 Shapes: b batch, h heads, t length, d_h head dim.
 """
@@ -135,6 +136,33 @@ def yarn_attention_factors(
     return rope, softmax
 
 
+def longrope_inv_freq(
+    rotary_dim: int,
+    theta: float,
+    factors: list[float],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """(d_r/2,) LongRoPE frequencies (Ding et al. 2024, Phi-3): 1 / (factor_i theta^(2i/d_r)),
+    each pair's frequency divided by its own rescale factor (in transformers' order of
+    operations: the same float32 values)."""
+    i = torch.arange(0, rotary_dim, 2, dtype=dtype, device=device)
+    return 1.0 / (torch.tensor(factors, dtype=dtype, device=device) * theta ** (i / rotary_dim))
+
+
+def longrope_attention_factor(
+    factor: float, original_max_seq_len: int, attention_factor: float | None = None
+) -> float:
+    """LongRoPE's scale of cos/sin: ``attention_factor`` when given, else
+    sqrt(1 + ln(factor) / ln(original_max_seq_len)) for a context stretched ``factor``
+    times (1 when not stretched), the same for the short and the long factors."""
+    if attention_factor is not None:
+        return attention_factor
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original_max_seq_len))
+
+
 def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """positions (..., t) -> cos, sin (..., t, d_h/2), float32 (bf16 positions above 256
     would round), float64 for float64 frequencies (a float64 model's: never a downcast)."""
@@ -182,6 +210,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "split") -> Te
         raise ValueError(f"unknown RoPE layout {layout!r}; use 'split' or 'interleaved'")
     y = xf * cos + swapped * sin
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "split") -> Tensor:
+    """Rotate the first d_r features of x (..., t, d_h) with full-width tables (..., t, d_r)
+    (:func:`rope_tables`) and pass the other d_h - d_r unchanged (transformers'
+    ``partial_rotary_factor``; the pairs lie within the first d_r). d_r == d_h: apply_rope."""
+    d_r = cos.shape[-1]
+    if d_r == x.shape[-1]:
+        return apply_rope(x, cos, sin, layout)
+    return torch.cat((apply_rope(x[..., :d_r], cos, sin, layout), x[..., d_r:]), dim=-1)
 
 
 def interleaved_to_split(d: int) -> Tensor:

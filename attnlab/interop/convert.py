@@ -69,9 +69,13 @@ WINDOWED_TYPES = (
     "gpt_oss",
     "gemma2",
     "gemma3_text",
+    "phi3",
 )
 # model types with QK-norm (attention.qk_norm): per head, or over whole projections (olmo2)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
+# model types with LongRoPE (whose generate re-encodes past the original context) and a
+# partial rotation (position.rope_fraction)
+LONGROPE_TYPES = PARTIAL_ROTARY_TYPES = ("phi3",)
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
 # head, the clamped SwiGLU, biases on the router's logits and on the experts
 GPT_OSS_TYPES = ("gpt_oss",)
@@ -133,6 +137,17 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"{olmo[0]} ({model_type} has none; OLMo 2's pieces export as olmo2: "
                     "RoPE, RMSNorm on each sublayer's output, QK-norm over whole projections)"
                 )
+            pos = cfg.position
+            if pos.rope_scaling == "longrope" and model_type not in LONGROPE_TYPES:
+                raise unrepresentable(
+                    f"position.rope_scaling='longrope' ({model_type} has no LongRoPE; it "
+                    f"exports as {' or '.join(LONGROPE_TYPES)}: dense feed-forwards, no biases)"
+                )
+            if pos.rope_fraction != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
+                raise unrepresentable(
+                    f"position.rope_fraction={pos.rope_fraction} ({model_type} rotates whole "
+                    f"heads; a partial rotation exports as {' or '.join(PARTIAL_ROTARY_TYPES)})"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -163,7 +178,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     ``deepseek_v2`` (DeepSeek-V2 router) or ``deepseek_v3``; DSA -> ``deepseek_v32``;
     learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
-    sliding window and no biases, else ``llama`` (missing biases are written as zeros);
+    sliding window and no biases, else ``llama`` (missing biases are written as zeros),
+    and with LongRoPE or a partial rotation ``phi3`` (no biases);
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where
     the model has none), else ``qwen3_moe`` with QK-norm, else ``mixtral`` (experts on every
@@ -215,7 +231,7 @@ def load_hf(
     :data:`SUPPORTED_MODEL_TYPES`), picked by config.json's ``model_type``.
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
-    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2,
+    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
     DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
     BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's

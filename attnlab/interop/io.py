@@ -26,6 +26,7 @@ from torch import Tensor
 
 from attnlab.config import ModelConfig, PositionConfig
 from attnlab.fileio import atomic_path, atomic_write_text
+from attnlab.functional.rope import interleaved_to_split
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -145,6 +146,13 @@ ROPE_KEYS: dict[str, dict[str, str]] = {
         "attention_factor": "rope_attention_factor",
         "truncate": "rope_truncate",
     },
+    "longrope": {
+        "short_factor": "rope_short_factor",
+        "long_factor": "rope_long_factor",
+        "factor": "rope_factor",
+        "original_max_position_embeddings": "rope_original_max_seq_len",
+        "attention_factor": "rope_attention_factor",
+    },
 }
 
 # HF keys written only away from these values (transformers' defaults when left out)
@@ -156,20 +164,24 @@ ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
 }
 
 
-def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, Any]:
+def rope_settings(
+    hf: dict[str, Any], supported: tuple[str, ...], *, partial: bool = False
+) -> dict[str, Any]:
     """PositionConfig fields (theta, scaling) from transformers 4.x (``rope_theta`` +
     ``rope_scaling``) or 5.x (``rope_parameters``) configs; ``supported``: the rope_types
-    the family has (keys of :data:`ROPE_KEYS`)."""
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise HFCheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
+    the family has (keys of :data:`ROPE_KEYS`); ``partial``: whether the family rotates
+    part of each head (``partial_rotary_factor``, read as ``rope_fraction``; else refused)."""
+    params = rope_parameters(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    _check_rope_parameters(hf, params, rope_type, supported)
+    fraction = _check_rope_parameters(hf, params, rope_type, supported, partial)
     theta = params.get("rope_theta", hf.get("rope_theta"))
     out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
+    if fraction != 1.0:
+        out["rope_fraction"] = fraction
     if rope_type != "default":
         out["rope_scaling"] = rope_type
         for hf_key, ours in ROPE_KEYS[rope_type].items():
@@ -182,7 +194,7 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
                 f"config.json YaRN truncate must be true, false or null, got {params['truncate']!r}"
             )
         out["rope_truncate"] = bool(params["truncate"])
-    if rope_type in ("llama3", "yarn"):
+    if rope_type in ("llama3", "yarn", "longrope"):
         # as transformers reads it: a top-level original_max_position_embeddings (Phi-3's
         # place for it) wins over the RoPE parameters' own; without either, the pre-training
         # context is the model's own (not attnlab's default)
@@ -193,6 +205,13 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
         )
         if original is not None:
             out["rope_original_max_seq_len"] = original
+        if rope_type == "longrope" and params.get("factor") is None:
+            # transformers: how far the context was stretched sets the attention factor
+            if original is None or hf.get("max_position_embeddings") is None:
+                raise HFCheckpointError(
+                    "LongRoPE without a factor needs max_position_embeddings and its original"
+                )
+            out["rope_factor"] = hf["max_position_embeddings"] / original
         if rope_type == "yarn" and params["factor"] is None:
             # transformers (DeepSeek-V3's configs): the stretch is the ratio of the contexts
             if original is None or hf.get("max_position_embeddings") is None:
@@ -203,14 +222,31 @@ def rope_settings(hf: dict[str, Any], supported: tuple[str, ...]) -> dict[str, A
     return out
 
 
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a config.json: 4.x's ``rope_scaling``, else 5.x's
+    ``rope_parameters`` (a mapping; {} when neither is set)."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise HFCheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
+    return params
+
+
 def _check_rope_parameters(
-    hf: dict[str, Any], params: dict[str, Any], rope_type: str, supported: tuple[str, ...]
-) -> None:
+    hf: dict[str, Any],
+    params: dict[str, Any],
+    rope_type: str,
+    supported: tuple[str, ...],
+    partial: bool = False,
+) -> float:
     """Refuse RoPE parameters attnlab does not implement: an unsupported ``rope_type``,
-    keys it does not read, a partial rotation, or required keys left out."""
+    keys it does not read, a partial rotation where the family has none (``partial``), or
+    required keys left out. Returns the fraction of each head rotated."""
     if rope_type not in supported:
+        # (LongRoPE is Phi-3's: its generate encodes the sequence again past the original
+        # context, which the other families' transformers models do not)
+        hint = " for this model type (it is read for phi3)" if rope_type == "longrope" else ""
         raise HFCheckpointError(
-            f"RoPE scaling {rope_type!r} is not supported; attnlab implements "
+            f"RoPE scaling {rope_type!r} is not supported{hint}; attnlab implements "
             f"{', '.join(repr(k) for k in supported)}"
         )
     extra = {k for k, v in params.items() if v is not None}  # None: transformers' default
@@ -221,9 +257,16 @@ def _check_rope_parameters(
             f"RoPE parameters {sorted(extra)} are not supported for rope_type {rope_type!r}"
         )
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
+    if factor is None:  # null: transformers' default
+        factor = 1.0
+    if factor != 1.0 and not partial:
         raise HFCheckpointError(
-            f"partial_rotary_factor={factor} is not supported; attnlab rotates whole heads"
+            f"partial_rotary_factor={factor} is not supported for this model type: its "
+            "transformers model rotates whole heads (attnlab reads it for phi3)"
+        )
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise HFCheckpointError(
+            f"config.json partial_rotary_factor must be a number in (0, 1], got {factor!r}"
         )
     # transformers refuses these too; attnlab's defaults would silently not scale
     nullable = {"factor"} if rope_type == "yarn" else set()
@@ -234,6 +277,7 @@ def _check_rope_parameters(
     ]
     if missing:
         raise HFCheckpointError(f"RoPE parameters for rope_type {rope_type!r} need {missing}")
+    return float(factor)
 
 
 def rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
@@ -243,9 +287,27 @@ def rope_to_hf(pos: PositionConfig) -> dict[str, Any]:
         raise unrepresentable(f"RoPE scaling {kind!r}")
     params: dict[str, Any] = {"rope_type": kind, "rope_theta": pos.rope_theta}
     for hf_key, ours in ROPE_KEYS[kind].items():
-        if (hf_key, getattr(pos, ours)) not in _ROPE_OMITTED:
-            params[hf_key] = getattr(pos, ours)
+        value = getattr(pos, ours)
+        if isinstance(value, list):  # (LongRoPE's factors: a copy, never the config's own)
+            params[hf_key] = list(value)
+        elif (hf_key, value) not in _ROPE_OMITTED:
+            params[hf_key] = value
+    if pos.rope_fraction != 1.0:  # (only families that rotate part of a head export it)
+        params["partial_rotary_factor"] = pos.rope_fraction
     return params
+
+
+def rope_rows_to_split(
+    w: Tensor, n_heads: int, head_dim: int, rope_dim: int | None = None
+) -> Tensor:
+    """Reorder q or k projection rows (weight (h * d_h, d) or bias (h * d_h,)) from the
+    interleaved RoPE pair layout to the split-halves layout Hugging Face uses, within the
+    first ``rope_dim`` features of each head (all by default; the rest, unrotated, stay in
+    place). q . k is unchanged because q and k get the same permutation within each head."""
+    d_r = head_dim if rope_dim is None else rope_dim
+    perm = torch.cat((interleaved_to_split(d_r), torch.arange(d_r, head_dim))).to(w.device)
+    rows = w.reshape(n_heads, head_dim, *w.shape[1:])  # (h, d_h, ...)
+    return rows[:, perm].reshape(w.shape)
 
 
 def local_layers(cfg: ModelConfig) -> list[bool]:

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
-from attnlab.functional.rope import interleaved_to_split
 from attnlab.interop import io
 from attnlab.interop.io import (
     Family,
@@ -38,6 +37,7 @@ from attnlab.interop.io import (
     local_layers,
     or_zeros,
     prefix,
+    rope_rows_to_split,
     rope_settings,
     rope_to_hf,
     split_rows,
@@ -278,8 +278,15 @@ def _qk_norm_widths(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def weights_to_attnlab(
-    src: Source, cfg: ModelConfig, norms: tuple[tuple[str, str], ...] = NORMS
+    src: Source,
+    cfg: ModelConfig,
+    norms: tuple[tuple[str, str], ...] = NORMS,
+    *,
+    fused: bool = False,
 ) -> Plan:
+    """``norms``: each layer's norms, HF name -> attnlab name. ``fused``: q, k and v stored
+    as one ``qkv_proj`` and gate and up as one ``gate_up_proj``, each with its parts' rows
+    stacked (Phi-3), as attnlab holds them."""
     d, f, V = cfg.d_model, cfg.ffn.hidden_size(cfg.d_model), cfg.vocab_size
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     att = cfg.attention
@@ -292,16 +299,20 @@ def weights_to_attnlab(
         h, a = f"{p}layers.{i}.", f"blocks.{i}."
         qkv = (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim))
         out |= {
-            a + "attn.qkv.weight": cat(
-                src.take(f"{h}self_attn.{n}.weight", (rows, d)) for n, rows in qkv
+            a + "attn.qkv.weight": (
+                src.take(h + "self_attn.qkv_proj.weight", (q_dim + 2 * kv_dim, d))
+                if fused
+                else cat(src.take(f"{h}self_attn.{n}.weight", (rows, d)) for n, rows in qkv)
             ),
             a + "attn.out.weight": src.take(h + "self_attn.o_proj.weight", (d, q_dim)),
         }
         for hf_name, name in norms:
             out[f"{a}{name}.weight"] = src.take(f"{h}{hf_name}.weight", (d,))
         if not cfg.ffn.moe_layer(i):  # (qwen3_moe.py maps the experts)
-            out[a + "ffn.gate_up.weight"] = cat(
-                src.take(f"{h}mlp.{n}.weight", (f, d)) for n in ("gate_proj", "up_proj")
+            out[a + "ffn.gate_up.weight"] = (
+                src.take(h + "mlp.gate_up_proj.weight", (2 * f, d))
+                if fused
+                else cat(src.take(f"{h}mlp.{n}.weight", (f, d)) for n in ("gate_proj", "up_proj"))
             )
             out[a + "ffn.down.weight"] = src.take(h + "mlp.down_proj.weight", (d, f))
         if att.qkv_bias:
@@ -325,21 +336,17 @@ def weights_to_attnlab(
     return out  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
-def _rope_rows_to_split(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    """Reorder q or k projection rows (weight (h * d_h, d) or bias (h * d_h,)) from the
-    interleaved RoPE pair layout to the split-halves layout Hugging Face uses. q . k is
-    unchanged because q and k get the same permutation within each head."""
-    perm = interleaved_to_split(head_dim).to(w.device)
-    rows = w.reshape(n_heads, head_dim, *w.shape[1:])  # (h, d_h, ...)
-    return rows[:, perm].reshape(w.shape)
-
-
 def weights_from_attnlab(
     sd: dict[str, Tensor],
     cfg: ModelConfig,
     model_type: str,
     norms: tuple[tuple[str, str], ...] = NORMS,
+    *,
+    fused: bool = False,
 ) -> dict[str, Tensor]:
+    """``norms`` as :func:`weights_to_attnlab`'s. ``fused``: write ``qkv_proj`` and
+    ``gate_up_proj`` (Phi-3), each its parts' rows stacked, instead of q/k/v_proj and
+    gate/up_proj."""
     att, f, d = cfg.attention, cfg.ffn.hidden_size(cfg.d_model), cfg.d_model
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     interleaved = cfg.position.rope_layout == "interleaved"
@@ -350,7 +357,7 @@ def weights_from_attnlab(
     )
 
     def to_split(t: Tensor, n: int) -> Tensor:
-        return _rope_rows_to_split(t, n, cfg.head_dim) if interleaved else t
+        return rope_rows_to_split(t, n, cfg.head_dim, cfg.rope_dim) if interleaved else t
 
     out = {
         "model.embed_tokens.weight": sd["tok_emb.weight"],
@@ -359,14 +366,20 @@ def weights_from_attnlab(
     for i in range(cfg.n_layers):
         h, a = f"model.layers.{i}.", f"blocks.{i}."
         q, k, v = split_rows(sd[a + "attn.qkv.weight"], q_dim, kv_dim, kv_dim)
+        q, k = to_split(q, cfg.n_heads), to_split(k, cfg.n_kv_heads)
+        if fused:
+            out[h + "self_attn.qkv_proj.weight"] = torch.cat((q, k, v))
+        else:
+            out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
+            out[h + "self_attn.v_proj.weight"] = v
         if not cfg.ffn.moe_layer(i):
-            gate, up = split_rows(sd[a + "ffn.gate_up.weight"], f, f)
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            if fused:
+                out[h + "mlp.gate_up_proj.weight"] = sd[a + "ffn.gate_up.weight"]
+            else:
+                gate, up = split_rows(sd[a + "ffn.gate_up.weight"], f, f)
+                out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
             out[h + "mlp.down_proj.weight"] = sd[a + "ffn.down.weight"]
         out |= {
-            h + "self_attn.q_proj.weight": to_split(q, cfg.n_heads),
-            h + "self_attn.k_proj.weight": to_split(k, cfg.n_kv_heads),
-            h + "self_attn.v_proj.weight": v,
             h + "self_attn.o_proj.weight": sd[a + "attn.out.weight"],
         }
         for hf_name, name in norms:

@@ -21,6 +21,7 @@ from attnlab.interop import (
     marian,
     mixtral,
     olmo2,
+    phi3,
     qwen3_moe,
     vit,
 )
@@ -33,6 +34,7 @@ FAMILIES: tuple[Family, ...] = (
     # next: every decoder with OLMo 2's pieces (norms on the sublayers' outputs, QK-norm
     # over whole projections), which LLaMA's layout would drop
     olmo2.FAMILY,
+    phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
     gpt2.FAMILY,
     llama.FAMILY,
     gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces

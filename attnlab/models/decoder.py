@@ -179,6 +179,37 @@ class DecoderLM(LoadableModel):
                 "under torch.autocast)"
             )
 
+    def _longrope_pass(
+        self, cache: Cache, t: int, attention_mask: Tensor | None, positions: Tensor | None
+    ) -> bool | None:
+        """Whether this cached pass of t tokens rotates by LongRoPE's long factors (None:
+        unchanged, or no LongRoPE). LongRoPE rotates a pass by its long factors once a
+        position reaches ``switch_length`` (its original context), by the short ones before:
+        a cached pass that switches while the cache holds keys rotated by the short ones
+        would mix the two, where the full pass rotates every key by the long ones. Refused
+        before the cache changes (transformers' and attnlab's generate re-encode the
+        sequence there). Dynamic caches only: a static one is read by no host code
+        (generate re-encodes it all the same)."""
+        switch = self.rope.switch_length if self.rope is not None else None
+        if switch is None or cache.static or cache.rotated_long:
+            return None
+        held = cache.length
+        # positions stay below the slots written (pads do not advance them): no host read
+        # until they could reach the switch (explicit positions and rings: always)
+        if positions is None and not cache.rolling and held + t <= switch:
+            return None
+        if positions is None:
+            positions = positions_from_padding(attention_mask, t, start=cache.next_position)
+        long = bool(positions.max() >= switch)
+        if long and held:
+            raise CacheError(
+                f"LongRoPE switches to its long factors once a position reaches {switch} "
+                "(position.rope_original_max_seq_len), and this pass does, but the cache holds "
+                "keys rotated by the short ones; encode the whole sequence again into an "
+                "empty cache (generate does)"
+            )
+        return long
+
     def forward(
         self,
         idx: Tensor,
@@ -230,7 +261,10 @@ class DecoderLM(LoadableModel):
                     f"the cache was made for batch {cache.batch}, idx has batch {b}; make one for "
                     f"this batch with model.new_cache({b}, max_len)"
                 )
+            long = self._longrope_pass(cache, t, attention_mask, positions)
             positions = cache.begin(t, attention_mask, positions=positions).positions
+            if long is not None:
+                cache.rotated_long = long
         else:
             if positions is None:
                 positions = positions_from_padding(attention_mask, t, device=idx.device)

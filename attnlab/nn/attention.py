@@ -20,7 +20,7 @@ from attnlab.functional.masks import (
     combine_masks,
     global_window_mask,
 )
-from attnlab.functional.rope import apply_rope
+from attnlab.functional.rope import apply_partial_rope
 from attnlab.nn.dropout import dropout
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import RMSNorm
@@ -222,8 +222,9 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None and self.qk_norm_per_head:  # QK-norm, per head
             q, k = qk.split((self.n_heads, self.n_kv_heads), dim=2)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)  # (b, t, h + h_kv, d_h)
-        if rope is not None:  # tables (b or 1, 1, t, d_h) -> (b or 1, t, 1, d_h)
-            qk = apply_rope(qk, rope.cos.transpose(1, 2), rope.sin.transpose(1, 2), rope.layout)
+        if rope is not None:  # tables (b or 1, 1, t, d_r) -> (b or 1, t, 1, d_r); d_r <= d_h
+            cos, sin = rope.cos.transpose(1, 2), rope.sin.transpose(1, 2)
+            qk = apply_partial_rope(qk, cos, sin, rope.layout)
         q, k = qk.transpose(1, 2).split((self.n_heads, self.n_kv_heads), dim=1)  # (b, n, t, d_h)
         return q, k, self._heads(v, self.n_kv_heads)
 
