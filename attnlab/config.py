@@ -693,7 +693,8 @@ class PositionConfig(_Config):
     # within them; the rest pass unrotated. Decoders with attention.kind 'mha' only.
     rope_fraction: float = 1.0
     # A second RoPE base for the local (sliding-window) layers, unscaled, as Gemma 3's
-    # rope_local_base_freq; None: every layer uses rope_theta and its scaling.
+    # rope_local_base_freq and ModernBERT's local_rope_theta; None: every layer uses
+    # rope_theta and its scaling. Decoder and encoder only.
     local_rope_theta: float | None = None
 
     def validate(self, path: str = "position") -> None:
@@ -1036,8 +1037,9 @@ class ModelConfig(_Config):
         if self.position.local_rope_theta is None:
             return
         where = at("position.local_rope_theta")
-        if self.arch != "decoder":
-            _fail(where, f"is implemented by the decoder architecture only, not {self.arch!r}")
+        if self.arch not in ("decoder", "encoder"):
+            _fail(where, f"is implemented by the decoder and encoder architectures only, not "
+                  f"{self.arch!r}")  # fmt: skip
         if self.attention.kind != "mha":
             _fail(where, f"is implemented by attention.kind='mha' only, not "
                   f"{self.attention.kind!r}")  # fmt: skip

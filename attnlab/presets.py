@@ -987,6 +987,79 @@ def phi_3_mini_4k() -> ModelConfig:
     return cfg.override({"attention.sliding_window": 2047})
 
 
+def modernbert_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    vocab_size: int = 50368,
+    max_seq_len: int = 8192,
+    window: int = 65,
+    global_every: int = 3,
+    rope_theta: float = 160_000.0,
+    local_rope_theta: float = 10_000.0,
+    pooling: str = "mean",
+) -> ModelConfig:
+    """ModernBERT (Warner et al. 2024), masked-LM head: a pre-norm encoder with RoPE, GeGLU,
+    LayerNorms without bias and no biases anywhere but the decoder's, every
+    ``global_every``-th layer global from layer 0 and the others local, attending within
+    ``window - 1`` positions on either side (local_attention 2 (window - 1)) with RoPE of
+    base ``local_rope_theta``; no norm before the first layer's attention (its input is the
+    normed embeddings); heads of dense -> GELU -> LayerNorm; a tied decoder with a bias."""
+    from attnlab.models.encoder import EncoderConfig
+
+    return EncoderConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            sliding_window=window,
+            layer_pattern="G" + "L" * (global_every - 1),
+        ),
+        position=PositionConfig(
+            kind="rope", rope_theta=rope_theta, local_rope_theta=local_rope_theta
+        ),
+        ffn=FFNConfig(kind="glu", activation="gelu", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=False, placement="pre"),
+        type_vocab_size=0,
+        head="mlm",
+        first_attn_norm=False,
+        pooling=pooling,
+        classifier_transform="dense_act_norm",
+        head_bias=False,
+        classifier_dropout=0.0,
+    )
+
+
+def modernbert_tiny() -> ModelConfig:
+    """ModernBERT's architecture in 3 layers (global, local, local), d_model 64, a window of
+    8 either side: CPU-trainable (``--set task=mlm``), for tests."""
+    return modernbert_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        ffn_hidden=96,
+        window=9,
+        rope_theta=10_000.0,
+        local_rope_theta=1_000.0,
+    )
+
+
+def modernbert_base() -> ModelConfig:
+    """answerdotai/ModernBERT-base config.json: 22 layers, 12 heads of 64, GeGLU 1152."""
+    return modernbert_style(d_model=768, n_layers=22, n_heads=12, ffn_hidden=1152)
+
+
+def modernbert_large() -> ModelConfig:
+    """answerdotai/ModernBERT-large config.json: 28 layers, 16 heads of 64, GeGLU 2624."""
+    return modernbert_style(d_model=1024, n_layers=28, n_heads=16, ffn_hidden=2624)
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -1070,6 +1143,15 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "olmo-2-13b": (olmo2_13b, "OLMo 2 13B, 13.7B (MHA 40 heads, 4k context)"),
     "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
     "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),
+    "modernbert-tiny": (
+        modernbert_tiny,
+        "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",
+    ),
+    "modernbert-base": (modernbert_base, "ModernBERT-base encoder, 149M (masked LM, 8k context)"),
+    "modernbert-large": (
+        modernbert_large,
+        "ModernBERT-large encoder, 395M (masked LM, 8k context)",
+    ),
 }
 
 

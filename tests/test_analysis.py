@@ -410,6 +410,19 @@ _OLMO2 = dict(
     max_position_embeddings=4096, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=500000,
     tie_word_embeddings=False, vocab_size=100352, eos_token_id=100257, pad_token_id=100277,
 )  # fmt: skip
+# answerdotai/ModernBERT-base and -large's config.json (transformers 4.x keys)
+_MODERNBERT = dict(
+    model_type="modernbert", architectures=["ModernBertForMaskedLM"], attention_bias=False,
+    attention_dropout=0.0, bos_token_id=50281, classifier_activation="gelu",
+    classifier_bias=False, classifier_dropout=0.0, classifier_pooling="mean",
+    cls_token_id=50281, decoder_bias=True, deterministic_flash_attn=False,
+    embedding_dropout=0.0, eos_token_id=50282, global_attn_every_n_layers=3,
+    global_rope_theta=160000.0, hidden_activation="gelu", initializer_cutoff_factor=2.0,
+    initializer_range=0.02, local_attention=128, local_rope_theta=10000.0,
+    max_position_embeddings=8192, mlp_bias=False, mlp_dropout=0.0, norm_bias=False,
+    norm_eps=1e-5, pad_token_id=50283, sep_token_id=50282, tie_word_embeddings=True,
+    vocab_size=50368,
+)  # fmt: skip
 CONFIG_JSON = {
     "gemma-2b": dict(_GEMMA, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
                      num_attention_heads=8, num_key_value_heads=1),
@@ -499,6 +512,10 @@ CONFIG_JSON = {
                       num_attention_heads=32, num_key_value_heads=32),
     "olmo-2-13b": dict(_OLMO2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                        num_attention_heads=40, num_key_value_heads=40),
+    "modernbert-base": dict(_MODERNBERT, hidden_size=768, intermediate_size=1152,
+                            num_hidden_layers=22, num_attention_heads=12),
+    "modernbert-large": dict(_MODERNBERT, hidden_size=1024, intermediate_size=2624,
+                             num_hidden_layers=28, num_attention_heads=16),
     "deepseek-v3": _DEEPSEEK_V3,
     "deepseek-v3.2": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048,
                           index_n_heads=64, index_head_dim=128),  # V3.2-Exp
@@ -534,6 +551,9 @@ def test_published_presets_are_their_config_json(name):
 
     assert architecture(preset) == architecture(imported)
     config = transformers.AutoConfig.for_model(**hf)
+    # encoders (ModernBERT) by their masked-LM head, decoders by their language-model head
+    auto = (transformers.AutoModelForMaskedLM if preset.arch == "encoder"
+            else transformers.AutoModelForCausalLM)  # fmt: skip
     with torch.device("meta"):
-        reference = transformers.AutoModelForCausalLM.from_config(config)
+        reference = auto.from_config(config)
     assert count_parameters(preset)["total"] == reference.num_parameters()

@@ -397,9 +397,10 @@ def test_qk_norm_is_refused_where_it_is_not_implemented(kind):
         ({"position": {"kind": "rope", "local_rope_theta": 100.0},
           "attention": {"kind": "mla", "sliding_window": 4}},
          "position.local_rope_theta: is implemented by attention.kind='mha' only, not 'mla'"),
-        ({"arch": "encoder", "position": {"kind": "rope", "local_rope_theta": 100.0},
+        ({"arch": "seq2seq", "position": {"kind": "rope", "local_rope_theta": 100.0},
           "attention": {"sliding_window": 4}},
-         "position.local_rope_theta: is implemented by the decoder architecture only"),
+         "position.local_rope_theta: is implemented by the decoder and encoder architectures "
+         "only, not 'seq2seq'"),
         ({"arch": "encoder", "scale_embeddings": True},
          "scale_embeddings: is implemented by the decoder and seq2seq architectures only"),
         ({"arch": "vit", "norm": {"placement": "sandwich"}},

@@ -193,6 +193,30 @@ MINIMAL: dict[str, list[dict]] = {
         }
     ],
     # the default vocabulary: the default pad/decoder start token 58100 must be in it
+    "modernbert": [
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "intermediate_size": 48,
+            "vocab_size": 100,
+            # ModernBertConfig's special tokens lie beyond a small vocabulary
+            "pad_token_id": None,
+        },
+        # transformers 4.x's keys: the period of the global layers and the two RoPE bases
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 5,
+            "num_attention_heads": 2,
+            "intermediate_size": 48,
+            "vocab_size": 100,
+            "pad_token_id": None,
+            "global_attn_every_n_layers": 2,
+            "global_rope_theta": 500.0,
+            "local_rope_theta": 30.0,
+            "local_attention": 16,
+        },
+    ],
     "marian": [
         {
             "d_model": 32,

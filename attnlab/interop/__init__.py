@@ -1,6 +1,6 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, Phi-3,
-DeepSeek-V2/V3/V3.2, BERT, MarianMT, ViT.
+DeepSeek-V2/V3/V3.2, BERT, ModernBERT, MarianMT, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -21,6 +21,8 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     deepseek.py      DeepSeek-V2 / V3 (multi-head latent attention, mixture of experts)
     deepseek_v32.py  DeepSeek-V3.2: V3 plus the lightning indexer (attention kind dsa)
     bert.py          BERT with its masked-LM, classification, token and QA heads
+    modernbert.py    ModernBERT: BERT's heads on a pre-norm RoPE encoder with GeGLU, local
+                     (bidirectional window) and global layers and 2 RoPE bases
     marian.py        MarianMT (encoder-decoder)
     vit.py           ViT image classifiers
     registry.py      model_type / architecture -> family (a new family: a module + one entry)

@@ -40,6 +40,8 @@ from torch import Tensor
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
 from attnlab.interop import io
 from attnlab.interop.io import (
+    NAMED_HEADS,
+    TASK_OF_HEAD,
     Family,
     HFCheckpointError,
     Plan,
@@ -47,11 +49,13 @@ from attnlab.interop.io import (
     Specs,
     activation,
     dtype_entries,
+    exported_label_names,
     get,
     hf_activation,
     label_entries,
     label_names,
     n_labels,
+    numbered,
     unplan,
     unrepresentable,
 )
@@ -85,15 +89,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 ARCHITECTURE_OF_HEAD = {head: arch for arch, head in HEAD_ARCHITECTURES.items()}
-# The attnlab task (``attnlab.tasks.TASKS``) of each head; "lm" for none (no task runs it).
-TASK_OF_HEAD = {
-    "mlm": "mlm",
-    "sequence": "text-classification",
-    "token": "token-classification",
-    "qa": "question-answering",
-    "none": "lm",
-}
-NAMED_HEADS = ("sequence", "token")  # heads whose labels have names (id2label)
 TO_HF_ACTIVATIONS = {**io.TO_HF_ACTIVATIONS, "gelu_tanh": "gelu_new"}
 # Buffers transformers saves (position and token-type ids); recomputed, never loaded.
 IGNORED = re.compile(r"^(bert\.)?embeddings\.(position_ids|token_type_ids)$")
@@ -161,11 +156,6 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfi
     )
 
 
-def numbered(n: int) -> list[str]:
-    """The label names of a classifier whose labels have none: its label ids as text."""
-    return [str(i) for i in range(n)]
-
-
 def exports(cfg: ModelConfig) -> bool:
     return cfg.arch == "encoder"
 
@@ -212,17 +202,13 @@ def config_to_hf(cfg: EncoderConfig, model_type: str, dtype: torch.dtype) -> dic
         "classifier_dropout": cfg.classifier_dropout,
         "position_embedding_type": "absolute",
         "pad_token_id": 0,
-        **label_entries(2 if cfg.head == "qa" else cfg.n_labels, _names(cfg)),
+        **label_entries(
+            2 if cfg.head == "qa" else cfg.n_labels,
+            exported_label_names(cfg.label_names, cfg.n_labels),
+        ),
         **({"problem_type": cfg.problem_type} if cfg.problem_type else {}),
         **dtype_entries(dtype),
     }
-
-
-def _names(cfg: EncoderConfig) -> list[str] | None:
-    """The id2label names export writes: the labels' names (transformers' defaults where
-    they are only numbered)."""
-    names = cfg.label_names
-    return None if names is None or names == numbered(cfg.n_labels) else names
 
 
 # (attnlab suffix, HF suffix) of each block's single-tensor parameters

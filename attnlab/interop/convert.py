@@ -70,6 +70,7 @@ WINDOWED_TYPES = (
     "gemma2",
     "gemma3_text",
     "phi3",
+    "modernbert",  # (bidirectional: keys within the window on either side)
 )
 # model types with QK-norm (attention.qk_norm): per head, or over whole projections (olmo2)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
@@ -123,9 +124,10 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"{found[0]} ({model_type} has none; GPT-OSS's pieces export as gpt_oss: "
                     "RoPE, RMSNorm, sink logits, experts in every layer with clamped SwiGLU)"
                 )
-            # (an encoder-decoder's scaled embeddings are Marian's own)
-            gemma = [f for f in gemma_features(cfg)
-                     if not (f == "scale_embeddings" and cfg.arch == "seq2seq")]  # fmt: skip
+            # (an encoder-decoder's scaled embeddings are Marian's own, an encoder's second
+            # RoPE base ModernBERT's)
+            others = {"seq2seq": "scale_embeddings", "encoder": "position.local_rope_theta"}
+            gemma = [f for f in gemma_features(cfg) if f != others.get(cfg.arch)]
             if gemma and model_type not in GEMMA_TYPES:
                 raise unrepresentable(
                     f"{gemma[0]} ({model_type} has none; Gemma's pieces export as "

@@ -344,11 +344,16 @@ def windows_of_layer_types(
     return window, (pattern if "G" in pattern else None)
 
 
-def periodic_layer_types(n_layers: int, period: int) -> list[str]:
+def periodic_layer_types(n_layers: int, period: int, *, first_global: bool = False) -> list[str]:
     """layer_types with every ``period``-th layer global (full_attention), the others
     sliding: GptOssConfig's and Gemma2Config's default (period 2), Gemma3TextConfig's from
-    its sliding_window_pattern."""
-    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers)]
+    its sliding_window_pattern (layer i global when (i + 1) % period == 0).
+    ``first_global``: from layer 0 on (i % period == 0), ModernBertConfig's from its
+    global_attn_every_n_layers."""
+    offset = 0 if first_global else 1
+    return [
+        "sliding_attention" if (i + offset) % period else "full_attention" for i in range(n_layers)
+    ]
 
 
 def _cycle(pattern: str, n: int) -> str:
@@ -387,6 +392,29 @@ def switch_loss_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def n_labels(hf: dict[str, Any]) -> int:
     return hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
+
+
+# The attnlab task (``attnlab.tasks.TASKS``) of each encoder head (BERT's, ModernBERT's); "lm"
+# for none (no task runs it).
+TASK_OF_HEAD = {
+    "mlm": "mlm",
+    "sequence": "text-classification",
+    "token": "token-classification",
+    "qa": "question-answering",
+    "none": "lm",
+}
+NAMED_HEADS = ("sequence", "token")  # encoder heads whose labels have names (id2label)
+
+
+def numbered(n: int) -> list[str]:
+    """The label names of a classifier whose labels have none: its label ids as text."""
+    return [str(i) for i in range(n)]
+
+
+def exported_label_names(names: list[str] | None, n: int) -> list[str] | None:
+    """The id2label names export writes for a classifier's ``names``: transformers'
+    defaults (None) where they are only numbered."""
+    return None if names is None or names == numbered(n) else names
 
 
 def common_config(cfg: ModelConfig, family: Family, model_type: str, dtype: torch.dtype) -> dict:

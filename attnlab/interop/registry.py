@@ -20,6 +20,7 @@ from attnlab.interop import (
     llama,
     marian,
     mixtral,
+    modernbert,
     olmo2,
     phi3,
     qwen3_moe,
@@ -42,6 +43,9 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     deepseek.FAMILY,
     deepseek_v32.FAMILY,
+    # before BERT: it takes every encoder with ModernBERT's pieces (RoPE, GeGLU, pre-norm,
+    # its heads' transform, ...), which BERT's layout would drop
+    modernbert.FAMILY,
     bert.FAMILY,
     marian.FAMILY,
     vit.FAMILY,

@@ -1,9 +1,16 @@
-"""Encoder-only transformer (BERT, Devlin et al. 2019) with task heads.
+"""Encoder-only transformer (BERT, Devlin et al. 2019; ModernBERT, Warner et al. 2024) with
+task heads.
 
     h_0 = LayerNorm(E[idx] + P[positions] + T[token_type])   embeddings (BERT: post-norm)
     h_l = Block_l(h_{l-1})                                    bidirectional self-attention + FFN
-    head(h_L): masked-LM logits, a sequence label (pooled [CLS]), token labels, or the
-    start/end logits of an answer span (extractive QA)
+    head(h_L): masked-LM logits, a sequence label (pooled [CLS] or mean of the tokens),
+    token labels, or the start/end logits of an answer span (extractive QA)
+
+ModernBERT's layout is the same stack pre-norm with RoPE (a second base on the local layers,
+``position.local_rope_theta``), local layers attending within a window on both sides
+(``attention.sliding_window`` with ``layer_pattern``), GeGLU, LayerNorms without bias, no
+norm before the first layer's attention (``first_attn_norm``: the embeddings are normed
+already), and every head starting with dense -> act -> norm (``classifier_transform``).
 
 Heads are picked by name (``EncoderConfig.head``) from :data:`HEADS`.
 
@@ -18,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.config import ACTIVATIONS as ACTIVATION_NAMES
 from attnlab.config import (
     CAUSAL_KINDS,
     GATED_ACTIVATIONS,
@@ -43,6 +51,12 @@ from attnlab.nn.norm import build_norm
 from attnlab.nn.rope import RotaryEmbedding
 
 ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
+# What the sequence, token and QA heads do before their classifier: "bert" (the sequence head
+# pools with BERT's pooler, dense + tanh; the token and QA heads classify the hidden states
+# as they are) or "dense_act_norm" (ModernBERT: dense -> head activation -> norm, the masked-LM
+# head's transform, on the pooled state or on every token)
+CLASSIFIER_TRANSFORMS = ("bert", "dense_act_norm")
+POOLINGS = ("cls", "mean")  # the sequence head's: the first token, or the real tokens' mean
 # transformers' problem_type of a sequence classifier
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 
@@ -59,7 +73,15 @@ class EncoderConfig(ModelConfig):
     head's transformers ``problem_type`` (config.json's): ``single_label_classification``
     (softmax over the classes), ``multi_label_classification`` (a sigmoid per class: each
     label on its own), ``regression``; None: from n_labels (1: regression, else single
-    label)."""
+    label).
+
+    ModernBERT's pieces (BERT's values by default): ``first_attn_norm`` false: the first
+    block's attention takes the embeddings as they are (pre-norm only); ``pooling``: the
+    sequence head's pooled state, ``cls`` (the first token) or ``mean`` (the mean over the
+    real tokens); ``classifier_transform`` (:data:`CLASSIFIER_TRANSFORMS`); ``head_bias``:
+    a bias on the heads' dense transform; ``head_activation``: its activation (None:
+    ffn.activation); ``decoder_bias``: the masked-LM decoder's bias. The embedding and head
+    LayerNorms take ``norm.bias`` as the blocks' do."""
 
     arch: str = "encoder"
     attention: AttentionConfig = field(
@@ -73,17 +95,37 @@ class EncoderConfig(ModelConfig):
     classifier_dropout: float | None = None  # None: dropout
     label_names: list[str] | None = None
     problem_type: str | None = None
+    first_attn_norm: bool = True
+    pooling: str = "cls"
+    classifier_transform: str = "bert"
+    head_bias: bool = True
+    head_activation: str | None = None
+    decoder_bias: bool = True
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
         at = (lambda name: f"{path}.{name}") if path else (lambda name: name)
         _choice(at("head"), self.head, ENCODER_HEADS)
-        if self.head == "mlm" and self.ffn.activation in GATED_ACTIVATIONS:
+        _choice(at("pooling"), self.pooling, POOLINGS)
+        _choice(at("classifier_transform"), self.classifier_transform, CLASSIFIER_TRANSFORMS)
+        if self.head_activation is not None:
+            _choice(at("head_activation"), self.head_activation, ACTIVATION_NAMES)
+        transformed = self.head == "mlm" or (
+            self.head in ("sequence", "token", "qa") and self.classifier_transform != "bert"
+        )
+        if (
+            transformed
+            and self.head_activation is None
+            and self.ffn.activation in GATED_ACTIVATIONS
+        ):
             _fail(
                 at("ffn.activation"),
-                f"{self.ffn.activation!r} gates two projections; the masked-LM head applies "
-                "the activation to one: use an elementwise one",
+                f"{self.ffn.activation!r} gates two projections; the head's transform applies "
+                "the activation to one: use an elementwise one or set head_activation",
             )
+        if not self.first_attn_norm and self.norm.placement != "pre":
+            _fail(at("first_attn_norm"), "false leaves out the first block's pre-norm: it "
+                  f"needs norm.placement 'pre', not {self.norm.placement!r}")  # fmt: skip
         _positive(at("n_labels"), self.n_labels)
         _positive(at("type_vocab_size"), self.type_vocab_size, allow_zero=True)
         if self.attention.kind in CAUSAL_KINDS:
@@ -118,21 +160,35 @@ register_model_config("encoder", EncoderConfig)
 # --------------------------------------------------------------------------- heads
 
 
+def add_transform(head: nn.Module, cfg: EncoderConfig) -> None:
+    """Give ``head`` the prediction transform ``transform`` (dense, bias ``head_bias``) ->
+    ``act`` (``head_activation``, else ffn.activation) -> ``norm`` (LayerNorm, bias
+    ``norm.bias``): BERT's masked-LM head's, and ModernBERT's in every head."""
+    d = cfg.d_model
+    head.transform = Linear(d, d, bias=cfg.head_bias)
+    head.act = ACTIVATIONS[cfg.head_activation or cfg.ffn.activation]
+    head.norm = nn.LayerNorm(d, eps=cfg.norm.eps, bias=cfg.norm.bias)
+
+
+def _transformed(head: nn.Module, h: Tensor) -> Tensor:
+    """dense -> act -> norm where the head has them (BERT's token and QA heads do not: the
+    hidden states as they are)."""
+    return head.norm(head.act(head.transform(h))) if hasattr(head, "transform") else h
+
+
 class MaskedLMHead(nn.Module):
     """BERT's prediction head: dense -> act -> LayerNorm, then a decoder (tied to the token
-    embedding when ``tie_embeddings``) with its own bias."""
+    embedding when ``tie_embeddings``) with its own bias (none without ``decoder_bias``)."""
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        d = cfg.d_model
-        self.transform = Linear(d, d)
-        self.act = ACTIVATIONS[cfg.ffn.activation]
-        self.norm = nn.LayerNorm(d, eps=cfg.norm.eps)
-        self.decoder = Linear(d, cfg.vocab_size, bias=False)
-        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        add_transform(self, cfg)
+        self.decoder = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.decoder_bias else None
 
-    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, t, V)
-        return self.decoder(self.norm(self.act(self.transform(h)))) + self.bias
+    def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        logits = self.decoder(_transformed(self, h))  # (b, t, V)
+        return logits if self.bias is None else logits + self.bias
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -149,20 +205,36 @@ class MaskedLMHead(nn.Module):
         return total / (targets != -100).sum().clamp(min=1)  # (no host read)
 
 
+def mean_pool(h: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """(b, t, d) -> (b, d): the mean over each row's real tokens (``attention_mask`` 1)."""
+    if attention_mask is None:
+        return h.mean(dim=1)
+    keep = attention_mask.to(h.dtype)[..., None]  # (b, t, 1)
+    return (h * keep).sum(dim=1) / keep.sum(dim=1)
+
+
 class SequenceClassificationHead(nn.Module):
-    """BERT's pooler (dense + tanh on the first, [CLS], token), dropout, a linear classifier."""
+    """The pooled state (``pooling``: the first, [CLS], token or the mean of the real
+    tokens), BERT's pooler (dense + tanh) or ModernBERT's transform (dense -> act -> norm)
+    as ``classifier_transform`` says, dropout, a linear classifier."""
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         d = cfg.d_model
-        self.pooler = Linear(d, d)
+        self.mean = cfg.pooling == "mean"
+        if cfg.classifier_transform == "bert":
+            self.pooler = Linear(d, d)
+        else:
+            add_transform(self, cfg)
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
         self.dropout = nn.Dropout(p)
         self.classifier = Linear(d, cfg.n_labels)
 
-    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, n)
-        pooled = torch.tanh(self.pooler(h[:, 0]))  # (b, d)
-        return self.classifier(self.dropout(pooled))
+    def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        pooled = mean_pool(h, attention_mask) if self.mean else h[:, 0]  # (b, d)
+        if hasattr(self, "pooler"):
+            pooled = torch.tanh(self.pooler(pooled))
+        return self.classifier(self.dropout(_transformed(self, pooled)))  # (b, n)
 
     @staticmethod
     def loss(
@@ -218,14 +290,18 @@ class SequenceClassificationHead(nn.Module):
 
 
 class TokenClassificationHead(nn.Module):
+    """(ModernBERT: dense -> act -> norm,) dropout, a linear classifier on every token."""
+
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
+        if cfg.classifier_transform != "bert":
+            add_transform(self, cfg)
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
         self.dropout = nn.Dropout(p)
         self.classifier = Linear(cfg.d_model, cfg.n_labels)
 
-    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, t, n)
-        return self.classifier(self.dropout(h))
+    def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.classifier(self.dropout(_transformed(self, h)))  # (b, t, n)
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -245,14 +321,19 @@ def mask_padding(logits: Tensor, attention_mask: Tensor | None) -> Tensor:
 
 
 class QuestionAnsweringHead(nn.Module):
-    """Start and end logits of the answer span: logits (b, t, 2), [..., 0] start, [..., 1] end."""
+    """Start and end logits of the answer span: logits (b, t, 2), [..., 0] start, [..., 1] end
+    (ModernBERT: after dense -> act -> norm and dropout)."""
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
+        if cfg.classifier_transform != "bert":
+            add_transform(self, cfg)
+        p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        self.dropout = nn.Dropout(p) if cfg.classifier_transform != "bert" else nn.Identity()
         self.span = Linear(cfg.d_model, 2)
 
-    def forward(self, h: Tensor) -> Tensor:  # (b, t, d) -> (b, t, 2)
-        return self.span(h)
+    def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.span(self.dropout(_transformed(self, h)))  # (b, t, 2)
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -274,7 +355,7 @@ class NoHead(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
 
-    def forward(self, h: Tensor) -> Tensor:
+    def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return h
 
     @staticmethod
@@ -311,13 +392,24 @@ class EncoderModel(LoadableModel):
             self.pos_emb = LearnedPositionalEmbedding(cfg.max_seq_len, d)
         elif cfg.position.kind == "sinusoidal":
             self.pos_emb = SinusoidalPositionalEmbedding(d)
-        self.rope = None
+        self.rope = self.local_rope = None
         if cfg.position.kind == "rope":
             self.rope = RotaryEmbedding.from_config(cfg.head_dim, cfg.position)
+        if cfg.position.local_rope_theta is not None:  # ModernBERT: the local layers' own base
+            theta, layout = cfg.position.local_rope_theta, cfg.position.rope_layout
+            self.local_rope = RotaryEmbedding(cfg.head_dim, theta, layout)
         self.type_emb = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
-        self.emb_norm = nn.LayerNorm(d, eps=cfg.norm.eps) if cfg.embedding_norm else nn.Identity()
+        self.emb_norm = (
+            nn.LayerNorm(d, eps=cfg.norm.eps, bias=cfg.norm.bias)
+            if cfg.embedding_norm
+            else nn.Identity()
+        )
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = TransformerStack(cfg, causal=False, rope=self.rope)
+        self.blocks = TransformerStack(
+            cfg, causal=False, rope=self.rope, local_rope=self.local_rope
+        )
+        if not cfg.first_attn_norm:  # ModernBERT: the embeddings end in a norm already
+            self.blocks[0].attn_norm = nn.Identity()
         # Post-norm blocks end in a norm already; a pre-norm stack needs a final one.
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement == "pre" else nn.Identity()
         self.head = HEADS[cfg.head](cfg)
@@ -382,7 +474,10 @@ class EncoderModel(LoadableModel):
             mask = padding_mask(attention_mask)  # (b, 1, 1, t)
             real = attention_mask.bool().expand(b, t)  # MoE and DSA statistics skip padding
         rope = self.rope.tables(positions) if self.rope is not None else None
-        x = self.blocks(x, positions=positions, rope=rope, mask=mask, real_tokens=real)
+        local_rope = self.local_rope.tables(positions) if self.local_rope is not None else None
+        x = self.blocks(
+            x, positions=positions, rope=rope, mask=mask, real_tokens=real, local_rope=local_rope
+        )
         return self.norm(x)
 
     def forward(
@@ -399,7 +494,7 @@ class EncoderModel(LoadableModel):
         h = self.encode(
             idx, attention_mask=attention_mask, token_type_ids=token_type_ids, positions=positions
         )
-        logits = self.head(h)
+        logits = self.head(h, attention_mask)  # (mean pooling leaves the padding out)
         # every head's loss takes the padding; question answering's leaves it out of its span
         # a sequence classifier's loss follows its problem_type (multi-label: a sigmoid each)
         kw = {"problem_type": self.cfg.problem_type} if self.cfg.head == "sequence" else {}
