@@ -367,7 +367,7 @@ class AttentionConfig(_Config):
     scale: float | None = None
     # Attention logit soft-capping (Gemma 2): the scaled scores become
     # softcap * tanh(scores / softcap) before the mask. None: no cap. Multi-head attention
-    # only, with a backend that caps the scores: eager, flash or flex (not sdpa or triton).
+    # only, with a backend that caps the scores: eager, flash, triton or flex (not sdpa).
     softcap: float | None = None
     backend: str = "sdpa"
     # Multi-head latent attention (kind "mla", DeepSeek-V2). None derives a width from

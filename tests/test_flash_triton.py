@@ -254,3 +254,212 @@ def test_flash_backend_keeps_float64_off_the_kernels(monkeypatch):
     assert calls == [torch.float32]
     ref = eager_attention(*(x.as_subclass(torch.Tensor).float() for x in (q, k, v)), mask)
     torch.testing.assert_close(out.as_subclass(torch.Tensor), ref)
+
+
+# --------------------------------------------------------------------------- soft-capping
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from attnlab.kernels.flash_attention import _tanh  # noqa: E402
+
+
+@triton.jit
+def _tanh_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=0.0)
+    tl.store(Y + offs, _tanh(x), mask=offs < N)
+
+
+def test_kernel_tanh_matches_torch():
+    """The kernels' tanh (exp and a Taylor series: Triton has none that both the interpreter
+    and CUDA run) against torch.tanh in float64: within a float32 ulp or so on both sides of
+    its switch at |x| = 1, exactly 0 at 0, and +-1 (no inf, no NaN) out to |x| = 1e4 and
+    beyond."""
+    g = torch.Generator().manual_seed(0)
+    tiny_to_huge = torch.logspace(-30, 4, 3000, dtype=torch.float64)
+    x = torch.cat(
+        [
+            torch.linspace(-12, 12, 24001, dtype=torch.float64),
+            torch.linspace(0.99, 1.01, 2001, dtype=torch.float64),  # the switch
+            torch.randn(4000, generator=g, dtype=torch.float64) * 3,
+            tiny_to_huge,
+            -tiny_to_huge,
+            torch.tensor([0.0, 1.0, -1.0, 1e4, -1e4, 3e38, -3e38, float("inf"), -float("inf")]),
+        ]
+    ).float()
+    got = torch.empty_like(x).to(DEVICE)
+    block = 1024
+    _tanh_kernel[(triton.cdiv(x.numel(), block),)](x.to(DEVICE), got, x.numel(), BLOCK=block)
+    got = got.cpu()
+    want = torch.tanh(x.double())
+    assert torch.isfinite(got).all()
+    nonzero = want != 0
+    relative = (got.double() - want).abs()[nonzero] / want.abs()[nonzero]
+    # within a float32 ulp of tanh (2**-23 relative at most) under the interpreter, whose
+    # exp is numpy's; a CUDA tl.exp is ex2.approx (2 ulps) of a rounded product: 3 ulps
+    ulps = 1 if interpreting() else 3
+    assert relative.max() < ulps * 2**-23, relative.max()
+    torch.testing.assert_close(got, torch.tanh(x), atol=0, rtol=(ulps + 1) * 2**-23)
+    assert got[x == 0].eq(0).all() and got[x.abs() >= 10].abs().eq(1).all()
+    assert (got.sign() == x.sign()).all()
+    nan = torch.full((4,), float("nan"), device=DEVICE)
+    _tanh_kernel[(1,)](nan, nan, 4, BLOCK=4)
+    assert nan.isnan().all()
+
+
+def _qkv_scaled(b, h, h_kv, t, s, d_h, spread=2.0, dtype=torch.float32):
+    """q, k with entries ~ N(0, spread^2): scaled scores of several units, past small caps."""
+    q, k, v = (x.detach() for x in _qkv(b, h, h_kv, t, s, d_h, dtype))
+    return tuple(x.requires_grad_(True) for x in (q * spread, k * spread, v))
+
+
+def _capped_lse(q, k, allowed, scale, cap, sinks=None):
+    """float64 log-sum-exp of each row's capped scores (and its sink): (b, h, t), -inf for
+    a row with nothing to see."""
+    q, k = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = cap * torch.tanh(q @ k.transpose(-2, -1) * scale / cap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        column = sinks.double()[:, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat((scores, column), -1)
+    return torch.logsumexp(scores, -1)
+
+
+SOFTCAP_CASES = {
+    # name: (t, s, h, h_kv, d_h, window, padding, sinks, cap)
+    "causal gqa": (33, 33, 4, 2, 16, None, False, False, 3.0),
+    "window mqa": (40, 40, 2, 1, 16, 9, False, False, 2.0),
+    "t<s padding": (5, 40, 2, 1, 16, None, True, False, 4.0),
+    "decode window padding sinks": (1, 35, 4, 2, 16, 6, True, True, 2.5),
+    "window gqa padding sinks": (24, 24, 4, 2, 12, 7, True, True, 3.0),
+}
+
+
+@pytest.mark.parametrize("case", list(SOFTCAP_CASES))
+def test_triton_softcap_matches_eager(case):
+    """The capped kernels: output, log-sum-exp, and the gradients of q, k, v (and of the
+    sinks) against eager's autograd through c tanh(S' / c), at caps the scores pass (so
+    the forward's cap and the backward's slope 1 - tanh^2 both matter)."""
+    t, s, h, h_kv, d_h, window, padding, with_sinks, cap = SOFTCAP_CASES[case]
+    b = 2
+    q, k, v = _qkv_scaled(b, h, h_kv, t, s, d_h)
+    sinks = (torch.randn(h, device=DEVICE) * 2).requires_grad_(True) if with_sinks else None
+    valid = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
+    if padding:
+        valid[1, : s - t + 1] = False  # row 1: its first query sees only padding
+    mask = padding_mask(valid) if padding else None
+    kw = dict(causal=True, window=window, sinks=sinks, softcap=cap)
+    out = triton_attention(q, k, v, mask, **kw)
+    ref = attend(q, k, v, mask, backend="eager", **kw)
+    torch.testing.assert_close(out, ref, **TOL)
+    # a float64 reference of the output too, and the stored L (the saved tensors' fifth)
+    ref64 = attend(*(x.double() for x in (q, k, v)), mask, backend="eager",
+                   **{**kw, "sinks": None if sinks is None else sinks.double()})  # fmt: skip
+    torch.testing.assert_close(out.double(), ref64, **TOL)
+    scale = d_h**-0.5
+    positions = torch.arange(s, device=DEVICE)
+    q_pos = positions[s - t :, None]
+    allowed = positions[None] <= q_pos
+    if window is not None:
+        allowed = allowed & (positions[None] > q_pos - window)
+    allowed = allowed & valid[:, None, None, :]  # (b, 1, t, s)
+    want_lse = _capped_lse(q, k, allowed, scale, cap, sinks)
+    lse = out.grad_fn.saved_tensors[4].view(b, h, t).double()
+    seen = torch.isfinite(want_lse)
+    assert (lse[~seen] == float("inf")).all()  # nothing seen: L = +inf (P = 0)
+    torch.testing.assert_close(lse[seen], want_lse[seen], **TOL)
+    # the cap bends these scores: the uncapped kernels give another output
+    uncapped = triton_attention(q, k, v, mask, **{**kw, "softcap": None})
+    assert (uncapped - out).abs().max() > 0.05
+    g = torch.randn_like(out)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    got = torch.autograd.grad(out, leaves, g)
+    want = torch.autograd.grad(ref, leaves, g)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **TOL)
+    if padding:  # all weight on the sink, or nothing to see: zeros either way
+        assert (out[1, :, 0] == 0).all()
+
+
+def test_triton_softcap_slope_is_in_the_gradients():
+    """Without the backward's factor 1 - tanh^2(S' / c), dQ and dK would be those of a
+    straight-through cap (forward capped, slope 1): far from eager's, so the comparison
+    with eager above would catch it. Here both are set against the kernels."""
+    cap, scale = 2.0, 16**-0.5
+    q, k, v = _qkv_scaled(1, 2, 1, 20, 20, 16)
+    out = triton_attention(q, k, v, causal=True, softcap=cap)
+
+    def straight_through(q, k, v):
+        k, v = k.expand(-1, 2, -1, -1), v.expand(-1, 2, -1, -1)
+        raw = q @ k.transpose(-2, -1) * scale
+        capped = raw + (cap * torch.tanh(raw / cap) - raw).detach()  # slope 1
+        allowed = torch.ones(20, 20, dtype=torch.bool, device=DEVICE).tril()
+        return torch.softmax(capped.masked_fill(~allowed, float("-inf")), -1) @ v
+
+    no_slope = straight_through(q, k, v)
+    torch.testing.assert_close(no_slope, out, **TOL)  # the same forward
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k), g)
+    wrong = torch.autograd.grad(no_slope, (q, k), g)
+    want = torch.autograd.grad(attend(q, k, v, causal=True, softcap=cap, backend="eager"),
+                               (q, k), g)  # fmt: skip
+    for a, w, e in zip(got, wrong, want):
+        torch.testing.assert_close(a, e, **TOL)
+        assert (w - e).abs().max() > 100 * TOL["atol"] + TOL["rtol"] * e.abs().max()
+
+
+def test_triton_softcap_with_masks_documents_and_the_backend():
+    """An additive mask is added after the cap (transformers' order); document ids and a
+    bool mask beside it; and attend(backend='triton') takes the cap."""
+    b, h, t, s = 2, 4, 19, 19
+    q, k, v = _qkv_scaled(b, h, 2, t, s, 16)
+    allowed = torch.rand(b, h, t, s, device=DEVICE) > 0.4
+    allowed[0, 1, 4] = False
+    bias = torch.randn(b, h, t, s, device=DEVICE) + to_additive(allowed)
+    _check(q, k, v, bias, causal=True, softcap=2.0)
+    doc = torch.tensor([[0] * 7 + [1] * 12, [0] * 15 + [1] * 4], device=DEVICE)
+    _check(q, k, v, allowed, causal=True, doc_ids=doc, softcap=3.0)
+    _check(q, k, v, softcap=2.5, scale=0.4)  # not causal, a scale of its own
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    torch.testing.assert_close(
+        attend(qd, kd, vd, causal=True, backend="triton", softcap=2.0),
+        eager_attention(qd, kd, vd, causal=True, softcap=2.0),
+        **TOL,
+    )
+
+
+@pytest.mark.skipif(not ON_GPU, reason="numpy (the interpreter) has no bfloat16 maths; GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_softcap_half_precision(dtype):
+    q, k, v = _qkv(2, 8, 2, 300, 300, 64, dtype)
+    # as test_triton_half_precision; a cap of 2 bends the larger of these unit scores
+    _check(q, k, v, causal=True, softcap=2.0, tol=dict(atol=3e-2, rtol=3e-2))
+    _check(q, k, v, causal=True, window=70, softcap=2.0, tol=dict(atol=3e-2, rtol=3e-2))
+
+
+@pytest.mark.skipif(
+    not ON_GPU, reason="autotuning times kernels on a GPU; interpreter uses fixed blocks"
+)
+def test_triton_softcap_autotuned_long_sequence():
+    assert not interpreting()
+    q, k, v = _qkv_scaled(1, 4, 2, 1000, 1000, 64, spread=1.5)
+    sinks = torch.randn(4, device=DEVICE).requires_grad_(True)
+    _check(q, k, v, causal=True, softcap=5.0, tol=dict(atol=1e-4, rtol=1e-4))
+    _check(q, k, v, causal=True, window=300, sinks=sinks, softcap=3.0,
+           tol=dict(atol=1e-4, rtol=1e-4))  # fmt: skip
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the flash backend picks the Triton kernel on CUDA only")
+def test_flash_backend_uses_triton_on_cuda_with_a_softcap(monkeypatch):
+    import attnlab.kernels as kernels
+
+    calls = []
+    real = kernels.triton_attention
+    monkeypatch.setattr(
+        kernels, "triton_attention", lambda *a, **kw: calls.append(kw["softcap"]) or real(*a, **kw)
+    )
+    q, k, v = (x.detach() for x in _qkv_scaled(1, 2, 2, 64, 64, 32))
+    out = attend(q, k, v, causal=True, backend="flash", softcap=2.0)
+    assert calls == [2.0]
+    torch.testing.assert_close(out, eager_attention(q, k, v, causal=True, softcap=2.0), **TOL)

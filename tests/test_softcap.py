@@ -2,8 +2,9 @@
 mask (``attention.softcap``, ``attend(softcap=)``) in every backend that takes it (eager,
 flash's tiles and its backward, flex's score_mod, the attention-sinks cache) against a
 per-query loop (tests/oracle.py), and the output logits (``final_logit_softcap``) in the
-loss, evaluation and decoding; the backends that cannot cap (sdpa, triton) and the attention
-kinds that do not (MLA, DSA, NSA, linear) refuse it by name.
+loss, evaluation and decoding; the backend that cannot cap (sdpa) and the attention kinds
+that do not (MLA, DSA, NSA, linear) refuse it by name. The Triton kernels' cap is tested
+against eager in test_flash_triton.py; here, that flash hands it to them on CUDA.
 
 Shapes: b batch, h heads, h_kv key/value heads, t queries, s keys, d_h head dim, V vocabulary.
 """
@@ -142,12 +143,12 @@ def test_recorded_weights_are_capped():
 # --------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize("backend", ["sdpa"])
 def test_backends_that_cannot_cap_refuse_it_by_name(backend):
     q, k, v = _qkv(1, 2, 2, 3, 3)
     with pytest.raises(ValueError, match="attention.softcap") as e:
         attend(q, k, v, causal=True, backend=backend, softcap=CAP)
-    assert "'eager', 'flash' or 'flex'" in str(e.value) and "\n" not in str(e.value)
+    assert "'eager', 'flash', 'triton' or 'flex'" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match="attention.softcap"):  # a direct call as well
         attention_module.BACKENDS[backend].fn(
             q, k, v, None, causal=True, scale=None, dropout_p=0.0, window=None, doc_ids=None,
@@ -170,35 +171,32 @@ class _OnCuda(torch.Tensor):
         return True
 
 
-def test_flash_does_not_hand_capped_attention_to_triton(monkeypatch):
-    """On CUDA with Triton, flash runs the kernels, which do not cap: with a cap it keeps
-    the tiled path. Here the tensors say they are on CUDA and the kernels say they are
-    there, and raise if called: without a cap flash calls them, with one it does not."""
+def test_flash_hands_capped_attention_to_triton_on_cuda(monkeypatch):
+    """On CUDA with Triton, flash runs the kernels, which cap as its tiles do: with a cap as
+    without one (it kept capped attention on the tiled path while they could not). Here the
+    tensors say they are on CUDA and the kernels say they are there; they record the cap
+    they are handed and answer with the tiled twin."""
     from attnlab import kernels
 
     q, k, v = (x.float() for x in _qkv(1, 2, 2, 3, 3))
     takes = attention_module._triton_takes
-    on_cuda = [x.as_subclass(_OnCuda) for x in (q, k, v)]
-    assert takes(*on_cuda) and not takes(*on_cuda, None, CAP)
+    assert takes(*(x.as_subclass(_OnCuda) for x in (q, k, v)))
     monkeypatch.setattr(
         attention_module,
         "_triton_takes",
-        lambda q, k, v, mask=None, softcap=None: takes(
-            *(x.as_subclass(_OnCuda) for x in (q, k, v)), mask, softcap
-        ),
+        lambda q, k, v, mask=None: takes(*(x.as_subclass(_OnCuda) for x in (q, k, v)), mask),
     )
     monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    caps = []
 
-    class KernelsCalled(Exception):
-        pass
-
-    def kernels_called(*a, **kw):
-        raise KernelsCalled
+    def kernels_called(*a, softcap=None, **kw):
+        caps.append(softcap)
+        return flash_attention(*a, softcap=softcap, **kw)
 
     monkeypatch.setattr(kernels, "triton_attention", kernels_called)
-    with pytest.raises(KernelsCalled):
-        attend(q, k, v, causal=True, backend="flash")
+    attend(q, k, v, causal=True, backend="flash")
     got = attend(q, k, v, causal=True, backend="flash", softcap=CAP)
+    assert caps == [None, CAP]
     torch.testing.assert_close(got, attend(q, k, v, causal=True, backend="eager", softcap=CAP))
 
 
@@ -211,8 +209,7 @@ def _cfg(**attention) -> dict:
     "data, named",
     [
         (_cfg(softcap=5.0), "attention.backend: attention.softcap (logit soft-capping) needs "
-         "backend 'eager', 'flash' or 'flex'; 'sdpa' cannot cap the scores"),
-        (_cfg(softcap=5.0, backend="triton"), "'triton' cannot cap the scores"),
+         "backend 'eager', 'flash', 'triton' or 'flex'; 'sdpa' cannot cap the scores"),
         (_cfg(softcap=0.0, backend="eager"), "attention.softcap: must be > 0"),
         (_cfg(softcap=5.0, backend="eager", kind="mla"),
          "attention.softcap: is implemented by attention.kind='mha' only, not 'mla'"),
@@ -228,6 +225,13 @@ def _cfg(**attention) -> dict:
 def test_config_refuses_soft_capping_where_it_is_not_implemented(data, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig.from_dict(data).validate()
+
+
+@pytest.mark.parametrize("backend", ["eager", "flash", "triton", "flex"])
+def test_config_takes_soft_capping_with_the_backends_that_cap(backend):
+    cfg = ModelConfig.from_dict(_cfg(softcap=5.0, backend=backend))
+    cfg.validate()
+    assert cfg.attention.softcap == 5.0 and cfg.attention.backend == backend
 
 
 # --------------------------------------------------------------------------- models

@@ -21,8 +21,9 @@ which is what a KV cache and chunked prefill need.
 
 ``softcap`` (Gemma 2): the scores after the scale become cap * tanh(scores / cap) before
 the mask, so no logit leaves (-cap, cap). ``eager``, ``flash`` (its tiles, and a backward
-that multiplies dS by the cap's derivative 1 - tanh^2) and ``flex`` (a score_mod) take it;
-``sdpa`` and ``triton`` cannot and refuse it (``SOFTCAP_BACKENDS``).
+that multiplies dS by the cap's derivative 1 - tanh^2), ``triton`` (the same in the
+kernels, which ``flash`` runs on CUDA) and ``flex`` (a score_mod) take it; ``sdpa`` cannot
+and refuses it (``SOFTCAP_BACKENDS``).
 
 ``recording_weights(sink)``: inside, every ``attend`` call runs ``eager`` whatever the
 backend asked for and hands its softmax weights to ``sink`` (how ``attnlab.attention_maps``
@@ -294,17 +295,14 @@ def _sdpa(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, so
     )
 
 
-def _triton_takes(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, softcap: float | None = None
-) -> bool:
-    """Whether ``flash`` may hand these tensors to the Triton kernels: no soft-capping
-    (the kernels do not cap the scores: the tiled twin does), CUDA, one head dim
-    for q, k and v (not MLA's narrower values), one dtype the kernels take (float64 went to
-    the kernels on CUDA, which refused it, instead of to the tiled twin), and no float64
-    mask (the kernels add a float32 bias; the tiled twin widens its scores as eager does)."""
+def _triton_takes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> bool:
+    """Whether ``flash`` may hand these tensors to the Triton kernels (soft-capped or not:
+    they cap the scores as the tiled twin does): CUDA, one head dim for q, k and v (not
+    MLA's narrower values), one dtype the kernels take (float64 went to the kernels on CUDA,
+    which refused it, instead of to the tiled twin), and no float64 mask (the kernels add a
+    float32 bias; the tiled twin widens its scores as eager does)."""
     return (
-        softcap is None
-        and q.is_cuda
+        q.is_cuda
         and v.shape[-1] == q.shape[-1] == k.shape[-1]
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and q.dtype == k.dtype == v.dtype
@@ -315,20 +313,28 @@ def _triton_takes(
 def _flash(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, softcap):
     from attnlab import kernels
 
-    kw = dict(causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks)
-    if _triton_takes(q, k, v, mask, softcap) and kernels.triton_available():
+    kw = dict(
+        causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks, softcap=softcap
+    )
+    if _triton_takes(q, k, v, mask) and kernels.triton_available():
         return kernels.triton_attention(q, k, v, mask, **kw)
-    return flash_attention(q, k, v, mask, softcap=softcap, **kw)
+    return flash_attention(q, k, v, mask, **kw)
 
 
 def _triton(q, k, v, mask, *, causal, scale, dropout_p, window, doc_ids, sinks, softcap):
     from attnlab import kernels
 
-    if softcap is not None:  # (attend refuses it first; a direct call too)
-        raise ValueError(softcap_refusal("triton"))
-
     return kernels.triton_attention(
-        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks
+        q,
+        k,
+        v,
+        mask,
+        causal=causal,
+        scale=scale,
+        window=window,
+        doc_ids=doc_ids,
+        sinks=sinks,
+        softcap=softcap,
     )
 
 
@@ -373,9 +379,7 @@ BACKENDS: dict[str, Backend] = {
     "eager": Backend(_eager, "readable reference; the only one that returns weights", True),
     "sdpa": Backend(_sdpa, "torch.nn.functional.scaled_dot_product_attention", True, softcap=False),
     "flash": Backend(_flash, "tiled online softmax in PyTorch (Triton kernel on CUDA)"),
-    "triton": Backend(
-        _triton, "Triton flash-attention kernels", softcap=False, unavailable=_triton_missing
-    ),
+    "triton": Backend(_triton, "Triton flash-attention kernels", unavailable=_triton_missing),
     "flex": Backend(_flex, "torch FlexAttention (no backward on CPU)"),
 }
 # the backends that take soft-capped scores (attention.softcap)

@@ -23,7 +23,7 @@ Gemma 3, text only (gemma3_text: Gemma3ForCausalLM): the LLaMA layout's attentio
   attention.softcap is not exported). A model with the attention cap is given
   attention backend ``flash`` (``eager`` with attention dropout): sdpa cannot cap scores;
   the tiled flash path keeps memory linear in the length and skips the tiles outside the
-  window, and has its own backward;
+  window, and has its own backward (on CUDA, the Triton kernels: they cap too);
 - Gemma 3 only: QK-norm (the same RMSNorm over each head's features) and, on the local
   layers, RoPE of base ``rope_local_base_freq`` and no scaling (``position.local_rope_theta``),
   ``rope_theta`` with ``rope_scaling`` (linear in the 4B to 27B models) on the global

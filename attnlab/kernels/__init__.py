@@ -81,9 +81,10 @@ def triton_attention(
     window: int | None = None,
     doc_ids: Tensor | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Flash attention as Triton kernels (forward and FlashAttention-2 backward); the same
-    contract as ``attnlab.functional.flash.flash_attention``."""
+    contract as ``attnlab.functional.flash.flash_attention``, soft-capping included."""
     reason = triton_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"attention backend 'triton' cannot run: {reason}; use 'flash'")
@@ -103,5 +104,14 @@ def triton_attention(
     from attnlab.kernels.flash_attention import triton_flash_attention
 
     return triton_flash_attention(
-        q, k, v, mask, causal=causal, scale=scale, window=window, doc_ids=doc_ids, sinks=sinks
+        q,
+        k,
+        v,
+        mask,
+        causal=causal,
+        scale=scale,
+        window=window,
+        doc_ids=doc_ids,
+        sinks=sinks,
+        softcap=softcap,
     )

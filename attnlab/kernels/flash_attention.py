@@ -11,6 +11,10 @@ backward  D = rowsum(dO * O) in torch, then two kernels without atomics:
           h, b), like the forward. P = exp(S - L) is recomputed, never stored. L includes
           the sink, so the kernels need nothing else; its gradient, -sum exp(sink - L) D
           over the rows, is one torch expression.
+soft cap  (Gemma 2, HAS_SOFTCAP, runtime ``softcap`` c): the scaled scores S' of each tile
+          become c tanh(S' / c) before the mask (``_tanh``: Triton has none that the
+          interpreter and CUDA both run), so m, l and L are those of the capped scores; the
+          backward recomputes them so and multiplies dS by 1 - tanh^2(S' / c) before dQ, dK.
 
 Masks: causal (bottom-right: query i at position s - t + i), sliding window, document
 ids (b, s), and any bool/additive mask broadcastable to (b, h, t, s), read through its
@@ -37,6 +41,45 @@ from attnlab.kernels import interpreting
 
 
 @triton.jit
+def _tanh(x):
+    """tanh of a float32 tile from ``tl.exp`` and a Taylor series: Triton has no tanh that
+    both the interpreter and the CUDA compiler run (libdevice's is CUDA only). Within a
+    float32 ulp (~1e-7 relative) of tanh (tested), exactly 0 at 0, +-1 from |x| = 10 with
+    no inf or NaN on the way, NaN for NaN.
+    |x| >= 1: 1 - 2e / (1 + e), e = exp(-2|x|) in (0, 0.14]: exp never overflows, and the
+    difference never cancels. |x| < 1, where it would: x + x^3 P(x^2), the series (its
+    coefficients 2^2n (2^2n - 1) B_2n / (2n)!, B Bernoulli's numbers; radius pi / 2) to
+    x^37, whose remainder is below float32's rounding there."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * tl.minimum(a, 20.0))  # tanh(20) is 1 in float32 (from 9.01)
+    big = 1.0 - 2.0 * e / (1.0 + e)
+    z = tl.minimum(a, 1.0)  # the series' |x| < 1 (the clamp: no overflow in lanes unused)
+    y = z * z
+    p = 7.054636946400968e-08  # x^37
+    p = p * y - 1.7406618963571648e-07  # x^35
+    p = p * y + 4.294911078273806e-07  # x^33
+    p = p * y - 1.0597268320104654e-06  # x^31
+    p = p * y + 2.6147711512907546e-06  # x^29
+    p = p * y - 6.451689215655431e-06  # x^27
+    p = p * y + 1.5918905069328964e-05  # x^25
+    p = p * y - 3.927832388331683e-05  # x^23
+    p = p * y + 9.691537956929451e-05  # x^21
+    p = p * y - 0.00023912911424355248  # x^19
+    p = p * y + 0.000590027440945586  # x^17
+    p = p * y - 0.0014558343870513183  # x^15
+    p = p * y + 0.003592128036572481  # x^13
+    p = p * y - 0.008863235529902197  # x^11
+    p = p * y + 0.021869488536155203  # x^9
+    p = p * y - 0.05396825396825397  # x^7
+    p = p * y + 0.13333333333333333  # x^5
+    p = p * y - 0.3333333333333333  # x^3
+    small = z + z * (y * p)
+    t = tl.where(a < 1.0, small, big)
+    t = tl.where(x < 0, -t, t)
+    return tl.where(x == x, t, x)  # NaN stays NaN (minimum may drop it)
+
+
+@triton.jit
 def _tile_scores(
     q,
     k,
@@ -56,14 +99,22 @@ def _tile_scores(
     OFF,
     WINDOW,
     scale,
+    softcap,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Scores of one (rows x cols) tile, float32, -inf where masked."""
+    """Scores of one (rows x cols) tile, float32, -inf where masked; and, with a soft cap,
+    tanh(S' / c) of the scaled scores S' before the mask (the backward's slope 1 - tanh^2;
+    without a cap the second value is unused)."""
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    th = sc
+    if HAS_SOFTCAP:  # c tanh(S' / c) in transformers' order, in natural units (tl.exp)
+        th = _tanh(sc / softcap)
+        sc = th * softcap
     q_pos = rows + OFF
     ok = (rows < T)[:, None] & (cols < S)[None, :]
     if CAUSAL:
@@ -79,7 +130,7 @@ def _tile_scores(
         rows64 = rows[:, None].to(tl.int64)
         bias_ptr = BIAS + b * s_bias_b + h * s_bias_h + rows64 * s_bias_t
         sc += tl.load(bias_ptr + cols[None, :] * s_bias_s, mask=ok, other=0.0)
-    return tl.where(ok, sc, float("-inf"))
+    return tl.where(ok, sc, float("-inf")), th
 
 
 @triton.jit
@@ -114,12 +165,14 @@ def _fwd_kernel(
     OFF,
     WINDOW,
     scale,
+    softcap,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_DOC: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -162,10 +215,10 @@ def _fwd_kernel(
         v = tl.load(
             V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok, other=0.0
         )
-        sc = _tile_scores(
+        sc, _ = _tile_scores(
             q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
-            s_doc_b, T, S, OFF, WINDOW, scale,
-            CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, PRECISION,
+            s_doc_b, T, S, OFF, WINDOW, scale, softcap,
+            CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, HAS_SOFTCAP, PRECISION,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
@@ -217,11 +270,13 @@ def _bwd_dkdv_kernel(
     OFF,
     WINDOW,
     scale,
+    softcap,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -261,15 +316,17 @@ def _bwd_dkdv_kernel(
             )
             lse = tl.load(LSE + (b * H + h) * T + rows, mask=rows < T, other=float("inf"))
             delta = tl.load(DELTA + (b * H + h) * T + rows, mask=rows < T, other=0.0)
-            sc = _tile_scores(
+            sc, th = _tile_scores(
                 q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
-                s_doc_b, T, S, OFF, WINDOW, scale,
-                CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, PRECISION,
+                s_doc_b, T, S, OFF, WINDOW, scale, softcap,
+                CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, HAS_SOFTCAP, PRECISION,
             )  # fmt: skip
             p = tl.exp(sc - lse[:, None])  # (rows, cols)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:  # through the cap: dS' = dS (1 - tanh^2(S' / c))
+                ds = ds * (1.0 - th * th)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     out = pid_bk * S * D + cols[:, None] * D + dims[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
@@ -309,11 +366,13 @@ def _bwd_dq_kernel(
     OFF,
     WINDOW,
     scale,
+    softcap,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -352,14 +411,16 @@ def _bwd_dq_kernel(
         v = tl.load(
             V + b * s_vb + hk * s_vh + cols[:, None] * s_vs + dims[None, :], mask=kv_ok, other=0.0
         )
-        sc = _tile_scores(
+        sc, th = _tile_scores(
             q, k, rows, cols, b, h, BIAS, DOC, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
-            s_doc_b, T, S, OFF, WINDOW, scale,
-            CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, PRECISION,
+            s_doc_b, T, S, OFF, WINDOW, scale, softcap,
+            CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_DOC, HAS_SOFTCAP, PRECISION,
         )  # fmt: skip
         p = tl.exp(sc - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:  # through the cap: dS' = dS (1 - tanh^2(S' / c))
+            ds = ds * (1.0 - th * th)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(
         DQ + pid_bh * T * D + rows[:, None] * D + dims[None, :],
@@ -378,9 +439,10 @@ GPU_CONFIGS = [
     for bm, bn, w, st in [(64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)]
 ]
 TUNE_KEY = ["T", "S", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "HAS_DOC", "PRECISION"]
-_fwd_tuned = triton.autotune(GPU_CONFIGS, key=[*TUNE_KEY, "HAS_SINK"])(_fwd_kernel)
-_dkdv_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(GPU_CONFIGS, key=TUNE_KEY)(_bwd_dq_kernel)
+# a capped tile does more work per score (its tanh): tuned apart
+_fwd_tuned = triton.autotune(GPU_CONFIGS, key=[*TUNE_KEY, "HAS_SINK", "HAS_SOFTCAP"])(_fwd_kernel)
+_dkdv_tuned = triton.autotune(GPU_CONFIGS, key=[*TUNE_KEY, "HAS_SOFTCAP"])(_bwd_dkdv_kernel)
+_dq_tuned = triton.autotune(GPU_CONFIGS, key=[*TUNE_KEY, "HAS_SOFTCAP"])(_bwd_dq_kernel)
 
 
 def _launch(kernel, tuned, grid_rows: int, heads: int, b: int, *args, **meta) -> None:
@@ -408,22 +470,26 @@ def _bias_and_strides(mask: Tensor | None, b: int, h: int, t: int, s: int, devic
 
 class _TritonFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, bias, has_bias, bias_strides, doc, causal, window, scale):
+    def forward(
+        ctx, q, k, v, sinks, bias, has_bias, bias_strides, doc, causal, window, scale, softcap
+    ):
         b, h, t, d = q.shape
         h_kv, s = k.shape[1], k.shape[2]
         q, k, v = (x.contiguous() for x in (q, k, v))
         out = torch.empty_like(q)
         lse = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
-        meta = _meta(d, causal, window, has_bias, doc, q.dtype)
+        meta = _meta(d, causal, window, has_bias, doc, softcap, q.dtype)
         has_sink = sinks is not None
         sink = sinks.detach().float().contiguous() if has_sink else lse  # lse: never read
         common = (bias, doc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bias_strides)
-        tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, window or 0, scale)
+        # softcap 1.0 without a cap: never read (HAS_SOFTCAP is False)
+        cap = 1.0 if softcap is None else float(softcap)
+        tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, window or 0, scale, cap)
         args = (q, k, v, out, lse, sink, *common, *tail)
         _launch(_fwd_kernel, _fwd_tuned, t, h, b, *args, _axis="BLOCK_M", HAS_SINK=has_sink, **meta)
         ctx.save_for_backward(q, k, v, out, lse, bias, doc, sinks)
         ctx.has_bias, ctx.bias_strides = has_bias, bias_strides
-        ctx.causal, ctx.window, ctx.scale = causal, window, scale
+        ctx.causal, ctx.window, ctx.scale, ctx.softcap = causal, window, scale, softcap
         return out
 
     @staticmethod
@@ -439,27 +505,38 @@ class _TritonFlash(torch.autograd.Function):
             p_sink = torch.exp(sinks.float()[:, None] - lse.view(b, h, t))
             dsinks = (-p_sink * delta).sum((0, 2)).to(sinks.dtype)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        meta = _meta(d, ctx.causal, ctx.window, ctx.has_bias, doc, q.dtype)
+        meta = _meta(d, ctx.causal, ctx.window, ctx.has_bias, doc, ctx.softcap, q.dtype)
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ctx.bias_strides)
-        tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, ctx.window or 0, ctx.scale)
+        cap = 1.0 if ctx.softcap is None else float(ctx.softcap)
+        window = ctx.window or 0
+        tail = (_doc_stride(doc), h, h // h_kv, t, s, d, s - t, window, ctx.scale, cap)
         dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, bias, doc, *strides, *tail)
         _launch(_bwd_dkdv_kernel, _dkdv_tuned, s, h_kv, b, *dkdv_args, _axis="BLOCK_N", **meta)
         dq_args = (q, k, v, grad_out, lse, delta, dq, bias, doc, *strides, *tail)
         _launch(_bwd_dq_kernel, _dq_tuned, t, h, b, *dq_args, _axis="BLOCK_M", **meta)
-        return dq, dk, dv, dsinks, *([None] * 7)
+        return dq, dk, dv, dsinks, *([None] * 8)
 
 
 def _doc_stride(doc: Tensor) -> int:
     return doc.stride(0) if doc.dim() == 2 else 0
 
 
-def _meta(d: int, causal: bool, window: int | None, has_bias: bool, doc: Tensor, dtype) -> dict:
+def _meta(
+    d: int,
+    causal: bool,
+    window: int | None,
+    has_bias: bool,
+    doc: Tensor,
+    softcap: float | None,
+    dtype,
+) -> dict:
     return {
         "HEAD_DIM": max(16, triton.next_power_of_2(d)),
         "CAUSAL": bool(causal),
         "HAS_WINDOW": window is not None,
         "HAS_BIAS": has_bias,
         "HAS_DOC": doc.dim() == 2,
+        "HAS_SOFTCAP": softcap is not None,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
 
@@ -475,9 +552,12 @@ def triton_flash_attention(
     window: int | None = None,
     doc_ids: Tensor | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """q (b, h, t, d_h); k, v (b, h_kv, s, d_h); see ``flash_attention`` for the contract."""
-    check_arguments(q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids, sinks=sinks)
+    check_arguments(
+        q, k, v, mask, causal=causal, window=window, doc_ids=doc_ids, sinks=sinks, softcap=softcap
+    )
     b, h, t, d = q.shape
     s = k.shape[2]
     if v.shape[-1] != d or k.shape[-1] != d:
@@ -511,5 +591,5 @@ def triton_flash_attention(
         else doc_ids.to(device=q.device, dtype=torch.int64).contiguous()
     )
     return _TritonFlash.apply(
-        q, k, v, sinks, bias, mask is not None, bias_strides, doc, causal, window, scale
+        q, k, v, sinks, bias, mask is not None, bias_strides, doc, causal, window, scale, softcap
     )
