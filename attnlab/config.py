@@ -790,12 +790,18 @@ class FFNConfig(_Config):
     bias_update_speed: float = 1e-3  # aux-loss-free balance (DeepSeek-V3 gamma)
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 alpha)
     # Switch Transformer balance loss, coef E sum_i F_i P_i over all MoE layers' choices and
-    # softmax scores (Mixtral's, Qwen3-MoE's and GPT-OSS's router_aux_loss_coef)
+    # softmax scores (Mixtral's, Qwen2-MoE's, Qwen3-MoE's and GPT-OSS's router_aux_loss_coef)
     switch_aux_loss_coef: float = 0.0
     # GPT-OSS: a learned bias on the router's logits (x W_r^T + b), and biases on every
     # expert's gate/up and down projections (routed and shared experts)
     router_bias: bool = False
     expert_bias: bool = False
+    # Qwen2-MoE: the shared experts' output multiplied by sigmoid(x w_g), w_g a learned
+    # (1, d) weight per layer (``shared_gate``): y = routed(x) + sigmoid(x w_g) shared(x)
+    shared_expert_gate: bool = False
+    # Layers past the first first_k_dense that are dense gated FFNs too (Qwen2-MoE's and
+    # Qwen3-MoE's mlp_only_layers and decoder_sparse_step), in increasing order
+    dense_layers: list[int] = field(default_factory=list)
     # activation "clamped_swiglu" (GPT-OSS): the sigmoid's gain and the clamp
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -849,11 +855,24 @@ class FFNConfig(_Config):
             )
         if self.router == "deepseek-v3" and self.n_groups > 1 and per_group < 2:
             _fail(f"{path}.n_groups", "deepseek-v3 scores a group by its top 2 experts")
+        if self.shared_expert_gate and (self.kind != "moe" or not self.n_shared_experts):
+            _fail(
+                f"{path}.shared_expert_gate",
+                f"gates a mixture of experts' shared experts; this one has kind={self.kind!r}, "
+                f"n_shared_experts={self.n_shared_experts}",
+            )
+        d = self.dense_layers
+        if any(i < 0 for i in d) or any(a >= b for a, b in zip(d, d[1:])):
+            _fail(
+                f"{path}.dense_layers",
+                f"must be distinct layers >= 0 in increasing order, got {d}",
+            )
 
     def moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` has a mixture of experts (kind ``moe``, past the first
-        ``first_k_dense`` layers, which are dense gated FFNs) or a dense feed-forward."""
-        return self.kind == "moe" and layer >= self.first_k_dense
+        ``first_k_dense`` layers and not in ``dense_layers``, which are dense gated FFNs) or
+        a dense feed-forward."""
+        return self.kind == "moe" and layer >= self.first_k_dense and layer not in self.dense_layers
 
     def expert_hidden_size(self, d_model: int) -> int:
         """Hidden width of one MoE expert: ``moe_hidden_dim``, else the dense hidden width
@@ -975,6 +994,11 @@ class ModelConfig(_Config):
             _fail(
                 at("ffn.first_k_dense"),
                 f"{self.ffn.first_k_dense} exceeds n_layers={self.n_layers}",
+            )
+        if self.ffn.dense_layers and self.ffn.dense_layers[-1] >= self.n_layers:
+            _fail(
+                at("ffn.dense_layers"),
+                f"layer {self.ffn.dense_layers[-1]} is not below n_layers={self.n_layers}",
             )
         if self.position.kind == "sinusoidal" and self.d_model % 2:
             _fail(at("d_model"), f"sinusoidal positions need an even d_model, got {self.d_model}")

@@ -306,6 +306,95 @@ def mixtral_8x22b() -> ModelConfig:
     )
 
 
+def qwen2_moe(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int | None,
+    ffn_hidden: int,
+    n_experts: int,
+    top_k: int,
+    expert_hidden: int,
+    n_shared: int,
+    rope_theta: float = 1e6,
+    first_k_dense: int = 0,
+    dense_layers: tuple[int, ...] = (),
+) -> ModelConfig:
+    """Qwen2-MoE: Qwen2's attention (q/k/v biases, RMSNorm eps 1e-6) with a softmax router
+    choosing ``top_k`` of ``n_experts`` SwiGLU experts, not renormalised (attnlab's
+    ``deepseek-v2`` router), and a shared expert ``n_shared`` times as wide whose output a
+    learned sigmoid gate scales per token; ``ffn_hidden``: the dense layers' width."""
+    return llama_style(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_hidden=ffn_hidden,
+        rope_theta=rope_theta,
+        norm_eps=1e-6,
+        qkv_bias=True,
+    ).override(
+        {
+            "ffn.kind": "moe",
+            "ffn.router": "deepseek-v2",
+            "ffn.n_routed_experts": n_experts,
+            "ffn.n_shared_experts": n_shared,
+            "ffn.shared_expert_gate": True,
+            "ffn.n_activated_experts": top_k,
+            "ffn.moe_hidden_dim": expert_hidden,
+            "ffn.norm_topk_prob": False,
+            "ffn.first_k_dense": first_k_dense,
+            "ffn.dense_layers": list(dense_layers),
+        }
+    )
+
+
+def qwen2_moe_tiny() -> ModelConfig:
+    """Qwen2-MoE's architecture in 4 layers, d_model 64, GQA 4/2: 8 experts of 32 (top 2)
+    and a gated shared expert of 64 on layers 1 and 3 (decoder_sparse_step 2), dense
+    SwiGLU layers of 128 on 0 and 2, for tests."""
+    return qwen2_moe(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=32,
+        n_shared=2,
+        rope_theta=10000.0,
+        first_k_dense=1,
+        dense_layers=(2,),
+    )
+
+
+def qwen1_5_moe_a2_7b() -> ModelConfig:
+    """Qwen/Qwen1.5-MoE-A2.7B config.json: 14.3B total, 2.7B active; MHA 16 heads, 60
+    experts of 1408 (top 4) and a shared expert of 5632 (4 x 1408) in every layer, 8k
+    context."""
+    return qwen2_moe(
+        vocab_size=151936,
+        max_seq_len=8192,
+        d_model=2048,
+        n_layers=24,
+        n_heads=16,
+        n_kv_heads=None,
+        ffn_hidden=5632,
+        n_experts=60,
+        top_k=4,
+        expert_hidden=1408,
+        n_shared=4,
+    )
+
+
 def deepseek_style(
     *,
     vocab_size: int,
@@ -1098,6 +1187,14 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "mixtral-8x22b": (
         mixtral_8x22b,
         "Mixtral 8x22B, 141B total, 39B active (MoE 8 experts, top 2)",
+    ),
+    "qwen2-moe-tiny": (
+        qwen2_moe_tiny,
+        "Qwen2-MoE architecture: 8 experts (top 2) + a gated shared expert, 4 layers (tests)",
+    ),
+    "qwen1.5-moe-a2.7b": (
+        qwen1_5_moe_a2_7b,
+        "Qwen1.5-MoE-A2.7B, 14.3B total, 2.7B active (MoE 60 experts, top 4, gated shared)",
     ),
     "deepseek-tiny": (deepseek_tiny, "MLA + dense SwiGLU, 2 layers, d_model 64 (tests)"),
     "deepseek-moe-tiny": (

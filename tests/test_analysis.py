@@ -210,6 +210,9 @@ def test_moe_matmul_parameters_count_only_active_experts():
         # and 141B (here with the Instruct model's 32768-token vocabulary)
         ("mixtral-8x7b", 46_702_792_704),
         ("mixtral-8x22b", 140_630_071_296),
+        # Qwen/Qwen1.5-MoE-A2.7B: the model card's 14.3B (transformers' count of its
+        # config.json)
+        ("qwen1.5-moe-a2.7b", 14_315_784_192),
         # google/gemma-3-1b-pt: 1B (tied head; transformers' count of its config.json)
         ("gemma-3-1b", 999_885_952),
         # google/gemma-2b, -7b, gemma-2-2b, -9b, -27b (transformers' counts of their
@@ -506,6 +509,17 @@ CONFIG_JSON = {
                           intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
                           vocab_size=32768, max_position_embeddings=65536,
                           router_aux_loss_coef=0.001, router_jitter_noise=0.0),  # Instruct
+    # Qwen/Qwen1.5-MoE-A2.7B
+    "qwen1.5-moe-a2.7b": dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632,
+                              num_hidden_layers=24, num_attention_heads=16,
+                              num_key_value_heads=16, vocab_size=151936,
+                              max_position_embeddings=8192, max_window_layers=21,
+                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                              num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                              decoder_sparse_step=1, output_router_logits=False,
+                              router_aux_loss_coef=0.001, rms_norm_eps=1e-6, rope_theta=1e6,
+                              sliding_window=32768, use_sliding_window=False,
+                              tie_word_embeddings=False, hidden_act="silu"),
     "olmo-2-1b": dict(_OLMO2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=16, num_key_value_heads=16),
     "olmo-2-7b": dict(_OLMO2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

@@ -322,11 +322,13 @@ def expected_parameters(cfg: ModelConfig) -> int:
         ffn = 3 * d * hidden + (2 * hidden + d) * f.bias
     ffns = cfg.n_layers * ffn
     if f.kind == "moe":  # router E d (its balance bias is a buffer), routed + shared experts
-        # (GPT-OSS: a router bias of E, each expert's biases 2 f + d)
+        # (GPT-OSS: a router bias of E, each expert's biases 2 f + d; Qwen2-MoE: a gate
+        # (1, d) on the shared experts' output)
         per_expert = 3 * d * f.moe_hidden_dim + (2 * f.moe_hidden_dim + d) * f.expert_bias
-        moe = f.n_routed_experts * (d + f.router_bias)
+        moe = f.n_routed_experts * (d + f.router_bias) + d * f.shared_expert_gate
         moe += per_expert * (f.n_routed_experts + f.n_shared_experts)
-        ffns = f.first_k_dense * ffn + (cfg.n_layers - f.first_k_dense) * moe
+        n_dense = f.first_k_dense + len(f.dense_layers)  # (dense_layers: past the first ones)
+        ffns = n_dense * ffn + (cfg.n_layers - n_dense) * moe
     total = cfg.vocab_size * d  # token embedding
     total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0
     # (sandwich: a norm after each too; post_sublayer: one after each, none before)

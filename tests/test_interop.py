@@ -534,8 +534,9 @@ def test_export_unrepresentable(tmp_path):
 
 def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
     """A transformers model's own state dict (experts stacked: experts.gate_up_proj) loads
-    as its checkpoint files do; dense layers other than the first ones are refused on
-    import, a mixture of experts Qwen3-MoE cannot hold on export, each by name."""
+    as its checkpoint files do; dense layers other than the first ones (mlp_only_layers,
+    decoder_sparse_step) are ffn.dense_layers and written back; a mixture of experts
+    Qwen3-MoE cannot hold is refused on export by name."""
     ref = _hf_model("qwen3moe", seed=40)
     (tmp_path / "sd").mkdir()
     (tmp_path / "sd" / "config.json").write_text(json.dumps(ref.config.to_dict()))
@@ -548,9 +549,13 @@ def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
         ours = load_hf(tmp_path / "sd")(idx).logits
     assert (ours - hf_logits(ref, idx)).abs().max() <= TOL
     hf = ref.config.to_dict()
-    for dense, step in (([1], 1), ([], 2)):
-        with pytest.raises(HFCheckpointError, match="attnlab's mixtures of experts have their"):
-            config_from_hf({**hf, "mlp_only_layers": dense, "decoder_sparse_step": step})
+    for dense, step, layers in (([1], 1, (0, [1])), ([], 2, (1, [2])), ([2], 1, (0, [2]))):
+        cfg = config_from_hf({**hf, "mlp_only_layers": dense, "decoder_sparse_step": step})
+        assert (cfg.ffn.first_k_dense, cfg.ffn.dense_layers) == layers
+        written = qwen3_moe.config_to_hf(cfg, "qwen3_moe", torch.float32)
+        assert written["decoder_sparse_step"] == 1 and config_from_hf(written) == cfg
+        moe = [i for i in range(3) if i not in dense and (i + 1) % step == 0]
+        assert [i for i in range(3) if i not in written["mlp_only_layers"]] == moe
     assert config_from_hf({**hf, "num_local_experts": 0}).ffn.kind == "glu"  # a dense Qwen3
     with pytest.raises(HFCheckpointError, match="decoder_sparse_step must be >= 1, got 0"):
         config_from_hf({**hf, "decoder_sparse_step": 0})

@@ -62,6 +62,22 @@ MINIMAL: dict[str, list[dict]] = {
             "attention_bias": True,
         },
     ],
+    # 16 heads of 4 (num_key_value_heads defaults to 16), 60 experts of 1408, 4 per token,
+    # not renormalised, a gated shared expert of 5632 (4 x 1408), q/k/v biases, by default;
+    # experts on every 2nd layer and windows (4096) on the even layers below
+    # max_window_layers
+    "qwen2_moe": [
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 16},
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 4,
+            "decoder_sparse_step": 2,
+            "use_sliding_window": True,
+            "max_window_layers": 3,
+        },
+    ],
     # 128 experts of 768, 8 per token, by default; a dense first layer
     "qwen3_moe": [
         {**_RMS, "hidden_size": 64, "num_attention_heads": 4},

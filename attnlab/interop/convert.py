@@ -64,6 +64,7 @@ WINDOWED_TYPES = (
     "mistral",
     "qwen2",
     "qwen3",
+    "qwen2_moe",
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
@@ -182,6 +183,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros),
     and with LongRoPE or a partial rotation ``phi3`` (no biases);
+    with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where
     the model has none), else ``qwen3_moe`` with QK-norm, else ``mixtral`` (experts on every
@@ -209,7 +211,7 @@ def _hf_config(cfg: ModelConfig, family: Family, model_type: str, dtype: torch.d
     if moe and coef > 0 and "router_aux_loss_coef" not in hf:
         warnings.warn(
             f"ffn.switch_aux_loss_coef={coef} is not written: {model_type} has no Switch "
-            "balance loss (Mixtral, Qwen3-MoE and GPT-OSS have); training it with "
+            "balance loss (Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS have); training it with "
             "transformers leaves it out",
             stacklevel=3,
         )
@@ -233,7 +235,7 @@ def load_hf(
     :data:`SUPPORTED_MODEL_TYPES`), picked by config.json's ``model_type``.
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
-    LLaMA, Mistral, Qwen2, Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
+    LLaMA, Mistral, Qwen2(-MoE), Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
     DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
     BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's

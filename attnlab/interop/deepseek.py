@@ -213,6 +213,13 @@ def export_type(cfg: ModelConfig) -> str:
         raise unrepresentable("DeepSeek has one attention_bias and bias-free gated FFNs")
     if pos.rope_scaling not in (None, "linear", "yarn"):
         raise unrepresentable(f"RoPE scaling {pos.rope_scaling!r} (DeepSeek: linear, yarn)")
+    if ffn.kind == "moe" and ffn.dense_layers:
+        raise unrepresentable(
+            f"ffn.dense_layers={ffn.dense_layers} (DeepSeek's dense layers come first: "
+            "ffn.first_k_dense)"
+        )
+    if ffn.kind == "moe" and ffn.shared_expert_gate:
+        raise unrepresentable("ffn.shared_expert_gate (DeepSeek's shared experts are ungated)")
     if ffn.kind == "moe" and ffn.router not in ("deepseek-v2", "deepseek-v3"):
         raise unrepresentable(f"router {ffn.router!r} (DeepSeek: deepseek-v2, deepseek-v3)")
     v2 = ffn.kind == "moe" and ffn.router == "deepseek-v2"

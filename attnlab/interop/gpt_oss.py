@@ -213,6 +213,7 @@ def export_type(cfg: ModelConfig) -> str:
         ("n_groups", ffn.n_groups, 1),
         ("routed_scaling_factor", ffn.routed_scaling_factor, 1.0),
         ("first_k_dense", ffn.first_k_dense, 0),
+        ("dense_layers", ffn.dense_layers, []),
     ):
         if value != theirs:
             raise unrepresentable(f"ffn.{name}={value!r} (GPT-OSS's is {theirs!r})")

@@ -365,12 +365,13 @@ def is_plain_decoder(cfg: ModelConfig) -> bool:
     return cfg.arch == "decoder" and cfg.norm.placement == "pre" and cfg.attention.kind == "mha"
 
 
-# transformers' MixtralConfig, Qwen3MoeConfig and GptOssConfig default router_aux_loss_coef
+# transformers' MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig and GptOssConfig default
+# router_aux_loss_coef
 ROUTER_AUX_LOSS_COEF = 0.001
 
 
 def switch_loss_from_hf(hf: dict[str, Any]) -> float:
-    """``ffn.switch_aux_loss_coef`` of a Mixtral, Qwen3-MoE or GPT-OSS config.json: its
+    """``ffn.switch_aux_loss_coef`` of a Mixtral, Qwen2-MoE, Qwen3-MoE or GPT-OSS config.json: its
     ``router_aux_loss_coef`` where ``output_router_logits`` turns the loss on, else 0."""
     if not hf.get("output_router_logits"):
         return 0.0
@@ -388,6 +389,31 @@ def switch_loss_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "output_router_logits": coef > 0,
         "router_aux_loss_coef": coef if coef > 0 else ROUTER_AUX_LOSS_COEF,
     }
+
+
+def moe_layers_from_hf(hf: dict[str, Any], n_experts: int) -> tuple[int, list[int]] | None:
+    """(``ffn.first_k_dense``, ``ffn.dense_layers``) of a Qwen2-MoE or Qwen3-MoE config.json,
+    whose decoder layers have experts unless listed in ``mlp_only_layers``, on every
+    ``decoder_sparse_step``-th layer, when there are any (``num_experts`` > 0); None where no
+    layer has experts. The leading dense layers are ``first_k_dense``, the others listed."""
+    n_layers, step = get(hf, "num_hidden_layers"), get(hf, "decoder_sparse_step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise HFCheckpointError(f"config.json decoder_sparse_step must be >= 1, got {step!r}")
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise HFCheckpointError(f"config.json mlp_only_layers must be layer numbers, got {only!r}")
+    # transformers' Qwen2MoeDecoderLayer and Qwen3MoeDecoderLayer
+    moe = [i for i in range(n_layers) if i not in only and (i + 1) % step == 0] if n_experts else []
+    if not moe:
+        return None
+    return moe[0], [i for i in range(moe[0], n_layers) if i not in moe]
+
+
+def moe_layers_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json entries that put experts on ``cfg``'s MoE layers (every layer but
+    those listed in ``mlp_only_layers``)."""
+    dense = [i for i in range(cfg.n_layers) if not cfg.ffn.moe_layer(i)]
+    return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
 
 
 def n_labels(hf: dict[str, Any]) -> int:

@@ -308,7 +308,7 @@ def weights_to_attnlab(
         }
         for hf_name, name in norms:
             out[f"{a}{name}.weight"] = src.take(f"{h}{hf_name}.weight", (d,))
-        if not cfg.ffn.moe_layer(i):  # (qwen3_moe.py maps the experts)
+        if not cfg.ffn.moe_layer(i):  # (qwen2_moe.py, qwen3_moe.py map the experts)
             out[a + "ffn.gate_up.weight"] = (
                 src.take(h + "mlp.gate_up_proj.weight", (2 * f, d))
                 if fused

@@ -139,11 +139,12 @@ def export_type(cfg: ModelConfig) -> str:
     att, ffn = cfg.attention, cfg.ffn
     if cfg.norm.kind != "rmsnorm":
         raise unrepresentable(f"norm.kind={cfg.norm.kind!r} (Mixtral's is 'rmsnorm')")
-    if ffn.first_k_dense:
-        raise unrepresentable(
-            f"ffn.first_k_dense={ffn.first_k_dense} (Mixtral has experts on every layer; "
-            "dense first layers export as Qwen3-MoE, which has QK-norm: attention.qk_norm)"
-        )
+    for name in ("first_k_dense", "dense_layers"):
+        if getattr(ffn, name):
+            raise unrepresentable(
+                f"ffn.{name}={getattr(ffn, name)!r} (Mixtral has experts on every layer; "
+                "dense layers export as Qwen3-MoE, which has QK-norm: attention.qk_norm)"
+            )
     for name, value, theirs in (
         ("router", ffn.router, "deepseek-v2"),
         ("n_shared_experts", ffn.n_shared_experts, 0),

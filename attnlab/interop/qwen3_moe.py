@@ -2,8 +2,8 @@
 layout, llama.py) with mixture-of-experts feed-forwards: a softmax router over all experts,
 the top k, renormalised when ``norm_topk_prob``, no shared experts, SwiGLU experts without
 biases. That is attnlab's MoE with the ``deepseek-v2`` router (one group, no shared
-experts, scaling 1), dense layers first (``first_k_dense``): the checkpoints whose
-``decoder_sparse_step`` and ``mlp_only_layers`` put the dense layers elsewhere are refused.
+experts, scaling 1); the dense layers that ``decoder_sparse_step`` and ``mlp_only_layers``
+choose are ``ffn.first_k_dense`` (the leading ones) and ``ffn.dense_layers`` (the others).
 
 Weights beyond llama.py's, HF (``model.layers.{i}.mlp.``) -> attnlab (``blocks.{i}.ffn.``):
 
@@ -32,13 +32,14 @@ from attnlab.config import ModelConfig
 from attnlab.interop import llama
 from attnlab.interop.io import (
     Family,
-    HFCheckpointError,
     Plan,
     Source,
     Specs,
     get,
     is_plain_decoder,
     local_layers,
+    moe_layers_from_hf,
+    moe_layers_to_hf,
     moe_specs,
     prefix,
     switch_loss_from_hf,
@@ -75,28 +76,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
-    n_layers, step = get(hf, "num_hidden_layers"), get(hf, "decoder_sparse_step")
-    if not isinstance(step, int) or step < 1:
-        raise HFCheckpointError(f"config.json decoder_sparse_step must be >= 1, got {step!r}")
-    dense = hf.get("mlp_only_layers") or []
-    # transformers' Qwen3MoeDecoderLayer: experts unless listed dense, every step-th layer
-    moe = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
     # transformers 5.x writes num_experts as num_local_experts, which wins when both are given
     n_experts = hf.get("num_local_experts")
     n_experts = get(hf, "num_experts") if n_experts is None else n_experts
-    moe = moe if n_experts else []
-    first = n_layers - len(moe)
-    if moe != list(range(first, n_layers)):
-        raise HFCheckpointError(
-            f"config.json decoder_sparse_step={step}, mlp_only_layers={dense} put experts on "
-            f"layers {moe}; attnlab's mixtures of experts have their dense layers first"
-        )
+    layers = moe_layers_from_hf(hf, n_experts)
     # the attention of Qwen3, whose window (every layer here: no max_window_layers or
     # layer_types) is set below
     cfg = llama.config_from_hf({**hf, "use_sliding_window": False}, "qwen3")
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     attention = dataclasses.replace(cfg.attention, sliding_window=window)
-    if not moe:  # no experts anywhere: a dense Qwen3
+    if layers is None:  # no experts anywhere: a dense Qwen3
         return dataclasses.replace(cfg, attention=attention)
     ffn = dataclasses.replace(
         cfg.ffn,
@@ -106,7 +95,8 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
         n_shared_experts=0,
         n_activated_experts=get(hf, "num_experts_per_tok"),
         moe_hidden_dim=get(hf, "moe_intermediate_size"),
-        first_k_dense=first,
+        first_k_dense=layers[0],
+        dense_layers=layers[1],
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         routed_scaling_factor=1.0,
         switch_aux_loss_coef=switch_loss_from_hf(hf),
@@ -140,6 +130,7 @@ def export_type(cfg: ModelConfig) -> str:
         ("n_groups", ffn.n_groups, 1),
         ("routed_scaling_factor", ffn.routed_scaling_factor, 1.0),
         ("bias", ffn.bias, False),
+        ("shared_expert_gate", ffn.shared_expert_gate, False),
     ):
         if value != theirs:
             raise unrepresentable(f"ffn.{name}={value!r} (Qwen3-MoE's is {theirs!r})")
@@ -159,8 +150,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         "num_experts_per_tok": ffn.n_activated_experts,
         "moe_intermediate_size": ffn.expert_hidden_size(cfg.d_model),
         "norm_topk_prob": ffn.norm_topk_prob,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": list(range(ffn.first_k_dense)),
+        **moe_layers_to_hf(cfg),
         **switch_loss_to_hf(cfg),
     }
 

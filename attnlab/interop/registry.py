@@ -23,6 +23,7 @@ from attnlab.interop import (
     modernbert,
     olmo2,
     phi3,
+    qwen2_moe,
     qwen3_moe,
     vit,
 )
@@ -39,6 +40,7 @@ FAMILIES: tuple[Family, ...] = (
     gpt2.FAMILY,
     llama.FAMILY,
     gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces
+    qwen2_moe.FAMILY,  # before Qwen3-MoE and Mixtral: the gated shared experts are its own
     qwen3_moe.FAMILY,
     mixtral.FAMILY,
     deepseek.FAMILY,

@@ -3,6 +3,8 @@
     y = sum_{i in shared} FFN_i(x) + sum_{i in topk} g_i FFN_i(x)
 
 Many small routed experts, of which each token uses k, plus shared experts every token uses.
+With ``shared_expert_gate`` (Qwen2-MoE) a learned gate scales the shared experts' output
+per token: y = sigmoid(x w_g) sum_{i in shared} FFN_i(x) + sum_{i in topk} g_i FFN_i(x).
 Every expert is a gated FFN (SwiGLU). Routers, by name:
 
 * ``deepseek-v3``: s = sigmoid(x W_r^T); experts are *chosen* by s + b, where b is a
@@ -41,6 +43,7 @@ from torch import Tensor, nn
 from attnlab.config import FFNConfig
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.nn.feedforward import Gated, GatedFFN, gated_activation
+from attnlab.nn.linear import Linear
 
 
 class KeepsPrecision(nn.Module):
@@ -234,8 +237,8 @@ class Experts(nn.Module):
 @dataclass(frozen=True)
 class SwitchBalance:
     """The Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4-6) over several
-    MoE layers at once, as transformers' ``load_balancing_loss_func`` (Mixtral, Qwen3-MoE,
-    GPT-OSS) computes it: coef E sum_i F_i P_i, where over all layers' tokens F_i is the
+    MoE layers at once, as transformers' ``load_balancing_loss_func`` (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, GPT-OSS) computes it: coef E sum_i F_i P_i, where over all layers' tokens F_i is the
     number of (layer, token, top-k slot) choices of expert i per token and P_i the mean
     softmax probability of i. Not a sum of per-layer losses: each layer reports its sums
     (:attr:`MoE.aux_stats`) and the model adds those of every layer with the same pool
@@ -275,6 +278,8 @@ class MoE(KeepsPrecision):
             if cfg.n_shared_experts
             else None
         )
+        # Qwen2-MoE's shared_expert_gate: w_g (1, d), one logit per token
+        self.shared_gate = Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.dropout = nn.Dropout(dropout)
         # Tokens routed to each expert since the last update_bias() (training passes).
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
@@ -300,7 +305,10 @@ class MoE(KeepsPrecision):
         weights, experts, scores = self.gate(flat)  # (N, k), (N, k), (N, E)
         y = self.experts(flat, experts, weights).view(b, t, d)
         if self.shared is not None:
-            y = y + self.shared(x)
+            shared = self.shared(x)  # (b, t, d)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared  # (b, t, 1) gate
+            y = y + shared
         with torch.no_grad():
             # tokens per expert (a fixed-size count: no data-dependent shape when compiled);
             # a padded token adds 0 (weighted, not indexed out: fixed shapes again)
