@@ -48,10 +48,10 @@ MASK = "[MASK]"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fill-mask",
-        help="predict the tokens at [MASK] (an mlm checkpoint or BertForMaskedLM)",
+        help="predict the tokens at [MASK] (an mlm checkpoint, a BERT or ModernBERT masked LM)",
         description="Print the top-k tokens and their probabilities at every [MASK] of the "
         "text, with a masked-LM encoder: an mlm checkpoint (attnlab train --preset "
-        "bert-tiny-mlm) or a BertForMaskedLM folder (attnlab import-hf).",
+        "bert-tiny-mlm) or a BertForMaskedLM or ModernBertForMaskedLM folder (attnlab import-hf).",
     )
     add_checkpoint_argument(p)
     p.add_argument("text", metavar="TEXT", help='text with [MASK] in it, e.g. "The c[MASK]t"')
