@@ -696,6 +696,10 @@ class PositionConfig(_Config):
     # rope_local_base_freq and ModernBERT's local_rope_theta; None: every layer uses
     # rope_theta and its scaling. Decoder and encoder only.
     local_rope_theta: float | None = None
+    # NoPE layers (SmolLM3's no_rope_layers = 0): the indices of the layers that rotate
+    # nothing, their queries and keys passed as projected; every other layer takes RoPE.
+    # Decoders with attention.kind 'mha' and position.kind 'rope' only.
+    nope_layers: list[int] = field(default_factory=list)
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
@@ -754,6 +758,13 @@ class PositionConfig(_Config):
             _fail(f"{path}.rope_fraction", f"must be in (0, 1], got {self.rope_fraction}")
         if self.rope_fraction != 1.0 and self.kind != "rope":
             _fail(f"{path}.rope_fraction", f"needs position.kind 'rope', got {self.kind!r}")
+        n = self.nope_layers
+        if any(i < 0 for i in n) or any(a >= b for a, b in zip(n, n[1:])):
+            _fail(
+                f"{path}.nope_layers", f"must be distinct layers >= 0 in increasing order, got {n}"
+            )
+        if n and self.kind != "rope":
+            _fail(f"{path}.nope_layers", f"needs position.kind 'rope', got {self.kind!r}")
 
     def rotary_dim(self, head_dim: int) -> int:
         """The features of a head of width ``head_dim`` that RoPE rotates: transformers'
@@ -1004,6 +1015,22 @@ class ModelConfig(_Config):
             _fail(at("d_model"), f"sinusoidal positions need an even d_model, got {self.d_model}")
         self._validate_pieces_by_arch(at)
         self._validate_rope_pieces(at)
+        self._validate_nope_layers(at)
+
+    def _validate_nope_layers(self, at) -> None:
+        """NoPE layers (``position.nope_layers``): built by the decoder's multi-head
+        attention only, within the stack."""
+        nope = self.position.nope_layers
+        if not nope:
+            return
+        where = at("position.nope_layers")
+        if nope[-1] >= self.n_layers:
+            _fail(where, f"layer {nope[-1]} is not below n_layers={self.n_layers}")
+        if self.arch != "decoder":
+            _fail(where, f"is implemented by the decoder architecture only, not {self.arch!r}")
+        if self.attention.kind != "mha":
+            _fail(where, f"is implemented by attention.kind='mha' only, not "
+                  f"{self.attention.kind!r}")  # fmt: skip
 
     def _validate_rope_pieces(self, at) -> None:
         """Partial rotation (``position.rope_fraction``) and LongRoPE's factor lists, which

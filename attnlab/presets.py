@@ -1037,6 +1037,59 @@ def olmo2_13b() -> ModelConfig:
     return olmo2_style(d_model=5120, n_layers=40, n_heads=40, ffn_hidden=13824)
 
 
+def smollm3_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_hidden: int,
+    vocab_size: int = 128256,
+    max_seq_len: int = 65536,
+    rope_theta: float = 5_000_000.0,
+    nope_interval: int = 4,
+) -> ModelConfig:
+    """SmolLM3: LLaMA's GQA, RoPE, SwiGLU and RMSNorm with a tied head, in which every
+    ``nope_interval``-th layer (3, 7, 11, ...) applies no RoPE (NoPE,
+    ``position.nope_layers``; transformers' no_rope_layers = 0); no biases."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads),
+        position=PositionConfig(
+            kind="rope",
+            rope_theta=rope_theta,
+            rope_layout="split",
+            nope_layers=list(range(nope_interval - 1, n_layers, nope_interval)),
+        ),
+        ffn=FFNConfig(kind="glu", activation="silu", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6),
+        tie_embeddings=True,
+    )
+
+
+def smollm3_tiny() -> ModelConfig:
+    """SmolLM3's architecture in 4 layers (layer 3 NoPE), d_model 64, GQA 4/2: for tests."""
+    return smollm3_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=160,
+        rope_theta=10_000.0,
+    )
+
+
+def smollm3_3b() -> ModelConfig:
+    """HuggingFaceTB/SmolLM3-3B config.json: 36 layers (every 4th NoPE), GQA 16/4 heads of
+    128, a tied head, 64k context at RoPE base 5e6."""
+    return smollm3_style(d_model=2048, n_layers=36, n_heads=16, n_kv_heads=4, ffn_hidden=11008)
+
+
 def phi3_tiny() -> ModelConfig:
     """Phi-3's architecture (the LLaMA layout with LongRoPE, as Phi-3-mini-128k's) in 2
     layers, d_model 64, GQA 4/2: a context of 128 stretched 4x from 32 by per-pair factors
@@ -1238,6 +1291,11 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "olmo-2-1b": (olmo2_1b, "OLMo 2 1B, 1.5B (MHA 16 heads, 4k context)"),
     "olmo-2-7b": (olmo2_7b, "OLMo 2 7B, 7.3B (MHA 32 heads, 4k context)"),
     "olmo-2-13b": (olmo2_13b, "OLMo 2 13B, 13.7B (MHA 40 heads, 4k context)"),
+    "smollm3-tiny": (
+        smollm3_tiny,
+        "SmolLM3 architecture: NoPE layers (every 4th without RoPE), GQA 4/2; 4 layers",
+    ),
+    "smollm3-3b": (smollm3_3b, "SmolLM3 3B, 3.1B (GQA 16/4, every 4th layer NoPE, 64k context)"),
     "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
     "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),
     "modernbert-tiny": (

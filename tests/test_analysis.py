@@ -526,6 +526,13 @@ CONFIG_JSON = {
                       num_attention_heads=32, num_key_value_heads=32),
     "olmo-2-13b": dict(_OLMO2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                        num_attention_heads=40, num_key_value_heads=40),
+    # HuggingFaceTB/SmolLM3-3B (no_rope_layers: every 4th layer 0, as the interval makes it)
+    "smollm3-3b": dict(model_type="smollm3", hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                       vocab_size=128256, max_position_embeddings=65536, rms_norm_eps=1e-6,
+                       rope_theta=5e6, tie_word_embeddings=True, use_sliding_window=False,
+                       sliding_window=None, attention_bias=False, mlp_bias=False,
+                       no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)]),
     "modernbert-base": dict(_MODERNBERT, hidden_size=768, intermediate_size=1152,
                             num_hidden_layers=22, num_attention_heads=12),
     "modernbert-large": dict(_MODERNBERT, hidden_size=1024, intermediate_size=2624,

@@ -145,6 +145,24 @@ MINIMAL: dict[str, list[dict]] = {
     ],
     # 32 heads of 4 (num_key_value_heads: num_attention_heads), rms_norm_eps 1e-5, RoPE
     # theta 1e4, an untied head, by default
+    "smollm3": [
+        # 8 layers: the default interval makes layers 3 and 7 NoPE; RoPE base 2e6, GQA 4 kv
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 8},
+        # an irregular no_rope_layers, untied, biases, another interval (ignored with the list)
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "no_rope_layers": [0, 1],
+            "no_rope_layer_interval": 2,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": False,
+        },
+        # the interval alone
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 4, "no_rope_layer_interval": 1},
+    ],
     "olmo2": [
         {**_RMS, "hidden_size": 128, "num_attention_heads": 32},
         # GQA, attention biases (q, k, v and o), transformers 4.x's RoPE keys, LLaMA 3 scaling

@@ -30,6 +30,7 @@ from attnlab.interop.io import (
 from attnlab.interop.olmo2 import MODEL_TYPES as OLMO2_TYPES
 from attnlab.interop.olmo2 import olmo2_features
 from attnlab.interop.registry import FAMILIES, lookup
+from attnlab.interop.smollm3 import MODEL_TYPES as SMOLLM3_TYPES
 from attnlab.models import build_model
 from attnlab.models.loadable import check_tied
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
@@ -141,6 +142,11 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     "RoPE, RMSNorm on each sublayer's output, QK-norm over whole projections)"
                 )
             pos = cfg.position
+            if pos.nope_layers and model_type not in SMOLLM3_TYPES:
+                raise unrepresentable(
+                    f"position.nope_layers ({model_type} rotates every layer; NoPE layers "
+                    f"export as {' or '.join(SMOLLM3_TYPES)}: RoPE, RMSNorm, gated feed-forward)"
+                )
             if pos.rope_scaling == "longrope" and model_type not in LONGROPE_TYPES:
                 raise unrepresentable(
                     f"position.rope_scaling='longrope' ({model_type} has no LongRoPE; it "
@@ -192,7 +198,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
     local layers) -> ``gemma3_text`` with QK-norm or the second base, else ``gemma2`` with
     sandwich norms, else ``gemma``; with OLMo 2's pieces (an RMSNorm on each sublayer's
     output and none before it, QK-norm over the whole query and key projections) ->
-    ``olmo2``."""
+    ``olmo2``; with NoPE layers (``position.nope_layers``) -> ``smollm3``."""
     return _export_family(cfg)[1]
 
 

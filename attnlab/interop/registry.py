@@ -25,6 +25,7 @@ from attnlab.interop import (
     phi3,
     qwen2_moe,
     qwen3_moe,
+    smollm3,
     vit,
 )
 from attnlab.interop.io import Family, HFCheckpointError
@@ -36,6 +37,8 @@ FAMILIES: tuple[Family, ...] = (
     # next: every decoder with OLMo 2's pieces (norms on the sublayers' outputs, QK-norm
     # over whole projections), which LLaMA's layout would drop
     olmo2.FAMILY,
+    # next: every decoder with NoPE layers (SmolLM3's), which the other layouts would rotate
+    smollm3.FAMILY,
     phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
     gpt2.FAMILY,
     llama.FAMILY,

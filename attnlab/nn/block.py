@@ -141,7 +141,7 @@ class TransformerStack(nn.ModuleList):
     it; cross-attention keys/values are computed once per source under a cache.
     ``local_rope`` (Gemma 3's rope_local_base_freq): the RoPE of the local (windowed)
     layers, whose tables ``forward`` then takes as ``local_rope``; else every layer has
-    ``rope``."""
+    ``rope``. The layers of ``position.nope_layers`` (SmolLM3's NoPE layers) take none."""
 
     def __init__(
         self,
@@ -157,17 +157,18 @@ class TransformerStack(nn.ModuleList):
         # which blocks take the local RoPE: the windowed ones, where there is one
         local = [local_rope is not None and cfg.attention.window_of(i) is not None
                  for i in range(n)]  # fmt: skip
+        nope = [i in cfg.position.nope_layers for i in range(n)]  # no rotation at all
         super().__init__(
             TransformerBlock(
                 cfg,
                 causal=causal,
                 cross_attention=cross_attention,
-                rope=local_rope if local[i] else rope,
+                rope=None if nope[i] else local_rope if local[i] else rope,
                 layer=i,
             )
             for i in range(n)
         )
-        self.local = local
+        self.local, self.nope = local, nope
 
     def add_cache_entries(self, cache: Cache) -> Cache:
         """One entry per block, of the kind its attention keeps; cross-attention entries
@@ -201,7 +202,7 @@ class TransformerStack(nn.ModuleList):
             x = block(
                 x,
                 positions=positions,
-                rope=local_rope if self.local[i] else rope,
+                rope=None if self.nope[i] else local_rope if self.local[i] else rope,
                 cache=None if cache is None else cache.layers[i],
                 mask=mask,
                 context=context,
