@@ -318,3 +318,34 @@ def hf_logits(ref, idx, attention_mask=None) -> torch.Tensor:
         kwargs["attention_mask"] = attention_mask
     with torch.no_grad():
         return ref(idx, **kwargs).logits
+
+
+def left_padded_batch(vocab_size: int, seed: int = 2) -> tuple[Tensor, Tensor]:
+    """(3, 16) token ids and their attention mask: rows 0 and 2 left-padded by 5 and 9
+    (pads are token 0), row 1 whole."""
+    idx = torch.randint(0, vocab_size, (3, 16), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(idx)
+    mask[0, :5] = 0
+    mask[2, :9] = 0
+    return idx.masked_fill(mask == 0, 0), mask
+
+
+def assert_logits_match_hf(ref, model, vocab_size: int, tol: float, seed: int = 1) -> None:
+    """A transformers causal LM and a model holding its weights: logits of a (3, 16) batch
+    within ``tol``, the reference's not all near zero."""
+    idx = torch.randint(0, vocab_size, (3, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ours = model(idx).logits
+    theirs = hf_logits(ref, idx)
+    assert theirs.abs().max() > 1.0  # the comparison is not between near-zero logits
+    assert (ours - theirs).abs().max() <= tol
+
+
+def assert_left_padded_logits_match_hf(ref, model, vocab_size: int, tol: float) -> None:
+    """The same with :func:`left_padded_batch`: the real tokens' logits within ``tol``."""
+    idx, mask = left_padded_batch(vocab_size)
+    with torch.no_grad():
+        ours = model(idx, attention_mask=mask).logits
+    theirs = hf_logits(ref, idx, mask)
+    real = mask.bool()
+    assert (ours[real] - theirs[real]).abs().max() <= tol

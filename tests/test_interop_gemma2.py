@@ -23,7 +23,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from oracle import assert_greedy_tokens_match_hf, hf_logits, randomize_weights  # noqa: E402
+from oracle import (  # noqa: E402
+    assert_greedy_tokens_match_hf,
+    hf_logits,
+    left_padded_batch,
+    randomize_weights,
+)
 from safetensors.torch import load_file  # noqa: E402
 
 from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
@@ -203,12 +208,7 @@ def test_import_logits(imported):
 def test_import_logits_left_padding(imported, backend):
     """Every backend that takes soft-capping, with left padding: transformers' logits."""
     case, ref, model = imported
-    g = torch.Generator().manual_seed(2)
-    idx = torch.randint(0, V, (3, 16), generator=g)
-    mask = torch.ones_like(idx)
-    mask[0, :5] = 0
-    mask[2, :9] = 0
-    idx = idx.masked_fill(mask == 0, 0)
+    idx, mask = left_padded_batch(V)
     other = DecoderLM(model.cfg.override({"attention.backend": backend})).eval()
     other.load_state_dict(model.state_dict())
     with torch.no_grad():

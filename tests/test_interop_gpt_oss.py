@@ -22,7 +22,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from oracle import assert_greedy_tokens_match_hf, hf_logits  # noqa: E402
+from oracle import (  # noqa: E402
+    assert_greedy_tokens_match_hf,
+    assert_left_padded_logits_match_hf,
+    hf_logits,
+)
 from safetensors.torch import load_file  # noqa: E402
 from test_interop import router_gradients_match  # noqa: E402
 
@@ -182,17 +186,7 @@ def test_import_logits(imported, monkeypatch):
 
 def test_import_logits_left_padding(imported):
     case, ref, model = imported
-    g = torch.Generator().manual_seed(2)
-    idx = torch.randint(0, V, (3, 16), generator=g)
-    mask = torch.ones_like(idx)
-    mask[0, :5] = 0
-    mask[2, :9] = 0
-    idx = idx.masked_fill(mask == 0, 0)
-    with torch.no_grad():
-        ours = model(idx, attention_mask=mask).logits
-    theirs = hf_logits(ref, idx, mask)
-    real = mask.bool()
-    assert (ours[real] - theirs[real]).abs().max() <= TOL
+    assert_left_padded_logits_match_hf(ref, model, V, TOL)
 
 
 def test_import_greedy_generation(imported):
