@@ -86,8 +86,9 @@ def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
         _linear(d, up_width, ffn.bias),
         _linear(hidden, d, ffn.bias),
     ]
-    # attn + ffn norms (sandwich: a second one after each; post_sublayer: one after each)
-    n_norms = 4 if cfg.norm.placement == "sandwich" else 2
+    # attn + ffn norms (sandwich: a second one after each; post_sublayer: one after each;
+    # parallel_shared: one both sublayers read)
+    n_norms = {"sandwich": 4, "parallel_shared": 1}.get(cfg.norm.placement, 2)
     params = sum(p for p, _ in linears) + n_norms * _norm_params(cfg.norm, d)
     if att.qk_norm:  # QK-norm: one weight for the queries, one for the keys
         params += 2 * cfg.head_dim if att.qk_norm_scope == "head" else q_dim + kv_dim

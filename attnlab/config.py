@@ -310,10 +310,14 @@ GATED_ACTIVATIONS = ("clamped_swiglu",)
 # scaled in float32 before casting back (Gemma)
 NORM_KINDS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
 # sandwich (Gemma 2 and 3): x + post_norm(f(pre_norm(x))), a norm on each side of f;
-# post_sublayer (OLMo 2): x + post_norm(f(x)), a norm on f's output only, inside the residual
-NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer")
+# post_sublayer (OLMo 2): x + post_norm(f(x)), a norm on f's output only, inside the residual;
+# parallel (GPT-NeoX, Pythia): x + attn(norm1(x)) + ffn(norm2(x)), both sublayers reading the
+# block's input; parallel_shared (Phi-1/1.5/2, GPT-J): the same with one norm,
+# x + attn(norm(x)) + ffn(norm(x)) (nn/parallel_block.py)
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer", "parallel", "parallel_shared")
+PARALLEL_NORM_PLACEMENTS = ("parallel", "parallel_shared")
 # Placements only the decoder builds (its blocks and final norm); other architectures refuse
-DECODER_NORM_PLACEMENTS = ("sandwich", "post_sublayer")
+DECODER_NORM_PLACEMENTS = ("sandwich", "post_sublayer", *PARALLEL_NORM_PLACEMENTS)
 # What QK-norm normalises (attention.qk_norm_scope): each head's d_h features (Qwen3, Gemma 3)
 # or the whole query and key projections, h d_h and h_kv d_h wide, before the split into heads
 # (OLMo 2)
@@ -909,14 +913,18 @@ class FFNConfig(_Config):
 class NormConfig(_Config):
     """Normalisation: ``kind`` layernorm, rmsnorm or gemma_rmsnorm (weight 1 + w), its
     ``eps``, a LayerNorm ``bias``, and ``placement`` pre (GPT-2, LLaMA), post (the original
-    Transformer), sandwich (Gemma 2 and 3: a norm before and after each sublayer) or
-    post_sublayer (OLMo 2: a norm after each sublayer only, inside its residual branch)."""
+    Transformer), sandwich (Gemma 2 and 3: a norm before and after each sublayer),
+    post_sublayer (OLMo 2: a norm after each sublayer only, inside its residual branch),
+    parallel (GPT-NeoX, Pythia: attention and feed-forward side by side on the block's input,
+    each after a norm of its own) or parallel_shared (Phi-1/1.5/2, GPT-J: the same with one
+    norm both read)."""
 
     kind: str = "layernorm"
     eps: float = 1e-5
     bias: bool = True  # LayerNorm only
     # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": x + norm'(f(norm(x)));
-    # "post_sublayer": x + norm'(f(x))
+    # "post_sublayer": x + norm'(f(x)); "parallel": x + attn(norm(x)) + ffn(norm'(x));
+    # "parallel_shared": x + attn(norm(x)) + ffn(norm(x)) (decoders only)
     placement: str = "pre"
 
     def validate(self, path: str = "norm") -> None:

@@ -1,7 +1,8 @@
 """Named model configurations: plain functions returning a fresh config.
 
 Tiny presets build in milliseconds for tests; published sizes (GPT-2, LLaMA, Mistral,
-Qwen2, Mixtral, Gemma 3, Phi-3, ...) are there for the calculators and for checkpoint import.
+Qwen2, Mixtral, Gemma 3, Phi-3, Pythia, ...) are there for the calculators and for
+checkpoint import.
 """
 
 from __future__ import annotations
@@ -1129,6 +1130,66 @@ def phi_3_mini_4k() -> ModelConfig:
     return cfg.override({"attention.sliding_window": 2047})
 
 
+def gpt_neox_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int = 50304,
+    max_seq_len: int = 2048,
+    rope_fraction: float = 0.25,
+    parallel: bool = True,
+) -> ModelConfig:
+    """GPT-NeoX (Black et al. 2022) and Pythia (Biderman et al. 2023): attention and a GELU
+    MLP of 4d side by side on each block's input, each after its own LayerNorm
+    (``norm.placement='parallel'``; ``parallel=False``: sequential pre-norm), biases
+    everywhere, RoPE of base 10000 on the first quarter of each head (rotate-half pairs),
+    MHA, an untied head."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
+        position=PositionConfig(
+            kind="rope", rope_theta=10000.0, rope_layout="split", rope_fraction=rope_fraction
+        ),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=4 * d_model, bias=True),
+        norm=NormConfig(
+            kind="layernorm", eps=1e-5, bias=True, placement="parallel" if parallel else "pre"
+        ),
+        tie_embeddings=False,
+    )
+
+
+def pythia_tiny() -> ModelConfig:
+    """Pythia's architecture in 2 layers, d_model 64, 4 heads of 16 (4 features of each
+    rotated): CPU-trainable, for tests."""
+    return gpt_neox_style(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4)
+
+
+# EleutherAI/pythia-* config.json (recalled, not read here; tests/test_analysis.py checks
+# each against transformers' GPTNeoXForCausalLM of the same config.json, and the totals
+# against those of the Pythia paper's Table 1): d_model, layers, heads, vocabulary.
+PYTHIA_SIZES = {
+    "70m": (512, 6, 8, 50304),  # 70,426,624 parameters
+    "160m": (768, 12, 12, 50304),  # 162,322,944
+    "410m": (1024, 24, 16, 50304),  # 405,334,016
+    "1b": (2048, 16, 8, 50304),  # 1,011,781,632
+    "1.4b": (2048, 24, 16, 50304),  # 1,414,647,808
+    "2.8b": (2560, 32, 32, 50304),  # 2,775,208,960
+    "6.9b": (4096, 32, 32, 50432),  # 6,857,302,016
+    "12b": (5120, 36, 40, 50688),  # 11,846,072,320
+}
+
+
+def pythia(size: str) -> ModelConfig:
+    """EleutherAI/pythia-``size``: 2048-token context, parallel blocks, a quarter of each
+    head rotated, MLP of 4d (:data:`PYTHIA_SIZES`)."""
+    d, n_layers, n_heads, vocab = PYTHIA_SIZES[size]
+    return gpt_neox_style(d_model=d, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab)
+
+
 def modernbert_style(
     *,
     d_model: int,
@@ -1298,6 +1359,18 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "smollm3-3b": (smollm3_3b, "SmolLM3 3B, 3.1B (GQA 16/4, every 4th layer NoPE, 64k context)"),
     "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
     "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),
+    "pythia-tiny": (
+        pythia_tiny,
+        "GPT-NeoX/Pythia architecture: parallel attention and MLP, 1/4 of heads rotated; 2 layers",
+    ),
+    **{
+        f"pythia-{size}": (
+            lambda size=size: pythia(size),
+            f"Pythia {size.upper()} (GPT-NeoX: parallel blocks, d_model {d}, {n} layers, "
+            f"{h} heads)",
+        )
+        for size, (d, n, h, _) in PYTHIA_SIZES.items()
+    },
     "modernbert-tiny": (
         modernbert_tiny,
         "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",

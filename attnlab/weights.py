@@ -111,13 +111,16 @@ class SafetensorsFile:
 
     def read_into(self, name: str, dest: Tensor, *, reshaped: bool = False) -> None:
         """Copy tensor ``name`` into ``dest`` (same shape; any dtype, strides, device).
-        ``reshaped``: ``dest`` holds the stored tensor in another shape of the same
-        leading dimension and number of elements (its values in the stored order: a last
-        dimension split into pairs, say)."""
+        ``reshaped``: ``dest`` holds the stored tensor in another shape of as many elements,
+        its values in the stored order (a last dimension split into pairs, say), whose
+        leading rows are whole blocks of the stored leading rows (the same leading
+        dimension, or one dividing it: (h, 3, d_h, d) for a stored (3 h d_h, d))."""
         dtype, shape, offset, numel = self.entries[name]
         same = tuple(dest.shape) == shape
         if reshaped:
-            same = dest.numel() == numel and dest.dim() > 0 and dest.shape[:1] == shape[:1]
+            same = dest.numel() == numel and dest.dim() > 0 and len(shape) > 0
+            rows = dest.shape[0]
+            same = same and (rows == shape[0] or (rows > 0 and shape[0] % rows == 0))
         if not same:
             raise ValueError(f"{name}: destination shape {tuple(dest.shape)} != file's {shape}")
         if numel == 0:  # nothing to read (its rows would be 0 bytes each)

@@ -222,6 +222,15 @@ def test_moe_matmul_parameters_count_only_active_experts():
         ("gemma-2-2b", 2_614_341_888),
         ("gemma-2-9b", 9_241_705_984),
         ("gemma-2-27b", 27_227_128_320),
+        # EleutherAI/pythia-*: the Pythia paper's (Biderman et al. 2023, Table 1) totals
+        ("pythia-70m", 70_426_624),
+        ("pythia-160m", 162_322_944),
+        ("pythia-410m", 405_334_016),
+        ("pythia-1b", 1_011_781_632),
+        ("pythia-1.4b", 1_414_647_808),
+        ("pythia-2.8b", 2_775_208_960),
+        ("pythia-6.9b", 6_857_302_016),
+        ("pythia-12b", 11_846_072_320),
     ],
 )
 def test_published_parameter_totals(name, total):
@@ -426,6 +435,18 @@ _MODERNBERT = dict(
     norm_eps=1e-5, pad_token_id=50283, sep_token_id=50282, tie_word_embeddings=True,
     vocab_size=50368,
 )  # fmt: skip
+# EleutherAI/pythia-70m ... -12b config.json (transformers 4.x keys; recalled, and their
+# transformers parameter counts are the Pythia paper's totals, 70,426,624 to 11,846,072,320)
+_PYTHIA = dict(
+    model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidden_act="gelu",
+    max_position_embeddings=2048, rotary_pct=0.25, rotary_emb_base=10000,
+    use_parallel_residual=True, layer_norm_eps=1e-5, initializer_range=0.02,
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+)  # fmt: skip
+_PYTHIA_SIZES = [("70m", 512, 6, 8, 50304), ("160m", 768, 12, 12, 50304),
+                 ("410m", 1024, 24, 16, 50304), ("1b", 2048, 16, 8, 50304),
+                 ("1.4b", 2048, 24, 16, 50304), ("2.8b", 2560, 32, 32, 50304),
+                 ("6.9b", 4096, 32, 32, 50432), ("12b", 5120, 36, 40, 50688)]  # fmt: skip
 CONFIG_JSON = {
     "gemma-2b": dict(_GEMMA, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
                      num_attention_heads=8, num_key_value_heads=1),
@@ -549,6 +570,9 @@ CONFIG_JSON = {
                           tie_word_embeddings=False, hidden_act="silu", attention_dropout=0.0,
                           resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=32000,
                           pad_token_id=32000),
+    **{f"pythia-{size}": dict(_PYTHIA, hidden_size=d, intermediate_size=4 * d,
+                              num_hidden_layers=n, num_attention_heads=h, vocab_size=vocab)
+       for size, d, n, h, vocab in _PYTHIA_SIZES},
     "gpt-oss-20b": _GPT_OSS,
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_GPT_OSS_LAYERS * 18),

@@ -437,6 +437,123 @@ def test_sandwich_and_post_sublayer_placements_are_the_decoders_only(placement):
         EncoderConfig(norm=NormConfig(placement=placement)).validate()
 
 
+def _parallel_by_hand(blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x + attn(norm(x)) + ffn(norm'(x)) written out: LayerNorm, causal multi-head softmax
+    attention (a per-query loop) and the GELU MLP from the block's weights."""
+    from oracle import causal_allowed, naive_attention
+
+    def layer_norm(ln: nn.Module) -> torch.Tensor:
+        mu, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+        return (x - mu) / torch.sqrt(var + ln.eps) * ln.weight + ln.bias
+
+    shared = blk.norm is not None
+    h_attn = layer_norm(blk.norm if shared else blk.attn_norm)
+    h_ffn = layer_norm(blk.norm if shared else blk.ffn_norm)
+    b, t, _ = x.shape
+    qkv = h_attn @ blk.attn.qkv.weight.T + blk.attn.qkv.bias  # (b, t, 3 d)
+    q, k, v = (z.view(b, t, 4, D // 4).transpose(1, 2) for z in qkv.split(D, -1))
+    heads = naive_attention(q, k, v, causal_allowed(t, t)).to(x.dtype)  # (b, h, t, d_h)
+    attn = heads.transpose(1, 2).reshape(b, t, D) @ blk.attn.out.weight.T + blk.attn.out.bias
+    hidden = F.gelu(h_ffn @ blk.ffn.up.weight.T + blk.ffn.up.bias)
+    return x + attn + hidden @ blk.ffn.down.weight.T + blk.ffn.down.bias
+
+
+@pytest.mark.parametrize("placement", ["parallel", "parallel_shared"])
+def test_parallel_block_is_x_plus_attention_plus_ffn_of_its_input(placement):
+    """GPT-NeoX's block (two norms) and Phi's (one shared norm): both sublayers read the
+    block's input, x + attn(norm(x)) + ffn(norm'(x)), as written out by hand; a sequential
+    pre-norm block with the same weights gives other numbers."""
+    from attnlab.nn import ParallelTransformerBlock
+    from attnlab.nn.block import TransformerStack
+
+    cfg = _cfg(placement).override({"ffn.activation": "gelu"})
+    blk = ParallelTransformerBlock(cfg).eval()
+    _randomise(blk)
+    with torch.no_grad():  # LayerNorm weights near 1, so that the norm matters
+        for name, p in blk.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.add_(1.0)
+    norms = {n.split(".")[0] for n, _ in blk.named_parameters() if "norm" in n}
+    assert norms == ({"norm"} if placement == "parallel_shared" else {"attn_norm", "ffn_norm"})
+    x = torch.randn(3, 7, D)
+    with torch.no_grad():
+        torch.testing.assert_close(blk(x), _parallel_by_hand(blk, x), atol=1e-5, rtol=1e-5)
+        assert isinstance(TransformerStack(cfg)[0], ParallelTransformerBlock)
+        if placement == "parallel":
+            pre = TransformerBlock(_cfg("pre").override({"ffn.activation": "gelu"})).eval()
+            pre.load_state_dict(blk.state_dict())
+            assert not torch.allclose(pre(x), blk(x), atol=1e-3)
+
+
+def test_parallel_blocks_refuse_what_they_do_not_build():
+    """No cross-attention (encoder-decoders), no other architecture, no other placement:
+    refused by name."""
+    from attnlab.config import ConfigError
+    from attnlab.models.encoder import EncoderConfig
+    from attnlab.nn import ParallelTransformerBlock
+
+    with pytest.raises(ValueError, match="parallel blocks have no cross-attention"):
+        ParallelTransformerBlock(_cfg("parallel"), cross_attention=True)
+    with pytest.raises(ValueError, match="a parallel block needs norm.placement parallel or"):
+        ParallelTransformerBlock(_cfg("pre"))
+    with pytest.raises(ConfigError, match=r"norm.placement: 'parallel_shared' is implemented "
+                       r"by the decoder architecture only, not 'encoder'"):  # fmt: skip
+        EncoderConfig(norm=NormConfig(placement="parallel_shared")).validate()
+    with pytest.raises(ConfigError, match=r"norm.placement: 'parallel' is implemented by the "
+                       r"decoder architecture only, not 'seq2seq'"):  # fmt: skip
+        ModelConfig.from_dict({"arch": "seq2seq", "norm": {"placement": "parallel"}})
+
+
+@pytest.mark.parametrize("placement", ["parallel", "parallel_shared"])
+@torch.no_grad()
+def test_parallel_decoder_decodes_pads_and_packs_like_full_passes(placement):
+    """A decoder of parallel blocks (pythia-tiny's, or with one shared norm): cached
+    decoding equals the full pass and greedy generation re-running the whole sequence; a
+    left-padded row equals the row alone; packed documents equal each document alone."""
+    from oracle import greedy_no_cache
+
+    torch.manual_seed(0)
+    cfg = get_preset("pythia-tiny").override({"norm.placement": placement, "vocab_size": 64})
+    model = build_model(cfg).eval()
+    _randomise(model, std=0.1)
+    idx = torch.randint(0, 64, (2, 14), generator=torch.Generator().manual_seed(1))
+    full = model(idx).logits
+    cache = model.new_cache(2, 20)
+    steps = [model(idx[:, :6], cache=cache).logits]
+    steps += [model(idx[:, i : i + 1], cache=cache).logits for i in range(6, 14)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    prompt = idx[0, :5].tolist()
+    assert model.generate(prompt, 10) == greedy_no_cache(model, prompt, 10)
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), idx[1:, :10]], 1)
+    mask = (torch.arange(14) >= 4).long()[None]
+    alone = model(idx[1:, :10]).logits
+    torch.testing.assert_close(model(padded, attention_mask=mask).logits[:, 4:], alone,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    docs = torch.tensor([[0] * 6 + [1] * 8])
+    packed = model(idx[:1], doc_ids=docs).logits
+    torch.testing.assert_close(packed[:, 6:], model(idx[:1, 6:]).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_parallel_decoder_passes_expert_statistics_through():
+    """Experts in parallel blocks: the balance loss counts real tokens only, as in
+    sequential blocks (the blocks hand real_tokens to the feed-forward)."""
+    cfg = get_preset("pythia-tiny").override(
+        {"ffn.kind": "moe", "ffn.router": "deepseek-v2", "ffn.n_shared_experts": 0,
+         "ffn.switch_aux_loss_coef": 0.01, "ffn.moe_hidden_dim": 32, "vocab_size": 64}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    idx = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(idx)
+    mask[0, :3] = 0
+    out = model(idx, attention_mask=mask, targets=idx)
+    assert out.aux_loss is not None and out.aux_loss > 0
+    changed = idx.clone()
+    changed[0, :3] = 5  # other pads: the same statistics
+    again = model(changed, attention_mask=mask, targets=idx)
+    torch.testing.assert_close(again.aux_loss, out.aux_loss)
+
+
 def _copy_encoder_layer(blk: TransformerBlock, ref: nn.Module) -> None:
     with torch.no_grad():
         blk.attn.qkv.weight.copy_(ref.self_attn.in_proj_weight)

@@ -331,8 +331,9 @@ def expected_parameters(cfg: ModelConfig) -> int:
         ffns = n_dense * ffn + (cfg.n_layers - n_dense) * moe
     total = cfg.vocab_size * d  # token embedding
     total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0
-    # (sandwich: a norm after each too; post_sublayer: one after each, none before)
-    n_norms = 4 if nrm.placement == "sandwich" else 2
+    # (sandwich: a norm after each too; post_sublayer: one after each, none before;
+    # parallel_shared: one norm both sublayers read)
+    n_norms = {"sandwich": 4, "parallel_shared": 1}.get(nrm.placement, 2)
     total += cfg.n_layers * (attn + n_norms * norm) + ffns
     total += norm if nrm.placement != "post" else 0  # final norm
     total += 0 if cfg.tie_embeddings else cfg.vocab_size * d

@@ -311,6 +311,8 @@ def test_training_forward_has_no_graph_breaks(name):
         ("llama-tiny", {"attention.sliding_window": 4, "attention.sink_logits": True}, 2),
         ("llama-tiny", {"attention.qk_norm": True}, 2),
         ("olmo2-tiny", {}, 2),  # QK-norm over whole projections, norms on sublayer outputs
+        ("pythia-tiny", {}, 2),  # parallel blocks, a partial rotation
+        ("pythia-tiny", {"norm.placement": "parallel_shared"}, 2),  # one norm per block
     ],
 )
 @torch.no_grad()

@@ -200,6 +200,24 @@ MINIMAL: dict[str, list[dict]] = {
             },
         },
     ],
+    # 64 heads (MHA; of 8 here), parallel blocks, a quarter of each head rotated at base 10000,
+    # attention biases, LayerNorm eps 1e-5, an untied head, by default
+    "gpt_neox": [
+        {"vocab_size": 100, "hidden_size": 512, "intermediate_size": 64, "num_hidden_layers": 2},
+        # transformers 4.x's keys: sequential blocks, half of each head at base 500, no
+        # attention biases
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "use_parallel_residual": False,
+            "rotary_pct": 0.5,
+            "rotary_emb_base": 500.0,
+            "attention_bias": False,
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

@@ -76,9 +76,10 @@ WINDOWED_TYPES = (
 )
 # model types with QK-norm (attention.qk_norm): per head, or over whole projections (olmo2)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
-# model types with LongRoPE (whose generate re-encodes past the original context) and a
-# partial rotation (position.rope_fraction)
-LONGROPE_TYPES = PARTIAL_ROTARY_TYPES = ("phi3",)
+# model types with LongRoPE (whose generate re-encodes past the original context), and with
+# a partial rotation (position.rope_fraction)
+LONGROPE_TYPES = ("phi3",)
+PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox")
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
 # head, the clamped SwiGLU, biases on the router's logits and on the experts
 GPT_OSS_TYPES = ("gpt_oss",)
@@ -175,6 +176,13 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
         )
     if cfg.norm.placement == "post_sublayer":
         raise unrepresentable("norm.placement='post_sublayer' (OLMo 2's: exports as olmo2 only)")
+    if cfg.norm.placement == "parallel":
+        raise unrepresentable(
+            "norm.placement='parallel' (GPT-NeoX's: exports as gpt_neox only: RoPE, LayerNorm, "
+            "an MLP feed-forward)"
+        )
+    if cfg.norm.placement == "parallel_shared":
+        raise unrepresentable("norm.placement='parallel_shared' (no supported architecture)")
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
     raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")
@@ -188,7 +196,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros),
-    and with LongRoPE or a partial rotation ``phi3`` (no biases);
+    and with LongRoPE or a partial rotation ``phi3`` (no biases); RoPE + LayerNorm + MLP
+    (pre-norm or parallel blocks with two norms) -> ``gpt_neox``;
     with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where
@@ -242,7 +251,7 @@ def load_hf(
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
     LLaMA, Mistral, Qwen2(-MoE), Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
-    DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
+    GPT-NeoX, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
     BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
     blocked pad token, from generation_config.json or else config.json, as transformers
@@ -283,6 +292,11 @@ def load_hf(
             dest = dest.transpose(-2, -1)
         if part.interleaved:  # stored a0 b0 a1 b1 ...: dest's halves as (..., n, 2) pairs
             dest = dest.unflatten(-1, (2, dest.shape[-1] // 2)).transpose(-2, -1)
+            file.read_into(stored, dest, reshaped=True)
+            return
+        if part.per_head is not None:  # stored (heads, parts, d_h, ...): dest's (parts, heads, ...)
+            parts, heads = part.per_head
+            dest = dest.unflatten(0, (parts, heads, -1)).transpose(0, 1)
             file.read_into(stored, dest, reshaped=True)
             return
         # a stored shape with extra unit dimensions (checked by the plan) is read as dest's

@@ -262,7 +262,7 @@ def _check_rope_parameters(
     if factor != 1.0 and not partial:
         raise HFCheckpointError(
             f"partial_rotary_factor={factor} is not supported for this model type: its "
-            "transformers model rotates whole heads (attnlab reads it for phi3)"
+            "transformers model rotates whole heads (attnlab reads it for phi3 and gpt_neox)"
         )
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise HFCheckpointError(
@@ -670,12 +670,21 @@ class Part:
     its last two dimensions stored swapped, (in, out) (GPT-2's Conv1D, GPT-OSS's experts).
     ``interleaved``: its last dimension (after any transposition) holds the parameter's
     two halves interleaved, a0 b0 a1 b1 ... for [a; b] (GPT-OSS's fused gate/up, whose
-    gate is ``[..., ::2]`` and up ``[..., 1::2]``). A stored shape that only adds unit
-    dimensions is read as the parameter's (Marian's (1, V) logits bias)."""
+    gate is ``[..., ::2]`` and up ``[..., 1::2]``). ``per_head`` = (parts, heads): the
+    parameter's rows are ``parts`` equal blocks of ``heads`` heads each ([q; k; v], each
+    (heads * d_h) rows), stored head by head, every head's parts together: rows (heads,
+    parts, d_h) for the parameter's (parts, heads, d_h) (GPT-NeoX's ``query_key_value``). A
+    stored shape that only adds unit dimensions is read as the parameter's (Marian's (1, V)
+    logits bias)."""
 
     name: str
     transposed: bool = False
     interleaved: bool = False
+    per_head: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_head is not None and (self.transposed or self.interleaved):
+            raise ValueError(f"{self.name}: per_head rows are read as stored (not transposed)")
 
 
 # attnlab parameter name -> the Hugging Face tensors stacked along its first dimension
@@ -722,9 +731,10 @@ class Source:
         *,
         transposed: bool = False,
         interleaved: bool = False,
+        per_head: tuple[int, int] | None = None,
     ) -> tuple[Part, ...] | None:
         """The tensor ``name``, which must have ``shape`` as stored (``transposed``,
-        ``interleaved``: see :class:`Part`)."""
+        ``interleaved``, ``per_head``: see :class:`Part`)."""
         stored = self.left.pop(name, None)
         if stored is None:
             self.missing.append(name)
@@ -732,7 +742,7 @@ class Source:
         if tuple(stored) != shape:
             self.wrong.append(f"{name} has shape {tuple(stored)}, config.json implies {shape}")
             return None
-        return (Part(name, transposed, interleaved),)
+        return (Part(name, transposed, interleaved, per_head),)
 
     def tied(self, name: str, source: tuple[Part, ...] | None) -> None:
         """A stored copy of a tied tensor (a head tied to the embedding) is not loaded; it is

@@ -16,6 +16,7 @@ from attnlab.interop import (
     deepseek_v32,
     gemma,
     gpt2,
+    gpt_neox,
     gpt_oss,
     llama,
     marian,
@@ -39,6 +40,9 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.FAMILY,
     # next: every decoder with NoPE layers (SmolLM3's), which the other layouts would rotate
     smollm3.FAMILY,
+    # before Phi-3 and LLaMA: it takes the RoPE decoders with LayerNorm and an MLP (pre-norm or
+    # parallel blocks), which their layouts (RMSNorm, gated FFN) would refuse
+    gpt_neox.FAMILY,
     phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
     gpt2.FAMILY,
     llama.FAMILY,

@@ -7,6 +7,7 @@ from attnlab.nn.feedforward import MLP, GatedFFN, build_ffn
 from attnlab.nn.linear_attention import LinearAttention
 from attnlab.nn.mla import MultiHeadLatentAttention
 from attnlab.nn.norm import RMSNorm, build_norm
+from attnlab.nn.parallel_block import ParallelTransformerBlock
 from attnlab.nn.rope import RotaryEmbedding
 from attnlab.nn.sparse import DeepSeekSparseAttention, LightningIndexer, NativeSparseAttention
 
@@ -20,6 +21,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "NativeSparseAttention",
+    "ParallelTransformerBlock",
     "RMSNorm",
     "RotaryEmbedding",
     "SinusoidalPositionalEmbedding",

@@ -3,7 +3,9 @@
 A block: self-attention, optional cross-attention, feed-forward, each with a residual
 connection. Pre-norm (GPT-2, LLaMA): x + f(norm(x)). Post-norm (Vaswani et al.):
 norm(x + f(x)). Sandwich (Gemma 2 and 3): x + post_norm(f(norm(x))). Post-sublayer (OLMo 2):
-x + post_norm(f(x)). The attention and FFN kinds come from their registries.
+x + post_norm(f(x)). The attention and FFN kinds come from their registries. Parallel blocks
+(GPT-NeoX, Phi: x + attn(norm(x)) + ffn(norm'(x))) are their own module,
+``nn/parallel_block.py``, which the stack builds by ``norm.placement`` (:data:`BLOCKS`).
 
 Shapes: (b, t, d) in and out; context (b, s, d_c).
 """
@@ -18,6 +20,30 @@ from attnlab.nn.feedforward import build_ffn
 from attnlab.nn.norm import build_norm
 from attnlab.nn.registry import build_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
+
+
+def self_attention(
+    cfg: ModelConfig, *, causal: bool, rope: RotaryEmbedding | None, layer: int
+) -> nn.Module:
+    """Block ``layer``'s self-attention: ``cfg.attention.kind`` for that layer (local or
+    global, by attention.layer_pattern), with QK-norm's RMSNorms of the model's norm eps
+    (Qwen3's rms_norm_eps) and kind (Gemma's unit offset)."""
+    return build_attention(
+        cfg.attention.kind,
+        cfg.d_model,
+        cfg.attention.for_layer(layer),
+        causal=causal,
+        rope=rope,
+        resid_dropout=cfg.dropout,
+        **_qk_norm(cfg),
+    )
+
+
+def _qk_norm(cfg: ModelConfig) -> dict:
+    """QK-norm's settings for an attention module: the model's norm eps and kind."""
+    if not cfg.attention.qk_norm:
+        return {}
+    return {"norm_eps": cfg.norm.eps, "norm_offset": cfg.norm.kind == "gemma_rmsnorm"}
 
 
 class TransformerBlock(nn.Module):
@@ -51,27 +77,12 @@ class TransformerBlock(nn.Module):
 
         self.attn_norm = pre_norm()
         self.attn_post_norm = post_norm()
-        # QK-norm's RMSNorms take the model's norm eps (Qwen3's rms_norm_eps) and kind
-        # (Gemma's unit offset)
-        qk_norm = (
-            {"norm_eps": cfg.norm.eps, "norm_offset": cfg.norm.kind == "gemma_rmsnorm"}
-            if cfg.attention.qk_norm
-            else {}
-        )
-        self.attn = build_attention(
-            cfg.attention.kind,
-            d,
-            cfg.attention.for_layer(layer),  # local or global, by attention.layer_pattern
-            causal=causal,
-            rope=rope,
-            resid_dropout=cfg.dropout,
-            **qk_norm,
-        )
+        self.attn = self_attention(cfg, causal=causal, rope=rope, layer=layer)
         self.cross_norm = pre_norm() if cross_attention else None
         self.cross_post_norm = post_norm() if cross_attention else None
         self.cross_attn = (
             build_attention(
-                "mha", d, cfg.attention, cross=True, resid_dropout=cfg.dropout, **qk_norm
+                "mha", d, cfg.attention, cross=True, resid_dropout=cfg.dropout, **_qk_norm(cfg)
             )
             if cross_attention
             else None
@@ -135,10 +146,24 @@ class TransformerBlock(nn.Module):
         return self._residual(x, self.ffn_norm, self.ffn_post_norm, self.ffn, **ffn_real)
 
 
+# norm.placement -> the block class that builds it, where not TransformerBlock (the parallel
+# placements: nn/parallel_block.py registers itself, imported by attnlab.nn)
+BLOCKS: dict[str, type[nn.Module]] = {}
+
+
+def block_class(cfg: ModelConfig) -> type[nn.Module]:
+    """The block class of ``cfg.norm.placement``."""
+    import attnlab.nn  # noqa: F401  (registers the parallel blocks)
+
+    return BLOCKS.get(cfg.norm.placement, TransformerBlock)
+
+
 class TransformerStack(nn.ModuleList):
     """The blocks of an encoder or decoder, run in order (a ModuleList, so parameter names
-    stay ``blocks.<i>.…``). Decoder-only, encoder-only and encoder–decoder models all use
-    it; cross-attention keys/values are computed once per source under a cache.
+    stay ``blocks.<i>.…``), each a :class:`TransformerBlock` or the block class that
+    ``norm.placement`` names in :data:`BLOCKS` (parallel blocks). Decoder-only, encoder-only
+    and encoder–decoder models all use it; cross-attention keys/values are computed once per
+    source under a cache.
     ``local_rope`` (Gemma 3's rope_local_base_freq): the RoPE of the local (windowed)
     layers, whose tables ``forward`` then takes as ``local_rope``; else every layer has
     ``rope``. The layers of ``position.nope_layers`` (SmolLM3's NoPE layers) take none."""
@@ -158,8 +183,9 @@ class TransformerStack(nn.ModuleList):
         local = [local_rope is not None and cfg.attention.window_of(i) is not None
                  for i in range(n)]  # fmt: skip
         nope = [i in cfg.position.nope_layers for i in range(n)]  # no rotation at all
+        block = block_class(cfg)
         super().__init__(
-            TransformerBlock(
+            block(
                 cfg,
                 causal=causal,
                 cross_attention=cross_attention,
