@@ -933,6 +933,10 @@ class NormConfig(_Config):
         _positive(f"{path}.eps", self.eps)
 
 
+# ModelConfig's scalars of the decoder alone (Granite's muP multipliers); 1 is none
+SCALAR_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logit_divisor")
+
+
 @dataclass
 class ModelConfig(_Config):
     """A transformer model. ``arch`` names the architecture (``decoder``: a decoder-only
@@ -962,6 +966,14 @@ class ModelConfig(_Config):
     # Final logit soft-capping (Gemma 2): logits -> final_logit_softcap * tanh(logits /
     # final_logit_softcap), in training, evaluation and generation. Decoder only.
     final_logit_softcap: float | None = None
+    # Granite's muP scalars, decoder only (1: none): the token embeddings are multiplied by
+    # embedding_multiplier (after any scale_embeddings), each sublayer's output by
+    # residual_multiplier before its residual add (x + m f(norm(x)) in a pre-norm block),
+    # and the output logits divided by logit_divisor (Granite's logits_scaling; before
+    # any final_logit_softcap), in training, evaluation and generation.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_divisor: float = 1.0
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
 
@@ -1090,6 +1102,12 @@ class ModelConfig(_Config):
         if self.final_logit_softcap is not None and self.arch != "decoder":
             _fail(at("final_logit_softcap"), f"is implemented by the decoder architecture "
                   f"only, not {self.arch!r}; set it to null")  # fmt: skip
+        for name in SCALAR_MULTIPLIERS:  # (Granite's)
+            value = getattr(self, name)
+            _positive(at(name), value)
+            if value != 1.0 and self.arch != "decoder":
+                _fail(at(name), f"is implemented by the decoder architecture only, not "
+                      f"{self.arch!r}; set it to 1")  # fmt: skip
         if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
             _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "
                   f"decoder architecture only, not {self.arch!r}")  # fmt: skip

@@ -1091,6 +1091,130 @@ def smollm3_3b() -> ModelConfig:
     return smollm3_style(d_model=2048, n_layers=36, n_heads=16, n_kv_heads=4, ffn_hidden=11008)
 
 
+def starcoder2_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    rope_theta: float,
+    tie_embeddings: bool,
+    vocab_size: int = 49152,
+    max_seq_len: int = 16384,
+    window: int | None = 4096,
+    init_std: float = 0.018042,
+) -> ModelConfig:
+    """StarCoder2: GQA with biases on q, k, v and o, RoPE (split halves), a sliding window
+    on every layer, LayerNorm with biases before each sublayer, a GELU (tanh) MLP of 4d
+    with biases (``c_fc``, ``c_proj``)."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            qkv_bias=True,
+            out_bias=True,
+            sliding_window=window,
+        ),
+        position=PositionConfig(kind="rope", rope_theta=rope_theta, rope_layout="split"),
+        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", hidden_dim=4 * d_model, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True),
+        tie_embeddings=tie_embeddings,
+        init_std=init_std,
+    )
+
+
+def starcoder2_tiny() -> ModelConfig:
+    """StarCoder2's architecture in 2 layers, d_model 64, GQA 4/2, windows of 16 keys: for
+    tests and quick training."""
+    return starcoder2_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        rope_theta=10_000.0,
+        tie_embeddings=True,
+        window=16,
+        init_std=0.02,
+    )
+
+
+# StarCoder2's published sizes: bigcode/starcoder2-{3b,7b,15b} config.json as recalled (no
+# download here): 16k context, windows of 4096, vocabulary 49152, norm_epsilon 1e-5; the
+# parameter counts are transformers' models of these configs (tests/test_analysis.py).
+
+
+def starcoder2_3b() -> ModelConfig:
+    """bigcode/starcoder2-3b: 30 layers, GQA 24/2 heads of 128, RoPE base 999999.44 (sic),
+    a tied head; 3.03B parameters."""
+    return starcoder2_style(
+        d_model=3072,
+        n_layers=30,
+        n_heads=24,
+        n_kv_heads=2,
+        rope_theta=999999.4420358813,
+        tie_embeddings=True,
+    )
+
+
+def starcoder2_7b() -> ModelConfig:
+    """bigcode/starcoder2-7b: 32 layers, GQA 36/4 heads of 128, RoPE base 1e6, a tied head
+    (recalled: its config.json sets no tie_word_embeddings, read as transformers' default,
+    true, and its published size is 7.17B); 7.17B parameters."""
+    return starcoder2_style(
+        d_model=4608,
+        n_layers=32,
+        n_heads=36,
+        n_kv_heads=4,
+        rope_theta=1_000_000.0,
+        tie_embeddings=True,
+    )
+
+
+def starcoder2_15b() -> ModelConfig:
+    """bigcode/starcoder2-15b: 40 layers, GQA 48/4 heads of 128, RoPE base 1e5, an untied
+    head (tie_word_embeddings false); 16.0B parameters."""
+    return starcoder2_style(
+        d_model=6144,
+        n_layers=40,
+        n_heads=48,
+        n_kv_heads=4,
+        rope_theta=100_000.0,
+        tie_embeddings=False,
+        init_std=0.01275,
+    )
+
+
+def granite_tiny() -> ModelConfig:
+    """Granite's architecture (LLaMA's with muP multipliers) in 2 layers, d_model 64, GQA
+    4/2, a tied head: embeddings x 12, sublayer outputs x 0.22, a softmax scale of 1 / d_h
+    and logits / 8, the kind of values Granite 3's checkpoints use: for tests."""
+    cfg = llama_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    )
+    return cfg.override(
+        {
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention.scale": 1 / 16,  # 1 / head_dim (muP), not 1 / sqrt(head_dim)
+            "logit_divisor": 8.0,
+        }
+    )
+
+
 def phi3_tiny() -> ModelConfig:
     """Phi-3's architecture (the LLaMA layout with LongRoPE, as Phi-3-mini-128k's) in 2
     layers, d_model 64, GQA 4/2: a context of 128 stretched 4x from 32 by per-pair factors
@@ -1357,6 +1481,17 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         "SmolLM3 architecture: NoPE layers (every 4th without RoPE), GQA 4/2; 4 layers",
     ),
     "smollm3-3b": (smollm3_3b, "SmolLM3 3B, 3.1B (GQA 16/4, every 4th layer NoPE, 64k context)"),
+    "starcoder2-tiny": (
+        starcoder2_tiny,
+        "StarCoder2 architecture: LayerNorm, GELU MLP, biases, GQA 4/2, windows of 16; 2 layers",
+    ),
+    "starcoder2-3b": (starcoder2_3b, "StarCoder2 3B, 3.0B (GQA 24/2, window 4096, 16k context)"),
+    "starcoder2-7b": (starcoder2_7b, "StarCoder2 7B, 7.2B (GQA 36/4, window 4096, 16k context)"),
+    "starcoder2-15b": (starcoder2_15b, "StarCoder2 15B, 16.0B (GQA 48/4, window 4096, 16k)"),
+    "granite-tiny": (
+        granite_tiny,
+        "Granite architecture: LLaMA's with muP multipliers (embeddings, residuals, logits)",
+    ),
     "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
     "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),
     "pythia-tiny": (

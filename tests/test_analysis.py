@@ -422,6 +422,11 @@ _OLMO2 = dict(
     max_position_embeddings=4096, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=500000,
     tie_word_embeddings=False, vocab_size=100352, eos_token_id=100257, pad_token_id=100277,
 )  # fmt: skip
+_STARCODER2 = dict(
+    model_type="starcoder2", architectures=["Starcoder2ForCausalLM"], vocab_size=49152,
+    max_position_embeddings=16384, sliding_window=4096, norm_epsilon=1e-5, use_bias=True,
+    hidden_act="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0,
+)  # fmt: skip
 # answerdotai/ModernBERT-base and -large's config.json (transformers 4.x keys)
 _MODERNBERT = dict(
     model_type="modernbert", architectures=["ModernBertForMaskedLM"], attention_bias=False,
@@ -554,6 +559,18 @@ CONFIG_JSON = {
                        rope_theta=5e6, tie_word_embeddings=True, use_sliding_window=False,
                        sliding_window=None, attention_bias=False, mlp_bias=False,
                        no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)]),
+    # bigcode/starcoder2-{3b,7b,15b} (recalled; 7b's tied head as its unset
+    # tie_word_embeddings reads, 15b's untied as its config.json says)
+    "starcoder2-3b": dict(_STARCODER2, hidden_size=3072, intermediate_size=12288,
+                          num_hidden_layers=30, num_attention_heads=24, num_key_value_heads=2,
+                          rope_theta=999999.4420358813, initializer_range=0.018042),
+    "starcoder2-7b": dict(_STARCODER2, hidden_size=4608, intermediate_size=18432,
+                          num_hidden_layers=32, num_attention_heads=36, num_key_value_heads=4,
+                          rope_theta=1000000, initializer_range=0.018042),
+    "starcoder2-15b": dict(_STARCODER2, hidden_size=6144, intermediate_size=24576,
+                           num_hidden_layers=40, num_attention_heads=48, num_key_value_heads=4,
+                           rope_theta=100000, initializer_range=0.01275,
+                           tie_word_embeddings=False),
     "modernbert-base": dict(_MODERNBERT, hidden_size=768, intermediate_size=1152,
                             num_hidden_layers=22, num_attention_heads=12),
     "modernbert-large": dict(_MODERNBERT, hidden_size=1024, intermediate_size=2624,

@@ -479,6 +479,11 @@ def test_parallel_block_is_x_plus_attention_plus_ffn_of_its_input(placement):
     with torch.no_grad():
         torch.testing.assert_close(blk(x), _parallel_by_hand(blk, x), atol=1e-5, rtol=1e-5)
         assert isinstance(TransformerStack(cfg)[0], ParallelTransformerBlock)
+        # Granite's residual_multiplier scales both branches: x + m (attn + ffn)
+        scaled = ParallelTransformerBlock(cfg.override({"residual_multiplier": 0.3})).eval()
+        scaled.load_state_dict(blk.state_dict())
+        expected = x + 0.3 * (_parallel_by_hand(blk, x) - x)
+        torch.testing.assert_close(scaled(x), expected, atol=1e-5, rtol=1e-5)
         if placement == "parallel":
             pre = TransformerBlock(_cfg("pre").override({"ffn.activation": "gelu"})).eval()
             pre.load_state_dict(blk.state_dict())

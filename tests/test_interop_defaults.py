@@ -182,6 +182,34 @@ MINIMAL: dict[str, list[dict]] = {
             },
         },
     ],
+    # 32 heads (num_key_value_heads: num_attention_heads), a softmax scale of 1 and the
+    # other multipliers 1, an untied head, by default
+    "granite": [
+        {**_RMS, "hidden_size": 64, "num_attention_heads": 4},
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.0625,
+            "logits_scaling": 8.0,
+        },
+    ],
+    # 24 heads of 4 (2 key/value heads), biases, a tied head, gelu_pytorch_tanh, no window,
+    # by default
+    "starcoder2": [
+        {**_RMS, "hidden_size": 96},
+        # a window, no biases, heads of their own
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "sliding_window": 8,
+            "use_bias": False,
+        },
+    ],
     # 32 heads by default (MHA), rms_norm_eps 1e-5, an original context of 4096 (read by
     # LongRoPE only), no window
     "phi3": [

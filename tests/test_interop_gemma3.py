@@ -404,6 +404,10 @@ def test_gemma_pieces_in_other_layouts_are_refused(changes, piece):
         if base == "gpt2-tiny" and piece == "position.local_rope_theta":
             continue  # (RoPE only: refused by the config itself)
         cfg = get_preset(base).override(changes)
+        if base == "llama-tiny" and piece == "attention.scale":
+            # Granite's attention_multiplier is a softmax scale of its own
+            assert hf_model_type(cfg) == "granite"
+            continue
         with pytest.raises(HFCheckpointError, match="Gemma( 2| 3)?'s is") as e:
             hf_model_type(cfg)
         assert f"{piece} exports as gemma, gemma2 or gemma3_text only" in str(e.value)
@@ -416,15 +420,17 @@ def test_families_other_than_gemma_refuse_its_pieces(monkeypatch):
 
     others = tuple(f for f in convert.FAMILIES if f.name != "gemma")
     monkeypatch.setattr(convert, "FAMILIES", others)
-    for changes, piece in (
-        ({"scale_embeddings": True}, "scale_embeddings"),
-        ({"attention.scale": 0.25}, "attention.scale"),
-        ({"norm.placement": "sandwich"}, "norm.placement='sandwich'"),
-        ({"attention.softcap": 20.0, "attention.backend": "flash"}, "attention.softcap"),
-        ({"final_logit_softcap": 20.0}, "final_logit_softcap"),
-    ):
-        cfg = get_preset("llama-tiny").override(changes)
-        with pytest.raises(HFCheckpointError, match=rf"{piece} \((llama has none|Gemma's)"):
+    for base, changes, piece in (
+        ("llama-tiny", {"scale_embeddings": True}, "scale_embeddings"),
+        # (a LLaMA-shaped one with a softmax scale is Granite's: GPT-2's layout has none)
+        ("gpt2-tiny", {"attention.scale": 0.25}, "attention.scale"),
+        ("llama-tiny", {"norm.placement": "sandwich"}, "norm.placement='sandwich'"),
+        ("llama-tiny", {"attention.softcap": 20.0, "attention.backend": "flash"},
+         "attention.softcap"),
+        ("llama-tiny", {"final_logit_softcap": 20.0}, "final_logit_softcap"),
+    ):  # fmt: skip
+        cfg = get_preset(base).override(changes)
+        with pytest.raises(HFCheckpointError, match=rf"{piece} \(((llama|gpt2) has none|Gemma's)"):
             hf_model_type(cfg)
 
 

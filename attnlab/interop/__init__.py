@@ -1,6 +1,7 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3,
-Phi-3, GPT-NeoX (Pythia), DeepSeek-V2/V3/V3.2, BERT, ModernBERT, MarianMT, ViT.
+Phi-3, GPT-NeoX (Pythia), StarCoder2, Granite, DeepSeek-V2/V3/V3.2, BERT, ModernBERT, MarianMT,
+ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -19,6 +20,9 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     phi3.py          Phi-3: LLaMA's layout with q/k/v and gate/up fused, LongRoPE, partial RoPE
     gpt_neox.py      GPT-NeoX, Pythia: parallel attention and MLP, per-head fused q/k/v,
                      partial RoPE, LayerNorm, GELU MLP
+    starcoder2.py    StarCoder2: LLaMA's attention with biased LayerNorms and a GELU MLP
+    granite.py       Granite: LLaMA's layout with muP multipliers (embeddings, residual
+                     branches, softmax scale, logits)
     qwen2_moe.py     Qwen2-MoE: Qwen2's attention with routed experts and a gated shared expert
     qwen3_moe.py     Qwen3-MoE: Qwen3's attention with mixture-of-experts feed-forwards
     mixtral.py       Mixtral: Mistral's attention with a mixture of experts in every layer

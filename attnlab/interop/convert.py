@@ -14,6 +14,8 @@ from attnlab.config import ConfigError, ModelConfig
 from attnlab.interop.gemma import MODEL_TYPES as GEMMA_TYPES
 from attnlab.interop.gemma import MODEL_TYPES_TEXT as GEMMA_TYPES_TEXT
 from attnlab.interop.gemma import gemma_features
+from attnlab.interop.granite import MODEL_TYPES as GRANITE_TYPES
+from attnlab.interop.granite import granite_features
 from attnlab.interop.io import (
     Family,
     HFCheckpointError,
@@ -72,6 +74,7 @@ WINDOWED_TYPES = (
     "gemma2",
     "gemma3_text",
     "phi3",
+    "starcoder2",
     "modernbert",  # (bidirectional: keys within the window on either side)
 )
 # model types with QK-norm (attention.qk_norm): per head, or over whole projections (olmo2)
@@ -131,10 +134,18 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
             # RoPE base ModernBERT's)
             others = {"seq2seq": "scale_embeddings", "encoder": "position.local_rope_theta"}
             gemma = [f for f in gemma_features(cfg) if f != others.get(cfg.arch)]
+            if model_type in GRANITE_TYPES:  # (Granite's attention_multiplier is a scale)
+                gemma = [f for f in gemma if f != "attention.scale"]
             if gemma and model_type not in GEMMA_TYPES:
                 raise unrepresentable(
                     f"{gemma[0]} ({model_type} has none; Gemma's pieces export as "
                     f"{GEMMA_TYPES_TEXT})"
+                )
+            found = granite_features(cfg)
+            if found and model_type not in GRANITE_TYPES:
+                raise unrepresentable(
+                    f"{found[0]} ({model_type} has none; Granite's multipliers export as "
+                    "granite: RoPE, RMSNorm, gated feed-forward)"
                 )
             olmo = olmo2_features(cfg)
             if olmo and model_type not in OLMO2_TYPES:
@@ -196,8 +207,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros),
-    and with LongRoPE or a partial rotation ``phi3`` (no biases); RoPE + LayerNorm + MLP
-    (pre-norm or parallel blocks with two norms) -> ``gpt_neox``;
+    and with LongRoPE or a partial rotation ``phi3`` (no biases); RoPE + LayerNorm + MLP ->
+    ``gpt_neox`` in parallel blocks with two norms or with a partial rotation, else
+    ``starcoder2``;
     with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where
@@ -207,7 +219,10 @@ def hf_model_type(cfg: ModelConfig) -> str:
     local layers) -> ``gemma3_text`` with QK-norm or the second base, else ``gemma2`` with
     sandwich norms, else ``gemma``; with OLMo 2's pieces (an RMSNorm on each sublayer's
     output and none before it, QK-norm over the whole query and key projections) ->
-    ``olmo2``; with NoPE layers (``position.nope_layers``) -> ``smollm3``."""
+    ``olmo2``; with NoPE layers (``position.nope_layers``) -> ``smollm3``; with Granite's
+    multipliers (``embedding_multiplier``, ``residual_multiplier``, ``logit_divisor``), or
+    LLaMA-shaped with a softmax scale (``attention.scale``) and none of Gemma's other
+    pieces -> ``granite``."""
     return _export_family(cfg)[1]
 
 
@@ -251,7 +266,7 @@ def load_hf(
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
     LLaMA, Mistral, Qwen2(-MoE), Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
-    GPT-NeoX, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
+    GPT-NeoX, StarCoder2, Granite, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
     BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
     blocked pad token, from generation_config.json or else config.json, as transformers

@@ -145,15 +145,20 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "gpt_neox") -> ModelCon
 
 
 def exports(cfg: ModelConfig) -> bool:
-    """RoPE decoders with LayerNorm and an MLP feed-forward, in pre-norm or parallel blocks
-    with two norms: GPT-NeoX's shape (LLaMA's layout needs RMSNorm and a gated FFN)."""
+    """RoPE decoders with LayerNorm and an MLP feed-forward in parallel blocks with two
+    norms, or in pre-norm blocks with a partial rotation: GPT-NeoX's shape (LLaMA's layout
+    needs RMSNorm and a gated FFN). Pre-norm ones that rotate every pair are StarCoder2's
+    (starcoder2.py: GQA and windows too), which transformers runs alike."""
     return (
         cfg.arch == "decoder"
         and cfg.attention.kind == "mha"
         and cfg.position.kind == "rope"
         and cfg.norm.kind == "layernorm"
         and cfg.ffn.kind == "mlp"
-        and cfg.norm.placement in ("pre", "parallel")
+        and (
+            cfg.norm.placement == "parallel"
+            or (cfg.norm.placement == "pre" and cfg.position.rope_fraction < 1)
+        )
     )
 
 

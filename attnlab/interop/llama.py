@@ -9,6 +9,10 @@ Weights (attnlab Linear weights are (out, in), like ``torch.nn.Linear``):
     [gate_proj; up_proj]       -> ffn.gate_up  (rows stacked)
     q_norm, k_norm             -> attn.q_norm, attn.k_norm  (Qwen3; (d_h,) each)
 
+The mappings serve other families' variants of the layout too (starcoder2.py: a non-gated
+MLP, ``mlp.c_fc`` -> ffn.up and ``mlp.c_proj`` -> ffn.down, and LayerNorms whose biases
+go with their weights).
+
 Shapes: d d_model, h heads, h_kv key/value heads, d_h head dim, f feed-forward hidden size,
 V vocabulary size.
 """
@@ -110,6 +114,8 @@ ACTIVATIONS = io.TO_HF_ACTIVATIONS
 # RoPE frequencies that older transformers versions saved.
 IGNORED = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# A non-gated MLP's two projections under ``mlp.`` (StarCoder2's, ffn.kind mlp): up, down
+MLP = ("c_fc", "c_proj")
 
 # --------------------------------------------------------------------------- configs
 
@@ -143,10 +149,13 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, st
 
 def _biases(model_type: str, qkv: bool, out: bool, mlp: bool) -> tuple[bool, bool, bool]:
     """(q/k/v, o_proj, MLP) biases the architecture has: LLaMA's are set in config.json,
-    Qwen3's attention ones too (attention_bias: q, k, v and o), Mistral's and Qwen2's are
-    fixed by the architecture."""
+    Qwen3's attention ones too (attention_bias: q, k, v and o), StarCoder2's all at once
+    (use_bias), Mistral's and Qwen2's are fixed by the architecture."""
     if model_type == "llama":
         return qkv, out, mlp
+    if model_type == "starcoder2":  # use_bias: every projection's, or none
+        every = qkv or out or mlp
+        return every, every, every
     if model_type == "qwen3":
         return qkv, out, False
     return model_type == "qwen2", False, False
@@ -295,6 +304,9 @@ def weights_to_attnlab(
         "tok_emb.weight": src.take(f"{p}embed_tokens.weight", (V, d)),
         "norm.weight": src.take(f"{p}norm.weight", (d,)),
     }
+    layernorm = cfg.norm.kind == "layernorm" and cfg.norm.bias  # (StarCoder2's, biased)
+    if layernorm:
+        out["norm.bias"] = src.take(f"{p}norm.bias", (d,))
     for i in range(cfg.n_layers):
         h, a = f"{p}layers.{i}.", f"blocks.{i}."
         qkv = (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim))
@@ -308,7 +320,16 @@ def weights_to_attnlab(
         }
         for hf_name, name in norms:
             out[f"{a}{name}.weight"] = src.take(f"{h}{hf_name}.weight", (d,))
-        if not cfg.ffn.moe_layer(i):  # (qwen2_moe.py, qwen3_moe.py map the experts)
+            if layernorm:
+                out[f"{a}{name}.bias"] = src.take(f"{h}{hf_name}.bias", (d,))
+        if cfg.ffn.kind == "mlp":  # StarCoder2's: up, activation, down
+            up, down = (f"{h}mlp.{n}." for n in MLP)
+            out[a + "ffn.up.weight"] = src.take(up + "weight", (f, d))
+            out[a + "ffn.down.weight"] = src.take(down + "weight", (d, f))
+            if cfg.ffn.bias:
+                out[a + "ffn.up.bias"] = src.take(up + "bias", (f,))
+                out[a + "ffn.down.bias"] = src.take(down + "bias", (d,))
+        elif not cfg.ffn.moe_layer(i):  # (qwen2_moe.py, qwen3_moe.py map the experts)
             out[a + "ffn.gate_up.weight"] = (
                 src.take(h + "mlp.gate_up_proj.weight", (2 * f, d))
                 if fused
@@ -324,7 +345,7 @@ def weights_to_attnlab(
         if att.qk_norm:
             for n, width in zip(("q_norm", "k_norm"), _qk_norm_widths(cfg), strict=True):
                 out[f"{a}attn.{n}.weight"] = src.take(f"{h}self_attn.{n}.weight", (width,))
-        if cfg.ffn.bias and not cfg.ffn.moe_layer(i):  # a dense layer's (experts have none)
+        if cfg.ffn.bias and cfg.ffn.kind != "mlp" and not cfg.ffn.moe_layer(i):  # (experts: none)
             out[a + "ffn.gate_up.bias"] = cat(
                 src.take(f"{h}mlp.{n}.bias", (f,)) for n in ("gate_proj", "up_proj")
             )
@@ -363,6 +384,9 @@ def weights_from_attnlab(
         "model.embed_tokens.weight": sd["tok_emb.weight"],
         "model.norm.weight": sd["norm.weight"],
     }
+    layernorm = cfg.norm.kind == "layernorm"  # (StarCoder2's, always biased: zeros if need be)
+    if layernorm:
+        out["model.norm.bias"] = or_zeros(sd, "norm.bias", d)
     for i in range(cfg.n_layers):
         h, a = f"model.layers.{i}.", f"blocks.{i}."
         q, k, v = split_rows(sd[a + "attn.qkv.weight"], q_dim, kv_dim, kv_dim)
@@ -372,7 +396,14 @@ def weights_from_attnlab(
         else:
             out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
             out[h + "self_attn.v_proj.weight"] = v
-        if not cfg.ffn.moe_layer(i):
+        if cfg.ffn.kind == "mlp":  # StarCoder2's: up, activation, down
+            up, down = (f"{h}mlp.{n}." for n in MLP)
+            out[up + "weight"] = sd[a + "ffn.up.weight"]
+            out[down + "weight"] = sd[a + "ffn.down.weight"]
+            if mlp_bias:
+                out[up + "bias"] = or_zeros(sd, a + "ffn.up.bias", f)
+                out[down + "bias"] = or_zeros(sd, a + "ffn.down.bias", d)
+        elif not cfg.ffn.moe_layer(i):
             if fused:
                 out[h + "mlp.gate_up_proj.weight"] = sd[a + "ffn.gate_up.weight"]
             else:
@@ -384,6 +415,8 @@ def weights_from_attnlab(
         }
         for hf_name, name in norms:
             out[f"{h}{hf_name}.weight"] = sd[f"{a}{name}.weight"]
+            if layernorm:
+                out[f"{h}{hf_name}.bias"] = or_zeros(sd, f"{a}{name}.bias", d)
         if qkv_bias:
             qb, kb, vb = split_rows(
                 or_zeros(sd, a + "attn.qkv.bias", q_dim + 2 * kv_dim), q_dim, kv_dim, kv_dim
@@ -399,7 +432,7 @@ def weights_from_attnlab(
             for n, heads in (("q_norm", cfg.n_heads), ("k_norm", cfg.n_kv_heads)):
                 w = sd[f"{a}attn.{n}.weight"]
                 out[f"{h}self_attn.{n}.weight"] = to_split(w, 1 if per_head else heads)
-        if mlp_bias and not cfg.ffn.moe_layer(i):  # a dense layer's (experts have none)
+        if mlp_bias and cfg.ffn.kind != "mlp" and not cfg.ffn.moe_layer(i):  # (experts: none)
             gb, ub = split_rows(sd[a + "ffn.gate_up.bias"], f, f)
             out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gb, ub
             out[h + "mlp.down_proj.bias"] = sd[a + "ffn.down.bias"]

@@ -18,6 +18,7 @@ from attnlab.interop import (
     gpt2,
     gpt_neox,
     gpt_oss,
+    granite,
     llama,
     marian,
     mixtral,
@@ -27,12 +28,17 @@ from attnlab.interop import (
     qwen2_moe,
     qwen3_moe,
     smollm3,
+    starcoder2,
     vit,
 )
 from attnlab.interop.io import Family, HFCheckpointError
 
 FAMILIES: tuple[Family, ...] = (
-    # first: it takes every decoder with Gemma's own pieces (sandwich norms, scaled
+    # first: it takes every decoder with Granite's multipliers (embeddings, residual
+    # branches, logits), which the other layouts would drop, and the LLaMA-shaped ones with
+    # a softmax scale of their own that Gemma's layouts would otherwise take
+    granite.FAMILY,
+    # next: it takes every decoder with Gemma's own pieces (sandwich norms, scaled
     # embeddings, ...), which the other families' layouts would drop
     gemma.FAMILY,
     # next: every decoder with OLMo 2's pieces (norms on the sublayers' outputs, QK-norm
@@ -40,10 +46,12 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.FAMILY,
     # next: every decoder with NoPE layers (SmolLM3's), which the other layouts would rotate
     smollm3.FAMILY,
-    # before Phi-3 and LLaMA: it takes the RoPE decoders with LayerNorm and an MLP (pre-norm or
-    # parallel blocks), which their layouts (RMSNorm, gated FFN) would refuse
+    # before Phi-3 and LLaMA: it takes the RoPE decoders with LayerNorm and an MLP in parallel
+    # blocks or with a partial rotation, which their layouts (RMSNorm, gated FFN) would refuse
     gpt_neox.FAMILY,
     phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
+    # before LLaMA: it takes the RoPE decoders with LayerNorm and a non-gated MLP
+    starcoder2.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces

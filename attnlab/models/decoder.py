@@ -1,9 +1,12 @@
 """Decoder-only language model (GPT-2, LLaMA, ... are presets of this one class).
 
-    h_0 = E[idx] (* sqrt(d)) (+ P[positions])  token (+ absolute position) embedding
+    h_0 = E[idx] (* sqrt(d)) (* m_e) (+ P[positions])  token (+ absolute position) embedding
     h_l = Block_l(h_{l-1})                   causal self-attention + feed-forward
-    logits = W_out norm(h_L)                 W_out tied to E or separate
+    logits = W_out norm(h_L) (/ s)           W_out tied to E or separate
     logits = c tanh(logits / c)              soft-capped (Gemma 2): c = final_logit_softcap
+
+(Granite: m_e = embedding_multiplier, s = logit_divisor, and each block's sublayer outputs
+times residual_multiplier.)
 
 Shapes: b batch, t new tokens, d d_model, V vocabulary size.
 """
@@ -274,6 +277,8 @@ class DecoderLM(LoadableModel):
         if self.cfg.scale_embeddings:  # sqrt(d) rounded to the embedding's dtype, as Gemma's
             # (a CPU scalar: multiplies a tensor on any device without a copy to it)
             x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:  # (Granite's)
+            x = x * self.cfg.embedding_multiplier
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions, dtype=x.dtype).to(x.dtype)
         x = self.drop(x)
@@ -296,6 +301,8 @@ class DecoderLM(LoadableModel):
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))  # (b, t, V)
+        if self.cfg.logit_divisor != 1.0:  # (Granite's logits_scaling)
+            logits = logits / self.cfg.logit_divisor
         cap = self.cfg.final_logit_softcap
         if cap is not None:  # (transformers' order: / cap, tanh, * cap)
             logits = torch.tanh(logits / cap) * cap

@@ -3,8 +3,9 @@
 A block: self-attention, optional cross-attention, feed-forward, each with a residual
 connection. Pre-norm (GPT-2, LLaMA): x + f(norm(x)). Post-norm (Vaswani et al.):
 norm(x + f(x)). Sandwich (Gemma 2 and 3): x + post_norm(f(norm(x))). Post-sublayer (OLMo 2):
-x + post_norm(f(x)). The attention and FFN kinds come from their registries. Parallel blocks
-(GPT-NeoX, Phi: x + attn(norm(x)) + ffn(norm'(x))) are their own module,
+x + post_norm(f(x)). Each sublayer's output may be scaled before its residual add
+(``residual_multiplier``, Granite's). The attention and FFN kinds come from their registries.
+Parallel blocks (GPT-NeoX, Phi: x + attn(norm(x)) + ffn(norm'(x))) are their own module,
 ``nn/parallel_block.py``, which the stack builds by ``norm.placement`` (:data:`BLOCKS`).
 
 Shapes: (b, t, d) in and out; context (b, s, d_c).
@@ -67,6 +68,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         placement = cfg.norm.placement
         self.post_residual = placement == "post"  # norm(x + f(x)); else x + ...
+        self.residual_multiplier = cfg.residual_multiplier  # (Granite's: x + m f(...))
         d = cfg.d_model
 
         def pre_norm() -> nn.Module | None:  # the norm before a sublayer (none in OLMo 2's)
@@ -94,10 +96,13 @@ class TransformerBlock(nn.Module):
     def _residual(
         self, x: Tensor, norm: nn.Module | None, post: nn.Module | None, f, **kw
     ) -> Tensor:
+        m = self.residual_multiplier
         if self.post_residual:  # post-norm: the pre-norm slot holds the norm after the add
-            return norm(x + f(x, **kw))
+            y = f(x, **kw)
+            return norm(x + (y if m == 1.0 else y * m))
         y = f(x if norm is None else norm(x), **kw)
-        return x + (y if post is None else post(y))
+        y = y if post is None else post(y)
+        return x + (y if m == 1.0 else y * m)
 
     def forward(
         self,

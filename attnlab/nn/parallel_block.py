@@ -4,6 +4,8 @@ reading the block's input, their outputs added to it in one residual step.
     parallel (GPT-NeoX, Pythia):          y = x + attn(norm_a(x)) + ffn(norm_f(x))
     parallel_shared (Phi-1/1.5/2, GPT-J):  y = x + attn(norm(x)) + ffn(norm(x))
 
+(both branches scaled by ``residual_multiplier`` where it is not 1, as in sequential blocks)
+
 (Wang and Komatsuzaki's GPT-J; Black et al. 2022, GPT-NeoX-20B, Sec. 2.1.) Sequential
 pre-norm is x' = x + attn(norm_a(x)), y = x' + ffn(norm_f(x')): the feed-forward there
 reads the attention's output, here it does not. Decoder blocks only: no cross-attention.
@@ -59,6 +61,7 @@ class ParallelTransformerBlock(nn.Module):
         self.attn = self_attention(cfg, causal=causal, rope=rope, layer=layer)
         self.ffn = build_ffn(cfg.ffn, d, dropout=cfg.dropout, layer=layer)
         self.cross_attn = None  # (the stack asks every block for its cross-attention entry)
+        self.residual_multiplier = cfg.residual_multiplier  # (Granite's: x + m (a + f))
 
     def forward(
         self,
@@ -89,7 +92,9 @@ class ParallelTransformerBlock(nn.Module):
         a = self.attn(
             h_attn, positions=positions, rope=rope, cache=cache, mask=mask, **docs, **attn_real
         )
-        return x + a + self.ffn(h_ffn, **ffn_real)
+        y = a + self.ffn(h_ffn, **ffn_real)
+        m = self.residual_multiplier
+        return x + (y if m == 1.0 else y * m)
 
 
 for _placement in PARALLEL_NORM_PLACEMENTS:
