@@ -704,6 +704,15 @@ class PositionConfig(_Config):
     # nothing, their queries and keys passed as projected; every other layer takes RoPE.
     # Decoders with attention.kind 'mha' and position.kind 'rope' only.
     nope_layers: list[int] = field(default_factory=list)
+    # Learned positions counted past a padding id, as RoBERTa's (fairseq's make_positions):
+    # the token id that is padding (transformers' pad_token_id). A token's position is
+    # padding_idx + 1 + the number of non-padding tokens up to it (padding_idx + 1 for a
+    # row's first real token, whatever padding precedes it), a padding token's is
+    # padding_idx, and neither that row of the table nor the padding token's embedding is
+    # trained (transformers' padding_idx). The table holds max_seq_len + padding_idx + 1
+    # rows (RoBERTa's max_position_embeddings 514 for 512 tokens). None: positions 0, 1, ...
+    # Encoders with position.kind 'learned' only.
+    padding_idx: int | None = None
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
@@ -769,6 +778,11 @@ class PositionConfig(_Config):
             )
         if n and self.kind != "rope":
             _fail(f"{path}.nope_layers", f"needs position.kind 'rope', got {self.kind!r}")
+        if self.padding_idx is not None:
+            _positive(f"{path}.padding_idx", self.padding_idx, allow_zero=True)
+            if self.kind != "learned":
+                _fail(f"{path}.padding_idx", f"counts learned positions; needs position.kind "
+                      f"'learned', got {self.kind!r} (or set it to null)")  # fmt: skip
 
     def rotary_dim(self, head_dim: int) -> int:
         """The features of a head of width ``head_dim`` that RoPE rotates: transformers'
@@ -1111,6 +1125,9 @@ class ModelConfig(_Config):
         if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
             _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "
                   f"decoder architecture only, not {self.arch!r}")  # fmt: skip
+        if self.position.padding_idx is not None and self.arch != "encoder":
+            _fail(at("position.padding_idx"), f"is implemented by the encoder architecture "
+                  f"only, not {self.arch!r}; set it to null")  # fmt: skip
         if self.position.local_rope_theta is None:
             return
         where = at("position.local_rope_theta")

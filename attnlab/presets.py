@@ -1387,6 +1387,81 @@ def modernbert_large() -> ModelConfig:
     return modernbert_style(d_model=1024, n_layers=28, n_heads=16, ffn_hidden=2624)
 
 
+def roberta_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    vocab_size: int,
+    max_seq_len: int = 512,
+    padding_idx: int = 1,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """RoBERTa (Liu et al. 2019), masked-LM head: BERT's post-norm encoder (GELU MLP, biases
+    everywhere, LayerNorm eps 1e-5, one token type) with learned positions counted past the
+    padding token ``padding_idx`` (max_position_embeddings = max_seq_len + padding_idx + 1),
+    RoBERTa's classification head (dropout -> dense -> tanh -> dropout -> out_proj on <s>)
+    and a tied decoder with a bias."""
+    from attnlab.models.encoder import EncoderConfig
+
+    return EncoderConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True, dropout=dropout),
+        position=PositionConfig(kind="learned", padding_idx=padding_idx),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-5, placement="post"),
+        type_vocab_size=1,
+        dropout=dropout,
+        head="mlm",
+        classifier_transform="roberta",
+    )
+
+
+def roberta_tiny() -> ModelConfig:
+    """RoBERTa's architecture in 2 layers, d_model 64, no dropout: CPU-trainable
+    (``--set task=mlm``: the task gives the padding token an id of its own), for tests."""
+    return roberta_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=128,
+        dropout=0.0,
+    )
+
+
+# The four published sizes below are recalled from the checkpoints' config.json files
+# (FacebookAI/roberta-base, roberta-large, xlm-roberta-base, xlm-roberta-large:
+# max_position_embeddings 514, pad_token_id 1, type_vocab_size 1, layer_norm_eps 1e-5),
+# not read from them here (no download); tests/test_analysis.py checks each parameter count
+# against transformers' model of the same config.
+
+
+def roberta_base() -> ModelConfig:
+    """roberta-base: 12 layers, 12 heads of 64, MLP 3072, byte-level BPE of 50265."""
+    return roberta_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072, vocab_size=50265)
+
+
+def roberta_large() -> ModelConfig:
+    """roberta-large: 24 layers, 16 heads of 64, MLP 4096, byte-level BPE of 50265."""
+    return roberta_style(d_model=1024, n_layers=24, n_heads=16, ffn_hidden=4096, vocab_size=50265)
+
+
+def xlm_roberta_base() -> ModelConfig:
+    """xlm-roberta-base: roberta-base's layers over a SentencePiece vocabulary of 250002."""
+    return roberta_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072, vocab_size=250002)
+
+
+def xlm_roberta_large() -> ModelConfig:
+    """xlm-roberta-large: roberta-large's layers over a SentencePiece vocabulary of 250002."""
+    return roberta_style(d_model=1024, n_layers=24, n_heads=16, ffn_hidden=4096, vocab_size=250002)
+
+
 def llama_30m() -> ModelConfig:
     """The ~30M-parameter LLaMA-style model of the decoding benchmark."""
     return llama_style(
@@ -1511,6 +1586,20 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",
     ),
     "modernbert-base": (modernbert_base, "ModernBERT-base encoder, 149M (masked LM, 8k context)"),
+    "roberta-tiny": (
+        roberta_tiny,
+        "RoBERTa architecture: BERT's layout, positions past the padding id; 2 layers (tests)",
+    ),
+    "roberta-base": (roberta_base, "RoBERTa-base encoder, 124.7M (masked LM, 512 tokens)"),
+    "roberta-large": (roberta_large, "RoBERTa-large encoder, 355.4M (masked LM, 512 tokens)"),
+    "xlm-roberta-base": (
+        xlm_roberta_base,
+        "XLM-RoBERTa-base encoder, 278.3M (masked LM, 250k vocabulary, 512 tokens)",
+    ),
+    "xlm-roberta-large": (
+        xlm_roberta_large,
+        "XLM-RoBERTa-large encoder, 560.1M (masked LM, 250k vocabulary, 512 tokens)",
+    ),
     "modernbert-large": (
         modernbert_large,
         "ModernBERT-large encoder, 395M (masked LM, 8k context)",

@@ -428,6 +428,30 @@ _STARCODER2 = dict(
     hidden_act="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0,
 )  # fmt: skip
 # answerdotai/ModernBERT-base and -large's config.json (transformers 4.x keys)
+# FacebookAI/roberta-{base,large} and xlm-roberta-{base,large} config.json (recalled)
+_ROBERTA = dict(
+    model_type="roberta",
+    architectures=["RobertaForMaskedLM"],
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    vocab_size=50265,
+    max_position_embeddings=514,
+    type_vocab_size=1,
+    layer_norm_eps=1e-5,
+    pad_token_id=1,
+    bos_token_id=0,
+    eos_token_id=2,
+    hidden_act="gelu",
+    hidden_dropout_prob=0.1,
+    attention_probs_dropout_prob=0.1,
+    initializer_range=0.02,
+)
+_LARGE = dict(
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16
+)
+_XLMR = dict(model_type="xlm-roberta", architectures=["XLMRobertaForMaskedLM"], vocab_size=250002)
 _MODERNBERT = dict(
     model_type="modernbert", architectures=["ModernBertForMaskedLM"], attention_bias=False,
     attention_dropout=0.0, bos_token_id=50281, classifier_activation="gelu",
@@ -575,6 +599,10 @@ CONFIG_JSON = {
                             num_hidden_layers=22, num_attention_heads=12),
     "modernbert-large": dict(_MODERNBERT, hidden_size=1024, intermediate_size=2624,
                              num_hidden_layers=28, num_attention_heads=16),
+    "roberta-base": _ROBERTA,
+    "roberta-large": dict(_ROBERTA, **_LARGE),
+    "xlm-roberta-base": dict(_ROBERTA, **_XLMR),
+    "xlm-roberta-large": dict(_ROBERTA, **_LARGE, **_XLMR),
     "deepseek-v3": _DEEPSEEK_V3,
     "deepseek-v3.2": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_topk=2048,
                           index_n_heads=64, index_head_dim=128),  # V3.2-Exp

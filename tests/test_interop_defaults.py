@@ -272,6 +272,25 @@ MINIMAL: dict[str, list[dict]] = {
             "max_position_embeddings": 64,
         }
     ],
+    "roberta": [
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+            "max_position_embeddings": 66,
+        }
+    ],
+    "xlm-roberta": [
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+        }
+    ],
     # the default vocabulary: the default pad/decoder start token 58100 must be in it
     "modernbert": [
         {

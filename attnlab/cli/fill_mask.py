@@ -3,9 +3,10 @@ encoder: a checkpoint of the mlm task, or an imported ``BertForMaskedLM`` folder
 
 How the text becomes ids depends on where ``[MASK]`` lives:
 
-* the tokenizer has a ``[MASK]`` token (a Hugging Face BERT tokenizer): the text is
-  encoded whole, with the tokenizer's own special tokens ([CLS] ... [SEP]), as
-  transformers' fill-mask pipeline does;
+* the tokenizer has a mask token of its own (a Hugging Face BERT tokenizer's ``[MASK]``,
+  a RoBERTa tokenizer's ``<mask>``, which the text may hold in place of ``[MASK]``): the
+  text is encoded whole, with the tokenizer's own special tokens ([CLS] ... [SEP], or
+  <s> ... </s>), as transformers' fill-mask pipeline does;
 * otherwise the model's id just past the tokenizer's is the mask (the mlm task's layout):
   the text is cut at each ``[MASK]``, the pieces are encoded and the mask id put between
   them; with byte-level BPE a space right before ``[MASK]`` belongs to the masked token
@@ -48,10 +49,12 @@ MASK = "[MASK]"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fill-mask",
-        help="predict the tokens at [MASK] (an mlm checkpoint, a BERT or ModernBERT masked LM)",
+        help="predict the tokens at [MASK] (an mlm checkpoint, a BERT, ModernBERT or RoBERTa "
+        "masked LM)",
         description="Print the top-k tokens and their probabilities at every [MASK] of the "
         "text, with a masked-LM encoder: an mlm checkpoint (attnlab train --preset "
-        "bert-tiny-mlm) or a BertForMaskedLM or ModernBertForMaskedLM folder (attnlab import-hf).",
+        "bert-tiny-mlm) or a BertForMaskedLM, ModernBertForMaskedLM or RobertaForMaskedLM "
+        "folder (attnlab import-hf; RoBERTa's <mask> may be written for [MASK]).",
     )
     add_checkpoint_argument(p)
     p.add_argument("text", metavar="TEXT", help='text with [MASK] in it, e.g. "The c[MASK]t"')
@@ -69,12 +72,13 @@ def masked_ids(
     """(ids, the text's pieces between masks as encoded, mask id) of ``text``; the pieces
     joined with the predicted tokens give the filled text (see the module docstring)."""
     pieces = text.split(MASK)
-    hf_mask = tokenizer.hf.token_to_id(MASK) if tokenizer.kind != "char" else None
-    if hf_mask is not None:
+    own = own_mask_token(tokenizer)
+    if own is not None:
         from attnlab.tokenizers import check_encodable
 
-        ids = tokenizer.hf.encode(check_encodable(text), add_special_tokens=True).ids
-        return ids, pieces, hf_mask
+        text = check_encodable(text.replace(MASK, own))
+        ids = tokenizer.hf.encode(text, add_special_tokens=True).ids
+        return ids, pieces, tokenizer.hf.token_to_id(own)
     mask_id = tokenizer.vocab_size
     if vocab_size <= mask_id:
         raise CLIError(
@@ -93,6 +97,15 @@ def masked_ids(
     return ids, pieces, mask_id
 
 
+def own_mask_token(tokenizer: Tokenizer) -> str | None:
+    """The tokenizer's own mask token (BERT's ``[MASK]``, RoBERTa's ``<mask>``), or None."""
+    from attnlab.tasks.text import own_special_ids, own_special_tokens
+
+    if own_special_ids(tokenizer)[0] is None:
+        return None
+    return own_special_tokens(tokenizer)[0]
+
+
 def token_text(tokenizer: Tokenizer, token: int, mask_id: int) -> str:
     """The text of one predicted id: [MASK] for the mlm task's extra id ``mask_id``, and
     nothing for another id past the tokenizer's (an embedding no token has: a padded
@@ -108,6 +121,9 @@ def fill_mask(
     """{"text", "filled", "masks": [{"position", "candidates": [{"token", "id", "prob"}]}]}
     for every [MASK] of ``text`` in order; "filled" puts each mask's top token in place
     (see the module docstring)."""
+    given, own = text, own_mask_token(tokenizer)
+    if own is not None and own != MASK:  # RoBERTa's <mask> written as it is: [MASK] here
+        text = text.replace(own, MASK)
     if MASK not in text:
         raise CLIError(f"no {MASK} in the text; write {MASK} where a token is to be predicted")
     ids, pieces, mask_id = masked_ids(text, tokenizer, model.cfg.vocab_size)
@@ -138,7 +154,7 @@ def fill_mask(
         filled = tokenizer.hf.decode(ids, skip_special_tokens=True)
     else:  # the text's own pieces, each mask's token between them
         filled = pieces[0] + "".join(token + piece for token, piece in zip(best, pieces[1:]))
-    return {"text": text, "filled": filled, "masks": masks}
+    return {"text": given, "filled": filled, "masks": masks}
 
 
 def run(args: argparse.Namespace) -> int:

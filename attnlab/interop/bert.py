@@ -105,16 +105,25 @@ def legacy_name(name: str) -> str:
 
 
 def config_from_hf(hf: dict[str, Any], model_type: str = "bert") -> EncoderConfig:
-    arch = (hf.get("architectures") or ["BertModel"])[0]
+    return encoder_config_from_hf(hf, HEAD_ARCHITECTURES, "BERT")
+
+
+def encoder_config_from_hf(
+    hf: dict[str, Any], head_architectures: dict[str, str], family: str
+) -> EncoderConfig:
+    """The EncoderConfig of a BERT-layout config.json (BERT's, and RoBERTa's before its own
+    pieces); ``head_architectures`` maps the family's classes to heads (the base model's
+    second), ``family`` names it in errors."""
+    arch = (hf.get("architectures") or [list(head_architectures)[1]])[0]
     if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise HFCheckpointError("BERT: only absolute position embeddings are supported")
+        raise HFCheckpointError(f"{family}: only absolute position embeddings are supported")
     for key in ("is_decoder", "add_cross_attention"):  # causal / cross-attending BERT
         if hf.get(key):
-            raise HFCheckpointError(f"BERT: {key}=true is not supported (encoders only)")
+            raise HFCheckpointError(f"{family}: {key}=true is not supported (encoders only)")
     labels = n_labels(hf)
-    if arch == "BertForQuestionAnswering" and labels != 2:
+    head = head_architectures[arch]
+    if head == "qa" and labels != 2:
         raise HFCheckpointError(f"a QA model has 2 outputs (start, end), got num_labels={labels}")
-    head = HEAD_ARCHITECTURES[arch]
     names = None
     if head in NAMED_HEADS:
         names = label_names(hf, labels) or numbered(labels)
@@ -160,22 +169,28 @@ def exports(cfg: ModelConfig) -> bool:
     return cfg.arch == "encoder"
 
 
-def export_type(cfg: ModelConfig) -> str:
-    assert isinstance(cfg, EncoderConfig)
+def layout_problems(cfg: EncoderConfig, family: str = "BERT") -> list[str]:
+    """What keeps ``cfg`` out of BERT's layout (which RoBERTa shares), each named."""
     problems = []
     if cfg.norm.placement != "post" or cfg.norm.kind != "layernorm" or not cfg.norm.bias:
-        problems.append("BERT uses post-norm LayerNorm with bias")
+        problems.append(f"{family} uses post-norm LayerNorm with bias")
     if cfg.position.kind != "learned":
-        problems.append("BERT uses learned positions")
+        problems.append(f"{family} uses learned positions")
     if cfg.ffn.kind != "mlp" or cfg.ffn.activation not in TO_HF_ACTIVATIONS or not cfg.ffn.bias:
-        problems.append(f"BERT uses an MLP with biases and {'/'.join(TO_HF_ACTIVATIONS)}")
+        problems.append(f"{family} uses an MLP with biases and {'/'.join(TO_HF_ACTIVATIONS)}")
     a = cfg.attention
     if a.kind != "mha" or a.kv_heads != a.n_heads or cfg.head_dim * a.n_heads != cfg.d_model:
-        problems.append("BERT uses multi-head attention with head_dim = d_model / n_heads")
+        problems.append(f"{family} uses multi-head attention with head_dim = d_model / n_heads")
     if not (a.qkv_bias and a.out_bias) or a.sliding_window is not None:
-        problems.append("BERT attention has biases and no window")
+        problems.append(f"{family} attention has biases and no window")
     if not cfg.embedding_norm or cfg.type_vocab_size < 1:
-        problems.append("BERT has an embedding LayerNorm and token types")
+        problems.append(f"{family} has an embedding LayerNorm and token types")
+    return problems
+
+
+def export_type(cfg: ModelConfig) -> str:
+    assert isinstance(cfg, EncoderConfig)
+    problems = layout_problems(cfg)
     if problems:
         raise unrepresentable("; ".join(problems))
     return "bert"
@@ -226,8 +241,9 @@ _EMB = [
 ]
 
 
-def _specs(cfg: EncoderConfig, b: str) -> Specs:
-    """attnlab name -> HF name(s); ``b`` the backbone prefix (``bert.`` or none)."""
+def backbone_specs(cfg: EncoderConfig, b: str) -> Specs:
+    """attnlab name -> HF name(s) of the embeddings and the blocks (BERT's and RoBERTa's
+    layout); ``b`` the backbone prefix (``bert.``, ``roberta.`` or none)."""
     wb = ("weight", "bias")
     specs: Specs = {f"{ours}.weight": f"{b}{theirs}.weight" for ours, theirs in _EMB}
     specs |= {f"emb_norm.{s}": f"{b}embeddings.LayerNorm.{s}" for s in wb}
@@ -238,6 +254,13 @@ def _specs(cfg: EncoderConfig, b: str) -> Specs:
                 f"{h}attention.self.{n}.{s}" for n in ("query", "key", "value")
             ]
             specs |= {f"{a}{ours}.{s}": f"{h}{theirs}.{s}" for ours, theirs in _BLOCK}
+    return specs
+
+
+def _specs(cfg: EncoderConfig, b: str) -> Specs:
+    """attnlab name -> HF name(s); ``b`` the backbone prefix (``bert.`` or none)."""
+    wb = ("weight", "bias")
+    specs = backbone_specs(cfg, b)
     if cfg.head == "mlm":
         p = "cls.predictions."
         specs |= {f"head.transform.{s}": f"{p}transform.dense.{s}" for s in wb}

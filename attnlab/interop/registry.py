@@ -27,6 +27,7 @@ from attnlab.interop import (
     phi3,
     qwen2_moe,
     qwen3_moe,
+    roberta,
     smollm3,
     starcoder2,
     vit,
@@ -60,6 +61,9 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     deepseek.FAMILY,
     deepseek_v32.FAMILY,
+    # before ModernBERT and BERT: it takes every encoder with RoBERTa's pieces (positions
+    # past a padding id, its classification head), which their layouts would drop
+    roberta.FAMILY,
     # before BERT: it takes every encoder with ModernBERT's pieces (RoPE, GeGLU, pre-norm,
     # its heads' transform, ...), which BERT's layout would drop
     modernbert.FAMILY,

@@ -53,9 +53,12 @@ from attnlab.nn.rope import RotaryEmbedding
 ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
 # What the sequence, token and QA heads do before their classifier: "bert" (the sequence head
 # pools with BERT's pooler, dense + tanh; the token and QA heads classify the hidden states
-# as they are) or "dense_act_norm" (ModernBERT: dense -> head activation -> norm, the masked-LM
+# as they are), "roberta" (RoBERTa's classification head: the same with classifier dropout
+# before the dense layer too, dropout -> dense -> tanh -> dropout; token and QA heads as
+# bert) or "dense_act_norm" (ModernBERT: dense -> head activation -> norm, the masked-LM
 # head's transform, on the pooled state or on every token)
-CLASSIFIER_TRANSFORMS = ("bert", "dense_act_norm")
+CLASSIFIER_TRANSFORMS = ("bert", "roberta", "dense_act_norm")
+POOLER_TRANSFORMS = ("bert", "roberta")  # the sequence head's dense + tanh; no transform
 POOLINGS = ("cls", "mean")  # the sequence head's: the first token, or the real tokens' mean
 # transformers' problem_type of a sequence classifier
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -111,7 +114,8 @@ class EncoderConfig(ModelConfig):
         if self.head_activation is not None:
             _choice(at("head_activation"), self.head_activation, ACTIVATION_NAMES)
         transformed = self.head == "mlm" or (
-            self.head in ("sequence", "token", "qa") and self.classifier_transform != "bert"
+            self.head in ("sequence", "token", "qa")
+            and self.classifier_transform not in POOLER_TRANSFORMS
         )
         if (
             transformed
@@ -128,6 +132,10 @@ class EncoderConfig(ModelConfig):
                   f"needs norm.placement 'pre', not {self.norm.placement!r}")  # fmt: skip
         _positive(at("n_labels"), self.n_labels)
         _positive(at("type_vocab_size"), self.type_vocab_size, allow_zero=True)
+        pad = self.position.padding_idx
+        if pad is not None and pad >= self.vocab_size:
+            _fail(at("position.padding_idx"), f"{pad} is the padding token's id: it must be "
+                  f"below vocab_size={self.vocab_size}")  # fmt: skip
         if self.attention.kind in CAUSAL_KINDS:
             _fail(at("attention.kind"), f"{self.attention.kind!r} attention is causal only; an "
                   "encoder attends both ways: use mha, mla or dsa")  # fmt: skip
@@ -215,25 +223,30 @@ def mean_pool(h: Tensor, attention_mask: Tensor | None) -> Tensor:
 
 class SequenceClassificationHead(nn.Module):
     """The pooled state (``pooling``: the first, [CLS], token or the mean of the real
-    tokens), BERT's pooler (dense + tanh) or ModernBERT's transform (dense -> act -> norm)
-    as ``classifier_transform`` says, dropout, a linear classifier."""
+    tokens), BERT's pooler (dense + tanh; RoBERTa's head drops out its input first) or
+    ModernBERT's transform (dense -> act -> norm) as ``classifier_transform`` says,
+    dropout, a linear classifier."""
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         d = cfg.d_model
         self.mean = cfg.pooling == "mean"
-        if cfg.classifier_transform == "bert":
+        p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        if cfg.classifier_transform in POOLER_TRANSFORMS:
             self.pooler = Linear(d, d)
         else:
             add_transform(self, cfg)
-        p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        # RoBERTa drops out the pooled state before its dense layer too (the same rate)
+        self.pool_dropout = (
+            nn.Dropout(p) if cfg.classifier_transform == "roberta" else nn.Identity()
+        )
         self.dropout = nn.Dropout(p)
         self.classifier = Linear(d, cfg.n_labels)
 
     def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         pooled = mean_pool(h, attention_mask) if self.mean else h[:, 0]  # (b, d)
         if hasattr(self, "pooler"):
-            pooled = torch.tanh(self.pooler(pooled))
+            pooled = torch.tanh(self.pooler(self.pool_dropout(pooled)))
         return self.classifier(self.dropout(_transformed(self, pooled)))  # (b, n)
 
     @staticmethod
@@ -294,7 +307,7 @@ class TokenClassificationHead(nn.Module):
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        if cfg.classifier_transform != "bert":
+        if cfg.classifier_transform not in POOLER_TRANSFORMS:
             add_transform(self, cfg)
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
         self.dropout = nn.Dropout(p)
@@ -326,10 +339,11 @@ class QuestionAnsweringHead(nn.Module):
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        if cfg.classifier_transform != "bert":
+        transformed = cfg.classifier_transform not in POOLER_TRANSFORMS
+        if transformed:
             add_transform(self, cfg)
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
-        self.dropout = nn.Dropout(p) if cfg.classifier_transform != "bert" else nn.Identity()
+        self.dropout = nn.Dropout(p) if transformed else nn.Identity()
         self.span = Linear(cfg.d_model, 2)
 
     def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -386,10 +400,11 @@ class EncoderModel(LoadableModel):
         cfg.validate()
         self.cfg = cfg
         d = cfg.d_model
-        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
+        # RoBERTa: the padding token's embedding is not trained (position.padding_idx)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, d, padding_idx=cfg.position.padding_idx)
         self.pos_emb: nn.Module | None = None
         if cfg.position.kind == "learned":
-            self.pos_emb = LearnedPositionalEmbedding(cfg.max_seq_len, d)
+            self.pos_emb = LearnedPositionalEmbedding(cfg.max_seq_len, d, cfg.position.padding_idx)
         elif cfg.position.kind == "sinusoidal":
             self.pos_emb = SinusoidalPositionalEmbedding(d)
         self.rope = self.local_rope = None
@@ -428,6 +443,9 @@ class EncoderModel(LoadableModel):
             nn.init.normal_(m.weight, std=self.cfg.init_std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+            if getattr(m, "padding_idx", None) is not None:  # padding's rows start at 0
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
         elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
             m.init_weights(self.cfg.init_std)
 
@@ -440,7 +458,10 @@ class EncoderModel(LoadableModel):
         positions: Tensor | None = None,
     ) -> Tensor:
         """idx (b, t) -> hidden states (b, t, d). ``attention_mask`` (b, t): 1 real token,
-        0 padding (any side); positions count from 0 (BERT numbers pads too)."""
+        0 padding (any side); positions count from 0 (BERT numbers pads too), or with
+        ``position.padding_idx`` (RoBERTa) from the ids: past padding_idx, over the tokens
+        that are not padding_idx. Given ``positions`` index the position table as they are
+        (transformers' position_ids)."""
         b, t = check_ids("idx", idx)
         check_padding_mask("attention_mask", attention_mask, b, t)
         for name, ids in (("token_type_ids", token_type_ids), ("positions", positions)):
@@ -459,7 +480,9 @@ class EncoderModel(LoadableModel):
                 f"sequence of {t} tokens exceeds max_seq_len={self.cfg.max_seq_len} of learned "
                 "positions; crop the input"
             )
-        if positions is None:
+        if positions is None and isinstance(self.pos_emb, LearnedPositionalEmbedding):
+            positions = self.pos_emb.positions(idx)  # (1, t), or (b, t) counted past padding
+        elif positions is None:
             positions = torch.arange(t, device=idx.device)[None, :]  # (1, t)
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:

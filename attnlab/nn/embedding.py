@@ -11,10 +11,25 @@ from attnlab.functional.softmax import compute_dtype
 
 
 class LearnedPositionalEmbedding(nn.Embedding):
-    """One trained vector per absolute position (GPT-2, BERT)."""
+    """One trained vector per absolute position (GPT-2, BERT). With ``padding_idx`` (a
+    padding token id: ``position.padding_idx``), RoBERTa's positions counted past it: the
+    table has ``max_seq_len + padding_idx + 1`` rows and row ``padding_idx`` is padding's
+    (no gradient, as transformers' ``nn.Embedding(padding_idx=...)``)."""
 
-    def __init__(self, max_seq_len: int, d_model: int):
-        super().__init__(max_seq_len, d_model)
+    def __init__(self, max_seq_len: int, d_model: int, padding_idx: int | None = None):
+        rows = max_seq_len if padding_idx is None else max_seq_len + padding_idx + 1
+        super().__init__(rows, d_model, padding_idx=padding_idx)
+
+    def positions(self, idx: Tensor) -> Tensor:
+        """The positions of token ids ``idx`` (b, t) when none are given: (1, t) 0, 1, ...;
+        with ``padding_idx``, (b, t) padding_idx + the count of non-padding tokens up to and
+        including each one, and padding_idx at padding (fairseq's make_positions, transformers'
+        create_position_ids_from_input_ids): left or right padding, a row's first real token
+        is at padding_idx + 1."""
+        if self.padding_idx is None:
+            return torch.arange(idx.shape[-1], device=idx.device)[None, :]  # (1, t)
+        real = idx.ne(self.padding_idx).long()  # (b, t)
+        return real.cumsum(dim=-1) * real + self.padding_idx
 
     def forward(self, positions: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """(b, t) -> (b, t, d) in the weight's dtype (``dtype``: as the sinusoids', unused)."""

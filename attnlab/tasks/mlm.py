@@ -133,6 +133,15 @@ class MaskedLanguageModelling(Task):
                 "use --preset bert-tiny-mlm"
             )
         model_cfg.vocab_size = self.tokenizer.vocab_size + (self.own_mask is None)  # + [MASK]
+        if model_cfg.position.padding_idx is not None:
+            # RoBERTa's positions count the tokens that are not padding: the padding id must
+            # be no text token's. The tokenizer's own (an imported RoBERTa's <pad>), else a
+            # [PAD] id past [MASK] (the blocks hold none: every position counts)
+            own_pad = own_special_ids(self.tokenizer)[3]
+            if own_pad is None:
+                own_pad = model_cfg.vocab_size
+                model_cfg.vocab_size += 1
+            model_cfg.position.padding_idx = own_pad
 
     def mask(self, blocks: Tensor, seeds: Tensor) -> tuple[Tensor, Tensor]:
         """(inputs, targets) (b, t): each row masked by a generator seeded with its seed."""

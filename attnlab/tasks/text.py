@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from attnlab.tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ("[MASK]", "[CLS]", "[SEP]", "[PAD]")  # ids V, V + 1, V + 2, V + 3
+# The special tokens a Hugging Face tokenizer may have of its own, in SPECIAL_TOKENS' order:
+# BERT's (ModernBERT's too), and RoBERTa's (<s> text </s>, as BERT's [CLS] text [SEP])
+OWN_SPECIAL_TOKENS = (SPECIAL_TOKENS, ("<mask>", "<s>", "</s>", "<pad>"))
 IGNORE = -100  # a target position with nothing to predict
 
 
@@ -93,8 +96,9 @@ class TextCodec:
 class OwnSpecialsCodec(TextCodec):
     """A tokenizer that has BERT's special tokens itself (the WordPiece tokenizer.json of an
     imported Hugging Face BERT): ``[CLS]``, ``[SEP]``, ``[PAD]`` (and ``[MASK]`` where it
-    has one) are its own ids, as transformers' BERT tokenizer lays them out; the model's
-    vocabulary is the tokenizer's."""
+    has one) are its own ids, as transformers' BERT tokenizer lays them out (a RoBERTa
+    tokenizer's ``<s>``, ``</s>``, ``<pad>``, ``<mask>`` in their places: ``<s> text </s>``);
+    the model's vocabulary is the tokenizer's."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -110,12 +114,24 @@ class OwnSpecialsCodec(TextCodec):
         return self.tokenizer.hf.id_to_token(token)
 
 
+def own_special_tokens(tokenizer: Tokenizer) -> tuple[str, ...]:
+    """The entry of :data:`OWN_SPECIAL_TOKENS` ``tokenizer`` has most of (BERT's on a tie:
+    the names attnlab's own special ids are shown by)."""
+    if tokenizer.kind == "char":  # "[CLS]" would be five characters
+        return SPECIAL_TOKENS
+    return max(
+        OWN_SPECIAL_TOKENS,
+        key=lambda names: sum(tokenizer.hf.token_to_id(t) is not None for t in names),
+    )
+
+
 def own_special_ids(tokenizer: Tokenizer) -> list[int | None]:
-    """The ids of ``SPECIAL_TOKENS`` in ``tokenizer``'s own vocabulary (None where it has
-    none; a character tokenizer has none: "[CLS]" would be five characters)."""
+    """The ids of [MASK], [CLS], [SEP], [PAD] in ``tokenizer``'s own vocabulary, under BERT's
+    names or RoBERTa's (:func:`own_special_tokens`); None where it has none (a character
+    tokenizer has none)."""
     if tokenizer.kind == "char":
         return [None] * len(SPECIAL_TOKENS)
-    return [tokenizer.hf.token_to_id(token) for token in SPECIAL_TOKENS]
+    return [tokenizer.hf.token_to_id(token) for token in own_special_tokens(tokenizer)]
 
 
 def text_codec(tokenizer: Tokenizer) -> TextCodec:
@@ -233,6 +249,8 @@ class EncoderTextTask(Task):
                 f"'encoder', head '{self.head}'); use --preset {self.preset}"
             )
         model_cfg.vocab_size = self.codec.vocab_size
+        if model_cfg.position.padding_idx is not None:  # RoBERTa's positions: past the [PAD]
+            model_cfg.position.padding_idx = self.codec.pad_id
         model_cfg.n_labels = self.n_labels()
         model_cfg.label_names = None  # the task's labels (an imported model's id2label no more)
         # the task trains one label per example (softmax cross-entropy): a multi-label

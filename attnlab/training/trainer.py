@@ -430,7 +430,10 @@ def _differences(mine: dict, theirs: dict, prefix: str) -> list[str]:
 
 # Model fields a task fills in from its tokenizer and data (Task.configure_model): before
 # the task is built, a config may hold them unset.
-TASK_FILLED_FIELDS = ("vocab_size", "src_vocab_size", "pad_id", "bos_id", "eos_id", "n_labels")
+TASK_FILLED_FIELDS = (
+    "vocab_size", "src_vocab_size", "pad_id", "bos_id", "eos_id", "n_labels",
+    "position.padding_idx",  # RoBERTa's padding id: the task's [PAD]
+)  # fmt: skip
 
 
 def _check_resume_config(
@@ -455,8 +458,12 @@ def _check_resume_config(
         mine, theirs = getattr(cfg, section).to_dict(), getattr(saved, section).to_dict()
         if section == "model" and not configured:
             for name in TASK_FILLED_FIELDS:
-                if name in mine and name in theirs:
-                    mine[name] = theirs[name]
+                *sections, leaf = name.split(".")
+                ours, saved_part = mine, theirs
+                for part in sections:
+                    ours, saved_part = ours.get(part) or {}, saved_part.get(part) or {}
+                if leaf in ours and leaf in saved_part:
+                    ours[leaf] = saved_part[leaf]
         if section == "model":
             for name in AttentionConfig.STAGE_FIELDS:  # training stages: same parameters
                 if "attention" in theirs and name in theirs["attention"]:
