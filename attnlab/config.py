@@ -281,7 +281,9 @@ def _attention_kinds() -> tuple[str, ...]:
 
 
 ATTENTION_BACKENDS = backend_names()  # the one list: the registry in functional/attention.py
-POSITION_KINDS = ("learned", "sinusoidal", "rope", "none")
+# relative_bias (T5): no position in the embeddings; a learned bias per head, looked up by
+# the bucket of the key's position relative to the query's, added to every layer's scores
+POSITION_KINDS = ("learned", "sinusoidal", "rope", "none", "relative_bias")
 ROPE_LAYOUTS = ("split", "interleaved")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 FFN_KINDS = ("mlp", "glu", "moe")
@@ -713,9 +715,15 @@ class PositionConfig(_Config):
     # rows (RoBERTa's max_position_embeddings 514 for 512 tokens). None: positions 0, 1, ...
     # Encoders with position.kind 'learned' only.
     padding_idx: int | None = None
+    # kind "relative_bias" (T5's relative_attention_num_buckets and _max_distance): the
+    # buckets of relative positions (half per sign in an encoder) and the distance from which
+    # all share the last one; exact below buckets / 2 (/ 4 in an encoder), logarithmic above
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
+        self._validate_relative_bias(path)
         _choice(f"{path}.rope_layout", self.rope_layout, ROPE_LAYOUTS)
         _positive(f"{path}.rope_theta", self.rope_theta)
         if self.rope_scaling is not None:
@@ -783,6 +791,19 @@ class PositionConfig(_Config):
             if self.kind != "learned":
                 _fail(f"{path}.padding_idx", f"counts learned positions; needs position.kind "
                       f"'learned', got {self.kind!r} (or set it to null)")  # fmt: skip
+
+    def _validate_relative_bias(self, path: str) -> None:
+        """The bucket scheme needs one exact bucket per side at least (buckets >= 4: an
+        encoder's half holds buckets / 4 exact distances) and a logarithmic range above the
+        exact ones (max_distance > buckets / 2, the decoder's exact distances)."""
+        if self.relative_buckets < 4:
+            _fail(f"{path}.relative_buckets", f"must be >= 4, got {self.relative_buckets}")
+        if self.relative_max_distance <= self.relative_buckets // 2:
+            _fail(
+                f"{path}.relative_max_distance",
+                f"must exceed relative_buckets / 2 = {self.relative_buckets // 2} (the exact "
+                f"distances), got {self.relative_max_distance}",
+            )
 
     def rotary_dim(self, head_dim: int) -> int:
         """The features of a head of width ``head_dim`` that RoPE rotates: transformers'
@@ -1122,6 +1143,9 @@ class ModelConfig(_Config):
             if value != 1.0 and self.arch != "decoder":
                 _fail(at(name), f"is implemented by the decoder architecture only, not "
                       f"{self.arch!r}; set it to 1")  # fmt: skip
+        if self.position.kind == "relative_bias" and self.arch != "seq2seq":
+            _fail(at("position.kind"), f"'relative_bias' is implemented by the seq2seq "
+                  f"architecture only, not {self.arch!r}")  # fmt: skip
         if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
             _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "
                   f"decoder architecture only, not {self.arch!r}")  # fmt: skip

@@ -1314,6 +1314,95 @@ def pythia(size: str) -> ModelConfig:
     return gpt_neox_style(d_model=d, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab)
 
 
+def t5_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    gated: bool = False,
+    head_dim: int = 64,
+    vocab_size: int = 32128,
+    max_seq_len: int = 512,
+    relative_buckets: int = 32,
+    relative_max_distance: int = 128,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """T5 (Raffel et al. 2020): a pre-norm encoder–decoder with RMSNorm, no biases, unscaled
+    scores, heads of ``head_dim`` whatever d_model, a learned relative position bias per
+    stack, one shared vocabulary. v1.0 (``gated`` false): a ReLU MLP and the tied head, which
+    reads d^-1/2 times the decoder's output; v1.1 / Flan-T5 (``gated``): a GeGLU with the
+    tanh GELU and a head of its own. ``max_seq_len``: the decoding cache's default capacity
+    (T5 has no limit on positions)."""
+    from attnlab.models.seq2seq import Seq2SeqConfig
+
+    return Seq2SeqConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, head_dim=head_dim, scale=1.0, dropout=dropout),
+        position=PositionConfig(
+            kind="relative_bias",
+            relative_buckets=relative_buckets,
+            relative_max_distance=relative_max_distance,
+        ),
+        ffn=FFNConfig(
+            kind="glu" if gated else "mlp",
+            activation="gelu_tanh" if gated else "relu",
+            hidden_dim=ffn_hidden,
+            bias=False,
+        ),
+        norm=NormConfig(kind="rmsnorm", eps=1e-6, placement="pre"),
+        tie_embeddings=not gated,
+        scale_decoder_output=not gated,
+        dropout=dropout,
+        scale_embeddings=False,
+        final_norm=True,
+        pad_id=0,
+        bos_id=0,  # the decoder starts from the pad token
+        eos_id=1,
+    )
+
+
+def t5_tiny() -> ModelConfig:
+    """T5 v1.0's architecture in 2 + 2 layers, d_model 64, 4 heads of 16, 16 buckets up to
+    distance 32, a 128-token vocabulary: CPU-trainable, for tests."""
+    return t5_style(d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, head_dim=16,
+                    vocab_size=128, max_seq_len=128, relative_buckets=16,
+                    relative_max_distance=32, dropout=0.0)  # fmt: skip
+
+
+# The published sizes below are recalled from the google-t5/* and google/flan-t5-* config.json
+# files (no download here); tests check their parameter counts against transformers' models of
+# the same configs, and t5-small's against its published 60.5M.
+def t5_small() -> ModelConfig:
+    """google-t5/t5-small: 6 + 6 layers, d_model 512, 8 heads of 64, ReLU MLP of 2048."""
+    return t5_style(d_model=512, n_layers=6, n_heads=8, ffn_hidden=2048)
+
+
+def t5_base() -> ModelConfig:
+    """google-t5/t5-base: 12 + 12 layers, d_model 768, 12 heads of 64, ReLU MLP of 3072."""
+    return t5_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072)
+
+
+def t5_large() -> ModelConfig:
+    """google-t5/t5-large: 24 + 24 layers, d_model 1024, 16 heads of 64, ReLU MLP of 4096."""
+    return t5_style(d_model=1024, n_layers=24, n_heads=16, ffn_hidden=4096)
+
+
+def flan_t5_small() -> ModelConfig:
+    """google/flan-t5-small (T5 v1.1 small's architecture): 8 + 8 layers, d_model 512,
+    6 heads of 64 (inner width 384), GeGLU of 1024, untied head."""
+    return t5_style(d_model=512, n_layers=8, n_heads=6, ffn_hidden=1024, gated=True)
+
+
+def flan_t5_base() -> ModelConfig:
+    """google/flan-t5-base (T5 v1.1 base's architecture): 12 + 12 layers, d_model 768,
+    12 heads of 64, GeGLU of 2048, untied head."""
+    return t5_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=2048, gated=True)
+
+
 def modernbert_style(
     *,
     d_model: int,
@@ -1581,6 +1670,21 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         )
         for size, (d, n, h, _) in PYTHIA_SIZES.items()
     },
+    "t5-tiny": (
+        t5_tiny,
+        "T5 v1.0 architecture: relative position bias, RMSNorm, ReLU, tied; 2+2 layers, d 64",
+    ),
+    "t5-small": (t5_small, "T5-small encoder-decoder, 60.5M (6+6 layers, d 512, tied, ReLU)"),
+    "t5-base": (t5_base, "T5-base encoder-decoder, 223M (12+12 layers, d 768, tied, ReLU)"),
+    "t5-large": (t5_large, "T5-large encoder-decoder, 738M (24+24 layers, d 1024, tied, ReLU)"),
+    "flan-t5-small": (
+        flan_t5_small,
+        "Flan-T5-small (T5 v1.1), 77M (8+8 layers, d 512, 6 heads, GeGLU, untied head)",
+    ),
+    "flan-t5-base": (
+        flan_t5_base,
+        "Flan-T5-base (T5 v1.1), 248M (12+12 layers, d 768, GeGLU, untied head)",
+    ),
     "modernbert-tiny": (
         modernbert_tiny,
         "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",

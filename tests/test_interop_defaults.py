@@ -328,6 +328,20 @@ MINIMAL: dict[str, list[dict]] = {
             "max_position_embeddings": 64,
         }
     ],
+    "t5": [
+        {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4},
+        # v1.1: gated GELU, untied head (transformers 5 stores it as scale_decoder_outputs)
+        {
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 64,
+            "num_layers": 2,
+            "num_decoder_layers": 3,
+            "num_heads": 4,
+            "feed_forward_proj": "gated-gelu",
+            "scale_decoder_outputs": False,
+        },
+    ],
     "vit": [
         {
             "hidden_size": 32,

@@ -131,10 +131,12 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     "RoPE, RMSNorm, sink logits, experts in every layer with clamped SwiGLU)"
                 )
             # (an encoder-decoder's scaled embeddings are Marian's own, an encoder's second
-            # RoPE base ModernBERT's)
+            # RoPE base ModernBERT's, T5's unscaled scores its own: its export_type checks
+            # attention.scale is 1)
             others = {"seq2seq": "scale_embeddings", "encoder": "position.local_rope_theta"}
             gemma = [f for f in gemma_features(cfg) if f != others.get(cfg.arch)]
-            if model_type in GRANITE_TYPES:  # (Granite's attention_multiplier is a scale)
+            # (T5's unscaled scores, Granite's attention_multiplier: a softmax scale of their own)
+            if model_type in ("t5", *GRANITE_TYPES):
                 gemma = [f for f in gemma if f != "attention.scale"]
             if gemma and model_type not in GEMMA_TYPES:
                 raise unrepresentable(
@@ -295,6 +297,7 @@ def load_hf(
                     f"and {name!r} in {file.name}"
                 )
             files[mapped] = (opened, name)
+    cfg = family.config_for_weights(cfg, files.keys())
 
     def shape(name: str) -> tuple[int, ...]:
         file, stored = files[name]

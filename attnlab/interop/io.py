@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -842,6 +842,11 @@ def or_zeros(sd: dict[str, Tensor], name: str, size: int | tuple[int, ...]) -> T
     return torch.zeros(size, dtype=ref.dtype, device=ref.device)
 
 
+def _as_configured(cfg: ModelConfig, names: Collection[str]) -> ModelConfig:
+    """A family's config whatever tensors its checkpoint stores (the default)."""
+    return cfg
+
+
 @dataclass(frozen=True)
 class Family:
     """One Hugging Face model family: its ``model_type``s and the four mappings.
@@ -875,3 +880,6 @@ class Family:
     task: Callable[[ModelConfig], str] = lambda cfg: "lm"
     # Files beside config.json that export writes for a config (name -> JSON content).
     extra_files: Callable[[ModelConfig], dict[str, dict[str, Any]]] = lambda cfg: {}
+    # The config of a checkpoint given the tensor names it stores, where config.json leaves
+    # a piece to them (T5 under transformers 5: a head of its own where one is stored).
+    config_for_weights: Callable[[ModelConfig, Collection[str]], ModelConfig] = _as_configured

@@ -30,6 +30,7 @@ from attnlab.interop import (
     roberta,
     smollm3,
     starcoder2,
+    t5,
     vit,
 )
 from attnlab.interop.io import Family, HFCheckpointError
@@ -68,6 +69,7 @@ FAMILIES: tuple[Family, ...] = (
     # its heads' transform, ...), which BERT's layout would drop
     modernbert.FAMILY,
     bert.FAMILY,
+    t5.FAMILY,  # before Marian: it takes the encoder–decoders with relative position bias
     marian.FAMILY,
     vit.FAMILY,
 )

@@ -1,8 +1,12 @@
-"""Encoder–decoder transformer (Vaswani et al. 2017; MarianMT is a preset of it).
+"""Encoder–decoder transformer (Vaswani et al. 2017; MarianMT and T5 are presets of it).
 
     m   = Encoder(sqrt(d) E_src[src] + P[0..s))             bidirectional, padding masked
     h_l = Block_l(h_{l-1}, m)                               masked self-attn, cross-attn to m, FFN
     logits = W_out h_L (+ b)                                W_out tied to E_tgt or separate
+
+T5 (Raffel et al. 2020) has no P: each stack's self-attention scores get a learned bias by
+relative position (``position.kind`` relative_bias, ``nn/position_bias.py``), and its tied
+head reads d^-1/2 h_L (``scale_decoder_output``).
 
 Decoding (greedy or beam search) encodes the source once; cross-attention keys/values are
 projected from it once (``CrossKV`` entries of the cache) and the decoder's self-attention
@@ -42,6 +46,7 @@ from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
 from attnlab.nn.linear import Linear
 from attnlab.nn.modes import enter_eval, restore
 from attnlab.nn.norm import build_norm
+from attnlab.nn.position_bias import build_position_bias
 
 SINUSOID_LAYOUTS = ("interleaved", "split")
 
@@ -60,7 +65,9 @@ class Seq2SeqConfig(ModelConfig):
     they are blocked (transformers' option of that name), else it scores with the
     unblocked softmax's. ``forced_eos_ids``: at the last step ``generate`` allows (greedy, beam
     search) only these tokens (transformers' ``forced_eos_token_id``: Marian's end token), so a
-    length-limited output ends with one (its log-probability then counted as 0, as there)."""
+    length-limited output ends with one (its log-probability then counted as 0, as there).
+    ``scale_decoder_output``: the head reads the decoder's output times d_model^-1/2 (T5 with
+    tied embeddings: transformers' ``scale_decoder_outputs``)."""
 
     arch: str = "seq2seq"
     attention: AttentionConfig = field(
@@ -83,6 +90,7 @@ class Seq2SeqConfig(ModelConfig):
     blocked_ids: list[int] = field(default_factory=list)
     renormalize_logits: bool = False
     forced_eos_ids: list[int] = field(default_factory=list)
+    scale_decoder_output: bool = False
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -90,7 +98,8 @@ class Seq2SeqConfig(ModelConfig):
         _positive(at("n_decoder_layers"), self.n_decoder_layers)
         _positive(at("src_vocab_size"), self.src_vocab_size)
         _choice(at("sinusoid_layout"), self.sinusoid_layout, SINUSOID_LAYOUTS)
-        _choice(at("position.kind"), self.position.kind, ("sinusoidal", "learned", "none"))
+        kinds = ("sinusoidal", "learned", "none", "relative_bias")
+        _choice(at("position.kind"), self.position.kind, kinds)
         if self.attention.kind != "mha":
             _fail(at("attention.kind"), "encoder–decoder models use 'mha' attention")
         if self.share_embeddings and self.src_vocab_size not in (None, self.vocab_size):
@@ -141,6 +150,9 @@ class Seq2SeqModel(LoadableModel):
         if cfg.position.kind == "learned":
             self.src_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
             self.tgt_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
+        # a bias on the self-attention scores, one per stack (T5's relative position bias)
+        self.src_pos_bias = build_position_bias(cfg.position, cfg.n_heads, bidirectional=True)
+        self.tgt_pos_bias = build_position_bias(cfg.position, cfg.n_heads, bidirectional=False)
         self.emb_scale = d**0.5 if cfg.scale_embeddings else 1.0
         self.drop = nn.Dropout(cfg.dropout)
         self.encoder = TransformerStack(cfg, cfg.n_layers, causal=False)
@@ -199,7 +211,8 @@ class Seq2SeqModel(LoadableModel):
         if src_mask is not None:
             mask = padding_mask(src_mask)  # (b, 1, 1, s)
             real = src_mask.bool().expand(b, s)  # MoE statistics skip the padding
-        return self.enc_norm(self.encoder(x, mask=mask, real_tokens=real))
+        bias = self.src_pos_bias(positions, positions) if self.src_pos_bias is not None else None
+        return self.enc_norm(self.encoder(x, mask=mask, real_tokens=real, bias=bias))
 
     def decode(
         self,
@@ -220,15 +233,22 @@ class Seq2SeqModel(LoadableModel):
         context_mask = padding_mask(src_mask) if src_mask is not None else None
         if cache is not None:
             n = cache.length + t  # before begin(): a Python int, no host read per step
-            positions = cache.begin(t).positions
+            step = cache.begin(t)
+            positions = step.positions
             self._check_length(n)
+            held = cache.key_positions()  # (b, s) every key held, this step's included
+            key_positions = held if held is not None else cache.slot_pos[:, : step.end]
         else:  # no host read (a graph break in compiled training)
-            positions = torch.arange(t, device=tgt.device)[None, :]
+            positions = key_positions = torch.arange(t, device=tgt.device)[None, :]
             self._check_length(t)
         x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions)
         real = tgt_mask.bool().expand(b, t) if tgt_mask is not None else None
+        # the query's true position against every key's (a cached step: all those held)
+        bias = (
+            self.tgt_pos_bias(positions, key_positions) if self.tgt_pos_bias is not None else None
+        )
         x = self.decoder(
-            x, cache=cache, context=memory, context_mask=context_mask, real_tokens=real
+            x, cache=cache, context=memory, context_mask=context_mask, real_tokens=real, bias=bias
         )
         if cache is not None:
             cache.commit()
@@ -236,7 +256,10 @@ class Seq2SeqModel(LoadableModel):
 
     def logits(self, h: Tensor) -> Tensor:
         """Decoder hidden states (b, t, d) -> next-token logits (b, t, V), with the final
-        logits bias where the model has one (Marian)."""
+        logits bias where the model has one (Marian), of d^-1/2 h where the config says
+        (``scale_decoder_output``: T5's tied head)."""
+        if self.cfg.scale_decoder_output:
+            h = h * self.cfg.d_model**-0.5
         out = self.lm_head(h)  # (b, t, V)
         return out + self.logits_bias if self.logits_bias is not None else out
 

@@ -45,7 +45,8 @@ class MultiHeadAttention(nn.Module):
     documents apart (``supports_documents``). ``norm_eps``: QK-norm's epsilon;
     ``norm_offset``: its weights stored as offsets from one (Gemma's RMSNorm).
     ``cfg.scale``: the softmax scale (None: 1 / sqrt(d_h)); ``cfg.softcap``: the scores'
-    soft cap (Gemma 2), in every path, cached ones too.
+    soft cap (Gemma 2), in every path, cached ones too. ``bias``: a term the model adds to
+    the scores (T5's relative position bias, ``nn/position_bias.py``), in every path too.
     """
 
     supports_documents = True  # forward takes doc_ids (packed documents)
@@ -123,15 +124,20 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         context: Tensor | None = None,
         doc_ids: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d); positions (b, t) absolute positions (for RoPE, unless ``rope``
         tables are given); cache: this layer's entry of a :class:`Cache`; mask: extra mask
         broadcastable to (b, h, t, s), e.g. key padding (under a cache the cache supplies
         it); context (b, s, d_c) for cross-attention; doc_ids (b, t): packed documents,
-        no attention across them (self-attention without a cache)."""
+        no attention across them (self-attention without a cache); bias: added to the
+        scores after the scale, broadcastable to (b, h, t, s) over the keys attended to
+        (under a cache: every key held, this step's included)."""
         b, t, _ = x.shape
         if doc_ids is not None and (cache is not None or self.cross):
             raise ValueError("doc_ids (packed documents) apply to self-attention without a cache")
+        if bias is not None and (isinstance(cache, SinkKV) or self.sinks or self.global_tokens):
+            raise ValueError("a score bias is not supported with attention sinks or global tokens")
         causal, window = self.causal, None
         if self.cross:
             q = self._normed_heads(self.q_norm, self.q(x), self.n_heads)  # (b, h, t, d_h)
@@ -170,6 +176,8 @@ class MultiHeadAttention(nn.Module):
                     s = k.shape[-2]
                     win = global_window_mask(t, s, self.window, 0, causal=False, device=x.device)
                     mask, causal = combine_masks(mask, win), False
+        if bias is not None:  # additive: a boolean mask becomes 0 / -inf beside it
+            mask = combine_masks(mask, bias)
         y = attend(
             q,
             k,

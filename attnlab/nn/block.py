@@ -117,12 +117,16 @@ class TransformerBlock(nn.Module):
         cross_cache: LayerCache | None = None,
         doc_ids: Tensor | None = None,
         real_tokens: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d) -> (b, t, d). ``doc_ids`` (b, t): packed documents, no attention
         across them; passed only when given, to attention kinds with ``supports_documents``.
         ``real_tokens`` (b, t) bool, False at padding: passed only when given, to the
-        modules with auxiliary statistics (``has_aux``: MoE, DSA), which leave padding out."""
+        modules with auxiliary statistics (``has_aux``: MoE, DSA), which leave padding out.
+        ``bias`` (b or 1, h, t, s): the model's position bias on the self-attention scores
+        (T5's), passed only when given."""
         docs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        scores = {} if bias is None else {"bias": bias}
         real = {} if real_tokens is None else {"real_tokens": real_tokens}
         attn_real = real if getattr(self.attn, "has_aux", False) else {}
         ffn_real = real if getattr(self.ffn, "has_aux", False) else {}
@@ -136,6 +140,7 @@ class TransformerBlock(nn.Module):
             cache=cache,
             mask=mask,
             **docs,
+            **scores,
             **attn_real,
         )
         if self.cross_attn is not None:
@@ -224,9 +229,11 @@ class TransformerStack(nn.ModuleList):
         doc_ids: Tensor | None = None,
         real_tokens: Tensor | None = None,
         local_rope: RopeTables | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """Run every block in order; arguments as :meth:`TransformerBlock.forward`;
-        ``local_rope``: the local layers' tables (a stack built with ``local_rope``)."""
+        ``local_rope``: the local layers' tables (a stack built with ``local_rope``);
+        ``bias``: one position bias for every layer's self-attention (T5's)."""
         if any(self.local) and rope is not None and local_rope is None:
             raise ValueError("this stack's local layers have their own RoPE: pass local_rope")
         for i, block in enumerate(self):
@@ -241,5 +248,6 @@ class TransformerStack(nn.ModuleList):
                 cross_cache=None if cache is None else cache.cross[i],
                 doc_ids=doc_ids,
                 real_tokens=real_tokens,
+                bias=bias,
             )
         return x

@@ -76,12 +76,14 @@ class ParallelTransformerBlock(nn.Module):
         cross_cache: LayerCache | None = None,
         doc_ids: Tensor | None = None,
         real_tokens: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """x (b, t, d) -> x + attn(norm(x)) + ffn(norm'(x)) (b, t, d); arguments as
         :meth:`TransformerBlock.forward`. ``context`` must be None (no cross-attention)."""
         if context is not None:
             raise ValueError("a parallel block has no cross-attention: context must be None")
         docs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        scores = {} if bias is None else {"bias": bias}  # a position bias (T5's), if any
         real = {} if real_tokens is None else {"real_tokens": real_tokens}
         attn_real = real if getattr(self.attn, "has_aux", False) else {}
         ffn_real = real if getattr(self.ffn, "has_aux", False) else {}
@@ -90,7 +92,14 @@ class ParallelTransformerBlock(nn.Module):
         else:
             h_attn, h_ffn = self.attn_norm(x), self.ffn_norm(x)
         a = self.attn(
-            h_attn, positions=positions, rope=rope, cache=cache, mask=mask, **docs, **attn_real
+            h_attn,
+            positions=positions,
+            rope=rope,
+            cache=cache,
+            mask=mask,
+            **docs,
+            **scores,
+            **attn_real,
         )
         y = a + self.ffn(h_ffn, **ffn_real)
         m = self.residual_multiplier
