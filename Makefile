@@ -21,9 +21,11 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 
+# The suite on every core (at most 4 processes; each test runs torch on one thread):
+# `pytest -q` alone runs it in one process.
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 # The oldest versions pyproject.toml allows, on the oldest Python it allows (FLOORS_PY):
 # uv resolves every direct dependency to its lowest version (what those need, to the

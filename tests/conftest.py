@@ -9,6 +9,9 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# ... and so do the processes tests start (the CLI, torchrun): with the suite on every core
+# (make test runs one pytest process per core), a process of two threads waits on the other
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Without a GPU the Triton kernels run under Triton's interpreter. It must be switched on
 # before anything imports triton (torch does, lazily): triton.jit picks at decoration time.
