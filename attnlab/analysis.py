@@ -134,10 +134,11 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
 
     ``embedding`` is the token embedding plus learned position embeddings; everything else,
     including an untied output head, is ``non_embedding`` (Kaplan et al.'s N excludes the
-    embeddings). ``lm_head`` is the untied head's share of that (0 when tied)."""
+    embeddings). ``lm_head`` is the head's share of that: its weight when untied (a tied one
+    is the embedding's), its bias (``final_logits_bias``) either way."""
     cfg.validate()
     d, V = cfg.d_model, cfg.vocab_size
-    head = 0 if cfg.tie_embeddings else d * V
+    head = (0 if cfg.tie_embeddings else d * V) + (V if cfg.final_logits_bias else 0)
     if not _formula_applies(cfg):
         model = meta_model(cfg)
         total = sum(p.numel() for p in model.parameters())  # tied ones once
@@ -156,7 +157,8 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
             "total": total,
             "embedding": total - non_embedding,
             "non_embedding": non_embedding,
-            "lm_head": sum(p.numel() for p in heads),  # untied only (tied: listed once)
+            # the bias, and the weight untied only (tied: listed once, as the embedding)
+            "lm_head": sum(p.numel() for p in heads),
         }
     embedding = V * d + (cfg.max_seq_len * d if cfg.position.kind == "learned" else 0)
     block, _ = _block_counts(cfg)

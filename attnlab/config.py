@@ -1009,6 +1009,11 @@ class ModelConfig(_Config):
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logit_divisor: float = 1.0
+    # A bias on the output logits, learned: the head's own (logits = W_out h + b; Phi-1/1.5/2
+    # and GPT-J's lm_head.bias, Marian's final_logits_bias), before any logit_divisor and
+    # soft-capping, tied head or not. Decoder and encoder-decoder only (an encoder's masked-LM
+    # head has decoder_bias).
+    final_logits_bias: bool = False
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
 
@@ -1143,6 +1148,12 @@ class ModelConfig(_Config):
             if value != 1.0 and self.arch != "decoder":
                 _fail(at(name), f"is implemented by the decoder architecture only, not "
                       f"{self.arch!r}; set it to 1")  # fmt: skip
+        if self.final_logits_bias and self.arch not in ("decoder", "seq2seq"):
+            hint = (
+                " (an encoder's masked-LM head has decoder_bias)" if self.arch == "encoder" else ""
+            )
+            _fail(at("final_logits_bias"), f"is implemented by the decoder and seq2seq "
+                  f"architectures only, not {self.arch!r}; set it to false{hint}")  # fmt: skip
         if self.position.kind == "relative_bias" and self.arch != "seq2seq":
             _fail(at("position.kind"), f"'relative_bias' is implemented by the seq2seq "
                   f"architecture only, not {self.arch!r}")  # fmt: skip

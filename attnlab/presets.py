@@ -1314,6 +1314,104 @@ def pythia(size: str) -> ModelConfig:
     return gpt_neox_style(d_model=d, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab)
 
 
+def phi_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int = 51200,
+    max_seq_len: int = 2048,
+    rope_fraction: float = 0.5,
+) -> ModelConfig:
+    """Phi-1, Phi-1.5 and Phi-2 (Gunasekar et al. 2023; Li et al. 2023): attention and a
+    tanh-GELU MLP of 4d side by side on one LayerNorm of each block's input
+    (``norm.placement='parallel_shared'``), biases everywhere and on the head
+    (``final_logits_bias``), RoPE of base 10000 on the first ``rope_fraction`` of each head
+    (rotate-half pairs), MHA, an untied head."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
+        position=PositionConfig(
+            kind="rope", rope_theta=10000.0, rope_layout="split", rope_fraction=rope_fraction
+        ),
+        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", hidden_dim=4 * d_model, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="parallel_shared"),
+        tie_embeddings=False,
+        final_logits_bias=True,
+    )
+
+
+def phi_tiny() -> ModelConfig:
+    """Phi's architecture in 2 layers, d_model 64, 4 heads of 16 (half of each rotated):
+    CPU-trainable, for tests."""
+    return phi_style(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4)
+
+
+# microsoft/phi-1, phi-1_5 and phi-2 config.json (recalled, not read here;
+# tests/test_analysis.py checks each against transformers' PhiForCausalLM of the same
+# config.json): d_model, layers, heads, rotated fraction. Phi-1.5 has Phi-1's architecture
+# (Li et al. 2023, Sec. 2.1); all three have a 51200-token vocabulary and 2048 positions.
+PHI_SIZES = {
+    "phi-1": (2048, 24, 32, 0.5),  # 1,418,270,720 parameters
+    "phi-1.5": (2048, 24, 32, 0.5),  # 1,418,270,720
+    "phi-2": (2560, 32, 32, 0.4),  # 2,779,683,840
+}
+
+
+def gptj_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int = 50400,
+    max_seq_len: int = 2048,
+    rope_fraction: float = 0.25,
+) -> ModelConfig:
+    """GPT-J (Wang and Komatsuzaki 2021): Phi's parallel block on one shared LayerNorm with a
+    tanh-GELU MLP of 4d (biases there, none in the attention), RoPE of base 10000 on the
+    first ``rope_fraction`` of each head in adjacent pairs (``rope_layout='interleaved'``),
+    MHA, an untied head with a bias (``final_logits_bias``)."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=False, out_bias=False),
+        position=PositionConfig(
+            kind="rope", rope_theta=10000.0, rope_layout="interleaved", rope_fraction=rope_fraction
+        ),
+        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", hidden_dim=4 * d_model, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="parallel_shared"),
+        tie_embeddings=False,
+        final_logits_bias=True,
+    )
+
+
+def gptj_tiny() -> ModelConfig:
+    """GPT-J's architecture in 2 layers, d_model 64, 4 heads of 16 (the first 4 features of
+    each rotated): CPU-trainable, for tests."""
+    return gptj_style(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4)
+
+
+def gpt_j_6b() -> ModelConfig:
+    """EleutherAI/gpt-j-6b config.json (recalled, not read here; tests/test_analysis.py
+    checks it against transformers' GPTJForCausalLM of the same config.json): d_model 4096,
+    28 layers, 16 heads of 256 with rotary_dim 64, a 50400-token vocabulary (padded from
+    GPT-2's 50257), 2048 positions. transformers counts 6,050,882,784 parameters; the
+    original release's 6,053,381,344 counts 2,498,560 more."""
+    return gptj_style(d_model=4096, n_layers=28, n_heads=16)
+
+
+def phi(name: str) -> ModelConfig:
+    """microsoft/``name`` (:data:`PHI_SIZES`): parallel blocks with one shared norm, 32
+    rotated features of each head."""
+    d, n_layers, n_heads, fraction = PHI_SIZES[name]
+    return phi_style(d_model=d, n_layers=n_layers, n_heads=n_heads, rope_fraction=fraction)
+
+
 def t5_style(
     *,
     d_model: int,
@@ -1670,6 +1768,20 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         )
         for size, (d, n, h, _) in PYTHIA_SIZES.items()
     },
+    "phi-tiny": (
+        phi_tiny,
+        "Phi-1/1.5/2 architecture: parallel attention and MLP on one norm, half of heads "
+        "rotated, a biased head; 2 layers",
+    ),
+    "phi-1": (lambda: phi("phi-1"), "Phi-1, 1.3B (1.42B counted; 24 layers, d_model 2048)"),
+    "phi-1.5": (lambda: phi("phi-1.5"), "Phi-1.5, 1.3B (1.42B counted; Phi-1's architecture)"),
+    "phi-2": (lambda: phi("phi-2"), "Phi-2, 2.7B (2.78B counted; 32 layers, d_model 2560)"),
+    "gptj-tiny": (
+        gptj_tiny,
+        "GPT-J architecture: parallel attention and MLP on one norm, interleaved RoPE on 1/4 "
+        "of heads; 2 layers",
+    ),
+    "gpt-j-6b": (gpt_j_6b, "GPT-J 6B, 6.05B (28 layers, d_model 4096, 16 heads, rotary_dim 64)"),
     "t5-tiny": (
         t5_tiny,
         "T5 v1.0 architecture: relative position bias, RMSNorm, ReLU, tied; 2+2 layers, d 64",

@@ -36,6 +36,9 @@ VARIANTS = [
     # (measured on the model: sink logits, router and expert biases)
     ("gpt-oss-tiny", {}),
     ("gpt-oss-tiny", {"ffn.router_bias": False, "attention.qkv_bias": False}),
+    # a bias on the head (Phi's, GPT-J's): its own, with the weight tied or not
+    ("gpt2-tiny", {"final_logits_bias": True}),
+    ("pythia-tiny", {"final_logits_bias": True, "norm.placement": "parallel_shared"}),
 ]
 IDS = [f"{name}{'+' + ','.join(o) if o else ''}" for name, o in VARIANTS]
 
@@ -53,7 +56,8 @@ def test_parameter_count_matches_built_model(name, overrides):
     assert counts["non_embedding"] == model.num_parameters(exclude_embeddings=True)
     assert counts["embedding"] + counts["non_embedding"] == counts["total"]
     head = 0 if cfg.tie_embeddings else model.lm_head.weight.numel()
-    assert counts["lm_head"] == head
+    bias = model.lm_head.bias
+    assert counts["lm_head"] == head + (0 if bias is None else bias.numel())
     # routers stay float32 in a bf16 model (nn.moe.KeepsPrecision): 4 bytes, not 2
     routers = [m for m in model.modules() if isinstance(m, Router)]
     kept = sum(p.numel() for m in routers for p in m.parameters())
@@ -103,7 +107,11 @@ def _counted_flops(model, idx, *, backward: bool) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("name,overrides", VARIANTS[:3] + VARIANTS[6:8], ids=IDS[:3] + IDS[6:8])
+@pytest.mark.parametrize(
+    "name,overrides",
+    VARIANTS[:3] + VARIANTS[6:8] + VARIANTS[-2:],
+    ids=IDS[:3] + IDS[6:8] + IDS[-2:],
+)
 def test_flops_match_torch_flop_counter(name, overrides):
     # The eager backend forms Q K^T and weights V with explicit matmuls, which the counter
     # sees (torch's CPU sdpa kernel is not registered with it). The counter, like our
@@ -133,7 +141,9 @@ def test_flops_attention_term_grows_with_context():
         flops_per_token(cfg, 0)
 
 
-@pytest.mark.parametrize("name,overrides", [VARIANTS[1], VARIANTS[3]], ids=[IDS[1], IDS[3]])
+@pytest.mark.parametrize(
+    "name,overrides", [VARIANTS[1], VARIANTS[3], *VARIANTS[-2:]], ids=[IDS[1], IDS[3], *IDS[-2:]]
+)
 def test_measured_fallback_agrees_with_formulas(name, overrides, monkeypatch):
     # Attention kinds without a formula are measured on a meta-device model; both paths
     # must agree where both apply.
@@ -231,6 +241,14 @@ def test_moe_matmul_parameters_count_only_active_experts():
         ("pythia-2.8b", 2_775_208_960),
         ("pythia-6.9b", 6_857_302_016),
         ("pythia-12b", 11_846_072_320),
+        # microsoft/phi-1, phi-1_5 (Phi-1's architecture) and phi-2: transformers' counts of
+        # their config.json (the papers' 1.3B and the model card's 2.7B round other counts)
+        ("phi-1", 1_418_270_720),
+        ("phi-1.5", 1_418_270_720),
+        ("phi-2", 2_779_683_840),
+        # EleutherAI/gpt-j-6b: transformers' count of its config.json (the original release
+        # reports 6,053,381,344, 2,498,560 more)
+        ("gpt-j-6b", 6_050_882_784),
     ],
 )
 def test_published_parameter_totals(name, total):
@@ -472,6 +490,15 @@ _PYTHIA = dict(
     use_parallel_residual=True, layer_norm_eps=1e-5, initializer_range=0.02,
     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
 )  # fmt: skip
+# microsoft/phi-1, phi-1_5 and phi-2 config.json (transformers 4.x keys; recalled; their
+# dropouts, training settings, left out)
+_PHI = dict(
+    model_type="phi", architectures=["PhiForCausalLM"], hidden_act="gelu_new",
+    max_position_embeddings=2048, layer_norm_eps=1e-5, initializer_range=0.02,
+    rope_theta=10000.0, rope_scaling=None, qk_layernorm=False, tie_word_embeddings=False,
+    vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+    num_attention_heads=32, num_key_value_heads=None, partial_rotary_factor=0.5,
+)  # fmt: skip
 _PYTHIA_SIZES = [("70m", 512, 6, 8, 50304), ("160m", 768, 12, 12, 50304),
                  ("410m", 1024, 24, 16, 50304), ("1b", 2048, 16, 8, 50304),
                  ("1.4b", 2048, 24, 16, 50304), ("2.8b", 2560, 32, 32, 50304),
@@ -618,6 +645,16 @@ CONFIG_JSON = {
     **{f"pythia-{size}": dict(_PYTHIA, hidden_size=d, intermediate_size=4 * d,
                               num_hidden_layers=n, num_attention_heads=h, vocab_size=vocab)
        for size, d, n, h, vocab in _PYTHIA_SIZES},
+    "phi-1": _PHI,
+    "phi-1.5": _PHI,
+    "phi-2": dict(_PHI, hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+                  partial_rotary_factor=0.4, bos_token_id=50256, eos_token_id=50256),
+    # EleutherAI/gpt-j-6b (recalled; its dropouts, training settings, left out)
+    "gpt-j-6b": dict(model_type="gptj", architectures=["GPTJForCausalLM"], vocab_size=50400,
+                     n_positions=2048, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64,
+                     n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                     initializer_range=0.02, tie_word_embeddings=False, bos_token_id=50256,
+                     eos_token_id=50256),
     "gpt-oss-20b": _GPT_OSS,
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_GPT_OSS_LAYERS * 18),

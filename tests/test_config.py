@@ -337,6 +337,7 @@ def expected_parameters(cfg: ModelConfig) -> int:
     total += cfg.n_layers * (attn + n_norms * norm) + ffns
     total += norm if nrm.placement != "post" else 0  # final norm
     total += 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    total += cfg.vocab_size * cfg.final_logits_bias  # the head's own bias (Phi, GPT-J)
     return total
 
 

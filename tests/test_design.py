@@ -313,6 +313,8 @@ def test_training_forward_has_no_graph_breaks(name):
         ("olmo2-tiny", {}, 2),  # QK-norm over whole projections, norms on sublayer outputs
         ("pythia-tiny", {}, 2),  # parallel blocks, a partial rotation
         ("pythia-tiny", {"norm.placement": "parallel_shared"}, 2),  # one norm per block
+        ("phi-tiny", {"tie_embeddings": True}, 2),  # a bias on the (tied) head
+        ("gptj-tiny", {}, 2),  # interleaved pairs on a quarter of each head
     ],
 )
 @torch.no_grad()
@@ -927,6 +929,7 @@ def test_compiled_generate_slides_its_context_like_eager(monkeypatch):
         ("llama-tiny", {"attention.kind": "linear"}),
         ("llama-tiny", {"attention.n_kv_heads": 1, "attention.sliding_window": 4}),
         ("llama-tiny", {"attention.sliding_window": 4, "attention.global_tokens": [0, 1]}),
+        ("phi-tiny", {}),  # parallel blocks on one norm, a bias on the head
     ],
 )
 def test_compiled_generate_equals_eager_for_every_attention_kind(monkeypatch, name, override):

@@ -246,6 +246,27 @@ MINIMAL: dict[str, list[dict]] = {
             "attention_bias": False,
         },
     ],
+    # 32 heads (MHA; of 4 here), half of each head rotated at base 10000, an untied head
+    "phi": [
+        {"vocab_size": 100, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2},
+        # transformers 4.x's keys: a quarter of each head at base 500, GQA, a tied head
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 500.0,
+            "tie_word_embeddings": True,
+        },
+    ],
+    # 16 heads of 256 (of 4 here: rotary_dim 64 at most), n_inner 4 d, an untied head
+    "gptj": [
+        {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 1},
+        {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8},
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

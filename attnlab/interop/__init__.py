@@ -1,7 +1,7 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3,
-Phi-3, GPT-NeoX (Pythia), StarCoder2, Granite, DeepSeek-V2/V3/V3.2, BERT, ModernBERT, MarianMT,
-ViT.
+Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, StarCoder2, Granite, DeepSeek-V2/V3/V3.2, BERT,
+ModernBERT, MarianMT, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -20,6 +20,9 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     phi3.py          Phi-3: LLaMA's layout with q/k/v and gate/up fused, LongRoPE, partial RoPE
     gpt_neox.py      GPT-NeoX, Pythia: parallel attention and MLP, per-head fused q/k/v,
                      partial RoPE, LayerNorm, GELU MLP
+    phi.py           Phi-1, Phi-1.5, Phi-2: parallel attention and MLP on one shared LayerNorm,
+                     partial RoPE, biases everywhere, a biased head
+    gptj.py          GPT-J: Phi's block with interleaved partial RoPE, no attention biases
     starcoder2.py    StarCoder2: LLaMA's attention with biased LayerNorms and a GELU MLP
     granite.py       Granite: LLaMA's layout with muP multipliers (embeddings, residual
                      branches, softmax scale, logits)

@@ -82,7 +82,9 @@ QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
 # model types with LongRoPE (whose generate re-encodes past the original context), and with
 # a partial rotation (position.rope_fraction)
 LONGROPE_TYPES = ("phi3",)
-PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox")
+PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox", "phi", "gptj")
+# decoder model types whose head has a bias (final_logits_bias: lm_head.bias)
+HEAD_BIAS_TYPES = ("phi", "gptj")
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
 # head, the clamped SwiGLU, biases on the router's logits and on the experts
 GPT_OSS_TYPES = ("gpt_oss",)
@@ -171,6 +173,16 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"position.rope_fraction={pos.rope_fraction} ({model_type} rotates whole "
                     f"heads; a partial rotation exports as {' or '.join(PARTIAL_ROTARY_TYPES)})"
                 )
+            if (
+                cfg.arch == "decoder"
+                and cfg.final_logits_bias
+                and model_type not in HEAD_BIAS_TYPES
+            ):
+                raise unrepresentable(
+                    f"final_logits_bias ({model_type}'s head has no bias; a biased head exports "
+                    f"as {' or '.join(HEAD_BIAS_TYPES)}: RoPE, LayerNorm, parallel blocks with one "
+                    "norm, an MLP)"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -195,7 +207,10 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
             "an MLP feed-forward)"
         )
     if cfg.norm.placement == "parallel_shared":
-        raise unrepresentable("norm.placement='parallel_shared' (no supported architecture)")
+        raise unrepresentable(
+            "norm.placement='parallel_shared' (Phi's and GPT-J's: exports as phi or gptj only: "
+            "RoPE, LayerNorm, an MLP feed-forward)"
+        )
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
     raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")

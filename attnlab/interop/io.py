@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -414,6 +415,21 @@ def moe_layers_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     those listed in ``mlp_only_layers``)."""
     dense = [i for i in range(cfg.n_layers) if not cfg.ffn.moe_layer(i)]
     return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
+def one_dropout(hf: dict[str, Any]) -> float:
+    """attnlab's one dropout (embeddings and each sublayer's output) of a config.json with
+    ``resid_pdrop`` and ``embd_pdrop`` (Phi's, GPT-J's): ``resid_pdrop``, with a warning
+    where ``embd_pdrop`` differs (training only: evaluation and generation do not drop)."""
+    resid, embd = hf.get("resid_pdrop") or 0.0, hf.get("embd_pdrop") or 0.0
+    if embd != resid:
+        warnings.warn(
+            f"config.json embd_pdrop={embd} differs from resid_pdrop={resid}: attnlab has one "
+            f"dropout, {resid}, for the embeddings and each sublayer's output (training only; "
+            "evaluation and generation are unaffected)",
+            stacklevel=4,
+        )
+    return resid
 
 
 def n_labels(hf: dict[str, Any]) -> int:

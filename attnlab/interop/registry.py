@@ -18,12 +18,14 @@ from attnlab.interop import (
     gpt2,
     gpt_neox,
     gpt_oss,
+    gptj,
     granite,
     llama,
     marian,
     mixtral,
     modernbert,
     olmo2,
+    phi,
     phi3,
     qwen2_moe,
     qwen3_moe,
@@ -51,6 +53,10 @@ FAMILIES: tuple[Family, ...] = (
     # before Phi-3 and LLaMA: it takes the RoPE decoders with LayerNorm and an MLP in parallel
     # blocks or with a partial rotation, which their layouts (RMSNorm, gated FFN) would refuse
     gpt_neox.FAMILY,
+    # the RoPE decoders with LayerNorm and an MLP in parallel blocks with one shared norm:
+    # GPT-J's own layout (interleaved pairs, no attention biases, ...) first, Phi the others
+    gptj.FAMILY,
+    phi.FAMILY,
     phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
     # before LLaMA: it takes the RoPE decoders with LayerNorm and a non-gated MLP
     starcoder2.FAMILY,

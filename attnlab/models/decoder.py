@@ -2,7 +2,7 @@
 
     h_0 = E[idx] (* sqrt(d)) (* m_e) (+ P[positions])  token (+ absolute position) embedding
     h_l = Block_l(h_{l-1})                   causal self-attention + feed-forward
-    logits = W_out norm(h_L) (/ s)           W_out tied to E or separate
+    logits = (W_out norm(h_L) (+ b)) (/ s)   W_out tied to E or separate; b its own (Phi, GPT-J)
     logits = c tanh(logits / c)              soft-capped (Gemma 2): c = final_logit_softcap
 
 (Granite: m_e = embedding_multiplier, s = logit_divisor, and each block's sublayer outputs
@@ -91,7 +91,8 @@ class DecoderLM(LoadableModel):
         # Post-norm blocks already end in a norm; pre-norm (sandwich, post-sublayer) stacks
         # need one.
         self.norm = build_norm(cfg.norm, d) if cfg.norm.placement != "post" else nn.Identity()
-        self.lm_head = Linear(d, cfg.vocab_size, bias=False)
+        # (final_logits_bias: the head's own bias, also when its weight is the embedding)
+        self.lm_head = Linear(d, cfg.vocab_size, bias=cfg.final_logits_bias)
         self.tie_weights()
         self.apply(self._init_weights)
         init_residual_projections(self, cfg.init_std, cfg.n_layers)

@@ -82,7 +82,6 @@ class Seq2SeqConfig(ModelConfig):
     scale_embeddings: bool = True  # (ModelConfig's field; on by default here, as Vaswani et al.)
     sinusoid_layout: str = "interleaved"
     final_norm: bool | None = None
-    final_logits_bias: bool = False  # a bias on the output logits (Marian)
     label_smoothing: float = 0.0
     pad_id: int = 0
     bos_id: int = 1  # the decoder's start token
