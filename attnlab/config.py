@@ -314,7 +314,7 @@ NORM_KINDS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
 # sandwich (Gemma 2 and 3): x + post_norm(f(pre_norm(x))), a norm on each side of f;
 # post_sublayer (OLMo 2): x + post_norm(f(x)), a norm on f's output only, inside the residual;
 # parallel (GPT-NeoX, Pythia): x + attn(norm1(x)) + ffn(norm2(x)), both sublayers reading the
-# block's input; parallel_shared (Phi-1/1.5/2, GPT-J): the same with one norm,
+# block's input; parallel_shared (Phi-1/1.5/2, GPT-J, Cohere): the same with one norm,
 # x + attn(norm(x)) + ffn(norm(x)) (nn/parallel_block.py)
 NORM_PLACEMENTS = ("pre", "post", "sandwich", "post_sublayer", "parallel", "parallel_shared")
 PARALLEL_NORM_PLACEMENTS = ("parallel", "parallel_shared")
@@ -970,6 +970,8 @@ class NormConfig(_Config):
 
 # ModelConfig's scalars of the decoder alone (Granite's muP multipliers); 1 is none
 SCALAR_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logit_divisor")
+# ... and Cohere's factor on the output logits (1 is none)
+DECODER_SCALARS = (*SCALAR_MULTIPLIERS, "logit_scale")
 
 
 @dataclass
@@ -1014,6 +1016,10 @@ class ModelConfig(_Config):
     # soft-capping, tied head or not. Decoder and encoder-decoder only (an encoder's masked-LM
     # head has decoder_bias).
     final_logits_bias: bool = False
+    # The output logits multiplied by logit_scale (Cohere's; a product, as transformers
+    # forms it: dividing by 1 / logit_scale would round differently), after any
+    # logit_divisor and before any final_logit_softcap. Decoder only (1: none).
+    logit_scale: float = 1.0
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
 
@@ -1142,7 +1148,7 @@ class ModelConfig(_Config):
         if self.final_logit_softcap is not None and self.arch != "decoder":
             _fail(at("final_logit_softcap"), f"is implemented by the decoder architecture "
                   f"only, not {self.arch!r}; set it to null")  # fmt: skip
-        for name in SCALAR_MULTIPLIERS:  # (Granite's)
+        for name in DECODER_SCALARS:  # (Granite's and Cohere's)
             value = getattr(self, name)
             _positive(at(name), value)
             if value != 1.0 and self.arch != "decoder":

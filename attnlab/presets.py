@@ -1215,6 +1215,68 @@ def granite_tiny() -> ModelConfig:
     )
 
 
+def cohere_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    rope_theta: float,
+    n_kv_heads: int | None = None,
+    logit_scale: float = 0.0625,
+) -> ModelConfig:
+    """Cohere (Command-R): attention and a SwiGLU MLP side by side on each block's input,
+    after one LayerNorm without bias that both read (``norm.placement='parallel_shared'``),
+    RoPE on interleaved pairs, no biases, a tied head, and the logits multiplied by
+    ``logit_scale``."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads),
+        position=PositionConfig(kind="rope", rope_theta=rope_theta, rope_layout="interleaved"),
+        ffn=FFNConfig(kind="glu", activation="silu", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=False, placement="parallel_shared"),
+        tie_embeddings=True,
+        logit_scale=logit_scale,
+    )
+
+
+def cohere_tiny() -> ModelConfig:
+    """Cohere's architecture in 2 layers, d_model 64, GQA 4/2, logits x 1/16 (Command-R's
+    scale): for tests and quick training."""
+    return cohere_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        rope_theta=10_000.0,
+    )
+
+
+def command_r() -> ModelConfig:
+    """CohereForAI/c4ai-command-r-v01, its config.json as recalled (not read here): 40
+    layers, d_model 8192, MHA 64 heads of 128, SwiGLU of 22528, vocabulary 256000, a tied
+    head, logit_scale 0.0625, RoPE base 8e6 and max_position_embeddings 8192 (the last two
+    recalled with less certainty than the sizes); 35.0B parameters (transformers' count of
+    that config, tests/test_analysis.py)."""
+    return cohere_style(
+        vocab_size=256_000,
+        max_seq_len=8192,
+        d_model=8192,
+        n_layers=40,
+        n_heads=64,
+        ffn_hidden=22528,
+        rope_theta=8_000_000.0,
+    )
+
+
 def phi3_tiny() -> ModelConfig:
     """Phi-3's architecture (the LLaMA layout with LongRoPE, as Phi-3-mini-128k's) in 2
     layers, d_model 64, GQA 4/2: a context of 128 stretched 4x from 32 by per-pair factors
@@ -1754,6 +1816,11 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         granite_tiny,
         "Granite architecture: LLaMA's with muP multipliers (embeddings, residuals, logits)",
     ),
+    "cohere-tiny": (
+        cohere_tiny,
+        "Cohere architecture: parallel attention and SwiGLU after one LayerNorm, logit scale",
+    ),
+    "command-r": (command_r, "Command-R v01, 35.0B (MHA 64 heads, 256k vocabulary, tied head)"),
     "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
     "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),
     "pythia-tiny": (

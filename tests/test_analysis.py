@@ -655,6 +655,15 @@ CONFIG_JSON = {
                      n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                      initializer_range=0.02, tie_word_embeddings=False, bos_token_id=50256,
                      eos_token_id=50256),
+    # CohereForAI/c4ai-command-r-v01 (recalled: its sizes surely, its RoPE base and context
+    # less so; 34,980,831,232 parameters, the model card's 35B)
+    "command-r": dict(model_type="cohere", architectures=["CohereForCausalLM"],
+                      hidden_size=8192, intermediate_size=22528, num_hidden_layers=40,
+                      num_attention_heads=64, num_key_value_heads=64, vocab_size=256000,
+                      max_position_embeddings=8192, rope_theta=8000000.0, layer_norm_eps=1e-5,
+                      logit_scale=0.0625, tie_word_embeddings=True, attention_bias=False,
+                      use_qk_norm=False, hidden_act="silu", bos_token_id=5,
+                      eos_token_id=255001, pad_token_id=0),
     "gpt-oss-20b": _GPT_OSS,
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_GPT_OSS_LAYERS * 18),

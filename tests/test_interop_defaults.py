@@ -228,6 +228,22 @@ MINIMAL: dict[str, list[dict]] = {
             },
         },
     ],
+    # 64 heads (MHA; of 8 here), a tied head, logit_scale 1/16, LayerNorm eps 1e-5 and a RoPE
+    # base of 500000 (CohereConfig's default_theta), no biases, by default
+    "cohere": [
+        {**_RMS, "hidden_size": 512},
+        # GQA, attention biases, an untied head, transformers 4.x's RoPE keys
+        {
+            **_RMS,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+            "logit_scale": 0.5,
+            "rope_theta": 8e6,
+        },
+    ],
     # 64 heads (MHA; of 8 here), parallel blocks, a quarter of each head rotated at base 10000,
     # attention biases, LayerNorm eps 1e-5, an untied head, by default
     "gpt_neox": [

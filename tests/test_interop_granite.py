@@ -449,6 +449,9 @@ def test_families_other_than_granite_refuse_its_multipliers(monkeypatch):
         ("gemma2-tiny", {}, "gemma2"),
         ("olmo2-tiny", {}, "olmo2"),
         ("gpt2-tiny", {}, "gpt2"),
+        ("granite-tiny", {}, "granite"),
+        ("pythia-tiny", {}, "gpt_neox"),
+        ("cohere-tiny", {}, "cohere"),  # parallel blocks of one norm, a logit scale
     ],
 )
 def test_export_picks_granite_only_for_its_pieces(preset, changes, model_type):

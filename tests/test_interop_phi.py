@@ -417,8 +417,9 @@ def test_dropouts_read_as_one_with_a_warning_where_they_differ():
         ({"position.rope_scaling": "yarn"}, "position.rope_scaling='yarn' (phi: none or linear)"),
         ({"attention.sliding_window": 8}, "attention.sliding_window (phi attends to"),
         ({"attention.qk_norm": True}, "attention.qk_norm (phi has no QK-norm"),
-        ({"norm.kind": "rmsnorm"}, "norm.placement='parallel_shared' (Phi's and GPT-J's"),
-        ({"ffn.kind": "glu"}, "norm.placement='parallel_shared' (Phi's and GPT-J's"),
+        ({"norm.kind": "rmsnorm"}, "norm.placement='parallel_shared' (Phi's, GPT-J's and Cohere's"),
+        # a gated feed-forward in one-norm parallel blocks is Cohere's, whose norms have no bias
+        ({"ffn.kind": "glu"}, "norm.bias=true (Cohere's LayerNorms have no bias"),
     ],
     ids=["yarn", "window", "qk-norm", "rmsnorm", "glu"],
 )

@@ -423,6 +423,8 @@ def test_export_refuses_what_starcoder2_cannot_hold(changes, named, tmp_path):
         ("pythia-tiny", {}, "gpt_neox"),  # parallel blocks, a partial rotation
         ("pythia-tiny", {"norm.placement": "pre"}, "gpt_neox"),  # a partial rotation
         ("pythia-tiny", {"norm.placement": "pre", "position.rope_fraction": 1.0}, "starcoder2"),
+        ("granite-tiny", {}, "granite"),
+        ("cohere-tiny", {}, "cohere"),  # parallel blocks of one norm, a logit scale
     ],
 )
 def test_export_picks_starcoder2_only_for_its_pieces(preset, changes, model_type):

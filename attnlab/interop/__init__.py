@@ -1,6 +1,7 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3,
-Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, StarCoder2, Granite, DeepSeek-V2/V3/V3.2, BERT,
+Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, StarCoder2, Granite, Cohere,
+DeepSeek-V2/V3/V3.2, BERT,
 ModernBERT, MarianMT, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
@@ -26,6 +27,8 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     starcoder2.py    StarCoder2: LLaMA's attention with biased LayerNorms and a GELU MLP
     granite.py       Granite: LLaMA's layout with muP multipliers (embeddings, residual
                      branches, softmax scale, logits)
+    cohere.py        Cohere (Command-R): LLaMA's names on parallel blocks of one bias-free
+                     LayerNorm, interleaved RoPE, a logit scale
     qwen2_moe.py     Qwen2-MoE: Qwen2's attention with routed experts and a gated shared expert
     qwen3_moe.py     Qwen3-MoE: Qwen3's attention with mixture-of-experts feed-forwards
     mixtral.py       Mixtral: Mistral's attention with a mixture of experts in every layer

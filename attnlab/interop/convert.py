@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from attnlab.config import ConfigError, ModelConfig
+from attnlab.interop.cohere import MODEL_TYPES as COHERE_TYPES
+from attnlab.interop.cohere import cohere_features
 from attnlab.interop.gemma import MODEL_TYPES as GEMMA_TYPES
 from attnlab.interop.gemma import MODEL_TYPES_TEXT as GEMMA_TYPES_TEXT
 from attnlab.interop.gemma import gemma_features
@@ -145,6 +147,12 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"{gemma[0]} ({model_type} has none; Gemma's pieces export as "
                     f"{GEMMA_TYPES_TEXT})"
                 )
+            found = cohere_features(cfg)
+            if found and model_type not in COHERE_TYPES:
+                raise unrepresentable(
+                    f"{found[0]} ({model_type} has none; Cohere's logit scale exports as "
+                    "cohere: parallel blocks of one LayerNorm, RoPE, gated feed-forward)"
+                )
             found = granite_features(cfg)
             if found and model_type not in GRANITE_TYPES:
                 raise unrepresentable(
@@ -208,8 +216,9 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
         )
     if cfg.norm.placement == "parallel_shared":
         raise unrepresentable(
-            "norm.placement='parallel_shared' (Phi's and GPT-J's: exports as phi or gptj only: "
-            "RoPE, LayerNorm, an MLP feed-forward)"
+            "norm.placement='parallel_shared' (Phi's, GPT-J's and Cohere's: exports as phi, "
+            "gptj or cohere only: RoPE, LayerNorm, an MLP (phi, gptj) or a gated feed-forward "
+            "(cohere)"
         )
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
@@ -239,7 +248,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     ``olmo2``; with NoPE layers (``position.nope_layers``) -> ``smollm3``; with Granite's
     multipliers (``embedding_multiplier``, ``residual_multiplier``, ``logit_divisor``), or
     LLaMA-shaped with a softmax scale (``attention.scale``) and none of Gemma's other
-    pieces -> ``granite``."""
+    pieces -> ``granite``; in parallel blocks of one norm (``norm.placement=parallel_shared``)
+    or with a logit scale (``logit_scale``) -> ``cohere``."""
     return _export_family(cfg)[1]
 
 

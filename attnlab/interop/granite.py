@@ -38,6 +38,7 @@ from attnlab.interop.io import (
     common_config,
     hf_activation,
     is_plain_decoder,
+    number,
     rope_to_hf,
     unrepresentable,
 )
@@ -79,21 +80,14 @@ SCALARS = {
 # --------------------------------------------------------------------------- configs
 
 
-def _number(hf: dict[str, Any], key: str) -> float:
-    value = hf.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise HFCheckpointError(f"config.json {key} must be a number, got {value!r}")
-    return float(value)
-
-
 def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
     """LLaMA's config (llama.py: biases as attention_bias and mlp_bias say) with Granite's
     four scalars."""
     cfg = llama.config_from_hf(hf, "llama")
     return cfg.override(
         {
-            "attention.scale": _number(hf, "attention_multiplier"),
-            **{ours: _number(hf, key) for key, ours in SCALARS.items()},
+            "attention.scale": number(hf, "attention_multiplier"),
+            **{ours: number(hf, key) for key, ours in SCALARS.items()},
         }
     )
 

@@ -75,6 +75,14 @@ def get(hf: dict[str, Any], key: str) -> Any:
     return hf[key]
 
 
+def number(hf: dict[str, Any], key: str) -> float:
+    """A config.json entry that must be a number (not a string, a boolean or null)."""
+    value = hf.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise HFCheckpointError(f"config.json {key} must be a number, got {value!r}")
+    return float(value)
+
+
 def activation(name: Any, key: str) -> str:
     if name not in HF_ACTIVATIONS:
         raise HFCheckpointError(
@@ -307,6 +315,15 @@ def rope_rows_to_split(
     place). q . k is unchanged because q and k get the same permutation within each head."""
     d_r = head_dim if rope_dim is None else rope_dim
     perm = torch.cat((interleaved_to_split(d_r), torch.arange(d_r, head_dim))).to(w.device)
+    rows = w.reshape(n_heads, head_dim, *w.shape[1:])  # (h, d_h, ...)
+    return rows[:, perm].reshape(w.shape)
+
+
+def rope_rows_to_interleaved(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """The inverse of :func:`rope_rows_to_split` over whole heads: q or k projection rows
+    (weight (h * d_h, d) or bias (h * d_h,)) from the split-halves layout to interleaved
+    pairs (Cohere's), (i, i + d_h/2) -> (2i, 2i + 1) within each head."""
+    perm = torch.argsort(interleaved_to_split(head_dim)).to(w.device)
     rows = w.reshape(n_heads, head_dim, *w.shape[1:])  # (h, d_h, ...)
     return rows[:, perm].reshape(w.shape)
 

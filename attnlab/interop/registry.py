@@ -12,6 +12,7 @@ from typing import Any
 
 from attnlab.interop import (
     bert,
+    cohere,
     deepseek,
     deepseek_v32,
     gemma,
@@ -38,7 +39,10 @@ from attnlab.interop import (
 from attnlab.interop.io import Family, HFCheckpointError
 
 FAMILIES: tuple[Family, ...] = (
-    # first: it takes every decoder with Granite's multipliers (embeddings, residual
+    # first: it takes every decoder with a logit scale, or a parallel block of one norm and a
+    # gated feed-forward (Cohere's), which no other layout holds, and names what else it lacks
+    cohere.FAMILY,
+    # next: it takes every decoder with Granite's multipliers (embeddings, residual
     # branches, logits), which the other layouts would drop, and the LLaMA-shaped ones with
     # a softmax scale of their own that Gemma's layouts would otherwise take
     granite.FAMILY,

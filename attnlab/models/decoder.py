@@ -2,11 +2,11 @@
 
     h_0 = E[idx] (* sqrt(d)) (* m_e) (+ P[positions])  token (+ absolute position) embedding
     h_l = Block_l(h_{l-1})                   causal self-attention + feed-forward
-    logits = (W_out norm(h_L) (+ b)) (/ s)   W_out tied to E or separate; b its own (Phi, GPT-J)
+    logits = (W_out norm(h_L) (+ b)) (/ s) (* c_l)  W_out tied to E or separate; b: Phi's, GPT-J's
     logits = c tanh(logits / c)              soft-capped (Gemma 2): c = final_logit_softcap
 
 (Granite: m_e = embedding_multiplier, s = logit_divisor, and each block's sublayer outputs
-times residual_multiplier.)
+times residual_multiplier; Cohere: c_l = logit_scale.)
 
 Shapes: b batch, t new tokens, d d_model, V vocabulary size.
 """
@@ -304,6 +304,8 @@ class DecoderLM(LoadableModel):
         logits = self.lm_head(self.norm(x))  # (b, t, V)
         if self.cfg.logit_divisor != 1.0:  # (Granite's logits_scaling)
             logits = logits / self.cfg.logit_divisor
+        if self.cfg.logit_scale != 1.0:  # (Cohere's)
+            logits = logits * self.cfg.logit_scale
         cap = self.cfg.final_logit_softcap
         if cap is not None:  # (transformers' order: / cap, tanh, * cap)
             logits = torch.tanh(logits / cap) * cap

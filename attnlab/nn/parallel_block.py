@@ -1,8 +1,8 @@
 """Parallel transformer blocks: attention and the feed-forward network side by side, both
 reading the block's input, their outputs added to it in one residual step.
 
-    parallel (GPT-NeoX, Pythia):          y = x + attn(norm_a(x)) + ffn(norm_f(x))
-    parallel_shared (Phi-1/1.5/2, GPT-J):  y = x + attn(norm(x)) + ffn(norm(x))
+    parallel (GPT-NeoX, Pythia):                  y = x + attn(norm_a(x)) + ffn(norm_f(x))
+    parallel_shared (Phi-1/1.5/2, GPT-J, Cohere):  y = x + attn(norm(x)) + ffn(norm(x))
 
 (both branches scaled by ``residual_multiplier`` where it is not 1, as in sequential blocks)
 
