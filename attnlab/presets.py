@@ -1474,6 +1474,62 @@ def phi(name: str) -> ModelConfig:
     return phi_style(d_model=d, n_layers=n_layers, n_heads=n_heads, rope_fraction=fraction)
 
 
+def falcon_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int = 1,
+    vocab_size: int = 65024,
+    max_seq_len: int = 2048,
+    placement: str = "parallel_shared",
+) -> ModelConfig:
+    """Falcon (Almazrouei et al. 2023): attention and a GELU MLP of 4d side by side on each
+    block's input, after one shared LayerNorm (Falcon-7B, ``parallel_shared``) or one each
+    (Falcon-40B and 180B, ``parallel``), one key/value head (multi-query) or a few groups,
+    RoPE of base 10000 on whole heads (rotate-half pairs), no linear biases, a head tied to
+    the embedding."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+            qkv_bias=False,
+            out_bias=False,
+        ),
+        position=PositionConfig(kind="rope", rope_theta=10000.0, rope_layout="split"),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=4 * d_model, bias=False),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement=placement),
+        tie_embeddings=True,
+    )
+
+
+def falcon_tiny() -> ModelConfig:
+    """Falcon-7B's architecture (one shared norm, multi-query attention) in 2 layers,
+    d_model 64, 4 query heads of 16 and one key/value head: CPU-trainable, for tests."""
+    return falcon_style(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4)
+
+
+def falcon_7b() -> ModelConfig:
+    """tiiuae/falcon-7b config.json (recalled, not read here; tests/test_analysis.py checks
+    the count against transformers' FalconForCausalLM of that config.json): 32 layers,
+    d_model 4544, 71 query heads of 64 and one key/value head, one shared norm, the
+    65024-token vocabulary, a tied head; 6.92B parameters (7.22B with the head counted
+    apart from the embedding, as a safetensors file that stores both reports it)."""
+    return falcon_style(d_model=4544, n_layers=32, n_heads=71)
+
+
+def falcon_40b() -> ModelConfig:
+    """tiiuae/falcon-40b config.json (recalled, not read here; checked as falcon-7b is):
+    the new decoder architecture, 60 layers, d_model 8192, 128 query heads of 64 in 8
+    key/value groups, two norms per block, a tied head; 41.30B parameters (41.84B with the
+    head counted apart)."""
+    return falcon_style(d_model=8192, n_layers=60, n_heads=128, n_kv_heads=8, placement="parallel")
+
+
 def t5_style(
     *,
     d_model: int,
@@ -1849,6 +1905,15 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         "of heads; 2 layers",
     ),
     "gpt-j-6b": (gpt_j_6b, "GPT-J 6B, 6.05B (28 layers, d_model 4096, 16 heads, rotary_dim 64)"),
+    "falcon-tiny": (
+        falcon_tiny,
+        "Falcon architecture: parallel attention and MLP after one norm, multi-query; 2 layers",
+    ),
+    "falcon-7b": (falcon_7b, "Falcon-7B, 6.9B (multi-query 71 heads, one norm per block, tied)"),
+    "falcon-40b": (
+        falcon_40b,
+        "Falcon-40B, 41.3B (GQA 128/8, two parallel norms per block, tied)",
+    ),
     "t5-tiny": (
         t5_tiny,
         "T5 v1.0 architecture: relative position bias, RMSNorm, ReLU, tied; 2+2 layers, d 64",

@@ -109,18 +109,34 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 
-    def read_into(self, name: str, dest: Tensor, *, reshaped: bool = False) -> None:
+    def read_into(
+        self,
+        name: str,
+        dest: Tensor,
+        *,
+        reshaped: bool = False,
+        rows: tuple[int, int] | None = None,
+    ) -> None:
         """Copy tensor ``name`` into ``dest`` (same shape; any dtype, strides, device).
         ``reshaped``: ``dest`` holds the stored tensor in another shape of as many elements,
         its values in the stored order (a last dimension split into pairs, say), whose
         leading rows are whole blocks of the stored leading rows (the same leading
-        dimension, or one dividing it: (h, 3, d_h, d) for a stored (3 h d_h, d))."""
+        dimension, or one dividing it: (h, 3, d_h, d) for a stored (3 h d_h, d)).
+        ``rows`` = (start, stop): only those leading rows of the stored tensor, read as a
+        tensor of shape (stop - start, ...) of their own."""
         dtype, shape, offset, numel = self.entries[name]
+        if rows is not None:
+            start, stop = rows
+            if not shape or not 0 <= start <= stop <= shape[0]:
+                raise ValueError(f"{name}: rows {start}:{stop} are not rows of its shape {shape}")
+            per_row = numel // shape[0] if shape[0] else 0
+            offset += start * per_row * dtype.itemsize
+            shape, numel = (stop - start, *shape[1:]), (stop - start) * per_row
         same = tuple(dest.shape) == shape
         if reshaped:
             same = dest.numel() == numel and dest.dim() > 0 and len(shape) > 0
-            rows = dest.shape[0]
-            same = same and (rows == shape[0] or (rows > 0 and shape[0] % rows == 0))
+            lead = dest.shape[0]
+            same = same and (lead == shape[0] or (lead > 0 and shape[0] % lead == 0))
         if not same:
             raise ValueError(f"{name}: destination shape {tuple(dest.shape)} != file's {shape}")
         if numel == 0:  # nothing to read (its rows would be 0 bytes each)
@@ -133,17 +149,17 @@ class SafetensorsFile:
             # Through a bounded buffer, a block of leading-dimension rows at a time.
             flat_dest = dest if dest.dim() else dest.view(1)  # rows: slices of dim 0
             row = max(1, numel // max(1, flat_dest.shape[0])) * dtype.itemsize
-            rows = max(1, CHUNK_BYTES // row)
-            need = min(rows, flat_dest.shape[0]) * row
+            block = max(1, CHUNK_BYTES // row)
+            need = min(block, flat_dest.shape[0]) * row
             if self._buffer is None or self._buffer.numel() < need:
                 self._buffer = torch.empty(max(need, min(CHUNK_BYTES, 1 << 20)), dtype=torch.uint8)
             buffer = self._buffer
-            for start in range(0, flat_dest.shape[0], rows):
-                stop = min(start + rows, flat_dest.shape[0])
-                chunk = buffer[: (stop - start) * row]
-                _readinto(f, offset + start * row, chunk, self.path)
-                values = chunk.view(dtype).view(stop - start, *flat_dest.shape[1:])
-                flat_dest[start:stop].copy_(values)
+            for first in range(0, flat_dest.shape[0], block):
+                last = min(first + block, flat_dest.shape[0])
+                chunk = buffer[: (last - first) * row]
+                _readinto(f, offset + first * row, chunk, self.path)
+                values = chunk.view(dtype).view(last - first, *flat_dest.shape[1:])
+                flat_dest[first:last].copy_(values)
 
     def read(self, name: str) -> Tensor:
         """Tensor ``name`` as stored (a fresh CPU tensor)."""

@@ -499,6 +499,13 @@ _PHI = dict(
     vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
     num_attention_heads=32, num_key_value_heads=None, partial_rotary_factor=0.5,
 )  # fmt: skip
+# tiiuae/falcon-7b and falcon-40b config.json (recalled: transformers' FalconConfig keys;
+# no tie_word_embeddings entry, so the head is tied, as transformers reads them)
+_FALCON = dict(
+    model_type="falcon", architectures=["FalconForCausalLM"], vocab_size=65024, alibi=False,
+    bias=False, parallel_attn=True, hidden_dropout=0.0, attention_dropout=0.0,
+    layer_norm_epsilon=1e-5, initializer_range=0.02, bos_token_id=11, eos_token_id=11,
+)  # fmt: skip
 _PYTHIA_SIZES = [("70m", 512, 6, 8, 50304), ("160m", 768, 12, 12, 50304),
                  ("410m", 1024, 24, 16, 50304), ("1b", 2048, 16, 8, 50304),
                  ("1.4b", 2048, 24, 16, 50304), ("2.8b", 2560, 32, 32, 50304),
@@ -664,6 +671,10 @@ CONFIG_JSON = {
                       logit_scale=0.0625, tie_word_embeddings=True, attention_bias=False,
                       use_qk_norm=False, hidden_act="silu", bos_token_id=5,
                       eos_token_id=255001, pad_token_id=0),
+    "falcon-7b": dict(_FALCON, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
+                      multi_query=True, new_decoder_architecture=False),
+    "falcon-40b": dict(_FALCON, hidden_size=8192, num_hidden_layers=60,
+                       num_attention_heads=128, num_kv_heads=8, new_decoder_architecture=True),
     "gpt-oss-20b": _GPT_OSS,
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_GPT_OSS_LAYERS * 18),

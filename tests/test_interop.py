@@ -1006,8 +1006,8 @@ def test_config_rope_without_a_required_key_is_refused(params):
 
 
 def test_config_errors():
-    with pytest.raises(HFCheckpointError, match="model_type 'falcon' is not supported") as err:
-        config_from_hf({"model_type": "falcon"})
+    with pytest.raises(HFCheckpointError, match="model_type 'bloom' is not supported") as err:
+        config_from_hf({"model_type": "bloom"})
     listed = str(err.value).split("supported: ")[1].split(", ")
     assert sorted(listed) == sorted(SUPPORTED_MODEL_TYPES)
     assert {"gpt2", "llama", "qwen3_moe", "deepseek_v32", "bert", "marian", "vit"} <= set(listed)
@@ -1069,9 +1069,9 @@ def test_missing_files(saved_llama, tmp_path_factory):
 
 def test_unsupported_model_type_dir(saved_llama):
     config = json.loads((saved_llama / "config.json").read_text())
-    config["model_type"] = "falcon"
+    config["model_type"] = "bloom"
     (saved_llama / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HFCheckpointError, match="model_type 'falcon' is not supported"):
+    with pytest.raises(HFCheckpointError, match="model_type 'bloom' is not supported"):
         load_hf(saved_llama)
 
 

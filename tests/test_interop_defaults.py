@@ -283,6 +283,29 @@ MINIMAL: dict[str, list[dict]] = {
         {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 1},
         {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8},
     ],
+    # 71 heads (of 2 here), the old architecture: one shared norm, multi-query attention,
+    # no biases, an FFN of 4 hidden_size, RoPE base 10000, a tied head, by default
+    "falcon": [
+        {"vocab_size": 100, "hidden_size": 142, "num_hidden_layers": 2},
+        # the new architecture: num_kv_heads defaults to the heads, two norms
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "new_decoder_architecture": True,
+        },
+        # sequential blocks, one key/value head per query head, transformers 4.x's rope_theta
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "parallel_attn": False,
+            "multi_query": False,
+            "rope_theta": 500.0,
+        },
+    ],
     "deepseek_v2": [
         {**_MLA, "num_experts_per_tok": 2},
         {**_MLA, "num_experts_per_tok": 2, "q_lora_rank": None},

@@ -417,7 +417,7 @@ def test_dropouts_read_as_one_with_a_warning_where_they_differ():
         ({"position.rope_scaling": "yarn"}, "position.rope_scaling='yarn' (phi: none or linear)"),
         ({"attention.sliding_window": 8}, "attention.sliding_window (phi attends to"),
         ({"attention.qk_norm": True}, "attention.qk_norm (phi has no QK-norm"),
-        ({"norm.kind": "rmsnorm"}, "norm.placement='parallel_shared' (Phi's, GPT-J's and Cohere's"),
+        ({"norm.kind": "rmsnorm"}, "norm.placement='parallel_shared' (Phi's, GPT-J's, Falcon's"),
         # a gated feed-forward in one-norm parallel blocks is Cohere's, whose norms have no bias
         ({"ffn.kind": "glu"}, "norm.bias=true (Cohere's LayerNorms have no bias"),
     ],
@@ -434,8 +434,12 @@ def test_export_refuses_what_phi_cannot_hold(changes, named, tmp_path):
     "preset, changes, model_type",
     [
         ("phi-tiny", {}, "phi"),
-        ("phi-tiny", {"final_logits_bias": False, "position.rope_fraction": 1.0}, "phi"),
+        ("phi-tiny", {"final_logits_bias": False}, "phi"),  # a partial rotation
+        # whole heads rotated, no head bias: Falcon-7B's block
+        ("phi-tiny", {"final_logits_bias": False, "position.rope_fraction": 1.0}, "falcon"),
         ("pythia-tiny", {"norm.placement": "parallel_shared"}, "phi"),
+        ("falcon-tiny", {"position.rope_fraction": 0.5}, "phi"),
+        ("falcon-tiny", {"final_logits_bias": True}, "phi"),
         ("pythia-tiny", {}, "gpt_neox"),
         ("starcoder2-tiny", {}, "starcoder2"),
         ("llama-tiny", {}, "llama"),

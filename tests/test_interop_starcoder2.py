@@ -425,11 +425,25 @@ def test_export_refuses_what_starcoder2_cannot_hold(changes, named, tmp_path):
         ("pythia-tiny", {"norm.placement": "pre", "position.rope_fraction": 1.0}, "starcoder2"),
         ("granite-tiny", {}, "granite"),
         ("cohere-tiny", {}, "cohere"),  # parallel blocks of one norm, a logit scale
+        # parallel blocks with two norms and one key/value head per query head: GPT-NeoX's,
+        # whole heads rotated or not; with one shared norm, or grouped key/value heads,
+        # Falcon's; Falcon's multi-query attention in pre-norm blocks: StarCoder2's
+        ("pythia-tiny", {"position.rope_fraction": 1.0}, "gpt_neox"),
+        ("falcon-tiny", {"norm.placement": "parallel", "attention.n_kv_heads": None}, "gpt_neox"),
+        ("falcon-tiny", {}, "falcon"),
+        ("falcon-tiny", {"norm.placement": "parallel"}, "falcon"),
+        (
+            "pythia-tiny",
+            {"norm.placement": "parallel_shared", "position.rope_fraction": 1.0},
+            "falcon",
+        ),
+        ("falcon-tiny", {"norm.placement": "pre"}, "starcoder2"),
     ],
 )
 def test_export_picks_starcoder2_only_for_its_pieces(preset, changes, model_type):
     """LayerNorm with a non-gated MLP under RoPE is StarCoder2's, in parallel blocks or with
-    a partial rotation GPT-NeoX's; LLaMA-shaped, GPT-2 and the other families' configs export
+    a partial rotation GPT-NeoX's, in parallel blocks with one shared norm or grouped
+    key/value heads Falcon's; LLaMA-shaped, GPT-2 and the other families' configs export
     as before."""
     assert hf_model_type(get_preset(preset).override(changes)) == model_type
 

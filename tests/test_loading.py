@@ -180,6 +180,33 @@ def test_safetensors_reader_chunks_any_layout(tmp_path, monkeypatch):
         SafetensorsFile(tmp_path / "x.safetensors")
 
 
+def test_safetensors_reader_reads_a_range_of_rows(tmp_path, monkeypatch):
+    """``rows=(start, stop)`` reads those leading rows alone, straight into place or through
+    the buffer (a strided, converted destination); rows outside the tensor are refused."""
+    from safetensors.torch import save_file
+
+    import attnlab.weights as weights
+
+    t = torch.randn(9, 5)
+    save_file({"a": t, "v": torch.randn(7)}, tmp_path / "r.safetensors")
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 24)  # (a row is 20 bytes: one at a time)
+    f = SafetensorsFile(tmp_path / "r.safetensors")
+    direct = torch.empty(3, 5)
+    f.read_into("a", direct, rows=(2, 5))
+    assert torch.equal(direct, t[2:5])
+    strided = torch.empty(5, 4, dtype=torch.float64).t()  # (4, 5), input-major
+    f.read_into("a", strided, rows=(5, 9))
+    assert torch.equal(strided, t[5:9].double())
+    one = torch.empty(2)
+    f.read_into("v", one, rows=(5, 7))
+    assert torch.equal(one, f.read("v")[5:7])
+    f.read_into("a", torch.empty(0, 5), rows=(4, 4))  # no rows: nothing read
+    with pytest.raises(ValueError, match="rows 8:10 are not rows of its shape"):
+        f.read_into("a", torch.empty(2, 5), rows=(8, 10))
+    with pytest.raises(ValueError, match="destination shape"):
+        f.read_into("a", torch.empty(3, 5), rows=(0, 2))
+
+
 def test_safetensors_reader_reads_zero_size_tensors_into_any_dtype(tmp_path):
     """A tensor with no elements (a zero-width dimension) reads into a destination of its
     own or another dtype, even placed last in the file: it read one row's bytes per row

@@ -1,8 +1,7 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3,
-Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, StarCoder2, Granite, Cohere,
-DeepSeek-V2/V3/V3.2, BERT,
-ModernBERT, MarianMT, ViT.
+Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, Falcon, StarCoder2, Granite, Cohere,
+DeepSeek-V2/V3/V3.2, BERT, RoBERTa, XLM-RoBERTa, ModernBERT, MarianMT, T5, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -24,6 +23,8 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     phi.py           Phi-1, Phi-1.5, Phi-2: parallel attention and MLP on one shared LayerNorm,
                      partial RoPE, biases everywhere, a biased head
     gptj.py          GPT-J: Phi's block with interleaved partial RoPE, no attention biases
+    falcon.py        Falcon: parallel blocks with one shared norm (7B) or two (40B, 180B),
+                     MQA / grouped fused q/k/v, or sequential blocks; LayerNorm, GELU MLP
     starcoder2.py    StarCoder2: LLaMA's attention with biased LayerNorms and a GELU MLP
     granite.py       Granite: LLaMA's layout with muP multipliers (embeddings, residual
                      branches, softmax scale, logits)

@@ -211,14 +211,14 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
         raise unrepresentable("norm.placement='post_sublayer' (OLMo 2's: exports as olmo2 only)")
     if cfg.norm.placement == "parallel":
         raise unrepresentable(
-            "norm.placement='parallel' (GPT-NeoX's: exports as gpt_neox only: RoPE, LayerNorm, "
-            "an MLP feed-forward)"
+            "norm.placement='parallel' (GPT-NeoX's: exports as gpt_neox only, or with grouped "
+            "key/value heads as falcon: RoPE, LayerNorm, an MLP feed-forward)"
         )
     if cfg.norm.placement == "parallel_shared":
         raise unrepresentable(
-            "norm.placement='parallel_shared' (Phi's, GPT-J's and Cohere's: exports as phi, "
-            "gptj or cohere only: RoPE, LayerNorm, an MLP (phi, gptj) or a gated feed-forward "
-            "(cohere)"
+            "norm.placement='parallel_shared' (Phi's, GPT-J's, Falcon's and Cohere's: exports as "
+            "phi, gptj, falcon or cohere only: RoPE, LayerNorm, an MLP (phi, gptj, falcon) or a "
+            "gated feed-forward (cohere)"
         )
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
@@ -234,7 +234,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros),
     and with LongRoPE or a partial rotation ``phi3`` (no biases); RoPE + LayerNorm + MLP ->
-    ``gpt_neox`` in parallel blocks with two norms or with a partial rotation, else
+    ``gpt_neox`` in parallel blocks with two norms or with a partial rotation, ``falcon``
+    in parallel blocks with one shared norm or with two and grouped key/value heads, else
     ``starcoder2``;
     with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
@@ -293,7 +294,7 @@ def load_hf(
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
     LLaMA, Mistral, Qwen2(-MoE), Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
-    GPT-NeoX, StarCoder2, Granite, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
+    GPT-NeoX, Falcon, StarCoder2, Granite, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
     BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
     blocked pad token, from generation_config.json or else config.json, as transformers
@@ -341,6 +342,17 @@ def load_hf(
             parts, heads = part.per_head
             dest = dest.unflatten(0, (parts, heads, -1)).transpose(0, 1)
             file.read_into(stored, dest, reshaped=True)
+            return
+        if part.grouped is not None:  # stored (groups, queries + 2, d_h, ...): see Part
+            groups, queries = part.grouped
+            d_h = dest.shape[0] // (groups * (queries + 2))
+            q, k, v = dest.split((groups * queries * d_h, groups * d_h, groups * d_h))
+            row = 0  # each group's query heads, key head, value head: contiguous rows each
+            for g in range(groups):
+                for into in (q[g * queries * d_h :][: queries * d_h], k[g * d_h :][:d_h],
+                             v[g * d_h :][:d_h]):  # fmt: skip
+                    file.read_into(stored, into, rows=(row, row + into.shape[0]))
+                    row += into.shape[0]
             return
         # a stored shape with extra unit dimensions (checked by the plan) is read as dest's
         file.read_into(stored, dest if tuple(dest.shape) == want else dest.view(want))

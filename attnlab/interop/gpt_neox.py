@@ -168,7 +168,8 @@ def export_type(cfg: ModelConfig) -> str:
     if cfg.n_kv_heads != cfg.n_heads:
         raise unrepresentable(
             f"attention.n_kv_heads={cfg.n_kv_heads} (GPT-NeoX has one key/value head per "
-            "query head; set it to null)"
+            "query head; set it to null, or rotate whole heads, position.rope_fraction=1, to "
+            "export as falcon)"
         )
     if cfg.head_dim * cfg.n_heads != cfg.d_model:
         raise unrepresentable(

@@ -708,16 +708,26 @@ class Part:
     (heads * d_h) rows), stored head by head, every head's parts together: rows (heads,
     parts, d_h) for the parameter's (parts, heads, d_h) (GPT-NeoX's ``query_key_value``). A
     stored shape that only adds unit dimensions is read as the parameter's (Marian's (1, V)
-    logits bias)."""
+    logits bias). ``grouped`` = (groups, queries): the parameter's rows are [q; k; v] of
+    ``groups * queries`` query heads and ``groups`` key/value heads, stored group by group,
+    each group's ``queries`` query heads, then its key head, then its value head: rows
+    (groups, queries + 2, d_h), query head g * queries + j reading key/value head g
+    (Falcon's ``query_key_value``: (1, h + 2, d_h) for one key/value head, (h, 3, d_h) for
+    one per query head)."""
 
     name: str
     transposed: bool = False
     interleaved: bool = False
     per_head: tuple[int, int] | None = None
+    grouped: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.per_head is not None and (self.transposed or self.interleaved):
-            raise ValueError(f"{self.name}: per_head rows are read as stored (not transposed)")
+        if (self.per_head is not None or self.grouped is not None) and (
+            self.transposed or self.interleaved
+        ):
+            raise ValueError(f"{self.name}: per-head rows are read as stored (not transposed)")
+        if self.per_head is not None and self.grouped is not None:
+            raise ValueError(f"{self.name}: per_head and grouped are two layouts; give one")
 
 
 # attnlab parameter name -> the Hugging Face tensors stacked along its first dimension
@@ -765,9 +775,10 @@ class Source:
         transposed: bool = False,
         interleaved: bool = False,
         per_head: tuple[int, int] | None = None,
+        grouped: tuple[int, int] | None = None,
     ) -> tuple[Part, ...] | None:
         """The tensor ``name``, which must have ``shape`` as stored (``transposed``,
-        ``interleaved``, ``per_head``: see :class:`Part`)."""
+        ``interleaved``, ``per_head``, ``grouped``: see :class:`Part`)."""
         stored = self.left.pop(name, None)
         if stored is None:
             self.missing.append(name)
@@ -775,7 +786,7 @@ class Source:
         if tuple(stored) != shape:
             self.wrong.append(f"{name} has shape {tuple(stored)}, config.json implies {shape}")
             return None
-        return (Part(name, transposed, interleaved, per_head),)
+        return (Part(name, transposed, interleaved, per_head, grouped),)
 
     def tied(self, name: str, source: tuple[Part, ...] | None) -> None:
         """A stored copy of a tied tensor (a head tied to the embedding) is not loaded; it is

@@ -15,6 +15,7 @@ from attnlab.interop import (
     cohere,
     deepseek,
     deepseek_v32,
+    falcon,
     gemma,
     gpt2,
     gpt_neox,
@@ -54,6 +55,9 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.FAMILY,
     # next: every decoder with NoPE layers (SmolLM3's), which the other layouts would rotate
     smollm3.FAMILY,
+    # before GPT-NeoX: it takes the RoPE decoders with LayerNorm and an MLP in parallel blocks
+    # with one shared norm, or two with grouped key/value heads, which GPT-NeoX's layout lacks
+    falcon.FAMILY,
     # before Phi-3 and LLaMA: it takes the RoPE decoders with LayerNorm and an MLP in parallel
     # blocks or with a partial rotation, which their layouts (RMSNorm, gated FFN) would refuse
     gpt_neox.FAMILY,
