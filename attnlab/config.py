@@ -720,6 +720,9 @@ class PositionConfig(_Config):
     # all share the last one; exact below buckets / 2 (/ 4 in an encoder), logarithmic above
     relative_buckets: int = 32
     relative_max_distance: int = 128
+    # kind "relative_bias": a table in every layer (UMT5's), not one per stack shared by its
+    # layers (T5's, kept in the first layer)
+    relative_bias_per_layer: bool = False
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
@@ -796,6 +799,9 @@ class PositionConfig(_Config):
         """The bucket scheme needs one exact bucket per side at least (buckets >= 4: an
         encoder's half holds buckets / 4 exact distances) and a logarithmic range above the
         exact ones (max_distance > buckets / 2, the decoder's exact distances)."""
+        if self.relative_bias_per_layer and self.kind != "relative_bias":
+            _fail(f"{path}.relative_bias_per_layer", f"needs position.kind 'relative_bias', "
+                  f"got {self.kind!r} (or set it to false)")  # fmt: skip
         if self.relative_buckets < 4:
             _fail(f"{path}.relative_buckets", f"must be >= 4, got {self.relative_buckets}")
         if self.relative_max_distance <= self.relative_buckets // 2:
@@ -1160,9 +1166,9 @@ class ModelConfig(_Config):
             )
             _fail(at("final_logits_bias"), f"is implemented by the decoder and seq2seq "
                   f"architectures only, not {self.arch!r}; set it to false{hint}")  # fmt: skip
-        if self.position.kind == "relative_bias" and self.arch != "seq2seq":
-            _fail(at("position.kind"), f"'relative_bias' is implemented by the seq2seq "
-                  f"architecture only, not {self.arch!r}")  # fmt: skip
+        if self.position.kind == "relative_bias" and self.arch not in ("seq2seq", "encoder"):
+            _fail(at("position.kind"), f"'relative_bias' is implemented by the seq2seq and "
+                  f"encoder architectures only, not {self.arch!r}")  # fmt: skip
         if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
             _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "
                   f"decoder architecture only, not {self.arch!r}")  # fmt: skip

@@ -1619,6 +1619,30 @@ def flan_t5_base() -> ModelConfig:
     return t5_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=2048, gated=True)
 
 
+# mT5's sizes, recalled from the google/mt5-* config.json files as the Flan-T5 ones (no
+# download here): T5 v1.1's architecture with a 250112-token vocabulary (most of the
+# parameters: the embedding and the head of its own). Tests check the counts against
+# transformers' MT5ForConditionalGeneration of the same configs, and against the paper's
+# 300M and 580M (Xue et al. 2021, Table 1; recalled, rounded there).
+MT5_VOCAB = 250112
+
+
+def mt5_small() -> ModelConfig:
+    """google/mt5-small: 8 + 8 layers, d_model 512, 6 heads of 64, GeGLU of 1024, untied
+    head, a 250112-token vocabulary."""
+    return t5_style(
+        d_model=512, n_layers=8, n_heads=6, ffn_hidden=1024, gated=True, vocab_size=MT5_VOCAB
+    )
+
+
+def mt5_base() -> ModelConfig:
+    """google/mt5-base: 12 + 12 layers, d_model 768, 12 heads of 64, GeGLU of 2048, untied
+    head, a 250112-token vocabulary."""
+    return t5_style(
+        d_model=768, n_layers=12, n_heads=12, ffn_hidden=2048, gated=True, vocab_size=MT5_VOCAB
+    )
+
+
 def modernbert_style(
     *,
     d_model: int,
@@ -1929,6 +1953,8 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         flan_t5_base,
         "Flan-T5-base (T5 v1.1), 248M (12+12 layers, d 768, GeGLU, untied head)",
     ),
+    "mt5-small": (mt5_small, "mT5-small (T5 v1.1, 250k vocabulary), 300M (8+8 layers, d 512)"),
+    "mt5-base": (mt5_base, "mT5-base (T5 v1.1, 250k vocabulary), 582M (12+12 layers, d 768)"),
     "modernbert-tiny": (
         modernbert_tiny,
         "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",

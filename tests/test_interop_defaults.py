@@ -402,6 +402,9 @@ MINIMAL: dict[str, list[dict]] = {
             "scale_decoder_outputs": False,
         },
     ],
+    # T5 v1.1's defaults, a 250112-token vocabulary (kept), its own start token
+    "mt5": [{"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4}],
+    "umt5": [{"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4}],
     "vit": [
         {
             "hidden_size": 32,

@@ -251,10 +251,12 @@ def test_unknown_feed_forward_proj_is_refused_by_name(proj):
         config_from_hf(hf)
 
 
-@pytest.mark.parametrize("arch", ["T5EncoderModel", "T5Model"])
-def test_headless_architectures_are_refused_by_name(arch):
+@pytest.mark.parametrize("model_type, arch", [("t5", "T5Model"), ("mt5", "MT5Model")])
+def test_headless_encoder_decoders_are_refused_by_name(model_type, arch):
+    """No head: attnlab's encoder–decoder ends in one (the encoder alone, T5EncoderModel,
+    loads: tests/test_interop_t5_family.py)."""
     with pytest.raises(HFCheckpointError, match=f"{arch}.*T5ForConditionalGeneration"):
-        config_from_hf({"model_type": "t5", "architectures": [arch]})
+        config_from_hf({"model_type": model_type, "architectures": [arch]})
 
 
 @pytest.mark.parametrize(
@@ -274,7 +276,7 @@ def test_export_refuses_what_t5_cannot_hold(changes, needs, tmp_path):
 
 
 def test_relative_bias_is_refused_where_nothing_builds_it():
-    with pytest.raises(ConfigError, match="seq2seq architecture only"):
+    with pytest.raises(ConfigError, match="seq2seq and encoder architectures only"):
         ModelConfig(position=PositionConfig(kind="relative_bias")).validate()
     with pytest.raises(ConfigError, match="relative_buckets"):
         get_preset("t5-tiny").override({"position.relative_buckets": 2}).validate()

@@ -35,6 +35,7 @@ from attnlab.interop.olmo2 import MODEL_TYPES as OLMO2_TYPES
 from attnlab.interop.olmo2 import olmo2_features
 from attnlab.interop.registry import FAMILIES, lookup
 from attnlab.interop.smollm3 import MODEL_TYPES as SMOLLM3_TYPES
+from attnlab.interop.t5 import CLASS_PREFIX as T5_TYPES
 from attnlab.models import build_model
 from attnlab.models.loadable import check_tied
 from attnlab.weights import SafetensorsFile, WeightsFileError, materialize, parameters_on_meta
@@ -140,7 +141,7 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
             others = {"seq2seq": "scale_embeddings", "encoder": "position.local_rope_theta"}
             gemma = [f for f in gemma_features(cfg) if f != others.get(cfg.arch)]
             # (T5's unscaled scores, Granite's attention_multiplier: a softmax scale of their own)
-            if model_type in ("t5", *GRANITE_TYPES):
+            if model_type in (*T5_TYPES, *GRANITE_TYPES):
                 gemma = [f for f in gemma if f != "attention.scale"]
             if gemma and model_type not in GEMMA_TYPES:
                 raise unrepresentable(
@@ -294,8 +295,9 @@ def load_hf(
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
     LLaMA, Mistral, Qwen2(-MoE), Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
-    GPT-NeoX, Falcon, StarCoder2, Granite, DeepSeek-V2/V3/V3.2; ``EncoderModel`` for
-    BERT, ``Seq2SeqModel`` for Marian, ``VisionTransformer`` for ViT) in eval mode, as
+    GPT-NeoX, Phi, GPT-J, Falcon, StarCoder2, Granite, Cohere, DeepSeek-V2/V3/V3.2;
+    ``EncoderModel`` for BERT, RoBERTa, ModernBERT and T5's encoder (T5EncoderModel);
+    ``Seq2SeqModel`` for Marian, T5 and mT5, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
     blocked pad token, from generation_config.json or else config.json, as transformers
     reads them). ``dtype`` defaults to float32 whatever the checkpoint stores;

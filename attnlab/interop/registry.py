@@ -76,6 +76,9 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     deepseek.FAMILY,
     deepseek_v32.FAMILY,
+    # before RoBERTa, ModernBERT and BERT: it takes the encoders (and encoder–decoders) with
+    # relative position bias, which their layouts (and Marian's) would refuse
+    t5.FAMILY,
     # before ModernBERT and BERT: it takes every encoder with RoBERTa's pieces (positions
     # past a padding id, its classification head), which their layouts would drop
     roberta.FAMILY,
@@ -83,7 +86,6 @@ FAMILIES: tuple[Family, ...] = (
     # its heads' transform, ...), which BERT's layout would drop
     modernbert.FAMILY,
     bert.FAMILY,
-    t5.FAMILY,  # before Marian: it takes the encoder–decoders with relative position bias
     marian.FAMILY,
     vit.FAMILY,
 )

@@ -12,6 +12,11 @@ ModernBERT's layout is the same stack pre-norm with RoPE (a second base on the l
 norm before the first layer's attention (``first_attn_norm``: the embeddings are normed
 already), and every head starting with dense -> act -> norm (``classifier_transform``).
 
+T5's encoder (Raffel et al. 2020; ``T5EncoderModel``) is the stack pre-norm with RMSNorm and
+no position embeddings: a learned bias by relative position on every layer's self-attention
+scores (``position.kind`` relative_bias, both signs: ``nn/position_bias.py``), one table
+shared by the layers.
+
 Heads are picked by name (``EncoderConfig.head``) from :data:`HEADS`.
 
 Shapes: b batch, t length, d d_model, V vocabulary size, n n_labels.
@@ -48,6 +53,7 @@ from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositiona
 from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
+from attnlab.nn.position_bias import build_position_bias
 from attnlab.nn.rope import RotaryEmbedding
 
 ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
@@ -139,8 +145,8 @@ class EncoderConfig(ModelConfig):
         if self.attention.kind in CAUSAL_KINDS:
             _fail(at("attention.kind"), f"{self.attention.kind!r} attention is causal only; an "
                   "encoder attends both ways: use mha, mla or dsa")  # fmt: skip
-        if self.position.kind == "rope" and self.attention.kind != "mha":
-            _fail(at("position.kind"), "rope encoders need attention.kind 'mha'")
+        if self.position.kind in ("rope", "relative_bias") and self.attention.kind != "mha":
+            _fail(at("position.kind"), f"{self.position.kind} encoders need attention.kind 'mha'")
         p = self.classifier_dropout
         if p is not None and not 0.0 <= p < 1.0:
             _fail(at("classifier_dropout"), f"must be in [0, 1), got {p}")
@@ -413,6 +419,10 @@ class EncoderModel(LoadableModel):
         if cfg.position.local_rope_theta is not None:  # ModernBERT: the local layers' own base
             theta, layout = cfg.position.local_rope_theta, cfg.position.rope_layout
             self.local_rope = RotaryEmbedding(cfg.head_dim, theta, layout)
+        # a bias on the self-attention scores, both ways (T5's relative position bias)
+        self.pos_bias = build_position_bias(
+            cfg.position, cfg.n_heads, bidirectional=True, n_layers=cfg.n_layers
+        )
         self.type_emb = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
         self.emb_norm = (
             nn.LayerNorm(d, eps=cfg.norm.eps, bias=cfg.norm.bias)
@@ -498,8 +508,15 @@ class EncoderModel(LoadableModel):
             real = attention_mask.bool().expand(b, t)  # MoE and DSA statistics skip padding
         rope = self.rope.tables(positions) if self.rope is not None else None
         local_rope = self.local_rope.tables(positions) if self.local_rope is not None else None
+        bias = self.pos_bias(positions, positions) if self.pos_bias is not None else None
         x = self.blocks(
-            x, positions=positions, rope=rope, mask=mask, real_tokens=real, local_rope=local_rope
+            x,
+            positions=positions,
+            rope=rope,
+            mask=mask,
+            real_tokens=real,
+            local_rope=local_rope,
+            bias=bias,
         )
         return self.norm(x)
 

@@ -150,8 +150,12 @@ class Seq2SeqModel(LoadableModel):
             self.src_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
             self.tgt_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
         # a bias on the self-attention scores, one per stack (T5's relative position bias)
-        self.src_pos_bias = build_position_bias(cfg.position, cfg.n_heads, bidirectional=True)
-        self.tgt_pos_bias = build_position_bias(cfg.position, cfg.n_heads, bidirectional=False)
+        self.src_pos_bias = build_position_bias(
+            cfg.position, cfg.n_heads, bidirectional=True, n_layers=cfg.n_layers
+        )
+        self.tgt_pos_bias = build_position_bias(
+            cfg.position, cfg.n_heads, bidirectional=False, n_layers=cfg.decoder_layers
+        )
         self.emb_scale = d**0.5 if cfg.scale_embeddings else 1.0
         self.drop = nn.Dropout(cfg.dropout)
         self.encoder = TransformerStack(cfg, cfg.n_layers, causal=False)

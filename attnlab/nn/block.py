@@ -229,11 +229,14 @@ class TransformerStack(nn.ModuleList):
         doc_ids: Tensor | None = None,
         real_tokens: Tensor | None = None,
         local_rope: RopeTables | None = None,
-        bias: Tensor | None = None,
+        bias: Tensor | list[Tensor] | None = None,
     ) -> Tensor:
         """Run every block in order; arguments as :meth:`TransformerBlock.forward`;
         ``local_rope``: the local layers' tables (a stack built with ``local_rope``);
-        ``bias``: one position bias for every layer's self-attention (T5's)."""
+        ``bias``: one position bias for every layer's self-attention (T5's), or a list of
+        one per layer (UMT5's)."""
+        if isinstance(bias, list) and len(bias) != len(self):
+            raise ValueError(f"{len(bias)} position biases for {len(self)} layers")
         if any(self.local) and rope is not None and local_rope is None:
             raise ValueError("this stack's local layers have their own RoPE: pass local_rope")
         for i, block in enumerate(self):
@@ -248,6 +251,6 @@ class TransformerStack(nn.ModuleList):
                 cross_cache=None if cache is None else cache.cross[i],
                 doc_ids=doc_ids,
                 real_tokens=real_tokens,
-                bias=bias,
+                bias=bias[i] if isinstance(bias, list) else bias,
             )
         return x
