@@ -384,6 +384,19 @@ def test_bert_and_modernbert_shaped_encoders_still_export_as_theirs():
     assert hf_model_type(get_preset("roberta-tiny")) == "roberta"
 
 
+@pytest.mark.parametrize("head", ["mlm", "token", "qa", "none"])
+def test_classifier_transform_matters_to_the_sequence_head_only(head):
+    """Positions past a padding id with BERT's classifier_transform: the heads other than
+    the sequence head build no classification transform, so they are RoBERTa's alike; the
+    sequence head with BERT's pooler is refused by name."""
+    cfg = get_preset("roberta-tiny").override(
+        {"head": head, "classifier_transform": "bert", "n_labels": 3}
+    )
+    assert hf_model_type(cfg) == "roberta"
+    with pytest.raises(HFCheckpointError, match="classifier_transform='bert' \\(RoBERTa's is"):
+        hf_model_type(cfg.override({"head": "sequence"}))
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -415,7 +428,8 @@ def test_config_it_cannot_hold_is_refused_by_name(changes, named):
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"classifier_transform": "bert"}, "classifier_transform='bert' (RoBERTa's is 'roberta')"),
+        ({"classifier_transform": "bert", "head": "sequence", "n_labels": 3},
+         "classifier_transform='bert' (RoBERTa's is 'roberta')"),
         ({"pooling": "mean"}, "pooling='mean' (RoBERTa's is 'cls')"),
         ({"head_activation": "relu"},
          "head_activation (or ffn.activation)='relu' (RoBERTa's is 'gelu')"),

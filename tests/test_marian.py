@@ -172,6 +172,16 @@ def test_export_refuses_what_marian_cannot_hold(marian, changes, tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
+def test_export_refuses_t5s_decoder_rescale(marian, tmp_path):
+    """scale_decoder_output (T5's head reads d^-1/2 h) in an otherwise Marian-shaped model:
+    refused by name, not written as a MarianMTModel whose head drops the rescale."""
+    _, path = marian
+    model = build_model(load_hf(path).cfg.override({"scale_decoder_output": True}))
+    with pytest.raises(HFCheckpointError, match=r"scale_decoder_output \(T5's tied-head rescale"):
+        save_hf(model, tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
 @pytest.mark.parametrize("act", ["gelu_new", "sigmoid"])
 def test_activations_imported_are_exported(act, tmp_path):
     """Every activation_function the import reads (gelu_new as attnlab's gelu_tanh) is

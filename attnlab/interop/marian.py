@@ -217,6 +217,11 @@ def export_type(cfg: ModelConfig) -> str:
             "eps setting), split sinusoids, a final logits bias, no final norms, an MLP and "
             "multi-head attention with biases"
         )
+    if cfg.scale_decoder_output:  # (MarianMTModel's head reads the decoder's output as it is)
+        raise unrepresentable(
+            "scale_decoder_output (T5's tied-head rescale; Marian has none: set it to false, "
+            "or export a T5-shaped model as t5)"
+        )
     if cfg.pad_id >= cfg.source_vocab_size:  # transformers' encoder embedding has it as padding_idx
         raise unrepresentable(
             f"pad_id={cfg.pad_id} is not a source token (src_vocab_size="

@@ -126,8 +126,10 @@ def export_type(cfg: ModelConfig) -> str:
     HFCheckpointError naming what RoBERTa lacks."""
     assert isinstance(cfg, EncoderConfig)
     problems = bert.layout_problems(cfg, "RoBERTa")
+    # (the classification transform is the sequence head's only: other heads build none)
+    transform = cfg.classifier_transform if cfg.head == "sequence" else "roberta"
     for field, value, theirs in (
-        ("classifier_transform", cfg.classifier_transform, "roberta"),
+        ("classifier_transform", transform, "roberta"),
         ("first_attn_norm", cfg.first_attn_norm, True),
         ("pooling", cfg.pooling, "cls"),
         ("head_bias", cfg.head_bias, True),
