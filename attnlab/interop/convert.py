@@ -229,15 +229,22 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
 def hf_model_type(cfg: ModelConfig) -> str:
     """The Hugging Face ``model_type`` that :func:`save_hf` writes ``cfg`` as.
 
-    By arch: encoder -> ``bert``, seq2seq -> ``marian``, vit -> ``vit``. Decoders: MLA ->
-    ``deepseek_v2`` (DeepSeek-V2 router) or ``deepseek_v3``; DSA -> ``deepseek_v32``;
+    The families are tried in ``registry.FAMILIES``' order, each taking the configs only it
+    holds. By arch: encoder -> ``t5`` (T5's relative position bias: T5EncoderModel), else
+    ``roberta`` (positions past a padding id or RoBERTa's classification head), else
+    ``modernbert`` (its pieces: RoPE, gated FFN, pre-norm, ...), else ``bert``; seq2seq ->
+    ``t5`` or ``umt5`` (a relative position bias, a table in every layer for umt5), else
+    ``marian``; vit -> ``vit``. Decoders: MLA -> ``deepseek_v2`` (DeepSeek-V2 router) or
+    ``deepseek_v3``; DSA -> ``deepseek_v32``;
     learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros),
     and with LongRoPE or a partial rotation ``phi3`` (no biases); RoPE + LayerNorm + MLP ->
     ``gpt_neox`` in parallel blocks with two norms or with a partial rotation, ``falcon``
-    in parallel blocks with one shared norm or with two and grouped key/value heads, else
-    ``starcoder2``;
+    in parallel blocks with one shared norm (whole heads rotated, no head bias) or with two
+    and grouped key/value heads, ``gptj`` in one-norm blocks of GPT-J's own layout
+    (interleaved pairs, no attention biases), ``phi`` in the other one-norm blocks (a partial
+    rotation or a head bias, ``final_logits_bias``), else ``starcoder2``;
     with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where
@@ -250,8 +257,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     ``olmo2``; with NoPE layers (``position.nope_layers``) -> ``smollm3``; with Granite's
     multipliers (``embedding_multiplier``, ``residual_multiplier``, ``logit_divisor``), or
     LLaMA-shaped with a softmax scale (``attention.scale``) and none of Gemma's other
-    pieces -> ``granite``; in parallel blocks of one norm (``norm.placement=parallel_shared``)
-    or with a logit scale (``logit_scale``) -> ``cohere``."""
+    pieces -> ``granite``; with a logit scale (``logit_scale``), or in parallel blocks of one
+    norm with a gated feed-forward -> ``cohere``."""
     return _export_family(cfg)[1]
 
 
