@@ -1436,19 +1436,20 @@ def gptj_style(
     tanh-GELU MLP of 4d (biases there, none in the attention), RoPE of base 10000 on the
     first ``rope_fraction`` of each head in adjacent pairs (``rope_layout='interleaved'``),
     MHA, an untied head with a bias (``final_logits_bias``)."""
-    return ModelConfig(
-        vocab_size=vocab_size,
-        max_seq_len=max_seq_len,
+    cfg = phi_style(
         d_model=d_model,
         n_layers=n_layers,
-        attention=AttentionConfig(n_heads=n_heads, qkv_bias=False, out_bias=False),
-        position=PositionConfig(
-            kind="rope", rope_theta=10000.0, rope_layout="interleaved", rope_fraction=rope_fraction
-        ),
-        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", hidden_dim=4 * d_model, bias=True),
-        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="parallel_shared"),
-        tie_embeddings=False,
-        final_logits_bias=True,
+        n_heads=n_heads,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        rope_fraction=rope_fraction,
+    )
+    return cfg.override(
+        {
+            "attention.qkv_bias": False,
+            "attention.out_bias": False,
+            "position.rope_layout": "interleaved",
+        }
     )
 
 
