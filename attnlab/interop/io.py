@@ -434,14 +434,18 @@ def moe_layers_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
 
 
-def one_dropout(hf: dict[str, Any]) -> float:
-    """attnlab's one dropout (embeddings and each sublayer's output) of a config.json with
-    ``resid_pdrop`` and ``embd_pdrop`` (Phi's, GPT-J's): ``resid_pdrop``, with a warning
-    where ``embd_pdrop`` differs (training only: evaluation and generation do not drop)."""
-    resid, embd = hf.get("resid_pdrop") or 0.0, hf.get("embd_pdrop") or 0.0
+def one_dropout(
+    hf: dict[str, Any], residual: str = "resid_pdrop", embedding: str = "embd_pdrop"
+) -> float:
+    """attnlab's one dropout (embeddings and each sublayer's output) of a config.json with a
+    residual and an embedding dropout (Phi's and GPT-J's ``resid_pdrop`` and ``embd_pdrop``,
+    StarCoder2's ``residual_dropout`` and ``embedding_dropout``): the residual one, with a
+    warning where the embedding one differs (training only: evaluation and generation do
+    not drop)."""
+    resid, embd = hf.get(residual) or 0.0, hf.get(embedding) or 0.0
     if embd != resid:
         warnings.warn(
-            f"config.json embd_pdrop={embd} differs from resid_pdrop={resid}: attnlab has one "
+            f"config.json {embedding}={embd} differs from {residual}={resid}: attnlab has one "
             f"dropout, {resid}, for the embeddings and each sublayer's output (training only; "
             "evaluation and generation are unaffected)",
             stacklevel=4,

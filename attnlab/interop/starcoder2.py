@@ -11,20 +11,10 @@ embeddings, q/k/v/o projections and weight names (llama.py) with GPT-2's other p
   layer when ``sliding_window`` is set (null: full attention).
 
 Dropout: attnlab has one dropout for the embeddings and the residual branches, read from
-``residual_dropout``; an ``embedding_dropout`` that differs is refused by name (the
-published models set both alike). Export takes the plain RoPE decoders with LayerNorm and
-an MLP (LLaMA's layout has RMSNorm and a gated feed-forward) and names what else
-StarCoder2 lacks.
-
-Weights beyond llama.py's, HF (``model.layers.{i}.``) -> attnlab (``blocks.{i}.``):
-
-    mlp.c_fc                     (f, d), (f,)   -> ffn.up
-    mlp.c_proj                   (d, f), (d,)   -> ffn.down
-    input_layernorm.bias         (d,)           -> attn_norm.bias
-    post_attention_layernorm.bias (d,)          -> ffn_norm.bias
-    model.norm.bias              (d,)           -> norm.bias
-
-Shapes: d d_model, f feed-forward hidden size.
+``residual_dropout``; an ``embedding_dropout`` that differs loads with a warning, as Phi's
+and GPT-J's (``io.one_dropout``; training only, the published models set both alike).
+Export takes the plain RoPE decoders with LayerNorm and an MLP (LLaMA's layout has RMSNorm
+and a gated feed-forward) and names what else StarCoder2 lacks.
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, 
 from attnlab.interop import llama
 from attnlab.interop.io import (
     Family,
-    HFCheckpointError,
     Plan,
     Source,
     activation,
@@ -47,6 +36,7 @@ from attnlab.interop.io import (
     hf_activation,
     is_plain_decoder,
     local_layers,
+    one_dropout,
     rope_settings,
     rope_to_hf,
     unrepresentable,
@@ -85,12 +75,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
     n_kv_heads = hf.get("num_key_value_heads") or n_heads
     # transformers' Starcoder2Attention reads a head_dim config.json sets (getattr), else d / h
     head_dim = hf.get("head_dim") or d // n_heads
-    residual, embedding = hf.get("residual_dropout", 0.0), hf.get("embedding_dropout", 0.0)
-    if embedding != residual:
-        raise HFCheckpointError(
-            f"config.json embedding_dropout={embedding} differs from residual_dropout="
-            f"{residual}; attnlab has one dropout for both: set them equal"
-        )
+    residual = one_dropout(hf, "residual_dropout", "embedding_dropout")
     bias = bool(hf.get("use_bias", True))
     return ModelConfig(
         vocab_size=get(hf, "vocab_size"),
