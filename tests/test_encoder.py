@@ -5,21 +5,16 @@ function. Shapes: b batch, t length, V vocabulary size."""
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import pytest
+import torch
+from hf_cases import transformers
+from oracle import randomize_weights
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from oracle import randomize_weights  # noqa: E402
-
-from attnlab.config import ConfigError, ModelConfig  # noqa: E402
-from attnlab.interop import HFCheckpointError, load_hf, save_hf  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
-from attnlab.models.encoder import EncoderConfig, EncoderModel, mask_tokens  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
+from attnlab.config import ConfigError, ModelConfig
+from attnlab.interop import HFCheckpointError, load_hf, save_hf
+from attnlab.models import build_model
+from attnlab.models.encoder import EncoderConfig, EncoderModel, mask_tokens
 
 VOCAB = 61
 TOL = 1e-4  # float32; the two libraries order their operations differently

@@ -9,17 +9,12 @@ token-classification pipelines, and for question answering (no pipeline in trans
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import pytest
+import torch
+from hf_cases import transformers
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from attnlab.cli.main import main  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
+from attnlab.cli.main import main
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "alice", "bob", "lives", "live", "in",
          "paris", "lyon", "where", "does", "who", "was", "born", "19", "##12", "the", "cat",

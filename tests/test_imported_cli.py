@@ -7,18 +7,14 @@ outputs where there is one."""
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import numpy as np
+import pytest
+import torch
+from hf_cases import transformers
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from attnlab.cli.main import main
 
-from attnlab.cli.main import main  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 PAD, EOS = 1, 2
 LETTERS = "abcdefghijklmnopqrstuvwxyz0123456789.,!?"  # 40 + <unk>, <pad>, </s>: 43 tokens
 

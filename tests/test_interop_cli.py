@@ -11,29 +11,22 @@ Shapes: b batch, t length, V vocabulary size, c channels, H x W image size.
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import NO_SPECIAL, transformers
+from safetensors.torch import load, save_file
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from safetensors.torch import load, save_file  # noqa: E402
-
-from attnlab.cli.main import main  # noqa: E402
-from attnlab.interop import SUPPORTED_MODEL_TYPES, load_hf  # noqa: E402
-from attnlab.tokenizers import train_tokenizer  # noqa: E402
-from attnlab.training import load_checkpoint  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.cli.main import main
+from attnlab.interop import SUPPORTED_MODEL_TYPES, load_hf
+from attnlab.tokenizers import train_tokenizer
+from attnlab.training import load_checkpoint
 
 TEXT = "the quick brown fox jumps over the lazy dog. THE END!\n"
 TOKENIZER = train_tokenizer("char", [TEXT])
 V = TOKENIZER.vocab_size
 TOL = 1e-4
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 DEEPSEEK = dict(
     vocab_size=V,
     hidden_size=32,

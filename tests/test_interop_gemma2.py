@@ -15,32 +15,23 @@ Shapes: b batch, t length, V vocabulary, d d_model.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, imported_fixture, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     hf_logits,
     left_padded_batch,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 2e-5  # float32: op order (as the Gemma 3 tests)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # Gemma 2: transformers' default layer types (local, global, ...), a window of 5, GQA
     # 4/2, head_dim 12 != d / h and a softmax scale of 20**-0.5, caps of 2 (attention: the
@@ -121,36 +112,29 @@ CLASSES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
 }
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norms' offsets in [-0.5, 0.5) (weights 1 + w), biases (zero at init) random."""
-    randomize_weights(model, seed, std=0.3, norms=(-0.5, 0.5))
+# One per model type, over its cases. Norms' offsets in [-0.5, 0.5) (weights 1 + w), biases
+# (zero at init) random; eager attention (transformers' sdpa ignores Gemma 2's soft cap).
+HF = {
+    model_type: HFCases(
+        config_class,
+        model_class,
+        {case: kw for case, (of_type, kw) in CASES.items() if of_type == model_type},
+        vocab_size=V,
+        norms=(-0.5, 0.5),
+    )
+    for model_type, (config_class, model_class) in CLASSES.items()
+}
 
 
 def _hf_config(case: str):
-    model_type, kw = CASES[case]
-    cfg = getattr(transformers, CLASSES[model_type][0])(vocab_size=V, **kw, **NO_SPECIAL)
-    cfg._attn_implementation = "eager"  # (transformers' sdpa ignores Gemma 2's soft cap)
-    return cfg
+    return HF[CASES[case][0]].config(case)
 
 
 def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model_type = CASES[case][0]
-    model = getattr(transformers, CLASSES[model_type][1])(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
+    return HF[CASES[case][0]].model(case, seed)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+imported = imported_fixture(CASES, _hf_model)
 
 
 def test_import_config(imported):
@@ -321,7 +305,7 @@ def test_export_round_trip(name, tmp_path):
     model_type, cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF[model_type].randomize(model, seed=len(name))
     assert hf_model_type(cfg) == model_type
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")

@@ -16,33 +16,24 @@ Shapes: b batch, t length, V vocabulary, d d_model.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_logits,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 2e-5  # float32: observed up to 7e-6 on logits up to ~17 (op order)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # a pattern of its own (local, local, global, local, global), a window of 5, GQA 4/2,
     # head_dim 12 != d / h and a softmax scale of 20**-0.5, linear RoPE x8 on the global
@@ -93,32 +84,9 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norms' offsets in [-0.5, 0.5) (weights 1 + w), biases (zero at init) random."""
-    randomize_weights(model, seed, std=0.3, norms=(-0.5, 0.5))
-
-
-def _hf_config(case: str):
-    cfg = transformers.Gemma3TextConfig(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+# Norms' offsets in [-0.5, 0.5) (weights 1 + w), biases (zero at init) random.
+HF = HFCases("Gemma3TextConfig", "Gemma3ForCausalLM", CASES, V, norms=(-0.5, 0.5))
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -250,7 +218,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "gemma3_text"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -295,7 +263,7 @@ def test_bfloat16_norms_are_transformers_bit_for_bit(tmp_path):
     and stored in bf16 would round it, and lose small w's low bits), as transformers'
     Gemma3RMSNorm, and the embedding scale sqrt(d) is rounded to bf16 as there; the
     weights round-trip exactly."""
-    ref = _hf_model("pattern-linear-gqa", seed=9).to(torch.bfloat16)
+    ref = HF.model("pattern-linear-gqa", seed=9).to(torch.bfloat16)
     with torch.no_grad():  # offsets whose 1 + w bf16 cannot hold
         ref.model.layers[0].input_layernorm.weight.copy_(torch.full((32,), 3e-3))
     ref.save_pretrained(tmp_path)
@@ -314,7 +282,7 @@ def test_bfloat16_norms_are_transformers_bit_for_bit(tmp_path):
 
 
 def _hf_dict(case: str = "pattern-linear-gqa") -> dict:
-    return _hf_config(case).to_dict()
+    return HF.config(case).to_dict()
 
 
 @pytest.mark.parametrize(

@@ -14,33 +14,26 @@ Shapes: b batch, t length, V vocabulary, E experts, d d_model, f expert hidden s
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     hf_logits,
 )
-from safetensors.torch import load_file  # noqa: E402
-from test_interop import router_gradients_match  # noqa: E402
+from safetensors.torch import load_file
+from test_interop import router_gradients_match
 
-from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-from attnlab.training.optim import parameter_groups  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
+from attnlab.training.optim import parameter_groups
 
 V = 97
 TOL = 1e-4  # float32: observed up to 3e-5 on logits up to ~8 (op order; relative ~4e-6)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 YARN = dict(
     rope_type="yarn",
     rope_theta=150000.0,
@@ -91,41 +84,25 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter far from its init (biases and sinks start at zero in transformers)
-    so that a wrong mapping changes the logits a lot."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-            elif name.endswith(("sinks", "sink_logit")):
-                p.copy_(torch.randn(p.shape, generator=g))  # a sink that takes real weight
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+class _GptOssCases(HFCases):
+    def randomize(self, model: torch.nn.Module, seed: int) -> None:
+        """Every parameter far from its init (biases and sinks start at zero in transformers)
+        so that a wrong mapping changes the logits a lot: HFCases' rule, but sink logits
+        of std 1."""
+        low, high = self.norms
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.rand(p.shape, generator=g) * (high - low) + low)
+                elif name.endswith(("sinks", "sink_logit")):
+                    p.copy_(torch.randn(p.shape, generator=g))  # a sink that takes real weight
+                else:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
 
 
-def _hf_config(case: str):
-    cfg = transformers.GptOssConfig(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+HF = _GptOssCases("GptOssConfig", "GptOssForCausalLM", CASES, V, norms=(0.5, 1.5))
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -247,10 +224,10 @@ def test_switch_balance_loss_trains_as_in_transformers_and_round_trips(tmp_path)
     loss and the routers' gradients (weight and bias) agree, padded or not; export writes
     the keys back."""
     torch.manual_seed(0)
-    hf = _hf_config("alternating-yarn-gqa")
+    hf = HF.config("alternating-yarn-gqa")
     hf.output_router_logits, hf.router_aux_loss_coef = True, 0.3
     ref = transformers.GptOssForCausalLM(hf)
-    _randomize(ref, seed=8)
+    HF.randomize(ref, seed=8)
     ref.save_pretrained(tmp_path / "hf")
     model = load_hf(tmp_path / "hf")
     assert model.cfg.ffn.switch_aux_loss_coef == 0.3
@@ -323,7 +300,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "gpt_oss"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -366,7 +343,7 @@ def test_export_round_trip(name, tmp_path):
 def test_transformers_state_dict_is_the_checkpoint_layout(tmp_path):
     """GPT-OSS's experts are stacked in transformers' own state dict and in its files: one
     layout, read the same way."""
-    ref = _hf_model("alternating-yarn-gqa", seed=7)
+    ref = HF.model("alternating-yarn-gqa", seed=7)
     ref.save_pretrained(tmp_path)
     assert set(load_file(tmp_path / "model.safetensors")) == set(ref.state_dict())
 
@@ -375,7 +352,7 @@ def test_transformers_state_dict_is_the_checkpoint_layout(tmp_path):
 
 
 def _hf_dict(case: str = "alternating-yarn-gqa") -> dict:
-    return _hf_config(case).to_dict()
+    return HF.config(case).to_dict()
 
 
 @pytest.mark.parametrize(

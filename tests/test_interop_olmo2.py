@@ -14,24 +14,19 @@ Shapes: b batch, t length, V vocabulary, d d_model.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_logits,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.interop import (  # noqa: E402
+from attnlab.interop import (
     HFCheckpointError,
     config_from_hf,
     config_to_hf,
@@ -39,15 +34,11 @@ from attnlab.interop import (  # noqa: E402
     load_hf,
     save_hf,
 )
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 1e-5  # float32: observed up to 6e-6 on logits up to ~10 (op order)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # GQA 4/2, head_dim d / h, an untied head, plain RoPE of base 1000 (transformers 5.x's
     # rope_parameters), the published models' eps
@@ -87,33 +78,10 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights in [0.5, 1.5) (transformers starts them at one), biases (zero at init)
-    and every other weight random."""
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5))
-
-
-def _hf_config(case: str):
-    cfg = transformers.Olmo2Config(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.Olmo2ForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+# Norm weights in [0.5, 1.5) (transformers starts them at one), biases (zero at init) and every
+# other weight random.
+HF = HFCases("Olmo2Config", "Olmo2ForCausalLM", CASES, V, norms=(0.5, 1.5))
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -297,7 +265,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "olmo2"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -341,7 +309,7 @@ def test_config_round_trips(case):
     """config.json -> attnlab -> config.json keeps every key transformers' OLMo 2 reads
     (its RoPE parameters in 5.x's form), and attnlab -> config.json -> attnlab is the same
     config."""
-    hf = _hf_config(case).to_dict()
+    hf = HF.config(case).to_dict()
     cfg = config_from_hf(hf)
     written = config_to_hf(cfg)
     assert written["model_type"] == "olmo2"
@@ -394,7 +362,7 @@ def test_config_round_trips(case):
     ids=["activation", "rope", "partial-rotary", "eps", "kv-heads", "head", "olmo-1"],
 )  # fmt: skip
 def test_config_it_cannot_hold_is_refused_by_name(changes, named):
-    hf = {**_hf_config("gqa").to_dict(), **changes}
+    hf = {**HF.config("gqa").to_dict(), **changes}
     with pytest.raises(HFCheckpointError, match=named.replace("(", r"\(").replace(")", r"\)")):
         config_from_hf(hf)
 

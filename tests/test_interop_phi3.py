@@ -15,30 +15,23 @@ Shapes: b batch, t length, V vocabulary.
 
 from __future__ import annotations
 
-import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import assert_greedy_tokens_match_hf, hf_logits
+from safetensors.torch import load_file
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import assert_greedy_tokens_match_hf, hf_logits, randomize_weights  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from attnlab.cache import CacheError  # noqa: E402
-from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.cache import CacheError
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 ORIGINAL = 16  # the tiny configs' original_max_position_embeddings
 TOL = 3e-5  # float32: observed up to 2e-5 on logits up to ~11 (sdpa against eager, op order)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # LongRoPE x4 (64 from 16): factors of its own per pair (head_dim 8: 4 pairs), base 100
     # (turns enough within 16 positions), GQA 4/2, the default attention factor
@@ -92,32 +85,9 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights in [0.5, 1.5), every other parameter random."""
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5))
-
-
-def _hf_config(case: str):
-    cfg = transformers.Phi3Config(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.Phi3ForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+# Norm weights in [0.5, 1.5), every other parameter random.
+HF = HFCases("Phi3Config", "Phi3ForCausalLM", CASES, V, norms=(0.5, 1.5))
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -265,7 +235,7 @@ def test_training_gradients_match_transformers(imported):
 def _phi3_tiny(seed: int = 0, **changes) -> DecoderLM:
     torch.manual_seed(seed)
     model = DecoderLM(get_preset("phi3-tiny").override({"vocab_size": V, **changes})).eval()
-    _randomize(model, seed)
+    HF.randomize(model, seed)
     return model
 
 
@@ -363,7 +333,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "phi3"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -418,7 +388,7 @@ def test_llama_shaped_configs_keep_their_model_types():
 
 
 def _hf_dict(case: str = "longrope-gqa") -> dict:
-    return _hf_config(case).to_dict()
+    return HF.config(case).to_dict()
 
 
 def _longrope(**changes) -> dict:

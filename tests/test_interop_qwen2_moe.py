@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
@@ -32,11 +29,11 @@ from oracle import (  # noqa: E402
     hf_training_loss,
     randomize_weights,
 )
-from safetensors.torch import load_file, save_file  # noqa: E402
-from test_interop import router_gradients_match  # noqa: E402
+from safetensors.torch import load_file, save_file
+from test_interop import router_gradients_match
 
-from attnlab.config import ConfigError  # noqa: E402
-from attnlab.interop import (  # noqa: E402
+from attnlab.config import ConfigError
+from attnlab.interop import (
     HFCheckpointError,
     config_from_hf,
     config_to_hf,
@@ -45,16 +42,12 @@ from attnlab.interop import (  # noqa: E402
     qwen2_moe,
     save_hf,
 )
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.nn.moe import MoE  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.models.decoder import DecoderLM
+from attnlab.nn.moe import MoE
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 1e-5  # float32: observed up to ~3e-6 on logits up to ~10 (op order)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _COMMON = dict(
     hidden_size=32,
     intermediate_size=40,
@@ -97,33 +90,10 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights in [0.5, 1.5) (transformers starts them at one), biases, routers and
-    shared-expert gates (zero at init) and every other weight random."""
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5))
-
-
-def _hf_config(case: str):
-    cfg = transformers.Qwen2MoeConfig(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.Qwen2MoeForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+# Norm weights in [0.5, 1.5) (transformers starts them at one), biases, routers and shared-expert
+# gates (zero at init) and every other weight random.
+HF = HFCases("Qwen2MoeConfig", "Qwen2MoeForCausalLM", CASES, V, norms=(0.5, 1.5))
+imported = HF.imported_fixture()
 
 
 def _moe_layers(ref) -> list[int]:
@@ -243,7 +213,7 @@ def test_switch_balance_loss_trains_as_in_transformers_and_round_trips(tmp_path)
     router), padded or not; export writes both keys back, and transformers' defaults with
     the loss off."""
     case = "mlp-only-window-norm-tied"
-    ref = _hf_model(case, seed=42)
+    ref = HF.model(case, seed=42)
     ref.save_pretrained(tmp_path / "hf")
     model = load_hf(tmp_path / "hf")
     assert model.cfg.ffn.switch_aux_loss_coef == 0.3
@@ -289,7 +259,7 @@ def test_compiled_decode_step_equals_eager(imported):
 def test_stacked_experts_of_a_transformers_state_dict_load(tmp_path):
     """A transformers model's own state dict (experts stacked: experts.gate_up_proj (E,
     2f, d), experts.down_proj (E, d, f)) loads as its checkpoint files (one by one) do."""
-    ref = _hf_model("step2-gqa", seed=40)
+    ref = HF.model("step2-gqa", seed=40)
     tensors = {k: v.contiguous() for k, v in ref.state_dict().items()}
     assert "model.layers.1.mlp.experts.gate_up_proj" in tensors
     (tmp_path / "sd").mkdir()
@@ -379,7 +349,7 @@ def test_export_round_trip(name, tmp_path):
 def test_config_round_trips(case):
     """config.json -> attnlab -> config.json -> attnlab is the same config, and the written
     keys build transformers' model with the same layers and sizes."""
-    hf = _hf_config(case).to_dict()
+    hf = HF.config(case).to_dict()
     cfg = config_from_hf(hf)
     written = config_to_hf(cfg)
     assert written["model_type"] == "qwen2_moe"
@@ -395,7 +365,7 @@ def test_config_round_trips(case):
 def test_window_without_layer_types_follows_transformers_rule():
     """use_sliding_window without layer_types (older config.json files): transformers'
     Qwen2MoeConfig puts the window on the even layers below max_window_layers."""
-    hf = _hf_config("mlp-only-window-norm-tied").to_dict()
+    hf = HF.config("mlp-only-window-norm-tied").to_dict()
     del hf["layer_types"]
     for first, pattern in ((2, "LGG"), (3, "LGL"), (0, None)):
         layers = transformers.Qwen2MoeConfig(**{**hf, "max_window_layers": first}).layer_types
@@ -410,7 +380,7 @@ def test_window_without_layer_types_follows_transformers_rule():
 
 
 def test_configs_it_cannot_hold_are_refused_by_name():
-    hf = _hf_config("step2-gqa").to_dict()
+    hf = HF.config("step2-gqa").to_dict()
     with pytest.raises(HFCheckpointError, match="shared_expert_intermediate_size=12 is not a"):
         config_from_hf({**hf, "shared_expert_intermediate_size": 12})
     with pytest.raises(HFCheckpointError, match="decoder_sparse_step must be >= 1, got 0"):

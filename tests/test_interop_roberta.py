@@ -14,19 +14,16 @@ Shapes: b batch, t length, V vocabulary, d d_model.
 from __future__ import annotations
 
 import json
-import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import pytest
+import torch
+from hf_cases import transformers
+from oracle import randomize_weights
+from safetensors.torch import load_file
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from oracle import randomize_weights  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from attnlab.config import ConfigError, ModelConfig  # noqa: E402
-from attnlab.interop import (  # noqa: E402
+from attnlab.config import ConfigError, ModelConfig
+from attnlab.interop import (
     HFCheckpointError,
     config_from_hf,
     config_to_hf,
@@ -34,11 +31,8 @@ from attnlab.interop import (  # noqa: E402
     load_hf,
     save_hf,
 )
-from attnlab.models.encoder import EncoderModel  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.models.encoder import EncoderModel
+from attnlab.presets import get_preset
 
 V = 53
 # float32, the two libraries' operations in other orders (observed under 2e-6)

@@ -14,25 +14,20 @@ Shapes: b batch, t length, V vocabulary, d d_model.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_logits,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.config import ConfigError  # noqa: E402
-from attnlab.interop import (  # noqa: E402
+from attnlab.config import ConfigError
+from attnlab.interop import (
     HFCheckpointError,
     config_from_hf,
     config_to_hf,
@@ -40,15 +35,11 @@ from attnlab.interop import (  # noqa: E402
     load_hf,
     save_hf,
 )
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 3e-5  # float32: observed up to 1.3e-5 on logits up to ~10 over 8 layers (op order)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # GQA 4/2, head_dim d / h, the default interval (layers 3 and 7 NoPE), a tied head (the
     # class default), plain RoPE of base 1000 (transformers 5.x's rope_parameters)
@@ -91,33 +82,10 @@ CASES = {
 NOPE = {"gqa-interval-tied": [3, 7], "mha-irregular-biased-untied-llama3": [0, 2]}
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights in [0.5, 1.5) (transformers starts them at one), biases (zero at init)
-    and every other weight random."""
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5))
-
-
-def _hf_config(case: str):
-    cfg = transformers.SmolLM3Config(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.SmolLM3ForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+# Norm weights in [0.5, 1.5) (transformers starts them at one), biases (zero at init) and every
+# other weight random.
+HF = HFCases("SmolLM3Config", "SmolLM3ForCausalLM", CASES, V, norms=(0.5, 1.5))
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -255,7 +223,7 @@ def test_nope_layer_attention_is_position_independent():
     cfg = get_preset("smollm3-tiny").override({"vocab_size": V})
     torch.manual_seed(0)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=1)
+    HF.randomize(model, seed=1)
     nope, rope = model.blocks[3].attn, model.blocks[0].attn
     assert not nope.uses_rope and rope.uses_rope
     x = torch.randn(2, 10, cfg.d_model, generator=torch.Generator().manual_seed(2))
@@ -353,7 +321,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "smollm3"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -398,7 +366,7 @@ def test_export_round_trip(name, tmp_path):
 def test_config_round_trips(case):
     """config.json -> attnlab -> config.json keeps every key transformers' SmolLM3 reads,
     and attnlab -> config.json -> attnlab is the same config."""
-    hf = _hf_config(case).to_dict()
+    hf = HF.config(case).to_dict()
     cfg = config_from_hf(hf)
     written = config_to_hf(cfg)
     assert written["model_type"] == "smollm3"
@@ -462,7 +430,7 @@ def _message(named: str) -> str:
          "kv-heads", "head"],
 )  # fmt: skip
 def test_config_it_cannot_hold_is_refused_by_name(changes, named):
-    hf = {**_hf_config("gqa-interval-tied").to_dict(), **changes}
+    hf = {**HF.config("gqa-interval-tied").to_dict(), **changes}
     with pytest.raises(HFCheckpointError, match=_message(named)):
         config_from_hf(hf)
 

@@ -12,25 +12,20 @@ Shapes: b batch, t length, V vocabulary.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_logits,
     left_padded_batch,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.interop import (  # noqa: E402
+from attnlab.interop import (
     HFCheckpointError,
     config_from_hf,
     config_to_hf,
@@ -38,15 +33,11 @@ from attnlab.interop import (  # noqa: E402
     load_hf,
     save_hf,
 )
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 2e-5  # float32, logits up to ~10 through 2 layers (op order)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # GQA 4/2, head_dim d / h, a window of 6 keys (greedy decoding runs past it), biases
     # (the class default), a tied head (the class default), plain RoPE of base 1000
@@ -88,37 +79,16 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """LayerNorm weights in [0.5, 1.5) (transformers starts them at one), biases (zero at
-    init, the LayerNorms' too) and every other weight random."""
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5), is_norm=_is_norm_weight)
-
-
 def _is_norm_weight(name: str, p: torch.Tensor) -> bool:
     return ("norm" in name or "layernorm" in name) and name.endswith("weight")
 
 
-def _hf_config(case: str):
-    cfg = transformers.Starcoder2Config(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.Starcoder2ForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+# LayerNorm weights in [0.5, 1.5) (transformers starts them at one), biases (zero at init, the
+# LayerNorms' too) and every other weight random.
+HF = HFCases(
+    "Starcoder2Config", "Starcoder2ForCausalLM", CASES, V, norms=(0.5, 1.5), is_norm=_is_norm_weight
+)
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -275,7 +245,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "starcoder2"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -316,7 +286,7 @@ def test_export_round_trip(name, tmp_path):
 def test_config_round_trips(case):
     """config.json -> attnlab -> config.json keeps every key transformers' StarCoder2 reads,
     and attnlab -> config.json -> attnlab is the same config."""
-    hf = _hf_config(case).to_dict()
+    hf = HF.config(case).to_dict()
     cfg = config_from_hf(hf)
     written = config_to_hf(cfg)
     assert (written["model_type"], written["architectures"]) == (
@@ -349,7 +319,7 @@ def test_config_round_trips(case):
 
 
 def test_dropouts_are_read_and_written():
-    hf = {**_hf_config("gqa-window-biased-tied").to_dict(), "attention_dropout": 0.2}
+    hf = {**HF.config("gqa-window-biased-tied").to_dict(), "attention_dropout": 0.2}
     cfg = config_from_hf({**hf, "residual_dropout": 0.1, "embedding_dropout": 0.1})
     assert (cfg.dropout, cfg.attention.dropout) == (0.1, 0.2)
     written = config_to_hf(cfg)
@@ -358,7 +328,7 @@ def test_dropouts_are_read_and_written():
 
 
 def test_differing_dropouts_load_as_one_with_a_warning():
-    hf = {**_hf_config("gqa-window-biased-tied").to_dict(), "residual_dropout": 0.1}
+    hf = {**HF.config("gqa-window-biased-tied").to_dict(), "residual_dropout": 0.1}
     warning = "embedding_dropout=0.0 differs from residual_dropout=0.1: attnlab has one dropout"
     with pytest.warns(UserWarning, match=warning):
         cfg = config_from_hf({**hf, "embedding_dropout": 0.0})
@@ -388,7 +358,7 @@ def _message(named: str) -> str:
     ids=["activation", "rope", "partial-rope", "kv-heads", "head"],
 )  # fmt: skip
 def test_config_it_cannot_hold_is_refused_by_name(changes, named):
-    hf = {**_hf_config("gqa-window-biased-tied").to_dict(), **changes}
+    hf = {**HF.config("gqa-window-biased-tied").to_dict(), **changes}
     with pytest.raises(HFCheckpointError, match=_message(named)):
         config_from_hf(hf)
 

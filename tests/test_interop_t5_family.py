@@ -7,25 +7,20 @@ t target length."""
 
 from __future__ import annotations
 
-import os
+import json
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import pytest
+import torch
+from hf_cases import transformers
+from oracle import randomize_weights
 
-import json  # noqa: E402
+from attnlab.analysis import count_parameters
+from attnlab.config import ConfigError
+from attnlab.interop import HFCheckpointError, config_from_hf, load_hf, save_hf
+from attnlab.models import build_model
+from attnlab.models.encoder import EncoderConfig, EncoderModel
+from attnlab.presets import get_preset
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from oracle import randomize_weights  # noqa: E402
-
-from attnlab.analysis import count_parameters  # noqa: E402
-from attnlab.config import ConfigError  # noqa: E402
-from attnlab.interop import HFCheckpointError, config_from_hf, load_hf, save_hf  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
-from attnlab.models.encoder import EncoderConfig, EncoderModel  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 V, PAD, EOS = 64, 0, 1
 TOL = 1e-5  # float32 hidden states and logits of a few units
 

@@ -3,18 +3,13 @@ reference for logits (both directions) and beam-search outputs. Shapes: b, s, t,
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from hf_cases import transformers
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from attnlab.interop import HFCheckpointError, load_hf, save_hf
+from attnlab.models import build_model
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from attnlab.interop import HFCheckpointError, load_hf, save_hf  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 V, PAD, EOS = 43, 1, 2
 
 

@@ -8,18 +8,14 @@ each, directly, through ``import-hf``/``translate`` and after ``export-hf``."""
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import pytest
+import torch
+from hf_cases import transformers
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from attnlab.cli.main import main
+from attnlab.interop import load_hf
 
-from attnlab.cli.main import main  # noqa: E402
-from attnlab.interop import load_hf  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 V, PAD, EOS = 43, 1, 2
 SEARCHES = [(1, 1.0, 1), (3, 1.0, 2), (4, 0.5, 3)]  # (num_beams, length_penalty, n_best)
 

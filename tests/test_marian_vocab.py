@@ -6,18 +6,13 @@ Shapes: b, s, t; V_src source and V_tgt target vocabulary sizes."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from hf_cases import transformers
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from attnlab.interop import HFCheckpointError, config_from_hf, load_hf, save_hf
+from attnlab.models import build_model
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from attnlab.interop import HFCheckpointError, config_from_hf, load_hf, save_hf  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 V_SRC, V_TGT, PAD, EOS = 43, 29, 1, 2
 
 

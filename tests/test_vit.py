@@ -3,22 +3,16 @@ the reference (both directions); shapes and errors for other image geometries.""
 
 from __future__ import annotations
 
-import os
+import numpy as np
+import pytest
+import torch
+from hf_cases import transformers
+from safetensors.torch import load_file
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from attnlab.config import ConfigError, ModelConfig  # noqa: E402
-from attnlab.interop import HFCheckpointError, load_hf, save_hf  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
-from attnlab.models.vit import VisionTransformer, ViTConfig  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
+from attnlab.config import ConfigError, ModelConfig
+from attnlab.interop import HFCheckpointError, load_hf, save_hf
+from attnlab.models import build_model
+from attnlab.models.vit import VisionTransformer, ViTConfig
 
 
 def _random_hf_vit(tmp_path, image_size, channels, patch):
