@@ -1531,6 +1531,66 @@ def falcon_40b() -> ModelConfig:
     return falcon_style(d_model=8192, n_layers=60, n_heads=128, n_kv_heads=8, placement="parallel")
 
 
+def opt_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int = 50272,
+    max_seq_len: int = 2048,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """OPT (Zhang et al. 2022): GPT-2's pre-norm decoder with learned positions (transformers'
+    table holds two offset rows more: see ``attnlab/interop/opt.py``), LayerNorms of eps
+    1e-5, biases everywhere, MHA with separate q/k/v projections, a ReLU MLP of 4d and a
+    head tied to the embedding; ``dropout`` on each sublayer's output (0.1 in the released
+    configs; attnlab also drops the embeddings)."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="learned"),
+        ffn=FFNConfig(kind="mlp", activation="relu", hidden_dim=4 * d_model, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="pre"),
+        tie_embeddings=True,
+        dropout=dropout,
+    )
+
+
+def opt_tiny() -> ModelConfig:
+    """OPT's architecture in 2 layers, d_model 64, 4 heads of 16, 128 positions:
+    CPU-trainable, for tests."""
+    return opt_style(
+        vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, dropout=0.0
+    )
+
+
+# facebook/opt-* config.json (recalled, not read here; the sizes are the OPT paper's,
+# Zhang et al. 2022, Table 1; tests/test_interop_opt.py checks each count against
+# transformers' OPTForCausalLM of the same config.json): d_model, layers, heads. All have
+# a 50272-token vocabulary, 2048 positions, a ReLU MLP of 4 d, pre-norm blocks and a tied
+# head. (opt-350m is left out: its 512-wide embeddings projected to d_model 1024 and its
+# post-norm blocks without a final norm are beyond attnlab's embeddings.) attnlab's counts
+# are transformers' less the position table's 2 offset rows (2 d).
+OPT_SIZES = {
+    "125m": (768, 12, 12),  # 125,239,296 parameters (transformers' count)
+    "1.3b": (2048, 24, 32),  # 1,315,758,080
+    "2.7b": (2560, 32, 32),  # 2,651,596,800
+    "6.7b": (4096, 32, 32),  # 6,658,473,984
+    "13b": (5120, 40, 40),  # 12,853,473,280
+    "30b": (7168, 48, 56),  # 29,974,540,288
+    "66b": (9216, 64, 72),  # 65,719,701,504
+}
+
+
+def opt(size: str) -> ModelConfig:
+    """facebook/opt-``size`` (:data:`OPT_SIZES`)."""
+    d, n_layers, n_heads = OPT_SIZES[size]
+    return opt_style(d_model=d, n_layers=n_layers, n_heads=n_heads)
+
+
 def t5_style(
     *,
     d_model: int,
@@ -1939,6 +1999,17 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         falcon_40b,
         "Falcon-40B, 41.3B (GQA 128/8, two parallel norms per block, tied)",
     ),
+    "opt-tiny": (
+        opt_tiny,
+        "OPT architecture: learned positions, pre-norm, ReLU MLP, separate q/k/v; 2 layers",
+    ),
+    **{
+        f"opt-{size}": (
+            lambda size=size: opt(size),
+            f"OPT {size.upper()} (d_model {d}, {n} layers, {h} heads, ReLU, tied, 2k context)",
+        )
+        for size, (d, n, h) in OPT_SIZES.items()
+    },
     "t5-tiny": (
         t5_tiny,
         "T5 v1.0 architecture: relative position bias, RMSNorm, ReLU, tied; 2+2 layers, d 64",

@@ -26,6 +26,7 @@ from attnlab.interop import (  # noqa: E402
     save_hf,
 )
 from attnlab.interop.io import rope_to_hf  # noqa: E402
+from attnlab.interop.registry import FAMILIES  # noqa: E402
 from attnlab.models.decoder import DecoderLM  # noqa: E402
 from attnlab.models.loadable import UntiedWeightsError  # noqa: E402
 from attnlab.presets import get_preset, gpt2_style, llama_style, vaswani_tiny  # noqa: E402
@@ -398,7 +399,24 @@ EXPORTS = {
         _with(
             gpt2_style(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4),
             **{"attention.qkv_bias": False, "attention.out_bias": False, "ffn.bias": False},
+            **{"norm.bias": False, "tie_embeddings": False, "ffn.activation": "gelu"},
+        ),
+    ),
+    # the same with a ReLU MLP: OPT's layout (GPT-2's MLP is GELU), no projection biases
+    "opt_nobias_untied": (
+        "opt",
+        _with(
+            gpt2_style(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4),
+            **{"attention.qkv_bias": False, "attention.out_bias": False, "ffn.bias": False},
             **{"norm.bias": False, "tie_embeddings": False, "ffn.activation": "relu"},
+        ),
+    ),
+    # post-norm blocks with learned positions: OPT's (OPT-350m's blocks), GELU kept
+    "opt_post_norm": (
+        "opt",
+        _with(
+            gpt2_style(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layers=2, n_heads=4),
+            **{"norm.placement": "post"},
         ),
     ),
     "llama": ("llama", _llama()),
@@ -510,6 +528,29 @@ def test_export_round_trip(name, tmp_path):
     with torch.no_grad():
         again = back(idx, attention_mask=mask).logits
     assert (ours[real] - again[real]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize(
+    "changes, model_type",
+    [
+        ({}, "gpt2"),  # pre-norm, tanh GELU: GPT-2's
+        ({"ffn.activation": "gelu"}, "gpt2"),
+        ({"ffn.activation": "relu"}, "opt"),  # a ReLU MLP: OPT's
+        ({"norm.placement": "post"}, "opt"),  # post-norm: GPT-2 has none
+        ({"norm.placement": "post", "ffn.activation": "relu"}, "opt"),
+        ({"position.kind": "sinusoidal", "norm.placement": "post"}, None),  # no table: neither
+    ],
+)
+def test_export_picks_opt_or_gpt2_for_learned_positions(changes, model_type):
+    """Each learned-position LayerNorm decoder exports as exactly one of OPT and GPT-2:
+    OPT takes post-norm blocks and ReLU MLPs, GPT-2 the other pre-norm ones."""
+    cfg = _with(EXPORTS["gpt2"][1], **changes)
+    if model_type is None:
+        with pytest.raises(HFCheckpointError, match="post-norm"):
+            hf_model_type(cfg)
+        return
+    assert hf_model_type(cfg) == model_type
+    assert [f.name for f in FAMILIES if f.exports(cfg)] == [model_type]  # no other claims it
 
 
 def test_export_unrepresentable(tmp_path):

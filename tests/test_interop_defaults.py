@@ -278,6 +278,20 @@ MINIMAL: dict[str, list[dict]] = {
             "tie_word_embeddings": True,
         },
     ],
+    # ffn_dim 3072 (not 4 hidden_size), a ReLU MLP, pre-norm, biases, a tied head, 2048
+    # positions, dropout 0.1 (with a warning: OPT drops no embeddings), by default
+    "opt": [
+        {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
+        # post-norm blocks, no biases
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "do_layer_norm_before": False,
+            "enable_bias": False,
+        },
+    ],
     # 16 heads of 256 (of 4 here: rotary_dim 64 at most), n_inner 4 d, an untied head
     "gptj": [
         {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 1},

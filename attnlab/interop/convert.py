@@ -202,7 +202,8 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
         raise unrepresentable(f"arch={cfg.arch!r}")
     if cfg.norm.placement == "post":
         raise unrepresentable(
-            "post-norm blocks (supported decoders are pre-norm, sandwich or post_sublayer)"
+            "post-norm blocks (supported decoders are pre-norm, sandwich or post_sublayer; "
+            "post-norm ones export as opt with learned positions)"
         )
     if cfg.norm.placement == "sandwich":
         raise unrepresentable(
@@ -236,7 +237,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     ``t5`` or ``umt5`` (a relative position bias, a table in every layer for umt5), else
     ``marian``; vit -> ``vit``. Decoders: MLA -> ``deepseek_v2`` (DeepSeek-V2 router) or
     ``deepseek_v3``; DSA -> ``deepseek_v32``;
-    learned positions + LayerNorm + MLP -> ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
+    learned positions + LayerNorm + MLP -> ``opt`` in post-norm blocks or with ReLU, else
+    ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros),
     and with LongRoPE or a partial rotation ``phi3`` (no biases); RoPE + LayerNorm + MLP ->
@@ -302,7 +304,7 @@ def load_hf(
 
     Returns the attnlab model of its config's ``arch`` (:class:`DecoderLM` for GPT-2,
     LLaMA, Mistral, Qwen2(-MoE), Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
-    GPT-NeoX, Phi, GPT-J, Falcon, StarCoder2, Granite, Cohere, DeepSeek-V2/V3/V3.2;
+    GPT-NeoX, Phi, GPT-J, Falcon, StarCoder2, Granite, Cohere, OPT, DeepSeek-V2/V3/V3.2;
     ``EncoderModel`` for BERT, RoBERTa, ModernBERT and T5's encoder (T5EncoderModel);
     ``Seq2SeqModel`` for Marian, T5 and mT5, ``VisionTransformer`` for ViT) in eval mode, as
     ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
@@ -363,6 +365,9 @@ def load_hf(
                     file.read_into(stored, into, rows=(row, row + into.shape[0]))
                     row += into.shape[0]
             return
+        if part.rows is not None:  # a slice of the stored rows (OPT's positions past 2)
+            file.read_into(stored, dest, rows=part.rows)
+            return
         # a stored shape with extra unit dimensions (checked by the plan) is read as dest's
         file.read_into(stored, dest if tuple(dest.shape) == want else dest.view(want))
 
@@ -396,7 +401,10 @@ def load_hf(
         rows_of = dest.flatten(0, dest.dim() - len(first))
         row = 0
         for part in parts:
-            rows = shape(part.name)[-1 if part.transposed else 0]
+            if part.rows is not None:  # (a slice of its rows)
+                rows = part.rows[1] - part.rows[0]
+            else:
+                rows = shape(part.name)[-1 if part.transposed else 0]
             read_into(part, rows_of[row : row + rows])
             row += rows
 

@@ -100,7 +100,9 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "gpt2") -> ModelConfig:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return is_plain_decoder(cfg) and cfg.position.kind == "learned"
+    """Pre-norm learned-position decoders but those with a ReLU MLP (OPT's layout, opt.py;
+    so is every post-norm one)."""
+    return is_plain_decoder(cfg) and cfg.position.kind == "learned" and cfg.ffn.activation != "relu"
 
 
 def export_type(cfg: ModelConfig) -> str:

@@ -435,19 +435,24 @@ def moe_layers_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def one_dropout(
-    hf: dict[str, Any], residual: str = "resid_pdrop", embedding: str = "embd_pdrop"
+    hf: dict[str, Any], residual: str = "resid_pdrop", embedding: str | None = "embd_pdrop"
 ) -> float:
-    """attnlab's one dropout (embeddings and each sublayer's output) of a config.json with a
-    residual and an embedding dropout (Phi's and GPT-J's ``resid_pdrop`` and ``embd_pdrop``,
-    StarCoder2's ``residual_dropout`` and ``embedding_dropout``): the residual one, with a
-    warning where the embedding one differs (training only: evaluation and generation do
-    not drop)."""
-    resid, embd = hf.get(residual) or 0.0, hf.get(embedding) or 0.0
+    """attnlab's one dropout (embeddings and each sublayer's output) of a config.json with
+    a ``residual`` and an ``embedding`` dropout (Phi's and GPT-J's ``resid_pdrop`` and
+    ``embd_pdrop``, StarCoder2's ``residual_dropout`` and ``embedding_dropout``; ``embedding``
+    None: the family never drops its embeddings, OPT's): the residual one, with a warning
+    where the embedding one differs (training only: evaluation and generation do not drop)."""
+    resid = hf.get(residual) or 0.0
+    embd = (hf.get(embedding) or 0.0) if embedding else 0.0
     if embd != resid:
+        said = (
+            f"{embedding}={embd} differs from {residual}={resid}"
+            if embedding
+            else f"{residual}={resid} drops each sublayer's output but not the embeddings"
+        )
         warnings.warn(
-            f"config.json {embedding}={embd} differs from {residual}={resid}: attnlab has one "
-            f"dropout, {resid}, for the embeddings and each sublayer's output (training only; "
-            "evaluation and generation are unaffected)",
+            f"config.json {said}: attnlab has one dropout, {resid}, for the embeddings and "
+            "each sublayer's output (training only; evaluation and generation are unaffected)",
             stacklevel=4,
         )
     return resid
@@ -724,12 +729,19 @@ class Part:
     interleaved: bool = False
     per_head: tuple[int, int] | None = None
     grouped: tuple[int, int] | None = None
+    # (start, stop): only these leading rows of the stored tensor fill the parameter (OPT's
+    # position table past its two offset rows)
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if (self.per_head is not None or self.grouped is not None) and (
+        if (self.per_head is not None or self.grouped is not None or self.rows is not None) and (
             self.transposed or self.interleaved
         ):
-            raise ValueError(f"{self.name}: per-head rows are read as stored (not transposed)")
+            raise ValueError(
+                f"{self.name}: per-head, grouped or sliced rows are read as stored (not transposed)"
+            )
+        if self.rows is not None and (self.per_head is not None or self.grouped is not None):
+            raise ValueError(f"{self.name}: rows reads a slice of plain rows; give one layout")
         if self.per_head is not None and self.grouped is not None:
             raise ValueError(f"{self.name}: per_head and grouped are two layouts; give one")
 
@@ -780,9 +792,10 @@ class Source:
         interleaved: bool = False,
         per_head: tuple[int, int] | None = None,
         grouped: tuple[int, int] | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> tuple[Part, ...] | None:
         """The tensor ``name``, which must have ``shape`` as stored (``transposed``,
-        ``interleaved``, ``per_head``, ``grouped``: see :class:`Part`)."""
+        ``interleaved``, ``per_head``, ``grouped``, ``rows``: see :class:`Part`)."""
         stored = self.left.pop(name, None)
         if stored is None:
             self.missing.append(name)
@@ -790,7 +803,7 @@ class Source:
         if tuple(stored) != shape:
             self.wrong.append(f"{name} has shape {tuple(stored)}, config.json implies {shape}")
             return None
-        return (Part(name, transposed, interleaved, per_head, grouped),)
+        return (Part(name, transposed, interleaved, per_head, grouped, rows),)
 
     def tied(self, name: str, source: tuple[Part, ...] | None) -> None:
         """A stored copy of a tied tensor (a head tied to the embedding) is not loaded; it is

@@ -27,6 +27,7 @@ from attnlab.interop import (
     mixtral,
     modernbert,
     olmo2,
+    opt,
     phi,
     phi3,
     qwen2_moe,
@@ -68,6 +69,9 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
     # before LLaMA: it takes the RoPE decoders with LayerNorm and a non-gated MLP
     starcoder2.FAMILY,
+    # before GPT-2: it takes the learned-position decoders in OPT's layout, post-norm blocks
+    # or a ReLU MLP, which GPT-2's (pre-norm, GELU) would not be
+    opt.FAMILY,
     gpt2.FAMILY,
     llama.FAMILY,
     gpt_oss.FAMILY,  # before Qwen3-MoE: it takes the mixtures of experts with its own pieces
