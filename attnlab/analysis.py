@@ -90,8 +90,12 @@ def _block_counts(cfg: ModelConfig) -> tuple[int, int]:
     # parallel_shared: one both sublayers read)
     n_norms = {"sandwich": 4, "parallel_shared": 1}.get(cfg.norm.placement, 2)
     params = sum(p for p, _ in linears) + n_norms * _norm_params(cfg.norm, d)
-    if att.qk_norm:  # QK-norm: one weight for the queries, one for the keys
-        params += 2 * cfg.head_dim if att.qk_norm_scope == "head" else q_dim + kv_dim
+    if att.qk_norm:  # QK-norm: a weight (and bias) for the queries, one for the keys
+        if att.qk_norm_scope == "projection" or att.qk_norm_weight == "per_head":
+            width = q_dim + kv_dim  # over whole widths, or a weight per head
+        else:
+            width = 2 * cfg.head_dim  # one for all query heads, one for all key heads
+        params += width * (2 if att.qk_norm_bias else 1)
     return params, sum(w for _, w in linears)
 
 

@@ -324,6 +324,14 @@ DECODER_NORM_PLACEMENTS = ("sandwich", "post_sublayer", *PARALLEL_NORM_PLACEMENT
 # or the whole query and key projections, h d_h and h_kv d_h wide, before the split into heads
 # (OLMo 2)
 QK_NORM_SCOPES = ("head", "projection")
+# QK-norm's kind (attention.qk_norm_kind): an RMSNorm (Qwen3, Gemma 3, OLMo 2; Gemma's unit
+# offset where norm.kind is gemma_rmsnorm) or a LayerNorm, mean subtracted (Phi, Cohere,
+# StableLM), with a bias where attention.qk_norm_bias says (Phi's)
+QK_NORM_KINDS = ("rmsnorm", "layernorm")
+# Whose QK-norm weight (attention.qk_norm_weight): one of d_h that every head shares (Qwen3,
+# Phi), or one of d_h per head, (h, d_h) for the queries, (h_kv, d_h) for the keys (Cohere's
+# Command R+, StableLM 2 12B). Scope "projection" has one weight over the whole width already.
+QK_NORM_WEIGHTS = ("shared", "per_head")
 
 
 @dataclass
@@ -360,14 +368,23 @@ class AttentionConfig(_Config):
     global_tokens: list[int] = field(default_factory=list)
     # Learned sink logit per head (GPT-OSS): one more softmax column with no value.
     sink_logits: bool = False
-    # QK-norm (Qwen3): an RMSNorm over each head's query and key features (one
-    # weight of head_dim for the query heads, one for the key heads; eps = norm.eps), after
-    # the projections and before RoPE and the cache. Multi-head attention only.
+    # QK-norm (Qwen3): an RMSNorm (qk_norm_kind) over each head's query and key features
+    # (one weight of head_dim for the query heads, one for the key heads: qk_norm_weight;
+    # eps = norm.eps), after the projections and before RoPE and the cache. Multi-head
+    # attention only.
     qk_norm: bool = False
     # What QK-norm normalises: "head", each head's features as above; "projection" (OLMo 2),
     # all the queries at once (one weight of n_heads * head_dim) and all the keys (one of
     # n_kv_heads * head_dim), before the split into heads, RoPE and the cache.
     qk_norm_scope: str = "head"
+    # QK-norm's kind, "rmsnorm" (x / rms(x) * g, as above; g stored as g - 1 where norm.kind
+    # is gemma_rmsnorm) or "layernorm" ((x - mean) / std * g, normalised and scaled in
+    # float32), and whether it adds a bias (LayerNorm only).
+    qk_norm_kind: str = "rmsnorm"
+    qk_norm_bias: bool = False
+    # "shared": one weight (and bias) of head_dim for all query heads, one for all key heads;
+    # "per_head": each head its own, (n_heads, head_dim) and (n_kv_heads, head_dim).
+    qk_norm_weight: str = "shared"
     # The softmax scale of q . k: None is 1 / sqrt(head_dim); Gemma 3 sets
     # query_pre_attn_scalar**-0.5. Multi-head attention only.
     scale: float | None = None
@@ -581,6 +598,7 @@ class AttentionConfig(_Config):
             _fail(f"{path}.qk_norm_scope", f"{self.qk_norm_scope!r} says what QK-norm "
                   "normalises, and attention.qk_norm is false: set it to true, or the scope "
                   "to 'head'")  # fmt: skip
+        self._validate_qk_norm(path)
         _positive(f"{path}.scale", self.scale)
         if self.scale is not None and self.kind != "mha":
             _fail(f"{path}.scale", f"is implemented by attention.kind='mha' only, not "
@@ -603,6 +621,28 @@ class AttentionConfig(_Config):
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
                 "use a divisor of n_heads (n_heads for MHA, 1 for MQA)",
             )
+
+    def _validate_qk_norm(self, path: str) -> None:
+        """QK-norm's kind, bias and weights: each off (its default) without QK-norm."""
+        _choice(f"{path}.qk_norm_kind", self.qk_norm_kind, QK_NORM_KINDS)
+        _choice(f"{path}.qk_norm_weight", self.qk_norm_weight, QK_NORM_WEIGHTS)
+        if not self.qk_norm:
+            for name, default in (("qk_norm_kind", "rmsnorm"), ("qk_norm_bias", False),
+                                  ("qk_norm_weight", "shared")):  # fmt: skip
+                value = getattr(self, name)
+                if value != default:
+                    shown = [str(v).lower() if isinstance(v, bool) else repr(v)
+                             for v in (value, default)]  # fmt: skip
+                    _fail(f"{path}.{name}", f"{shown[0]} says what QK-norm is, and "
+                          f"attention.qk_norm is false: set it to true, or {name} to "
+                          f"{shown[1]}")  # fmt: skip
+        if self.qk_norm_bias and self.qk_norm_kind != "layernorm":
+            _fail(f"{path}.qk_norm_bias", "an RMSNorm has no bias: set attention.qk_norm_kind "
+                  "to 'layernorm', or qk_norm_bias to false")  # fmt: skip
+        if self.qk_norm_weight == "per_head" and self.qk_norm_scope != "head":
+            _fail(f"{path}.qk_norm_weight", f"'per_head' needs attention.qk_norm_scope='head' "
+                  f"(scope {self.qk_norm_scope!r} has one weight over the whole width, each "
+                  "head's features their own already)")  # fmt: skip
 
     def _validate_softcap(self, path: str) -> None:
         _positive(f"{path}.softcap", self.softcap)

@@ -1277,6 +1277,124 @@ def command_r() -> ModelConfig:
     )
 
 
+def command_r_plus() -> ModelConfig:
+    """CohereForAI/c4ai-command-r-plus, its config.json as recalled (not read here): 64
+    layers, d_model 12288, GQA 96/8 heads of 128, SwiGLU of 33792, vocabulary 256000, a
+    tied head, logit_scale 0.8333333333333334, QK-norm (``use_qk_norm``: a LayerNorm per
+    query and key head, each head its own weight), RoPE base 7.5e7 and
+    max_position_embeddings 8192 (the last two recalled with less certainty than the
+    sizes); 103.8B parameters (transformers' count of that config, tests/test_analysis.py)."""
+    return cohere_style(
+        vocab_size=256_000,
+        max_seq_len=8192,
+        d_model=12288,
+        n_layers=64,
+        n_heads=96,
+        n_kv_heads=8,
+        ffn_hidden=33792,
+        rope_theta=75_000_000.0,
+        logit_scale=0.8333333333333334,
+    ).override(
+        {
+            "attention.qk_norm": True,
+            "attention.qk_norm_kind": "layernorm",
+            "attention.qk_norm_weight": "per_head",
+        }
+    )
+
+
+def stablelm_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    n_kv_heads: int | None = None,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    parallel: bool = False,
+    rope_fraction: float = 0.25,
+) -> ModelConfig:
+    """StableLM (StableLM-3B-4E1T, StableLM 2): LayerNorms with biases, pre-norm blocks (or,
+    ``parallel``, attention and the MLP side by side on one norm: ``parallel_shared``), a
+    SwiGLU MLP without biases, RoPE of base 10000 on the first ``rope_fraction`` of each
+    head (rotate-half pairs), q/k/v biases where ``qkv_bias``, a LayerNorm per query and key
+    head (``qk_norm``: ``qk_norm_kind=layernorm``, ``qk_norm_weight=per_head``), an untied
+    head."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            qk_norm_kind="layernorm" if qk_norm else "rmsnorm",
+            qk_norm_weight="per_head" if qk_norm else "shared",
+        ),
+        position=PositionConfig(
+            kind="rope", rope_theta=10000.0, rope_layout="split", rope_fraction=rope_fraction
+        ),
+        ffn=FFNConfig(kind="glu", activation="silu", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(
+            kind="layernorm",
+            eps=1e-5,
+            bias=True,
+            placement="parallel_shared" if parallel else "pre",
+        ),
+        tie_embeddings=False,
+    )
+
+
+def stablelm_tiny() -> ModelConfig:
+    """StableLM 2's architecture in 2 layers, d_model 64, GQA 4/2 heads of 16 (a quarter of
+    each rotated), q/k/v biases: CPU-trainable, for tests."""
+    return stablelm_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        qkv_bias=True,
+    )
+
+
+# stabilityai/stablelm-3b-4e1t, stablelm-2-1_6b and stablelm-2-12b config.json (recalled,
+# not read here; tests/test_analysis.py checks each count against transformers'
+# StableLmForCausalLM of the same config.json): d_model, layers, heads, key/value heads,
+# SwiGLU width, vocabulary, q/k/v biases, QK-norm and parallel blocks. All rotate a quarter
+# of each head at base 10000 with 4096 positions, LayerNorm eps 1e-5, an untied head.
+STABLELM_SIZES = {
+    "stablelm-3b-4e1t": (2560, 32, 32, 32, 6912, 50304, False, False),  # 2,795,443,200
+    "stablelm-2-1_6b": (2048, 24, 32, 32, 5632, 100352, True, False),  # 1,644,515,328
+    "stablelm-2-12b": (5120, 40, 32, 8, 13824, 100352, False, True),  # 12,143,185,920
+}
+
+
+def stablelm(name: str) -> ModelConfig:
+    """stabilityai/``name`` (:data:`STABLELM_SIZES`); StableLM 2 12B with QK-norm and
+    parallel blocks."""
+    d, n_layers, n_heads, n_kv_heads, ffn, vocab, bias, twelve = STABLELM_SIZES[name]
+    return stablelm_style(
+        vocab_size=vocab,
+        max_seq_len=4096,
+        d_model=d,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+        ffn_hidden=ffn,
+        qkv_bias=bias,
+        qk_norm=twelve,
+        parallel=twelve,
+    )
+
+
 def phi3_tiny() -> ModelConfig:
     """Phi-3's architecture (the LLaMA layout with LongRoPE, as Phi-3-mini-128k's) in 2
     layers, d_model 64, GQA 4/2: a context of 128 stretched 4x from 32 by per-pair factors
@@ -1962,6 +2080,27 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         "Cohere architecture: parallel attention and SwiGLU after one LayerNorm, logit scale",
     ),
     "command-r": (command_r, "Command-R v01, 35.0B (MHA 64 heads, 256k vocabulary, tied head)"),
+    "command-r-plus": (
+        command_r_plus,
+        "Command R+, 103.8B (GQA 96/8, QK-norm: a LayerNorm per head, 256k vocabulary)",
+    ),
+    "stablelm-tiny": (
+        stablelm_tiny,
+        "StableLM 2 architecture: LayerNorm, SwiGLU, a quarter of heads rotated, q/k/v "
+        "biases, GQA 4/2; 2 layers",
+    ),
+    "stablelm-3b-4e1t": (
+        lambda: stablelm("stablelm-3b-4e1t"),
+        "StableLM-3B-4E1T, 2.8B (MHA 32 heads, d_model 2560, 4k context)",
+    ),
+    "stablelm-2-1_6b": (
+        lambda: stablelm("stablelm-2-1_6b"),
+        "StableLM 2 1.6B (MHA 32 heads, q/k/v biases, 100k vocabulary)",
+    ),
+    "stablelm-2-12b": (
+        lambda: stablelm("stablelm-2-12b"),
+        "StableLM 2 12B, 12.1B (GQA 32/8, parallel blocks, a LayerNorm per query/key head)",
+    ),
     "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
     "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),
     "pythia-tiny": (

@@ -63,6 +63,22 @@ def naive_attention(
     return out.to(q.dtype)
 
 
+def head_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, kind: str) -> Tensor:
+    """QK-norm written out one head at a time: x (b, n, t, d_h); weight (and bias) (d_h,),
+    shared by the n heads, or (n, d_h), head j's its row j. "layernorm": (x - mean) /
+    sqrt(mean((x - mean)^2) + eps) * w + b; "rmsnorm": x / sqrt(mean(x^2) + eps) * w."""
+    out = torch.empty_like(x)
+    for j in range(x.shape[1]):
+        xj = x[:, j]  # (b, t, d_h)
+        w = weight if weight.dim() == 1 else weight[j]
+        centred = xj - xj.mean(-1, keepdim=True) if kind == "layernorm" else xj
+        y = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + eps) * w
+        if bias is not None:
+            y = y + (bias if bias.dim() == 1 else bias[j])
+        out[:, j] = y
+    return out
+
+
 def causal_allowed(t: int, s: int) -> Tensor:
     """(t, s) bool: query i is the token at position s - t + i and sees keys up to it."""
     allowed = torch.zeros(t, s, dtype=torch.bool)

@@ -506,6 +506,16 @@ _FALCON = dict(
     bias=False, parallel_attn=True, hidden_dropout=0.0, attention_dropout=0.0,
     layer_norm_epsilon=1e-5, initializer_range=0.02, bos_token_id=11, eos_token_id=11,
 )  # fmt: skip
+# stabilityai/stablelm-3b-4e1t, stablelm-2-1_6b and stablelm-2-12b config.json (recalled;
+# transformers 4.x keys; their dropouts, special tokens, training settings left out)
+_STABLELM = dict(
+    model_type="stablelm", architectures=["StableLmForCausalLM"], hidden_act="silu",
+    max_position_embeddings=4096, layer_norm_eps=1e-5, initializer_range=0.02,
+    rope_theta=10000.0, rope_scaling=None, partial_rotary_factor=0.25,
+    tie_word_embeddings=False, use_qkv_bias=False, qk_layernorm=False,
+    use_parallel_residual=False, hidden_size=2560, intermediate_size=6912,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=50304,
+)  # fmt: skip
 _PYTHIA_SIZES = [("70m", 512, 6, 8, 50304), ("160m", 768, 12, 12, 50304),
                  ("410m", 1024, 24, 16, 50304), ("1b", 2048, 16, 8, 50304),
                  ("1.4b", 2048, 24, 16, 50304), ("2.8b", 2560, 32, 32, 50304),
@@ -671,6 +681,22 @@ CONFIG_JSON = {
                       logit_scale=0.0625, tie_word_embeddings=True, attention_bias=False,
                       use_qk_norm=False, hidden_act="silu", bos_token_id=5,
                       eos_token_id=255001, pad_token_id=0),
+    # CohereForAI/c4ai-command-r-plus (recalled: its sizes surely, its RoPE base and context
+    # less so; 103,810,674,688 parameters, the model card's 104B)
+    "command-r-plus": dict(model_type="cohere", architectures=["CohereForCausalLM"],
+                           hidden_size=12288, intermediate_size=33792, num_hidden_layers=64,
+                           num_attention_heads=96, num_key_value_heads=8, vocab_size=256000,
+                           max_position_embeddings=8192, rope_theta=75000000.0,
+                           layer_norm_eps=1e-5, logit_scale=0.8333333333333334,
+                           tie_word_embeddings=True, attention_bias=False, use_qk_norm=True,
+                           hidden_act="silu", bos_token_id=5, eos_token_id=255001,
+                           pad_token_id=0),
+    "stablelm-3b-4e1t": _STABLELM,
+    "stablelm-2-1_6b": dict(_STABLELM, hidden_size=2048, intermediate_size=5632,
+                            num_hidden_layers=24, vocab_size=100352, use_qkv_bias=True),
+    "stablelm-2-12b": dict(_STABLELM, hidden_size=5120, intermediate_size=13824,
+                           num_hidden_layers=40, num_key_value_heads=8, vocab_size=100352,
+                           qk_layernorm=True, use_parallel_residual=True),
     "falcon-7b": dict(_FALCON, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
                       multi_query=True, new_decoder_architecture=False),
     "falcon-40b": dict(_FALCON, hidden_size=8192, num_hidden_layers=60,

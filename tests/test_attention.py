@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import naive_attention, sliding_window_allowed
+from oracle import head_norm, naive_attention, sliding_window_allowed
 from torch import nn
 
 from attnlab.config import AttentionConfig
@@ -336,6 +336,96 @@ def test_qk_norm_over_whole_projections_equals_its_formula(case, backend):
     per_head.load_state_dict(state)
     args = {"context": ctx} if cross else {"positions": positions}
     assert (per_head(x, **args) - out).abs().max() > 1e-2
+
+
+# QK-norm kinds beyond Qwen3's: (qk_norm_kind, qk_norm_bias, qk_norm_weight)
+_QK_NORM_KINDS = {
+    "phi-layernorm-bias": ("layernorm", True, "shared"),  # Phi's qk_layernorm
+    "cohere-layernorm-per-head": ("layernorm", False, "per_head"),  # Command R+, StableLM
+    "rmsnorm-per-head": ("rmsnorm", False, "per_head"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_QK_NORM_KINDS))
+@pytest.mark.parametrize("case", ["self-split", "self-interleaved-partial", "cross", "sinks"])
+def test_qk_norm_kinds_equal_their_formula(case, kind):
+    """A LayerNorm (with a bias) or a weight per head: each query and key head normalised
+    over its d_h features by the oracle's loop (head_norm), then rotated (a partial rotation
+    too), GQA, eps large enough to matter; self- and cross-attention, and the sinks' cached
+    path. The module against that formula and the naive loop; cached decoding equals the
+    full pass; a shared RMSNorm (Qwen3's) gives other numbers."""
+    from attnlab.nn.rope import RotaryEmbedding
+
+    torch.manual_seed(0)
+    norm_kind, bias, weight = _QK_NORM_KINDS[kind]
+    eps, b, t, s, h_kv = 0.3, 2, 5, 7, 2
+    cfg = AttentionConfig(n_heads=H, n_kv_heads=h_kv, qk_norm=True, qk_norm_kind=norm_kind,
+                          qk_norm_bias=bias, qk_norm_weight=weight, backend="eager")  # fmt: skip
+    if case == "sinks":
+        cfg = cfg.override({"sliding_window": 4, "sink_tokens": 1})
+    cross = case == "cross"
+    layout = "interleaved" if "interleaved" in case else "split"
+    d_r = D_H // 2 if "partial" in case else D_H  # the features rotated
+    rope = None if cross else RotaryEmbedding(d_r, layout=layout)
+    attn = MultiHeadAttention(D, cfg, cross=cross, rope=rope, norm_eps=eps).eval()
+    shapes = ((D_H,), (D_H,)) if weight == "shared" else ((H, D_H), (h_kv, D_H))
+    assert (attn.q_norm.weight.shape, attn.k_norm.weight.shape) == shapes
+    assert (attn.q_norm.bias is not None) == bias
+    with torch.no_grad():
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name)
+            norm.weight.uniform_(0.5, 1.5)
+            if bias:
+                norm.bias.normal_()
+    x = 2 * torch.randn(b, t, D) + 1  # mean and rms far from 0 and 1: centring and eps matter
+    if cross:
+        ctx = 2 * torch.randn(b, s, D) + 1
+        q, (k, v) = attn.q(x), attn.kv(ctx).split(h_kv * D_H, dim=-1)
+    else:
+        q, k, v = attn.qkv(x).split((D, h_kv * D_H, h_kv * D_H), dim=-1)
+
+    def normed(norm, y, n):
+        return head_norm(attn._heads(y, n), norm.weight, norm.bias, eps, norm_kind)
+
+    q, k = normed(attn.q_norm, q, H), normed(attn.k_norm, k, h_kv)  # (b, n, t or s, d_h)
+    v = attn._heads(v, h_kv)
+    positions = torch.arange(t)[None].expand(b, t)
+    if cross:
+        out = attn(x, context=ctx)
+        allowed = None
+    else:
+        tables = rope.tables(positions)
+        q, k = tables.rotate(q), tables.rotate(k)
+        out = attn(x, positions=positions)
+        allowed = torch.ones(t, t, dtype=torch.bool).tril()
+        if case == "sinks":  # the first token and the last 3 positions
+            allowed &= (torch.arange(t)[None] == 0) | (
+                torch.arange(t)[None] > torch.arange(t)[:, None] - 3)  # fmt: skip
+    y = naive_attention(q, k, v, allowed).to(x.dtype)  # (b, h, t, d_h)
+    expected = attn.out(y.transpose(1, 2).reshape(b, t, D))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if not cross:  # cached decoding: the norms before RoPE and the cache
+        from attnlab.cache import Cache
+
+        cache = Cache(b, t, dtype=x.dtype)
+        cache.layers = [attn.new_cache_entry(cache)]
+        steps = []
+        for lo, hi in ((0, 2), *((j, j + 1) for j in range(2, t))):
+            cache.begin(hi - lo)
+            steps.append(attn(x[:, lo:hi], positions=positions[:, lo:hi], cache=cache.layers[0]))
+            cache.commit()
+        # (the sinks' cache rotates keys by their places in it: the full pass's past the window)
+        n = cfg.sliding_window if case == "sinks" else t
+        torch.testing.assert_close(torch.cat(steps, 1)[:, :n], out[:, :n], atol=1e-5, rtol=1e-5)
+    qwen3 = MultiHeadAttention(D, AttentionConfig(n_heads=H, n_kv_heads=h_kv, qk_norm=True),
+                               cross=cross, rope=rope, norm_eps=eps).eval()  # fmt: skip
+    state = attn.state_dict()
+    for name in ("q_norm", "k_norm"):
+        state[f"{name}.weight"] = state[f"{name}.weight"].reshape(-1, D_H)[0]
+        state.pop(f"{name}.bias", None)
+    qwen3.load_state_dict(state)
+    args = {"context": ctx} if cross else {"positions": positions}
+    assert (qwen3(x, **args) - out).abs().max() > 1e-2
 
 
 def test_eager_attention_keeps_float64():

@@ -297,9 +297,10 @@ def expected_parameters(cfg: ModelConfig) -> int:
     norm = d * (2 if nrm.kind == "layernorm" and nrm.bias else 1)
     attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
     attn += h * d_h * d + d * a.out_bias
-    # QK-norm: one RMSNorm weight for queries, one for keys: per head (d_h each) or over
-    # the whole projections (h d_h and h_kv d_h)
-    attn += (2 * d_h if a.qk_norm_scope == "head" else (h + h_kv) * d_h) * a.qk_norm
+    # QK-norm: one weight (and bias) for queries, one for keys: shared by the heads (d_h
+    # each), each head its own, or over the whole projections (h d_h and h_kv d_h)
+    shared = a.qk_norm_scope == "head" and a.qk_norm_weight == "shared"
+    attn += (2 * d_h if shared else (h + h_kv) * d_h) * (1 + a.qk_norm_bias) * a.qk_norm
     attn += h * a.sink_logits  # GPT-OSS: a learned sink logit per head
     if a.kind in ("mla", "dsa"):  # DeepSeek-V2 eq. 9-19: down/up projections, latent norms
         q_r, kv_r = a.q_lora_rank, a.kv_lora_rank
@@ -447,6 +448,58 @@ def test_olmo2_pieces_are_refused_where_they_are_not_implemented(data, named):
     refused by name."""
     with pytest.raises(ConfigError, match=re.escape(named)):
         ModelConfig.from_dict({"d_model": 64, **data})
+
+
+@pytest.mark.parametrize(
+    "attention, named",
+    [
+        ({"qk_norm_kind": "layernorm"},
+         "attention.qk_norm_kind: 'layernorm' says what QK-norm is, and attention.qk_norm is "
+         "false: set it to true, or qk_norm_kind to 'rmsnorm'"),
+        ({"qk_norm_bias": True},
+         "attention.qk_norm_bias: true says what QK-norm is, and attention.qk_norm is false: "
+         "set it to true, or qk_norm_bias to false"),
+        ({"qk_norm_weight": "per_head"},
+         "attention.qk_norm_weight: 'per_head' says what QK-norm is, and attention.qk_norm is "
+         "false"),
+        ({"qk_norm": True, "qk_norm_kind": "layer"},
+         "attention.qk_norm_kind: unknown value 'layer'; choose one of rmsnorm, layernorm"),
+        ({"qk_norm": True, "qk_norm_weight": "heads"},
+         "attention.qk_norm_weight: unknown value 'heads'; choose one of shared, per_head"),
+        ({"qk_norm": True, "qk_norm_bias": True},
+         "attention.qk_norm_bias: an RMSNorm has no bias: set attention.qk_norm_kind to "
+         "'layernorm', or qk_norm_bias to false"),
+        ({"qk_norm": True, "qk_norm_weight": "per_head", "qk_norm_scope": "projection"},
+         "attention.qk_norm_weight: 'per_head' needs attention.qk_norm_scope='head'"),
+    ],
+)  # fmt: skip
+def test_qk_norm_kinds_are_validated(attention, named):
+    """QK-norm's kind, bias and weights: unknown values, settings without QK-norm, a bias
+    on an RMSNorm, a weight per head over whole projections: refused by name."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        ModelConfig.from_dict({"d_model": 64, "attention": attention})
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        {"qk_norm_kind": "layernorm", "qk_norm_bias": True},
+        {"qk_norm_kind": "layernorm", "qk_norm_weight": "per_head"},
+        {"qk_norm_weight": "per_head"},
+        {"qk_norm_kind": "layernorm", "qk_norm_scope": "projection", "qk_norm_bias": True},
+    ],
+    ids=["phi", "cohere", "rms-per-head", "layernorm-projection"],
+)
+def test_qk_norm_kinds_count_their_parameters(attention):
+    """The calculator, the formula written here and the built model agree for every kind."""
+    from attnlab.analysis import count_parameters
+
+    cfg = ModelConfig.from_dict(
+        {"d_model": 32, "n_layers": 2, "vocab_size": 50,
+         "attention": {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True, **attention}}
+    )  # fmt: skip
+    model = DecoderLM(cfg)
+    assert model.num_parameters() == expected_parameters(cfg) == count_parameters(cfg)["total"]
 
 
 def test_scale_embeddings_is_one_field_for_decoders_and_seq2seq():

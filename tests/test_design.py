@@ -294,6 +294,15 @@ def test_training_forward_has_no_graph_breaks(name):
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
+# StableLM 2 12B's block: parallel on one biased LayerNorm, a LayerNorm QK-norm per head
+_STABLELM_12B_BLOCK = {
+    "norm.placement": "parallel_shared",
+    "attention.qk_norm": True,
+    "attention.qk_norm_kind": "layernorm",
+    "attention.qk_norm_weight": "per_head",
+}
+
+
 @pytest.mark.parametrize(
     "name, override, batch",
     [
@@ -311,6 +320,8 @@ def test_training_forward_has_no_graph_breaks(name):
         ("llama-tiny", {"attention.sliding_window": 4, "attention.sink_logits": True}, 2),
         ("llama-tiny", {"attention.qk_norm": True}, 2),
         ("olmo2-tiny", {}, 2),  # QK-norm over whole projections, norms on sublayer outputs
+        # a LayerNorm QK-norm with a weight per head, parallel blocks on biased LayerNorms
+        ("stablelm-tiny", _STABLELM_12B_BLOCK, 2),
         ("pythia-tiny", {}, 2),  # parallel blocks, a partial rotation
         ("pythia-tiny", {"norm.placement": "parallel_shared"}, 2),  # one norm per block
         ("phi-tiny", {"tie_embeddings": True}, 2),  # a bias on the (tied) head

@@ -573,6 +573,79 @@ def test_export_unrepresentable(tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
+# QK-norms beyond Qwen3's: Phi's LayerNorm (its bias), Cohere's and StableLM's per head
+_LN_QK = {"attention.qk_norm": True, "attention.qk_norm_kind": "layernorm"}
+_PER_HEAD_QK = {**_LN_QK, "attention.qk_norm_weight": "per_head"}
+# Cohere's block on StableLM's preset: one LayerNorm without bias, whole heads rotated
+_COHERE_BLOCK = {"norm.placement": "parallel_shared", "norm.bias": False,
+                 "position.rope_fraction": 1.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "preset, changes, model_type",
+    [
+        ("stablelm-tiny", {}, "stablelm"),
+        ("stablelm-tiny", _PER_HEAD_QK, "stablelm"),
+        ("stablelm-2-12b", {}, "stablelm"),
+        # parallel blocks of one norm and a gated feed-forward: StableLM's only where Cohere's
+        # layout cannot hold them (a LayerNorm with a bias, a partial rotation)
+        ("stablelm-tiny", {"norm.placement": "parallel_shared"}, "stablelm"),
+        ("stablelm-tiny", {"norm.placement": "parallel_shared", "norm.bias": False}, "stablelm"),
+        ("stablelm-tiny", _COHERE_BLOCK, "cohere"),
+        ("stablelm-tiny", {**_COHERE_BLOCK, **_PER_HEAD_QK}, "cohere"),
+        ("cohere-tiny", {}, "cohere"),
+        ("cohere-tiny", _PER_HEAD_QK, "cohere"),
+        ("cohere-tiny", {"logit_scale": 1.0}, "cohere"),
+        ("cohere-tiny", {"logit_scale": 1.0, "norm.bias": True}, "stablelm"),
+        ("command-r-plus", {}, "cohere"),
+        # pre-norm blocks of LayerNorm and a gated feed-forward: StableLM's only
+        ("llama-tiny", {"norm.kind": "layernorm"}, "stablelm"),
+        ("llama-tiny", {"attention.qk_norm": True}, "qwen3"),
+        ("phi-tiny", {}, "phi"),
+        ("phi-tiny", {**_LN_QK, "attention.qk_norm_bias": True}, "phi"),
+        ("phi-tiny", _LN_QK, "phi"),  # (its bias written as zeros)
+        ("gptj-tiny", {}, "gptj"),
+        ("falcon-tiny", {}, "falcon"),
+        ("pythia-tiny", {}, "gpt_neox"),
+        ("starcoder2-tiny", {}, "starcoder2"),
+        ("phi3-tiny", {}, "phi3"),
+        ("olmo2-tiny", {}, "olmo2"),
+        ("gemma3-tiny", {}, "gemma3_text"),
+        ("llama-tiny", {}, "llama"),
+    ],
+)
+def test_export_picks_one_family_per_layout_and_qk_norm(preset, changes, model_type):
+    """StableLM takes the layouts only it holds and no config another family exports;
+    each QK-norm kind goes with the layouts that have it."""
+    assert hf_model_type(get_preset(preset).override(changes)) == model_type
+
+
+@pytest.mark.parametrize(
+    "preset, changes, named",
+    [
+        ("llama-tiny", _LN_QK,
+         "attention.qk_norm_kind='layernorm' (qwen3's QK-norm has 'rmsnorm'; this QK-norm "
+         "exports as phi)"),
+        ("llama-tiny", _PER_HEAD_QK,
+         "attention.qk_norm_kind='layernorm' (qwen3's QK-norm has 'rmsnorm'; this QK-norm "
+         "exports as cohere or stablelm)"),
+        ("llama-tiny", {"attention.qk_norm": True, "attention.qk_norm_weight": "per_head"},
+         "attention.qk_norm_weight='per_head' (qwen3's QK-norm has 'shared'; no exported "
+         "family has this QK-norm)"),
+        ("olmo2-tiny", {"attention.qk_norm_kind": "layernorm"},
+         "attention.qk_norm_kind='layernorm' (olmo2's QK-norm has 'rmsnorm'; no exported "
+         "family has this QK-norm)"),
+        ("gpt2-tiny", _LN_QK,
+         "attention.qk_norm (gpt2 has no QK-norm; decoders with it export as qwen3 or "
+         "qwen3_moe or gemma3_text or olmo2 or phi or cohere or stablelm, each its own kind)"),
+    ],
+    ids=["layernorm-qwen3", "per-head-qwen3", "rms-per-head", "olmo2-layernorm", "gpt2"],
+)  # fmt: skip
+def test_export_refuses_a_qk_norm_of_another_kind_by_name(preset, changes, named):
+    with pytest.raises(HFCheckpointError, match=re.escape(named)):
+        hf_model_type(get_preset(preset).override(changes))
+
+
 def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
     """A transformers model's own state dict (experts stacked: experts.gate_up_proj) loads
     as its checkpoint files do; dense layers other than the first ones (mlp_only_layers,

@@ -86,6 +86,20 @@ CASES = {
             "original_max_position_embeddings": 16,
         },
     ),
+    # Command R+'s QK-norm (use_qk_norm): a LayerNorm without bias per query and key head,
+    # each head its own weight, GQA 4/2, an eps large enough to matter
+    "qk-norm": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        layer_norm_eps=0.05,
+        logit_scale=0.5,
+        use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    ),
 }
 
 
@@ -141,7 +155,15 @@ def test_import_config(imported):
     )
     assert cfg.tie_embeddings == hf.tie_word_embeddings
     assert (pos.rope_layout, pos.rope_theta) == ("interleaved", hf.rope_parameters["rope_theta"])
-    assert pos.rope_scaling == (None if case == "gqa-tied-scale" else "yarn")
+    assert pos.rope_scaling == ("yarn" if case == "mha-biased-untied-yarn" else None)
+    assert att.qk_norm == hf.use_qk_norm
+    if att.qk_norm:  # a weight per head, (h, d_h) and (h_kv, d_h), as stored
+        assert (att.qk_norm_kind, att.qk_norm_bias, att.qk_norm_weight) == (
+            "layernorm", False, "per_head")  # fmt: skip
+        attn, theirs = model.blocks[1].attn, ref.model.layers[1].self_attn
+        assert torch.equal(attn.q_norm.weight, theirs.q_norm.weight)
+        assert torch.equal(attn.k_norm.weight, theirs.k_norm.weight)
+        assert attn.k_norm.weight.shape == (cfg.n_kv_heads, cfg.head_dim)
 
 
 def test_import_logits(imported):
@@ -198,6 +220,9 @@ def test_training_gradients_match_transformers(imported):
             pairs.append((model.lm_head.weight, ref.lm_head.weight))
         if cfg.attention.qkv_bias:
             pairs.append((block.attn.out.bias, layer.self_attn.o_proj.bias))
+        if cfg.attention.qk_norm:  # each head's weight (interleaved pairs on both sides)
+            pairs.append((block.attn.q_norm.weight, layer.self_attn.q_norm.weight))
+            pairs.append((block.attn.k_norm.weight, layer.self_attn.k_norm.weight))
         for ours_p, theirs_p in pairs:
             assert theirs_p.grad.abs().max() > 0  # (a gradient that flows)
             torch.testing.assert_close(ours_p.grad, theirs_p.grad, atol=1e-4, rtol=1e-4)
@@ -286,6 +311,18 @@ EXPORTS = {
             "attention.head_dim": 12,
             "logit_scale": 1.0,
             "tie_embeddings": False,
+        }
+    ),
+    # Command R+'s QK-norm with split-halves pairs: each head's weight permuted with its
+    # q/k rows to Cohere's interleaved pairs
+    "qk-norm-split": _tiny(
+        **{
+            "position.rope_layout": "split",
+            "attention.qk_norm": True,
+            "attention.qk_norm_kind": "layernorm",
+            "attention.qk_norm_weight": "per_head",
+            "norm.eps": 0.05,
+            "logit_scale": 0.5,
         }
     ),
 }
@@ -393,7 +430,6 @@ def test_missing_rope_theta_is_cohere_configs_default():
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"use_qk_norm": True}, "config.json use_qk_norm=true (Command R+'s LayerNorm"),
         ({"logit_scale": None}, "config.json logit_scale must be a number, got None"),
         ({"logit_scale": "0.5"}, "config.json logit_scale must be a number"),
         ({"logit_scale": -1.0}, "logit_scale: must be > 0, got -1.0"),
@@ -404,7 +440,7 @@ def test_missing_rope_theta_is_cohere_configs_default():
         ({"architectures": ["CohereForSequenceClassification"]},
          "architecture 'CohereForSequenceClassification' is not supported"),
     ],
-    ids=["qk-norm", "null-scale", "string-scale", "negative-scale", "null-eps", "activation",
+    ids=["null-scale", "string-scale", "negative-scale", "null-eps", "activation",
          "dynamic-rope", "head"],
 )  # fmt: skip
 def test_config_it_cannot_hold_is_refused_by_name(changes, named):
@@ -426,7 +462,12 @@ def test_config_it_cannot_hold_is_refused_by_name(changes, named):
         ({"norm.placement": "pre"},
          "norm.placement='pre' (Cohere's is 'parallel_shared'); logit_scale exports as "
          "cohere only"),
-        ({"attention.qk_norm": True}, "attention.qk_norm (cohere has no QK-norm"),
+        ({"attention.qk_norm": True},
+         "attention.qk_norm_kind='rmsnorm' (cohere's QK-norm has 'layernorm'; this QK-norm "
+         "exports as qwen3 or qwen3_moe or gemma3_text)"),
+        ({"attention.qk_norm": True, "attention.qk_norm_kind": "layernorm"},
+         "attention.qk_norm_weight='shared' (cohere's QK-norm has 'per_head'; this QK-norm "
+         "exports as phi)"),
         ({"attention.sliding_window": 8}, "attention.sliding_window (cohere attends to every"),
         ({"position.rope_fraction": 0.5}, "position.rope_fraction=0.5 (cohere rotates whole"),
         ({"embedding_multiplier": 2.0},

@@ -262,6 +262,28 @@ MINIMAL: dict[str, list[dict]] = {
             "attention_bias": False,
         },
     ],
+    # 32 heads and 32 key/value heads (of 4 here: the default 32 is no divisor of fewer
+    # heads), pre-norm blocks, a quarter of each head rotated at base 10000, no q/k/v biases,
+    # LayerNorm eps 1e-5, an untied head, by default
+    "stablelm": [
+        {"vocab_size": 100, "hidden_size": 512, "intermediate_size": 64, "num_hidden_layers": 2},
+        # transformers 4.x's keys: parallel blocks, per-head QK LayerNorms, half of each head
+        # at base 500, GQA, q/k/v biases, a tied head
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "use_parallel_residual": True,
+            "qk_layernorm": True,
+            "use_qkv_bias": True,
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 500.0,
+            "tie_word_embeddings": True,
+        },
+    ],
     # 32 heads (MHA; of 4 here), half of each head rotated at base 10000, an untied head
     "phi": [
         {"vocab_size": 100, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2},

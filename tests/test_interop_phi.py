@@ -67,6 +67,25 @@ CASES = {
         tie_word_embeddings=True,
         hidden_act="gelu",
     ),
+    # qk_layernorm: a LayerNorm with bias every query head shares, one every key head
+    # shares, before a partial rotation (half of each head, linear scaling); GQA 4/2 and a
+    # LayerNorm eps large enough to matter
+    "qk-layernorm": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        layer_norm_eps=0.05,
+        qk_layernorm=True,
+        rope_parameters={
+            "rope_type": "linear",
+            "factor": 2.0,
+            "rope_theta": 100.0,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
 }
 
 
@@ -110,16 +129,26 @@ def test_import_config_and_weights(imported):
     assert cfg.position.rope_fraction == params["partial_rotary_factor"]
     assert cfg.rope_dim == ref.model.layers[0].self_attn.rotary_ndims
     assert cfg.position.rope_scaling == (None if case == "phi2-like" else "linear")
+    assert ref.model.layers[0].self_attn.qk_layernorm == cfg.attention.qk_norm
     assert cfg.norm.placement == "parallel_shared" and cfg.final_logits_bias
     assert (cfg.n_kv_heads, cfg.head_dim) == (
         hf.num_key_value_heads,
         ref.model.layers[0].self_attn.head_dim,
     )
     assert cfg.tie_embeddings == hf.tie_word_embeddings
+    att = cfg.attention
+    assert att.qk_norm == hf.qk_layernorm
+    if att.qk_norm:  # one LayerNorm with bias for all query heads, one for all key heads
+        assert (att.qk_norm_kind, att.qk_norm_bias, att.qk_norm_weight) == (
+            "layernorm", True, "shared")  # fmt: skip
     block, layer = model.blocks[1], ref.model.layers[1]
     assert block.attn_norm is None and block.ffn_norm is None
     assert torch.equal(block.norm.bias, layer.input_layernorm.bias)
     attn = layer.self_attn
+    if att.qk_norm:
+        for ours, theirs in ((block.attn.q_norm, attn.q_layernorm),
+                             (block.attn.k_norm, attn.k_layernorm)):  # fmt: skip
+            assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.bias, theirs.bias)
     for ours, theirs in ((block.attn.qkv.weight, "weight"), (block.attn.qkv.bias, "bias")):
         stacked = torch.cat(
             [getattr(getattr(attn, n), theirs) for n in ("q_proj", "k_proj", "v_proj")]
@@ -169,6 +198,13 @@ def test_training_loss_and_gradients_match_transformers(imported):
             (model.lm_head.bias.grad, ref.lm_head.bias.grad),
             (model.tok_emb.weight.grad, ref.model.embed_tokens.weight.grad),
         ]
+        if model.cfg.attention.qk_norm:  # (the QK LayerNorms' weights and biases)
+            for ours, theirs in ((block.attn.q_norm, attn.q_layernorm),
+                                 (block.attn.k_norm, attn.k_layernorm)):  # fmt: skip
+                pairs += [
+                    (ours.weight.grad, theirs.weight.grad),
+                    (ours.bias.grad, theirs.bias.grad),
+                ]
         for got, want in pairs:
             # float32 sums over the batch in different orders: 1e-4
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -196,6 +232,17 @@ EXPORTS = {
             "attention.n_kv_heads": 2,
             "tie_embeddings": True,
             "ffn.activation": "gelu",
+        }
+    ),
+    # QK-norm (Phi's qk_layernorm) with interleaved pairs in the rotated half: the
+    # LayerNorms' weights and biases permuted with the q/k rows
+    "qk-layernorm-interleaved": _tiny(
+        **{
+            "attention.qk_norm": True,
+            "attention.qk_norm_kind": "layernorm",
+            "attention.qk_norm_bias": True,
+            "position.rope_layout": "interleaved",
+            "norm.eps": 0.05,
         }
     ),
     # whole heads rotated, heads of their own width
@@ -364,7 +411,9 @@ def _hf_dict(case: str = "phi2-like") -> dict:
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"qk_layernorm": True}, "qk_layernorm=true (a LayerNorm with bias on each query and"),
+        ({"qk_layernorm": True, "head_dim": 8},
+         "qk_layernorm=true with head_dim=8: transformers' Phi sizes its query and key "
+         "LayerNorms hidden_size / num_attention_heads = 16 wide"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic'"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.2}},
          "rotates int(16 * 0.2) = 3 features of each head; RoPE rotates pairs"),
@@ -416,12 +465,35 @@ def test_dropouts_read_as_one_with_a_warning_where_they_differ():
     [
         ({"position.rope_scaling": "yarn"}, "position.rope_scaling='yarn' (phi: none or linear)"),
         ({"attention.sliding_window": 8}, "attention.sliding_window (phi attends to"),
-        ({"attention.qk_norm": True}, "attention.qk_norm (phi has no QK-norm"),
+        (
+            {"attention.qk_norm": True},
+            "attention.qk_norm_kind='rmsnorm' (phi's QK-norm has 'layernorm'; this QK-norm "
+            "exports as qwen3 or qwen3_moe or gemma3_text)",
+        ),
+        (
+            {
+                "attention.qk_norm": True,
+                "attention.qk_norm_kind": "layernorm",
+                "attention.qk_norm_weight": "per_head",
+            },
+            "attention.qk_norm_weight='per_head' (phi's QK-norm has 'shared'; this QK-norm "
+            "exports as cohere or stablelm)",
+        ),
+        (
+            {
+                "attention.qk_norm": True,
+                "attention.qk_norm_kind": "layernorm",
+                "attention.head_dim": 8,
+                "attention.n_heads": 6,
+            },
+            "attention.head_dim=8 with attention.qk_norm (transformers' Phi sizes its QK "
+            "LayerNorms d_model / n_heads = 10 wide)",
+        ),
         ({"norm.kind": "rmsnorm"}, "norm.placement='parallel_shared' (Phi's, GPT-J's, Falcon's"),
-        # a gated feed-forward in one-norm parallel blocks is Cohere's, whose norms have no bias
-        ({"ffn.kind": "glu"}, "norm.bias=true (Cohere's LayerNorms have no bias"),
+        # a gated feed-forward on biased LayerNorms is StableLM's, whose o_proj has no bias
+        ({"ffn.kind": "glu"}, "attention.out_bias=true (StableLM's o_proj has no bias"),
     ],
-    ids=["yarn", "window", "qk-norm", "rmsnorm", "glu"],
+    ids=["yarn", "window", "qk-norm", "qk-norm-per-head", "qk-norm-head-dim", "rmsnorm", "glu"],
 )
 def test_export_refuses_what_phi_cannot_hold(changes, named, tmp_path):
     cfg = _tiny(**changes)

@@ -457,7 +457,8 @@ def test_llama_refuses_phi3s_rope_pieces():
     [
         ({"attention.qkv_bias": True}, "attention.qkv_bias=True (Phi-3's is False)"),
         ({"ffn.bias": True}, "ffn.bias=True (Phi-3's is False)"),
-        ({"norm.kind": "layernorm"}, "norm.kind='layernorm' (Phi-3's is 'rmsnorm')"),
+        # (LayerNorm with a gated feed-forward is StableLM's layout, which has no LongRoPE)
+        ({"norm.kind": "layernorm"}, "position.rope_scaling='longrope' (StableLM's: none or"),
         ({"attention.sliding_window": 8, "attention.layer_pattern": "LG"},
          "local and global layers"),
         ({"position.rope_scaling": "yarn", "position.rope_short_factor": None,

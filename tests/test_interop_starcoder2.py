@@ -427,8 +427,9 @@ def test_export_picks_starcoder2_only_for_its_pieces(preset, changes, model_type
 @pytest.mark.parametrize(
     "changes, named",
     [
-        # RoPE with LayerNorm but a gated FFN, or RMSNorm with an MLP: neither layout
-        ({"ffn.kind": "glu"}, "RoPE models need RMSNorm and a gated feed-forward"),
+        # RoPE with LayerNorm and a gated FFN is StableLM's layout (its o_proj has no bias);
+        # RMSNorm with an MLP: neither layout
+        ({"ffn.kind": "glu"}, "StableLM's o_proj has no bias"),
         ({"norm.kind": "rmsnorm"}, "RoPE models need RMSNorm and a gated feed-forward"),
     ],
 )

@@ -15,17 +15,22 @@
   forms it, not a division by its inverse, which would round differently);
 - a head tied to the embeddings by default (``tie_word_embeddings``).
 
-``use_qk_norm`` (Command R+: a LayerNorm over each query and key head, with a weight per
-head) is refused by name: attnlab's QK-norm is an RMSNorm whose weight every head shares.
-Export takes every decoder with a parallel block of one norm or a logit scale (no other
-exported layout holds either) and names what else Cohere lacks; split-halves q/k rows are
-permuted to Cohere's interleaved pairs.
+``use_qk_norm`` (Command R+): a LayerNorm without bias over each query and key head's d_h
+features, in float32, a weight of its own per head, (h, d_h) and (h_kv, d_h), eps
+``layer_norm_eps``, after the projections and before RoPE and the cache
+(``attention.qk_norm``, ``qk_norm_kind=layernorm``, ``qk_norm_weight=per_head``).
+Export takes every decoder with a logit scale, and those with a parallel block of one
+LayerNorm without bias read by a gated feed-forward that rotates whole heads (no other
+exported layout holds either; a biased LayerNorm or a partial rotation there is
+StableLM's, stablelm.py), and names what else Cohere lacks; split-halves q/k rows (and the
+QK-norm weights with them) are permuted to Cohere's interleaved pairs.
 
 Weights, HF (``model.layers.{i}.``) -> attnlab (``blocks.{i}.``), beyond llama.py's
 attention and feed-forward:
 
     input_layernorm.weight (d,)  -> norm.weight   (the block's one norm)
     model.norm.weight      (d,)  -> norm.weight   (before the head)
+    self_attn.q_norm.weight / k_norm.weight  (h, d_h), (h_kv, d_h)  -> attn.q_norm / k_norm
 
 Shapes: d d_model, h heads, h_kv key/value heads, d_h head dim.
 """
@@ -87,12 +92,6 @@ NORMS = (("input_layernorm", "norm"),)
 
 
 def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
-    if hf.get("use_qk_norm"):
-        raise HFCheckpointError(
-            "config.json use_qk_norm=true (Command R+'s LayerNorm over each query and key "
-            "head, a weight per head) is not supported: attnlab's QK-norm is an RMSNorm whose "
-            "weight every head shares"
-        )
     if hf.get("rope_theta") is None and rope_parameters(hf).get("rope_theta") is None:
         hf = {**hf, "rope_theta": DEFAULT_THETA}  # as CohereConfig fills it
     d, n_heads = get(hf, "hidden_size"), get(hf, "num_attention_heads")
@@ -100,6 +99,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
     # transformers' CohereAttention reads a head_dim config.json sets (getattr), else d / h
     head_dim = hf.get("head_dim") or d // n_heads
     bias = bool(hf.get("attention_bias", False))
+    qk_norm = bool(hf.get("use_qk_norm", False))
     return ModelConfig(
         vocab_size=get(hf, "vocab_size"),
         max_seq_len=get(hf, "max_position_embeddings"),
@@ -112,6 +112,9 @@ def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
             qkv_bias=bias,
             out_bias=bias,
             dropout=hf.get("attention_dropout", 0.0),
+            qk_norm=qk_norm,
+            qk_norm_kind="layernorm" if qk_norm else "rmsnorm",
+            qk_norm_weight="per_head" if qk_norm else "shared",
         ),
         position=PositionConfig(
             kind="rope", rope_layout="interleaved", **rope_settings(hf, llama.ROPE_TYPES)
@@ -142,9 +145,11 @@ def cohere_features(cfg: ModelConfig) -> list[str]:
 def exports(cfg: ModelConfig) -> bool:
     """Decoders with a logit scale, or a parallel block of one norm (``parallel_shared``)
     whose feed-forward is not a plain MLP (Phi's, GPT-J's and Falcon's are: phi.py, gptj.py,
-    falcon.py): no other exported layout holds either."""
+    falcon.py): no other exported layout holds either. Without a logit scale, a LayerNorm
+    with a bias or a partial rotation there are StableLM's (stablelm.py), not Cohere's."""
     shared = cfg.norm.placement == "parallel_shared" and cfg.ffn.kind != "mlp"
-    return cfg.arch == "decoder" and (shared or bool(cohere_features(cfg)))
+    stablelm = cfg.norm.kind == "layernorm" and (cfg.norm.bias or cfg.position.rope_fraction != 1.0)
+    return cfg.arch == "decoder" and ((shared and not stablelm) or bool(cohere_features(cfg)))
 
 
 def export_type(cfg: ModelConfig) -> str:
@@ -199,7 +204,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         "logit_scale": cfg.logit_scale,
         "attention_bias": att.qkv_bias or att.out_bias,
         "attention_dropout": att.dropout,
-        "use_qk_norm": False,
+        "use_qk_norm": att.qk_norm,
         "rope_theta": pos.rope_theta,  # transformers 4.x
         "rope_scaling": None if pos.rope_scaling is None else rope,
         "rope_parameters": rope,  # transformers 5.x
@@ -220,7 +225,8 @@ def weights_from_attnlab(
 ) -> dict[str, Tensor]:
     """llama.py's tensors (q, k, v and o biases all or none, zeros for a missing one; q/k
     rows in split halves), with the norms' biases (zeros: export_type refuses real ones)
-    left out and the q/k rows permuted to Cohere's interleaved pairs."""
+    left out and the q/k rows, and the QK-norm weights per head, permuted to Cohere's
+    interleaved pairs."""
     out = llama.weights_from_attnlab(sd, cfg, "llama", NORMS)
     for name in [n for n in out if n.endswith("norm.bias")]:  # (CohereLayerNorm has none)
         del out[name]
@@ -231,6 +237,11 @@ def weights_from_attnlab(
                 name = f"{h}{proj}.{kind}"
                 if name in out:
                     out[name] = rope_rows_to_interleaved(out[name], heads, cfg.head_dim)
+            norm = f"{h}{proj[0]}_norm.weight"  # (heads, d_h): each head's features
+            if norm in out:
+                w = out[norm]
+                out[norm] = rope_rows_to_interleaved(w.reshape(-1), heads, w.shape[-1])
+                out[norm] = out[norm].reshape(w.shape)
     return out
 
 

@@ -80,12 +80,29 @@ WINDOWED_TYPES = (
     "starcoder2",
     "modernbert",  # (bidirectional: keys within the window on either side)
 )
-# model types with QK-norm (attention.qk_norm): per head, or over whole projections (olmo2)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
+# The QK-norms (attention.qk_norm_kind, qk_norm_bias, qk_norm_weight, qk_norm_scope) each
+# model type with QK-norm holds: an RMSNorm of one weight every head shares (Qwen3, Gemma 3)
+# or over whole projections (OLMo 2); Phi's LayerNorm with a bias every head shares (a
+# missing bias written as zeros); Cohere's and StableLM's LayerNorm, a weight per head and
+# no bias
+_RMS_HEAD = ("rmsnorm", False, "shared", "head")
+_LN_SHARED = ("layernorm", True, "shared", "head")
+_LN_PER_HEAD = ("layernorm", False, "per_head", "head")
+QK_NORMS: dict[str, tuple[tuple[str, bool, str, str], ...]] = {
+    "qwen3": (_RMS_HEAD,),
+    "qwen3_moe": (_RMS_HEAD,),
+    "gemma3_text": (_RMS_HEAD,),
+    "olmo2": (("rmsnorm", False, "shared", "projection"),),
+    "phi": (_LN_SHARED, ("layernorm", False, "shared", "head")),
+    "cohere": (_LN_PER_HEAD,),
+    "stablelm": (_LN_PER_HEAD,),
+}
+QK_NORM_TYPES = tuple(QK_NORMS)
+QK_NORM_FIELDS = ("qk_norm_kind", "qk_norm_bias", "qk_norm_weight", "qk_norm_scope")
 # model types with LongRoPE (whose generate re-encodes past the original context), and with
 # a partial rotation (position.rope_fraction)
 LONGROPE_TYPES = ("phi3",)
-PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox", "phi", "gptj")
+PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox", "phi", "gptj", "stablelm")
 # decoder model types whose head has a bias (final_logits_bias: lm_head.bias)
 HEAD_BIAS_TYPES = ("phi", "gptj")
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
@@ -116,19 +133,50 @@ def _check_attention(cfg: ModelConfig) -> None:
         raise unrepresentable("attention.global_tokens (Longformer's global attention)")
 
 
+def _check_qk_norm(cfg: ModelConfig, model_type: str) -> None:
+    """Refuse QK-norm where ``model_type`` has none."""
+    if cfg.attention.qk_norm and model_type not in QK_NORMS:
+        hint = (  # decoders only: no encoder, seq2seq or ViT family has QK-norm
+            f"; decoders with it export as {' or '.join(QK_NORM_TYPES)}, each its own kind"
+            if cfg.arch == "decoder"
+            else ""
+        )
+        raise unrepresentable(f"attention.qk_norm ({model_type} has no QK-norm{hint})")
+
+
+def _check_qk_norm_kind(cfg: ModelConfig, model_type: str) -> None:
+    """Refuse a QK-norm of another kind than ``model_type``'s (after OLMo 2's check, which
+    names its scope with the rest of its pieces), naming the first field that differs."""
+    att = cfg.attention
+    if not att.qk_norm:
+        return
+    ours = tuple(getattr(att, name) for name in QK_NORM_FIELDS)
+    if ours in QK_NORMS[model_type]:
+        return
+
+    def differences(kind: tuple) -> list[int]:
+        return [i for i, (a, b) in enumerate(zip(ours, kind, strict=True)) if a != b]
+
+    def show(value: object) -> str:
+        return str(value).lower() if isinstance(value, bool) else repr(value)
+
+    theirs = min(QK_NORMS[model_type], key=lambda kind: len(differences(kind)))  # the nearest
+    i = differences(theirs)[0]
+    holders = [t for t, kinds in QK_NORMS.items() if ours in kinds]
+    where = f"this QK-norm exports as {' or '.join(holders)}" if holders else (
+        "no exported family has this QK-norm")  # fmt: skip
+    raise unrepresentable(
+        f"attention.{QK_NORM_FIELDS[i]}={show(ours[i])} ({model_type}'s QK-norm has "
+        f"{show(theirs[i])}; {where})"
+    )
+
+
 def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
     _check_attention(cfg)
     for family in FAMILIES:
         if family.exports(cfg):
             model_type = family.export_type(cfg)
-            if cfg.attention.qk_norm and model_type not in QK_NORM_TYPES:
-                hint = (  # decoders only: no encoder, seq2seq or ViT family has QK-norm
-                    f"; decoders with it export as {' or '.join(QK_NORM_TYPES)}: RoPE, "
-                    "RMSNorm, gated feed-forward"
-                    if cfg.arch == "decoder"
-                    else ""
-                )
-                raise unrepresentable(f"attention.qk_norm ({model_type} has no QK-norm{hint})")
+            _check_qk_norm(cfg, model_type)
             found = _gpt_oss_features(cfg)
             if found and model_type not in GPT_OSS_TYPES:
                 raise unrepresentable(
@@ -166,6 +214,7 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"{olmo[0]} ({model_type} has none; OLMo 2's pieces export as olmo2: "
                     "RoPE, RMSNorm on each sublayer's output, QK-norm over whole projections)"
                 )
+            _check_qk_norm_kind(cfg, model_type)
             pos = cfg.position
             if pos.nope_layers and model_type not in SMOLLM3_TYPES:
                 raise unrepresentable(

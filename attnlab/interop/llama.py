@@ -278,12 +278,17 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
 NORMS = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"))
 
 
-def _qk_norm_widths(cfg: ModelConfig) -> tuple[int, int]:
-    """The widths of the q_norm and k_norm weights: d_h each (per head: Qwen3), or the whole
-    projections' h d_h and h_kv d_h (attention.qk_norm_scope='projection': OLMo 2)."""
-    if cfg.attention.qk_norm_scope == "head":
-        return cfg.head_dim, cfg.head_dim
-    return cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+def _qk_norm_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of the q_norm and k_norm weights: (d_h,) each (shared by the heads:
+    Qwen3), (h, d_h) and (h_kv, d_h) (a weight per head: Cohere's, CohereLayerNorm's
+    (num_heads, head_dim)), or the whole projections' (h d_h,) and (h_kv d_h,)
+    (attention.qk_norm_scope='projection': OLMo 2)."""
+    att, d_h = cfg.attention, cfg.head_dim
+    if att.qk_norm_weight == "per_head":
+        return (cfg.n_heads, d_h), (cfg.n_kv_heads, d_h)
+    if att.qk_norm_scope == "head":
+        return (d_h,), (d_h,)
+    return (cfg.n_heads * d_h,), (cfg.n_kv_heads * d_h,)
 
 
 def weights_to_attnlab(
@@ -343,8 +348,8 @@ def weights_to_attnlab(
         if att.out_bias:
             out[a + "attn.out.bias"] = src.take(h + "self_attn.o_proj.bias", (d,))
         if att.qk_norm:
-            for n, width in zip(("q_norm", "k_norm"), _qk_norm_widths(cfg), strict=True):
-                out[f"{a}attn.{n}.weight"] = src.take(f"{h}self_attn.{n}.weight", (width,))
+            for n, shape in zip(("q_norm", "k_norm"), _qk_norm_shapes(cfg), strict=True):
+                out[f"{a}attn.{n}.weight"] = src.take(f"{h}self_attn.{n}.weight", shape)
         if cfg.ffn.bias and cfg.ffn.kind != "mlp" and not cfg.ffn.moe_layer(i):  # (experts: none)
             out[a + "ffn.gate_up.bias"] = cat(
                 src.take(f"{h}mlp.{n}.bias", (f,)) for n in ("gate_proj", "up_proj")
@@ -427,11 +432,12 @@ def weights_from_attnlab(
         if out_bias:
             out[h + "self_attn.o_proj.bias"] = or_zeros(sd, a + "attn.out.bias", d)
         if att.qk_norm:  # per feature within a head: permuted as the q/k rows are
-            # (one head's weight, or each head's part of a whole projection's)
-            per_head = att.qk_norm_scope == "head"
+            # (one head's weight, each head's own, or each head's part of a whole projection's)
+            shared = att.qk_norm_scope == "head" and att.qk_norm_weight == "shared"
             for n, heads in (("q_norm", cfg.n_heads), ("k_norm", cfg.n_kv_heads)):
                 w = sd[f"{a}attn.{n}.weight"]
-                out[f"{h}self_attn.{n}.weight"] = to_split(w, 1 if per_head else heads)
+                split = to_split(w.reshape(-1), 1 if shared else heads)
+                out[f"{h}self_attn.{n}.weight"] = split.reshape(w.shape)
         if mlp_bias and cfg.ffn.kind != "mlp" and not cfg.ffn.moe_layer(i):  # (experts: none)
             gb, ub = split_rows(sd[a + "ffn.gate_up.bias"], f, f)
             out[h + "mlp.gate_proj.bias"], out[h + "mlp.up_proj.bias"] = gb, ub

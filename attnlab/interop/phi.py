@@ -14,8 +14,11 @@ by side on one LayerNorm of each block's input, a partial rotation and a biased 
 - ``final_layernorm``, then ``lm_head`` with a bias (``final_logits_bias``), untied by
   default (``tie_word_embeddings`` ties its weight, never its bias).
 
-``qk_layernorm`` (a LayerNorm with bias over each query and key head) is refused by name:
-attnlab's QK-norm is an RMSNorm. Dropout: attnlab has one dropout for the embeddings and
+``qk_layernorm``: one LayerNorm with bias of head_dim (eps ``layer_norm_eps``) that every
+query head shares, one every key head shares, after the projections and before RoPE and
+the cache (``attention.qk_norm``, ``qk_norm_kind=layernorm``, ``qk_norm_bias``); transformers
+sizes them hidden_size / num_attention_heads, so a head_dim of its own is refused with
+them. Dropout: attnlab has one dropout for the embeddings and
 each sublayer's output, read from ``resid_pdrop``; an ``embd_pdrop`` that differs (Phi-2's
 0.0 against 0.1) changes training only, so it is loaded with a warning (attnlab then drops
 the embeddings at ``resid_pdrop`` too). ``attention_dropout`` is ``attention.dropout``.
@@ -26,6 +29,7 @@ Weights, HF (``model.layers.{i}.``) -> attnlab (``blocks.{i}.``):
     self_attn.dense                     (d, h d_h)                     -> attn.out
     mlp.fc1 (f, d), mlp.fc2 (d, f)                                     -> ffn.up, ffn.down
     input_layernorm                     (d,)                           -> norm
+    self_attn.q_layernorm / k_layernorm (d_h,)                         -> attn.q_norm / k_norm
     model.embed_tokens (V, d) -> tok_emb,  model.final_layernorm -> norm,  lm_head -> lm_head
 
 (every Linear with its bias). Export takes the RoPE decoders of parallel blocks with one
@@ -107,15 +111,17 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any], model_type: str = "phi") -> ModelConfig:
-    if hf.get("qk_layernorm"):
-        raise HFCheckpointError(
-            "config.json qk_layernorm=true (a LayerNorm with bias on each query and key head) "
-            "is not supported: attnlab's QK-norm is an RMSNorm; set it to false"
-        )
     d, n_heads = get(hf, "hidden_size"), get(hf, "num_attention_heads")
     n_kv_heads = hf.get("num_key_value_heads") or n_heads
     # transformers' PhiAttention and its RoPE read a head_dim config.json sets, else d / h
     head_dim = hf.get("head_dim") or d // n_heads
+    qk_norm = bool(hf.get("qk_layernorm"))
+    if qk_norm and head_dim != d // n_heads:
+        raise HFCheckpointError(
+            f"config.json qk_layernorm=true with head_dim={head_dim}: transformers' Phi sizes "
+            f"its query and key LayerNorms hidden_size / num_attention_heads = {d // n_heads} "
+            "wide, which such heads cannot run; drop head_dim or qk_layernorm"
+        )
     return ModelConfig(
         vocab_size=get(hf, "vocab_size"),
         max_seq_len=get(hf, "max_position_embeddings"),
@@ -128,6 +134,9 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "phi") -> ModelConfig:
             qkv_bias=True,
             out_bias=True,
             dropout=hf.get("attention_dropout") or 0.0,
+            qk_norm=qk_norm,
+            qk_norm_kind="layernorm" if qk_norm else "rmsnorm",
+            qk_norm_bias=qk_norm,
         ),
         position=PositionConfig(kind="rope", rope_layout="split", **_rope(hf)),
         ffn=FFNConfig(
@@ -164,7 +173,12 @@ def exports(cfg: ModelConfig) -> bool:
 
 def export_type(cfg: ModelConfig) -> str:
     """``phi``, or HFCheckpointError naming what Phi has not (absent biases, the head's
-    too, are written as zeros)."""
+    too, are written as zeros; QK-norms other than its own are refused by ``convert``)."""
+    if cfg.attention.qk_norm and cfg.head_dim * cfg.n_heads != cfg.d_model:
+        raise unrepresentable(
+            f"attention.head_dim={cfg.head_dim} with attention.qk_norm (transformers' Phi sizes "
+            f"its QK LayerNorms d_model / n_heads = {cfg.d_model // cfg.n_heads} wide)"
+        )
     if cfg.position.rope_scaling not in (None, "linear"):
         raise unrepresentable(
             f"position.rope_scaling={cfg.position.rope_scaling!r} (phi: none or linear)"
@@ -191,7 +205,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
         "attention_dropout": att.dropout,
-        "qk_layernorm": False,
+        "qk_layernorm": att.qk_norm,
         "partial_rotary_factor": pos.rope_fraction,  # transformers 4.x
         "rope_theta": pos.rope_theta,  # transformers 4.x
         # (4.x's form; transformers 5 reads it first, with the two keys above)
@@ -206,6 +220,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
 
 LINEARS = (("self_attn.dense", "attn.out"), ("mlp.fc1", "ffn.up"), ("mlp.fc2", "ffn.down"))
 QKV = ("q_proj", "k_proj", "v_proj")
+QK_NORMS = (("q_layernorm", "attn.q_norm"), ("k_layernorm", "attn.k_norm"))
 
 
 def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
@@ -235,6 +250,11 @@ def weights_to_attnlab(src: Source, cfg: ModelConfig) -> Plan:
             out[f"{a}{ours}.bias"] = src.take(f"{hf}{theirs}.bias", shape[:1])
         out[a + "norm.weight"] = src.take(hf + "input_layernorm.weight", (d,))
         out[a + "norm.bias"] = src.take(hf + "input_layernorm.bias", (d,))
+        if cfg.attention.qk_norm:
+            for theirs, ours in QK_NORMS:
+                for kind in ("weight", "bias"):
+                    shape = (cfg.head_dim,)
+                    out[f"{a}{ours}.{kind}"] = src.take(f"{attn}{theirs}.{kind}", shape)
     if cfg.tie_embeddings:
         src.tied("lm_head.weight", out["tok_emb.weight"])
     else:
@@ -276,6 +296,11 @@ def weights_from_attnlab(
             out[f"{hf}{theirs}.bias"] = or_zeros(sd, f"{a}{ours}.bias", widths[ours])
         out[hf + "input_layernorm.weight"] = sd[a + "norm.weight"]
         out[hf + "input_layernorm.bias"] = or_zeros(sd, a + "norm.bias", d)
+        if cfg.attention.qk_norm:  # per feature within a head: permuted as the q/k rows are
+            for theirs, ours in QK_NORMS:
+                for kind in ("weight", "bias"):
+                    t = or_zeros(sd, f"{a}{ours}.{kind}", cfg.head_dim)
+                    out[f"{hf}self_attn.{theirs}.{kind}"] = to_split(t, 1)
     if not cfg.tie_embeddings:  # a tied weight is not stored: transformers re-ties it
         out["lm_head.weight"] = sd["lm_head.weight"]
     return out

@@ -34,6 +34,7 @@ from attnlab.interop import (
     qwen3_moe,
     roberta,
     smollm3,
+    stablelm,
     starcoder2,
     t5,
     vit,
@@ -41,8 +42,9 @@ from attnlab.interop import (
 from attnlab.interop.io import Family, HFCheckpointError
 
 FAMILIES: tuple[Family, ...] = (
-    # first: it takes every decoder with a logit scale, or a parallel block of one norm and a
-    # gated feed-forward (Cohere's), which no other layout holds, and names what else it lacks
+    # first: it takes every decoder with a logit scale, or a parallel block of one LayerNorm
+    # without bias and a gated feed-forward rotating whole heads (Cohere's), which no other
+    # layout holds, and names what else it lacks
     cohere.FAMILY,
     # next: it takes every decoder with Granite's multipliers (embeddings, residual
     # branches, logits), which the other layouts would drop, and the LLaMA-shaped ones with
@@ -66,6 +68,11 @@ FAMILIES: tuple[Family, ...] = (
     # GPT-J's own layout (interleaved pairs, no attention biases, ...) first, Phi the others
     gptj.FAMILY,
     phi.FAMILY,
+    # before Phi-3 and LLaMA: it takes the RoPE decoders with LayerNorm and a gated
+    # feed-forward in pre-norm blocks, which their layouts (RMSNorm) would refuse, and those
+    # in parallel blocks of one norm that Cohere's layout cannot hold (biased LayerNorms, a
+    # partial rotation)
+    stablelm.FAMILY,
     phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
     # before LLaMA: it takes the RoPE decoders with LayerNorm and a non-gated MLP
     starcoder2.FAMILY,

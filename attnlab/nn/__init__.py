@@ -6,7 +6,7 @@ from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositiona
 from attnlab.nn.feedforward import MLP, GatedFFN, build_ffn
 from attnlab.nn.linear_attention import LinearAttention
 from attnlab.nn.mla import MultiHeadLatentAttention
-from attnlab.nn.norm import RMSNorm, build_norm
+from attnlab.nn.norm import HeadNorm, RMSNorm, build_norm
 from attnlab.nn.parallel_block import ParallelTransformerBlock
 from attnlab.nn.rope import RotaryEmbedding
 from attnlab.nn.sparse import DeepSeekSparseAttention, LightningIndexer, NativeSparseAttention
@@ -15,6 +15,7 @@ __all__ = [
     "MLP",
     "DeepSeekSparseAttention",
     "GatedFFN",
+    "HeadNorm",
     "LearnedPositionalEmbedding",
     "LightningIndexer",
     "LinearAttention",

@@ -2,7 +2,9 @@
 n_heads, Ainslie et al. 2023) and MQA (1, Shazeer 2019) are one class. QK-norm
 (``qk_norm``, Qwen3): an RMSNorm over each query and key head's features before RoPE; with
 ``qk_norm_scope`` "projection" (OLMo 2), over the whole query and key projections before
-they are split into heads.
+they are split into heads; ``qk_norm_kind`` "layernorm" (Phi, Cohere, StableLM) centres
+too, with a bias where ``qk_norm_bias`` says, and ``qk_norm_weight`` "per_head" gives each
+head a weight of its own (Cohere's Command R+, StableLM 2 12B).
 
 Shapes: b batch, t query length, s key length, d d_model, h heads, h_kv key/value heads,
 d_h head dim.
@@ -23,7 +25,7 @@ from attnlab.functional.masks import (
 from attnlab.functional.rope import apply_partial_rope
 from attnlab.nn.dropout import dropout
 from attnlab.nn.linear import Linear
-from attnlab.nn.norm import RMSNorm
+from attnlab.nn.norm import build_qk_norm
 from attnlab.nn.registry import register_attention
 from attnlab.nn.rope import RopeTables, RotaryEmbedding
 
@@ -86,12 +88,16 @@ class MultiHeadAttention(nn.Module):
         self.sink_logit = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink_logits else None
         # QK-norm (Qwen3): x / rms(x) * g over each head's d_h features, one g for
         # all query heads and one for all key heads; scope "projection" (OLMo 2): over the
-        # whole projection, h d_h queries (g of h d_h) and h_kv d_h keys (g of h_kv d_h)
-        qk = {"eps": norm_eps, "unit_offset": norm_offset}
+        # whole projection, h d_h queries (g of h d_h) and h_kv d_h keys (g of h_kv d_h);
+        # a LayerNorm (Phi: with a bias), or a g per head, (h, d_h) and (h_kv, d_h) (Cohere)
+        qk = {"eps": norm_eps, "unit_offset": norm_offset, "kind": cfg.qk_norm_kind}
+        qk["bias"] = cfg.qk_norm_bias
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"
         q_width, k_width = (self.head_dim,) * 2 if self.qk_norm_per_head else (q_dim, kv_dim)
-        self.q_norm = RMSNorm(q_width, **qk) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, **qk) if cfg.qk_norm else None
+        own = cfg.qk_norm_weight == "per_head"  # a weight per head: (n, d_h)
+        q_heads, k_heads = (self.n_heads, self.n_kv_heads) if own else (None, None)
+        self.q_norm = build_qk_norm(q_width, heads=q_heads, **qk) if cfg.qk_norm else None
+        self.k_norm = build_qk_norm(k_width, heads=k_heads, **qk) if cfg.qk_norm else None
         self.rope = rope
         self.uses_rope = rope is not None
         self.resid_dropout = dropout(resid_dropout)
@@ -228,8 +234,8 @@ class MultiHeadAttention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1)  # (b, t, (h + h_kv) d_h)
         qk = qk.view(b, t, n_qk, self.head_dim)  # (b, t, h + h_kv, d_h)
         if self.q_norm is not None and self.qk_norm_per_head:  # QK-norm, per head
-            q, k = qk.split((self.n_heads, self.n_kv_heads), dim=2)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)  # (b, t, h + h_kv, d_h)
+            q, k = qk.split((self.n_heads, self.n_kv_heads), dim=2)  # (b, t, n, d_h): a
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)  # weight per head fits
         if rope is not None:  # tables (b or 1, 1, t, d_r) -> (b or 1, t, 1, d_r); d_r <= d_h
             cos, sin = rope.cos.transpose(1, 2), rope.sin.transpose(1, 2)
             qk = apply_partial_rope(qk, cos, sin, rope.layout)
@@ -241,10 +247,13 @@ class MultiHeadAttention(nn.Module):
         k = self._normed_heads(self.k_norm, k, self.n_kv_heads)  # (b, h_kv, s, d_h)
         return k, self._heads(v, self.n_kv_heads)
 
-    def _normed_heads(self, norm: RMSNorm | None, x: Tensor, n: int) -> Tensor:
+    def _normed_heads(self, norm: nn.Module | None, x: Tensor, n: int) -> Tensor:
         """(b, t, n * d_h) -> (b, n, t, d_h), QK-normed where the module has it: over the
-        whole width before the split (scope "projection"), else over each head's d_h."""
-        if norm is not None and not self.qk_norm_per_head:
-            x = norm(x)  # (b, t, n * d_h)
-        x = self._heads(x, n)  # (b, n, t, d_h)
-        return norm(x) if norm is not None and self.qk_norm_per_head else x
+        whole width before the split (scope "projection"), else over each head's d_h (on
+        (b, t, n, d_h), where a weight per head lines up with the heads)."""
+        if norm is None:
+            return self._heads(x, n)
+        if not self.qk_norm_per_head:
+            return self._heads(norm(x), n)  # normed over (b, t, n * d_h)
+        b, t, _ = x.shape
+        return norm(x.view(b, t, n, self.head_dim)).transpose(1, 2)  # (b, n, t, d_h)

@@ -41,10 +41,14 @@ def self_attention(
 
 
 def _qk_norm(cfg: ModelConfig) -> dict:
-    """QK-norm's settings for an attention module: the model's norm eps and kind."""
-    if not cfg.attention.qk_norm:
+    """QK-norm's settings for an attention module: the model's norm eps, and its kind (an
+    RMSNorm QK-norm stores Gemma's offsets from one where the model's norms do; a LayerNorm
+    QK-norm never)."""
+    att = cfg.attention
+    if not att.qk_norm:
         return {}
-    return {"norm_eps": cfg.norm.eps, "norm_offset": cfg.norm.kind == "gemma_rmsnorm"}
+    offset = cfg.norm.kind == "gemma_rmsnorm" and att.qk_norm_kind == "rmsnorm"
+    return {"norm_eps": cfg.norm.eps, "norm_offset": offset}
 
 
 class TransformerBlock(nn.Module):

@@ -1,6 +1,9 @@
 """Normalisation layers. LayerNorm comes from torch; RMSNorm (Zhang & Sennrich 2019):
 y = x / sqrt(mean(x^2) + eps) * g, with no centring and no bias; Gemma's RMSNorm stores
-g - 1 (``unit_offset``: zeros are the identity) and scales in float32."""
+g - 1 (``unit_offset``: zeros are the identity) and scales in float32. QK-norm's
+:class:`HeadNorm`: either kind over each head's d_h features with one weight per head.
+
+Shapes: n heads, d_h head dim."""
 
 from __future__ import annotations
 
@@ -40,6 +43,67 @@ class RMSNorm(nn.Module):
         # never a downcast), scale in x's dtype.
         y = F.rms_norm(softmax_dtype(x), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
+
+
+class HeadNorm(nn.Module):
+    """QK-norm's LayerNorm, and its per-head RMSNorm: each vector of ``dim`` features
+    normalised on its own, ``kind`` "layernorm" ``(x - mean(x)) / sqrt(var(x) + eps)``
+    (biased variance) or "rmsnorm" ``x / sqrt(mean(x^2) + eps)``, then scaled by ``weight``
+    and shifted by ``bias`` (``bias``: LayerNorm's, Phi's). ``heads`` None: one weight of
+    ``dim`` for every vector (Phi's ``qk_layernorm``); else a weight (and bias) per head,
+    ``(heads, dim)``, and the input's last two axes are (n, d_h) (Cohere's and StableLM's
+    per-head LayerNorms). Statistics and affine in float32 (float64 kept), cast back to
+    x's dtype, as transformers' CohereLayerNorm; ``unit_offset``: Gemma's 1 + w."""
+
+    no_weight_decay = ("weight", "bias")  # gains and shifts, (n, d_h) per head: no decay
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        heads: int | None = None,
+        kind: str = "layernorm",
+        bias: bool = False,
+        eps: float = 1e-5,
+        unit_offset: bool = False,
+    ):
+        super().__init__()
+        if kind not in ("layernorm", "rmsnorm") or (bias and kind != "layernorm"):
+            raise ValueError(f"HeadNorm: kind {kind!r} with bias={bias}")
+        self.dim, self.kind, self.eps, self.unit_offset = dim, kind, eps, unit_offset
+        shape = (dim,) if heads is None else (heads, dim)
+        self.weight = nn.Parameter(torch.zeros(shape) if unit_offset else torch.ones(shape))
+        self.bias = nn.Parameter(torch.zeros(shape)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., d_h), or (..., n, d_h) with a weight per head; the same shape out."""
+        y = softmax_dtype(x)
+        if self.kind == "layernorm":
+            y = F.layer_norm(y, (self.dim,), eps=self.eps)
+        else:
+            y = F.rms_norm(y, (self.dim,), eps=self.eps)
+        w = self.weight.to(y.dtype)
+        y = y * (1.0 + w if self.unit_offset else w)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype)
+
+
+def build_qk_norm(
+    width: int,
+    *,
+    heads: int | None,
+    kind: str,
+    bias: bool,
+    eps: float,
+    unit_offset: bool,
+) -> nn.Module:
+    """QK-norm over vectors of ``width``: :class:`RMSNorm` for one shared RMSNorm weight
+    (Qwen3, Gemma 3, OLMo 2), else :class:`HeadNorm` (a LayerNorm, or weights per head:
+    ``heads``)."""
+    if kind == "rmsnorm" and heads is None:
+        return RMSNorm(width, eps=eps, unit_offset=unit_offset)
+    return HeadNorm(width, heads=heads, kind=kind, bias=bias, eps=eps, unit_offset=unit_offset)
 
 
 def build_norm(cfg: NormConfig, dim: int) -> nn.Module:
