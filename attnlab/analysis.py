@@ -68,6 +68,18 @@ def _norm_params(norm: NormConfig, d: int) -> int:
     return d  # RMSNorm, or LayerNorm without bias: weight only
 
 
+def _position_extras(cfg: ModelConfig) -> int:
+    """A decoder's parameters outside its blocks besides the embeddings, head and final
+    norm: the embedding LayerNorm (``embedding_norm``) and a relative-bias table (one per
+    layer with ``relative_bias_per_layer``). ALiBi has none (its slopes are fixed)."""
+    n = (2 * cfg.d_model if cfg.norm.bias else cfg.d_model) if cfg.embedding_norm else 0
+    pos = cfg.position
+    if pos.kind == "relative_bias":
+        tables = cfg.n_layers if pos.relative_bias_per_layer else 1
+        n += pos.relative_buckets * cfg.n_heads * tables
+    return n
+
+
 def _linear(d_in: int, d_out: int, bias: bool) -> tuple[int, int]:
     """(parameters, weight entries) of one Linear layer."""
     weights = d_in * d_out
@@ -167,7 +179,7 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     embedding = V * d + (cfg.max_seq_len * d if cfg.position.kind == "learned" else 0)
     block, _ = _block_counts(cfg)
     final_norm = _norm_params(cfg.norm, d) if cfg.norm.placement != "post" else 0
-    non_embedding = cfg.n_layers * block + final_norm + head
+    non_embedding = cfg.n_layers * block + final_norm + head + _position_extras(cfg)
     return {
         "total": embedding + non_embedding,
         "embedding": embedding,

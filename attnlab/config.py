@@ -282,8 +282,12 @@ def _attention_kinds() -> tuple[str, ...]:
 
 ATTENTION_BACKENDS = backend_names()  # the one list: the registry in functional/attention.py
 # relative_bias (T5): no position in the embeddings; a learned bias per head, looked up by
-# the bucket of the key's position relative to the query's, added to every layer's scores
-POSITION_KINDS = ("learned", "sinusoidal", "rope", "none", "relative_bias")
+# the bucket of the key's position relative to the query's, added to every layer's scores;
+# alibi (Press et al. 2022): no position in the embeddings; a fixed bias -m_h (i - j) per
+# head, linear in the distance from query i back to key j, added to every layer's scores
+POSITION_KINDS = ("learned", "sinusoidal", "rope", "none", "relative_bias", "alibi")
+# the kinds that add a bias to the self-attention scores (nn/position_bias.py)
+POSITION_BIAS_KINDS = ("relative_bias", "alibi")
 ROPE_LAYOUTS = ("split", "interleaved")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 FFN_KINDS = ("mlp", "glu", "moe")
@@ -763,10 +767,23 @@ class PositionConfig(_Config):
     # kind "relative_bias": a table in every layer (UMT5's), not one per stack shared by its
     # layers (T5's, kept in the first layer)
     relative_bias_per_layer: bool = False
+    # kind "alibi": head h of n has the slope m_h = 2^(-alibi_max_bias h / n) (n a power of
+    # two; else BLOOM's and MPT's interleaving: nn/position_bias.py), 8 in the paper, BLOOM
+    # and MPT (its alibi_bias_max)
+    alibi_max_bias: float = 8.0
+    # kind "alibi": the bias is multiplied by the softmax scale with q . k, softmax((q . k +
+    # bias) * scale), as Falcon-RW adds it (else softmax(q . k * scale + bias), BLOOM's)
+    alibi_scaled: bool = False
+    # kind "alibi": the slopes, and each slope times a key's absolute position, rounded to
+    # bfloat16 as transformers' Falcon forms them (its build_alibi_tensor; the original
+    # Falcon-RW code's too); the bias is then that of the key alone (softmax ignores a
+    # constant per query). Decoders only.
+    alibi_bfloat16: bool = False
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
         self._validate_relative_bias(path)
+        self._validate_alibi(path)
         _choice(f"{path}.rope_layout", self.rope_layout, ROPE_LAYOUTS)
         _positive(f"{path}.rope_theta", self.rope_theta)
         if self.rope_scaling is not None:
@@ -834,6 +851,15 @@ class PositionConfig(_Config):
             if self.kind != "learned":
                 _fail(f"{path}.padding_idx", f"counts learned positions; needs position.kind "
                       f"'learned', got {self.kind!r} (or set it to null)")  # fmt: skip
+
+    def _validate_alibi(self, path: str) -> None:
+        """ALiBi's fields: read by kind 'alibi' only, a positive finite largest bias."""
+        for name in ("alibi_scaled", "alibi_bfloat16"):
+            if getattr(self, name) and self.kind != "alibi":
+                _fail(f"{path}.{name}", f"needs position.kind 'alibi', got {self.kind!r} (or "
+                      "set it to false)")  # fmt: skip
+        if not (math.isfinite(self.alibi_max_bias) and self.alibi_max_bias > 0):
+            _fail(f"{path}.alibi_max_bias", f"must be a positive number, got {self.alibi_max_bias}")
 
     def _validate_relative_bias(self, path: str) -> None:
         """The bucket scheme needs one exact bucket per side at least (buckets >= 4: an
@@ -1066,6 +1092,10 @@ class ModelConfig(_Config):
     # forms it: dividing by 1 / logit_scale would round differently), after any
     # logit_divisor and before any final_logit_softcap. Decoder only (1: none).
     logit_scale: float = 1.0
+    # A LayerNorm (bias as norm.bias, epsilon norm.eps) on the token embeddings before the
+    # first block: BLOOM's word_embeddings_layernorm, BERT's embedding LayerNorm (on by
+    # default in the encoder). Decoder and encoder only.
+    embedding_norm: bool = False
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
 
@@ -1206,9 +1236,10 @@ class ModelConfig(_Config):
             )
             _fail(at("final_logits_bias"), f"is implemented by the decoder and seq2seq "
                   f"architectures only, not {self.arch!r}; set it to false{hint}")  # fmt: skip
-        if self.position.kind == "relative_bias" and self.arch not in ("seq2seq", "encoder"):
-            _fail(at("position.kind"), f"'relative_bias' is implemented by the seq2seq and "
-                  f"encoder architectures only, not {self.arch!r}")  # fmt: skip
+        self._validate_position_bias(at)
+        if self.embedding_norm and self.arch not in ("decoder", "encoder"):
+            _fail(at("embedding_norm"), f"is implemented by the decoder and encoder "
+                  f"architectures only, not {self.arch!r}; set it to false")  # fmt: skip
         if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
             _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "
                   f"decoder architecture only, not {self.arch!r}")  # fmt: skip
@@ -1227,6 +1258,38 @@ class ModelConfig(_Config):
         if self.attention.sliding_window is None:
             _fail(where, "applies to local layers, and none has a window: set "
                   "attention.sliding_window (and layer_pattern)")  # fmt: skip
+
+    def _validate_position_bias(self, at) -> None:
+        """Position biases on the scores (``POSITION_BIAS_KINDS``): built by the models that
+        hand them to their self-attention; a decoder's need every key's position under a
+        cache, which its window rings, sinks and global tokens do not share with the model
+        (the bias is formed once per pass over the cache's keys)."""
+        kind, att = self.position.kind, self.attention
+        where = at("position.kind")
+        built_by = {"relative_bias": ("seq2seq", "encoder", "decoder"),
+                    "alibi": ("encoder", "decoder")}.get(kind)  # fmt: skip
+        if built_by is None:
+            return
+        if self.arch not in built_by:
+            _fail(where, f"{kind!r} is implemented by the {' and '.join(built_by)} "
+                  f"architectures only, not {self.arch!r}")  # fmt: skip
+        if self.position.alibi_bfloat16 and self.arch != "decoder":
+            _fail(at("position.alibi_bfloat16"), "rounds the bias of each key's absolute "
+                  "position, which only a causal decoder may use; set it to false")  # fmt: skip
+        if self.arch != "decoder":
+            return
+        if att.kind != "mha":
+            _fail(where, f"{kind!r} decoders need attention.kind 'mha' (it takes the bias), "
+                  f"not {att.kind!r}")  # fmt: skip
+        for name, value, off in (
+            ("sliding_window", att.sliding_window, "null"),
+            ("sink_tokens", att.sink_tokens, "0"),
+            ("global_tokens", att.global_tokens, "[]"),
+        ):
+            if value:
+                _fail(at(f"attention.{name}"), f"cannot be combined with position.kind {kind!r} "
+                      "in a decoder: its cache keeps keys whose positions the bias does not "
+                      f"see; set it to {off}")  # fmt: skip
 
     @property
     def head_dim(self) -> int:

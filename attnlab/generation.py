@@ -262,7 +262,8 @@ def stream(
     default), ``"roll"`` (decode on with a rolling cache: each layer keeps its last
     max_seq_len entries, or its window's, overwriting the oldest, so memory stays flat
     however long generation runs and nothing is re-encoded; exact sliding-window attention
-    over the whole stream; needs relative positions, rope or none, and the cache) or
+    over the whole stream; needs relative positions, rope, none, alibi or relative_bias,
+    and the cache) or
     ``"stop"`` (every row ends when prompt + new tokens reach max_seq_len).
 
     ``compile=True`` decodes with a fixed-shape cache and a ``torch.compile``d step
@@ -306,7 +307,8 @@ def roll_blocker(model: DecoderLM, use_cache: bool) -> str | None:
     """What keeps ``overflow="roll"`` from this model and ``use_cache``, the one place its
     rules live: ``"cache"`` (it decodes with a rolling cache), ``"nsa"`` (native sparse
     attention's blocks lie over cache slots from slot 0, which a rolling cache wraps),
-    ``"positions"`` (a rolling cache keeps no absolute positions: it needs rope or none),
+    ``"positions"`` (a rolling cache keeps no absolute positions: it needs rope, none,
+    alibi or relative_bias),
     ``"longrope"`` (past its original context LongRoPE rotates every key by other
     factors: the whole sequence is encoded again, which a rolling cache cannot), or None
     where rolling is possible."""
@@ -351,7 +353,8 @@ def _check_overflow(model: DecoderLM, overflow: str, use_cache: bool) -> None:
         )
     if blocker == "positions":
         raise ValueError(
-            "overflow='roll' needs relative positions (rope or none): a rolling cache keeps no "
+            "overflow='roll' needs relative positions (rope, none, alibi or relative_bias): a "
+            "rolling cache keeps no "
             f"absolute ones; this model uses {model.cfg.position.kind!r} positions: use "
             "overflow='slide' or 'stop'"
         )

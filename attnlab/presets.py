@@ -1709,6 +1709,79 @@ def opt(size: str) -> ModelConfig:
     return opt_style(d_model=d, n_layers=n_layers, n_heads=n_heads)
 
 
+def falcon_rw_1b() -> ModelConfig:
+    """tiiuae/falcon-rw-1b config.json (recalled, not read here; tests/test_analysis.py
+    checks the count against transformers' FalconForCausalLM of that config.json): Falcon's
+    sequential blocks (``parallel_attn`` false, the old architecture), 24 layers, d_model
+    2048, 32 heads of 64 each with its own key/value head, ALiBi scaled with q . k and
+    rounded to bfloat16 (``alibi`` true), biases on every linear layer, the 50304-token
+    vocabulary, a tied head; 1.31B parameters."""
+    return ModelConfig(
+        vocab_size=50304,
+        max_seq_len=2048,
+        d_model=2048,
+        n_layers=24,
+        attention=AttentionConfig(n_heads=32, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="alibi", alibi_scaled=True, alibi_bfloat16=True),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=4 * 2048, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="pre"),
+        tie_embeddings=True,
+    )
+
+
+def bloom_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int = 250880,
+    max_seq_len: int = 2048,
+) -> ModelConfig:
+    """BLOOM (BigScience 2022): ALiBi biases (largest 8) added after the softmax scale, a
+    LayerNorm on the token embeddings, pre-norm blocks with biased LayerNorms, q/k/v and
+    output projections, a 4d MLP with the tanh GELU, a head tied to the embedding. ALiBi has
+    no context limit: ``max_seq_len`` (2048, BLOOM's training sequences) is the default
+    cache size."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="alibi", alibi_max_bias=8.0),
+        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", hidden_dim=4 * d_model, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="pre"),
+        embedding_norm=True,
+        tie_embeddings=True,
+    )
+
+
+def bloom_tiny() -> ModelConfig:
+    """BLOOM's architecture in 2 layers, d_model 64, 4 heads of 16 (slopes 1/4, 1/16, 1/64,
+    1/256), a 256-token vocabulary: CPU-trainable, for tests."""
+    return bloom_style(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4)
+
+
+# bigscience/bloom-* config.json (recalled, not read here; tests/test_analysis.py checks
+# each count against transformers' BloomForCausalLM of that config.json): size ->
+# (hidden_size, n_layer, n_head), every one with the 250880-token vocabulary; the counts are
+# the model cards' 559,214,592 ... 176,247,271,424.
+BLOOM_SIZES: dict[str, tuple[int, int, int]] = {
+    "560m": (1024, 24, 16),
+    "1b1": (1536, 24, 16),
+    "1b7": (2048, 24, 16),
+    "3b": (2560, 30, 32),
+    "7b1": (4096, 30, 32),
+    "176b": (14336, 70, 112),
+}
+
+
+def bloom(size: str) -> ModelConfig:
+    """bigscience/bloom-``size`` (:data:`BLOOM_SIZES`; the 176B model is bigscience/bloom)."""
+    d, n_layers, n_heads = BLOOM_SIZES[size]
+    return bloom_style(d_model=d, n_layers=n_layers, n_heads=n_heads)
+
+
 def t5_style(
     *,
     d_model: int,
@@ -2148,6 +2221,24 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
             f"OPT {size.upper()} (d_model {d}, {n} layers, {h} heads, ReLU, tied, 2k context)",
         )
         for size, (d, n, h) in OPT_SIZES.items()
+    },
+    "falcon-rw-1b": (
+        falcon_rw_1b,
+        "Falcon-RW-1B, 1.31B (sequential blocks, ALiBi scaled with the scores, 32 heads, tied)",
+    ),
+    "bloom-tiny": (
+        bloom_tiny,
+        "BLOOM architecture: ALiBi, a LayerNorm on the embeddings, pre-norm, tanh GELU; 2 layers",
+    ),
+    **{
+        ("bloom" if size == "176b" else f"bloom-{size}"): (
+            lambda size=size: bloom(size),
+            f"BLOOM{'' if size == '176b' else '-' + size}, {total} (d_model {d}, {n} layers, "
+            f"{h} heads, ALiBi, tied)",
+        )
+        for (size, (d, n, h)), total in zip(
+            BLOOM_SIZES.items(), ("559M", "1.07B", "1.72B", "3.00B", "7.07B", "176.2B"), strict=True
+        )
     },
     "t5-tiny": (
         t5_tiny,

@@ -79,6 +79,39 @@ def head_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, kind: 
     return out
 
 
+def alibi_slopes_paper(n_heads: int, max_bias: float = 8.0) -> list[float]:
+    """ALiBi's head slopes as the paper's code (Press et al. 2022, ``get_slopes``) forms
+    them: for n a power of two the geometric sequence starting at, and with ratio,
+    2^(-max_bias / n); otherwise the slopes of the closest power of two p below n, followed
+    by every other slope (the 1st, 3rd, ...) of the sequence for 2p heads, n - p of them."""
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2 ** (-max_bias / n)
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return power_of_2(n_heads)
+    p = 2 ** math.floor(math.log2(n_heads))
+    return power_of_2(p) + alibi_slopes_paper(2 * p, max_bias)[0::2][: n_heads - p]
+
+
+def alibi_bias(
+    slopes: list[float], q_pos: Tensor, k_pos: Tensor, *, bidirectional: bool = False
+) -> Tensor:
+    """(b, h, t, s) float64: the ALiBi bias -m_h (i - j) of query position q_pos[b, i]
+    against key position k_pos[b, j] (-m_h |i - j| when ``bidirectional``), one entry at a
+    time. q_pos (b, t), k_pos (b, s) integer positions."""
+    b, t, s = q_pos.shape[0], q_pos.shape[1], k_pos.shape[1]
+    out = torch.zeros(b, len(slopes), t, s, dtype=torch.float64)
+    for bi in range(b):
+        for h, m in enumerate(slopes):
+            for i in range(t):
+                for j in range(s):
+                    distance = int(q_pos[bi, i]) - int(k_pos[bi, j])
+                    out[bi, h, i, j] = -m * (abs(distance) if bidirectional else distance)
+    return out
+
+
 def causal_allowed(t: int, s: int) -> Tensor:
     """(t, s) bool: query i is the token at position s - t + i and sees keys up to it."""
     allowed = torch.zeros(t, s, dtype=torch.bool)

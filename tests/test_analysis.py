@@ -249,6 +249,15 @@ def test_moe_matmul_parameters_count_only_active_experts():
         # EleutherAI/gpt-j-6b: transformers' count of its config.json (the original release
         # reports 6,053,381,344, 2,498,560 more)
         ("gpt-j-6b", 6_050_882_784),
+        # bigscience/bloom-*: the model cards' totals (recalled), the 176B model's
+        # 176,247,271,424 included; tiiuae/falcon-rw-1b: transformers' count of its config.json
+        ("bloom-560m", 559_214_592),
+        ("bloom-1b1", 1_065_314_304),
+        ("bloom-1b7", 1_722_408_960),
+        ("bloom-3b", 3_002_557_440),
+        ("bloom-7b1", 7_069_016_064),
+        ("bloom", 176_247_271_424),
+        ("falcon-rw-1b", 1_311_625_216),
     ],
 )
 def test_published_parameter_totals(name, total):
@@ -516,6 +525,20 @@ _STABLELM = dict(
     use_parallel_residual=False, hidden_size=2560, intermediate_size=6912,
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=50304,
 )  # fmt: skip
+# tiiuae/falcon-rw-1b config.json (recalled: sequential blocks, ALiBi, biases everywhere)
+_FALCON_RW_1B = dict(
+    _FALCON, vocab_size=50304, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
+    alibi=True, bias=True, multi_query=False, parallel_attn=False,
+    new_decoder_architecture=False, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+# bigscience/bloom-560m ... bloom config.json (recalled; their Megatron training keys, read
+# by neither library, left out)
+_BLOOM = dict(
+    model_type="bloom", architectures=["BloomForCausalLM"], vocab_size=250880,
+    layer_norm_epsilon=1e-5, initializer_range=0.02, apply_residual_connection_post_layernorm=False,
+    hidden_dropout=0.0, attention_dropout=0.0, pretraining_tp=1, slow_but_exact=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=3,
+)  # fmt: skip
 _PYTHIA_SIZES = [("70m", 512, 6, 8, 50304), ("160m", 768, 12, 12, 50304),
                  ("410m", 1024, 24, 16, 50304), ("1b", 2048, 16, 8, 50304),
                  ("1.4b", 2048, 24, 16, 50304), ("2.8b", 2560, 32, 32, 50304),
@@ -701,6 +724,13 @@ CONFIG_JSON = {
                       multi_query=True, new_decoder_architecture=False),
     "falcon-40b": dict(_FALCON, hidden_size=8192, num_hidden_layers=60,
                        num_attention_heads=128, num_kv_heads=8, new_decoder_architecture=True),
+    "falcon-rw-1b": _FALCON_RW_1B,
+    "bloom-560m": dict(_BLOOM, hidden_size=1024, n_layer=24, n_head=16),
+    "bloom-1b1": dict(_BLOOM, hidden_size=1536, n_layer=24, n_head=16),
+    "bloom-1b7": dict(_BLOOM, hidden_size=2048, n_layer=24, n_head=16),
+    "bloom-3b": dict(_BLOOM, hidden_size=2560, n_layer=30, n_head=32),
+    "bloom-7b1": dict(_BLOOM, hidden_size=4096, n_layer=30, n_head=32),
+    "bloom": dict(_BLOOM, hidden_size=14336, n_layer=70, n_head=112),
     "gpt-oss-20b": _GPT_OSS,
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_GPT_OSS_LAYERS * 18),

@@ -1115,7 +1115,8 @@ BAD_INPUTS = [
     (["generate", "--ckpt", "{work}/run", "--num-beams", "2", "--compile"], "--compile: beam"),
     (  # was overflow='roll' ... use_cache=True, the library's names
         ["generate", "--ckpt", "{work}/run", "--overflow", "roll"],
-        "--overflow roll needs relative positions (rope or none): a rolling cache keeps no "
+        "--overflow roll needs relative positions (rope, none, alibi or relative_bias): a "
+        "rolling cache keeps no "
         "absolute ones; this model uses 'learned' positions: use --overflow slide or stop",
     ),
     (

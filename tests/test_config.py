@@ -332,6 +332,12 @@ def expected_parameters(cfg: ModelConfig) -> int:
         ffns = n_dense * ffn + (cfg.n_layers - n_dense) * moe
     total = cfg.vocab_size * d  # token embedding
     total += cfg.max_seq_len * d if cfg.position.kind == "learned" else 0
+    # a LayerNorm on the embeddings (BLOOM's; an encoder config's embedding_norm, True by
+    # default, builds one too), biased as the blocks' norms
+    total += (2 * d if nrm.bias else d) * cfg.embedding_norm
+    pos = cfg.position
+    if pos.kind == "relative_bias":  # T5's (buckets, h) table, one per layer in UMT5's
+        total += pos.relative_buckets * h * (cfg.n_layers if pos.relative_bias_per_layer else 1)
     # (sandwich: a norm after each too; post_sublayer: one after each, none before;
     # parallel_shared: one norm both sublayers read)
     n_norms = {"sandwich": 4, "parallel_shared": 1}.get(nrm.placement, 2)

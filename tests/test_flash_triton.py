@@ -89,6 +89,24 @@ def test_triton_general_masks_and_documents():
     _check(q, k, v, causal=True, doc_ids=doc)
 
 
+@pytest.mark.parametrize("t, s", [(21, 21), (3, 26)], ids=["prefill", "cached step"])
+def test_triton_alibi_bias_matches_eager(t, s):
+    """ALiBi's bias (nn/position_bias.py, 3 heads: the interleaved slopes) of queries at
+    positions s - t .. s - 1 against keys 0 .. s - 1, beside a key-padding mask, as an
+    additive mask: the kernels add it to the tiles as eager adds it to the scores."""
+    from attnlab.config import PositionConfig
+    from attnlab.nn.position_bias import AlibiBias
+
+    b, h = 2, 3
+    q, k, v = _qkv(b, h, h, t, s, 16)
+    alibi = AlibiBias(PositionConfig(kind="alibi"), h, bidirectional=False, n_layers=1)
+    k_pos = torch.arange(s, device=DEVICE)[None]  # (1, s)
+    bias = alibi.to(DEVICE)(k_pos[:, s - t :], k_pos)  # (1, h, t, s)
+    valid = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
+    valid[1, :4] = False
+    _check(q, k, v, bias + to_additive(padding_mask(valid)), causal=True)
+
+
 @pytest.mark.parametrize(
     "t, s, window, padding",
     [(37, 37, None, False), (1, 35, None, True), (40, 40, 9, False), (5, 40, 6, True)],

@@ -646,6 +646,38 @@ def test_export_refuses_a_qk_norm_of_another_kind_by_name(preset, changes, named
         hf_model_type(get_preset(preset).override(changes))
 
 
+def test_export_picks_the_alibi_families():
+    """ALiBi decoders with LayerNorm and an MLP: bloom where the bias is added after the
+    scale (BLOOM's), falcon where it is scaled with q . k (Falcon-RW's), in any of Falcon's
+    block layouts; what neither holds, and ALiBi or an embedding norm reaching another
+    family, refused by name."""
+    bloom = get_preset("bloom-tiny").override({"vocab_size": VOCAB})
+    rw = get_preset("falcon-rw-1b").override(
+        {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "attention.n_heads": 4,
+         "ffn.hidden_dim": 128, "max_seq_len": 64}
+    )  # fmt: skip
+    assert hf_model_type(bloom) == "bloom"
+    assert hf_model_type(rw) == "falcon"
+    for layout in ("parallel_shared", "parallel"):
+        assert hf_model_type(_with(rw, **{"norm.placement": layout})) == "falcon"
+    assert hf_model_type(_with(rw, **{"attention.n_kv_heads": 1})) == "falcon"
+    refused = [
+        (bloom, {"embedding_norm": False}, "embedding_norm=false (BLOOM normalises"),
+        (bloom, {"position.alibi_max_bias": 4.0}, "alibi_max_bias=4.0 (BLOOM's slopes have 8)"),
+        (bloom, {"ffn.activation": "gelu"}, "ffn.activation='gelu' (BLOOM's is the tanh GELU"),
+        (bloom, {"attention.n_kv_heads": 2}, "n_kv_heads=2 (BLOOM has one key/value head"),
+        (bloom, {"norm.placement": "parallel"}, "norm.placement='parallel'"),
+        (rw, {"position.alibi_bfloat16": False}, "alibi_bfloat16=false (transformers' Falcon"),
+        (rw, {"attention.n_kv_heads": 2}, "n_kv_heads=2 in sequential blocks"),
+        (rw, {"embedding_norm": True}, "embedding_norm (falcon has no norm on its embeddings"),
+        (bloom, {"norm.kind": "rmsnorm"}, "position.kind='alibi' (use 'learned' or 'rope', or"),
+        (bloom, {"attention.scale": 0.5}, "position.kind='alibi' (Gemma's is 'rope')"),
+    ]
+    for cfg, changes, named in refused:
+        with pytest.raises(HFCheckpointError, match=re.escape(named)):
+            hf_model_type(_with(cfg, **changes))
+
+
 def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):
     """A transformers model's own state dict (experts stacked: experts.gate_up_proj) loads
     as its checkpoint files do; dense layers other than the first ones (mlp_only_layers,
@@ -1120,8 +1152,8 @@ def test_config_rope_without_a_required_key_is_refused(params):
 
 
 def test_config_errors():
-    with pytest.raises(HFCheckpointError, match="model_type 'bloom' is not supported") as err:
-        config_from_hf({"model_type": "bloom"})
+    with pytest.raises(HFCheckpointError, match="model_type 'mpt' is not supported") as err:
+        config_from_hf({"model_type": "mpt"})
     listed = str(err.value).split("supported: ")[1].split(", ")
     assert sorted(listed) == sorted(SUPPORTED_MODEL_TYPES)
     assert {"gpt2", "llama", "qwen3_moe", "deepseek_v32", "bert", "marian", "vit"} <= set(listed)
@@ -1183,9 +1215,9 @@ def test_missing_files(saved_llama, tmp_path_factory):
 
 def test_unsupported_model_type_dir(saved_llama):
     config = json.loads((saved_llama / "config.json").read_text())
-    config["model_type"] = "bloom"
+    config["model_type"] = "mpt"
     (saved_llama / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HFCheckpointError, match="model_type 'bloom' is not supported"):
+    with pytest.raises(HFCheckpointError, match="model_type 'mpt' is not supported"):
         load_hf(saved_llama)
 
 

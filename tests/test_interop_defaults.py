@@ -321,8 +321,15 @@ MINIMAL: dict[str, list[dict]] = {
     ],
     # 71 heads (of 2 here), the old architecture: one shared norm, multi-query attention,
     # no biases, an FFN of 4 hidden_size, RoPE base 10000, a tied head, by default
+    # BloomConfig's n_layer and n_head (2 and 8) left to their defaults; its alias keys
+    "bloom": [
+        {"vocab_size": 100, "hidden_size": 64},
+        {"vocab_size": 100, "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 6},
+    ],
+    # Falcon-RW: ALiBi instead of RoPE
     "falcon": [
         {"vocab_size": 100, "hidden_size": 142, "num_hidden_layers": 2},
+        {"vocab_size": 100, "hidden_size": 142, "num_hidden_layers": 2, "alibi": True},
         # the new architecture: num_kv_heads defaults to the heads, two norms
         {
             "vocab_size": 100,

@@ -408,7 +408,8 @@ def test_config_keys_are_read_as_transformers_reads_them():
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"alibi": True}, "alibi=true is not supported: attnlab has no ALiBi"),
+        ({"alibi": True, "attention_dropout": 0.1},
+         "attention_dropout=0.1 with alibi=true is not supported"),
         ({"new_decoder_architecture": True, "parallel_attn": False},
          "new_decoder_architecture=true with parallel_attn=false is not supported"),
         ({"new_decoder_architecture": True, "num_ln_in_parallel_attn": 3},
@@ -425,8 +426,9 @@ def test_config_keys_are_read_as_transformers_reads_them():
         ({"new_decoder_architecture": True, "num_kv_heads": 2},
          "n_heads=3 is not divisible by n_kv_heads=2"),
     ],
-    ids=["alibi", "new-sequential", "new-3-norms", "old-2-norms", "old-mha-kv", "dropout",
-         "sequential-attention-dropout", "rope-type", "activation", "groups"],
+    ids=["alibi-attention-dropout", "new-sequential", "new-3-norms", "old-2-norms",
+         "old-mha-kv", "dropout", "sequential-attention-dropout", "rope-type", "activation",
+         "groups"],
 )  # fmt: skip
 def test_config_it_cannot_hold_is_refused_by_name(changes, named):
     hf = {**_hf_dict(), **changes}

@@ -13,7 +13,7 @@ from hf_cases import transformers
 from oracle import randomize_weights
 
 from attnlab.analysis import count_parameters
-from attnlab.config import ConfigError, ModelConfig, PositionConfig
+from attnlab.config import ConfigError, ModelConfig
 from attnlab.functional.buckets import relative_buckets
 from attnlab.interop import HFCheckpointError, config_from_hf, load_hf, save_hf
 from attnlab.models import build_model
@@ -271,8 +271,8 @@ def test_export_refuses_what_t5_cannot_hold(changes, needs, tmp_path):
 
 
 def test_relative_bias_is_refused_where_nothing_builds_it():
-    with pytest.raises(ConfigError, match="seq2seq and encoder architectures only"):
-        ModelConfig(position=PositionConfig(kind="relative_bias")).validate()
+    with pytest.raises(ConfigError, match="seq2seq and encoder and decoder architectures only"):
+        ModelConfig.from_dict({"arch": "xl", "position": {"kind": "relative_bias"}}).validate()
     with pytest.raises(ConfigError, match="relative_buckets"):
         get_preset("t5-tiny").override({"position.relative_buckets": 2}).validate()
     with pytest.raises(ConfigError, match="relative_max_distance"):

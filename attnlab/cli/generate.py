@@ -345,7 +345,8 @@ def _check_roll(args: argparse.Namespace, model) -> None:
         )
     if blocker == "positions":
         raise CLIError(
-            "--overflow roll needs relative positions (rope or none): a rolling cache keeps "
+            "--overflow roll needs relative positions (rope, none, alibi or relative_bias): a "
+            "rolling cache keeps "
             f"no absolute ones; this model uses {model.cfg.position.kind!r} positions: use "
             "--overflow slide or stop"
         )

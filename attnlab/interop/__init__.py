@@ -1,7 +1,8 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3,
-Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, Falcon, StarCoder2, Granite, Cohere, OPT,
-DeepSeek-V2/V3/V3.2, BERT, RoBERTa, XLM-RoBERTa, ModernBERT, MarianMT, T5, ViT.
+Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, Falcon (Falcon-RW), BLOOM, StarCoder2, Granite,
+Cohere, StableLM, OPT, DeepSeek-V2/V3/V3.2, BERT, RoBERTa, XLM-RoBERTa, ModernBERT, MarianMT,
+T5, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -25,7 +26,10 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
                      partial RoPE, biases everywhere, a biased head
     gptj.py          GPT-J: Phi's block with interleaved partial RoPE, no attention biases
     falcon.py        Falcon: parallel blocks with one shared norm (7B) or two (40B, 180B),
-                     MQA / grouped fused q/k/v, or sequential blocks; LayerNorm, GELU MLP
+                     MQA / grouped fused q/k/v, or sequential blocks; LayerNorm, GELU MLP;
+                     Falcon-RW's ALiBi (scaled with q . k, rounded to bfloat16)
+    bloom.py         BLOOM: ALiBi, a LayerNorm on the embeddings, per-head fused q/k/v,
+                     pre-norm blocks, tanh-GELU MLP
     starcoder2.py    StarCoder2: LLaMA's attention with biased LayerNorms and a GELU MLP
     granite.py       Granite: LLaMA's layout with muP multipliers (embeddings, residual
                      branches, softmax scale, logits)

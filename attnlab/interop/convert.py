@@ -105,6 +105,8 @@ LONGROPE_TYPES = ("phi3",)
 PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox", "phi", "gptj", "stablelm")
 # decoder model types whose head has a bias (final_logits_bias: lm_head.bias)
 HEAD_BIAS_TYPES = ("phi", "gptj")
+# the model_types that hold ALiBi position biases (BLOOM's unscaled, Falcon-RW's scaled)
+ALIBI_TYPES = ("bloom", "falcon")
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
 # head, the clamped SwiGLU, biases on the router's logits and on the experts
 GPT_OSS_TYPES = ("gpt_oss",)
@@ -241,6 +243,16 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"as {' or '.join(HEAD_BIAS_TYPES)}: RoPE, LayerNorm, parallel blocks with one "
                     "norm, an MLP)"
                 )
+            if cfg.arch == "decoder" and cfg.embedding_norm and model_type not in ("bloom",):
+                raise unrepresentable(
+                    f"embedding_norm ({model_type} has no norm on its embeddings; a decoder "
+                    "with one exports as bloom: ALiBi, LayerNorm, an MLP, pre-norm blocks)"
+                )
+            if pos.kind == "alibi" and model_type not in ALIBI_TYPES:
+                raise unrepresentable(
+                    f"position.kind='alibi' ({model_type} has no ALiBi; ALiBi decoders export "
+                    f"as {' or '.join(ALIBI_TYPES)}: LayerNorm, an MLP)"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -273,7 +285,10 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
         )
     if cfg.attention.kind not in ("mha", "mla", "dsa"):
         raise unrepresentable(f"attention.kind={cfg.attention.kind!r}")
-    raise unrepresentable(f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope')")
+    raise unrepresentable(
+        f"position.kind={cfg.position.kind!r} (use 'learned' or 'rope', or 'alibi' with "
+        "LayerNorm and an MLP)"
+    )
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
@@ -295,7 +310,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     in parallel blocks with one shared norm (whole heads rotated, no head bias) or with two
     and grouped key/value heads, ``gptj`` in one-norm blocks of GPT-J's own layout
     (interleaved pairs, no attention biases), ``phi`` in the other one-norm blocks (a partial
-    rotation or a head bias, ``final_logits_bias``), else ``starcoder2``;
+    rotation or a head bias, ``final_logits_bias``), else ``starcoder2``; ALiBi + LayerNorm
+    + MLP -> ``bloom`` with the bias added after the scale (pre-norm blocks, a norm on the
+    embeddings), ``falcon`` with the bias scaled with q . k (Falcon-RW's);
     with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where

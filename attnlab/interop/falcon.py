@@ -14,9 +14,17 @@ transformers' FalconDecoderLayer runs them:
   (``num_ln_in_parallel_attn`` 1: one shared ``input_layernorm``, ``parallel_shared``).
 
 Layouts transformers' Falcon cannot run (the new architecture with ``parallel_attn`` false,
-two parallel norms in the old one, ...) and ``alibi`` true (Falcon-RW's ALiBi biases, which
-attnlab has not) are refused by name. RoPE: ``rope_parameters`` (transformers 5) or
-``rope_theta`` and ``rope_scaling`` (4.x); none, linear, llama3 or YaRN scaling.
+two parallel norms in the old one, ...) are refused by name. RoPE: ``rope_parameters``
+(transformers 5) or ``rope_theta`` and ``rope_scaling`` (4.x); none, linear, llama3 or YaRN
+scaling.
+
+``alibi`` true (Falcon-RW): no rotation; ALiBi biases (``position.kind='alibi'``, BLOOM's
+slopes, largest bias 8) added to q . k before the scale, softmax((q . k + alibi) / sqrt(d_h))
+(``alibi_scaled``: BLOOM adds them after it), each slope and its product with a key's
+position rounded to bfloat16 as transformers' ``build_alibi_tensor`` forms them
+(``alibi_bfloat16``). transformers' SDPA path (its default) adds the bias once; its eager
+path adds it twice (once in the mask it builds, once in the attention), which no checkpoint
+was trained with: compare with SDPA.
 
 Dropout: transformers' rotary Falcon attention drops no attention weights, so
 ``attention_dropout`` is read only where it drops something, the attention branch's output
@@ -147,13 +155,14 @@ def layout(hf: dict[str, Any]) -> tuple[str, int]:
     return placement, h
 
 
-def config_from_hf(hf: dict[str, Any], model_type: str = "falcon") -> ModelConfig:
+def _position(hf: dict[str, Any]) -> PositionConfig:
+    """RoPE, or with ``alibi`` Falcon-RW's ALiBi: scaled with q . k, rounded to bfloat16."""
     if hf.get("alibi"):
-        raise _refuse(
-            "alibi=true",
-            "attnlab has no ALiBi position biases (Falcon-RW's); it reads the rotary Falcon "
-            "models (alibi=false)",
-        )
+        return PositionConfig(kind="alibi", alibi_scaled=True, alibi_bfloat16=True)
+    return PositionConfig(kind="rope", rope_layout="split", **rope_settings(hf, llama.ROPE_TYPES))
+
+
+def config_from_hf(hf: dict[str, Any], model_type: str = "falcon") -> ModelConfig:
     placement, n_kv = layout(hf)
     dropout = hf.get("hidden_dropout") or 0.0
     if dropout:
@@ -163,6 +172,12 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "falcon") -> ModelConfi
             "dropout drops both; set it to 0.0",
         )
     attn_dropout = hf.get("attention_dropout") or 0.0
+    if hf.get("alibi") and attn_dropout:
+        raise _refuse(
+            f"attention_dropout={attn_dropout!r} with alibi=true",
+            "Falcon's ALiBi attention drops its softmax weights and, in sequential blocks, the "
+            "attention branch's output too, which attnlab's blocks do not; set it to 0.0",
+        )
     if placement == "pre" and attn_dropout:  # (unread elsewhere: rotary attention drops none)
         raise _refuse(
             f"attention_dropout={attn_dropout!r} with parallel_attn=false",
@@ -183,9 +198,7 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "falcon") -> ModelConfi
             qkv_bias=bias,
             out_bias=bias,
         ),
-        position=PositionConfig(
-            kind="rope", rope_layout="split", **rope_settings(hf, llama.ROPE_TYPES)
-        ),
+        position=_position(hf),
         ffn=FFNConfig(
             kind="mlp",
             activation=activation(hf.get("activation", "gelu"), "activation"),
@@ -207,7 +220,16 @@ def exports(cfg: ModelConfig) -> bool:
     rotated and no bias on the head (a partial rotation or a head bias are Phi's and
     GPT-J's), or two norms with fewer key/value heads than query heads and whole heads
     rotated (two norms with one key/value head per query head, or a partial rotation, are
-    GPT-NeoX's)."""
+    GPT-NeoX's); and the ALiBi decoders with LayerNorm and an MLP whose bias is scaled with
+    q . k (Falcon-RW's; BLOOM adds it after the scale)."""
+    if cfg.position.kind == "alibi":
+        return (
+            cfg.arch == "decoder"
+            and cfg.attention.kind == "mha"
+            and cfg.position.alibi_scaled
+            and cfg.norm.kind == "layernorm"
+            and cfg.ffn.kind == "mlp"
+        )
     return (
         cfg.arch == "decoder"
         and cfg.attention.kind == "mha"
@@ -237,6 +259,8 @@ def export_type(cfg: ModelConfig) -> str:
             f"attention.head_dim={cfg.head_dim} (Falcon's heads are d_model / n_heads = "
             f"{cfg.d_model // cfg.n_heads} wide)"
         )
+    if cfg.position.kind == "alibi":
+        _alibi_export_checks(cfg)
     if cfg.attention.dropout:
         raise unrepresentable(
             f"attention.dropout={cfg.attention.dropout} (Falcon's rotary attention drops no "
@@ -251,12 +275,48 @@ def export_type(cfg: ModelConfig) -> str:
     return "falcon"
 
 
+def _alibi_export_checks(cfg: ModelConfig) -> None:
+    """What Falcon's ALiBi (Falcon-RW's) fixes: BLOOM's slopes (largest bias 8) rounded to
+    bfloat16, the 1 / sqrt(d_h) scale, and a block layout of the old architecture or the
+    new one's parallel norms (its sequential blocks need one key/value head per query head,
+    or one in all)."""
+    pos, n_kv = cfg.position, cfg.n_kv_heads
+    if pos.alibi_max_bias != 8.0:
+        raise unrepresentable(
+            f"position.alibi_max_bias={pos.alibi_max_bias} (Falcon's ALiBi slopes have 8)"
+        )
+    if not pos.alibi_bfloat16:
+        raise unrepresentable(
+            "position.alibi_bfloat16=false (transformers' Falcon rounds its ALiBi bias to "
+            "bfloat16; set it to true)"
+        )
+    if cfg.attention.scale is not None:
+        raise unrepresentable(f"attention.scale={cfg.attention.scale} (Falcon's is 1 / sqrt(d_h))")
+    if cfg.norm.placement == "pre" and n_kv not in (1, cfg.n_heads):
+        raise unrepresentable(
+            f"attention.n_kv_heads={n_kv} in sequential blocks (Falcon's have one key/value "
+            "head, or one per query head)"
+        )
+    if cfg.norm.placement not in ("pre", "parallel", "parallel_shared"):
+        raise unrepresentable(
+            f"norm.placement={cfg.norm.placement!r} (Falcon's blocks are pre-norm or parallel)"
+        )
+
+
 def _architecture(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json keys of ``cfg``'s block layout (parallel blocks: see :func:`exports`):
     the old architecture where it holds it (one shared norm with one key/value head,
     Falcon-7B's, or with one per query head), else the new one with ``num_kv_heads``
     groups and one or two norms."""
     placement, h, n_kv = cfg.norm.placement, cfg.n_heads, cfg.n_kv_heads
+    if placement == "pre":  # (Falcon-RW's: one key/value head per query head, or one)
+        return {
+            "new_decoder_architecture": False,
+            "parallel_attn": False,
+            "multi_query": n_kv == 1 and h > 1,
+            "num_kv_heads": n_kv,
+            "num_ln_in_parallel_attn": None,
+        }
     if placement == "parallel_shared" and n_kv in (1, h):
         return {
             "new_decoder_architecture": False,
@@ -283,7 +343,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str, dtype: torch.dtype) -> dict[
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         **_architecture(cfg),
-        "alibi": False,
+        "alibi": pos.kind == "alibi",
         "bias": att.qkv_bias or att.out_bias or cfg.ffn.bias,
         "ffn_hidden_size": cfg.ffn.hidden_size(cfg.d_model),
         "activation": hf_activation(cfg.ffn.activation),
@@ -363,7 +423,8 @@ def weights_from_attnlab(
     d, f = cfg.d_model, cfg.ffn.hidden_size(cfg.d_model)
     h, n_kv, d_h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     att, rows = cfg.attention, (h + 2 * n_kv) * d_h
-    interleaved = cfg.position.rope_layout == "interleaved"
+    # (the layout of rotated pairs: none without RoPE, Falcon-RW's ALiBi)
+    interleaved = cfg.position.kind == "rope" and cfg.position.rope_layout == "interleaved"
     bias = att.qkv_bias or att.out_bias or cfg.ffn.bias  # Falcon's one switch
 
     def zeros_or(name: str, size: int) -> Tensor:

@@ -12,6 +12,7 @@ from typing import Any
 
 from attnlab.interop import (
     bert,
+    bloom,
     cohere,
     deepseek,
     deepseek_v32,
@@ -58,6 +59,9 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.FAMILY,
     # next: every decoder with NoPE layers (SmolLM3's), which the other layouts would rotate
     smollm3.FAMILY,
+    # the ALiBi decoders whose bias is added after the scale, in pre-norm blocks (Falcon's
+    # takes those whose bias is scaled with q . k, Falcon-RW's)
+    bloom.FAMILY,
     # before GPT-NeoX: it takes the RoPE decoders with LayerNorm and an MLP in parallel blocks
     # with one shared norm, or two with grouped key/value heads, which GPT-NeoX's layout lacks
     falcon.FAMILY,

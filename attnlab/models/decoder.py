@@ -1,12 +1,16 @@
 """Decoder-only language model (GPT-2, LLaMA, ... are presets of this one class).
 
     h_0 = E[idx] (* sqrt(d)) (* m_e) (+ P[positions])  token (+ absolute position) embedding
+    h_0 = LayerNorm(h_0)                     (embedding_norm: BLOOM's)
     h_l = Block_l(h_{l-1})                   causal self-attention + feed-forward
     logits = (W_out norm(h_L) (+ b)) (/ s) (* c_l)  W_out tied to E or separate; b: Phi's, GPT-J's
     logits = c tanh(logits / c)              soft-capped (Gemma 2): c = final_logit_softcap
 
 (Granite: m_e = embedding_multiplier, s = logit_divisor, and each block's sublayer outputs
-times residual_multiplier; Cohere: c_l = logit_scale.)
+times residual_multiplier; Cohere: c_l = logit_scale.) A position bias on the scores
+(``position.kind`` alibi or relative_bias: ``nn/position_bias.py``) is formed once per pass
+from the queries' and keys' absolute positions (under a cache: every key held) and handed
+to every block's self-attention.
 
 Shapes: b batch, t new tokens, d d_model, V vocabulary size.
 """
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.cache import Cache, CacheError
-from attnlab.config import ModelConfig
+from attnlab.config import POSITION_BIAS_KINDS, ModelConfig
 from attnlab.functional.masks import document_positions, padding_mask, positions_from_padding
 from attnlab.functional.softmax import softmax_dtype
 from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
@@ -37,6 +41,7 @@ from attnlab.nn.dropout import dropout
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.norm import build_norm
+from attnlab.nn.position_bias import build_position_bias
 from attnlab.nn.registry import ATTENTION, attention_kinds
 from attnlab.nn.rope import RotaryEmbedding
 
@@ -44,6 +49,9 @@ if TYPE_CHECKING:
     from attnlab.generation import Prompts
 
 __all__ = ["DecoderLM", "LMOutput"]
+
+# the position kinds a rolling cache (and overflow='roll') takes, as messages name them
+RELATIVE_KINDS = "rope, none, alibi or relative_bias"
 
 
 class DecoderLM(LoadableModel):
@@ -86,6 +94,16 @@ class DecoderLM(LoadableModel):
         if cfg.position.local_rope_theta is not None:  # Gemma 3: local layers' own, unscaled
             theta, layout = cfg.position.local_rope_theta, cfg.position.rope_layout
             self.local_rope = RotaryEmbedding(cfg.rope_dim, theta, layout)
+        # a bias on the self-attention scores, past keys only (ALiBi, T5's relative bias)
+        scale = cfg.attention.scale or cfg.head_dim**-0.5  # (ALiBi scaled with the scores)
+        self.pos_bias = build_position_bias(
+            cfg.position, cfg.n_heads, bidirectional=False, n_layers=cfg.n_layers,
+            score_scale=scale,
+        )  # fmt: skip
+        # (BLOOM's word_embeddings_layernorm, as the encoder's embedding LayerNorm)
+        self.emb_norm = (
+            nn.LayerNorm(d, eps=cfg.norm.eps, bias=cfg.norm.bias) if cfg.embedding_norm else None
+        )
         self.drop = dropout(cfg.dropout)
         self.blocks = TransformerStack(cfg, causal=True, rope=self.rope, local_rope=self.local_rope)
         # Post-norm blocks already end in a norm; pre-norm (sandwich, post-sublayer) stacks
@@ -136,9 +154,10 @@ class DecoderLM(LoadableModel):
 
     @property
     def relative_positions(self) -> bool:
-        """True when attention depends on relative positions only (RoPE or none), so a
-        cache may roll past its capacity."""
-        return self.cfg.position.kind in ("rope", "none")
+        """True when attention depends on relative positions only (RoPE, none, or a bias by
+        key - query distance: ALiBi, T5's), so a cache may roll past its capacity (the bias
+        reads the positions of the keys the ring holds)."""
+        return self.cfg.position.kind in ("rope", "none", *POSITION_BIAS_KINDS)
 
     def new_cache(
         self,
@@ -157,7 +176,7 @@ class DecoderLM(LoadableModel):
         (models with relative positions only)."""
         if rolling and not self.relative_positions:
             raise CacheError(
-                f"a rolling cache needs relative positions (rope or none); this model uses "
+                f"a rolling cache needs relative positions ({RELATIVE_KINDS}); this model uses "
                 f"{self.cfg.position.kind!r} positions, which cannot slide"
             )
         p = self.tok_emb.weight
@@ -256,7 +275,7 @@ class DecoderLM(LoadableModel):
                     f"sequence of {limit} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
                     "of learned positions; crop the input"
                 )
-        mask = None
+        mask = key_positions = None
         if cache is not None:
             self._check_cache_dtype(cache, idx.device)
             if cache.batch != b:  # before begin(): a wrong batch failed deep inside a layer,
@@ -266,9 +285,13 @@ class DecoderLM(LoadableModel):
                     f"this batch with model.new_cache({b}, max_len)"
                 )
             long = self._longrope_pass(cache, t, attention_mask, positions)
-            positions = cache.begin(t, attention_mask, positions=positions).positions
+            step = cache.begin(t, attention_mask, positions=positions)
+            positions = step.positions
             if long is not None:
                 cache.rotated_long = long
+            if self.pos_bias is not None:  # (b, s) every key held, this step's included
+                held = cache.key_positions()
+                key_positions = held if held is not None else cache.slot_pos[:, : step.end]
         else:
             if positions is None:
                 positions = positions_from_padding(attention_mask, t, device=idx.device)
@@ -282,9 +305,15 @@ class DecoderLM(LoadableModel):
             x = x * self.cfg.embedding_multiplier
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions, dtype=x.dtype).to(x.dtype)
+        if self.emb_norm is not None:
+            x = self.emb_norm(x)
         x = self.drop(x)
         rope = self.rope.tables(positions) if self.rope is not None else None
         local_rope = self.local_rope.tables(positions) if self.local_rope is not None else None
+        bias = None
+        if self.pos_bias is not None:  # each query's position against every key's
+            keys = positions if key_positions is None else key_positions
+            bias = self.pos_bias(positions, keys)  # (b or 1, h, t, s), or one per layer
         # (b, t): MoE and DSA statistics skip the padding
         real = attention_mask.bool().expand(b, t) if attention_mask is not None else None
         x = self.blocks(
@@ -296,6 +325,7 @@ class DecoderLM(LoadableModel):
             doc_ids=doc_ids,
             real_tokens=real,
             local_rope=local_rope,
+            bias=bias,
         )
         if cache is not None:
             cache.commit()

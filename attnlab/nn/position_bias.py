@@ -9,13 +9,21 @@ layers (transformers keeps it in the first layer's self-attention), or with
 stack a list of biases, one per layer. Positions are absolute token positions, so a cached
 decoding step reads the bias of its query's true position against every cached key.
 
+``alibi`` (Press et al. 2022, "Train Short, Test Long"): no weights, a fixed bias
+``-m_h (i - j)`` for query position i and key position j in a causal stack (keys j <= i),
+``-m_h |i - j|`` in a bidirectional one, one slope m_h per head (:func:`alibi_slopes`).
+Falcon-RW's variants: the bias times the softmax scale (``position.alibi_scaled``), and its
+slopes and products rounded to bfloat16 (``position.alibi_bfloat16``).
+
 Shapes: b batch, t query length, s key length, h heads.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from attnlab.config import PositionConfig
@@ -64,19 +72,99 @@ class RelativePositionBias(nn.Module):
         )
 
 
+def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
+    """ALiBi's slope of each head, largest first.
+
+    n a power of two: the geometric sequence m_h = 2^(-max_bias h / n), h = 1 .. n (the
+    paper's 1/2, 1/4, ..., 1/256 for 8 heads and max_bias 8).
+
+    Other n (the paper's footnote, BLOOM's ``_get_alibi_slopes``): with p = 2^floor(log2 n)
+    the p slopes of p heads, 2^(-max_bias h / p), then the first n - p slopes of odd index in
+    the sequence of 2p heads, 2^(-max_bias (2k - 1) / (2p)), k = 1 .. n - p: the ones that
+    fall between the first ones. MPT's ``build_mpt_alibi_tensor`` reaches the same order
+    from the 2p sequence directly: its even-index entries (h = 2, 4, ..., 2p: the p-head
+    sequence again) and then its odd-index ones, cut to n.
+
+    Returned as Python floats (each 2.0 ** -x, rounded once)."""
+    if n_heads < 1:
+        raise ValueError(f"ALiBi needs at least one head, got {n_heads}")
+    p = 2 ** math.floor(math.log2(n_heads))
+    slopes = [2.0 ** (-max_bias * h / p) for h in range(1, p + 1)]
+    slopes += [2.0 ** (-max_bias * (2 * k - 1) / (2 * p)) for k in range(1, n_heads - p + 1)]
+    return slopes
+
+
+class AlibiBias(nn.Module):
+    """ALiBi: ``bias[b, h, i, j] = -m_h (q_i - k_j)``, or ``-m_h |q_i - k_j|`` when
+    ``bidirectional``, from the tokens' absolute positions (a cached step: the query's true
+    position against every cached key's; left padding: positions that count real tokens).
+    No weights: the slopes are a non-persistent buffer, so checkpoints hold none.
+    ``score_scale``: multiplies the slopes (the softmax scale, with
+    ``position.alibi_scaled``: Falcon-RW's (q . k + bias) * scale). With
+    ``position.alibi_bfloat16`` (causal only) the bias is Falcon's: bf16(bf16(m_h) k_j) *
+    score_scale, of the key's position alone (softmax ignores a constant per query row)."""
+
+    def __init__(
+        self,
+        cfg: PositionConfig,
+        n_heads: int,
+        *,
+        bidirectional: bool,
+        n_layers: int,
+        score_scale: float = 1.0,
+    ):
+        super().__init__()
+        if cfg.alibi_bfloat16 and bidirectional:
+            raise ValueError("position.alibi_bfloat16 rounds the bias of a causal stack only")
+        self.bidirectional, self.bfloat16 = bidirectional, cfg.alibi_bfloat16
+        self.max_bias, self.score_scale = cfg.alibi_max_bias, score_scale
+        slopes = torch.tensor(alibi_slopes(n_heads, cfg.alibi_max_bias), dtype=torch.float32)
+        if self.bfloat16:  # rounded as transformers' Falcon rounds them
+            slopes = slopes.bfloat16()
+        elif score_scale != 1.0:
+            slopes = slopes * score_scale
+        self.register_buffer("slopes", slopes, persistent=False)  # (h,)
+
+    def forward(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """q_pos (b or 1, t), k_pos (b or 1, s) absolute positions -> bias (b or 1, h, t, s)."""
+        if self.bfloat16:  # Falcon's: bf16(m) * k in bfloat16 (whatever the model's dtype)
+            keyed = self.slopes.bfloat16()[None, :, None] * k_pos[:, None, :]  # (b, h, s)
+            bias = keyed.float()[:, :, None, :] * self.score_scale  # (b, h, 1, s)
+            return bias.expand(-1, -1, q_pos.shape[-1], -1)
+        distance = (q_pos[:, :, None] - k_pos[:, None, :]).float()  # (b, t, s): i - j
+        if self.bidirectional:
+            distance = distance.abs()
+        return -self.slopes[None, :, None, None] * distance[:, None]  # (b, h, t, s)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.slopes.numel()}, max_bias={self.max_bias}, "
+            f"bidirectional={self.bidirectional}, score_scale={self.score_scale}, "
+            f"bfloat16={self.bfloat16}"
+        )
+
+
 # position.kind -> the bias module of one stack; kinds not listed add no bias to the scores.
 POSITION_BIASES: dict[str, Callable[..., nn.Module]] = {
     "relative_bias": RelativePositionBias,
+    "alibi": AlibiBias,
 }
 
 
 def build_position_bias(
-    cfg: PositionConfig, n_heads: int, *, bidirectional: bool, n_layers: int
+    cfg: PositionConfig,
+    n_heads: int,
+    *,
+    bidirectional: bool,
+    n_layers: int,
+    score_scale: float = 1.0,
 ) -> nn.Module | None:
     """The position bias of ``cfg.kind`` for one stack of ``n_layers`` layers of
     ``n_heads``-head attention, or None where that kind adds none (learned, sinusoidal, RoPE
-    positions)."""
+    positions). ``score_scale``: the attention's softmax scale, which ALiBi multiplies into
+    its slopes with ``cfg.alibi_scaled``."""
     make = POSITION_BIASES.get(cfg.kind)
     if make is None:
         return None
-    return make(cfg, n_heads, bidirectional=bidirectional, n_layers=n_layers)
+    kw = {"score_scale": score_scale} if cfg.kind == "alibi" and cfg.alibi_scaled else {}
+    return make(cfg, n_heads, bidirectional=bidirectional, n_layers=n_layers, **kw)
