@@ -1092,9 +1092,10 @@ class ModelConfig(_Config):
     # forms it: dividing by 1 / logit_scale would round differently), after any
     # logit_divisor and before any final_logit_softcap. Decoder only (1: none).
     logit_scale: float = 1.0
-    # A LayerNorm (bias as norm.bias, epsilon norm.eps) on the token embeddings before the
-    # first block: BLOOM's word_embeddings_layernorm, BERT's embedding LayerNorm (on by
-    # default in the encoder). Decoder and encoder only.
+    # A norm (norm.kind, bias as norm.bias, epsilon norm.eps) on the token embeddings before
+    # the first block: BLOOM's word_embeddings_layernorm, BERT's embedding LayerNorm (on by
+    # default in the encoder), BART's layernorm_embedding (in each seq2seq stack, positions
+    # added). Decoder, encoder and seq2seq only.
     embedding_norm: bool = False
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02
@@ -1237,8 +1238,8 @@ class ModelConfig(_Config):
             _fail(at("final_logits_bias"), f"is implemented by the decoder and seq2seq "
                   f"architectures only, not {self.arch!r}; set it to false{hint}")  # fmt: skip
         self._validate_position_bias(at)
-        if self.embedding_norm and self.arch not in ("decoder", "encoder"):
-            _fail(at("embedding_norm"), f"is implemented by the decoder and encoder "
+        if self.embedding_norm and self.arch not in ("decoder", "encoder", "seq2seq"):
+            _fail(at("embedding_norm"), f"is implemented by the decoder, encoder and seq2seq "
                   f"architectures only, not {self.arch!r}; set it to false")  # fmt: skip
         if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
             _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "

@@ -1059,6 +1059,7 @@ def beam_search_core(
     renormalize: bool = False,
     forced_last_ids: Sequence[int] = (),
     early_stopping: bool | str = True,
+    forced_first_ids: Sequence[int] = (),
 ) -> list[list[Hypothesis]]:
     """Beam search over any model, given the next-token ``logits`` (b, V) of each row's
     input and ``advance(source, tokens)``: make decoding row j continue row ``source[j]``
@@ -1072,7 +1073,9 @@ def beam_search_core(
     log-probabilities become -inf after the log-softmax, and with ``renormalize`` the rest
     are log-softmaxed again (``renormalize_logits``), else they keep the mass the blocked
     tokens had. At the last step only ``forced_last_ids`` may be chosen, each with
-    log-probability 0 (before the renormalization): transformers' ``forced_eos_token_id``.
+    log-probability 0 (before the renormalization): transformers' ``forced_eos_token_id``;
+    at the first step only ``forced_first_ids`` (``forced_bos_token_id``), the last step's
+    forcing taking precedence when they coincide (as transformers' processors apply them).
     ``early_stopping`` (True, False or "never"): when a row stops, as transformers'
     (the comment above; "transformers" style only)."""
     k, alpha = num_beams, length_penalty
@@ -1094,9 +1097,10 @@ def beam_search_core(
         beams = scores.shape[1]
         last = step == max_new_tokens - 1
         logp = block_tokens(torch.log_softmax(softmax_dtype(logits), dim=-1), blocked_ids)
+        first = list(forced_first_ids) if step == 0 else []
         forced = list(forced_last_ids) if last else []
-        logp = force_tokens(logp, forced)
-        if renormalize and (blocked_ids or forced):
+        logp = force_tokens(force_tokens(logp, first), forced)
+        if renormalize and (blocked_ids or forced or first):
             logp = torch.log_softmax(logp, dim=-1)
         logp = logp.view(b, beams, V) + scores[..., None]  # (b, beams, V)
         # enough candidates that k beams live on even if every stop token is among them

@@ -1895,6 +1895,86 @@ def mt5_base() -> ModelConfig:
     )
 
 
+def bart_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    vocab_size: int = 50265,
+    max_seq_len: int = 1024,
+    multilingual: bool = False,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """BART (Lewis et al. 2020): an encoder–decoder with learned positions (transformers'
+    tables start 2 rows in: ``position_offset``), a LayerNorm on the embeddings, post-norm
+    blocks with exact-GELU MLPs, one tied vocabulary and a final logits bias. ``multilingual``:
+    mBART (Liu et al. 2020): pre-norm blocks with a final norm per stack and embeddings scaled
+    by sqrt(d). Special tokens: BartConfig's defaults (pad 1, end 2, decoding starts from 2
+    and length-limited outputs end with it); for mBART, whose class gives no start token,
+    generate's fallback, bos 0. Published checkpoints' config.json may add more (bart-large's
+    ``forced_bos_token_id``), which import reads."""
+    from attnlab.models.seq2seq import Seq2SeqConfig
+
+    return Seq2SeqConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="learned"),
+        position_offset=2,
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-5, placement="pre" if multilingual else "post"),
+        final_norm=multilingual,
+        embedding_norm=True,
+        tie_embeddings=True,
+        scale_embeddings=multilingual,
+        final_logits_bias=True,
+        dropout=dropout,
+        pad_id=1,
+        bos_id=0 if multilingual else 2,
+        eos_id=2,
+        forced_eos_ids=[2],
+    )
+
+
+def bart_tiny() -> ModelConfig:
+    """BART's architecture in 2 + 2 layers, d_model 64, 4 heads of 16, an MLP of 128, a
+    128-token vocabulary: CPU-trainable, for tests."""
+    return bart_style(d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, vocab_size=128,
+                      max_seq_len=128, dropout=0.0)  # fmt: skip
+
+
+# The published sizes below are recalled from the facebook/bart-* and facebook/mbart-*
+# config.json files (no download here; dropout rates and generation settings not claimed);
+# tests check their parameter counts against transformers' models of the same configs.
+def bart_base() -> ModelConfig:
+    """facebook/bart-base: 6 + 6 layers, d_model 768, 12 heads of 64, GELU MLP of 3072,
+    50265-token vocabulary, 1024 positions."""
+    return bart_style(d_model=768, n_layers=6, n_heads=12, ffn_hidden=3072)
+
+
+def bart_large() -> ModelConfig:
+    """facebook/bart-large: 12 + 12 layers, d_model 1024, 16 heads of 64, GELU MLP of 4096,
+    50265-token vocabulary, 1024 positions."""
+    return bart_style(d_model=1024, n_layers=12, n_heads=16, ffn_hidden=4096)
+
+
+def mbart_large_cc25() -> ModelConfig:
+    """facebook/mbart-large-cc25: bart-large's sizes, pre-norm, scaled embeddings, a
+    250027-token vocabulary (25 languages)."""
+    return bart_style(d_model=1024, n_layers=12, n_heads=16, ffn_hidden=4096,
+                      vocab_size=250027, multilingual=True)  # fmt: skip
+
+
+def mbart_large_50() -> ModelConfig:
+    """facebook/mbart-large-50: mbart-large-cc25 with a 250054-token vocabulary (50
+    languages)."""
+    return bart_style(d_model=1024, n_layers=12, n_heads=16, ffn_hidden=4096,
+                      vocab_size=250054, multilingual=True)  # fmt: skip
+
+
 def modernbert_style(
     *,
     d_model: int,
@@ -2257,6 +2337,20 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     ),
     "mt5-small": (mt5_small, "mT5-small (T5 v1.1, 250k vocabulary), 300M (8+8 layers, d 512)"),
     "mt5-base": (mt5_base, "mT5-base (T5 v1.1, 250k vocabulary), 582M (12+12 layers, d 768)"),
+    "bart-tiny": (
+        bart_tiny,
+        "BART architecture: learned positions, embedding norm, post-norm, GELU; 2+2 layers, d 64",
+    ),
+    "bart-base": (bart_base, "BART-base encoder-decoder, 139M (6+6 layers, d 768, tied, GELU)"),
+    "bart-large": (bart_large, "BART-large encoder-decoder, 406M (12+12 layers, d 1024, tied)"),
+    "mbart-large-cc25": (
+        mbart_large_cc25,
+        "mBART-large-cc25 (pre-norm BART, 250k vocabulary), 611M (12+12 layers, d 1024)",
+    ),
+    "mbart-large-50": (
+        mbart_large_50,
+        "mBART-large-50 (pre-norm BART, 250k vocabulary), 611M (12+12 layers, d 1024)",
+    ),
     "modernbert-tiny": (
         modernbert_tiny,
         "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",

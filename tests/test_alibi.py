@@ -292,9 +292,9 @@ def test_architectures_without_it_refuse_by_name():
     seq2seq = {"arch": "seq2seq", "position": {"kind": "alibi"}}
     with pytest.raises(ConfigError, match="position.kind"):
         ModelConfig.from_dict(seq2seq).validate()
-    with pytest.raises(ConfigError, match="embedding_norm: is implemented by the decoder and "
-                       "encoder architectures only, not 'seq2seq'"):  # fmt: skip
-        ModelConfig.from_dict({"arch": "seq2seq", "embedding_norm": True}).validate()
+    with pytest.raises(ConfigError, match="embedding_norm: is implemented by the decoder, "
+                       "encoder and seq2seq architectures only, not 'vit'"):  # fmt: skip
+        ModelConfig.from_dict({"arch": "vit", "embedding_norm": True}).validate()
     encoder = {"arch": "encoder", "position": {"kind": "alibi", "alibi_bfloat16": True}}
     with pytest.raises(ConfigError, match="position.alibi_bfloat16: rounds the bias"):
         ModelConfig.from_dict(encoder).validate()

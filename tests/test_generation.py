@@ -754,10 +754,11 @@ def _beam_search_core_before(
     renormalize: bool = False,
     forced_last_ids: Sequence[int] = (),
     early_stopping: bool | str = True,
+    forced_first_ids: Sequence[int] = (),
 ) -> list[list[Hypothesis]]:
     """beam_search_core as it was before one host read per step: a read per flag tensor
     and per finishing step, the sequences on the device (early_stopping True only: it
-    came later)."""
+    came later; the forced first tokens too, added to both)."""
     assert early_stopping is True
     k, alpha = num_beams, length_penalty
     check_beam_search(k, max_new_tokens, n_best, alpha, style)
@@ -775,9 +776,10 @@ def _beam_search_core_before(
         beams = scores.shape[1]
         last = step == max_new_tokens - 1
         logp = block_tokens(torch.log_softmax(softmax_dtype(logits), dim=-1), blocked_ids)
+        first = list(forced_first_ids) if step == 0 else []
         forced = list(forced_last_ids) if last else []
-        logp = force_tokens(logp, forced)
-        if renormalize and (blocked_ids or forced):
+        logp = force_tokens(force_tokens(logp, first), forced)
+        if renormalize and (blocked_ids or forced or first):
             logp = torch.log_softmax(logp, dim=-1)
         logp = logp.view(b, beams, V) + scores[..., None]  # (b, beams, V)
         # enough candidates that k beams live on even if every stop token is among them
@@ -887,6 +889,8 @@ def test_beam_search_core_equals_its_twin_on_random_settings():
             kw.update(blocked_ids=[V - 2], renormalize=bool(rng.random() < 0.5))
         if rng.random() < 0.3:
             kw.update(forced_last_ids=[0])
+        if rng.random() < 0.2:
+            kw.update(forced_first_ids=[1])
         table = torch.randn(23, V, generator=g) * 3
         if rng.random() < 0.5:
             table = table.round()  # many ties

@@ -580,6 +580,9 @@ _PER_HEAD_QK = {**_LN_QK, "attention.qk_norm_weight": "per_head"}
 _COHERE_BLOCK = {"norm.placement": "parallel_shared", "norm.bias": False,
                  "position.rope_fraction": 1.0}  # fmt: skip
 
+_BART_AS_MARIAN = {"position.kind": "sinusoidal", "sinusoid_layout": "split"}
+_BART_AS_MARIAN |= {"position_offset": 0, "embedding_norm": False}
+
 
 @pytest.mark.parametrize(
     "preset, changes, model_type",
@@ -676,6 +679,53 @@ def test_export_picks_the_alibi_families():
     for cfg, changes, named in refused:
         with pytest.raises(HFCheckpointError, match=re.escape(named)):
             hf_model_type(_with(cfg, **changes))
+
+
+@pytest.mark.parametrize(
+    "preset, changes, model_type",
+    [
+        ("bart-tiny", {}, "bart"),
+        ("mbart-large-cc25", {}, "mbart"),
+        ("bart-tiny", {"norm.placement": "pre", "final_norm": True}, "mbart"),
+        ("bart-tiny", _BART_AS_MARIAN, "marian"),  # sinusoids: Marian's
+        ("t5-tiny", {}, "t5"),
+    ],
+)
+def test_export_picks_the_seq2seq_family_by_its_positions(preset, changes, model_type):
+    """Learned positions are BART's (post-norm) or mBART's (pre-norm, final norms), split
+    sinusoids Marian's, a relative position bias T5's; each family takes only its own."""
+    assert hf_model_type(get_preset(preset).override(changes)) == model_type
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"embedding_norm": False}, "BART needs a norm on the embeddings"),
+        ({"norm.placement": "pre", "final_norm": False}, "BART needs post-norm blocks"),
+        ({"position_offset": 0}, "BART needs position_offset=2"),
+    ],
+)
+def test_export_names_what_keeps_learned_positions_out_of_bart(changes, named):
+    """Learned positions go to BART, which names what it lacks (Marian's sinusoids would
+    not take them either)."""
+    with pytest.raises(HFCheckpointError, match=named):
+        hf_model_type(get_preset("bart-tiny").override(changes))
+
+
+@pytest.mark.parametrize(
+    "preset, changes, named",
+    [
+        ("bart-tiny", {**_BART_AS_MARIAN, "embedding_norm": True}, "embedding_norm .BART's"),
+        ("bart-tiny", {**_BART_AS_MARIAN, "forced_bos_id": 0}, "forced_bos_id .BART's"),
+        ("t5-tiny", {"embedding_norm": True}, "no norm on the embeddings"),
+        ("t5-tiny", {"forced_bos_id": 0}, "no blocked or forced tokens"),
+    ],
+)
+def test_marian_and_t5_refuse_barts_pieces(preset, changes, named):
+    """A norm on the embeddings or a forced first token has no place in Marian's or T5's
+    config.json: named, not dropped."""
+    with pytest.raises(HFCheckpointError, match=named):
+        hf_model_type(get_preset(preset).override(changes))
 
 
 def test_qwen3_moe_stacked_experts_and_what_it_cannot_hold(tmp_path):

@@ -30,6 +30,16 @@ _RMS = {"vocab_size": 100, "intermediate_size": 128, "num_hidden_layers": 2}
 # model_type -> minimal config.json entries: small sizes, plus the keys attnlab needs that
 # transformers leaves None (DeepSeek-V2's num_experts_per_tok). Everything else (dropout,
 # windows, router settings, special tokens, ...) is left to the defaults.
+_BART = {
+    "d_model": 32,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "max_position_embeddings": 64,
+}
 MINIMAL: dict[str, list[dict]] = {
     "gpt2": [{"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64, "vocab_size": 100}],
     "llama": [{**_RMS, "hidden_size": 64, "num_attention_heads": 4}],
@@ -431,6 +441,9 @@ MINIMAL: dict[str, list[dict]] = {
             "max_position_embeddings": 64,
         }
     ],
+    "bart": [_BART],
+    # no decoder start token in MBartConfig: generate's fallback, bos_token_id
+    "mbart": [_BART, {**_BART, "decoder_layers": 3, "scale_embedding": True}],
     "t5": [
         {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4},
         # v1.1: gated GELU, untied head (transformers 5 stores it as scale_decoder_outputs)

@@ -1,7 +1,7 @@
 """``attnlab import-hf`` and ``attnlab export-hf``: convert between attnlab checkpoint
 folders and Hugging Face model folders of every family ``attnlab.interop`` maps (GPT-2,
 LLaMA, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma 1/2/3,
-DeepSeek-V2/V3/V3.2, BERT, MarianMT, ViT),
+DeepSeek-V2/V3/V3.2, BERT, MarianMT, BART, mBART, ViT),
 picked by config.json's ``model_type`` on import and by the checkpoint's config on export.
 
 ``import-hf`` takes the source folder's ``tokenizer.json`` or one given with

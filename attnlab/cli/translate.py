@@ -1,6 +1,7 @@
 """``attnlab translate``: translate with an encoder-decoder checkpoint, greedily or with
 beam search: numbers into words with a checkpoint of the seq2seq task (the Transformer or
-the GRU encoder-decoder), or text with an imported Marian model.
+the GRU encoder-decoder), or text with an imported Marian, BART or T5 model (a BART source
+is ``<s>`` tokens ``</s>`` as its tokenizer writes it: give it as ids with ``--source-ids``).
 
 An imported model encodes text with its tokenizer (the checkpoint's ``tokenizer.json`` or
 ``--tokenizer FILE``; Marian's own SentencePiece files are not read) and ends each source
@@ -44,10 +45,10 @@ DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_STYLE = 0.6, "gnmt"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "translate",
-        help="translate with an encoder-decoder (numbers -> words, imported Marian)",
+        help="translate with an encoder-decoder (numbers -> words, imported Marian, BART, T5)",
         description="Translate with an encoder-decoder checkpoint: digit strings into words "
         "with a model trained for the seq2seq task (attnlab train --preset "
-        "transformer-numbers / gru-numbers), or text with an imported Marian model "
+        "transformer-numbers / gru-numbers), or text with an imported Marian, BART or T5 model "
         "(attnlab import-hf); without a tokenizer, token ids with --source-ids.",
     )
     add_checkpoint_argument(p)
@@ -179,7 +180,8 @@ def load_seq2seq(args: argparse.Namespace, device: str):
     if cfg.model.arch not in SEQ2SEQ_ARCHS:
         raise CLIError(
             f"{args.ckpt} holds a {cfg.model.arch!r} model; this command needs a seq2seq "
-            "checkpoint (attnlab train --preset transformer-numbers, or an imported Marian)"
+            "checkpoint (attnlab train --preset transformer-numbers, or an imported Marian, BART "
+            "or T5)"
         )
     return model, cfg, seq2seq_text(args, cfg, vocab)
 

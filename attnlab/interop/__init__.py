@@ -2,7 +2,7 @@
 Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3,
 Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, Falcon (Falcon-RW), BLOOM, StarCoder2, Granite,
 Cohere, StableLM, OPT, DeepSeek-V2/V3/V3.2, BERT, RoBERTa, XLM-RoBERTa, ModernBERT, MarianMT,
-T5, ViT.
+BART, mBART, T5, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -44,6 +44,7 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     modernbert.py    ModernBERT: BERT's heads on a pre-norm RoPE encoder with GeGLU, local
                      (bidirectional window) and global layers and 2 RoPE bases
     marian.py        MarianMT (encoder-decoder)
+    bart.py          BART and mBART (encoder-decoders with learned positions, embedding norms)
     vit.py           ViT image classifiers
     registry.py      model_type / architecture -> family (a new family: a module + one entry)
     convert.py       load_hf, save_hf, config_from_hf, config_to_hf, hf_model_type

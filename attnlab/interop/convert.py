@@ -298,7 +298,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     holds. By arch: encoder -> ``t5`` (T5's relative position bias: T5EncoderModel), else
     ``roberta`` (positions past a padding id or RoBERTa's classification head), else
     ``modernbert`` (its pieces: RoPE, gated FFN, pre-norm, ...), else ``bert``; seq2seq ->
-    ``t5`` or ``umt5`` (a relative position bias, a table in every layer for umt5), else
+    ``t5`` or ``umt5`` (a relative position bias, a table in every layer for umt5),
+    ``bart`` or ``mbart`` (learned positions: post-norm or pre-norm blocks), else
     ``marian``; vit -> ``vit``. Decoders: MLA -> ``deepseek_v2`` (DeepSeek-V2 router) or
     ``deepseek_v3``; DSA -> ``deepseek_v32``;
     learned positions + LayerNorm + MLP -> ``opt`` in post-norm blocks or with ReLU, else
@@ -372,10 +373,10 @@ def load_hf(
     LLaMA, Mistral, Qwen2(-MoE), Qwen3(-MoE), Mixtral, GPT-OSS, Gemma 1/2/3, OLMo 2, Phi-3,
     GPT-NeoX, Phi, GPT-J, Falcon, StarCoder2, Granite, Cohere, OPT, DeepSeek-V2/V3/V3.2;
     ``EncoderModel`` for BERT, RoBERTa, ModernBERT and T5's encoder (T5EncoderModel);
-    ``Seq2SeqModel`` for Marian, T5 and mT5, ``VisionTransformer`` for ViT) in eval mode, as
-    ``from_pretrained`` does (with the generation settings a family maps, e.g. Marian's
-    blocked pad token, from generation_config.json or else config.json, as transformers
-    reads them). ``dtype`` defaults to float32 whatever the checkpoint stores;
+    ``Seq2SeqModel`` for Marian, BART, mBART, T5 and mT5, ``VisionTransformer`` for ViT) in
+    eval mode, as ``from_pretrained`` does (with the generation settings a family maps, e.g.
+    Marian's blocked pad token, from generation_config.json or else config.json, as
+    transformers reads them). ``dtype`` defaults to float32 whatever the checkpoint stores;
     ``device`` defaults to the CPU. The model is built on the meta device and each
     parameter is allocated once, in ``dtype`` on ``device``, and read from the files:
     loading needs about the memory of the loaded model, not twice it."""

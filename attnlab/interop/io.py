@@ -543,16 +543,22 @@ def _json_object(file: Path) -> dict[str, Any]:
     return data
 
 
-# Generation settings a family maps (Marian's blocked pad token and forced end token), read
-# as transformers reads them: from generation_config.json where the folder has one, else
-# from config.json.
-GENERATION_KEYS = ("bad_words_ids", "renormalize_logits", "forced_eos_token_id")
+# Generation settings a family maps (Marian's blocked pad token and forced end token, BART's
+# forced first token), read as transformers reads them: from generation_config.json where the
+# folder has one, else from config.json.
+GENERATION_KEYS = (
+    "bad_words_ids",
+    "renormalize_logits",
+    "forced_eos_token_id",
+    "forced_bos_token_id",
+)
 # GenerationConfig's defaults of those keys: what a generation_config.json without one
 # gives (not the model config class's default, e.g. Marian's forced_eos_token_id 0).
 GENERATION_DEFAULTS = {
     "bad_words_ids": None,
     "renormalize_logits": False,
     "forced_eos_token_id": None,
+    "forced_bos_token_id": None,
 }
 # The special tokens generate also takes from generation_config.json alone (Marian's
 # decoder start and end tokens): that file's where it has them, else config.json's.

@@ -222,6 +222,13 @@ def export_type(cfg: ModelConfig) -> str:
             "scale_decoder_output (T5's tied-head rescale; Marian has none: set it to false, "
             "or export a T5-shaped model as t5)"
         )
+    pieces = {"embedding_norm": cfg.embedding_norm, "forced_bos_id": cfg.forced_bos_id is not None}
+    found = [name for name, present in pieces.items() if present]
+    if found:  # BART's pieces
+        raise unrepresentable(
+            f"{found[0]} (BART's; Marian has none: unset it, or export a model with learned "
+            "positions as bart)"
+        )
     if cfg.pad_id >= cfg.source_vocab_size:  # transformers' encoder embedding has it as padding_idx
         raise unrepresentable(
             f"pad_id={cfg.pad_id} is not a source token (src_vocab_size="

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnlab.interop import (
+    bart,
     bert,
     bloom,
     cohere,
@@ -101,6 +102,9 @@ FAMILIES: tuple[Family, ...] = (
     # its heads' transform, ...), which BERT's layout would drop
     modernbert.FAMILY,
     bert.FAMILY,
+    # before Marian: it takes the encoder–decoders with learned positions, which Marian's
+    # layout (sinusoids) would refuse
+    bart.FAMILY,
     marian.FAMILY,
     vit.FAMILY,
 )

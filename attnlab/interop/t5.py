@@ -290,7 +290,11 @@ def export_type(cfg: ModelConfig) -> str:
                 not cfg.scale_embeddings and not cfg.final_logits_bias,
                 "unscaled embeddings, no logits bias",
             ),  # fmt: skip
-            (not cfg.blocked_ids and not cfg.forced_eos_ids, "no blocked or forced tokens"),
+            (
+                not cfg.blocked_ids and not cfg.forced_eos_ids and cfg.forced_bos_id is None,
+                "no blocked or forced tokens",
+            ),
+            (not cfg.embedding_norm, "no norm on the embeddings (embedding_norm false)"),
         ]
         layout = "T5"
     missing += [what for ok, what in checks if not ok]

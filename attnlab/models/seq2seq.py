@@ -4,6 +4,10 @@
     h_l = Block_l(h_{l-1}, m)                               masked self-attn, cross-attn to m, FFN
     logits = W_out h_L (+ b)                                W_out tied to E_tgt or separate
 
+BART (Lewis et al. 2020) and mBART learn P (``position.kind`` learned, its rows read from
+``position_offset`` on: transformers' offset of 2) and normalise the embedded tokens before the
+first block (``embedding_norm``); mBART's blocks are pre-norm, with a final norm per stack.
+
 T5 (Raffel et al. 2020) has no P: each stack's self-attention scores get a learned bias by
 relative position (``position.kind`` relative_bias, ``nn/position_bias.py``), and its tied
 head reads d^-1/2 h_L (``scale_decoder_output``).
@@ -67,7 +71,13 @@ class Seq2SeqConfig(ModelConfig):
     search) only these tokens (transformers' ``forced_eos_token_id``: Marian's end token), so a
     length-limited output ends with one (its log-probability then counted as 0, as there).
     ``scale_decoder_output``: the head reads the decoder's output times d_model^-1/2 (T5 with
-    tied embeddings: transformers' ``scale_decoder_outputs``)."""
+    tied embeddings: transformers' ``scale_decoder_outputs``). ``embedding_norm``: a norm
+    (``norm``'s kind) on each stack's embedded tokens, positions added, before the first block
+    (BART's ``layernorm_embedding``). ``position_offset``: learned position tables have
+    ``max_seq_len + position_offset`` rows and position p reads row p + position_offset (BART's
+    2; the rows below are never read). ``forced_bos_id``: the only token ``generate`` allows at
+    the first step (transformers' ``forced_bos_token_id``: BART's bos after its start token),
+    its log-probability counted as 0."""
 
     arch: str = "seq2seq"
     attention: AttentionConfig = field(
@@ -90,6 +100,8 @@ class Seq2SeqConfig(ModelConfig):
     renormalize_logits: bool = False
     forced_eos_ids: list[int] = field(default_factory=list)
     scale_decoder_output: bool = False
+    position_offset: int = 0
+    forced_bos_id: int | None = None
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -116,6 +128,19 @@ class Seq2SeqConfig(ModelConfig):
             for value in getattr(self, name):
                 if not 0 <= value < self.vocab_size:
                     _fail(at(name), f"must hold token ids in [0, {self.vocab_size}), got {value}")
+        if self.forced_bos_id is not None and not 0 <= self.forced_bos_id < self.vocab_size:
+            _fail(
+                at("forced_bos_id"),
+                f"must be a token id in [0, {self.vocab_size}), got {self.forced_bos_id}",
+            )
+        if self.position_offset < 0:
+            _fail(at("position_offset"), f"must be >= 0, got {self.position_offset}")
+        if self.position_offset and self.position.kind != "learned":
+            _fail(
+                at("position_offset"),
+                f"offsets learned position tables; position.kind is {self.position.kind!r} "
+                "(set position_offset to 0)",
+            )
         if self.eos_id in self.blocked_ids:
             _fail(at("blocked_ids"), f"holds eos_id={self.eos_id}: decoding could never end")
 
@@ -147,8 +172,9 @@ class Seq2SeqModel(LoadableModel):
         self.tgt_emb = self.src_emb if cfg.share_embeddings else nn.Embedding(cfg.vocab_size, d)
         self.src_pos = self.tgt_pos = None
         if cfg.position.kind == "learned":
-            self.src_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
-            self.tgt_pos = LearnedPositionalEmbedding(cfg.max_seq_len, d)
+            rows = cfg.max_seq_len + cfg.position_offset
+            self.src_pos = LearnedPositionalEmbedding(rows, d)
+            self.tgt_pos = LearnedPositionalEmbedding(rows, d)
         # a bias on the self-attention scores, one per stack (T5's relative position bias)
         self.src_pos_bias = build_position_bias(
             cfg.position, cfg.n_heads, bidirectional=True, n_layers=cfg.n_layers
@@ -157,6 +183,9 @@ class Seq2SeqModel(LoadableModel):
             cfg.position, cfg.n_heads, bidirectional=False, n_layers=cfg.decoder_layers
         )
         self.emb_scale = d**0.5 if cfg.scale_embeddings else 1.0
+        # a norm on each stack's embeddings (BART's layernorm_embedding)
+        self.src_emb_norm = build_norm(cfg.norm, d) if cfg.embedding_norm else nn.Identity()
+        self.tgt_emb_norm = build_norm(cfg.norm, d) if cfg.embedding_norm else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
         self.encoder = TransformerStack(cfg, cfg.n_layers, causal=False)
         self.decoder = TransformerStack(cfg, cfg.decoder_layers, causal=True, cross_attention=True)
@@ -187,7 +216,16 @@ class Seq2SeqModel(LoadableModel):
         elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
             m.init_weights(self.cfg.init_std)
 
-    def _embed(self, ids: Tensor, emb: nn.Embedding, pos: nn.Module | None, positions: Tensor):
+    def _embed(
+        self,
+        ids: Tensor,
+        emb: nn.Embedding,
+        pos: nn.Module | None,
+        positions: Tensor,
+        norm: nn.Module | None = None,
+    ):
+        """Token ids (b, t) -> embedded inputs (b, t, d): scaled embeddings plus positions,
+        then ``norm`` (a stack's embedding norm) where given, then dropout."""
         x = emb(ids) * self.emb_scale  # (b, t, d)
         if self.cfg.position.kind == "sinusoidal":
             # (.., t, d) interleaved; float64 in a float64 model
@@ -196,8 +234,8 @@ class Seq2SeqModel(LoadableModel):
                 table = torch.cat((table[..., 0::2], table[..., 1::2]), dim=-1)
             x = x + table.to(x.dtype)
         elif pos is not None:
-            x = x + pos(positions)
-        return self.drop(x)
+            x = x + pos(positions + self.cfg.position_offset)
+        return self.drop(norm(x) if norm is not None else x)
 
     def _check_length(self, n: int) -> None:
         if self.cfg.position.kind == "learned" and n > self.cfg.max_seq_len:
@@ -209,7 +247,7 @@ class Seq2SeqModel(LoadableModel):
         check_padding_mask("src_mask", src_mask, b, s)
         self._check_length(s)
         positions = torch.arange(src.shape[1], device=src.device)[None, :]
-        x = self._embed(src, self.src_emb, self.src_pos, positions)
+        x = self._embed(src, self.src_emb, self.src_pos, positions, self.src_emb_norm)
         mask = real = None
         if src_mask is not None:
             mask = padding_mask(src_mask)  # (b, 1, 1, s)
@@ -244,7 +282,7 @@ class Seq2SeqModel(LoadableModel):
         else:  # no host read (a graph break in compiled training)
             positions = key_positions = torch.arange(t, device=tgt.device)[None, :]
             self._check_length(t)
-        x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions)
+        x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions, self.tgt_emb_norm)
         real = tgt_mask.bool().expand(b, t) if tgt_mask is not None else None
         # the query's true position against every key's (a cached step: all those held)
         bias = (
@@ -373,12 +411,16 @@ class Seq2SeqModel(LoadableModel):
                 blocked_ids=self.cfg.blocked_ids,
                 renormalize=self.cfg.renormalize_logits,
                 forced_last_ids=self.cfg.forced_eos_ids,
+                forced_first_ids=self._forced_first(),
             )
         finally:
             restore(modes)
         if n_best == 1:
             return [row[0].tokens for row in hyps]
         return [[h.tokens for h in row] for row in hyps]
+
+    def _forced_first(self) -> list[int]:
+        return [] if self.cfg.forced_bos_id is None else [self.cfg.forced_bos_id]
 
     def _greedy(self, start, memory, src_mask, max_new_tokens, use_cache) -> list[list[int]]:
         from attnlab.generation import block_tokens, force_tokens
@@ -395,6 +437,8 @@ class Seq2SeqModel(LoadableModel):
                 h = self.decode(step_in, mem, src_mask, cache=cache)
                 mem = None  # cross keys/values are cached
             scores = block_tokens(self.logits(h[:, -1]), self.cfg.blocked_ids)  # (b, V)
+            if step == 0:
+                scores = force_tokens(scores, self._forced_first())
             if step == max_new_tokens - 1:
                 scores = force_tokens(scores, self.cfg.forced_eos_ids)
             nxt = scores.argmax(-1)  # (b,)
