@@ -61,7 +61,8 @@ class HFCases:
     ``vocab_size``, no special tokens and eager attention (the reference path), then every
     weight drawn far from its init: norm weights (``is_norm(name, p)``; default: "norm" in
     the name) uniform in ``norms`` around the family's identity value, every other parameter
-    (biases too) normal with std 0.3."""
+    (biases too) normal with std 0.3. ``attn_implementation``: transformers' attention path
+    (eager, the reference, unless the family's eager path is the one that is wrong)."""
 
     config_class: str
     model_class: str
@@ -69,6 +70,7 @@ class HFCases:
     vocab_size: int
     norms: tuple[float, float]
     is_norm: Callable[[str, torch.Tensor], bool] | None = None
+    attn_implementation: str = "eager"
 
     def randomize(self, model: torch.nn.Module, seed: int) -> None:
         """The family's rule on any model: a transformers one or an attnlab one."""
@@ -78,7 +80,7 @@ class HFCases:
         cfg = getattr(transformers, self.config_class)(
             vocab_size=self.vocab_size, **self.cases[case], **NO_SPECIAL
         )
-        cfg._attn_implementation = "eager"
+        cfg._attn_implementation = self.attn_implementation
         return cfg
 
     def model(self, case: str, seed: int = 0) -> torch.nn.Module:

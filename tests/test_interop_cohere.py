@@ -13,27 +13,23 @@ Shapes: b batch, t length, V vocabulary.
 
 from __future__ import annotations
 
-import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_logits,
     left_padded_batch,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.config import ConfigError, NormConfig  # noqa: E402
-from attnlab.interop import (  # noqa: E402
+from attnlab.config import ConfigError, NormConfig
+from attnlab.interop import (
     HFCheckpointError,
     config_from_hf,
     config_to_hf,
@@ -41,16 +37,12 @@ from attnlab.interop import (  # noqa: E402
     load_hf,
     save_hf,
 )
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.nn.norm import build_norm  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.models.decoder import DecoderLM
+from attnlab.nn.norm import build_norm
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 2e-5  # float32, logits up to ~10 through 2 layers (op order)
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # GQA 4/2, head_dim d / h, a tied head (CohereConfig's default), a logit scale of
     # 5/6 (Command R+'s, no power of two: its product rounds unlike a division by 1.2),
@@ -103,33 +95,8 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights in [0.5, 1.5) (transformers starts them at one), biases (zero at init)
-    and every other weight random."""
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5))
-
-
-def _hf_config(case: str):
-    cfg = transformers.CohereConfig(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _hf_model(case: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.CohereForCausalLM(_hf_config(case))
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+HF = HFCases("CohereConfig", "CohereForCausalLM", CASES, V, norms=(0.5, 1.5))
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -265,7 +232,7 @@ def test_logit_scale_multiplies_the_logits():
     cfg = get_preset("cohere-tiny").override({"vocab_size": V, "logit_scale": scale})
     torch.manual_seed(0)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=1)
+    HF.randomize(model, seed=1)
     idx = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(2))
     logits = model(idx).logits
     plain = DecoderLM(cfg.override({"logit_scale": 1.0})).eval()
@@ -346,7 +313,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "cohere"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -386,7 +353,7 @@ def test_export_round_trip(name, tmp_path):
 def test_config_round_trips(case):
     """config.json -> attnlab -> config.json keeps every key transformers' Cohere reads,
     and attnlab -> config.json -> attnlab is the same config (the logit scale exactly)."""
-    hf = _hf_config(case).to_dict()
+    hf = HF.config(case).to_dict()
     cfg = config_from_hf(hf)
     written = config_to_hf(cfg)
     assert (written["model_type"], written["architectures"]) == ("cohere", ["CohereForCausalLM"])
@@ -419,7 +386,7 @@ def test_config_round_trips(case):
 def test_missing_rope_theta_is_cohere_configs_default():
     """Without rope_theta or RoPE parameters, CohereConfig's base (default_theta), not
     10000, as transformers fills it."""
-    hf = {k: v for k, v in _hf_config("gqa-tied-scale").to_dict().items() if k != "rope_parameters"}
+    hf = {k: v for k, v in HF.config("gqa-tied-scale").to_dict().items() if k != "rope_parameters"}
     filled = transformers.CohereConfig(**{k: v for k, v in hf.items() if k != "model_type"})
     assert config_from_hf(hf).position.rope_theta == filled.rope_parameters["rope_theta"]
 
@@ -444,7 +411,7 @@ def test_missing_rope_theta_is_cohere_configs_default():
          "dynamic-rope", "head"],
 )  # fmt: skip
 def test_config_it_cannot_hold_is_refused_by_name(changes, named):
-    hf = {**_hf_config("gqa-tied-scale").to_dict(), **changes}
+    hf = {**HF.config("gqa-tied-scale").to_dict(), **changes}
     with pytest.raises(HFCheckpointError, match=re.escape(named)):
         config_from_hf(hf)
 

@@ -13,35 +13,27 @@ Shapes: b batch, t length, V vocabulary, h heads, h_kv key/value heads, d_h head
 
 from __future__ import annotations
 
-import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_training_loss,
     left_padded_batch,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
-from attnlab.interop.falcon import grouped_rows  # noqa: E402
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
+from attnlab.interop.falcon import grouped_rows
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 1e-5  # float32 logits up to ~10 (weights of std 0.3): observed up to 8e-6
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # Falcon-7B's block: old architecture, one input_layernorm read by attention and MLP,
     # multi-query (3 query heads of 16, one key/value head), no biases, a tied head
@@ -109,31 +101,14 @@ SCALINGS = {"sequential-mha-bias": "linear", "40b-grouped": "yarn"}  # (the othe
 
 
 def _is_norm_weight(name: str, p: torch.Tensor) -> bool:
+    """LayerNorm weights in [0.5, 1.5), every other parameter (their biases too) random."""
     return ("norm" in name or ".ln_" in name or "layernorm" in name) and name.endswith("weight")
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """LayerNorm weights in [0.5, 1.5), every other parameter (their biases too) random."""
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5), is_norm=_is_norm_weight)
-
-
-def _hf_model(case: str, seed: int = 0):
-    cfg = transformers.FalconConfig(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.FalconForCausalLM(cfg)
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+HF = HFCases(
+    "FalconConfig", "FalconForCausalLM", CASES, V, norms=(0.5, 1.5), is_norm=_is_norm_weight
+)
+imported = HF.imported_fixture()
 
 
 def _per_query_head(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -228,7 +203,7 @@ def test_training_loss_and_gradients_match_transformers(imported):
 def test_headless_falcon_model_loads_with_the_tied_head(tmp_path):
     """A FalconModel folder (no ``transformer.`` prefix, no head) loads; its tied head gives
     the logits of its last hidden states times the embedding."""
-    ref = _hf_model("7b-shared-mqa", seed=5)
+    ref = HF.model("7b-shared-mqa", seed=5)
     ref.transformer.save_pretrained(tmp_path)
     model = load_hf(tmp_path)
     idx = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -303,7 +278,7 @@ def test_export_round_trip(name, tmp_path):
     assert cfg.norm.placement == placement
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "falcon"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
@@ -344,7 +319,7 @@ def test_missing_biases_are_written_as_zeros_and_read_back_as_such(tmp_path):
     cfg = _tiny(**{"ffn.bias": True, "norm.bias": False})
     torch.manual_seed(3)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=3)
+    HF.randomize(model, seed=3)
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
     assert not stored["transformer.h.1.self_attention.query_key_value.bias"].any()

@@ -15,34 +15,26 @@ Shapes: b batch, t length, V vocabulary, h heads, d_h head dim.
 
 from __future__ import annotations
 
-import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_training_loss,
     left_padded_batch,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 1e-5  # float32 logits up to ~5 (weights of std 0.3): observed up to 2e-6
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 RW = dict(alibi=True, new_decoder_architecture=False)
 CASES = {
     # Falcon-RW's block: sequential, one key/value head per query head (12 of 4: the last
@@ -60,32 +52,22 @@ CASES = {
 }  # fmt: skip
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _is_norm(name: str, p: torch.Tensor) -> bool:
     """LayerNorm weights in [0.5, 1.5), every other parameter (their biases too) random."""
-
-    def is_norm(name: str, p: torch.Tensor) -> bool:
-        return p.dim() == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight")
-
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5), is_norm=is_norm)
+    return p.dim() == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight")
 
 
-def _hf_model(case: str, seed: int = 0):
-    cfg = transformers.FalconConfig(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "sdpa"  # (see the module docstring)
-    torch.manual_seed(seed)
-    model = transformers.FalconForCausalLM(cfg)
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+# transformers' SDPA path, not its eager one (see the module docstring)
+HF = HFCases(
+    "FalconConfig",
+    "FalconForCausalLM",
+    CASES,
+    V,
+    norms=(0.5, 1.5),
+    is_norm=_is_norm,
+    attn_implementation="sdpa",
+)
+imported = HF.imported_fixture()
 
 
 def test_import_config(imported):
@@ -174,7 +156,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "falcon"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")

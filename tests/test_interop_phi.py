@@ -11,36 +11,28 @@ Shapes: b batch, t length, V vocabulary, h heads, d_h head dim.
 
 from __future__ import annotations
 
-import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from oracle import (  # noqa: E402
+import pytest
+import torch
+from hf_cases import HFCases, transformers
+from oracle import (
     assert_greedy_tokens_match_hf,
     assert_left_padded_logits_match_hf,
     assert_logits_match_hf,
     hf_training_loss,
     left_padded_batch,
-    randomize_weights,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from attnlab.config import ConfigError  # noqa: E402
-from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf  # noqa: E402
-from attnlab.models import build_model  # noqa: E402
-from attnlab.models.decoder import DecoderLM  # noqa: E402
-from attnlab.presets import get_preset  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-transformers.utils.logging.disable_progress_bar()
+from attnlab.config import ConfigError
+from attnlab.interop import HFCheckpointError, config_from_hf, hf_model_type, load_hf, save_hf
+from attnlab.models import build_model
+from attnlab.models.decoder import DecoderLM
+from attnlab.presets import get_preset
 
 V = 97
 TOL = 1e-5  # float32 logits up to ~15 (weights of std 0.3): observed up to 7e-6
-NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CASES = {
     # Phi-2's block: 3 heads of 16, int(16 * 0.4) = 6 features rotated (3 pairs), base 100
     "phi2-like": dict(
@@ -89,32 +81,13 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _is_norm(name: str, p: torch.Tensor) -> bool:
     """LayerNorm weights in [0.5, 1.5), every other parameter (biases too) random."""
-
-    def is_norm(name: str, p: torch.Tensor) -> bool:
-        return ("norm" in name or "layernorm" in name) and name.endswith("weight")
-
-    randomize_weights(model, seed, std=0.3, norms=(0.5, 1.5), is_norm=is_norm)
+    return ("norm" in name or "layernorm" in name) and name.endswith("weight")
 
 
-def _hf_model(case: str, seed: int = 0):
-    cfg = transformers.PhiConfig(vocab_size=V, **CASES[case], **NO_SPECIAL)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.PhiForCausalLM(cfg)
-    _randomize(model, seed)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(CASES))
-def imported(request, tmp_path_factory):
-    """(case, transformers model, attnlab model loaded from its save_pretrained folder)."""
-    case = request.param
-    ref = _hf_model(case, seed=list(CASES).index(case))
-    path = tmp_path_factory.mktemp(case)
-    ref.save_pretrained(path)
-    return case, ref, load_hf(path)
+HF = HFCases("PhiConfig", "PhiForCausalLM", CASES, V, norms=(0.5, 1.5), is_norm=_is_norm)
+imported = HF.imported_fixture()
 
 
 def test_import_config_and_weights(imported):
@@ -257,7 +230,7 @@ def test_export_round_trip(name, tmp_path):
     cfg = EXPORTS[name]
     torch.manual_seed(20)
     model = DecoderLM(cfg).eval()
-    _randomize(model, seed=len(name))
+    HF.randomize(model, seed=len(name))
     assert hf_model_type(cfg) == "phi"
     save_hf(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
