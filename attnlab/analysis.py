@@ -70,9 +70,9 @@ def _norm_params(norm: NormConfig, d: int) -> int:
 
 def _position_extras(cfg: ModelConfig) -> int:
     """A decoder's parameters outside its blocks besides the embeddings, head and final
-    norm: the embedding LayerNorm (``embedding_norm``) and a relative-bias table (one per
+    norm: the embedding norm (``embedding_norm``) and a relative-bias table (one per
     layer with ``relative_bias_per_layer``). ALiBi has none (its slopes are fixed)."""
-    n = (2 * cfg.d_model if cfg.norm.bias else cfg.d_model) if cfg.embedding_norm else 0
+    n = _norm_params(cfg.norm, cfg.d_model) if cfg.embedding_norm else 0
     pos = cfg.position
     if pos.kind == "relative_bias":
         tables = cfg.n_layers if pos.relative_bias_per_layer else 1

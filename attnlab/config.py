@@ -1092,10 +1092,10 @@ class ModelConfig(_Config):
     # forms it: dividing by 1 / logit_scale would round differently), after any
     # logit_divisor and before any final_logit_softcap. Decoder only (1: none).
     logit_scale: float = 1.0
-    # A norm (norm.kind, bias as norm.bias, epsilon norm.eps) on the token embeddings before
-    # the first block: BLOOM's word_embeddings_layernorm, BERT's embedding LayerNorm (on by
-    # default in the encoder), BART's layernorm_embedding (in each seq2seq stack, positions
-    # added). Decoder, encoder and seq2seq only.
+    # A norm on the token embeddings before the first block: BLOOM's word_embeddings_layernorm
+    # and BART's layernorm_embedding (in each seq2seq stack, positions added), of norm.kind;
+    # BERT's embedding LayerNorm (on by default in the encoder), a LayerNorm. Bias as
+    # norm.bias, epsilon norm.eps. Decoder, encoder and seq2seq only.
     embedding_norm: bool = False
     dropout: float = 0.0  # embedding and residual dropout
     init_std: float = 0.02

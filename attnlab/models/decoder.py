@@ -1,7 +1,7 @@
 """Decoder-only language model (GPT-2, LLaMA, ... are presets of this one class).
 
     h_0 = E[idx] (* sqrt(d)) (* m_e) (+ P[positions])  token (+ absolute position) embedding
-    h_0 = LayerNorm(h_0)                     (embedding_norm: BLOOM's)
+    h_0 = norm(h_0)                          (embedding_norm: BLOOM's LayerNorm)
     h_l = Block_l(h_{l-1})                   causal self-attention + feed-forward
     logits = (W_out norm(h_L) (+ b)) (/ s) (* c_l)  W_out tied to E or separate; b: Phi's, GPT-J's
     logits = c tanh(logits / c)              soft-capped (Gemma 2): c = final_logit_softcap
@@ -100,10 +100,8 @@ class DecoderLM(LoadableModel):
             cfg.position, cfg.n_heads, bidirectional=False, n_layers=cfg.n_layers,
             score_scale=scale,
         )  # fmt: skip
-        # (BLOOM's word_embeddings_layernorm, as the encoder's embedding LayerNorm)
-        self.emb_norm = (
-            nn.LayerNorm(d, eps=cfg.norm.eps, bias=cfg.norm.bias) if cfg.embedding_norm else None
-        )
+        # (BLOOM's word_embeddings_layernorm: a norm of norm.kind, as the seq2seq model's)
+        self.emb_norm = build_norm(cfg.norm, d) if cfg.embedding_norm else None
         self.drop = dropout(cfg.dropout)
         self.blocks = TransformerStack(cfg, causal=True, rope=self.rope, local_rope=self.local_rope)
         # Post-norm blocks already end in a norm; pre-norm (sandwich, post-sublayer) stacks
