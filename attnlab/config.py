@@ -392,6 +392,9 @@ class AttentionConfig(_Config):
     # The softmax scale of q . k: None is 1 / sqrt(head_dim); Gemma 3 sets
     # query_pre_attn_scalar**-0.5. Multi-head attention only.
     scale: float | None = None
+    # Clamp every q, k and v feature to [-clip_qkv, clip_qkv] straight after the projection
+    # (MPT's clip_qkv, before the split into heads). None: no clamp. Multi-head attention only.
+    clip_qkv: float | None = None
     # Attention logit soft-capping (Gemma 2): the scaled scores become
     # softcap * tanh(scores / softcap) before the mask. None: no cap. Multi-head attention
     # only, with a backend that caps the scores: eager, flash, triton or flex (not sdpa).
@@ -606,6 +609,10 @@ class AttentionConfig(_Config):
         _positive(f"{path}.scale", self.scale)
         if self.scale is not None and self.kind != "mha":
             _fail(f"{path}.scale", f"is implemented by attention.kind='mha' only, not "
+                  f"{self.kind!r}; set it to null")  # fmt: skip
+        _positive(f"{path}.clip_qkv", self.clip_qkv)
+        if self.clip_qkv is not None and self.kind != "mha":
+            _fail(f"{path}.clip_qkv", f"is implemented by attention.kind='mha' only, not "
                   f"{self.kind!r}; set it to null")  # fmt: skip
         self._validate_softcap(path)
         if not 0.0 <= self.dropout < 1.0:

@@ -1782,6 +1782,53 @@ def bloom(size: str) -> ModelConfig:
     return bloom_style(d_model=d, n_layers=n_layers, n_heads=n_heads)
 
 
+def mpt_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int = 50432,
+    max_seq_len: int = 2048,
+) -> ModelConfig:
+    """MPT (MosaicML 2023): ALiBi biases (largest 8) added after the softmax scale, no norm
+    on the embeddings, pre-norm blocks, no biases anywhere (LayerNorms included), a fused
+    q/k/v projection, a 4d MLP with the exact GELU, a head tied to the embedding. ALiBi has
+    no context limit: ``max_seq_len`` (the training sequences) is the default cache size."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads),
+        position=PositionConfig(kind="alibi", alibi_max_bias=8.0),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=4 * d_model, bias=False),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=False, placement="pre"),
+        tie_embeddings=True,
+    )
+
+
+def mpt_tiny() -> ModelConfig:
+    """MPT's architecture in 2 layers, d_model 64, 4 heads of 16 (slopes 1/4, 1/16, 1/64,
+    1/256), a 256-token vocabulary: CPU-trainable, for tests."""
+    return mpt_style(vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4)
+
+
+# mosaicml/mpt-* config.json (recalled, not read here; tests/test_analysis.py checks each
+# count against transformers' MptForCausalLM of that config.json): size -> (d_model,
+# n_layers, n_heads, max_seq_len), both with the 50432-token vocabulary, expansion_ratio 4
+# and alibi_bias_max 8.
+MPT_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "7b": (4096, 32, 32, 2048),  # 6,649,286,656
+    "30b": (7168, 48, 64, 8192),  # 29,957,200,896
+}
+
+
+def mpt(size: str) -> ModelConfig:
+    """mosaicml/mpt-``size`` (:data:`MPT_SIZES`)."""
+    d, n_layers, n_heads, context = MPT_SIZES[size]
+    return mpt_style(d_model=d, n_layers=n_layers, n_heads=n_heads, max_seq_len=context)
+
+
 def t5_style(
     *,
     d_model: int,
@@ -2318,6 +2365,20 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         )
         for (size, (d, n, h)), total in zip(
             BLOOM_SIZES.items(), ("559M", "1.07B", "1.72B", "3.00B", "7.07B", "176.2B"), strict=True
+        )
+    },
+    "mpt-tiny": (
+        mpt_tiny,
+        "MPT architecture: ALiBi, no biases, pre-norm, exact GELU, fused q/k/v; 2 layers",
+    ),
+    **{
+        f"mpt-{size}": (
+            lambda size=size: mpt(size),
+            f"MPT-{size.upper()}, {total} (d_model {d}, {n} layers, {h} heads, ALiBi, no "
+            f"biases, tied, {ctx // 1024}k context)",
+        )
+        for (size, (d, n, h, ctx)), total in zip(
+            MPT_SIZES.items(), ("6.65B", "29.96B"), strict=True
         )
     },
     "t5-tiny": (

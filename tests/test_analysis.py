@@ -258,6 +258,10 @@ def test_moe_matmul_parameters_count_only_active_experts():
         ("bloom-7b1", 7_069_016_064),
         ("bloom", 176_247_271_424),
         ("falcon-rw-1b", 1_311_625_216),
+        # mosaicml/mpt-7b and mpt-30b: transformers' counts of their config.json (recalled;
+        # MosaicML's "6.7B" and "30B")
+        ("mpt-7b", 6_649_286_656),
+        ("mpt-30b", 29_957_200_896),
     ],
 )
 def test_published_parameter_totals(name, total):
@@ -531,6 +535,17 @@ _FALCON_RW_1B = dict(
     alibi=True, bias=True, multi_query=False, parallel_attn=False,
     new_decoder_architecture=False, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
+# mosaicml/mpt-7b and mpt-30b config.json (recalled; MosaicML's training keys that neither
+# library reads (attn_impl, init_config, ...) left out)
+_MPT = dict(
+    model_type="mpt", architectures=["MptForCausalLM"], vocab_size=50432, d_model=4096,
+    n_heads=32, n_layers=32, expansion_ratio=4, max_seq_len=2048, no_bias=True,
+    learned_pos_emb=True, resid_pdrop=0, emb_pdrop=0, embedding_fraction=1.0, logit_scale=None,
+    norm_type="low_precision_layernorm", init_device="cpu", use_cache=False,
+    attn_config=dict(alibi=True, alibi_bias_max=8, attn_impl="torch", attn_pdrop=0,
+                     attn_type="multihead_attention", attn_uses_sequence_id=False,
+                     clip_qkv=None, prefix_lm=False, qk_ln=False, softmax_scale=None),
+)  # fmt: skip
 # bigscience/bloom-560m ... bloom config.json (recalled; their Megatron training keys, read
 # by neither library, left out)
 _BLOOM = dict(
@@ -725,6 +740,8 @@ CONFIG_JSON = {
     "falcon-40b": dict(_FALCON, hidden_size=8192, num_hidden_layers=60,
                        num_attention_heads=128, num_kv_heads=8, new_decoder_architecture=True),
     "falcon-rw-1b": _FALCON_RW_1B,
+    "mpt-7b": _MPT,
+    "mpt-30b": dict(_MPT, d_model=7168, n_heads=64, n_layers=48, max_seq_len=8192),
     "bloom-560m": dict(_BLOOM, hidden_size=1024, n_layer=24, n_head=16),
     "bloom-1b1": dict(_BLOOM, hidden_size=1536, n_layer=24, n_head=16),
     "bloom-1b7": dict(_BLOOM, hidden_size=2048, n_layer=24, n_head=16),

@@ -651,10 +651,12 @@ def test_export_refuses_a_qk_norm_of_another_kind_by_name(preset, changes, named
 
 def test_export_picks_the_alibi_families():
     """ALiBi decoders with LayerNorm and an MLP: bloom where the bias is added after the
-    scale (BLOOM's), falcon where it is scaled with q . k (Falcon-RW's), in any of Falcon's
-    block layouts; what neither holds, and ALiBi or an embedding norm reaching another
-    family, refused by name."""
+    scale with a norm on the embeddings (BLOOM's), mpt without one (MPT's, its softmax scale
+    and clamped projections included), falcon where it is scaled with q . k (Falcon-RW's),
+    in any of Falcon's block layouts; what none holds, and ALiBi, an embedding norm or
+    clamped projections reaching another family, refused by name."""
     bloom = get_preset("bloom-tiny").override({"vocab_size": VOCAB})
+    mpt = get_preset("mpt-tiny").override({"vocab_size": VOCAB})
     rw = get_preset("falcon-rw-1b").override(
         {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "attention.n_heads": 4,
          "ffn.hidden_dim": 128, "max_seq_len": 64}
@@ -664,8 +666,19 @@ def test_export_picks_the_alibi_families():
     for layout in ("parallel_shared", "parallel"):
         assert hf_model_type(_with(rw, **{"norm.placement": layout})) == "falcon"
     assert hf_model_type(_with(rw, **{"attention.n_kv_heads": 1})) == "falcon"
+    assert hf_model_type(mpt) == "mpt"
+    assert hf_model_type(_with(mpt, **{"attention.scale": 0.3, "attention.clip_qkv": 1.0})) == "mpt"
+    # an embedding norm is BLOOM's: MPT's layout with one and BLOOM's GELU exports as bloom
+    as_bloom = _with(mpt, **{"embedding_norm": True, "ffn.activation": "gelu_tanh"})
+    assert hf_model_type(as_bloom) == "bloom"
     refused = [
-        (bloom, {"embedding_norm": False}, "embedding_norm=false (BLOOM normalises"),
+        (bloom, {"embedding_norm": False}, "attention.qkv_bias (MPT has no biases"),
+        (mpt, {"embedding_norm": True}, "ffn.activation='gelu' (BLOOM's is the tanh GELU"),
+        (mpt, {"position.alibi_max_bias": 4.0}, "alibi_max_bias=4.0 (transformers' MPT builds"),
+        (mpt, {"ffn.hidden_dim": 96}, "ffn.hidden_dim=96 (transformers' MPT MLP is 4 d_model"),
+        (mpt, {"norm.bias": True}, "norm.bias (MPT has no biases"),
+        (mpt, {"position.alibi_scaled": True}, "alibi_bfloat16=false (transformers' Falcon"),
+        (as_bloom, {"attention.clip_qkv": 1.0}, "attention.clip_qkv (bloom does not clamp"),
         (bloom, {"position.alibi_max_bias": 4.0}, "alibi_max_bias=4.0 (BLOOM's slopes have 8)"),
         (bloom, {"ffn.activation": "gelu"}, "ffn.activation='gelu' (BLOOM's is the tanh GELU"),
         (bloom, {"attention.n_kv_heads": 2}, "n_kv_heads=2 (BLOOM has one key/value head"),
@@ -1202,8 +1215,8 @@ def test_config_rope_without_a_required_key_is_refused(params):
 
 
 def test_config_errors():
-    with pytest.raises(HFCheckpointError, match="model_type 'mpt' is not supported") as err:
-        config_from_hf({"model_type": "mpt"})
+    with pytest.raises(HFCheckpointError, match="model_type 'codegen' is not supported") as err:
+        config_from_hf({"model_type": "codegen"})
     listed = str(err.value).split("supported: ")[1].split(", ")
     assert sorted(listed) == sorted(SUPPORTED_MODEL_TYPES)
     assert {"gpt2", "llama", "qwen3_moe", "deepseek_v32", "bert", "marian", "vit"} <= set(listed)
@@ -1265,9 +1278,9 @@ def test_missing_files(saved_llama, tmp_path_factory):
 
 def test_unsupported_model_type_dir(saved_llama):
     config = json.loads((saved_llama / "config.json").read_text())
-    config["model_type"] = "mpt"
+    config["model_type"] = "codegen"
     (saved_llama / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HFCheckpointError, match="model_type 'mpt' is not supported"):
+    with pytest.raises(HFCheckpointError, match="model_type 'codegen' is not supported"):
         load_hf(saved_llama)
 
 

@@ -397,10 +397,10 @@ def test_missing_or_misshaped_tensor_is_named(family, tmp_path):
 def test_unsupported_model_type_is_one_error_listing_the_supported(tmp_path, capsys):
     path = tmp_path / "hf"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "mpt"}))
+    (path / "config.json").write_text(json.dumps({"model_type": "codegen"}))
     assert main(["import-hf", str(path), str(tmp_path / "ckpt")]) != 0
     err = capsys.readouterr().err
-    assert "model_type 'mpt' is not supported" in err
+    assert "model_type 'codegen' is not supported" in err
     assert ", ".join(SUPPORTED_MODEL_TYPES) in err
     assert set(SUPPORTED_MODEL_TYPES) >= {"deepseek_v2", "deepseek_v3", "bert", "marian", "vit"}
 

@@ -336,6 +336,12 @@ MINIMAL: dict[str, list[dict]] = {
         {"vocab_size": 100, "hidden_size": 64},
         {"vocab_size": 100, "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 6},
     ],
+    # MptConfig's d_model, n_heads and n_layers (2048, 16, 24: of 4 here), attn_config left
+    # to MptAttentionConfig; the aliases hidden_size, num_attention_heads, num_hidden_layers
+    "mpt": [
+        {"vocab_size": 100, "d_model": 64, "n_heads": 4, "n_layers": 2},
+        {"vocab_size": 100, "hidden_size": 48, "num_attention_heads": 6, "num_hidden_layers": 3},
+    ],
     # Falcon-RW: ALiBi instead of RoPE
     "falcon": [
         {"vocab_size": 100, "hidden_size": 142, "num_hidden_layers": 2},

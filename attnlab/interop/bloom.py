@@ -146,12 +146,14 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "bloom") -> ModelConfig
 
 def exports(cfg: ModelConfig) -> bool:
     """ALiBi decoders whose bias is added after the scale (BLOOM's; Falcon-RW scales it,
-    ``position.alibi_scaled``) with LayerNorm and an MLP in pre-norm blocks."""
+    ``position.alibi_scaled``) with a norm on the embeddings (MPT has none), LayerNorm and an
+    MLP in pre-norm blocks."""
     return (
         cfg.arch == "decoder"
         and cfg.attention.kind == "mha"
         and cfg.position.kind == "alibi"
         and not cfg.position.alibi_scaled
+        and cfg.embedding_norm
         and cfg.norm.kind == "layernorm"
         and cfg.norm.placement == "pre"
         and cfg.ffn.kind == "mlp"
@@ -163,7 +165,6 @@ def export_type(cfg: ModelConfig) -> str:
     as zeros)."""
     pos, d = cfg.position, cfg.d_model
     problems = [
-        (not cfg.embedding_norm, "embedding_norm=false (BLOOM normalises its embeddings)"),
         (pos.alibi_max_bias != MAX_BIAS,
          f"position.alibi_max_bias={pos.alibi_max_bias} (BLOOM's slopes have 8)"),
         (pos.alibi_bfloat16, "position.alibi_bfloat16 (BLOOM's bias is not rounded)"),

@@ -106,7 +106,9 @@ PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox", "phi", "gptj", "stablelm")
 # decoder model types whose head has a bias (final_logits_bias: lm_head.bias)
 HEAD_BIAS_TYPES = ("phi", "gptj")
 # the model_types that hold ALiBi position biases (BLOOM's unscaled, Falcon-RW's scaled)
-ALIBI_TYPES = ("bloom", "falcon")
+ALIBI_TYPES = ("bloom", "mpt", "falcon")
+# model types whose q/k/v projections may be clamped (attention.clip_qkv)
+CLIP_QKV_TYPES = ("mpt",)
 # GPT-OSS's own pieces, which no other exported architecture has: a learned sink logit per
 # head, the clamped SwiGLU, biases on the router's logits and on the experts
 GPT_OSS_TYPES = ("gpt_oss",)
@@ -190,8 +192,9 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
             # attention.scale is 1)
             others = {"seq2seq": "scale_embeddings", "encoder": "position.local_rope_theta"}
             gemma = [f for f in gemma_features(cfg) if f != others.get(cfg.arch)]
-            # (T5's unscaled scores, Granite's attention_multiplier: a softmax scale of their own)
-            if model_type in (*T5_TYPES, *GRANITE_TYPES):
+            # (T5's unscaled scores, Granite's attention_multiplier, MPT's softmax_scale: a
+            # softmax scale of their own)
+            if model_type in (*T5_TYPES, *GRANITE_TYPES, "mpt"):
                 gemma = [f for f in gemma if f != "attention.scale"]
             if gemma and model_type not in GEMMA_TYPES:
                 raise unrepresentable(
@@ -253,6 +256,11 @@ def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
                     f"position.kind='alibi' ({model_type} has no ALiBi; ALiBi decoders export "
                     f"as {' or '.join(ALIBI_TYPES)}: LayerNorm, an MLP)"
                 )
+            if cfg.attention.clip_qkv is not None and model_type not in CLIP_QKV_TYPES:
+                raise unrepresentable(
+                    f"attention.clip_qkv ({model_type} does not clamp its projections; clamped "
+                    f"ones export as {' or '.join(CLIP_QKV_TYPES)}: ALiBi, LayerNorm, an MLP)"
+                )
             if any(local_layers(cfg)) and model_type not in WINDOWED_TYPES:
                 raise unrepresentable(
                     f"attention.sliding_window ({model_type} attends to every position; "
@@ -313,7 +321,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     (interleaved pairs, no attention biases), ``phi`` in the other one-norm blocks (a partial
     rotation or a head bias, ``final_logits_bias``), else ``starcoder2``; ALiBi + LayerNorm
     + MLP -> ``bloom`` with the bias added after the scale (pre-norm blocks, a norm on the
-    embeddings), ``falcon`` with the bias scaled with q . k (Falcon-RW's);
+    embeddings), ``mpt`` without the embeddings' norm (no biases, an exact GELU), ``falcon``
+    with the bias scaled with q . k (Falcon-RW's);
     with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where

@@ -28,6 +28,7 @@ from attnlab.interop import (
     marian,
     mixtral,
     modernbert,
+    mpt,
     olmo2,
     opt,
     phi,
@@ -48,6 +49,9 @@ FAMILIES: tuple[Family, ...] = (
     # without bias and a gated feed-forward rotating whole heads (Cohere's), which no other
     # layout holds, and names what else it lacks
     cohere.FAMILY,
+    # next: the ALiBi decoders whose bias is added after the scale in pre-norm blocks with no
+    # norm on the embeddings, their own softmax scale included (which Gemma's would take)
+    mpt.FAMILY,
     # next: it takes every decoder with Granite's multipliers (embeddings, residual
     # branches, logits), which the other layouts would drop, and the LLaMA-shaped ones with
     # a softmax scale of their own that Gemma's layouts would otherwise take
@@ -60,8 +64,9 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.FAMILY,
     # next: every decoder with NoPE layers (SmolLM3's), which the other layouts would rotate
     smollm3.FAMILY,
-    # the ALiBi decoders whose bias is added after the scale, in pre-norm blocks (Falcon's
-    # takes those whose bias is scaled with q . k, Falcon-RW's)
+    # the ALiBi decoders whose bias is added after the scale, in pre-norm blocks, with a
+    # norm on the embeddings (MPT's take those without; Falcon's those whose bias is scaled
+    # with q . k, Falcon-RW's)
     bloom.FAMILY,
     # before GPT-NeoX: it takes the RoPE decoders with LayerNorm and an MLP in parallel blocks
     # with one shared norm, or two with grouped key/value heads, which GPT-NeoX's layout lacks

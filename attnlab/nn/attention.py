@@ -49,6 +49,7 @@ class MultiHeadAttention(nn.Module):
     ``cfg.scale``: the softmax scale (None: 1 / sqrt(d_h)); ``cfg.softcap``: the scores'
     soft cap (Gemma 2), in every path, cached ones too. ``bias``: a term the model adds to
     the scores (T5's relative position bias, ``nn/position_bias.py``), in every path too.
+    ``cfg.clip_qkv``: the projections clamped before the split into heads (MPT).
     """
 
     supports_documents = True  # forward takes doc_ids (packed documents)
@@ -75,6 +76,7 @@ class MultiHeadAttention(nn.Module):
         self.backend, self.attn_dropout = cfg.backend, cfg.dropout
         self.scale = cfg.scale  # None: attend's 1 / sqrt(d_h)
         self.softcap = cfg.softcap  # None: no cap on the scores
+        self.clip_qkv = cfg.clip_qkv  # None: the projections unclamped (MPT clamps them)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         if cross:
@@ -146,7 +148,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("a score bias is not supported with attention sinks or global tokens")
         causal, window = self.causal, None
         if self.cross:
-            q = self._normed_heads(self.q_norm, self.q(x), self.n_heads)  # (b, h, t, d_h)
+            q = self._normed_heads(self.q_norm, self._clip(self.q(x)), self.n_heads)
             if cache is not None:
                 k, v = cache.get(context, self._project_context)  # computed once per source
             elif context is None:
@@ -154,7 +156,7 @@ class MultiHeadAttention(nn.Module):
             else:
                 k, v = self._project_context(context)
         else:
-            qkv = self.qkv(x)  # (b, t, (h + 2 h_kv) d_h): [q; k; v]
+            qkv = self._clip(self.qkv(x))  # (b, t, (h + 2 h_kv) d_h): [q; k; v]
             if isinstance(cache, SinkKV):  # StreamingLLM: rotates by positions in the cache
                 q, k, v = qkv.split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
                 q = self._normed_heads(self.q_norm, q, self.n_heads)  # (b, h, t, d_h)
@@ -242,8 +244,12 @@ class MultiHeadAttention(nn.Module):
         q, k = qk.transpose(1, 2).split((self.n_heads, self.n_kv_heads), dim=1)  # (b, n, t, d_h)
         return q, k, self._heads(v, self.n_kv_heads)
 
+    def _clip(self, x: Tensor) -> Tensor:
+        """The projections clamped to [-clip_qkv, clip_qkv] (MPT's clip_qkv), else as they are."""
+        return x if self.clip_qkv is None else x.clamp(-self.clip_qkv, self.clip_qkv)
+
     def _project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
-        k, v = self.kv(context).split(self.kv_dim, dim=-1)
+        k, v = self._clip(self.kv(context)).split(self.kv_dim, dim=-1)
         k = self._normed_heads(self.k_norm, k, self.n_kv_heads)  # (b, h_kv, s, d_h)
         return k, self._heads(v, self.n_kv_heads)
 
