@@ -1829,6 +1829,70 @@ def mpt(size: str) -> ModelConfig:
     return mpt_style(d_model=d, n_layers=n_layers, n_heads=n_heads, max_seq_len=context)
 
 
+def bigcode_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int = 49152,
+    max_seq_len: int = 8192,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """GPT-BigCode (SantaCoder, StarCoder): GPT-2's pre-norm decoder (learned positions,
+    biased LayerNorms and projections, a tanh-GELU MLP of 4d, a tied head) with multi-query
+    attention, one key/value head shared by every query head. ``dropout`` on the embeddings,
+    each sublayer's output and the attention weights (0.1 in the released configs)."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads, n_kv_heads=1, qkv_bias=True, out_bias=True, dropout=dropout
+        ),
+        position=PositionConfig(kind="learned"),
+        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", hidden_dim=4 * d_model, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="pre"),
+        tie_embeddings=True,
+        dropout=dropout,
+    )
+
+
+def bigcode_tiny() -> ModelConfig:
+    """GPT-BigCode's architecture in 2 layers, d_model 64, 4 query heads of 16 sharing one
+    key/value head, 128 positions, a 256-token vocabulary, no dropout: CPU-trainable, for
+    tests."""
+    return bigcode_style(
+        vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, dropout=0.0
+    )
+
+
+# bigcode/* config.json (recalled, not read here; tests/test_interop_gpt_bigcode.py checks
+# each count against transformers' GPTBigCodeForCausalLM of that config.json): name ->
+# (n_embd, n_layer, n_head, vocab_size, n_positions), every one multi-query with an MLP of
+# 4 n_embd, the tanh GELU, dropouts of 0.1 and no tie_word_embeddings key (a tied head).
+# The counts are transformers' of these configs.
+BIGCODE_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "gpt_bigcode-santacoder": (2048, 24, 16, 49280, 2048),  # 1,124,886,528 parameters
+    "starcoderbase-1b": (2048, 24, 16, 49152, 8192),  # 1,137,207,296
+    "starcoderbase-3b": (2816, 36, 22, 49152, 8192),  # 3,043,311,104
+    "starcoderbase-7b": (4096, 42, 32, 49152, 8192),  # 7,327,263,232
+    "starcoder": (6144, 40, 48, 49152, 8192),  # 15,517,456,384 (StarCoderBase's too)
+}
+
+
+def bigcode(name: str) -> ModelConfig:
+    """bigcode/``name`` (:data:`BIGCODE_SIZES`)."""
+    d, n_layers, n_heads, vocab_size, max_seq_len = BIGCODE_SIZES[name]
+    return bigcode_style(
+        d_model=d,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+    )
+
+
 def t5_style(
     *,
     d_model: int,
@@ -2379,6 +2443,28 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         )
         for (size, (d, n, h, ctx)), total in zip(
             MPT_SIZES.items(), ("6.65B", "29.96B"), strict=True
+        )
+    },
+    "bigcode-tiny": (
+        bigcode_tiny,
+        "GPT-BigCode architecture: GPT-2 with multi-query attention (4 heads, 1 KV); 2 layers",
+    ),
+    **{
+        name: (
+            lambda name=name: bigcode(name),
+            f"{title}, {total} (d_model {d}, {n} layers, multi-query {h}/1, {ctx // 1024}k "
+            "context, tied)",
+        )
+        for (name, (d, n, h, _, ctx)), (title, total) in zip(
+            BIGCODE_SIZES.items(),
+            (
+                ("SantaCoder", "1.12B"),
+                ("StarCoderBase-1B", "1.14B"),
+                ("StarCoderBase-3B", "3.04B"),
+                ("StarCoderBase-7B", "7.33B"),
+                ("StarCoder (and StarCoderBase) 15.5B", "15.5B"),
+            ),
+            strict=True,
         )
     },
     "t5-tiny": (

@@ -538,27 +538,47 @@ def test_export_round_trip(name, tmp_path):
         ({"ffn.activation": "relu"}, "opt"),  # a ReLU MLP: OPT's
         ({"norm.placement": "post"}, "opt"),  # post-norm: GPT-2 has none
         ({"norm.placement": "post", "ffn.activation": "relu"}, "opt"),
-        ({"position.kind": "sinusoidal", "norm.placement": "post"}, None),  # no table: neither
+        # one key/value head (multi-query): GPT-BigCode's, with any activation
+        ({"attention.n_kv_heads": 1}, "gpt_bigcode"),
+        ({"attention.n_kv_heads": 1, "ffn.activation": "relu"}, "gpt_bigcode"),
+        ({"attention.n_kv_heads": 1, "ffn.activation": "gelu"}, "gpt_bigcode"),
+        # (a single head is its own key/value head: multi-head, GPT-2's)
+        ({"attention.n_heads": 1, "attention.n_kv_heads": 1}, "gpt2"),
     ],
 )
-def test_export_picks_opt_or_gpt2_for_learned_positions(changes, model_type):
-    """Each learned-position LayerNorm decoder exports as exactly one of OPT and GPT-2:
-    OPT takes post-norm blocks and ReLU MLPs, GPT-2 the other pre-norm ones."""
+def test_export_picks_one_family_for_learned_positions(changes, model_type):
+    """Each learned-position LayerNorm decoder exports as exactly one of GPT-BigCode, OPT and
+    GPT-2: GPT-BigCode takes the multi-query ones in pre-norm blocks, OPT post-norm blocks
+    and ReLU MLPs with one key/value head per query head, GPT-2 the other pre-norm ones."""
     cfg = _with(EXPORTS["gpt2"][1], **changes)
-    if model_type is None:
-        with pytest.raises(HFCheckpointError, match="post-norm"):
-            hf_model_type(cfg)
-        return
     assert hf_model_type(cfg) == model_type
     assert [f.name for f in FAMILIES if f.exports(cfg)] == [model_type]  # no other claims it
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"position.kind": "sinusoidal", "norm.placement": "post"}, "post-norm"),  # no table
+        # grouped key/value heads: GPT-BigCode has one or one per query head
+        ({"attention.n_kv_heads": 2},
+         "attention.n_kv_heads=2 (GPT-BigCode has one key/value head, multi_query, or one"),
+        ({"attention.n_kv_heads": 2, "ffn.activation": "relu"}, "attention.n_kv_heads=2"),
+        # multi-query in post-norm blocks: OPT's blocks, whose heads are all multi-head
+        ({"attention.n_kv_heads": 1, "norm.placement": "post"},
+         "OPT needs n_kv_heads == n_heads"),
+    ],
+)  # fmt: skip
+def test_export_refuses_learned_positions_no_family_holds(changes, named):
+    with pytest.raises(HFCheckpointError, match=re.escape(named)):
+        hf_model_type(_with(EXPORTS["gpt2"][1], **changes))
 
 
 def test_export_unrepresentable(tmp_path):
     with pytest.raises(HFCheckpointError, match="post-norm"):
         save_hf(DecoderLM(vaswani_tiny()), tmp_path)
-    mqa_gpt2 = _with(EXPORTS["gpt2"][1], **{"attention.n_kv_heads": 1})
+    gqa_gpt2 = _with(EXPORTS["gpt2"][1], **{"attention.n_kv_heads": 2})
     with pytest.raises(HFCheckpointError, match="n_kv_heads"):
-        save_hf(DecoderLM(mqa_gpt2), tmp_path)
+        save_hf(DecoderLM(gqa_gpt2), tmp_path)
     with pytest.raises(HFCheckpointError, match="sliding window"):
         hf_model_type(_with(_llama(), **{"attention.sliding_window": 4, "ffn.bias": True}))
     # QK-norm exports as Qwen3 only: not as GPT-2, nor with feed-forward biases

@@ -329,6 +329,21 @@ MINIMAL: dict[str, list[dict]] = {
         {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 1},
         {"vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8},
     ],
+    # multi-query, the tanh GELU, n_inner 4 n_embd, dropouts of 0.1, a tied head, by default
+    "gpt_bigcode": [
+        {"vocab_size": 100, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+        # one key/value head per query head, an MLP of its own width, an untied head
+        {
+            "vocab_size": 100,
+            "n_embd": 48,
+            "n_layer": 2,
+            "n_head": 3,
+            "n_positions": 64,
+            "multi_query": False,
+            "n_inner": 80,
+            "tie_word_embeddings": False,
+        },
+    ],
     # 71 heads (of 2 here), the old architecture: one shared norm, multi-query attention,
     # no biases, an FFN of 4 hidden_size, RoPE base 10000, a tied head, by default
     # BloomConfig's n_layer and n_head (2 and 8) left to their defaults; its alias keys

@@ -284,12 +284,17 @@ def test_export_picks_opt_only_for_its_layout(preset, changes, model_type):
     [
         ({"norm.eps": 1e-6}, "norm.eps=1e-06 (OPT's LayerNorms have torch's default eps"),
         ({"norm.kind": "rmsnorm"}, "learned positions need LayerNorm and an MLP"),
-        ({"attention.n_kv_heads": 2}, "OPT needs n_kv_heads == n_heads"),
+        ({"attention.n_kv_heads": 2, "norm.placement": "post"},
+         "OPT needs n_kv_heads == n_heads"),
+        # (in pre-norm blocks fewer key/value heads than query heads are GPT-BigCode's to
+        # refuse: one, or one per query head)
+        ({"attention.n_kv_heads": 2},
+         "attention.n_kv_heads=2 (GPT-BigCode has one key/value head, multi_query, or one"),
         ({"attention.sliding_window": 8}, "attention.sliding_window (opt attends"),
         ({"final_logits_bias": True}, "final_logits_bias (opt's head has no bias"),
     ],
-    ids=["eps", "rmsnorm", "gqa", "window", "head-bias"],
-)
+    ids=["eps", "rmsnorm", "gqa-post-norm", "gqa", "window", "head-bias"],
+)  # fmt: skip
 def test_export_refuses_what_opt_cannot_hold(changes, named, tmp_path):
     with pytest.raises(HFCheckpointError, match=re.escape(named)):
         save_hf(DecoderLM(_tiny(**changes)), tmp_path)

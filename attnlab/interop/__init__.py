@@ -1,8 +1,8 @@
 """Hugging Face checkpoint import and export: GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
 Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3,
 Phi-3, GPT-NeoX (Pythia), Phi-1/1.5/2, GPT-J, Falcon (Falcon-RW), BLOOM, StarCoder2, Granite,
-Cohere, StableLM, OPT, DeepSeek-V2/V3/V3.2, BERT, RoBERTa, XLM-RoBERTa, ModernBERT, MarianMT,
-BART, mBART, T5, ViT.
+Cohere, StableLM, OPT, GPT-BigCode (SantaCoder, StarCoder), DeepSeek-V2/V3/V3.2, BERT, RoBERTa,
+XLM-RoBERTa, ModernBERT, MarianMT, BART, mBART, T5, ViT.
 
 A Hugging Face model directory holds ``config.json`` and safetensors weights (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``). This package
@@ -13,6 +13,7 @@ path)``, the family picked by config.json's ``model_type`` or the model's config
     io.py            the shared reader/writer: folders, safetensors, config.json, mapping helpers
     gpt2.py          GPT-2
     opt.py           OPT: learned positions past 2 offset rows, pre- or post-norm blocks, ReLU MLP
+    gpt_bigcode.py   GPT-BigCode (SantaCoder, StarCoder): GPT-2 with multi-query attention
     llama.py         LLaMA and its layout variants Mistral, Qwen2 and Qwen3
     gpt_oss.py       GPT-OSS: sink logits, local/global layers, biased clamped-SwiGLU experts
     gemma.py         Gemma, Gemma 2, Gemma 3 (text): norms of weight 1 + w, scaled embeddings,

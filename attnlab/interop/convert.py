@@ -310,7 +310,8 @@ def hf_model_type(cfg: ModelConfig) -> str:
     ``bart`` or ``mbart`` (learned positions: post-norm or pre-norm blocks), else
     ``marian``; vit -> ``vit``. Decoders: MLA -> ``deepseek_v2`` (DeepSeek-V2 router) or
     ``deepseek_v3``; DSA -> ``deepseek_v32``;
-    learned positions + LayerNorm + MLP -> ``opt`` in post-norm blocks or with ReLU, else
+    learned positions + LayerNorm + MLP -> ``gpt_bigcode`` with one key/value head
+    (multi-query, pre-norm blocks), else ``opt`` in post-norm blocks or with ReLU, else
     ``gpt2``; RoPE + RMSNorm + gated FFN -> ``qwen3``
     with QK-norm, ``qwen2`` when q/k/v have biases and nothing else does, ``mistral`` with a
     sliding window and no biases, else ``llama`` (missing biases are written as zeros),

@@ -100,9 +100,15 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "gpt2") -> ModelConfig:
 
 
 def exports(cfg: ModelConfig) -> bool:
-    """Pre-norm learned-position decoders but those with a ReLU MLP (OPT's layout, opt.py;
-    so is every post-norm one)."""
-    return is_plain_decoder(cfg) and cfg.position.kind == "learned" and cfg.ffn.activation != "relu"
+    """Pre-norm learned-position decoders with one key/value head per query head but those
+    with a ReLU MLP (OPT's layout, opt.py; so is every post-norm one); the others, fewer
+    key/value heads, are GPT-BigCode's (gpt_bigcode.py)."""
+    return (
+        is_plain_decoder(cfg)
+        and cfg.position.kind == "learned"
+        and cfg.n_kv_heads == cfg.n_heads
+        and cfg.ffn.activation != "relu"
+    )
 
 
 def export_type(cfg: ModelConfig) -> str:

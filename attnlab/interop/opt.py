@@ -25,7 +25,8 @@ a ReLU MLP, separate q/k/v projections, a head tied to the embedding.
   row's gradient; attnlab trains it (the padding's outputs are masked from every loss).
 
 Export takes the learned-position decoders in OPT's layout: post-norm blocks (GPT-2 has
-pre-norm ones only) and pre-norm ones with a ReLU MLP (GPT-2's are GELU).
+pre-norm ones only) and pre-norm ones with a ReLU MLP (GPT-2's are GELU) and one key/value
+head per query head (GPT-BigCode takes the multi-query ones).
 
 Weights, HF (``model.decoder.``; ``decoder.`` in headless OPTModel files) -> attnlab:
 
@@ -162,13 +163,14 @@ def config_from_hf(hf: dict[str, Any], model_type: str = "opt") -> ModelConfig:
 
 def exports(cfg: ModelConfig) -> bool:
     """Learned-position multi-head decoders in OPT's layout: post-norm blocks (GPT-2's are
-    pre-norm), or pre-norm ones with a ReLU feed-forward (GPT-2's is GELU)."""
-    placement = cfg.norm.placement
+    pre-norm), or pre-norm ones with a ReLU feed-forward (GPT-2's is GELU) and one key/value
+    head per query head (fewer: GPT-BigCode's, gpt_bigcode.py)."""
+    placement, relu = cfg.norm.placement, cfg.ffn.activation == "relu"
     return (
         cfg.arch == "decoder"
         and cfg.attention.kind == "mha"
         and cfg.position.kind == "learned"
-        and (placement == "post" or (placement == "pre" and cfg.ffn.activation == "relu"))
+        and (placement == "post" or (placement == "pre" and relu and cfg.n_kv_heads == cfg.n_heads))
     )
 
 

@@ -20,6 +20,7 @@ from attnlab.interop import (
     falcon,
     gemma,
     gpt2,
+    gpt_bigcode,
     gpt_neox,
     gpt_oss,
     gptj,
@@ -86,6 +87,9 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,  # before LLaMA: it takes the dense decoders with LongRoPE or partial RoPE
     # before LLaMA: it takes the RoPE decoders with LayerNorm and a non-gated MLP
     starcoder2.FAMILY,
+    # before OPT and GPT-2: it takes the pre-norm learned-position decoders with fewer
+    # key/value heads than query heads (multi-query), which their layouts lack
+    gpt_bigcode.FAMILY,
     # before GPT-2: it takes the learned-position decoders in OPT's layout, post-norm blocks
     # or a ReLU MLP, which GPT-2's (pre-norm, GELU) would not be
     opt.FAMILY,
