@@ -2229,6 +2229,130 @@ def xlm_roberta_base() -> ModelConfig:
     return roberta_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072, vocab_size=250002)
 
 
+def albert_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    embedding_size: int = 128,
+    vocab_size: int = 30000,
+    layer_sets: int | None = 1,
+    max_seq_len: int = 512,
+) -> ModelConfig:
+    """ALBERT (Lan et al. 2020), masked-LM head: BERT's post-norm encoder (GELU-tanh MLP,
+    biases everywhere, LayerNorm eps 1e-12, two token types, no dropout: the v2 models')
+    with factorised embeddings (``embedding_size`` wide, mapped to d_model) and one block
+    shared by every layer (``layer_sets`` 1), the masked-LM head decoding from the
+    embedding width with the tied token table."""
+    from attnlab.models.encoder import EncoderConfig
+
+    return EncoderConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True),
+        position=PositionConfig(kind="learned"),
+        ffn=FFNConfig(kind="mlp", activation="gelu_tanh", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-12, placement="post"),
+        type_vocab_size=2,
+        head="mlm",
+        embedding_size=embedding_size,
+        layer_sets=layer_sets,
+    )
+
+
+def albert_tiny() -> ModelConfig:
+    """ALBERT's architecture in small: 3 layers sharing one block, d_model 64, embeddings 32
+    wide; CPU-trainable (``--set task=mlm``), for tests."""
+    return albert_style(
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        ffn_hidden=128,
+        embedding_size=32,
+        vocab_size=256,
+        max_seq_len=128,
+    )
+
+
+# The four ALBERT v2 sizes below are recalled from the checkpoints' config.json files
+# (albert/albert-{base,large,xlarge,xxlarge}-v2: embedding_size 128, one hidden group,
+# vocab 30000, gelu_new, no dropout), not read from them here (no download);
+# tests/test_analysis.py checks each parameter count against transformers' model of the
+# same config.
+
+
+def albert_base_v2() -> ModelConfig:
+    """albert-base-v2: 12 layers sharing one block, d 768, 12 heads, MLP 3072."""
+    return albert_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072)
+
+
+def albert_large_v2() -> ModelConfig:
+    """albert-large-v2: 24 layers sharing one block, d 1024, 16 heads, MLP 4096."""
+    return albert_style(d_model=1024, n_layers=24, n_heads=16, ffn_hidden=4096)
+
+
+def albert_xlarge_v2() -> ModelConfig:
+    """albert-xlarge-v2: 24 layers sharing one block, d 2048, 16 heads (recalled; the count
+    does not depend on it), MLP 8192."""
+    return albert_style(d_model=2048, n_layers=24, n_heads=16, ffn_hidden=8192)
+
+
+def albert_xxlarge_v2() -> ModelConfig:
+    """albert-xxlarge-v2: 12 layers sharing one block, d 4096, 64 heads, MLP 16384."""
+    return albert_style(d_model=4096, n_layers=12, n_heads=64, ffn_hidden=16384)
+
+
+def distilbert_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    vocab_size: int = 30522,
+    max_seq_len: int = 512,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """DistilBERT (Sanh et al. 2019), masked-LM head: BERT's post-norm encoder (GELU MLP,
+    biases everywhere, LayerNorm eps 1e-12) without token types or pooler, learned
+    positions, its sequence head (dense -> ReLU -> dropout 0.2 -> classifier) and a tied
+    decoder with a bias."""
+    from attnlab.models.encoder import EncoderConfig
+
+    return EncoderConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True, dropout=dropout),
+        position=PositionConfig(kind="learned"),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-12, placement="post"),
+        type_vocab_size=0,
+        dropout=dropout,
+        head="mlm",
+        classifier_transform="distilbert",
+    )
+
+
+def distilbert_tiny() -> ModelConfig:
+    """DistilBERT's architecture in 2 layers, d_model 64, no dropout: CPU-trainable
+    (``--set task=mlm``), for tests."""
+    return distilbert_style(
+        d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, vocab_size=256, max_seq_len=128,
+        dropout=0.0,
+    )  # fmt: skip
+
+
+def distilbert_base_uncased() -> ModelConfig:
+    """distilbert-base-uncased: 6 layers, 12 heads of 64, MLP 3072, WordPiece of 30522
+    (recalled from its config.json, not read here; tests/test_analysis.py checks the
+    parameter count against transformers' model of that config)."""
+    return distilbert_style(d_model=768, n_layers=6, n_heads=12, ffn_hidden=3072)
+
+
 def xlm_roberta_large() -> ModelConfig:
     """xlm-roberta-large: roberta-large's layers over a SentencePiece vocabulary of 250002."""
     return roberta_style(d_model=1024, n_layers=24, n_heads=16, ffn_hidden=4096, vocab_size=250002)
@@ -2516,6 +2640,25 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "xlm-roberta-large": (
         xlm_roberta_large,
         "XLM-RoBERTa-large encoder, 560.1M (masked LM, 250k vocabulary, 512 tokens)",
+    ),
+    "albert-tiny": (
+        albert_tiny,
+        "ALBERT architecture: factorised embeddings (32 -> 64), 3 layers sharing one block",
+    ),
+    "albert-base-v2": (albert_base_v2, "ALBERT-base v2 encoder, 11.2M (12 shared layers, d 768)"),
+    "albert-large-v2": (albert_large_v2, "ALBERT-large v2 encoder, 16.8M (24 shared layers)"),
+    "albert-xlarge-v2": (albert_xlarge_v2, "ALBERT-xlarge v2 encoder, 54.8M (24 shared layers)"),
+    "albert-xxlarge-v2": (
+        albert_xxlarge_v2,
+        "ALBERT-xxlarge v2 encoder, 206.4M (12 shared layers, d 4096)",
+    ),
+    "distilbert-tiny": (
+        distilbert_tiny,
+        "DistilBERT architecture: BERT without token types or pooler; 2 layers (tests)",
+    ),
+    "distilbert-base-uncased": (
+        distilbert_base_uncased,
+        "DistilBERT-base (uncased) encoder, 67.0M (6 layers, d 768)",
     ),
     "modernbert-large": (
         modernbert_large,

@@ -483,6 +483,18 @@ _LARGE = dict(
     hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16
 )
 _XLMR = dict(model_type="xlm-roberta", architectures=["XLMRobertaForMaskedLM"], vocab_size=250002)
+# albert/albert-*-v2 (recalled: embedding_size 128, one group, no dropout, gelu_new)
+_ALBERT = dict(model_type="albert", architectures=["AlbertForMaskedLM"], vocab_size=30000,
+               embedding_size=128, num_hidden_groups=1, inner_group_num=1, hidden_act="gelu_new",
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
+               pad_token_id=0)  # fmt: skip
+# distilbert/distilbert-base-uncased (recalled)
+_DISTILBERT = dict(model_type="distilbert", architectures=["DistilBertForMaskedLM"],
+                   vocab_size=30522, dim=768, n_layers=6, n_heads=12, hidden_dim=3072,
+                   max_position_embeddings=512, sinusoidal_pos_embds=False, activation="gelu",
+                   dropout=0.1, attention_dropout=0.1, qa_dropout=0.1, seq_classif_dropout=0.2,
+                   pad_token_id=0)  # fmt: skip
 _MODERNBERT = dict(
     model_type="modernbert", architectures=["ModernBertForMaskedLM"], attention_bias=False,
     attention_dropout=0.0, bos_token_id=50281, classifier_activation="gelu",
@@ -681,6 +693,15 @@ CONFIG_JSON = {
                             num_hidden_layers=22, num_attention_heads=12),
     "modernbert-large": dict(_MODERNBERT, hidden_size=1024, intermediate_size=2624,
                              num_hidden_layers=28, num_attention_heads=16),
+    "albert-base-v2": dict(_ALBERT, hidden_size=768, num_hidden_layers=12,
+                           num_attention_heads=12, intermediate_size=3072),
+    "albert-large-v2": dict(_ALBERT, hidden_size=1024, num_hidden_layers=24,
+                            num_attention_heads=16, intermediate_size=4096),
+    "albert-xlarge-v2": dict(_ALBERT, hidden_size=2048, num_hidden_layers=24,
+                             num_attention_heads=16, intermediate_size=8192),
+    "albert-xxlarge-v2": dict(_ALBERT, hidden_size=4096, num_hidden_layers=12,
+                              num_attention_heads=64, intermediate_size=16384),
+    "distilbert-base-uncased": _DISTILBERT,
     "roberta-base": _ROBERTA,
     "roberta-large": dict(_ROBERTA, **_LARGE),
     "xlm-roberta-base": dict(_ROBERTA, **_XLMR),

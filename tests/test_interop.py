@@ -573,6 +573,35 @@ def test_export_refuses_learned_positions_no_family_holds(changes, named):
         hf_model_type(_with(EXPORTS["gpt2"][1], **changes))
 
 
+@pytest.mark.parametrize(
+    "preset, changes, model_type",
+    [
+        ("bert-tiny-qa", {}, "bert"),  # token types, BERT's pooler: BERT's
+        ("bert-tiny-qa", {"embedding_size": 32}, "albert"),  # factorised embeddings
+        ("bert-tiny-qa", {"embedding_size": 32, "layer_sets": 1}, "albert"),  # + shared
+        (
+            "bert-tiny-qa",
+            {"type_vocab_size": 0, "classifier_transform": "distilbert"},
+            "distilbert",
+        ),  # no token types, DistilBERT's QA head
+        ("distilbert-tiny", {}, "distilbert"),
+        ("albert-tiny", {"layer_sets": None}, "albert"),
+        ("roberta-tiny", {}, "roberta"),
+        ("modernbert-tiny", {}, "modernbert"),  # no token types either: ModernBERT's first
+    ],
+)
+def test_export_picks_one_family_per_encoder_layout(preset, changes, model_type):
+    """ALBERT takes the encoders with factorised embeddings or shared layers, DistilBERT
+    those without token types that ModernBERT does not take first, and neither a config
+    BERT exports."""
+    cfg = get_preset(preset).override(changes)
+    assert hf_model_type(cfg) == model_type
+    claims = [f.name for f in FAMILIES if f.exports(cfg)]
+    assert claims[0] == model_type
+    if model_type == "bert":
+        assert claims == ["bert"]
+
+
 def test_export_unrepresentable(tmp_path):
     with pytest.raises(HFCheckpointError, match="post-norm"):
         save_hf(DecoderLM(vaswani_tiny()), tmp_path)

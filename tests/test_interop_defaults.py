@@ -396,6 +396,28 @@ MINIMAL: dict[str, list[dict]] = {
         {**_MLA, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4},
         _MLA,  # the indexer's sizes too from the defaults
     ],
+    # ALBERT: one group by default (every layer shares one block)
+    "albert": [
+        {
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "vocab_size": 100,
+            "intermediate_size": 48,
+            "embedding_size": 16,
+        },
+    ],
+    "distilbert": [
+        {"dim": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 100, "hidden_dim": 48},
+        {
+            "dim": 32,
+            "n_heads": 4,
+            "n_layers": 2,
+            "vocab_size": 100,
+            "hidden_dim": 48,
+            "sinusoidal_pos_embds": True,
+        },
+    ],
     "bert": [
         {
             "hidden_size": 64,

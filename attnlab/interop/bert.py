@@ -169,9 +169,10 @@ def exports(cfg: ModelConfig) -> bool:
     return cfg.arch == "encoder"
 
 
-def layout_problems(cfg: EncoderConfig, family: str = "BERT") -> list[str]:
-    """What keeps ``cfg`` out of BERT's layout (which RoBERTa shares), each named."""
-    problems = []
+def layout_problems(cfg: EncoderConfig, family: str = "BERT", shared: bool = False) -> list[str]:
+    """What keeps ``cfg`` out of BERT's layout (which RoBERTa shares, and ALBERT's with
+    factorised embeddings and shared layers: ``shared``), each named."""
+    problems = [] if shared else shared_problems(cfg, family)
     if cfg.norm.placement != "post" or cfg.norm.kind != "layernorm" or not cfg.norm.bias:
         problems.append(f"{family} uses post-norm LayerNorm with bias")
     if cfg.position.kind != "learned":
@@ -186,6 +187,18 @@ def layout_problems(cfg: EncoderConfig, family: str = "BERT") -> list[str]:
     if not cfg.embedding_norm or cfg.type_vocab_size < 1:
         problems.append(f"{family} has an embedding LayerNorm and token types")
     return problems
+
+
+def shared_problems(cfg: EncoderConfig, family: str) -> list[str]:
+    """ALBERT's pieces, which ``family``'s layout lacks, each named."""
+    return [
+        f"{field}={value} ({family} has no {what}; ALBERT does: set it to null or export as ALBERT)"
+        for field, value, what in (
+            ("embedding_size", cfg.embedding_size, "factorised embeddings"),
+            ("layer_sets", cfg.layer_sets, "layers sharing parameters"),
+        )
+        if value is not None
+    ]
 
 
 def export_type(cfg: ModelConfig) -> str:

@@ -68,6 +68,7 @@ import torch
 from torch import Tensor
 
 from attnlab.config import AttentionConfig, FFNConfig, ModelConfig, NormConfig, PositionConfig
+from attnlab.interop.bert import shared_problems
 from attnlab.interop.io import (
     LAYER_TYPES,
     NAMED_HEADS,
@@ -288,10 +289,11 @@ def modernbert_features(cfg: ModelConfig) -> list[str]:
         found.append("ffn.kind='glu'")
     if cfg.norm.placement == "pre":
         found.append("norm.placement='pre'")
+    if cfg.classifier_transform not in ("bert", "distilbert"):  # (DistilBERT's: its own)
+        found.append(f"classifier_transform={cfg.classifier_transform!r}")
     for name, bert in (
         ("first_attn_norm", True),
         ("pooling", "cls"),
-        ("classifier_transform", "bert"),
         ("head_bias", True),
         ("head_activation", None),
         ("decoder_bias", True),
@@ -355,6 +357,8 @@ def export_type(cfg: ModelConfig) -> str:
             raise refuse(f"{field}={value!r} (ModernBERT's is {theirs!r})")
     if cfg.head_dim * att.n_heads != cfg.d_model:
         raise refuse("attention.head_dim (ModernBERT's heads split d_model)")
+    for problem in shared_problems(cfg, "ModernBERT"):
+        raise refuse(problem)
     if _period(cfg) is None:
         raise refuse(
             f"attention.layer_pattern={att.layer_pattern!r} (ModernBERT's layer i is global "

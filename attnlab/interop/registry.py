@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from attnlab.interop import (
+    albert,
     bart,
     bert,
     bloom,
     cohere,
     deepseek,
     deepseek_v32,
+    distilbert,
     falcon,
     gemma,
     gpt2,
@@ -104,12 +106,18 @@ FAMILIES: tuple[Family, ...] = (
     # before RoBERTa, ModernBERT and BERT: it takes the encoders (and encoder–decoders) with
     # relative position bias, which their layouts (and Marian's) would refuse
     t5.FAMILY,
+    # before RoBERTa, ModernBERT, DistilBERT and BERT: it takes every encoder with factorised
+    # embeddings or shared layers (ALBERT's), which their layouts would drop
+    albert.FAMILY,
     # before ModernBERT and BERT: it takes every encoder with RoBERTa's pieces (positions
     # past a padding id, its classification head), which their layouts would drop
     roberta.FAMILY,
     # before BERT: it takes every encoder with ModernBERT's pieces (RoPE, GeGLU, pre-norm,
     # its heads' transform, ...), which BERT's layout would drop
     modernbert.FAMILY,
+    # before BERT: the encoders without token types (BERT's layout has them; ModernBERT's
+    # have none and go to it first) or with DistilBERT's sequence head (ReLU, not tanh)
+    distilbert.FAMILY,
     bert.FAMILY,
     # before Marian: it takes the encoder–decoders with learned positions, which Marian's
     # layout (sinusoids) would refuse

@@ -279,6 +279,10 @@ def export_type(cfg: ModelConfig) -> str:
                 cfg.type_vocab_size == 0 and not cfg.embedding_norm and cfg.first_attn_norm,
                 "no token types (type_vocab_size 0), no embedding norm, first_attn_norm true",
             ),
+            (
+                cfg.embedding_size is None and cfg.layer_sets is None,
+                "no factorised embeddings or shared layers (embedding_size, layer_sets null)",
+            ),
         ]
         layout = "T5's encoder (T5EncoderModel)"
     else:

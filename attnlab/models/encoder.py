@@ -63,8 +63,11 @@ ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
 # before the dense layer too, dropout -> dense -> tanh -> dropout; token and QA heads as
 # bert) or "dense_act_norm" (ModernBERT: dense -> head activation -> norm, the masked-LM
 # head's transform, on the pooled state or on every token)
-CLASSIFIER_TRANSFORMS = ("bert", "roberta", "dense_act_norm")
-POOLER_TRANSFORMS = ("bert", "roberta")  # the sequence head's dense + tanh; no transform
+# or "distilbert" (DistilBERT's: the sequence head's dense layer with ReLU, not tanh, then
+# dropout; the QA head drops out the hidden states before its span layer; token head as bert)
+CLASSIFIER_TRANSFORMS = ("bert", "roberta", "dense_act_norm", "distilbert")
+# the sequence head's dense + tanh (DistilBERT's: + ReLU); no transform on the other heads
+POOLER_TRANSFORMS = ("bert", "roberta", "distilbert")
 POOLINGS = ("cls", "mean")  # the sequence head's: the first token, or the real tokens' mean
 # transformers' problem_type of a sequence classifier
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -90,7 +93,14 @@ class EncoderConfig(ModelConfig):
     real tokens); ``classifier_transform`` (:data:`CLASSIFIER_TRANSFORMS`); ``head_bias``:
     a bias on the heads' dense transform; ``head_activation``: its activation (None:
     ffn.activation); ``decoder_bias``: the masked-LM decoder's bias. The embedding and head
-    LayerNorms take ``norm.bias`` as the blocks' do."""
+    LayerNorms take ``norm.bias`` as the blocks' do.
+
+    ALBERT's pieces (Lan et al. 2020; none by default): ``embedding_size`` E factorises the
+    embeddings (token, position and token-type tables and their LayerNorm E wide, then a
+    linear map E -> d_model; the masked-LM head's transform maps d_model -> E and decodes
+    with the E-wide tied table); ``layer_sets`` shares parameters across layers (that many
+    distinct blocks, layer i running block ``i * layer_sets // n_layers``: consecutive layers
+    reuse one, the same module)."""
 
     arch: str = "encoder"
     attention: AttentionConfig = field(
@@ -110,6 +120,8 @@ class EncoderConfig(ModelConfig):
     head_bias: bool = True
     head_activation: str | None = None
     decoder_bias: bool = True
+    embedding_size: int | None = None  # factorised embedding width E; None: d_model, no map
+    layer_sets: int | None = None  # distinct blocks the layers reuse in order; None: n_layers
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -137,6 +149,12 @@ class EncoderConfig(ModelConfig):
             _fail(at("first_attn_norm"), "false leaves out the first block's pre-norm: it "
                   f"needs norm.placement 'pre', not {self.norm.placement!r}")  # fmt: skip
         _positive(at("n_labels"), self.n_labels)
+        if self.embedding_size is not None:
+            _positive(at("embedding_size"), self.embedding_size)
+            if self.position.kind == "sinusoidal" and self.embedding_size % 2:
+                _fail(at("embedding_size"), f"sinusoidal positions need an even width, got "
+                      f"{self.embedding_size}")  # fmt: skip
+        self._validate_layer_sets(at)
         _positive(at("type_vocab_size"), self.type_vocab_size, allow_zero=True)
         pad = self.position.padding_idx
         if pad is not None and pad >= self.vocab_size:
@@ -167,6 +185,28 @@ class EncoderConfig(ModelConfig):
                 f"{len(names)} names for n_labels={self.n_labels}; give one per label or null",
             )
 
+    def _validate_layer_sets(self, at) -> None:
+        """Shared blocks must be the same for every layer that runs them: no per-layer
+        pieces (windows by layer, dense and MoE layers, NoPE layers, a bias per layer)."""
+        sets = self.layer_sets
+        if sets is None:
+            return
+        where = at("layer_sets")
+        if not 1 <= sets <= self.n_layers:
+            _fail(where, f"must be in [1, n_layers={self.n_layers}], got {sets}; or null (a "
+                  "block per layer)")  # fmt: skip
+        per_layer = [
+            ("attention.sliding_window", self.attention.sliding_window is not None),
+            ("ffn.kind 'moe'", self.ffn.kind == "moe"),
+            ("position.nope_layers", bool(self.position.nope_layers)),
+            ("position.relative_bias_per_layer", self.position.relative_bias_per_layer),
+            ("first_attn_norm false", not self.first_attn_norm),
+        ]
+        for name, on in per_layer:
+            if on:
+                _fail(where, f"shared blocks are alike in every layer, which {name} is not; "
+                      "set layer_sets to null or drop it")  # fmt: skip
+
 
 register_model_config("encoder", EncoderConfig)
 
@@ -174,14 +214,15 @@ register_model_config("encoder", EncoderConfig)
 # --------------------------------------------------------------------------- heads
 
 
-def add_transform(head: nn.Module, cfg: EncoderConfig) -> None:
-    """Give ``head`` the prediction transform ``transform`` (dense, bias ``head_bias``) ->
-    ``act`` (``head_activation``, else ffn.activation) -> ``norm`` (LayerNorm, bias
-    ``norm.bias``): BERT's masked-LM head's, and ModernBERT's in every head."""
-    d = cfg.d_model
-    head.transform = Linear(d, d, bias=cfg.head_bias)
+def add_transform(head: nn.Module, cfg: EncoderConfig, width: int | None = None) -> None:
+    """Give ``head`` the prediction transform ``transform`` (dense d_model -> ``width``, bias
+    ``head_bias``) -> ``act`` (``head_activation``, else ffn.activation) -> ``norm``
+    (LayerNorm, bias ``norm.bias``): BERT's masked-LM head's (ALBERT's to the embedding
+    width), and ModernBERT's in every head. ``width`` None: d_model."""
+    d, width = cfg.d_model, width or cfg.d_model
+    head.transform = Linear(d, width, bias=cfg.head_bias)
     head.act = ACTIVATIONS[cfg.head_activation or cfg.ffn.activation]
-    head.norm = nn.LayerNorm(d, eps=cfg.norm.eps, bias=cfg.norm.bias)
+    head.norm = nn.LayerNorm(width, eps=cfg.norm.eps, bias=cfg.norm.bias)
 
 
 def _transformed(head: nn.Module, h: Tensor) -> Tensor:
@@ -192,12 +233,15 @@ def _transformed(head: nn.Module, h: Tensor) -> Tensor:
 
 class MaskedLMHead(nn.Module):
     """BERT's prediction head: dense -> act -> LayerNorm, then a decoder (tied to the token
-    embedding when ``tie_embeddings``) with its own bias (none without ``decoder_bias``)."""
+    embedding when ``tie_embeddings``) with its own bias (none without ``decoder_bias``).
+    With ``embedding_size`` E (ALBERT's) the transform maps d_model -> E and the decoder
+    E -> V."""
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        add_transform(self, cfg)
-        self.decoder = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        width = cfg.embedding_size or cfg.d_model
+        add_transform(self, cfg, width)
+        self.decoder = Linear(width, cfg.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.decoder_bias else None
 
     def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -229,7 +273,8 @@ def mean_pool(h: Tensor, attention_mask: Tensor | None) -> Tensor:
 
 class SequenceClassificationHead(nn.Module):
     """The pooled state (``pooling``: the first, [CLS], token or the mean of the real
-    tokens), BERT's pooler (dense + tanh; RoBERTa's head drops out its input first) or
+    tokens), BERT's pooler (dense + tanh; RoBERTa's head drops out its input first;
+    DistilBERT's pre_classifier takes ReLU instead of tanh) or
     ModernBERT's transform (dense -> act -> norm) as ``classifier_transform`` says,
     dropout, a linear classifier."""
 
@@ -237,6 +282,7 @@ class SequenceClassificationHead(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.mean = cfg.pooling == "mean"
+        self.pool_act = torch.relu if cfg.classifier_transform == "distilbert" else torch.tanh
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
         if cfg.classifier_transform in POOLER_TRANSFORMS:
             self.pooler = Linear(d, d)
@@ -252,7 +298,7 @@ class SequenceClassificationHead(nn.Module):
     def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         pooled = mean_pool(h, attention_mask) if self.mean else h[:, 0]  # (b, d)
         if hasattr(self, "pooler"):
-            pooled = torch.tanh(self.pooler(self.pool_dropout(pooled)))
+            pooled = self.pool_act(self.pooler(self.pool_dropout(pooled)))
         return self.classifier(self.dropout(_transformed(self, pooled)))  # (b, n)
 
     @staticmethod
@@ -349,7 +395,9 @@ class QuestionAnsweringHead(nn.Module):
         if transformed:
             add_transform(self, cfg)
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
-        self.dropout = nn.Dropout(p) if transformed else nn.Identity()
+        # ModernBERT's (after its transform) and DistilBERT's (qa_dropout) drop out first
+        dropped = transformed or cfg.classifier_transform == "distilbert"
+        self.dropout = nn.Dropout(p) if dropped else nn.Identity()
         self.span = Linear(cfg.d_model, 2)
 
     def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -405,7 +453,8 @@ class EncoderModel(LoadableModel):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        d = cfg.d_model
+        # the embeddings' width: d_model, or ALBERT's factorised E (mapped to d_model after)
+        d = cfg.embedding_size or cfg.d_model
         # RoBERTa: the padding token's embedding is not trained (position.padding_idx)
         self.tok_emb = nn.Embedding(cfg.vocab_size, d, padding_idx=cfg.position.padding_idx)
         self.pos_emb: nn.Module | None = None
@@ -430,8 +479,15 @@ class EncoderModel(LoadableModel):
             else nn.Identity()
         )
         self.drop = nn.Dropout(cfg.dropout)
+        # ALBERT: E -> d_model (embedding_hidden_mapping_in)
+        self.emb_proj = Linear(d, cfg.d_model) if cfg.embedding_size else None
+        d = cfg.d_model
         self.blocks = TransformerStack(
-            cfg, causal=False, rope=self.rope, local_rope=self.local_rope
+            cfg,
+            causal=False,
+            rope=self.rope,
+            local_rope=self.local_rope,
+            layer_sets=cfg.layer_sets,
         )
         if not cfg.first_attn_norm:  # ModernBERT: the embeddings end in a norm already
             self.blocks[0].attn_norm = nn.Identity()
@@ -502,6 +558,8 @@ class EncoderModel(LoadableModel):
                 token_type_ids = torch.zeros_like(idx)
             x = x + self.type_emb(token_type_ids)
         x = self.drop(self.emb_norm(x))
+        if self.emb_proj is not None:  # (b, t, E) -> (b, t, d)
+            x = self.emb_proj(x)
         mask = real = None
         if attention_mask is not None:
             mask = padding_mask(attention_mask)  # (b, 1, 1, t)
@@ -544,7 +602,7 @@ class EncoderModel(LoadableModel):
         return ModelOutput(logits, *finish_loss(self._aux, loss, self.training))
 
     def num_parameters(self) -> int:
-        """Parameters (tied ones counted once)."""
+        """Parameters (tied ones, and shared blocks, counted once)."""
         return sum(p.numel() for p in self.parameters())
 
 

@@ -180,7 +180,11 @@ class TransformerStack(nn.ModuleList):
     source under a cache.
     ``local_rope`` (Gemma 3's rope_local_base_freq): the RoPE of the local (windowed)
     layers, whose tables ``forward`` then takes as ``local_rope``; else every layer has
-    ``rope``. The layers of ``position.nope_layers`` (SmolLM3's NoPE layers) take none."""
+    ``rope``. The layers of ``position.nope_layers`` (SmolLM3's NoPE layers) take none.
+    ``layer_sets`` (ALBERT's cross-layer sharing): build that many blocks and run layer i with
+    block ``i * layer_sets // n`` (consecutive layers reuse one block: the same module, so
+    one set of parameters whose gradients sum over its uses); ``order`` lists each layer's
+    block. None: a block per layer."""
 
     def __init__(
         self,
@@ -191,8 +195,11 @@ class TransformerStack(nn.ModuleList):
         cross_attention: bool = False,
         rope: RotaryEmbedding | None = None,
         local_rope: RotaryEmbedding | None = None,
+        layer_sets: int | None = None,
     ):
         n = cfg.n_layers if n_layers is None else n_layers
+        order = list(range(n)) if layer_sets is None else [i * layer_sets // n for i in range(n)]
+        n = n if layer_sets is None else layer_sets  # the blocks built: one per set
         # which blocks take the local RoPE: the windowed ones, where there is one
         local = [local_rope is not None and cfg.attention.window_of(i) is not None
                  for i in range(n)]  # fmt: skip
@@ -208,7 +215,7 @@ class TransformerStack(nn.ModuleList):
             )
             for i in range(n)
         )
-        self.local, self.nope = local, nope
+        self.local, self.nope, self.order = local, nope, order
 
     def add_cache_entries(self, cache: Cache) -> Cache:
         """One entry per block, of the kind its attention keeps; cross-attention entries
@@ -239,15 +246,15 @@ class TransformerStack(nn.ModuleList):
         ``local_rope``: the local layers' tables (a stack built with ``local_rope``);
         ``bias``: one position bias for every layer's self-attention (T5's), or a list of
         one per layer (UMT5's)."""
-        if isinstance(bias, list) and len(bias) != len(self):
-            raise ValueError(f"{len(bias)} position biases for {len(self)} layers")
+        if isinstance(bias, list) and len(bias) != len(self.order):
+            raise ValueError(f"{len(bias)} position biases for {len(self.order)} layers")
         if any(self.local) and rope is not None and local_rope is None:
             raise ValueError("this stack's local layers have their own RoPE: pass local_rope")
-        for i, block in enumerate(self):
-            x = block(
+        for i, j in enumerate(self.order):  # layer i runs block j (i, or its shared set)
+            x = self[j](
                 x,
                 positions=positions,
-                rope=None if self.nope[i] else local_rope if self.local[i] else rope,
+                rope=None if self.nope[j] else local_rope if self.local[j] else rope,
                 cache=None if cache is None else cache.layers[i],
                 mask=mask,
                 context=context,
