@@ -284,8 +284,16 @@ ATTENTION_BACKENDS = backend_names()  # the one list: the registry in functional
 # relative_bias (T5): no position in the embeddings; a learned bias per head, looked up by
 # the bucket of the key's position relative to the query's, added to every layer's scores;
 # alibi (Press et al. 2022): no position in the embeddings; a fixed bias -m_h (i - j) per
-# head, linear in the distance from query i back to key j, added to every layer's scores
-POSITION_KINDS = ("learned", "sinusoidal", "rope", "none", "relative_bias", "alibi")
+# head, linear in the distance from query i back to key j, added to every layer's scores;
+# disentangled (DeBERTa, He et al. 2021): shared relative-position embeddings that every
+# layer projects and scores against its queries and keys (c2p, p2c: nn/disentangled.py)
+POSITION_KINDS = (
+    "learned", "sinusoidal", "rope", "none", "relative_bias", "alibi", "disentangled"
+)  # fmt: skip
+# the terms of disentangled attention beside content-to-content: content-to-position (each
+# query against the relative-position keys), position-to-content (each key against the
+# relative-position queries)
+DISENTANGLED_TERMS = ("c2p", "p2c")
 # the kinds that add a bias to the self-attention scores (nn/position_bias.py)
 POSITION_BIAS_KINDS = ("relative_bias", "alibi")
 ROPE_LAYOUTS = ("split", "interleaved")
@@ -786,9 +794,32 @@ class PositionConfig(_Config):
     # Falcon-RW code's too); the bias is then that of the key alone (softmax ignores a
     # constant per query). Decoders only.
     alibi_bfloat16: bool = False
+    # kind "disentangled" (DeBERTa-v2/v3, transformers' DebertaV2 names in brackets): the
+    # score terms beside q . k (pos_att_type), each one more unit in the scale 1 /
+    # sqrt(d_h (1 + len(terms))); relative positions (query - key) log-bucketed past
+    # disentangled_buckets / 2 (position_buckets; 0: not bucketed) up to
+    # disentangled_max_distance (max_relative_positions), then clamped to the table of
+    # 2 x (disentangled_buckets, or disentangled_max_distance unbucketed) shared embeddings
+    disentangled_terms: list[str] = field(default_factory=lambda: ["c2p", "p2c"])
+    disentangled_buckets: int = 256
+    disentangled_max_distance: int = 512
+    # the relative embeddings projected by each layer's own query and key projections
+    # (share_att_key, v3's), else by separate pos_key / pos_query projections (v2's)
+    disentangled_share_key: bool = True
+    # a LayerNorm on the shared relative embeddings (norm_rel_ebd "layer_norm")
+    disentangled_norm: bool = True
+    # learned absolute positions added to the token embeddings too (position_biased_input,
+    # v2-base's; v3 has none)
+    disentangled_absolute: bool = False
+
+    def disentangled_span(self) -> int:
+        """k, half the rows of the relative-embedding table (2 k rows, indices
+        clamp(bucket + k, 0, 2 k - 1))."""
+        return self.disentangled_buckets or self.disentangled_max_distance
 
     def validate(self, path: str = "position") -> None:
         _choice(f"{path}.kind", self.kind, POSITION_KINDS)
+        self._validate_disentangled(path)
         self._validate_relative_bias(path)
         self._validate_alibi(path)
         _choice(f"{path}.rope_layout", self.rope_layout, ROPE_LAYOUTS)
@@ -858,6 +889,32 @@ class PositionConfig(_Config):
             if self.kind != "learned":
                 _fail(f"{path}.padding_idx", f"counts learned positions; needs position.kind "
                       f"'learned', got {self.kind!r} (or set it to null)")  # fmt: skip
+
+    def _validate_disentangled(self, path: str) -> None:
+        """Disentangled attention's fields: read by kind 'disentangled' only; one or two
+        distinct terms; a logarithmic range above the exact bucket distances."""
+        fields = ("disentangled_absolute",)
+        for name in fields:
+            if getattr(self, name) and self.kind != "disentangled":
+                _fail(f"{path}.{name}", f"needs position.kind 'disentangled', got "
+                      f"{self.kind!r} (or set it to false)")  # fmt: skip
+        terms = self.disentangled_terms
+        for i, term in enumerate(terms):
+            _choice(f"{path}.disentangled_terms[{i}]", term, DISENTANGLED_TERMS)
+        if len(set(terms)) != len(terms):
+            _fail(f"{path}.disentangled_terms", f"lists a term twice: {terms}")
+        if self.kind == "disentangled" and not terms:
+            _fail(f"{path}.disentangled_terms", "needs c2p, p2c or both (without either the "
+                  "relative positions reach no score: use position.kind 'none')")  # fmt: skip
+        _positive(f"{path}.disentangled_buckets", self.disentangled_buckets, allow_zero=True)
+        _positive(f"{path}.disentangled_max_distance", self.disentangled_max_distance)
+        mid = self.disentangled_buckets // 2
+        if self.disentangled_buckets and self.disentangled_max_distance - 1 <= mid:
+            _fail(f"{path}.disentangled_max_distance", f"must exceed disentangled_buckets / 2 "
+                  f"+ 1 = {mid + 1} (the exact distances), got "
+                  f"{self.disentangled_max_distance}")  # fmt: skip
+        if self.disentangled_buckets == 1:
+            _fail(f"{path}.disentangled_buckets", "must be 0 (no buckets) or >= 2, got 1")
 
     def _validate_alibi(self, path: str) -> None:
         """ALiBi's fields: read by kind 'alibi' only, a positive finite largest bias."""
@@ -1275,7 +1332,8 @@ class ModelConfig(_Config):
         kind, att = self.position.kind, self.attention
         where = at("position.kind")
         built_by = {"relative_bias": ("seq2seq", "encoder", "decoder"),
-                    "alibi": ("encoder", "decoder")}.get(kind)  # fmt: skip
+                    "alibi": ("encoder", "decoder"),
+                    "disentangled": ("encoder",)}.get(kind)  # fmt: skip
         if built_by is None:
             return
         if self.arch not in built_by:

@@ -2207,6 +2207,93 @@ def roberta_tiny() -> ModelConfig:
     )
 
 
+def deberta_v3_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    vocab_size: int = 128100,
+    max_seq_len: int = 512,
+    buckets: int = 256,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """DeBERTa-v3 (He et al. 2021/2023), masked-LM head: BERT's post-norm encoder (GELU MLP,
+    biases everywhere, LayerNorm eps 1e-7, no token types) with disentangled attention
+    (``position.kind`` disentangled: c2p and p2c, relative positions log-bucketed into
+    ``buckets`` per side up to max_seq_len, position keys and queries from the layers' own
+    projections, a LayerNorm on the shared relative embeddings, no absolute positions), a
+    tied decoder with a bias, and DeBERTa's ContextPooler for a sequence head (dense -> GELU,
+    no tanh)."""
+    from attnlab.models.encoder import EncoderConfig
+
+    return EncoderConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True, dropout=dropout),
+        position=PositionConfig(
+            kind="disentangled",
+            disentangled_terms=["p2c", "c2p"],
+            disentangled_buckets=buckets,
+            disentangled_max_distance=max_seq_len,
+            disentangled_share_key=True,
+            disentangled_norm=True,
+        ),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-7, placement="post"),
+        type_vocab_size=0,
+        dropout=dropout,
+        head="mlm",
+        classifier_transform="context_pooler",
+    )
+
+
+def deberta_v3_tiny() -> ModelConfig:
+    """DeBERTa-v3's architecture in 2 layers, d_model 64, 16 buckets per side over 128
+    positions, no dropout: CPU-trainable (``--set task=mlm``), for tests."""
+    return deberta_v3_style(
+        vocab_size=256,
+        max_seq_len=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=128,
+        buckets=16,
+        dropout=0.0,
+    )
+
+
+# The four published sizes below are recalled from the checkpoints' config.json files
+# (microsoft/deberta-v3-xsmall, -small, -base, -large: vocab_size 128100,
+# max_position_embeddings 512, position_buckets 256, relative_attention, share_att_key,
+# pos_att_type "p2c|c2p", norm_rel_ebd "layer_norm", position_biased_input false,
+# type_vocab_size 0, layer_norm_eps 1e-7), not read from them here (no download);
+# tests/test_interop_deberta_v2.py checks each parameter count against transformers' model
+# of the same config.
+
+
+def deberta_v3_xsmall() -> ModelConfig:
+    """deberta-v3-xsmall: 12 layers, 6 heads of 64 (d_model 384), MLP 1536."""
+    return deberta_v3_style(d_model=384, n_layers=12, n_heads=6, ffn_hidden=1536)
+
+
+def deberta_v3_small() -> ModelConfig:
+    """deberta-v3-small: 6 layers, 12 heads of 64, MLP 3072."""
+    return deberta_v3_style(d_model=768, n_layers=6, n_heads=12, ffn_hidden=3072)
+
+
+def deberta_v3_base() -> ModelConfig:
+    """deberta-v3-base: 12 layers, 12 heads of 64, MLP 3072."""
+    return deberta_v3_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072)
+
+
+def deberta_v3_large() -> ModelConfig:
+    """deberta-v3-large: 24 layers, 16 heads of 64, MLP 4096."""
+    return deberta_v3_style(d_model=1024, n_layers=24, n_heads=16, ffn_hidden=4096)
+
+
 # The four published sizes below are recalled from the checkpoints' config.json files
 # (FacebookAI/roberta-base, roberta-large, xlm-roberta-base, xlm-roberta-large:
 # max_position_embeddings 514, pad_token_id 1, type_vocab_size 1, layer_norm_eps 1e-5),
@@ -2627,6 +2714,26 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",
     ),
     "modernbert-base": (modernbert_base, "ModernBERT-base encoder, 149M (masked LM, 8k context)"),
+    "deberta-v3-tiny": (
+        deberta_v3_tiny,
+        "DeBERTa-v3 architecture: disentangled attention (c2p, p2c, log buckets); 2 layers",
+    ),
+    "deberta-v3-xsmall": (
+        deberta_v3_xsmall,
+        "DeBERTa-v3-xsmall encoder, 71.0M (masked LM, 128k vocabulary)",
+    ),
+    "deberta-v3-small": (
+        deberta_v3_small,
+        "DeBERTa-v3-small encoder, 142.0M (masked LM, 128k vocabulary)",
+    ),
+    "deberta-v3-base": (
+        deberta_v3_base,
+        "DeBERTa-v3-base encoder, 184.6M (masked LM, 128k vocabulary)",
+    ),
+    "deberta-v3-large": (
+        deberta_v3_large,
+        "DeBERTa-v3-large encoder, 435.2M (masked LM, 128k vocabulary)",
+    ),
     "roberta-tiny": (
         roberta_tiny,
         "RoBERTa architecture: BERT's layout, positions past the padding id; 2 layers (tests)",

@@ -398,3 +398,40 @@ def assert_left_padded_logits_match_hf(ref, model, vocab_size: int, tol: float) 
     theirs = hf_logits(ref, idx, mask)
     real = mask.bool()
     assert (ours[real] - theirs[real]).abs().max() <= tol
+
+
+def deberta_row_paper(relative: int, span: int) -> int:
+    """DeBERTa's delta(i, j) (He et al. 2021, eq. 3) for relative = i - j: 0 at or below -k,
+    2k - 1 at or above k, i - j + k between."""
+    if relative <= -span:
+        return 0
+    if relative >= span:
+        return 2 * span - 1
+    return relative + span
+
+
+def disentangled_scores(
+    q: Tensor,
+    k: Tensor,
+    pos_key: Tensor | None,
+    pos_query: Tensor | None,
+    rows: Tensor,
+) -> Tensor:
+    """DeBERTa's attention scores one query and one key at a time: q (b, h, t, d_h), k (b, h,
+    s, d_h), the position keys / queries (h, 2k, d_h) (None: that term left out), rows
+    (t, s) the table row of each pair. A[i, j] = (q_i . k_j + q_i . K^r[row] + k_j .
+    Q^r[row]) / sqrt(d_h (1 + terms))."""
+    b, h, t, d = q.shape
+    s = k.shape[-2]
+    n_terms = (pos_key is not None) + (pos_query is not None)
+    out = torch.zeros(b, h, t, s, dtype=q.dtype)
+    for i in range(t):
+        for j in range(s):
+            r = int(rows[i, j])
+            score = (q[:, :, i] * k[:, :, j]).sum(-1)  # (b, h)
+            if pos_key is not None:
+                score = score + (q[:, :, i] * pos_key[None, :, r]).sum(-1)
+            if pos_query is not None:
+                score = score + (k[:, :, j] * pos_query[None, :, r]).sum(-1)
+            out[:, :, i, j] = score / math.sqrt(d * (1 + n_terms))
+    return out

@@ -348,7 +348,9 @@ def expected_parameters(cfg: ModelConfig) -> int:
     return total
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+# (the DeBERTa presets' disentangled attention is an encoder's only, not a decoder's: their
+# counts are checked against transformers' in tests/test_interop_deberta_v2.py)
+@pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("deberta-")])
 def test_preset_parameter_counts_on_meta_device(name):
     cfg = get_preset(name)
     with torch.device("meta"):

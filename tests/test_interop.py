@@ -743,6 +743,27 @@ def test_export_picks_the_alibi_families():
             hf_model_type(_with(cfg, **changes))
 
 
+def test_export_picks_deberta_for_exactly_the_disentangled_encoders():
+    """Disentangled attention (v3's shared projections, v2's own ones and absolute
+    positions) exports as deberta-v2 and nothing else does: the same encoder with learned
+    positions and BERT's pooler is BERT's or RoBERTa's, with DeBERTa's ContextPooler refused
+    by name; what DeBERTa lacks is refused by name, not handed on."""
+    deberta = get_preset("deberta-v3-tiny")
+    v2 = {"position.disentangled_share_key": False, "position.disentangled_absolute": True}
+    assert hf_model_type(deberta) == "deberta-v2"
+    assert hf_model_type(_with(deberta, **v2, type_vocab_size=2)) == "deberta-v2"
+    learned = _with(deberta, **{"position.kind": "learned"}, type_vocab_size=2)
+    with pytest.raises(HFCheckpointError, match=re.escape("position.kind='learned' (DeBERTa")):
+        hf_model_type(learned)  # its ContextPooler is DeBERTa's alone
+    learned = _with(learned, classifier_transform="bert")
+    assert hf_model_type(learned) == "bert"
+    assert hf_model_type(_with(learned, **{"position.padding_idx": 1})) == "roberta"
+    assert hf_model_type(get_preset("roberta-tiny")) == "roberta"
+    assert hf_model_type(get_preset("modernbert-tiny")) == "modernbert"
+    with pytest.raises(HFCheckpointError, match=re.escape("DeBERTa uses post-norm")):
+        hf_model_type(_with(deberta, **{"norm.placement": "pre"}))
+
+
 @pytest.mark.parametrize(
     "preset, changes, model_type",
     [

@@ -428,6 +428,19 @@ MINIMAL: dict[str, list[dict]] = {
             "max_position_embeddings": 64,
         }
     ],
+    # relative_attention and pos_att_type are needed: transformers' defaults (false, none)
+    # are a DeBERTa without disentangled attention, which attnlab refuses by name
+    "deberta-v2": [
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+            "relative_attention": True,
+            "pos_att_type": ["p2c", "c2p"],
+        }
+    ],
     "roberta": [
         {
             "hidden_size": 64,

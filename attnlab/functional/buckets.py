@@ -48,3 +48,25 @@ def relative_buckets(
     )
     large = large.clamp(max=num_buckets - 1)
     return buckets + torch.where(is_small, distance, large)
+
+
+def log_bucket_positions(relative: Tensor, *, buckets: int, max_distance: int) -> Tensor:
+    """DeBERTa's log-bucketed relative positions (He et al. 2021, DeBERTa-v2's
+    ``make_log_bucket_position``): ``relative`` (long, query - key) kept as it is within
+    ``mid = buckets // 2`` of zero, and beyond it compressed logarithmically with its sign,
+
+        bucket(r) = r                                                          |r| <= mid
+                  = sign(r) (mid + ceil(ln(|r| / mid) / ln((max_distance - 1) / mid)
+                                        * (mid - 1)))                           otherwise
+
+    so that |r| = max_distance - 1 lands on 2 mid - 1 and farther distances keep growing
+    slowly (the caller clamps them to its table). The logarithms are float32, as
+    transformers takes them, so the bucket edges fall on the same distances. Returns long,
+    the shape of ``relative``; odd: bucket(-r) = -bucket(r)."""
+    mid = buckets // 2
+    sign = torch.sign(relative)
+    # |r| < mid takes the exact branch; mid - 1 there only keeps the logarithm finite
+    far = torch.where(relative.abs() < mid, torch.full_like(relative, mid - 1), relative.abs())
+    span = torch.log(torch.tensor((max_distance - 1) / mid, dtype=torch.float32))
+    log_pos = torch.ceil(torch.log(far / mid) / span * (mid - 1)) + mid  # float32
+    return torch.where(far <= mid, relative.float(), log_pos * sign).long()

@@ -16,6 +16,7 @@ from attnlab.interop import (
     bert,
     bloom,
     cohere,
+    deberta_v2,
     deepseek,
     deepseek_v32,
     distilbert,
@@ -103,6 +104,9 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     deepseek.FAMILY,
     deepseek_v32.FAMILY,
+    # before the other encoders: it takes the encoders with disentangled attention or
+    # DeBERTa's ContextPooler, which no other layout holds
+    deberta_v2.FAMILY,
     # before RoBERTa, ModernBERT and BERT: it takes the encoders (and encoder–decoders) with
     # relative position bias, which their layouts (and Marian's) would refuse
     t5.FAMILY,

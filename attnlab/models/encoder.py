@@ -12,6 +12,11 @@ ModernBERT's layout is the same stack pre-norm with RoPE (a second base on the l
 norm before the first layer's attention (``first_attn_norm``: the embeddings are normed
 already), and every head starting with dense -> act -> norm (``classifier_transform``).
 
+DeBERTa's (He et al. 2021; ``DebertaV2Model``) is BERT's stack with disentangled attention
+(``position.kind`` disentangled, ``nn/disentangled.py``): one table of relative-position
+embeddings shared by the layers, which every layer scores against its queries and keys;
+absolute positions on the embeddings only with ``position.disentangled_absolute``.
+
 T5's encoder (Raffel et al. 2020; ``T5EncoderModel``) is the stack pre-norm with RMSNorm and
 no position embeddings: a learned bias by relative position on every layer's self-attention
 scores (``position.kind`` relative_bias, both signs: ``nn/position_bias.py``), one table
@@ -49,6 +54,7 @@ from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.loadable import LoadableModel
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
+from attnlab.nn.disentangled import RelativePositionTable
 from attnlab.nn.embedding import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.linear import Linear
@@ -62,12 +68,15 @@ ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
 # as they are), "roberta" (RoBERTa's classification head: the same with classifier dropout
 # before the dense layer too, dropout -> dense -> tanh -> dropout; token and QA heads as
 # bert) or "dense_act_norm" (ModernBERT: dense -> head activation -> norm, the masked-LM
-# head's transform, on the pooled state or on every token)
-# or "distilbert" (DistilBERT's: the sequence head's dense layer with ReLU, not tanh, then
-# dropout; the QA head drops out the hidden states before its span layer; token head as bert)
-CLASSIFIER_TRANSFORMS = ("bert", "roberta", "dense_act_norm", "distilbert")
-# the sequence head's dense + tanh (DistilBERT's: + ReLU); no transform on the other heads
-POOLER_TRANSFORMS = ("bert", "roberta", "distilbert")
+# head's transform, on the pooled state or on every token), "distilbert" (DistilBERT's: the
+# sequence head's dense layer with ReLU, not tanh, then dropout; the QA head drops out the
+# hidden states before its span layer; token head as bert) or "context_pooler" (DeBERTa's
+# ContextPooler: the sequence head's dense -> head activation -> dropout, no tanh; token
+# and QA heads as bert)
+CLASSIFIER_TRANSFORMS = ("bert", "roberta", "dense_act_norm", "distilbert", "context_pooler")
+# the sequence head's pooler (dense + tanh; DistilBERT's + ReLU, DeBERTa's ContextPooler's
+# activation); no transform on the other heads
+POOLER_TRANSFORMS = ("bert", "roberta", "distilbert", "context_pooler")
 POOLINGS = ("cls", "mean")  # the sequence head's: the first token, or the real tokens' mean
 # transformers' problem_type of a sequence classifier
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -135,6 +144,8 @@ class EncoderConfig(ModelConfig):
             self.head in ("sequence", "token", "qa")
             and self.classifier_transform not in POOLER_TRANSFORMS
         )
+        # DeBERTa's pooler applies the activation to its dense layer's output
+        transformed |= self.head == "sequence" and self.classifier_transform == "context_pooler"
         if (
             transformed
             and self.head_activation is None
@@ -163,8 +174,25 @@ class EncoderConfig(ModelConfig):
         if self.attention.kind in CAUSAL_KINDS:
             _fail(at("attention.kind"), f"{self.attention.kind!r} attention is causal only; an "
                   "encoder attends both ways: use mha, mla or dsa")  # fmt: skip
-        if self.position.kind in ("rope", "relative_bias") and self.attention.kind != "mha":
+        if self.position.kind in ("rope", "relative_bias", "disentangled") and (
+            self.attention.kind != "mha"
+        ):
             _fail(at("position.kind"), f"{self.position.kind} encoders need attention.kind 'mha'")
+        if self.position.kind == "disentangled":
+            a = self.attention
+            for name, value, off in (
+                ("n_kv_heads", a.n_kv_heads not in (None, a.n_heads), "null"),
+                ("sliding_window", a.sliding_window, "null"),
+                ("sink_tokens", a.sink_tokens, "0"),
+                ("global_tokens", a.global_tokens, "[]"),
+                ("qk_norm", a.qk_norm, "false"),
+                ("softcap", a.softcap, "null"),
+                ("sink_logits", a.sink_logits, "false"),
+                ("scale", a.scale, "null (the scale is 1 / sqrt(d_h (1 + terms)))"),
+            ):
+                if value:
+                    _fail(at(f"attention.{name}"), "is not implemented by disentangled "
+                          f"attention (position.kind 'disentangled'); set it to {off}")  # fmt: skip
         p = self.classifier_dropout
         if p is not None and not 0.0 <= p < 1.0:
             _fail(at("classifier_dropout"), f"must be in [0, 1), got {p}")
@@ -274,7 +302,8 @@ def mean_pool(h: Tensor, attention_mask: Tensor | None) -> Tensor:
 class SequenceClassificationHead(nn.Module):
     """The pooled state (``pooling``: the first, [CLS], token or the mean of the real
     tokens), BERT's pooler (dense + tanh; RoBERTa's head drops out its input first;
-    DistilBERT's pre_classifier takes ReLU instead of tanh) or
+    DistilBERT's pre_classifier takes ReLU instead of tanh; DeBERTa's ContextPooler: dense +
+    the head activation) or
     ModernBERT's transform (dense -> act -> norm) as ``classifier_transform`` says,
     dropout, a linear classifier."""
 
@@ -282,10 +311,14 @@ class SequenceClassificationHead(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.mean = cfg.pooling == "mean"
-        self.pool_act = torch.relu if cfg.classifier_transform == "distilbert" else torch.tanh
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
         if cfg.classifier_transform in POOLER_TRANSFORMS:
             self.pooler = Linear(d, d)
+            # tanh (BERT, RoBERTa), ReLU (DistilBERT), or DeBERTa's pooler_hidden_act
+            self.pooler_act = {
+                "distilbert": torch.relu,
+                "context_pooler": ACTIVATIONS[cfg.head_activation or cfg.ffn.activation],
+            }.get(cfg.classifier_transform, torch.tanh)
         else:
             add_transform(self, cfg)
         # RoBERTa drops out the pooled state before its dense layer too (the same rate)
@@ -298,7 +331,7 @@ class SequenceClassificationHead(nn.Module):
     def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         pooled = mean_pool(h, attention_mask) if self.mean else h[:, 0]  # (b, d)
         if hasattr(self, "pooler"):
-            pooled = self.pool_act(self.pooler(self.pool_dropout(pooled)))
+            pooled = self.pooler_act(self.pooler(self.pool_dropout(pooled)))
         return self.classifier(self.dropout(_transformed(self, pooled)))  # (b, n)
 
     @staticmethod
@@ -458,7 +491,7 @@ class EncoderModel(LoadableModel):
         # RoBERTa: the padding token's embedding is not trained (position.padding_idx)
         self.tok_emb = nn.Embedding(cfg.vocab_size, d, padding_idx=cfg.position.padding_idx)
         self.pos_emb: nn.Module | None = None
-        if cfg.position.kind == "learned":
+        if cfg.position.kind == "learned" or cfg.position.disentangled_absolute:
             self.pos_emb = LearnedPositionalEmbedding(cfg.max_seq_len, d, cfg.position.padding_idx)
         elif cfg.position.kind == "sinusoidal":
             self.pos_emb = SinusoidalPositionalEmbedding(d)
@@ -472,6 +505,10 @@ class EncoderModel(LoadableModel):
         self.pos_bias = build_position_bias(
             cfg.position, cfg.n_heads, bidirectional=True, n_layers=cfg.n_layers
         )
+        if cfg.position.kind == "disentangled":  # DeBERTa: relative embeddings every layer reads
+            self.pos_bias = RelativePositionTable(
+                cfg.position, d, eps=cfg.norm.eps, dropout=cfg.dropout
+            )
         self.type_emb = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
         self.emb_norm = (
             nn.LayerNorm(d, eps=cfg.norm.eps, bias=cfg.norm.bias)

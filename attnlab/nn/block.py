@@ -28,7 +28,20 @@ def self_attention(
 ) -> nn.Module:
     """Block ``layer``'s self-attention: ``cfg.attention.kind`` for that layer (local or
     global, by attention.layer_pattern), with QK-norm's RMSNorms of the model's norm eps
-    (Qwen3's rms_norm_eps) and kind (Gemma's unit offset)."""
+    (Qwen3's rms_norm_eps) and kind (Gemma's unit offset). ``position.kind`` disentangled
+    (DeBERTa) forms its position terms from q and k: its own module,
+    ``nn/disentangled.py``, in place of multi-head attention."""
+    if cfg.position.kind == "disentangled":
+        from attnlab.nn.disentangled import DisentangledSelfAttention
+
+        return DisentangledSelfAttention(
+            cfg.d_model,
+            cfg.attention.for_layer(layer),
+            position=cfg.position,
+            causal=causal,
+            rope=rope,
+            resid_dropout=cfg.dropout,
+        )
     return build_attention(
         cfg.attention.kind,
         cfg.d_model,
@@ -128,7 +141,8 @@ class TransformerBlock(nn.Module):
         ``real_tokens`` (b, t) bool, False at padding: passed only when given, to the
         modules with auxiliary statistics (``has_aux``: MoE, DSA), which leave padding out.
         ``bias`` (b or 1, h, t, s): the model's position bias on the self-attention scores
-        (T5's), passed only when given."""
+        (T5's), or what its position module hands the attention (disentangled attention's
+        relative embeddings and rows), passed only when given."""
         docs = {} if doc_ids is None else {"doc_ids": doc_ids}
         scores = {} if bias is None else {"bias": bias}
         real = {} if real_tokens is None else {"real_tokens": real_tokens}
