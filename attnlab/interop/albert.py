@@ -55,8 +55,10 @@ from attnlab.interop.io import (
     Specs,
     get,
     prefix,
+    read_mlm_decoder,
     unplan,
     unrepresentable,
+    write_mlm_decoder,
 )
 from attnlab.models.encoder import EncoderConfig
 
@@ -251,13 +253,7 @@ def weights_to_attnlab(src: Source, cfg: EncoderConfig) -> Plan:
         for s in ("weight", "bias"):
             src.skip(f"{b}pooler.{s}")
     if cfg.head == "mlm":  # stored copies: the decoder bias, the tied decoder weight
-        decoder_bias = "predictions.decoder.bias"
-        if not cfg.tie_embeddings and src.has(decoder_bias):
-            # untied (transformers 5 ties neither): the forward adds the decoder's own bias
-            plan["head.bias"] = src.take(decoder_bias, (cfg.vocab_size,))
-        src.tied(decoder_bias, plan["head.bias"])
-        if cfg.tie_embeddings:
-            src.tied("predictions.decoder.weight", plan["tok_emb.weight"])
+        read_mlm_decoder(src, plan, cfg, "predictions.decoder")
     return plan  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
@@ -266,9 +262,7 @@ def weights_from_attnlab(
 ) -> dict[str, Tensor]:
     out = unplan(_specs(cfg, "" if cfg.head == "none" else "albert."), sd)
     if cfg.head == "mlm":
-        out["predictions.decoder.bias"] = sd["head.bias"]
-        if cfg.tie_embeddings:
-            out["predictions.decoder.weight"] = sd["tok_emb.weight"]
+        write_mlm_decoder(out, sd, cfg, "predictions.decoder")
     return out
 
 

@@ -56,8 +56,10 @@ from attnlab.interop.io import (
     label_names,
     n_labels,
     numbered,
+    read_mlm_decoder,
     unplan,
     unrepresentable,
+    write_mlm_decoder,
 )
 from attnlab.models.encoder import PROBLEM_TYPES, EncoderConfig
 
@@ -299,15 +301,9 @@ def weights_to_attnlab(src: Source, cfg: EncoderConfig) -> Plan:
             src.skip(f"{b}pooler.dense.{s}")
     for name in NSP_HEAD:
         src.skip(name)
-    if cfg.head == "mlm":  # stored copies: the decoder bias, the tied decoder weight
-        decoder_bias = "cls.predictions.decoder.bias"
-        if not cfg.tie_embeddings and src.has(decoder_bias):
-            # untied (transformers 5 ties neither): the forward adds the decoder's own bias,
-            # and cls.predictions.bias, already taken above, goes unused
-            plan["head.bias"] = src.take(decoder_bias, (cfg.vocab_size,))
-        src.tied(decoder_bias, plan["head.bias"])
-        if cfg.tie_embeddings:
-            src.tied("cls.predictions.decoder.weight", plan["tok_emb.weight"])
+    if cfg.head == "mlm":  # stored copies: the decoder bias, the tied decoder weight (an
+        # untied head's own decoder bias wins: cls.predictions.bias, taken above, goes unused)
+        read_mlm_decoder(src, plan, cfg, "cls.predictions.decoder")
     return plan  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
@@ -316,9 +312,7 @@ def weights_from_attnlab(
 ) -> dict[str, Tensor]:
     out = unplan(_specs(cfg, "" if cfg.head == "none" else "bert."), sd)
     if cfg.head == "mlm":
-        out["cls.predictions.decoder.bias"] = sd["head.bias"]
-        if cfg.tie_embeddings:
-            out["cls.predictions.decoder.weight"] = sd["tok_emb.weight"]
+        write_mlm_decoder(out, sd, cfg, "cls.predictions.decoder")
     return out
 
 

@@ -70,8 +70,10 @@ from attnlab.interop.io import (
     get,
     hf_activation,
     prefix,
+    read_mlm_decoder,
     unplan,
     unrepresentable,
+    write_mlm_decoder,
 )
 from attnlab.models.encoder import EncoderConfig
 
@@ -331,13 +333,7 @@ def weights_to_attnlab(src: Source, cfg: EncoderConfig) -> Plan:
     if not cfg.position.disentangled_absolute:  # stored by some checkpoints, never read
         src.skip(f"{b}{ABSOLUTE_TABLE}")
     if cfg.head == "mlm" and legacy:  # stored copies: the decoder bias, the tied weight
-        decoder_bias = "cls.predictions.decoder.bias"
-        if not cfg.tie_embeddings and src.has(decoder_bias):
-            # untied (transformers 5 ties neither): the forward adds the decoder's own bias
-            plan["head.bias"] = src.take(decoder_bias, (cfg.vocab_size,))
-        src.tied(decoder_bias, plan["head.bias"])
-        if cfg.tie_embeddings:
-            src.tied("cls.predictions.decoder.weight", plan["tok_emb.weight"])
+        read_mlm_decoder(src, plan, cfg, "cls.predictions.decoder")
     return plan  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
@@ -346,9 +342,7 @@ def weights_from_attnlab(
 ) -> dict[str, Tensor]:
     out = unplan(_specs(cfg, "" if cfg.head == "none" else "deberta."), sd)
     if cfg.head == "mlm":
-        out["cls.predictions.decoder.bias"] = sd["head.bias"]
-        if cfg.tie_embeddings:
-            out["cls.predictions.decoder.weight"] = sd["tok_emb.weight"]
+        write_mlm_decoder(out, sd, cfg, "cls.predictions.decoder")
     return out
 
 

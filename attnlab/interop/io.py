@@ -862,6 +862,27 @@ def moe_specs(ours: str, theirs: str, n_experts: int, fused: bool) -> Specs:
     return specs
 
 
+def read_mlm_decoder(src: Source, plan: Plan, cfg: Any, decoder: str) -> None:
+    """An encoder's masked-LM head, the stored copies beside ``plan``: ``decoder`` names the
+    output projection (BERT's ``cls.predictions.decoder``). Its bias is the head's own
+    (``head.bias``) where untied and stored (transformers 5 ties neither), else a copy of
+    it; with a tied head its weight is a copy of the token embedding."""
+    bias = f"{decoder}.bias"
+    if not cfg.tie_embeddings and src.has(bias):
+        plan["head.bias"] = src.take(bias, (cfg.vocab_size,))
+    src.tied(bias, plan["head.bias"])
+    if cfg.tie_embeddings:
+        src.tied(f"{decoder}.weight", plan["tok_emb.weight"])
+
+
+def write_mlm_decoder(out: dict[str, Tensor], sd: dict[str, Tensor], cfg: Any, decoder: str):
+    """:func:`read_mlm_decoder`'s other way: the copies transformers stores (the decoder's
+    bias, and its weight where tied)."""
+    out[f"{decoder}.bias"] = sd["head.bias"]
+    if cfg.tie_embeddings:
+        out[f"{decoder}.weight"] = sd["tok_emb.weight"]
+
+
 def unplan(specs: Specs, sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """The Hugging Face tensors of an attnlab state dict, by the same :data:`Specs` that
     load it (stacked experts are written one by one, as checkpoint files store them)."""

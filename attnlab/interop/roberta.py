@@ -51,8 +51,10 @@ from attnlab.interop.io import (
     Specs,
     get,
     prefix,
+    read_mlm_decoder,
     unplan,
     unrepresentable,
+    write_mlm_decoder,
 )
 from attnlab.models.encoder import EncoderConfig
 
@@ -196,13 +198,7 @@ def weights_to_attnlab(src: Source, cfg: EncoderConfig) -> Plan:
     for s in ("weight", "bias"):  # RobertaModel's pooler: no head attnlab maps uses it
         src.skip(f"{b}pooler.dense.{s}")
     if cfg.head == "mlm":  # stored copies: the decoder bias, the tied decoder weight
-        decoder_bias = "lm_head.decoder.bias"
-        if not cfg.tie_embeddings and src.has(decoder_bias):
-            # untied (transformers 5 ties neither): the forward adds the decoder's own bias
-            plan["head.bias"] = src.take(decoder_bias, (cfg.vocab_size,))
-        src.tied(decoder_bias, plan["head.bias"])
-        if cfg.tie_embeddings:
-            src.tied("lm_head.decoder.weight", plan["tok_emb.weight"])
+        read_mlm_decoder(src, plan, cfg, "lm_head.decoder")
     return plan  # type: ignore[return-value]  # None entries only with src.missing/wrong
 
 
@@ -211,9 +207,7 @@ def weights_from_attnlab(
 ) -> dict[str, Tensor]:
     out = unplan(_specs(cfg, "" if cfg.head == "none" else "roberta."), sd)
     if cfg.head == "mlm":
-        out["lm_head.decoder.bias"] = sd["head.bias"]
-        if cfg.tie_embeddings:
-            out["lm_head.decoder.weight"] = sd["tok_emb.weight"]
+        write_mlm_decoder(out, sd, cfg, "lm_head.decoder")
     return out
 
 
