@@ -890,14 +890,26 @@ class PositionConfig(_Config):
                 _fail(f"{path}.padding_idx", f"counts learned positions; needs position.kind "
                       f"'learned', got {self.kind!r} (or set it to null)")  # fmt: skip
 
+    def _only_with_kind(self, kind: str, path: str, *names: str) -> None:
+        """Fields read by position.kind ``kind`` only: set away from their defaults under
+        another kind they would do nothing, so they are refused by name."""
+        if self.kind == kind:
+            return
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        for name in names:
+            f = defaults[name]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if getattr(self, name) != default:
+                _fail(f"{path}.{name}", f"needs position.kind {kind!r}, got {self.kind!r} "
+                      f"(or leave it at its default, {json.dumps(default)})")  # fmt: skip
+
     def _validate_disentangled(self, path: str) -> None:
         """Disentangled attention's fields: read by kind 'disentangled' only; one or two
         distinct terms; a logarithmic range above the exact bucket distances."""
-        fields = ("disentangled_absolute",)
-        for name in fields:
-            if getattr(self, name) and self.kind != "disentangled":
-                _fail(f"{path}.{name}", f"needs position.kind 'disentangled', got "
-                      f"{self.kind!r} (or set it to false)")  # fmt: skip
+        self._only_with_kind("disentangled", path, "disentangled_absolute",
+                             "disentangled_terms", "disentangled_buckets",
+                             "disentangled_max_distance", "disentangled_share_key",
+                             "disentangled_norm")  # fmt: skip
         terms = self.disentangled_terms
         for i, term in enumerate(terms):
             _choice(f"{path}.disentangled_terms[{i}]", term, DISENTANGLED_TERMS)
@@ -918,10 +930,7 @@ class PositionConfig(_Config):
 
     def _validate_alibi(self, path: str) -> None:
         """ALiBi's fields: read by kind 'alibi' only, a positive finite largest bias."""
-        for name in ("alibi_scaled", "alibi_bfloat16"):
-            if getattr(self, name) and self.kind != "alibi":
-                _fail(f"{path}.{name}", f"needs position.kind 'alibi', got {self.kind!r} (or "
-                      "set it to false)")  # fmt: skip
+        self._only_with_kind("alibi", path, "alibi_max_bias", "alibi_scaled", "alibi_bfloat16")
         if not (math.isfinite(self.alibi_max_bias) and self.alibi_max_bias > 0):
             _fail(f"{path}.alibi_max_bias", f"must be a positive number, got {self.alibi_max_bias}")
 

@@ -280,8 +280,10 @@ def test_encoder_bias_is_symmetric_and_relative():
         ({"position.kind": "rope", "position.alibi_scaled": True},
          "position.alibi_scaled: needs position.kind 'alibi'"),
         ({"position.alibi_max_bias": 0.0}, "position.alibi_max_bias: must be a positive number"),
+        ({"position.kind": "rope", "position.alibi_max_bias": 4.0},
+         "position.alibi_max_bias: needs position.kind 'alibi', got 'rope'"),
     ],
-    ids=["window", "sinks", "kind", "scaled-without-alibi", "max-bias"],
+    ids=["window", "sinks", "kind", "scaled-without-alibi", "max-bias", "max-bias-without"],
 )  # fmt: skip
 def test_what_cannot_work_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):

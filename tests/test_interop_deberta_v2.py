@@ -341,6 +341,14 @@ def test_config_refuses_disentangled_settings_it_cannot_run():
         _tiny(**{"position.disentangled_max_distance": 8}).validate()
     with pytest.raises(ConfigError, match="disentangled_absolute"):
         _tiny(**{"position.kind": "learned", "position.disentangled_absolute": True}).validate()
+    with pytest.raises(ConfigError, match="attention.clip_qkv: is not implemented by "):
+        _tiny(**{"attention.clip_qkv": 1e-3}).validate()  # (it would clamp nothing)
+    for name, value in [("disentangled_share_key", False), ("disentangled_norm", False),
+                        ("disentangled_buckets", 64), ("disentangled_terms", ["c2p"]),
+                        ("disentangled_max_distance", 128)]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"position.{name}: needs position.kind "):
+            # (learned positions: the field would do nothing)
+            get_preset("bert-tiny-qa").override({f"position.{name}": value}).validate()
 
 
 @pytest.mark.parametrize(

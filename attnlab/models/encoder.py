@@ -189,6 +189,7 @@ class EncoderConfig(ModelConfig):
                 ("softcap", a.softcap, "null"),
                 ("sink_logits", a.sink_logits, "false"),
                 ("scale", a.scale, "null (the scale is 1 / sqrt(d_h (1 + terms)))"),
+                ("clip_qkv", a.clip_qkv, "null"),
             ):
                 if value:
                     _fail(at(f"attention.{name}"), "is not implemented by disentangled "
