@@ -938,9 +938,8 @@ class PositionConfig(_Config):
         """The bucket scheme needs one exact bucket per side at least (buckets >= 4: an
         encoder's half holds buckets / 4 exact distances) and a logarithmic range above the
         exact ones (max_distance > buckets / 2, the decoder's exact distances)."""
-        if self.relative_bias_per_layer and self.kind != "relative_bias":
-            _fail(f"{path}.relative_bias_per_layer", f"needs position.kind 'relative_bias', "
-                  f"got {self.kind!r} (or set it to false)")  # fmt: skip
+        self._only_with_kind("relative_bias", path, "relative_buckets",
+                             "relative_max_distance", "relative_bias_per_layer")  # fmt: skip
         if self.relative_buckets < 4:
             _fail(f"{path}.relative_buckets", f"must be >= 4, got {self.relative_buckets}")
         if self.relative_max_distance <= self.relative_buckets // 2:

@@ -275,6 +275,8 @@ def test_relative_bias_is_refused_where_nothing_builds_it():
         ModelConfig.from_dict({"arch": "xl", "position": {"kind": "relative_bias"}}).validate()
     with pytest.raises(ConfigError, match="relative_buckets"):
         get_preset("t5-tiny").override({"position.relative_buckets": 2}).validate()
+    with pytest.raises(ConfigError, match="relative_buckets: needs position.kind"):
+        get_preset("llama-tiny").override({"position.relative_buckets": 16}).validate()
     with pytest.raises(ConfigError, match="relative_max_distance"):
         get_preset("t5-tiny").override({"position.relative_max_distance": 8}).validate()
 
