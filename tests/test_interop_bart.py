@@ -337,3 +337,27 @@ def test_bart_tiny_fits_a_batch_in_a_few_steps():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_translate_cli_on_an_imported_bart_is_transformers_greedy(tmp_path, capsys):
+    """``attnlab import-hf`` then ``attnlab translate --source-ids`` (greedy) prints the
+    tokens transformers' ``generate`` gives, its forced first token included."""
+    from attnlab.cli.main import main
+
+    ref = _reference("bart", **GENERATION_WEIGHTS["bart"])
+    ref.generation_config.forced_bos_token_id = BOS
+    ref.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    batch, mask, _ = _batch()
+    src = batch[1][mask[1].bool()].tolist()  # the left-padded row without its padding
+    n = 10
+    capsys.readouterr()
+    argv = ["translate", "--ckpt", str(tmp_path / "run"), "--source-ids", ",".join(map(str, src))]
+    assert main([*argv, "--num-beams", "1", "--max-new-tokens", str(n)]) == 0
+    out = capsys.readouterr().out
+    (row,) = ref.generate(input_ids=torch.tensor([src]), max_new_tokens=n, do_sample=False,
+                          num_beams=1).tolist()  # fmt: skip
+    theirs = row[1:]  # without the decoder start token
+    theirs = theirs[: theirs.index(EOS)] if EOS in theirs else theirs
+    assert theirs[0] == BOS and len(set(theirs)) > 2
+    assert out == ",".join(map(str, src)) + "\t" + ",".join(map(str, theirs)) + "\n"
