@@ -2392,6 +2392,100 @@ def albert_xxlarge_v2() -> ModelConfig:
     return albert_style(d_model=4096, n_layers=12, n_heads=64, ffn_hidden=16384)
 
 
+def electra_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    embedding_size: int,
+    head: str = "replaced_token",
+    vocab_size: int = 30522,
+    max_seq_len: int = 512,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """ELECTRA (Clark et al. 2020): BERT's post-norm encoder (GELU MLP, biases everywhere,
+    LayerNorm eps 1e-12, two token types) with embeddings ``embedding_size`` wide, mapped to
+    d_model where they differ; ``head`` ``replaced_token`` (the discriminator: a logit per
+    token, "replaced") or ``mlm`` (the generator: dense d -> E, GELU, LayerNorm, the tied
+    E-wide table and a bias); its classification head (GELU) for sequence labels."""
+    from attnlab.models.encoder import EncoderConfig
+
+    return EncoderConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True, dropout=dropout),
+        position=PositionConfig(kind="learned"),
+        ffn=FFNConfig(kind="mlp", activation="gelu", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-12, placement="post"),
+        dropout=dropout,
+        type_vocab_size=2,
+        head=head,
+        classifier_transform="electra",
+        embedding_size=None if embedding_size == d_model else embedding_size,
+    )
+
+
+def electra_tiny() -> ModelConfig:
+    """ELECTRA's discriminator in small: 2 layers, d_model 64 from embeddings 32 wide; for
+    tests and ``import``/``export`` round trips (no task trains the replaced-token head)."""
+    return electra_style(
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=128,
+        embedding_size=32,
+        vocab_size=256,
+        max_seq_len=128,
+        dropout=0.0,
+    )
+
+
+# The ELECTRA sizes below are recalled from the checkpoints' config.json files
+# (google/electra-{small,base,large}-{discriminator,generator}: vocab 30522, 512 positions,
+# gelu, dropout 0.1), not read from them here (no download); tests/test_interop_electra.py
+# checks each parameter count against transformers' model of the same config. The small
+# generator is left out: its published width is not recalled with certainty.
+
+
+def electra_small_discriminator() -> ModelConfig:
+    """google/electra-small-discriminator: 12 layers, d 256, 4 heads, MLP 1024, embeddings
+    128 wide (mapped to 256)."""
+    return electra_style(d_model=256, n_layers=12, n_heads=4, ffn_hidden=1024, embedding_size=128)
+
+
+def electra_base_discriminator() -> ModelConfig:
+    """google/electra-base-discriminator: BERT-base's layers (12, d 768, 12 heads, MLP 3072),
+    embeddings 768 wide (no map)."""
+    return electra_style(d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072, embedding_size=768)
+
+
+def electra_large_discriminator() -> ModelConfig:
+    """google/electra-large-discriminator: BERT-large's layers (24, d 1024, 16 heads, MLP
+    4096), embeddings 1024 wide (no map)."""
+    return electra_style(
+        d_model=1024, n_layers=24, n_heads=16, ffn_hidden=4096, embedding_size=1024
+    )
+
+
+def electra_base_generator() -> ModelConfig:
+    """google/electra-base-generator: 12 layers, d 256, 4 heads, MLP 1024, the
+    discriminator's embeddings (768 wide, mapped to 256)."""
+    return electra_style(
+        d_model=256, n_layers=12, n_heads=4, ffn_hidden=1024, embedding_size=768, head="mlm"
+    )
+
+
+def electra_large_generator() -> ModelConfig:
+    """google/electra-large-generator: 24 layers, d 256, 4 heads, MLP 1024, the
+    discriminator's embeddings (1024 wide, mapped to 256)."""
+    return electra_style(
+        d_model=256, n_layers=24, n_heads=4, ffn_hidden=1024, embedding_size=1024, head="mlm"
+    )
+
+
 def distilbert_style(
     *,
     d_model: int,
@@ -2758,6 +2852,30 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "albert-xxlarge-v2": (
         albert_xxlarge_v2,
         "ALBERT-xxlarge v2 encoder, 206.4M (12 shared layers, d 4096)",
+    ),
+    "electra-tiny": (
+        electra_tiny,
+        "ELECTRA discriminator architecture: embeddings 32 -> 64, replaced-token head (tests)",
+    ),
+    "electra-small-discriminator": (
+        electra_small_discriminator,
+        "ELECTRA-small discriminator, 13.5M (12 layers, d 256, embeddings 128)",
+    ),
+    "electra-base-discriminator": (
+        electra_base_discriminator,
+        "ELECTRA-base discriminator, 109.5M (12 layers, d 768)",
+    ),
+    "electra-large-discriminator": (
+        electra_large_discriminator,
+        "ELECTRA-large discriminator, 335.1M (24 layers, d 1024)",
+    ),
+    "electra-base-generator": (
+        electra_base_generator,
+        "ELECTRA-base generator, 33.7M (12 layers, d 256, embeddings 768)",
+    ),
+    "electra-large-generator": (
+        electra_large_generator,
+        "ELECTRA-large generator, 51.3M (24 layers, d 256, embeddings 1024)",
     ),
     "distilbert-tiny": (
         distilbert_tiny,

@@ -3,6 +3,7 @@ independent reference (no downloads). Shapes: b batch, t length, V vocabulary si
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import torch  # noqa: E402
 from oracle import assert_greedy_tokens_match_hf, hf_logits, hf_training_loss, randomize_weights  # noqa: E402
 from safetensors.torch import load, load_file, save_file  # noqa: E402
 
-from attnlab.config import ModelConfig  # noqa: E402
+from attnlab.config import ModelConfig, PositionConfig  # noqa: E402
 from attnlab.interop import (  # noqa: E402
     SUPPORTED_MODEL_TYPES,
     HFCheckpointError,
@@ -588,12 +589,18 @@ def test_export_refuses_learned_positions_no_family_holds(changes, named):
         ("albert-tiny", {"layer_sets": None}, "albert"),
         ("roberta-tiny", {}, "roberta"),
         ("modernbert-tiny", {}, "modernbert"),  # no token types either: ModernBERT's first
+        ("electra-tiny", {}, "electra"),  # the discriminator head
+        ("bert-tiny-qa", {"head": "replaced_token"}, "electra"),  # a BERT-shaped discriminator
+        ("electra-tiny", {"head": "mlm"}, "electra"),  # ELECTRA's classification head marks it
+        ("electra-tiny", {"head": "mlm", "classifier_transform": "bert"}, "albert"),
+        ("electra-tiny", {"head": "qa", "embedding_size": None, "classifier_transform": "bert"},
+         "bert"),
     ],
-)
+)  # fmt: skip
 def test_export_picks_one_family_per_encoder_layout(preset, changes, model_type):
     """ALBERT takes the encoders with factorised embeddings or shared layers, DistilBERT
-    those without token types that ModernBERT does not take first, and neither a config
-    BERT exports."""
+    those without token types that ModernBERT does not take first, ELECTRA those with its
+    discriminator or classification head, and none of them a config BERT exports."""
     cfg = get_preset(preset).override(changes)
     assert hf_model_type(cfg) == model_type
     claims = [f.name for f in FAMILIES if f.exports(cfg)]
@@ -752,7 +759,9 @@ def test_export_picks_deberta_for_exactly_the_disentangled_encoders():
     v2 = {"position.disentangled_share_key": False, "position.disentangled_absolute": True}
     assert hf_model_type(deberta) == "deberta-v2"
     assert hf_model_type(_with(deberta, **v2, type_vocab_size=2)) == "deberta-v2"
-    learned = _with(deberta, **{"position.kind": "learned"}, type_vocab_size=2)
+    # (a new position section: the disentangled fields would be refused under learned ones)
+    learned = dataclasses.replace(deberta, position=PositionConfig(kind="learned"))
+    learned = _with(learned, type_vocab_size=2)
     with pytest.raises(HFCheckpointError, match=re.escape("position.kind='learned' (DeBERTa")):
         hf_model_type(learned)  # its ContextPooler is DeBERTa's alone
     learned = _with(learned, classifier_transform="bert")

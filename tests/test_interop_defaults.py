@@ -407,6 +407,20 @@ MINIMAL: dict[str, list[dict]] = {
             "embedding_size": 16,
         },
     ],
+    # ELECTRA: electra-small's sizes by default (embeddings 128 wide, mapped to 256); the
+    # discriminator head without architectures (ElectraModel's), the generator's with them
+    "electra": [
+        {"vocab_size": 100, "num_hidden_layers": 2},
+        {
+            "vocab_size": 100,
+            "hidden_size": 32,
+            "embedding_size": 32,
+            "num_hidden_layers": 2,
+            "intermediate_size": 48,
+            "hidden_act": "relu",
+            "architectures": ["ElectraForMaskedLM"],
+        },
+    ],
     "distilbert": [
         {"dim": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 100, "hidden_dim": 48},
         {

@@ -463,13 +463,14 @@ def n_labels(hf: dict[str, Any]) -> int:
 
 
 # The attnlab task (``attnlab.tasks.TASKS``) of each encoder head (BERT's, ModernBERT's); "lm"
-# for none (no task runs it).
+# for none and for ELECTRA's replaced-token detector (no task runs them).
 TASK_OF_HEAD = {
     "mlm": "mlm",
     "sequence": "text-classification",
     "token": "token-classification",
     "qa": "question-answering",
     "none": "lm",
+    "replaced_token": "lm",
 }
 NAMED_HEADS = ("sequence", "token")  # encoder heads whose labels have names (id2label)
 

@@ -20,6 +20,7 @@ from attnlab.interop import (
     deepseek,
     deepseek_v32,
     distilbert,
+    electra,
     falcon,
     gemma,
     gpt2,
@@ -104,6 +105,9 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
     deepseek.FAMILY,
     deepseek_v32.FAMILY,
+    # before the other encoders: it takes the encoders with ELECTRA's discriminator head or
+    # classification head (GELU), which no other layout holds, and names what else they lack
+    electra.FAMILY,
     # before the other encoders: it takes the encoders with disentangled attention or
     # DeBERTa's ContextPooler, which no other layout holds
     deberta_v2.FAMILY,

@@ -62,7 +62,7 @@ from attnlab.nn.norm import build_norm
 from attnlab.nn.position_bias import build_position_bias
 from attnlab.nn.rope import RotaryEmbedding
 
-ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
+ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none", "replaced_token")
 # What the sequence, token and QA heads do before their classifier: "bert" (the sequence head
 # pools with BERT's pooler, dense + tanh; the token and QA heads classify the hidden states
 # as they are), "roberta" (RoBERTa's classification head: the same with classifier dropout
@@ -72,11 +72,20 @@ ENCODER_HEADS = ("mlm", "sequence", "token", "qa", "none")
 # sequence head's dense layer with ReLU, not tanh, then dropout; the QA head drops out the
 # hidden states before its span layer; token head as bert) or "context_pooler" (DeBERTa's
 # ContextPooler: the sequence head's dense -> head activation -> dropout, no tanh; token
+# and QA heads as bert) or "electra" (ELECTRA's classification head: RoBERTa's with GELU,
+# the exact one whatever the layers', for tanh: dropout -> dense -> GELU -> dropout; token
 # and QA heads as bert)
-CLASSIFIER_TRANSFORMS = ("bert", "roberta", "dense_act_norm", "distilbert", "context_pooler")
+CLASSIFIER_TRANSFORMS = (
+    "bert",
+    "roberta",
+    "dense_act_norm",
+    "distilbert",
+    "context_pooler",
+    "electra",
+)
 # the sequence head's pooler (dense + tanh; DistilBERT's + ReLU, DeBERTa's ContextPooler's
-# activation); no transform on the other heads
-POOLER_TRANSFORMS = ("bert", "roberta", "distilbert", "context_pooler")
+# activation, ELECTRA's GELU); no transform on the other heads
+POOLER_TRANSFORMS = ("bert", "roberta", "distilbert", "context_pooler", "electra")
 POOLINGS = ("cls", "mean")  # the sequence head's: the first token, or the real tokens' mean
 # transformers' problem_type of a sequence classifier
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -88,8 +97,10 @@ class EncoderConfig(ModelConfig):
     every projection, GELU MLP, learned positions, token types, a LayerNorm on the
     embeddings. ``head``: ``mlm`` (masked LM, tied decoder + bias), ``sequence`` (pooled
     [CLS] -> n_labels; n_labels 1 is regression), ``token`` (a label per token), ``qa``
-    (start/end logits), ``none`` (hidden states). ``label_names``: the names of the
-    ``sequence``/``token`` head's labels in label order (an imported model's id2label);
+    (start/end logits), ``none`` (hidden states), ``replaced_token`` (ELECTRA's
+    discriminator: one logit per token, "this token was replaced"). ``label_names``: the
+    names of the ``sequence``/``token`` head's labels in label order (an imported model's
+    id2label);
     None: the names of the task the model was trained for. ``problem_type``: a ``sequence``
     head's transformers ``problem_type`` (config.json's): ``single_label_classification``
     (softmax over the classes), ``multi_label_classification`` (a sigmoid per class: each
@@ -144,8 +155,10 @@ class EncoderConfig(ModelConfig):
             self.head in ("sequence", "token", "qa")
             and self.classifier_transform not in POOLER_TRANSFORMS
         )
-        # DeBERTa's pooler applies the activation to its dense layer's output
+        # DeBERTa's pooler applies the activation to its dense layer's output, ELECTRA's
+        # discriminator to its dense layer's
         transformed |= self.head == "sequence" and self.classifier_transform == "context_pooler"
+        transformed |= self.head == "replaced_token"
         if (
             transformed
             and self.head_activation is None
@@ -315,16 +328,19 @@ class SequenceClassificationHead(nn.Module):
         p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
         if cfg.classifier_transform in POOLER_TRANSFORMS:
             self.pooler = Linear(d, d)
-            # tanh (BERT, RoBERTa), ReLU (DistilBERT), or DeBERTa's pooler_hidden_act
+            # tanh (BERT, RoBERTa), ReLU (DistilBERT), GELU (ELECTRA), or DeBERTa's
+            # pooler_hidden_act
             self.pooler_act = {
                 "distilbert": torch.relu,
+                "electra": F.gelu,
                 "context_pooler": ACTIVATIONS[cfg.head_activation or cfg.ffn.activation],
             }.get(cfg.classifier_transform, torch.tanh)
         else:
             add_transform(self, cfg)
-        # RoBERTa drops out the pooled state before its dense layer too (the same rate)
+        # RoBERTa (and ELECTRA) drop out the pooled state before the dense layer too (the
+        # same rate)
         self.pool_dropout = (
-            nn.Dropout(p) if cfg.classifier_transform == "roberta" else nn.Identity()
+            nn.Dropout(p) if cfg.classifier_transform in ("roberta", "electra") else nn.Identity()
         )
         self.dropout = nn.Dropout(p)
         self.classifier = Linear(d, cfg.n_labels)
@@ -453,6 +469,38 @@ class QuestionAnsweringHead(nn.Module):
         return (start + end) / 2
 
 
+class ReplacedTokenHead(nn.Module):
+    """ELECTRA's discriminator (replaced-token detection, Clark et al. 2020): dense d -> d ->
+    act (``head_activation``, else ffn.activation) -> a linear score d -> 1 on every token;
+    logits (b, t), positive for "replaced"."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.dense = Linear(cfg.d_model, cfg.d_model, bias=cfg.head_bias)
+        self.act = ACTIVATIONS[cfg.head_activation or cfg.ffn.activation]
+        self.prediction = Linear(cfg.d_model, 1)
+
+    def forward(self, h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.prediction(self.act(self.dense(h))).squeeze(-1)  # (b, t)
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """targets (b, t): 1 where the token was replaced, 0 where it is the original (any
+        dtype: bool, integer or float). The sigmoid cross-entropy, mean over the real tokens
+        (``attention_mask`` 1; every token without one), as transformers'
+        ElectraForPreTraining."""
+        if tuple(targets.shape) != tuple(logits.shape):
+            raise ValueError(
+                f"targets must be (b, t) = {tuple(logits.shape)} like idx, 1 where the token "
+                f"was replaced, got shape {tuple(targets.shape)}"
+            )
+        logits = softmax_dtype(logits)
+        if attention_mask is not None:
+            real = attention_mask.bool().expand(logits.shape)
+            logits, targets = logits[real], targets[real]
+        return F.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype))
+
+
 class NoHead(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
@@ -471,6 +519,7 @@ HEADS: dict[str, type[nn.Module]] = {
     "token": TokenClassificationHead,
     "qa": QuestionAnsweringHead,
     "none": NoHead,
+    "replaced_token": ReplacedTokenHead,
 }
 
 
@@ -626,7 +675,7 @@ class EncoderModel(LoadableModel):
         targets: Tensor | None = None,
     ) -> ModelOutput:
         """Logits of the head: mlm (b, t, V), sequence (b, n), token (b, t, n), qa (b, t, 2),
-        none (b, t, d). ``targets`` as the head's ``loss`` describes."""
+        none (b, t, d), replaced_token (b, t). ``targets`` as the head's ``loss`` describes."""
         h = self.encode(
             idx, attention_mask=attention_mask, token_type_ids=token_type_ids, positions=positions
         )
