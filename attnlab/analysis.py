@@ -63,7 +63,7 @@ def _check_decoder(cfg: ModelConfig, what: str) -> None:
 
 
 def _norm_params(norm: NormConfig, d: int) -> int:
-    if norm.kind == "layernorm" and norm.bias:
+    if norm.kind in ("layernorm", "layernorm1p") and norm.bias:
         return 2 * d  # weight and bias
     return d  # RMSNorm, or LayerNorm without bias: weight only
 

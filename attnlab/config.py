@@ -316,13 +316,15 @@ class MLADims(typing.NamedTuple):
     v_head_dim: int
 
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid")  # elementwise: act(x)
+# elementwise: act(x); relu2 is the squared ReLU, relu(x)^2 (Primer; Persimmon, Nemotron)
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "relu2")
 # Gated activations of both projections (gate, up) at once, for gated FFNs and experts only
 # (nn/feedforward.py): GPT-OSS's clamped SwiGLU.
 GATED_ACTIVATIONS = ("clamped_swiglu",)
 # gemma_rmsnorm: RMSNorm whose weight is stored as an offset from one, x / rms(x) * (1 + w),
-# scaled in float32 before casting back (Gemma)
-NORM_KINDS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+# scaled in float32 before casting back (Gemma); layernorm1p: LayerNorm whose weight is stored
+# the same way, (x - mean) / std * (1 + w) + b, in x's dtype (Nemotron's LayerNorm1P)
+NORM_KINDS = ("layernorm", "rmsnorm", "gemma_rmsnorm", "layernorm1p")
 # sandwich (Gemma 2 and 3): x + post_norm(f(pre_norm(x))), a norm on each side of f;
 # post_sublayer (OLMo 2): x + post_norm(f(x)), a norm on f's output only, inside the residual;
 # parallel (GPT-NeoX, Pythia): x + attn(norm1(x)) + ffn(norm2(x)), both sublayers reading the
@@ -1090,17 +1092,18 @@ class FFNConfig(_Config):
 
 @dataclass
 class NormConfig(_Config):
-    """Normalisation: ``kind`` layernorm, rmsnorm or gemma_rmsnorm (weight 1 + w), its
-    ``eps``, a LayerNorm ``bias``, and ``placement`` pre (GPT-2, LLaMA), post (the original
-    Transformer), sandwich (Gemma 2 and 3: a norm before and after each sublayer),
-    post_sublayer (OLMo 2: a norm after each sublayer only, inside its residual branch),
+    """Normalisation: ``kind`` layernorm, rmsnorm, gemma_rmsnorm (weight 1 + w) or
+    layernorm1p (a LayerNorm of weight 1 + w: Nemotron's), its ``eps``, a LayerNorm ``bias``,
+    and ``placement`` pre (GPT-2, LLaMA), post (the original Transformer), sandwich (Gemma 2
+    and 3: a norm before and after each sublayer), post_sublayer (OLMo 2: a norm after each
+    sublayer only, inside its residual branch),
     parallel (GPT-NeoX, Pythia: attention and feed-forward side by side on the block's input,
     each after a norm of its own) or parallel_shared (Phi-1/1.5/2, GPT-J: the same with one
     norm both read)."""
 
     kind: str = "layernorm"
     eps: float = 1e-5
-    bias: bool = True  # LayerNorm only
+    bias: bool = True  # LayerNorm only (layernorm, layernorm1p)
     # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": x + norm'(f(norm(x)));
     # "post_sublayer": x + norm'(f(x)); "parallel": x + attn(norm(x)) + ffn(norm'(x));
     # "parallel_shared": x + attn(norm(x)) + ffn(norm(x)) (decoders only)

@@ -1395,6 +1395,127 @@ def stablelm(name: str) -> ModelConfig:
     )
 
 
+def persimmon_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    rope_theta: float,
+    rope_fraction: float = 0.5,
+) -> ModelConfig:
+    """Persimmon (Adept): pre-norm blocks of LayerNorms with biases, one fused q/k/v
+    projection and an output projection with biases, a LayerNorm with a bias over each
+    query and key head that every head shares (``qk_norm``: ``qk_norm_kind=layernorm``,
+    ``qk_norm_bias``), RoPE on the first ``rope_fraction`` of each head (rotate-half pairs),
+    a squared-ReLU MLP with biases (``relu2``), an untied head."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            qkv_bias=True,
+            out_bias=True,
+            qk_norm=True,
+            qk_norm_kind="layernorm",
+            qk_norm_bias=True,
+        ),
+        position=PositionConfig(
+            kind="rope", rope_theta=rope_theta, rope_layout="split", rope_fraction=rope_fraction
+        ),
+        ffn=FFNConfig(kind="mlp", activation="relu2", hidden_dim=ffn_hidden, bias=True),
+        norm=NormConfig(kind="layernorm", eps=1e-5, bias=True, placement="pre"),
+        tie_embeddings=False,
+    )
+
+
+def persimmon_tiny() -> ModelConfig:
+    """Persimmon's architecture in 2 layers, d_model 64, 4 heads of 16 (half of each
+    rotated), QK LayerNorm, squared ReLU: CPU-trainable, for tests."""
+    return persimmon_style(
+        vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, ffn_hidden=256,
+        rope_theta=10000.0,
+    )  # fmt: skip
+
+
+def persimmon_8b() -> ModelConfig:
+    """adept/persimmon-8b-base (recalled from its config.json, not read here:
+    tests/test_analysis.py checks the count against transformers' PersimmonForCausalLM of
+    the same config.json): d_model 4096, 36 layers, 64 heads of 64, MLP 16384, 262,144-token
+    vocabulary, 16k context, half of each head rotated at base 25000; 9,397,175,296
+    parameters (its name rounds down)."""
+    return persimmon_style(
+        vocab_size=262144, max_seq_len=16384, d_model=4096, n_layers=36, n_heads=64,
+        ffn_hidden=16384, rope_theta=25000.0,
+    )  # fmt: skip
+
+
+def nemotron_style(
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    rope_fraction: float = 0.5,
+) -> ModelConfig:
+    """Nemotron (NVIDIA's Nemotron-3, Minitron): pre-norm blocks of LayerNorms whose weight
+    is stored as its offset from one (``norm.kind=layernorm1p``, with biases), q/k/v/o
+    projections without biases (GQA where ``n_kv_heads``), RoPE of base 10000 on the first
+    ``rope_fraction`` of each head (rotate-half pairs), a squared-ReLU MLP without biases
+    (``relu2``, not gated), an untied head."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim),
+        position=PositionConfig(
+            kind="rope", rope_theta=10000.0, rope_layout="split", rope_fraction=rope_fraction
+        ),
+        ffn=FFNConfig(kind="mlp", activation="relu2", hidden_dim=ffn_hidden, bias=False),
+        norm=NormConfig(kind="layernorm1p", eps=1e-5, bias=True, placement="pre"),
+        tie_embeddings=False,
+    )
+
+
+def nemotron_tiny() -> ModelConfig:
+    """Nemotron's architecture in 2 layers, d_model 64, GQA 4/2 heads of 16 (half of each
+    rotated), unit-offset LayerNorms, squared ReLU: CPU-trainable, for tests."""
+    return nemotron_style(
+        vocab_size=256, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        ffn_hidden=256,
+    )  # fmt: skip
+
+
+# nvidia/Minitron-4B-Base and Minitron-8B-Base config.json (recalled, not read here;
+# tests/test_analysis.py checks each count against transformers' NemotronForCausalLM of the
+# same config.json): d_model, layers, heads, key/value heads, head dim, MLP width. Both have
+# a 256,000-token vocabulary, 4096 positions, half of each head rotated at base 10000.
+MINITRON_SIZES = {
+    "minitron-4b": (3072, 32, 24, 8, 128, 9216),  # 4,190,509,056
+    "minitron-8b": (4096, 32, 48, 8, 128, 16384),  # 8,271,699,968
+}
+
+
+def minitron(name: str) -> ModelConfig:
+    """nvidia/Minitron-4B-Base or Minitron-8B-Base (:data:`MINITRON_SIZES`): Nemotron-4
+    15B pruned and distilled."""
+    d, n_layers, n_heads, n_kv_heads, head_dim, ffn = MINITRON_SIZES[name]
+    return nemotron_style(
+        vocab_size=256000, max_seq_len=4096, d_model=d, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, head_dim=None if head_dim * n_heads == d else head_dim,
+        ffn_hidden=ffn,
+    )  # fmt: skip
+
+
 def phi3_tiny() -> ModelConfig:
     """Phi-3's architecture (the LLaMA layout with LongRoPE, as Phi-3-mini-128k's) in 2
     layers, d_model 64, GQA 4/2: a context of 128 stretched 4x from 32 by per-pair factors
@@ -2669,6 +2790,28 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
     "stablelm-2-12b": (
         lambda: stablelm("stablelm-2-12b"),
         "StableLM 2 12B, 12.1B (GQA 32/8, parallel blocks, a LayerNorm per query/key head)",
+    ),
+    "persimmon-tiny": (
+        persimmon_tiny,
+        "Persimmon architecture: LayerNorm, QK LayerNorm, squared-ReLU MLP, half of heads "
+        "rotated; 2 layers",
+    ),
+    "persimmon-8b": (
+        persimmon_8b,
+        "Persimmon-8B, 9.4B (MHA 64 heads, QK LayerNorm, squared ReLU, 262k vocabulary, 16k)",
+    ),
+    "nemotron-tiny": (
+        nemotron_tiny,
+        "Nemotron architecture: unit-offset LayerNorm, squared-ReLU MLP, half of heads "
+        "rotated, GQA 4/2; 2 layers",
+    ),
+    "minitron-4b": (
+        lambda: minitron("minitron-4b"),
+        "Minitron-4B, 4.19B (GQA 24/8, heads of 128, squared ReLU, 256k vocabulary)",
+    ),
+    "minitron-8b": (
+        lambda: minitron("minitron-8b"),
+        "Minitron-8B, 8.27B (GQA 48/8, heads of 128, squared ReLU, 256k vocabulary)",
     ),
     "phi3-tiny": (phi3_tiny, "Phi-3 architecture with LongRoPE (32 -> 128 tokens), 2 layers"),
     "phi-3-mini-4k": (phi_3_mini_4k, "Phi-3-mini-4k, 3.8B (MHA 32 heads, window 2047, 4k)"),

@@ -541,6 +541,22 @@ _STABLELM = dict(
     use_parallel_residual=False, hidden_size=2560, intermediate_size=6912,
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=50304,
 )  # fmt: skip
+# adept/persimmon-8b-base config.json (recalled; transformers 4.x keys)
+_PERSIMMON_8B = dict(
+    model_type="persimmon", architectures=["PersimmonForCausalLM"], hidden_act="relu2",
+    hidden_size=4096, intermediate_size=16384, num_hidden_layers=36, num_attention_heads=64,
+    vocab_size=262144, max_position_embeddings=16384, layer_norm_eps=1e-5, qk_layernorm=True,
+    rope_theta=25000.0, partial_rotary_factor=0.5, tie_word_embeddings=False,
+    initializer_range=0.02,
+)  # fmt: skip
+# nvidia/Minitron-4B-Base and Minitron-8B-Base config.json (recalled; transformers 4.x keys)
+_MINITRON = dict(
+    model_type="nemotron", architectures=["NemotronForCausalLM"], hidden_act="relu2",
+    hidden_size=3072, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=24,
+    num_key_value_heads=8, head_dim=128, vocab_size=256000, max_position_embeddings=4096,
+    norm_eps=1e-5, rope_theta=10000.0, partial_rotary_factor=0.5, tie_word_embeddings=False,
+    attention_bias=False, mlp_bias=False, initializer_range=0.0134,
+)  # fmt: skip
 # tiiuae/falcon-rw-1b config.json (recalled: sequential blocks, ALiBi, biases everywhere)
 _FALCON_RW_1B = dict(
     _FALCON, vocab_size=50304, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
@@ -756,6 +772,10 @@ CONFIG_JSON = {
     "stablelm-2-12b": dict(_STABLELM, hidden_size=5120, intermediate_size=13824,
                            num_hidden_layers=40, num_key_value_heads=8, vocab_size=100352,
                            qk_layernorm=True, use_parallel_residual=True),
+    "persimmon-8b": _PERSIMMON_8B,
+    "minitron-4b": _MINITRON,
+    "minitron-8b": dict(_MINITRON, hidden_size=4096, intermediate_size=16384,
+                        num_attention_heads=48),
     "falcon-7b": dict(_FALCON, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
                       multi_query=True, new_decoder_architecture=False),
     "falcon-40b": dict(_FALCON, hidden_size=8192, num_hidden_layers=60,

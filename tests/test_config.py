@@ -294,7 +294,7 @@ def expected_parameters(cfg: ModelConfig) -> int:
     """Parameter count written from the architecture, independent of the module code."""
     d, h, h_kv, d_h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     a, f, nrm = cfg.attention, cfg.ffn, cfg.norm
-    norm = d * (2 if nrm.kind == "layernorm" and nrm.bias else 1)
+    norm = d * (2 if nrm.kind in ("layernorm", "layernorm1p") and nrm.bias else 1)
     attn = d * (h + 2 * h_kv) * d_h + (h + 2 * h_kv) * d_h * a.qkv_bias
     attn += h * d_h * d + d * a.out_bias
     # QK-norm: one weight (and bias) for queries, one for keys: shared by the heads (d_h

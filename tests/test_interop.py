@@ -636,6 +636,10 @@ _PER_HEAD_QK = {**_LN_QK, "attention.qk_norm_weight": "per_head"}
 _COHERE_BLOCK = {"norm.placement": "parallel_shared", "norm.bias": False,
                  "position.rope_fraction": 1.0}  # fmt: skip
 
+# Persimmon's preset without its QK LayerNorm
+_NO_QK = {"attention.qk_norm": False, "attention.qk_norm_kind": "rmsnorm",
+          "attention.qk_norm_bias": False}  # fmt: skip
+
 _BART_AS_MARIAN = {"position.kind": "sinusoidal", "sinusoid_layout": "split"}
 _BART_AS_MARIAN |= {"position_offset": 0, "embedding_norm": False}
 
@@ -671,11 +675,42 @@ _BART_AS_MARIAN |= {"position_offset": 0, "embedding_norm": False}
         ("olmo2-tiny", {}, "olmo2"),
         ("gemma3-tiny", {}, "gemma3_text"),
         ("llama-tiny", {}, "llama"),
+        # the squared ReLU or Phi's shared QK LayerNorm in pre-norm blocks of LayerNorm and an
+        # MLP, one key/value head per query head: Persimmon's; without either, GPT-NeoX's
+        # (a partial rotation) or StarCoder2's as before; grouped heads: StarCoder2's
+        ("persimmon-tiny", {}, "persimmon"),
+        ("persimmon-8b", {}, "persimmon"),
+        ("persimmon-tiny", _NO_QK, "persimmon"),
+        ("persimmon-tiny", {"ffn.activation": "gelu"}, "persimmon"),
+        ("persimmon-tiny", {**_NO_QK, "ffn.activation": "gelu"}, "gpt_neox"),
+        (
+            "persimmon-tiny",
+            {**_NO_QK, "ffn.activation": "gelu", "position.rope_fraction": 1.0},
+            "starcoder2",
+        ),  # fmt: skip
+        ("starcoder2-tiny", {"ffn.activation": "relu2"}, "starcoder2"),
+        ("pythia-tiny", {"ffn.activation": "relu2"}, "gpt_neox"),
+        ("pythia-tiny", {"norm.placement": "pre", "ffn.activation": "relu2"}, "persimmon"),
+        ("phi-tiny", {"ffn.activation": "relu2"}, "phi"),
+        # the unit-offset LayerNorm: Nemotron's, whatever else the decoder has
+        ("nemotron-tiny", {}, "nemotron"),
+        ("minitron-8b", {}, "nemotron"),
+        ("nemotron-tiny", {"ffn.activation": "silu", "attention.n_kv_heads": None}, "nemotron"),
+        (
+            "starcoder2-tiny",
+            {"norm.kind": "layernorm1p", "attention.sliding_window": None},
+            "nemotron",
+        ),  # fmt: skip
+        (
+            "nemotron-tiny",
+            {"norm.kind": "layernorm", "position.rope_fraction": 1.0},
+            "starcoder2",
+        ),  # fmt: skip
     ],
 )
 def test_export_picks_one_family_per_layout_and_qk_norm(preset, changes, model_type):
-    """StableLM takes the layouts only it holds and no config another family exports;
-    each QK-norm kind goes with the layouts that have it."""
+    """StableLM, Persimmon and Nemotron take the layouts only they hold and no config
+    another family exports; each QK-norm kind goes with the layouts that have it."""
     assert hf_model_type(get_preset(preset).override(changes)) == model_type
 
 
@@ -684,7 +719,7 @@ def test_export_picks_one_family_per_layout_and_qk_norm(preset, changes, model_t
     [
         ("llama-tiny", _LN_QK,
          "attention.qk_norm_kind='layernorm' (qwen3's QK-norm has 'rmsnorm'; this QK-norm "
-         "exports as phi)"),
+         "exports as phi or persimmon)"),
         ("llama-tiny", _PER_HEAD_QK,
          "attention.qk_norm_kind='layernorm' (qwen3's QK-norm has 'rmsnorm'; this QK-norm "
          "exports as cohere or stablelm)"),
@@ -696,9 +731,15 @@ def test_export_picks_one_family_per_layout_and_qk_norm(preset, changes, model_t
          "family has this QK-norm)"),
         ("gpt2-tiny", _LN_QK,
          "attention.qk_norm (gpt2 has no QK-norm; decoders with it export as qwen3 or "
-         "qwen3_moe or gemma3_text or olmo2 or phi or cohere or stablelm, each its own kind)"),
+         "qwen3_moe or gemma3_text or olmo2 or phi or cohere or stablelm or persimmon, each "
+         "its own kind)"),
+        # Nemotron's unit-offset LayerNorm with LLaMA's gated feed-forward
+        ("llama-tiny", {"norm.kind": "layernorm1p"},
+         "ffn.kind='glu' (Nemotron's is 'mlp'); norm.kind='layernorm1p' exports as nemotron "
+         "only"),
     ],
-    ids=["layernorm-qwen3", "per-head-qwen3", "rms-per-head", "olmo2-layernorm", "gpt2"],
+    ids=["layernorm-qwen3", "per-head-qwen3", "rms-per-head", "olmo2-layernorm", "gpt2",
+         "layernorm1p-glu"],
 )  # fmt: skip
 def test_export_refuses_a_qk_norm_of_another_kind_by_name(preset, changes, named):
     with pytest.raises(HFCheckpointError, match=re.escape(named)):

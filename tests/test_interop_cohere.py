@@ -434,7 +434,7 @@ def test_config_it_cannot_hold_is_refused_by_name(changes, named):
          "exports as qwen3 or qwen3_moe or gemma3_text)"),
         ({"attention.qk_norm": True, "attention.qk_norm_kind": "layernorm"},
          "attention.qk_norm_weight='shared' (cohere's QK-norm has 'per_head'; this QK-norm "
-         "exports as phi)"),
+         "exports as phi or persimmon)"),
         ({"attention.sliding_window": 8}, "attention.sliding_window (cohere attends to every"),
         ({"position.rope_fraction": 0.5}, "position.rope_fraction=0.5 (cohere rotates whole"),
         ({"embedding_multiplier": 2.0},

@@ -407,6 +407,28 @@ MINIMAL: dict[str, list[dict]] = {
             "embedding_size": 16,
         },
     ],
+    # Persimmon: a QK LayerNorm, squared ReLU and half of each head rotated by default
+    "persimmon": [
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        },
+    ],
+    # Nemotron: unit-offset LayerNorms, squared ReLU, half of each head rotated; GQA 4/2
+    # (transformers leaves num_key_value_heads null, which its attention cannot run)
+    "nemotron": [
+        {
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    ],
     # ELECTRA: electra-small's sizes by default (embeddings 128 wide, mapped to 256); the
     # discriminator head without architectures (ElectraModel's), the generator's with them
     "electra": [

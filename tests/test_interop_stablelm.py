@@ -424,7 +424,7 @@ def test_config_it_cannot_hold_is_refused_by_name(changes, named):
          "QK-norm exports as qwen3 or qwen3_moe or gemma3_text)"),
         ({"attention.qk_norm": True, "attention.qk_norm_kind": "layernorm"},
          "attention.qk_norm_weight='shared' (stablelm's QK-norm has 'per_head'; this QK-norm "
-         "exports as phi)"),
+         "exports as phi or persimmon)"),
         ({**_PER_HEAD_QK, "attention.qk_norm_bias": True},
          "attention.qk_norm_bias=true (stablelm's QK-norm has false; no exported family has "
          "this QK-norm)"),

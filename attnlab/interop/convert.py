@@ -96,13 +96,16 @@ QK_NORMS: dict[str, tuple[tuple[str, bool, str, str], ...]] = {
     "phi": (_LN_SHARED, ("layernorm", False, "shared", "head")),
     "cohere": (_LN_PER_HEAD,),
     "stablelm": (_LN_PER_HEAD,),
+    "persimmon": (_LN_SHARED, ("layernorm", False, "shared", "head")),
 }
 QK_NORM_TYPES = tuple(QK_NORMS)
 QK_NORM_FIELDS = ("qk_norm_kind", "qk_norm_bias", "qk_norm_weight", "qk_norm_scope")
 # model types with LongRoPE (whose generate re-encodes past the original context), and with
 # a partial rotation (position.rope_fraction)
 LONGROPE_TYPES = ("phi3",)
-PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox", "phi", "gptj", "stablelm")
+PARTIAL_ROTARY_TYPES = ("phi3", "gpt_neox", "phi", "gptj", "stablelm", "persimmon", "nemotron")
+# model types whose LayerNorms store their weight as an offset from one (norm.kind=layernorm1p)
+LAYERNORM1P_TYPES = ("nemotron",)
 # decoder model types whose head has a bias (final_logits_bias: lm_head.bias)
 HEAD_BIAS_TYPES = ("phi", "gptj")
 # the model_types that hold ALiBi position biases (BLOOM's unscaled, Falcon-RW's scaled)
@@ -177,6 +180,11 @@ def _check_qk_norm_kind(cfg: ModelConfig, model_type: str) -> None:
 
 def _export_family(cfg: ModelConfig) -> tuple[Family, str]:
     _check_attention(cfg)
+    if cfg.norm.kind == "layernorm1p" and cfg.arch != "decoder":  # (nemotron.py takes decoders)
+        raise unrepresentable(
+            f"norm.kind='layernorm1p' (no {cfg.arch} family has a unit-offset LayerNorm; it "
+            f"exports as {' or '.join(LAYERNORM1P_TYPES)}: RoPE decoders, an MLP)"
+        )
     for family in FAMILIES:
         if family.exports(cfg):
             model_type = family.export_type(cfg)
@@ -320,10 +328,12 @@ def hf_model_type(cfg: ModelConfig) -> str:
     in parallel blocks with one shared norm (whole heads rotated, no head bias) or with two
     and grouped key/value heads, ``gptj`` in one-norm blocks of GPT-J's own layout
     (interleaved pairs, no attention biases), ``phi`` in the other one-norm blocks (a partial
-    rotation or a head bias, ``final_logits_bias``), else ``starcoder2``; ALiBi + LayerNorm
-    + MLP -> ``bloom`` with the bias added after the scale (pre-norm blocks, a norm on the
-    embeddings), ``mpt`` without the embeddings' norm (no biases, an exact GELU), ``falcon``
-    with the bias scaled with q . k (Falcon-RW's);
+    rotation or a head bias, ``final_logits_bias``), ``persimmon`` in pre-norm blocks with one
+    key/value head per query head and the squared ReLU or a LayerNorm QK-norm the heads share,
+    else ``starcoder2``; a unit-offset LayerNorm (``norm.kind=layernorm1p``) -> ``nemotron``;
+    ALiBi + LayerNorm + MLP -> ``bloom`` with the bias added after the scale (pre-norm blocks,
+    a norm on the embeddings), ``mpt`` without the embeddings' norm (no biases, an exact
+    GELU), ``falcon`` with the bias scaled with q . k (Falcon-RW's);
     with a mixture of experts and a gated shared expert -> ``qwen2_moe``;
     with a mixture of experts (softmax router, no shared experts) -> ``gpt_oss`` with sink
     logits and clamped SwiGLU experts (their router and expert biases written as zeros where

@@ -54,6 +54,7 @@ HF_ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
     "sigmoid": "sigmoid",
+    "relu2": "relu2",
 }
 
 
@@ -98,6 +99,7 @@ TO_HF_ACTIVATIONS = {
     "relu": "relu",
     "silu": "silu",
     "sigmoid": "sigmoid",
+    "relu2": "relu2",
 }
 
 

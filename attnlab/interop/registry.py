@@ -34,8 +34,10 @@ from attnlab.interop import (
     mixtral,
     modernbert,
     mpt,
+    nemotron,
     olmo2,
     opt,
+    persimmon,
     phi,
     phi3,
     qwen2_moe,
@@ -61,6 +63,9 @@ FAMILIES: tuple[Family, ...] = (
     # branches, logits), which the other layouts would drop, and the LLaMA-shaped ones with
     # a softmax scale of their own that Gemma's layouts would otherwise take
     granite.FAMILY,
+    # next: it takes every decoder with a unit-offset LayerNorm (Nemotron's LayerNorm1P),
+    # which no other layout holds, and names what else it lacks
+    nemotron.FAMILY,
     # next: it takes every decoder with Gemma's own pieces (sandwich norms, scaled
     # embeddings, ...), which the other families' layouts would drop
     gemma.FAMILY,
@@ -69,6 +74,10 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.FAMILY,
     # next: every decoder with NoPE layers (SmolLM3's), which the other layouts would rotate
     smollm3.FAMILY,
+    # before GPT-NeoX and StarCoder2: it takes the pre-norm RoPE decoders with LayerNorm and
+    # an MLP whose activation is the squared ReLU, or with a LayerNorm QK-norm every head
+    # shares, which their layouts lack
+    persimmon.FAMILY,
     # the ALiBi decoders whose bias is added after the scale, in pre-norm blocks, with a
     # norm on the embeddings (MPT's take those without; Falcon's those whose bias is scaled
     # with q . k, Falcon-RW's)

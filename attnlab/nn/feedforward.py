@@ -26,12 +26,18 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def relu2(x: Tensor) -> Tensor:
+    """Squared ReLU, relu(x)^2 (So et al. 2021, Primer; Persimmon's and Nemotron's MLPs)."""
+    return torch.square(F.relu(x))
+
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_tanh": gelu_tanh,
     "silu": F.silu,
     "sigmoid": F.sigmoid,
+    "relu2": relu2,
 }
 
 

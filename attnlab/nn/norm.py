@@ -1,6 +1,7 @@
 """Normalisation layers. LayerNorm comes from torch; RMSNorm (Zhang & Sennrich 2019):
 y = x / sqrt(mean(x^2) + eps) * g, with no centring and no bias; Gemma's RMSNorm stores
-g - 1 (``unit_offset``: zeros are the identity) and scales in float32. QK-norm's
+g - 1 (``unit_offset``: zeros are the identity) and scales in float32; Nemotron's
+:class:`LayerNorm1P` stores a LayerNorm's g - 1 the same way. QK-norm's
 :class:`HeadNorm`: either kind over each head's d_h features with one weight per head.
 
 Shapes: n heads, d_h head dim."""
@@ -43,6 +44,24 @@ class RMSNorm(nn.Module):
         # never a downcast), scale in x's dtype.
         y = F.rms_norm(softmax_dtype(x), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
+
+
+class LayerNorm1P(nn.Module):
+    """LayerNorm whose weight is stored as its offset from one (Nemotron's, Megatron's
+    ``layernorm1p``): ``(x - mean(x)) / sqrt(var(x) + eps) * (1 + weight) + bias``, weight
+    initialised to zeros. Computed as transformers' NemotronLayerNorm1P: 1 + w formed in the
+    weight's dtype, then one ``F.layer_norm`` in x's dtype (no upcast)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = (self.weight + 1.0).to(x.dtype)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
 
 class HeadNorm(nn.Module):
@@ -108,7 +127,10 @@ def build_qk_norm(
 
 def build_norm(cfg: NormConfig, dim: int) -> nn.Module:
     """The normalisation layer of ``cfg`` over the last dimension of width ``dim``:
-    :class:`RMSNorm` (``gemma_rmsnorm``: its unit offset) or ``torch.nn.LayerNorm``."""
+    :class:`RMSNorm` (``gemma_rmsnorm``: its unit offset), :class:`LayerNorm1P`
+    (``layernorm1p``) or ``torch.nn.LayerNorm``."""
     if cfg.kind in ("rmsnorm", "gemma_rmsnorm"):
         return RMSNorm(dim, eps=cfg.eps, unit_offset=cfg.kind == "gemma_rmsnorm")
+    if cfg.kind == "layernorm1p":
+        return LayerNorm1P(dim, eps=cfg.eps, bias=cfg.bias)
     return nn.LayerNorm(dim, eps=cfg.eps, bias=cfg.bias)
