@@ -774,7 +774,8 @@ class PositionConfig(_Config):
     # padding_idx, and neither that row of the table nor the padding token's embedding is
     # trained (transformers' padding_idx). The table holds max_seq_len + padding_idx + 1
     # rows (RoBERTa's max_position_embeddings 514 for 512 tokens). None: positions 0, 1, ...
-    # Encoders with position.kind 'learned' only.
+    # Encoders with position.kind 'learned' only; encoder–decoders count sinusoidal positions
+    # so (M2M100's, fairseq's: see Seq2SeqConfig).
     padding_idx: int | None = None
     # kind "relative_bias" (T5's relative_attention_num_buckets and _max_distance): the
     # buckets of relative positions (half per sign in an encoder) and the distance from which
@@ -888,9 +889,10 @@ class PositionConfig(_Config):
             _fail(f"{path}.nope_layers", f"needs position.kind 'rope', got {self.kind!r}")
         if self.padding_idx is not None:
             _positive(f"{path}.padding_idx", self.padding_idx, allow_zero=True)
-            if self.kind != "learned":
-                _fail(f"{path}.padding_idx", f"counts learned positions; needs position.kind "
-                      f"'learned', got {self.kind!r} (or set it to null)")  # fmt: skip
+            if self.kind not in ("learned", "sinusoidal"):
+                _fail(f"{path}.padding_idx", f"counts learned (or an encoder–decoder's "
+                      f"sinusoidal) positions; needs position.kind 'learned', got "
+                      f"{self.kind!r} (or set it to null)")  # fmt: skip
 
     def _only_with_kind(self, kind: str, path: str, *names: str) -> None:
         """Fields read by position.kind ``kind`` only: set away from their defaults under
@@ -1319,9 +1321,16 @@ class ModelConfig(_Config):
         if self.norm.placement in DECODER_NORM_PLACEMENTS and self.arch != "decoder":
             _fail(at("norm.placement"), f"{self.norm.placement!r} is implemented by the "
                   f"decoder architecture only, not {self.arch!r}")  # fmt: skip
-        if self.position.padding_idx is not None and self.arch != "encoder":
-            _fail(at("position.padding_idx"), f"is implemented by the encoder architecture "
-                  f"only, not {self.arch!r}; set it to null")  # fmt: skip
+        if self.position.padding_idx is not None and self.arch not in ("encoder", "seq2seq"):
+            _fail(at("position.padding_idx"), f"is implemented by the encoder and seq2seq "
+                  f"architectures only, not {self.arch!r}; set it to null")  # fmt: skip
+        if (
+            self.position.padding_idx is not None
+            and self.arch == "encoder"
+            and (self.position.kind != "learned")
+        ):
+            _fail(at("position.padding_idx"), f"counts an encoder's learned positions; "
+                  f"position.kind is {self.position.kind!r} (set it to null)")  # fmt: skip
         if self.position.local_rope_theta is None:
             return
         where = at("position.local_rope_theta")

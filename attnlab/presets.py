@@ -2207,6 +2207,119 @@ def mbart_large_50() -> ModelConfig:
                       vocab_size=250054, multilingual=True)  # fmt: skip
 
 
+def m2m100_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    vocab_size: int = 128112,
+    max_seq_len: int = 1024,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """M2M100 (Fan et al. 2020) and NLLB-200: an encoder–decoder with fixed sinusoids counted
+    past the padding id (``position.padding_idx``: padding never shifts a row's positions) in
+    tensor2tensor's layout, pre-norm blocks with a final norm per stack, ReLU MLPs, embeddings
+    scaled by sqrt(d), one tied vocabulary, no logits bias. Special tokens: M2M100Config's
+    defaults (pad 1, end 2, decoding starts from 2); the target language, forced as the first
+    token, is ``forced_bos_id`` (given per translation in transformers, unset here)."""
+    from attnlab.models.seq2seq import Seq2SeqConfig
+
+    return Seq2SeqConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True, dropout=dropout),
+        position=PositionConfig(kind="sinusoidal", padding_idx=1),
+        sinusoid_layout="tensor2tensor",
+        ffn=FFNConfig(kind="mlp", activation="relu", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-5, placement="pre"),
+        final_norm=True,
+        tie_embeddings=True,
+        scale_embeddings=True,
+        dropout=dropout,
+        pad_id=1,
+        bos_id=2,
+        eos_id=2,
+    )
+
+
+def m2m100_tiny() -> ModelConfig:
+    """M2M100's architecture in 2 + 2 layers, d_model 64, 4 heads of 16, a ReLU MLP of 128, a
+    128-token vocabulary: CPU-trainable, for tests."""
+    return m2m100_style(d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, vocab_size=128,
+                        max_seq_len=128, dropout=0.0)  # fmt: skip
+
+
+# The published sizes below are recalled from the facebook/m2m100_418M,
+# facebook/nllb-200-distilled-600M and google/pegasus-large config.json files (no download
+# here; dropout rates and generation settings not claimed); tests check their parameter
+# counts against transformers' models of the same configs.
+def m2m100_418m() -> ModelConfig:
+    """facebook/m2m100_418M: 12 + 12 layers, d_model 1024, 16 heads of 64, ReLU MLP of 4096,
+    a 128112-token vocabulary, 1024 positions."""
+    return m2m100_style(d_model=1024, n_layers=12, n_heads=16, ffn_hidden=4096)
+
+
+def nllb_200_distilled_600m() -> ModelConfig:
+    """facebook/nllb-200-distilled-600M (M2M100's class): m2m100_418M's sizes with a
+    256206-token vocabulary (200 languages)."""
+    return m2m100_style(d_model=1024, n_layers=12, n_heads=16, ffn_hidden=4096,
+                        vocab_size=256206)  # fmt: skip
+
+
+def pegasus_style(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    ffn_hidden: int,
+    vocab_size: int = 96103,
+    max_seq_len: int = 1024,
+    dropout: float = 0.1,
+) -> ModelConfig:
+    """Pegasus (Zhang et al. 2020): an encoder–decoder with Marian's split sinusoids, pre-norm
+    blocks with a final norm per stack, ReLU MLPs, embeddings scaled by sqrt(d), one tied
+    vocabulary and a final logits bias. Special tokens: the checkpoints' (pad 0, end 1,
+    decoding starts from the pad token and length-limited outputs end with the end token)."""
+    from attnlab.models.seq2seq import Seq2SeqConfig
+
+    return Seq2SeqConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        attention=AttentionConfig(n_heads=n_heads, qkv_bias=True, out_bias=True, dropout=dropout),
+        position=PositionConfig(kind="sinusoidal"),
+        sinusoid_layout="split",
+        ffn=FFNConfig(kind="mlp", activation="relu", hidden_dim=ffn_hidden),
+        norm=NormConfig(kind="layernorm", eps=1e-5, placement="pre"),
+        final_norm=True,
+        tie_embeddings=True,
+        scale_embeddings=True,
+        final_logits_bias=True,
+        dropout=dropout,
+        pad_id=0,
+        bos_id=0,
+        eos_id=1,
+        forced_eos_ids=[1],
+    )
+
+
+def pegasus_tiny() -> ModelConfig:
+    """Pegasus's architecture in 2 + 2 layers, d_model 64, 4 heads of 16, a ReLU MLP of 128, a
+    128-token vocabulary: CPU-trainable, for tests."""
+    return pegasus_style(d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, vocab_size=128,
+                         max_seq_len=128, dropout=0.0)  # fmt: skip
+
+
+def pegasus_large() -> ModelConfig:
+    """google/pegasus-large (recalled): 16 + 16 layers, d_model 1024, 16 heads of 64, ReLU MLP
+    of 4096, a 96103-token vocabulary, 1024 positions."""
+    return pegasus_style(d_model=1024, n_layers=16, n_heads=16, ffn_hidden=4096)
+
+
 def modernbert_style(
     *,
     d_model: int,
@@ -2946,6 +3059,20 @@ PRESETS: dict[str, tuple[Callable[[], ModelConfig], str]] = {
         mbart_large_50,
         "mBART-large-50 (pre-norm BART, 250k vocabulary), 611M (12+12 layers, d 1024)",
     ),
+    "m2m100-tiny": (
+        m2m100_tiny,
+        "M2M100/NLLB architecture: sinusoids past the padding id, pre-norm, ReLU; 2+2 layers, d 64",
+    ),
+    "m2m100-418m": (m2m100_418m, "M2M100-418M translation, 484M (12+12 layers, d 1024, tied)"),
+    "nllb-200-distilled-600m": (
+        nllb_200_distilled_600m,
+        "NLLB-200-distilled-600M (M2M100, 256k vocabulary), 615M (12+12 layers, d 1024)",
+    ),
+    "pegasus-tiny": (
+        pegasus_tiny,
+        "Pegasus architecture: split sinusoids, pre-norm, ReLU, logits bias; 2+2 layers, d 64",
+    ),
+    "pegasus-large": (pegasus_large, "Pegasus-large summarizer, 568M (16+16 layers, d 1024)"),
     "modernbert-tiny": (
         modernbert_tiny,
         "ModernBERT architecture: RoPE, GeGLU, 1 global : 2 local (bidirectional) layers; 3 layers",

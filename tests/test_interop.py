@@ -822,11 +822,27 @@ def test_export_picks_deberta_for_exactly_the_disentangled_encoders():
         ("bart-tiny", {"norm.placement": "pre", "final_norm": True}, "mbart"),
         ("bart-tiny", _BART_AS_MARIAN, "marian"),  # sinusoids: Marian's
         ("t5-tiny", {}, "t5"),
+        ("m2m100-tiny", {}, "m2m_100"),
+        ("nllb-200-distilled-600m", {}, "m2m_100"),
+        ("pegasus-tiny", {}, "pegasus"),
+        # M2M100's sinusoids in Pegasus's blocks: M2M100's, as counted past the padding id
+        (
+            "pegasus-tiny",
+            {
+                "sinusoid_layout": "tensor2tensor",
+                "final_logits_bias": False,
+                "position.padding_idx": 0,
+            },
+            "m2m_100",
+        ),  # fmt: skip
+        ("pegasus-tiny", {"norm.placement": "post", "final_norm": False}, "marian"),
     ],
 )
 def test_export_picks_the_seq2seq_family_by_its_positions(preset, changes, model_type):
     """Learned positions are BART's (post-norm) or mBART's (pre-norm, final norms), split
-    sinusoids Marian's, a relative position bias T5's; each family takes only its own."""
+    sinusoids Marian's (post-norm) or Pegasus's (pre-norm, final norms), sinusoids counted
+    past the padding id (tensor2tensor's) M2M100's, a relative position bias T5's; each
+    family takes only its own."""
     assert hf_model_type(get_preset(preset).override(changes)) == model_type
 
 
@@ -843,6 +859,21 @@ def test_export_names_what_keeps_learned_positions_out_of_bart(changes, named):
     not take them either)."""
     with pytest.raises(HFCheckpointError, match=named):
         hf_model_type(get_preset("bart-tiny").override(changes))
+
+
+@pytest.mark.parametrize(
+    "preset, changes, named",
+    [
+        ("m2m100-tiny", {"position.padding_idx": None}, "M2M100 needs positions counted past"),
+        ("pegasus-tiny", {"position.padding_idx": 0}, "M2M100 needs tensor2tensor sinusoids"),
+        ("pegasus-tiny", {"sinusoid_layout": "interleaved"}, "Pegasus needs split sinusoids"),
+    ],
+)
+def test_sinusoidal_seq2seq_families_name_what_they_lack(preset, changes, named):
+    """Sinusoids counted past the padding id or tensor2tensor's go to M2M100, other
+    pre-norm sinusoids to Pegasus: each names what keeps a config out."""
+    with pytest.raises(HFCheckpointError, match=named):
+        hf_model_type(get_preset(preset).override(changes))
 
 
 @pytest.mark.parametrize(

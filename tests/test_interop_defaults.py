@@ -534,6 +534,8 @@ MINIMAL: dict[str, list[dict]] = {
         }
     ],
     "bart": [_BART],
+    "m2m_100": [_BART],
+    "pegasus": [_BART, {**_BART, "decoder_layers": 3, "scale_embedding": True}],
     # no decoder start token in MBartConfig: generate's fallback, bos_token_id
     "mbart": [_BART, {**_BART, "decoder_layers": 3, "scale_embedding": True}],
     "t5": [

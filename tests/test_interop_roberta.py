@@ -443,11 +443,11 @@ def test_export_refuses_what_roberta_cannot_hold(changes, named, tmp_path):
     "cfg, named",
     [
         ({"arch": "decoder", "position": {"padding_idx": 1}},
-         "position.padding_idx: is implemented by the encoder architecture only"),
+         "position.padding_idx: is implemented by the encoder and seq2seq architectures only"),
         ({"arch": "encoder", "vocab_size": 8, "position": {"padding_idx": 8}},
          "position.padding_idx: 8 is the padding token's id: it must be below vocab_size=8"),
         ({"arch": "encoder", "position": {"kind": "sinusoidal", "padding_idx": 1}},
-         "position.padding_idx: counts learned positions"),
+         "position.padding_idx: counts an encoder's learned positions"),
         ({"arch": "encoder", "position": {"padding_idx": -1}}, "position.padding_idx: must be"),
     ],
 )  # fmt: skip

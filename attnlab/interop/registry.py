@@ -30,6 +30,7 @@ from attnlab.interop import (
     gptj,
     granite,
     llama,
+    m2m_100,
     marian,
     mixtral,
     modernbert,
@@ -37,6 +38,7 @@ from attnlab.interop import (
     nemotron,
     olmo2,
     opt,
+    pegasus,
     persimmon,
     phi,
     phi3,
@@ -139,6 +141,12 @@ FAMILIES: tuple[Family, ...] = (
     # before Marian: it takes the encoder–decoders with learned positions, which Marian's
     # layout (sinusoids) would refuse
     bart.FAMILY,
+    # before Pegasus and Marian: it takes the encoder–decoders with M2M100's sinusoids
+    # (counted past the padding id, or tensor2tensor's frequencies), which theirs would refuse
+    m2m_100.FAMILY,
+    # before Marian: it takes the other pre-norm encoder–decoders with sinusoids, which
+    # Marian's layout (post-norm) would refuse
+    pegasus.FAMILY,
     marian.FAMILY,
     vit.FAMILY,
 )

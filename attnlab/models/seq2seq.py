@@ -8,6 +8,11 @@ BART (Lewis et al. 2020) and mBART learn P (``position.kind`` learned, its rows 
 ``position_offset`` on: transformers' offset of 2) and normalise the embedded tokens before the
 first block (``embedding_norm``); mBART's blocks are pre-norm, with a final norm per stack.
 
+M2M100 and NLLB (fairseq's) count sinusoidal positions past the padding id from the token ids
+(``position.padding_idx``: a row's first real token is at padding_idx + 1, padding adds a
+zero vector), with tensor2tensor's frequencies (``sinusoid_layout``); Pegasus adds Marian's
+split sinusoids to pre-norm blocks with a final norm per stack.
+
 T5 (Raffel et al. 2020) has no P: each stack's self-attention scores get a learned bias by
 relative position (``position.kind`` relative_bias, ``nn/position_bias.py``), and its tied
 head reads d^-1/2 h_L (``scale_decoder_output``).
@@ -46,13 +51,17 @@ from attnlab.models.inputs import check_ids, check_padding_mask, check_targets
 from attnlab.models.loadable import LoadableModel
 from attnlab.models.outputs import ModelOutput, aux_modules, finish_loss
 from attnlab.nn.block import TransformerStack
-from attnlab.nn.embedding import LearnedPositionalEmbedding, sinusoidal_table
+from attnlab.nn.embedding import (
+    LearnedPositionalEmbedding,
+    sinusoidal_table,
+    tensor2tensor_table,
+)
 from attnlab.nn.linear import Linear
 from attnlab.nn.modes import enter_eval, restore
 from attnlab.nn.norm import build_norm
 from attnlab.nn.position_bias import build_position_bias
 
-SINUSOID_LAYOUTS = ("interleaved", "split")
+SINUSOID_LAYOUTS = ("interleaved", "split", "tensor2tensor")
 
 
 @dataclass
@@ -62,7 +71,14 @@ class Seq2SeqConfig(ModelConfig):
 
     ``n_layers`` counts encoder layers, ``n_decoder_layers`` decoder layers (None: the
     same). ``sinusoid_layout``: ``interleaved`` (sin, cos pairs: Vaswani) or ``split``
-    (all sines then all cosines: transformers' Marian). ``final_norm``: a norm after each stack
+    (all sines then all cosines: transformers' Marian and Pegasus) or ``tensor2tensor`` (all
+    sines then all cosines, frequencies 10000^(-j/(d/2 - 1)): fairseq's, transformers'
+    M2M100/NLLB). ``position.padding_idx`` (sinusoidal positions only, equal to ``pad_id``):
+    positions counted from the token ids past the padding id, as M2M100's: a token's position
+    is padding_idx + 1 + the number of non-padding tokens before it in its row (under a cache:
+    those of this step plus the cached length, as transformers counts), a padding token adds a
+    zero vector, and the padding token's embedding is not trained (transformers'
+    ``padding_idx``). ``final_norm``: a norm after each stack
     (None: for pre-norm only; torch.nn.Transformer has one for post-norm too).
     ``blocked_ids``: tokens decoding never emits (Marian's ``bad_words_ids``: its pad
     token); ``renormalize_logits``: beam search renormalizes the log-probabilities once
@@ -141,6 +157,17 @@ class Seq2SeqConfig(ModelConfig):
                 f"offsets learned position tables; position.kind is {self.position.kind!r} "
                 "(set position_offset to 0)",
             )
+        pad = self.position.padding_idx
+        if pad is not None and self.position.kind != "sinusoidal":
+            _fail(at("position.padding_idx"), "counts sinusoidal positions in an encoder–"
+                  f"decoder (M2M100's); position.kind is {self.position.kind!r} (set it to "
+                  "null)")  # fmt: skip
+        if pad is not None and pad != self.pad_id:
+            _fail(at("position.padding_idx"), f"{pad} must be the padding token, pad_id="
+                  f"{self.pad_id} (positions are counted past it)")  # fmt: skip
+        if pad is not None and pad >= self.source_vocab_size:
+            _fail(at("position.padding_idx"), f"{pad} must be a source token (below "
+                  f"src_vocab_size={self.source_vocab_size})")  # fmt: skip
         if self.eos_id in self.blocked_ids:
             _fail(at("blocked_ids"), f"holds eos_id={self.eos_id}: decoding could never end")
 
@@ -168,8 +195,12 @@ class Seq2SeqModel(LoadableModel):
         cfg.validate()
         self.cfg = cfg
         d = cfg.d_model
-        self.src_emb = nn.Embedding(cfg.source_vocab_size, d)
-        self.tgt_emb = self.src_emb if cfg.share_embeddings else nn.Embedding(cfg.vocab_size, d)
+        # M2M100: the padding token's embedding is not trained (position.padding_idx)
+        pad = cfg.position.padding_idx
+        self.src_emb = nn.Embedding(cfg.source_vocab_size, d, padding_idx=pad)
+        self.tgt_emb = self.src_emb
+        if not cfg.share_embeddings:
+            self.tgt_emb = nn.Embedding(cfg.vocab_size, d, padding_idx=pad)
         self.src_pos = self.tgt_pos = None
         if cfg.position.kind == "learned":
             rows = cfg.max_seq_len + cfg.position_offset
@@ -213,6 +244,9 @@ class Seq2SeqModel(LoadableModel):
             nn.init.normal_(m.weight, std=self.cfg.init_std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+            if getattr(m, "padding_idx", None) is not None:  # padding's row starts at 0
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
         elif hasattr(m, "init_weights"):  # modules with raw parameters (MoE experts, router)
             m.init_weights(self.cfg.init_std)
 
@@ -228,14 +262,28 @@ class Seq2SeqModel(LoadableModel):
         then ``norm`` (a stack's embedding norm) where given, then dropout."""
         x = emb(ids) * self.emb_scale  # (b, t, d)
         if self.cfg.position.kind == "sinusoidal":
-            # (.., t, d) interleaved; float64 in a float64 model
-            table = sinusoidal_table(positions, self.cfg.d_model, x.dtype)
-            if self.cfg.sinusoid_layout == "split":  # [sin..., cos...]
-                table = torch.cat((table[..., 0::2], table[..., 1::2]), dim=-1)
+            # (.., t, d); float64 in a float64 model
+            if self.cfg.sinusoid_layout == "tensor2tensor":
+                table = tensor2tensor_table(positions, self.cfg.d_model, x.dtype)
+            else:
+                table = sinusoidal_table(positions, self.cfg.d_model, x.dtype)  # interleaved
+                if self.cfg.sinusoid_layout == "split":  # [sin..., cos...]
+                    table = torch.cat((table[..., 0::2], table[..., 1::2]), dim=-1)
+            pad = self.cfg.position.padding_idx
+            if pad is not None:  # padding adds nothing (its table row is zero)
+                table = table * ids.ne(pad)[..., None]
             x = x + table.to(x.dtype)
         elif pos is not None:
             x = x + pos(positions + self.cfg.position_offset)
         return self.drop(norm(x) if norm is not None else x)
+
+    def _counted_positions(self, ids: Tensor, past: int) -> Tensor:
+        """M2M100's positions (``position.padding_idx``) of ids (b, t) after ``past`` cached
+        tokens: (b, t) padding_idx + past + the count of non-padding tokens up to each one
+        in ``ids``, padding_idx at padding (transformers' create_position_ids_from_input_ids)."""
+        pad = self.cfg.position.padding_idx
+        real = ids.ne(pad).long()  # (b, t)
+        return (real.cumsum(dim=-1) + past) * real + pad
 
     def _check_length(self, n: int) -> None:
         if self.cfg.position.kind == "learned" and n > self.cfg.max_seq_len:
@@ -247,7 +295,9 @@ class Seq2SeqModel(LoadableModel):
         check_padding_mask("src_mask", src_mask, b, s)
         self._check_length(s)
         positions = torch.arange(src.shape[1], device=src.device)[None, :]
-        x = self._embed(src, self.src_emb, self.src_pos, positions, self.src_emb_norm)
+        counted = self.cfg.position.padding_idx is not None
+        at = self._counted_positions(src, 0) if counted else positions
+        x = self._embed(src, self.src_emb, self.src_pos, at, self.src_emb_norm)
         mask = real = None
         if src_mask is not None:
             mask = padding_mask(src_mask)  # (b, 1, 1, s)
@@ -272,7 +322,9 @@ class Seq2SeqModel(LoadableModel):
         b, t = check_ids("tgt", tgt)
         check_padding_mask("tgt_mask", tgt_mask, b, t)
         context_mask = padding_mask(src_mask) if src_mask is not None else None
+        past = 0
         if cache is not None:
+            past = cache.length
             n = cache.length + t  # before begin(): a Python int, no host read per step
             step = cache.begin(t)
             positions = step.positions
@@ -282,7 +334,9 @@ class Seq2SeqModel(LoadableModel):
         else:  # no host read (a graph break in compiled training)
             positions = key_positions = torch.arange(t, device=tgt.device)[None, :]
             self._check_length(t)
-        x = self._embed(tgt, self.tgt_emb, self.tgt_pos, positions, self.tgt_emb_norm)
+        counted = self.cfg.position.padding_idx is not None
+        at = self._counted_positions(tgt, past) if counted else positions
+        x = self._embed(tgt, self.tgt_emb, self.tgt_pos, at, self.tgt_emb_norm)
         real = tgt_mask.bool().expand(b, t) if tgt_mask is not None else None
         # the query's true position against every key's (a cached step: all those held)
         bias = (

@@ -67,6 +67,27 @@ def sinusoidal_table(positions: Tensor, d_model: int, dtype: torch.dtype = torch
     return table.to(dtype)
 
 
+def tensor2tensor_table(
+    positions: Tensor, d_model: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """p[i, j] = sin(i w_j), p[i, d/2 + j] = cos(i w_j), w_j = 10000^(-j / (d/2 - 1)) for
+    j < d/2: tensor2tensor's timing signal (fairseq's and transformers' M2M100/NLLB
+    sinusoids), all sines then all cosines, the last frequency exactly 1/10000.
+
+    positions (...,) -> (..., d) as :func:`sinusoidal_table` (angles in float64). ``d_model``
+    must be even and at least 4 (d/2 - 1 frequencies span the range)."""
+    _check_even(d_model)
+    if d_model < 4:
+        raise ValueError(f"tensor2tensor sinusoids need d_model >= 4, got {d_model}")
+    dtype = compute_dtype(dtype)
+    wide = angle_dtype(dtype, positions.device)
+    half = d_model // 2
+    j = torch.arange(half, dtype=wide, device=positions.device)
+    inv = torch.exp(-math.log(10000.0) * j / (half - 1))  # 10000^(-j/(d/2-1))
+    angles = positions.to(wide)[..., None] * inv  # (..., d/2)
+    return torch.cat((angles.sin(), angles.cos()), dim=-1).to(dtype)
+
+
 class SinusoidalPositionalEmbedding(nn.Module):
     """Fixed sinusoids, computed for the requested positions (no length limit, no weights)."""
 

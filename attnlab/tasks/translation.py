@@ -127,6 +127,8 @@ class NumbersTranslation(Task):
         model_cfg.vocab_size = len(tgt)
         model_cfg.src_vocab_size = len(src)
         model_cfg.pad_id, model_cfg.bos_id, model_cfg.eos_id = tgt.pad_id, tgt.bos_id, tgt.eos_id
+        if model_cfg.position.padding_idx is not None:  # M2M100's positions: past the pad
+            model_cfg.position.padding_idx = tgt.pad_id
         if getattr(model_cfg, "share_embeddings", False):
             raise ConfigError(
                 "model.share_embeddings: digits and words have their own vocabularies; set "
