@@ -240,10 +240,16 @@ def export_type(cfg: ModelConfig) -> str:
 
 
 def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
+    written = bart_style_config(cfg, model_type, dtype)
+    return {**written, "architectures": list(ARCHITECTURES[model_type][:1])}
+
+
+def bart_style_config(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dict:
+    """config.json of an encoder–decoder in BART's keys (M2M100's and Pegasus's too), all
+    but ``architectures``."""
     f = cfg.ffn.hidden_size(cfg.d_model)
     written = {
         "model_type": model_type,
-        "architectures": list(ARCHITECTURES[model_type][:1]),
         "vocab_size": cfg.vocab_size,
         "d_model": cfg.d_model,
         "encoder_layers": cfg.n_layers,

@@ -51,9 +51,7 @@ from attnlab.interop.io import (
     Source,
     Specs,
     activation,
-    dtype_entries,
     get,
-    hf_activation,
     unplan,
     unrepresentable,
 )
@@ -240,44 +238,8 @@ def export_type(cfg: ModelConfig) -> str:
     return "m2m_100"
 
 
-def prenorm_config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dict:
-    """config.json of a pre-norm encoder–decoder with final norms (BART's keys)."""
-    f = cfg.ffn.hidden_size(cfg.d_model)
-    written = {
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "d_model": cfg.d_model,
-        "encoder_layers": cfg.n_layers,
-        "decoder_layers": cfg.decoder_layers,
-        "encoder_attention_heads": cfg.n_heads,
-        "decoder_attention_heads": cfg.n_heads,
-        "encoder_ffn_dim": f,
-        "decoder_ffn_dim": f,
-        "activation_function": hf_activation(cfg.ffn.activation, TO_HF_ACTIVATIONS),
-        "max_position_embeddings": cfg.max_seq_len,
-        "scale_embedding": cfg.scale_embeddings,
-        "dropout": cfg.dropout,
-        "attention_dropout": cfg.attention.dropout,
-        "activation_dropout": 0.0,
-        "encoder_layerdrop": 0.0,
-        "decoder_layerdrop": 0.0,
-        "init_std": cfg.init_std,
-        "pad_token_id": cfg.pad_id,
-        "decoder_start_token_id": cfg.bos_id,
-        "eos_token_id": cfg.eos_id,
-        "forced_eos_token_id": marian._one_or_list(cfg.forced_eos_ids),
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "is_encoder_decoder": True,
-        **marian.generation_entries(cfg),
-        **dtype_entries(dtype),
-    }
-    if cfg.forced_bos_id is not None:
-        written["forced_bos_token_id"] = cfg.forced_bos_id
-    return written
-
-
 def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
-    written = prenorm_config_to_hf(cfg, model_type, dtype)
+    written = bart.bart_style_config(cfg, model_type, dtype)
     return {**written, "architectures": list(ARCHITECTURES["m2m_100"])}
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from attnlab.config import ModelConfig, PositionConfig
-from attnlab.interop import m2m_100
+from attnlab.interop import bart, m2m_100
 from attnlab.interop.io import Family, Plan, Source, unrepresentable
 from attnlab.models.seq2seq import Seq2SeqConfig
 from attnlab.nn.embedding import sinusoidal_table
@@ -100,7 +100,7 @@ def export_type(cfg: ModelConfig) -> str:
 
 
 def config_to_hf(cfg: Seq2SeqConfig, model_type: str, dtype: torch.dtype) -> dict[str, Any]:
-    written = m2m_100.prenorm_config_to_hf(cfg, model_type, dtype)
+    written = bart.bart_style_config(cfg, model_type, dtype)
     return {**written, "architectures": list(ARCHITECTURES["pegasus"])}
 
 
